@@ -440,32 +440,10 @@ class LoadParamsRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-    @_typing.final
-    class TransformByParamEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.str
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.str = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
     EXECUTABLE_ID_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     FORMAT_FIELD_NUMBER: _builtins.int
     NAME_MAP_FIELD_NUMBER: _builtins.int
-    KEEP_PACKED_FIELD_NUMBER: _builtins.int
-    TRANSFORM_BY_PARAM_FIELD_NUMBER: _builtins.int
     executable_id: _builtins.str
     path: _builtins.str
     """path is relative to the executor's --model-root; paths that leave the
@@ -473,20 +451,13 @@ class LoadParamsRequest(_message.Message):
     """
     format: Global___CheckpointFormat.ValueType
     """format of the file; UNSPECIFIED guesses from the file suffix."""
-    keep_packed: _builtins.bool
-    """keep_packed keeps quantized GGUF tensors as packed u8 blocks for params
-    declared as u8; otherwise tensors are dequantized to the param dtype.
-    """
     @_builtins.property
     def name_map(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """name_map maps graph param names to tensor names in the file. A param
         not in the map is looked up under its own name.
-        """
-
-    @_builtins.property
-    def transform_by_param(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """transform_by_param names a load-time transform per param:
-        "transpose" (2-D), "unpermute_q:<n_heads>", "unpermute_k:<n_kv_heads>".
+        Params declared u8 receive the packed GGUF blocks as stored; all others
+        are dequantized to the param's dtype, in Hugging Face layout (llama.cpp's
+        Q/K row permutation undone).
         """
 
     def __init__(
@@ -496,12 +467,10 @@ class LoadParamsRequest(_message.Message):
         path: _builtins.str = ...,
         format: Global___CheckpointFormat.ValueType = ...,
         name_map: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
-        keep_packed: _builtins.bool = ...,
-        transform_by_param: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["executable_id", b"executable_id", "format", b"format", "keep_packed", b"keep_packed", "name_map", b"name_map", "path", b"path", "transform_by_param", b"transform_by_param"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["executable_id", b"executable_id", "format", b"format", "name_map", b"name_map", "path", b"path"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
