@@ -1,0 +1,109 @@
+"""Typed errors shared by services and clients, and their gRPC status mapping.
+
+A service raises one of these where the problem is found; the servicer turns
+it into a status with a google.rpc.ErrorInfo (reason, domain) attached, and
+the client turns the status back into the same exception type.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+DOMAIN = "graphmesh.dev"
+
+
+class GraphmeshError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    default_reason = "INTERNAL"
+
+    def __init__(self, message: str, reason: str | None = None, metadata: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason or self.default_reason
+        self.metadata = metadata or {}
+
+    def to_status(self) -> grpc.Status:
+        info = error_details_pb2.ErrorInfo(reason=self.reason, domain=DOMAIN, metadata=self.metadata)
+        status = status_pb2.Status(code=self.code.value[0], message=self.message)
+        status.details.add().Pack(info)
+        return rpc_status.to_status(status)
+
+
+class InvalidArgument(GraphmeshError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    default_reason = "INVALID_ARGUMENT"
+
+
+class NotFound(GraphmeshError):
+    code = grpc.StatusCode.NOT_FOUND
+    default_reason = "NOT_FOUND"
+
+
+class AlreadyExists(GraphmeshError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+    default_reason = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(GraphmeshError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    default_reason = "FAILED_PRECONDITION"
+
+
+class OutOfRange(GraphmeshError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+    default_reason = "OUT_OF_RANGE"
+
+
+class PermissionDenied(GraphmeshError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+    default_reason = "PERMISSION_DENIED"
+
+
+class ResourceExhausted(GraphmeshError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    default_reason = "RESOURCE_EXHAUSTED"
+
+
+class Unauthenticated(GraphmeshError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    default_reason = "UNAUTHENTICATED"
+
+
+class Unavailable(GraphmeshError):
+    code = grpc.StatusCode.UNAVAILABLE
+    default_reason = "UNAVAILABLE"
+
+
+class DeadlineExceeded(GraphmeshError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    default_reason = "DEADLINE_EXCEEDED"
+
+
+class Internal(GraphmeshError):
+    pass
+
+
+_BY_CODE: dict[grpc.StatusCode, type[GraphmeshError]] = {
+    cls.code: cls
+    for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, OutOfRange, PermissionDenied,
+                ResourceExhausted, Unauthenticated, Unavailable, DeadlineExceeded, Internal)
+}
+
+
+def from_rpc_error(error: grpc.RpcError) -> GraphmeshError:
+    """The typed exception for a failed call, with the server's reason when it sent one."""
+    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = error.details() if isinstance(error, grpc.Call) else str(error)
+    reason, metadata = None, {}
+    status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
+    if status is not None:
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Unpack(info):
+                reason, metadata = info.reason, dict(info.metadata)
+    cls = _BY_CODE.get(code, Internal)
+    exc = cls(details or code.name, reason or code.name, metadata)
+    exc.code = code
+    return exc

@@ -1,0 +1,257 @@
+"""numpy backend: the reference. Plain kernels, one per op; f16/bf16 compute in f32."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from graphmesh import dtypes
+from graphmesh.errors import OutOfRange
+from graphmesh.ops import QUANT_BLOCKS
+from graphmesh_executor.executable import Executable, Kernel, RunContext, sample_row, uniform
+
+Array = np.ndarray
+_erf = np.frompyfunc(math.erf, 1, 1)
+_HALF = (np.dtype(np.float16), dtypes.to_numpy("bf16"))
+
+
+def _up(x: Array) -> Array:
+    return x.astype(np.float32) if x.dtype in _HALF else x
+
+
+def _elementwise(fn: Any) -> Kernel:
+    def kernel(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+        return np.asarray(fn(*(_up(x) for x in xs))).astype(xs[0].dtype, copy=False)
+    return kernel
+
+
+def _gelu(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x = _up(xs[0])
+    if a["approximate"] == "tanh":
+        y = 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    else:
+        y = 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)).astype(x.dtype))
+    return y.astype(xs[0].dtype)
+
+
+def _matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x, w = _up(xs[0]), _up(xs[1])
+    x = np.swapaxes(x, -1, -2) if a["transpose_a"] else x
+    w = np.swapaxes(w, -1, -2) if a["transpose_b"] else w
+    return np.matmul(x, w).astype(xs[0].dtype, copy=False)
+
+
+def _reduce(fn: Any) -> Kernel:
+    def kernel(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+        axes = tuple(a["axes"]) if a["axes"] else None
+        return np.asarray(fn(_up(xs[0]), axis=axes, keepdims=a["keepdims"])).astype(xs[0].dtype)
+    return kernel
+
+
+def _softmax(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x = _up(xs[0])
+    e = np.exp(x - x.max(axis=a["axis"], keepdims=True))
+    return (e / e.sum(axis=a["axis"], keepdims=True)).astype(xs[0].dtype)
+
+
+def _layer_norm(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x = _up(xs[0])
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return ((x - mu) / np.sqrt(var + a["eps"]) * _up(xs[1]) + _up(xs[2])).astype(xs[0].dtype)
+
+
+def _rms_norm(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x = _up(xs[0])
+    return (x / np.sqrt((x * x).mean(-1, keepdims=True) + a["eps"]) * _up(xs[1])).astype(xs[0].dtype)
+
+
+def _check_indices(idx: Array, bound: int, what: str) -> None:
+    if idx.size and (idx.min() < 0 or idx.max() >= bound):
+        raise OutOfRange(f"{what} index {int(idx.max()) if idx.max() >= bound else int(idx.min())} "
+                         f"outside [0, {bound})", "INDEX_OUT_OF_RANGE")
+
+
+def _gather(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    table, idx = xs
+    _check_indices(idx, table.shape[a["axis"]], "gather")
+    return np.take(table, idx, axis=a["axis"])
+
+
+def _rope(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x, pos = xs
+    rot = a["rotary_dim"] or x.shape[2]
+    inv_freq = a["theta"] ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)
+    angles = pos.astype(np.float64)[:, None, None] * inv_freq[None, None, :]  # [S, 1, rot/2]
+    cos, sin = np.cos(angles), np.sin(angles)
+    y = _up(x).astype(np.float64)
+    out = y.copy()
+    if a["style"] == "half":
+        x1, x2 = y[..., : rot // 2], y[..., rot // 2 : rot]
+        out[..., : rot // 2] = x1 * cos - x2 * sin
+        out[..., rot // 2 : rot] = x2 * cos + x1 * sin
+    else:
+        x1, x2 = y[..., 0:rot:2], y[..., 1:rot:2]
+        out[..., 0:rot:2] = x1 * cos - x2 * sin
+        out[..., 1:rot:2] = x2 * cos + x1 * sin
+    return out.astype(x.dtype)
+
+
+def _attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    q, k, v = (_up(t) for t in xs[:3])
+    sq, hq, d = q.shape
+    hkv = k.shape[1]
+    scale = a["scale"] or 1.0 / math.sqrt(d)
+    if a["causal"]:
+        pos = xs[3].astype(np.int64)
+        keys = min(k.shape[0], int(pos.max()) + 1) if pos.size else 0  # rows past every query are masked: skip them
+        k, v = k[:keys], v[:keys]
+    qg = q.reshape(sq, hkv, hq // hkv, d).transpose(1, 2, 0, 3)  # [Hkv, G, Sq, D]
+    scores = np.einsum("hgqd,khd->hgqk", qg, k) * scale
+    if a["causal"]:
+        scores = np.where(np.arange(k.shape[0])[None, :] <= pos[:, None], scores, -np.inf)
+    scores -= scores.max(-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("hgqk,khd->qhgd", p, v).reshape(sq, hq, d)
+    return out.astype(xs[0].dtype)
+
+
+def _kv_write(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    cache, rows, pos = xs
+    start = int(pos.reshape(-1)[0])
+    if start < 0 or start + rows.shape[0] > cache.shape[0]:
+        raise OutOfRange(f"kv_write of rows [{start}, {start + rows.shape[0]}) into a cache of "
+                         f"{cache.shape[0]} rows", "ROW_OUT_OF_RANGE")
+    out = cache.copy()
+    out[start : start + rows.shape[0]] = rows
+    return out
+
+
+def _top_k(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    return np.argsort(-_up(xs[0]), axis=-1, kind="stable")[..., : a["k"]].astype(np.int64)
+
+
+def _take_along_axis(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x, idx = xs
+    _check_indices(idx, x.shape[a["axis"]], "take_along_axis")
+    return np.take_along_axis(x, idx.astype(np.int64), axis=a["axis"])
+
+
+def _grouped_matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x, w, ids = _up(xs[0]), _up(xs[1]), xs[2]
+    _check_indices(ids, w.shape[0], "expert")
+    out = np.zeros((x.shape[0], w.shape[2]), x.dtype)
+    for e in np.unique(ids):
+        rows = ids == e
+        out[rows] = x[rows] @ w[e]
+    return out.astype(xs[0].dtype)
+
+
+def _argmax(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    return np.argmax(xs[0], axis=a["axis"]).astype(np.int64)
+
+
+def _sample(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    logits, temperature, top_k, top_p, seed = xs
+    t, k, p, s = float(temperature.reshape(-1)[0]), int(top_k.reshape(-1)[0]), float(top_p.reshape(-1)[0]), int(
+        seed.reshape(-1)[0])
+    return np.array([sample_row(row, t, k, p, uniform(ctx.rng, s, b)) for b, row in enumerate(logits)], np.int64)
+
+
+def dequantize(packed: Array, scheme: str, n: int, k: int) -> Array:
+    """GGUF blocks [n, k/32 * block_bytes] u8 -> f32 [n, k]."""
+    block, size = QUANT_BLOCKS[scheme]
+    b = packed.reshape(n, k // block, size)
+    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, nb, 1]
+    if scheme == "q8_0":
+        q = b[..., 2:].copy().view(np.int8).astype(np.float32)
+        return (q * d).reshape(n, k)
+    qs = b[..., -16:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # low nibbles are elements 0..15
+    if scheme == "q4_0":
+        return ((q - 8.0) * d).reshape(n, k)
+    m = b[..., 2:4].copy().view(np.float16).astype(np.float32)
+    return (q * d + m).reshape(n, k)
+
+
+def _dequant_matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    w = dequantize(xs[1], a["scheme"], a["n"], a["k"])
+    return (_up(xs[0]) @ w.T).astype(xs[0].dtype)
+
+
+def _concat(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    return np.concatenate(xs, axis=a["axis"])
+
+
+def _slice(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    index = [slice(None)] * xs[0].ndim
+    index[a["axis"]] = slice(a["start"], a["end"])
+    return xs[0][tuple(index)]
+
+
+def _pow(x: Array, y: Array) -> Array:
+    return np.power(x, y)
+
+
+KERNELS: dict[str, Kernel] = {
+    "neg": _elementwise(np.negative),
+    "exp": _elementwise(np.exp),
+    "log": _elementwise(np.log),
+    "sqrt": _elementwise(np.sqrt),
+    "rsqrt": _elementwise(lambda x: 1.0 / np.sqrt(x)),
+    "tanh": _elementwise(np.tanh),
+    "sigmoid": _elementwise(lambda x: 1.0 / (1.0 + np.exp(-x))),
+    "relu": _elementwise(lambda x: np.maximum(x, 0)),
+    "silu": _elementwise(lambda x: x / (1.0 + np.exp(-x))),
+    "gelu": _gelu,
+    "add": _elementwise(np.add),
+    "sub": _elementwise(np.subtract),
+    "mul": _elementwise(np.multiply),
+    "div": _elementwise(np.divide),
+    "pow": _elementwise(_pow),
+    "matmul": _matmul,
+    "sum": _reduce(np.sum),
+    "mean": _reduce(np.mean),
+    "max": _reduce(np.max),
+    "softmax": _softmax,
+    "layer_norm": _layer_norm,
+    "rms_norm": _rms_norm,
+    "gather": _gather,
+    "reshape": lambda ctx, xs, a: xs[0].reshape(a["shape"]),
+    "transpose": lambda ctx, xs, a: np.transpose(xs[0], a["perm"]),
+    "concat": _concat,
+    "slice": _slice,
+    "cast": lambda ctx, xs, a: xs[0].astype(dtypes.to_numpy(a["dtype"])),
+    "constant": lambda ctx, xs, a: a["value"],
+    "rope": _rope,
+    "attention": _attention,
+    "kv_write": _kv_write,
+    "top_k": _top_k,
+    "take_along_axis": _take_along_axis,
+    "grouped_matmul": _grouped_matmul,
+    "argmax": _argmax,
+    "sample": _sample,
+    "dequant_matmul": _dequant_matmul,
+}
+
+
+class NumpyExecutable(Executable[Array]):
+    backend = "numpy"
+    kernels = KERNELS
+
+    def _from_host(self, array: Array) -> Array:
+        return np.ascontiguousarray(array)
+
+    def _to_host(self, value: Array) -> Array:
+        return value
+
+    def _copy_rows(self, dst: Array, dst_start: int, src: Array, src_start: int, n: int) -> Array:
+        out = dst.copy()
+        out[dst_start : dst_start + n] = src[src_start : src_start + n]
+        return out
+
+    def _cast(self, value: Array, dtype: str) -> Array:
+        return value.astype(dtypes.to_numpy(dtype))

@@ -1,0 +1,497 @@
+"""The ExecutableGraph trait in Python, and the state every backend shares.
+
+`Executable` mirrors the seed trait method for method. It owns what is the
+same on every backend (params, handles, feeds, active extent, RNG policy,
+MoE residency accounting, the interpreter loop with buffer liveness); a
+backend subclass supplies the kernel table and host<->device conversion in
+one short file (backends/<name>_backend.py).
+
+Values inside an executable are backend-native arrays; everything crossing
+the public methods is numpy. Methods raise graphmesh.errors types, which the
+servicer maps to gRPC statuses.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, Generic, TypeVar
+
+import numpy as np
+
+from graphmesh import dtypes
+from graphmesh.dtypes import FLOAT_DTYPES
+from graphmesh.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+from graphmesh.graph import Graph, Node
+from graphmesh.ops import TensorType
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    clone: bool = True
+    moe: bool = True
+    persistent_handles: bool = True
+    resident_handles: bool = False
+    kv_resident: bool = True
+    typed_io: bool = True
+    async_pipeline: bool = False
+    active_extent: bool = False
+
+
+@dataclass(frozen=True)
+class RngOptions:
+    seed: int = 42
+    backend: str = "splitmix"  # "splitmix" | "zero"
+
+
+@dataclass
+class MoeStats:
+    resident_expert_calls: int = 0
+    offloaded_expert_calls: int = 0
+    resident_tokens: int = 0
+    offloaded_tokens: int = 0
+
+
+@dataclass
+class RunContext:
+    """What kernels may read besides their inputs."""
+
+    rng: RngOptions
+    extent: tuple[int, int] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(rng: RngOptions, seed: int, row: int) -> float:
+    """The draw of a sample op: the same on every backend for the same policy, seed and row."""
+    if rng.backend == "zero":
+        return 0.0
+    x = splitmix64(splitmix64(splitmix64(rng.seed & _MASK64) ^ (seed & _MASK64)) ^ row)
+    return (x >> 11) * 2.0**-53
+
+
+def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float, u: float) -> int:
+    """Seeded sampling of one row, in float64 so every backend picks the same token."""
+    x = logits.astype(np.float64)
+    if temperature <= 0.0:
+        return int(np.argmax(x))
+    x = x / temperature
+    order = np.argsort(-x, kind="stable")
+    if top_k > 0:
+        order = order[:top_k]
+    p = np.exp(x[order] - x[order[0]])
+    p /= p.sum()
+    if 0.0 < top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)
+        p = p[:keep] / p[:keep].sum()
+    cum = np.cumsum(p)
+    return int(order[min(int(np.searchsorted(cum, u * cum[-1], side="right")), len(cum) - 1)])
+
+
+def _convertible(have: str, want: str) -> bool:
+    if have == want:
+        return True
+    ints = ("i64", "i32")
+    return (have in FLOAT_DTYPES and want in FLOAT_DTYPES) or (have in ints and want in ints)
+
+
+def conform(array: np.ndarray, want: TensorType, what: str) -> np.ndarray:
+    """Checks an incoming array against its declared type; casts within float or within int."""
+    have = dtypes.from_numpy(array.dtype)
+    if tuple(array.shape) != want.shape:
+        raise InvalidArgument(f"{what} must have shape {list(want.shape)}, got {list(array.shape)}", "SHAPE_MISMATCH")
+    if not _convertible(have, want.dtype):
+        raise InvalidArgument(f"{what} must be {want.dtype}, got {have}", "DTYPE_MISMATCH")
+    return array if have == want.dtype else array.astype(dtypes.to_numpy(want.dtype))
+
+
+Kernel = Callable[[RunContext, list[Any], dict[str, Any]], Any]
+
+
+class Executable(Generic[T]):
+    """One compiled graph on one backend. Not thread-safe: callers serialise calls."""
+
+    backend: ClassVar[str]
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    kernels: ClassVar[dict[str, Kernel]]
+
+    def __init__(self, graph: Graph, device: str = "cpu") -> None:
+        missing = sorted({n.op for n in graph.nodes} - set(self.kernels))
+        if missing:
+            raise InvalidArgument(f"backend {self.backend} does not lower op(s) {missing}", "UNSUPPORTED_OP")
+        self.graph = graph
+        self.device = device
+        self.input_names = list(graph.inputs)
+        self.output_types = [graph.type_of(name) for name in graph.outputs]
+        self._last_use = graph.last_uses()
+        self._params: dict[str, T] = {}
+        self._handles: dict[str, T] = {}
+        self._resident: set[str] = set()
+        self._prefix_feeds: dict[str, int] = {}
+        self._row_feeds: dict[str, int] = {}
+        self._last_outputs: list[T] | None = None
+        self._extent: tuple[int, int] | None = None
+        self._rng = RngOptions()
+        self._pending = 0
+        self._moe_masks: list[list[bool]] | None = None
+        self._moe_stats = MoeStats()
+        self._topk_capture_width: int | None = None
+        self._topk_captured: list[list[int]] = []
+        self._constants = {n.name: self._from_host(n.attrs["value"]) for n in graph.nodes if n.op == "constant"}
+
+    # -- backend hooks ---------------------------------------------------------------------------------
+    def _from_host(self, array: np.ndarray) -> T:
+        raise NotImplementedError("need _from_host")
+
+    def _to_host(self, value: T) -> np.ndarray:
+        raise NotImplementedError("need _to_host")
+
+    def _zeros(self, t: TensorType) -> T:
+        return self._from_host(np.zeros(t.shape, dtypes.to_numpy(t.dtype)))
+
+    def _copy_rows(self, dst: T, dst_start: int, src: T, src_start: int, n: int) -> T:
+        """dst[dst_start:dst_start+n] = src[src_start:src_start+n] along axis 0; may update dst in place."""
+        raise NotImplementedError("need _copy_rows")
+
+    def _cast(self, value: T, dtype: str) -> T:
+        raise NotImplementedError("need _cast")
+
+    # -- params ----------------------------------------------------------------------------------------
+    def _param_type(self, name: str) -> TensorType:
+        if name not in self.graph.params:
+            raise NotFound(f"graph {self.graph.name!r} has no param {name!r}", "UNKNOWN_PARAM")
+        return self.graph.params[name]
+
+    def set_param(self, name: str, data: np.ndarray) -> None:
+        """f32 data, cast to the param's dtype (the trait's set_param)."""
+        want = self._param_type(name)
+        if want.dtype == "u8":
+            raise InvalidArgument(f"param {name!r} holds packed u8 blocks: use set_param_typed", "DTYPE_MISMATCH")
+        self._params[name] = self._from_host(conform(np.asarray(data), want, f"param {name!r}"))
+
+    def set_param_typed(self, name: str, data: np.ndarray) -> None:
+        want = self._param_type(name)
+        self._params[name] = self._from_host(conform(data, want, f"param {name!r}"))
+
+    def finalize_params(self) -> list[str]:
+        """Names of params never set; they read as zeros."""
+        return [name for name in self.graph.params if name not in self._params]
+
+    def copy_params_from(self, src: Executable[Any]) -> list[str]:
+        if type(src) is not type(self) or src.device != self.device:
+            return []
+        copied = [n for n, t in self.graph.params.items() if n in src._params and src.graph.params.get(n) == t]
+        for name in copied:
+            self._params[name] = src._params[name]  # params are never mutated in place: sharing is safe
+        return copied
+
+    def clone(self) -> Executable[T]:
+        twin = copy.copy(self)
+        twin._params = dict(self._params)
+        twin._handles = {k: self._from_host(self._to_host(v).copy()) for k, v in self._handles.items()}
+        twin._resident = set(self._resident)
+        twin._prefix_feeds = dict(self._prefix_feeds)
+        twin._row_feeds = dict(self._row_feeds)
+        twin._last_outputs = None
+        twin._moe_stats = MoeStats()
+        twin._topk_captured = []
+        return twin
+
+    # -- running ---------------------------------------------------------------------------------------
+    def _gather_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, T]:
+        for name in inputs:
+            if name not in self.graph.inputs:
+                raise NotFound(f"graph {self.graph.name!r} has no input {name!r}; inputs are {self.input_names}",
+                               "UNKNOWN_INPUT")
+        env: dict[str, T] = {}
+        for name, t in self.graph.inputs.items():
+            if name in inputs:
+                env[name] = self._from_host(conform(inputs[name], t, f"input {name!r}"))
+            elif name in self._handles:
+                env[name] = self._handles[name]
+            else:
+                env[name] = self._zeros(t)
+        return env
+
+    def _execute(self, env: dict[str, T]) -> list[T]:
+        """Interprets the plan in topological order, dropping buffers after their last reader."""
+        ctx = RunContext(self._rng, self._extent)
+        for name, t in self.graph.params.items():
+            env[name] = self._params[name] if name in self._params else self._zeros(t)
+        outputs = set(self.graph.outputs)
+        gmm_ordinal = 0
+        for i, node in enumerate(self.graph.nodes):
+            if node.op == "constant":
+                env[node.name] = self._constants[node.name]
+            else:
+                env[node.name] = self.kernels[node.op](ctx, [env[n] for n in node.inputs], node.attrs)
+            if node.op == "top_k" and self._topk_capture_width == self.graph.type_of(node.inputs[0]).shape[-1]:
+                self._topk_captured.append([int(v) for v in self._to_host(env[node.name]).reshape(-1)])
+            if node.op == "grouped_matmul":
+                self._count_experts(gmm_ordinal, self._to_host(env[node.inputs[2]]))
+                gmm_ordinal += 1
+            for name in node.inputs:
+                if self._last_use.get(name) == i and name not in outputs and name not in self.graph.params:
+                    env.pop(name, None)
+        return [env[name] for name in self.graph.outputs]
+
+    def run(self, inputs: dict[str, np.ndarray], read_indices: Sequence[int] | None = None,
+            typed: bool = False, extent: tuple[int, int] | None = None) -> list[np.ndarray]:
+        """Runs once; returns the outputs at read_indices (all when None), f32 unless typed."""
+        indices = list(range(len(self.graph.outputs))) if not read_indices else list(read_indices)
+        for i in indices:
+            if not 0 <= i < len(self.graph.outputs):
+                raise OutOfRange(f"output index {i} out of range: the graph has {len(self.graph.outputs)} outputs",
+                                 "OUTPUT_INDEX_OUT_OF_RANGE")
+        env = self._gather_inputs(inputs)
+        saved = self._extent
+        if extent is not None:
+            self.set_active_extent(extent)
+        try:
+            outs = self._execute(env)
+        finally:
+            self._extent = saved
+        self._last_outputs = outs
+        for handle, index in self._prefix_feeds.items():
+            self._handles[handle] = outs[index]
+        return [self.read_output(i, typed) for i in indices]
+
+    def read_output(self, index: int, typed: bool = False) -> np.ndarray:
+        if self._last_outputs is None:
+            raise FailedPrecondition("no run has happened yet on this executable", "NO_OUTPUTS")
+        if not 0 <= index < len(self._last_outputs):
+            raise OutOfRange(f"output index {index} out of range ({len(self._last_outputs)} outputs)",
+                             "OUTPUT_INDEX_OUT_OF_RANGE")
+        out = self._to_host(self._last_outputs[index])
+        return out if typed else out.astype(np.float32, copy=False)
+
+    def run_slots(self, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        if len(inputs) > len(self.input_names):
+            raise InvalidArgument(f"{len(inputs)} slot inputs for a graph of {len(self.input_names)} inputs",
+                                  "TOO_MANY_INPUTS")
+        return self.run(dict(zip(self.input_names, inputs)))
+
+    def read_output_row(self, index: int, row: int, row_inner: int) -> np.ndarray:
+        out = self.read_output(index).reshape(-1)
+        if row_inner <= 0 or row < 0 or (row + 1) * row_inner > out.size:
+            raise OutOfRange(f"row {row} of width {row_inner} is outside output {index} ({out.size} elements)",
+                             "ROW_OUT_OF_RANGE")
+        return out[row * row_inner:(row + 1) * row_inner].copy()
+
+    def commit_no_wait(self, inputs: dict[str, np.ndarray]) -> None:
+        self.run(inputs, read_indices=[0])
+        self._pending += 1
+
+    def sync_pending(self) -> int:
+        done, self._pending = self._pending, 0
+        return done
+
+    def run_pipelined(self, input_sets: Sequence[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+        return [self.run(inputs) for inputs in input_sets]
+
+    def set_active_extent(self, extent: tuple[int, int] | None) -> bool:
+        if extent is not None:
+            actual, upper = extent
+            if not 1 <= actual <= upper:
+                raise InvalidArgument(f"active extent ({actual}, {upper}) must satisfy 1 <= actual <= upper",
+                                      "BAD_EXTENT")
+        self._extent = extent
+        return self.capabilities.active_extent
+
+    def set_rng(self, rng: RngOptions) -> None:
+        if rng.backend not in ("splitmix", "zero"):
+            raise InvalidArgument(f"unknown rng backend {rng.backend!r}", "BAD_RNG")
+        self._rng = rng
+
+    def rng(self) -> RngOptions:
+        return self._rng
+
+    # -- handles ---------------------------------------------------------------------------------------
+    def _handle_type(self, name: str) -> TensorType:
+        if name not in self.graph.inputs:
+            raise NotFound(f"handle {name!r} is not an input of graph {self.graph.name!r}", "UNKNOWN_HANDLE")
+        return self.graph.inputs[name]
+
+    def bind_handle(self, name: str, data: np.ndarray, resident: bool = False) -> bool:
+        value = self._from_host(conform(data, self._handle_type(name), f"handle {name!r}"))
+        self._handles[name] = value
+        (self._resident.add if resident else self._resident.discard)(name)
+        return True
+
+    def _bound(self, name: str) -> T:
+        self._handle_type(name)
+        if name not in self._handles:
+            raise NotFound(f"handle {name!r} is not bound", "UNBOUND_HANDLE")
+        return self._handles[name]
+
+    def read_handle(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        value = self._to_host(self._bound(name))
+        if rows is None:
+            return value
+        start, end = rows
+        if not 0 <= start <= end <= (value.shape[0] if value.ndim else 0):
+            raise OutOfRange(f"rows [{start}, {end}) outside handle {name!r} of {value.shape[0]} rows",
+                             "ROW_OUT_OF_RANGE")
+        return value[start:end]
+
+    def write_handle_rows(self, name: str, start: int, rows: np.ndarray) -> bool:
+        t = self._handle_type(name)
+        if name not in self._handles:
+            self._handles[name] = self._zeros(t)
+        if not t.shape or rows.ndim != len(t.shape) or tuple(rows.shape[1:]) != t.shape[1:]:
+            raise InvalidArgument(f"rows of shape {list(rows.shape)} do not fit handle {name!r} {t}", "SHAPE_MISMATCH")
+        if start < 0 or start + rows.shape[0] > t.shape[0]:
+            raise OutOfRange(f"rows [{start}, {start + rows.shape[0]}) outside handle {name!r} of {t.shape[0]} rows",
+                             "ROW_OUT_OF_RANGE")
+        row_type = replace(t, shape=tuple(rows.shape))
+        src = self._from_host(conform(rows, row_type, f"rows for {name!r}"))
+        self._handles[name] = self._copy_rows(self._handles[name], start, src, 0, rows.shape[0])
+        return True
+
+    def has_handle(self, name: str) -> tuple[bool, bool]:
+        return name in self._handles, name in self._resident
+
+    def _check_feed(self, handle: str, output_index: int, rows_only: bool) -> None:
+        t = self._handle_type(handle)
+        if not 0 <= output_index < len(self.output_types):
+            raise OutOfRange(f"output index {output_index} out of range ({len(self.output_types)} outputs)",
+                             "OUTPUT_INDEX_OUT_OF_RANGE")
+        out = self.output_types[output_index]
+        if out.dtype != t.dtype or (not rows_only and out.shape != t.shape):
+            raise InvalidArgument(f"output {output_index} {out} cannot feed handle {handle!r} {t}", "SHAPE_MISMATCH")
+
+    def set_handle_feed(self, handle: str, output_index: int) -> bool:
+        self._check_feed(handle, output_index, rows_only=False)
+        self._prefix_feeds[handle] = output_index
+        self._resident.add(handle)
+        return True
+
+    def register_kv_row_feed(self, handle: str, output_index: int) -> bool:
+        self._check_feed(handle, output_index, rows_only=True)
+        self._prefix_feeds.pop(handle, None)
+        self._row_feeds[handle] = output_index
+        return True
+
+    def feed_kv_row(self, src_row: int, dst_row: int, row_elems: int) -> bool:
+        """Folds row src_row of each fed output into row dst_row of its handle, all or nothing."""
+        if self._last_outputs is None:
+            raise FailedPrecondition("feed_kv_row before any run", "NO_OUTPUTS")
+        if row_elems <= 0:
+            raise InvalidArgument(f"row_elems must be positive, got {row_elems}", "BAD_ROW")
+        plan = []
+        for handle, index in self._row_feeds.items():
+            t = self.graph.inputs[handle]
+            out_rows = int(np.prod(self.output_types[index].shape)) // row_elems
+            handle_rows = int(np.prod(t.shape)) // row_elems
+            if not 0 <= src_row < out_rows or not 0 <= dst_row < handle_rows:
+                raise OutOfRange(f"feed of row {src_row} into row {dst_row} of {handle!r}: output has {out_rows} "
+                                 f"rows and the handle {handle_rows} of {row_elems} elements", "ROW_OUT_OF_RANGE")
+            plan.append((handle, index, t))
+        for handle, index, t in plan:
+            if handle not in self._handles:
+                self._handles[handle] = self._zeros(t)
+            row = self._to_host(self._last_outputs[index]).reshape(-1, row_elems)[src_row:src_row + 1]
+            current = self._to_host(self._handles[handle]).reshape(-1, row_elems).copy()
+            current[dst_row] = row[0]
+            self._handles[handle] = self._from_host(current.reshape(t.shape))
+            self._resident.add(handle)
+        return True
+
+    def copy_resident_kv_rows_from(self, src: Executable[Any], from_row: int, to_row: int, outgoing_upper: int,
+                                   kv_dim: int, n_layers: int) -> bool:
+        """Copies rows [from_row, to_row) of past_k_{i}/past_v_{i} from src; rows from to_row on are zeroed."""
+        if from_row >= to_row or n_layers == 0 or kv_dim == 0:
+            return True
+        if type(src) is not type(self) or src.device != self.device:
+            return False
+        if from_row < 0:
+            raise OutOfRange(f"from_row {from_row} is negative", "ROW_OUT_OF_RANGE")
+        staged: dict[str, np.ndarray] = {}
+        for i in range(n_layers):
+            for j, kind in enumerate(("k", "v")):
+                name = f"past_{kind}_{i}"
+                t = self._handle_type(name)
+                dst_rows = int(np.prod(t.shape)) // kv_dim
+                if to_row > dst_rows:
+                    raise OutOfRange(f"rows up to {to_row} do not fit {name!r} of {dst_rows} rows", "ROW_OUT_OF_RANGE")
+                source = src._to_host(src._bound(name)).reshape(-1, kv_dim)
+                out = np.zeros((dst_rows, kv_dim), dtypes.to_numpy(t.dtype))
+                if name in self._handles:
+                    out[:from_row] = self._to_host(self._handles[name]).reshape(-1, kv_dim)[:from_row]
+                direct = min(to_row, source.shape[0])
+                out[from_row:direct] = source[from_row:direct]
+                for g in range(max(direct, from_row), to_row):
+                    if g != outgoing_upper or src._last_outputs is None:
+                        raise OutOfRange(f"row {g} is outside the source's {name!r} ({source.shape[0]} rows)",
+                                         "ROW_OUT_OF_RANGE")
+                    out[g] = src._to_host(src._last_outputs[1 + 2 * i + j]).reshape(-1, kv_dim)[g]
+                staged[name] = out.reshape(t.shape)
+        for name, value in staged.items():
+            self._handles[name] = self._from_host(value)
+            self._resident.add(name)
+        return True
+
+    def seed_resident_kv_prefix_from(self, src: Executable[Any], prefix_tokens: int, outgoing_upper: int,
+                                     kv_dim: int, n_layers: int) -> bool:
+        return self.copy_resident_kv_rows_from(src, 0, prefix_tokens, outgoing_upper, kv_dim, n_layers)
+
+    # -- MoE -------------------------------------------------------------------------------------------
+    def _moe_layers(self) -> list[Node]:
+        return [n for n in self.graph.nodes if n.op == "grouped_matmul"][::3]
+
+    def _num_experts(self) -> int:
+        layers = self._moe_layers()
+        return self.graph.type_of(layers[0].inputs[1]).shape[0] if layers else 0
+
+    def set_moe_resident_experts(self, mask: Sequence[bool]) -> bool:
+        n_layers, n_experts = len(self._moe_layers()), self._num_experts()
+        if len(mask) != n_experts:
+            raise InvalidArgument(f"residency mask has {len(mask)} entries; the graph has {n_experts} experts",
+                                  "BAD_MASK")
+        self._moe_masks = [list(mask)] * n_layers
+        return True
+
+    def set_moe_resident_experts_per_layer(self, masks: Sequence[Sequence[bool]]) -> bool:
+        n_layers, n_experts = len(self._moe_layers()), self._num_experts()
+        if len(masks) != n_layers or any(len(m) != n_experts for m in masks):
+            raise InvalidArgument(f"per-layer masks must be {n_layers} x {n_experts}, got "
+                                  f"{len(masks)} x {[len(m) for m in masks]}", "BAD_MASK")
+        self._moe_masks = [list(m) for m in masks]
+        return True
+
+    def _count_experts(self, ordinal: int, ids: np.ndarray) -> None:
+        layer = ordinal // 3
+        mask = self._moe_masks[layer] if self._moe_masks and layer < len(self._moe_masks) else None
+        experts, tokens = np.unique(ids.reshape(-1), return_counts=True)
+        for e, n in zip(experts.tolist(), tokens.tolist()):
+            if mask is None or (0 <= e < len(mask) and mask[e]):
+                self._moe_stats.resident_expert_calls += 1
+                self._moe_stats.resident_tokens += n
+            else:
+                self._moe_stats.offloaded_expert_calls += 1
+                self._moe_stats.offloaded_tokens += n
+
+    def enable_moe_topk_capture(self, num_experts: int) -> bool:
+        self._topk_capture_width = num_experts
+        return True
+
+    def take_moe_topk_capture(self) -> list[list[int]] | None:
+        captured, self._topk_captured = self._topk_captured, []
+        return captured or None
+
+    def take_moe_residency_stats(self) -> MoeStats:
+        stats, self._moe_stats = self._moe_stats, MoeStats()
+        return stats
+
