@@ -96,7 +96,8 @@ def from_rpc_error(error: grpc.RpcError) -> GraphmeshError:
     """The typed exception for a failed call, with the server's reason when it sent one."""
     code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = error.details() if isinstance(error, grpc.Call) else str(error)
-    reason, metadata = None, {}
+    reason: str | None = None
+    metadata: dict[str, str] = {}
     status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
     if status is not None:
         for detail in status.details:

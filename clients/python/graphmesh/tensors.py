@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import numpy as np
-
 from graphmesh import dtypes
 from graphmesh.v1 import tensor_pb2
 
@@ -60,17 +59,17 @@ def from_proto(tensor: tensor_pb2.Tensor) -> np.ndarray:
 def to_chunks(name: str, array: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
     """Yields the tensor as chunks; the first one carries name, dtype and shape."""
     dtype = dtypes.from_numpy(array.dtype)
-    view = memoryview(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).reshape(-1).view(np.uint8))
+    view = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).reshape(-1).view(np.uint8)
     total = len(view)
     offset = 0
     while True:
         end = min(offset + chunk_bytes, total)
         if offset == 0:
             yield tensor_pb2.TensorChunk(
-                name=name, dtype=dtypes.to_proto(dtype), shape=array.shape, offset_bytes=0, data=bytes(view[0:end])
+                name=name, dtype=dtypes.to_proto(dtype), shape=array.shape, offset_bytes=0, data=view[0:end].tobytes()
             )
         else:
-            yield tensor_pb2.TensorChunk(offset_bytes=offset, data=bytes(view[offset:end]))
+            yield tensor_pb2.TensorChunk(offset_bytes=offset, data=view[offset:end].tobytes())
         offset = end
         if offset >= total:
             return

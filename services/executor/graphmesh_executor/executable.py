@@ -19,7 +19,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
-
 from graphmesh import dtypes
 from graphmesh.dtypes import FLOAT_DTYPES
 from graphmesh.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange

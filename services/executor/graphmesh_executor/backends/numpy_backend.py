@@ -6,10 +6,10 @@ import math
 from typing import Any
 
 import numpy as np
-
 from graphmesh import dtypes
 from graphmesh.errors import OutOfRange
 from graphmesh.ops import QUANT_BLOCKS
+
 from graphmesh_executor.executable import Executable, Kernel, RunContext, sample_row, uniform
 
 Array = np.ndarray
@@ -32,7 +32,7 @@ def _gelu(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     if a["approximate"] == "tanh":
         y = 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
     else:
-        y = 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)).astype(x.dtype))
+        y = 0.5 * x * (1.0 + np.asarray(_erf(x / math.sqrt(2.0))).astype(x.dtype))
     return y.astype(xs[0].dtype)
 
 
