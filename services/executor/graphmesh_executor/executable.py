@@ -359,6 +359,18 @@ class Executable(Generic[T]):
         self._handles[name] = self._copy_rows(self._handles[name], start, src, 0, rows.shape[0])
         return True
 
+    def swap_handles(self, handles: dict[str, T]) -> dict[str, T]:
+        """Installs another handle set and returns the current one, in O(1).
+
+        The stage runtime keeps each session's KV handles outside the executable and swaps them in
+        for a run, so one compiled executable per shape serves every session without copying KV.
+        """
+        previous, self._handles = self._handles, handles
+        return previous
+
+    def zeros_like_input(self, name: str) -> T:
+        return self._zeros(self._handle_type(name))
+
     def has_handle(self, name: str) -> tuple[bool, bool]:
         return name in self._handles, name in self._resident
 
