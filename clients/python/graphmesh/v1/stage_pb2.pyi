@@ -367,13 +367,14 @@ class ExecuteGroupRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
-    PASS_FIELD_NUMBER: _builtins.int
+    EXPERT_PASS_FIELD_NUMBER: _builtins.int
     COMMIT_EPOCH_FIELD_NUMBER: _builtins.int
     START_POSITION_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
     BOUNDARY_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    expert_pass: Global___ExpertPass.ValueType
     commit_epoch: _builtins.int
     """commit_epoch, when non-zero, is an earlier epoch of this session to
     commit before beginning `header.epoch` (a folded Commit).
@@ -399,6 +400,7 @@ class ExecuteGroupRequest(_message.Message):
         self,
         *,
         header: Global___FencingHeader | None = ...,
+        expert_pass: Global___ExpertPass.ValueType = ...,
         commit_epoch: _builtins.int = ...,
         start_position: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
@@ -408,7 +410,7 @@ class ExecuteGroupRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_timeout_ms", b"boundary_timeout_ms", "commit_epoch", b"commit_epoch", "header", b"header", "output", b"output", "pass", b"pass", "sampling", b"sampling", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_timeout_ms", b"boundary_timeout_ms", "commit_epoch", b"commit_epoch", "expert_pass", b"expert_pass", "header", b"header", "output", b"output", "sampling", b"sampling", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

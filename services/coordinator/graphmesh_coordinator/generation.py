@@ -1,0 +1,138 @@
+"""Sessions: a prefill invocation, then one decode invocation per token, streamed as they come.
+
+Each invocation is numbered by the session's commit epoch; epoch e's commit is folded into epoch
+e+1's ExecuteGroup. Sampling is seeded per session and token position, so any replay of an epoch
+gives the same token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from graphmesh import tensors
+from graphmesh.errors import InvalidArgument
+from graphmesh.tokenizer import Tokenizer
+from graphmesh.v1 import stage_pb2
+from graphmesh_coordinator.pipeline import Mesh
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class Event:
+    token_ids: list[int]
+    text: str
+    finish_reason: str = ""  # "", "length", "eos", "stop"
+    ttft_ms: float = 0.0
+    prefill_computed_tokens: int = 0
+
+
+@dataclass
+class SessionInfo:
+    session_id: str
+    tokens: int = 0
+    epoch: int = 0
+
+
+@dataclass
+class Detokenizer:
+    """Emits text only once it is final: a token that ends inside a UTF-8 sequence waits for the next."""
+
+    tokenizer: Tokenizer
+    ids: list[int] = field(default_factory=list)
+    emitted: str = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.emitted = text[len(self.emitted):], text
+        return new
+
+
+def validate(request: GenerationRequest, context_tokens: int) -> None:
+    if not request.prompt_ids:
+        raise InvalidArgument("the prompt is empty", "EMPTY_PROMPT")
+    if request.max_tokens <= 0:
+        raise InvalidArgument(f"max_tokens must be >= 1, got {request.max_tokens}", "BAD_MAX_TOKENS")
+    if len(request.prompt_ids) >= context_tokens:
+        raise InvalidArgument(f"the prompt has {len(request.prompt_ids)} tokens; the context holds {context_tokens}",
+                              "PROMPT_TOO_LONG")
+    if request.temperature < 0 or request.top_k < 0 or not 0.0 <= request.top_p <= 1.0:
+        raise InvalidArgument(f"bad sampling: temperature {request.temperature} (>= 0), top_k {request.top_k} (>= 0), "
+                              f"top_p {request.top_p} (in [0, 1])", "BAD_SAMPLING")
+
+
+class Generator:
+    def __init__(self, mesh: Mesh, tokenizer: Tokenizer, eos_token_ids: Sequence[int], context_tokens: int) -> None:
+        self.mesh, self.tokenizer = mesh, tokenizer
+        self.eos = set(eos_token_ids)
+        self.context_tokens = context_tokens
+        self.sessions: dict[str, SessionInfo] = {}
+        self._lock = threading.Lock()
+
+    def generate(self, request: GenerationRequest, session_id: str = "") -> Iterator[Event]:
+        validate(request, self.context_tokens)
+        session = SessionInfo(session_id or uuid.uuid4().hex)
+        with self._lock:
+            self.sessions[session.session_id] = session
+        sampling = stage_pb2.SamplingParams(temperature=request.temperature, top_k=request.top_k,
+                                            top_p=request.top_p, seed=request.seed)
+        detok = Detokenizer(self.tokenizer)
+        t0 = time.perf_counter()
+        completion = ""
+        budget = min(request.max_tokens, self.context_tokens - len(request.prompt_ids))
+        try:
+            pending = list(request.prompt_ids)
+            for step in range(budget):
+                epoch = session.epoch + 1
+                reply = self.mesh.invoke(session.session_id, epoch, session.epoch, session.tokens, pending, sampling,
+                                         stage_pb2.OUTPUT_KIND_TOKEN)
+                session.tokens, session.epoch = session.tokens + len(pending), epoch
+                token = int(reply.token)
+                pending = [token]
+                first = step == 0
+                extra = {"ttft_ms": (time.perf_counter() - t0) * 1000.0,
+                         "prefill_computed_tokens": int(reply.computed_tokens)} if first else {}
+                if token in self.eos and not request.ignore_eos:
+                    yield Event([token], "", "eos", **extra)
+                    return
+                text = detok.push(token)
+                completion += text
+                hit = next((s for s in request.stop if s in completion), None)
+                if hit is not None:
+                    cut = completion.index(hit)
+                    yield Event([token], text[: max(0, len(text) - (len(completion) - cut))], "stop", **extra)
+                    return
+                yield Event([token], text, "length" if step == budget - 1 else "", **extra)
+        finally:
+            with self._lock:
+                self.sessions.pop(session.session_id, None)
+            self.mesh.release(session.session_id)
+
+    def logits(self, token_ids: list[int]) -> np.ndarray:
+        validate(GenerationRequest(token_ids, 1), self.context_tokens)
+        session_id = uuid.uuid4().hex
+        try:
+            reply = self.mesh.invoke(session_id, 1, 0, 0, token_ids, stage_pb2.SamplingParams(),
+                                     stage_pb2.OUTPUT_KIND_LOGITS)
+        finally:
+            self.mesh.release(session_id)
+        return tensors.from_proto(reply.logits)

@@ -1,0 +1,219 @@
+"""The invocation driver: the roster of ranks, Install, and one invocation over every rank.
+
+Per invocation the coordinator sends ExecuteGroup to every rank at once. Ranks begin the epoch (after
+committing the previous one, folded in), the first stage embeds the tokens, each stage pushes its
+boundary straight to the next executor (the coordinator never relays activations), and the last stage
+returns the sampled token or the logits. One invocation costs one round trip from the coordinator plus
+one push per stage boundary.
+
+Failures are classified where they happen: ARCH (deterministic, nothing left the rank) rolls every
+rank back and is raised to the caller; COMM / CONTRACT fence the incarnation on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
+from graphmesh.models.config import ModelConfig
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh_coordinator.planner import StagePlan, plan
+from graphmesh_coordinator.state import Decision, DurableState
+
+log = logging.getLogger("graphmesh.coordinator")
+
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+_COMM_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+               grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+class InvocationFailed(Exception):
+    """An invocation failed on some rank; `error_class` says what that means."""
+
+    def __init__(self, error_class: str, rank: int, cause: GraphmeshError) -> None:
+        super().__init__(f"rank {rank}: {cause.message}")
+        self.error_class, self.rank, self.cause = error_class, rank, cause
+
+
+def classify(error: GraphmeshError) -> str:
+    if "error_class" in error.metadata:
+        return error.metadata["error_class"]
+    return "COMM" if error.code in _COMM_CODES else "ARCH"
+
+
+@dataclass
+class Rank:
+    plan: StagePlan
+    stub: stage_pb2_grpc.StageServiceStub
+    backend: str = ""
+    device: str = ""
+    param_bytes: int = 0
+    healthy: bool = True
+
+
+class Mesh:
+    def __init__(self, model: str, config: ModelConfig, addresses: Sequence[str], state: DurableState,
+                 split: Sequence[int] | None = None, weights: str = "f32", rpc_timeout_s: float = 60.0,
+                 install_timeout_s: float = 600.0, max_context_tokens: int = 0) -> None:
+        self.model, self.config, self.state = model, config, state
+        self.addresses = list(addresses)
+        self.split = list(split) if split else None
+        self.weights, self.max_context_tokens = weights, max_context_tokens
+        self.rpc_timeout_s, self.install_timeout_s = rpc_timeout_s, install_timeout_s
+        self.channels = {a: grpc.insecure_channel(a, options=_CHANNEL_OPTIONS) for a in self.addresses}
+        self.ranks: list[Rank] = []
+        self.incarnation = 0
+        self.recoveries = 0
+        self.ready = False
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        """Issues a new incarnation and installs the plan on every executor (they load their own weights)."""
+        with self._lock:
+            incarnation = self.state.next_incarnation()
+            stages = plan(self.config, self.addresses, self.split)
+            ranks = [Rank(p, stage_pb2_grpc.StageServiceStub(self.channels[p.address])) for p in stages]
+            t0 = time.perf_counter()
+            log.info("installing", extra={"incarnation": incarnation, "ranks": len(ranks),
+                                          "layers": [(p.layer_start, p.layer_end) for p in stages]})
+            calls = []
+            for rank in ranks:
+                p = rank.plan
+                spec = stage_pb2.StageSpec(model=self.model, layer_start=p.layer_start, layer_end=p.layer_end,
+                                           first=p.rank == 0, last=p.rank == len(ranks) - 1,
+                                           next_address=stages[p.rank + 1].address if p.rank + 1 < len(ranks) else "",
+                                           weights=self.weights, max_context_tokens=self.max_context_tokens)
+                request = stage_pb2.InstallRequest(incarnation=incarnation, rank=p.rank, world_size=len(ranks), stage=spec)
+                calls.append(rank.stub.Install.future(request, timeout=self.install_timeout_s))
+            for rank, call in zip(ranks, calls):
+                try:
+                    reply = call.result()
+                except grpc.RpcError as e:
+                    rank.healthy = False
+                    error = from_rpc_error(e)
+                    raise Unavailable(f"executor {rank.plan.address} (rank {rank.plan.rank}) failed to install: "
+                                      f"{error.message}", "INSTALL_FAILED") from e
+                rank.backend, rank.device, rank.param_bytes = reply.backend, reply.device, reply.param_bytes
+            self.ranks, self.incarnation, self.ready = ranks, incarnation, True
+            log.info("installed", extra={"incarnation": incarnation, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+
+    def invoke(self, session_id: str, epoch: int, commit_epoch: int, start: int, token_ids: Sequence[int],
+               sampling: stage_pb2.SamplingParams, output: stage_pb2.OutputKind.ValueType
+               ) -> stage_pb2.ExecuteGroupResponse:
+        """Runs one invocation on every rank and returns the last stage's answer."""
+        ranks, incarnation = self.ranks, self.incarnation
+        header = stage_pb2.FencingHeader(incarnation=incarnation, session_id=session_id, epoch=epoch)
+        timeout_ms = int(self.rpc_timeout_s * 1000)
+        request = stage_pb2.ExecuteGroupRequest(header=header, expert_pass=stage_pb2.EXPERT_PASS_PREFILL if len(token_ids) > 1
+                                                else stage_pb2.EXPERT_PASS_DECODE, commit_epoch=commit_epoch,
+                                                start_position=start, token_ids=token_ids, sampling=sampling,
+                                                output=output, boundary_timeout_ms=timeout_ms)
+        calls = [r.stub.ExecuteGroup.future(request, timeout=self.rpc_timeout_s + 5.0) for r in reversed(ranks)]
+        calls.reverse()
+        failures: list[InvocationFailed] = []
+        replies: list[stage_pb2.ExecuteGroupResponse] = []
+        for rank, call in zip(ranks, calls):
+            try:
+                replies.append(call.result())
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                failures.append(InvocationFailed(classify(error), rank.plan.rank, error))
+                if classify(error) == "ARCH":
+                    self._abort_all(ranks, header)  # wakes ranks still waiting for a boundary that won't come
+        if not failures:
+            if commit_epoch:
+                self.state.record(Decision(session_id, commit_epoch, "COMMITTED"))
+            return replies[-1]
+        first = min(failures, key=lambda f: (f.error_class == "ARCH", f.rank))  # COMM outranks ARCH
+        if first.error_class == "ARCH":
+            self._abort_all(ranks, header)
+            self.state.record(Decision(session_id, epoch, "ABORTED"))
+        else:
+            self.fence(incarnation, f"{first.error_class} on rank {first.rank}: {first.cause.message}")
+        raise first
+
+    def _abort_all(self, ranks: Sequence[Rank], header: stage_pb2.FencingHeader) -> None:
+        calls = [r.stub.Abort.future(stage_pb2.AbortRequest(header=header), timeout=self.rpc_timeout_s) for r in ranks]
+        for call in calls:
+            try:
+                call.result()
+            except grpc.RpcError:
+                pass  # a rank that cannot abort is handled by the fence of a later COMM failure
+
+    def fence(self, incarnation: int, reason: str) -> None:
+        """Poisons `incarnation` on every executor that answers."""
+        log.warning("fencing", extra={"incarnation": incarnation, "reason": reason})
+        with self._lock:
+            self.ready = False
+        calls = [(a, stage_pb2_grpc.StageServiceStub(ch).Fence.future(
+            stage_pb2.FenceRequest(incarnation=incarnation, reason=reason), timeout=5.0))
+            for a, ch in self.channels.items()]
+        for address, call in calls:
+            try:
+                call.result()
+            except grpc.RpcError:
+                for rank in self.ranks:
+                    if rank.plan.address == address:
+                        rank.healthy = False
+
+    def commit(self, session_id: str, epoch: int) -> None:
+        header = stage_pb2.FencingHeader(incarnation=self.incarnation, session_id=session_id, epoch=epoch)
+        self._each(lambda r: r.stub.Commit.future(stage_pb2.CommitRequest(header=header), timeout=self.rpc_timeout_s))
+        self.state.record(Decision(session_id, epoch, "COMMITTED"))
+
+    def release(self, session_id: str) -> None:
+        header = stage_pb2.FencingHeader(incarnation=self.incarnation, session_id=session_id)
+        try:
+            self._each(lambda r: r.stub.ReleaseSession.future(stage_pb2.ReleaseSessionRequest(header=header),
+                                                               timeout=self.rpc_timeout_s))
+        except grpc.RpcError:
+            pass  # a fenced or dead rank has dropped the session already
+
+    def _each(self, send: Callable[[Rank], grpc.Future]) -> None:
+        calls = [send(r) for r in self.ranks]
+        for call in calls:
+            call.result()
+
+    def stage_statuses(self) -> list[stage_pb2.StageStatusResponse | None]:
+        out: list[stage_pb2.StageStatusResponse | None] = []
+        for rank in self.ranks:
+            try:
+                out.append(rank.stub.Status(stage_pb2.StageStatusRequest(), timeout=5.0))
+            except grpc.RpcError:
+                out.append(None)
+        return out
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+
+
+def wait_for_executors(addresses: Sequence[str], timeout_s: float) -> None:
+    """Waits until every executor answers its health check, or fails naming the ones that don't."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(addresses)
+    with futures.ThreadPoolExecutor(max(1, len(pending))) as pool:
+        while pending:
+            def ok(address: str) -> bool:
+                with grpc.insecure_channel(address) as channel:
+                    try:
+                        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+                    except grpc.RpcError:
+                        return False
+            results = list(pool.map(ok, pending))
+            pending = [a for a, good in zip(pending, results) if not good]
+            if pending and time.monotonic() > deadline:
+                raise Unavailable(f"executor(s) {', '.join(pending)} did not answer within {timeout_s:.0f} s",
+                                  "EXECUTOR_UNREACHABLE")
+            if pending:
+                time.sleep(0.2)

@@ -1,0 +1,109 @@
+"""graphmesh-coordinator: plans the partition, installs it, serves generation."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from graphmesh import logs
+from graphmesh.bundled import resolve_model
+from graphmesh.checkpoints import open_checkpoint
+from graphmesh.errors import InvalidArgument
+from graphmesh.tokenizer import Tokenizer
+from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from graphmesh_coordinator.generation import Generator
+from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
+from graphmesh_coordinator.servicer import CoordinatorServicer
+from graphmesh_coordinator.state import DurableState
+
+log = logging.getLogger("graphmesh.coordinator")
+
+
+@dataclass
+class CoordinatorConfig:
+    listen: str
+    executors: list[str]
+    model: str = "smollm2-135m"
+    state_dir: str = "./coordinator-state"
+    kvstore: str = ""
+    split: list[int] = field(default_factory=list)
+    weights: str = "f32"
+    startup_timeout_s: float = 60.0
+    rpc_timeout_s: float = 60.0
+    max_context_tokens: int = 0
+
+
+def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
+    """Starts serving health at once (NOT_SERVING), installs the mesh, then turns SERVING."""
+    if not config.executors:
+        raise InvalidArgument("--executors lists no executor", "NO_EXECUTORS")
+    path = resolve_model(config.model)
+    ckpt = open_checkpoint(path)
+    if ckpt.config is None:
+        raise InvalidArgument(f"{path} has no model config", "NO_MODEL_CONFIG")
+    tokenizer = Tokenizer.from_checkpoint(ckpt)
+    state = DurableState(config.state_dir)
+    mesh = Mesh(config.model, ckpt.config, config.executors, state, config.split or None, config.weights,
+                config.rpc_timeout_s, max_context_tokens=config.max_context_tokens)
+    context = config.max_context_tokens or ckpt.config.max_position
+    generator = Generator(mesh, tokenizer, tokenizer.eos_token_ids, context)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
+                         options=[("grpc.max_send_message_length", 64 << 20),
+                                  ("grpc.max_receive_message_length", 64 << 20)])
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(generator, mesh, config.model),
+                                                                  server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(config.listen)
+    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.start()
+    wait_for_executors(config.executors, config.startup_timeout_s)
+    mesh.install()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, port, mesh
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="graphmesh-coordinator", description=__doc__)
+    parser.add_argument("--listen", default="127.0.0.1:50050")
+    parser.add_argument("--executors", required=True, help="comma-separated executor addresses, in pipeline order")
+    parser.add_argument("--model", default="smollm2-135m", help="bundled model name or checkpoint path")
+    parser.add_argument("--state-dir", default="./coordinator-state")
+    parser.add_argument("--kvstore", default="")
+    parser.add_argument("--split", default="", help="layers per executor, e.g. 15,15 (default: balanced)")
+    parser.add_argument("--weights", default="f32", choices=["f32", "packed"])
+    parser.add_argument("--startup-timeout", type=float, default=60.0)
+    parser.add_argument("--rpc-timeout", type=float, default=60.0)
+    parser.add_argument("--max-context", type=int, default=0, help="cap on tokens per session (0: the model's)")
+    args = parser.parse_args(argv)
+    logs.configure("coordinator")
+    config = CoordinatorConfig(args.listen, [a for a in args.executors.split(",") if a], args.model, args.state_dir,
+                               args.kvstore, [int(x) for x in args.split.split(",") if x], args.weights,
+                               args.startup_timeout, args.rpc_timeout, args.max_context)
+    try:
+        server, port, mesh = build_server(config)
+    except Exception as e:
+        log.error("coordinator failed to start", extra={"error": str(e)})
+        raise SystemExit(f"graphmesh-coordinator: {e}") from e
+    log.info("serving", extra={"listen": config.listen, "port": port, "incarnation": mesh.incarnation})
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2.0).wait()
+    mesh.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""gRPC translation of CoordinatorService over the Generator and the Mesh."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+
+from graphmesh import tensors
+from graphmesh.errors import GraphmeshError, Internal, InvalidArgument, NotFound, Unavailable
+from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
+from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
+
+log = logging.getLogger("graphmesh.coordinator")
+
+_FINISH = {"length": coordinator_pb2.FINISH_REASON_LENGTH, "eos": coordinator_pb2.FINISH_REASON_EOS,
+           "stop": coordinator_pb2.FINISH_REASON_STOP}
+
+
+def _as_status(error: Exception) -> grpc.Status:
+    if isinstance(error, InvocationFailed):
+        if error.error_class == "ARCH":
+            return error.cause.to_status()
+        return Unavailable(f"the mesh lost an executor: {error}", "MESH_FENCED").to_status()
+    if isinstance(error, GraphmeshError):
+        return error.to_status()
+    log.exception("coordinator call failed", exc_info=error)
+    return Internal(f"{type(error).__name__}: {error}").to_status()
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    def __init__(self, generator: Generator, mesh: Mesh, model_name: str) -> None:
+        self.generator, self.mesh, self.model_name = generator, mesh, model_name
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise NotFound(f"unknown model {model!r}; this coordinator serves {self.model_name!r}", "UNKNOWN_MODEL")
+        if not self.mesh.ready:
+            raise Unavailable("the mesh is not ready", "MESH_NOT_READY")
+
+    def _prompt_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
+        tok = self.generator.tokenizer
+        if request.prompt_token_ids:
+            return list(request.prompt_token_ids)
+        if request.messages:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            return tok.encode(tok.apply_chat_template(messages))
+        if not request.prompt:
+            raise InvalidArgument("the prompt is empty", "EMPTY_PROMPT")
+        if request.raw:
+            return tok.encode(request.prompt)
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": request.prompt}]))
+
+    def Generate(self, request: coordinator_pb2.GenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[coordinator_pb2.GenerateResponse]:
+        try:
+            self._check_model(request.model)
+            prompt_ids = self._prompt_ids(request)
+            s = request.sampling
+            gen = GenerationRequest(prompt_ids, request.max_tokens, s.temperature, s.top_k, s.top_p or 1.0, s.seed,
+                                    tuple(request.stop), request.ignore_eos)
+            first = True
+            for event in self.generator.generate(gen):
+                yield self._response(event, prompt_ids if first else None)
+                first = False
+        except Exception as e:
+            context.abort_with_status(_as_status(e))
+
+    @staticmethod
+    def _response(event: Event, prompt_ids: list[int] | None) -> coordinator_pb2.GenerateResponse:
+        response = coordinator_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text,
+                                                    finish_reason=_FINISH.get(event.finish_reason, 0),
+                                                    ttft_ms=event.ttft_ms,
+                                                    prefill_computed_tokens=event.prefill_computed_tokens)
+        if prompt_ids is not None:
+            response.prompt_token_ids.extend(prompt_ids)
+        return response
+
+    def ComputeLogits(self, request: coordinator_pb2.ComputeLogitsRequest,
+                      context: grpc.ServicerContext) -> coordinator_pb2.ComputeLogitsResponse:
+        try:
+            self._check_model(request.model)
+            logits = self.generator.logits(list(request.token_ids))
+            return coordinator_pb2.ComputeLogitsResponse(logits=tensors.to_proto(logits))
+        except Exception as e:
+            context.abort_with_status(_as_status(e))
+            raise
+
+    def Status(self, request: coordinator_pb2.StatusRequest,
+               context: grpc.ServicerContext) -> coordinator_pb2.StatusResponse:
+        mesh = self.mesh
+        response = coordinator_pb2.StatusResponse(model=self.model_name, incarnation=mesh.incarnation,
+                                                  recoveries=mesh.recoveries, ready=mesh.ready)
+        for rank in mesh.ranks:
+            p = rank.plan
+            response.stages.add(rank=p.rank, address=p.address, layer_start=p.layer_start, layer_end=p.layer_end,
+                                backend=rank.backend, device=rank.device, healthy=rank.healthy,
+                                param_bytes=rank.param_bytes)
+        for info in list(self.generator.sessions.values()):
+            response.sessions.add(session_id=info.session_id, tokens=info.tokens, epoch=info.epoch)
+        return response

@@ -1,0 +1,137 @@
+"""The executor's two state machines: the communication authority and each session's transaction.
+
+Authority:  NONE --install(k)--> ACTIVE(k) --poison(k, cause) | fence(k)--> POISONED(k, first cause)
+            POISONED(k) --fence(k, terminal)--> TERMINAL(k);  any --install(k' > every k seen)--> ACTIVE(k')
+Session:    IDLE --begin(e)--> IN_TXN(e) --commit(e)--> IDLE(last=COMMITTED)
+            IN_TXN(e) --abort(e)--> IDLE(last=ABORTED, KV length restored)
+            IN_TXN(e) --indeterminate(e)--> INDETERMINATE(e) --resolve(e, outcome)--> IDLE
+
+Both are plain classes, tested without gRPC; the caller holds a lock around them. Every refusal is a
+FailedPrecondition with a machine-readable reason and changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from graphmesh.errors import FailedPrecondition
+
+
+class AuthorityState(Enum):
+    NONE = 1
+    ACTIVE = 2
+    POISONED = 3
+    TERMINAL = 4
+
+
+class Authority:
+    def __init__(self) -> None:
+        self.state = AuthorityState.NONE
+        self.incarnation = 0
+        self.cause = ""
+        self.highest_seen = 0
+
+    def install(self, incarnation: int) -> None:
+        if incarnation <= self.highest_seen:
+            raise FailedPrecondition(
+                f"incarnation {incarnation} is not newer than {self.highest_seen}, the highest this executor has seen",
+                "STALE_INCARNATION", {"current_incarnation": str(self.incarnation)})
+        self.state, self.incarnation, self.cause, self.highest_seen = AuthorityState.ACTIVE, incarnation, "", incarnation
+
+    def check(self, incarnation: int) -> None:
+        """Refuses a message unless it carries the current incarnation and the authority is ACTIVE."""
+        meta = {"current_incarnation": str(self.incarnation)}
+        if self.state is AuthorityState.NONE:
+            raise FailedPrecondition("this executor has not been installed by a coordinator", "NOT_INSTALLED", meta)
+        if incarnation != self.incarnation:
+            raise FailedPrecondition(f"incarnation {incarnation} is stale; the current one is {self.incarnation}",
+                                     "STALE_INCARNATION", meta)
+        if self.state is not AuthorityState.ACTIVE:
+            raise FailedPrecondition(f"incarnation {incarnation} is {self.state.name.lower()}: {self.cause}",
+                                     "POISONED", meta)
+
+    def poison(self, incarnation: int, cause: str, terminal: bool = False) -> None:
+        """Fences `incarnation`. First cause wins and poison is never cleared; fencing a newer incarnation
+        than the current one also fences the current one (a newer coordinator exists)."""
+        self.highest_seen = max(self.highest_seen, incarnation)
+        if self.state is AuthorityState.NONE or incarnation < self.incarnation:
+            return
+        if self.state is AuthorityState.ACTIVE:
+            self.state, self.cause = AuthorityState.POISONED, cause
+        if terminal:
+            self.state = AuthorityState.TERMINAL
+
+
+class SessionPhase(Enum):
+    IDLE = 1
+    IN_TXN = 2
+    INDETERMINATE = 3
+
+
+class Outcome(Enum):
+    NONE = 0
+    COMMITTED = 1
+    ABORTED = 2
+    INDETERMINATE = 3
+
+
+@dataclass
+class SessionTxn:
+    """One session's commit epochs on one rank; kv_length only moves forward on commit."""
+
+    phase: SessionPhase = SessionPhase.IDLE
+    epoch: int = 0
+    last_outcome: Outcome = Outcome.NONE
+    kv_length: int = 0  # committed rows
+    pending_length: int = 0  # rows written by the open epoch, committed on commit
+
+    def begin(self, epoch: int) -> None:
+        if self.phase is SessionPhase.INDETERMINATE:
+            raise FailedPrecondition(f"epoch {self.epoch} is indeterminate; waiting for ResolveEpoch",
+                                     "SESSION_INDETERMINATE")
+        if self.phase is SessionPhase.IN_TXN:
+            raise FailedPrecondition(f"epoch {self.epoch} is still open; commit or abort it before epoch {epoch}",
+                                     "EPOCH_OPEN")
+        if epoch <= self.epoch:
+            raise FailedPrecondition(f"epoch {epoch} is not after the last epoch {self.epoch}", "STALE_EPOCH")
+        self.phase, self.epoch, self.pending_length = SessionPhase.IN_TXN, epoch, self.kv_length
+
+    def advance(self, epoch: int, length: int) -> None:
+        self._require_open(epoch)
+        self.pending_length = length
+
+    def commit(self, epoch: int) -> None:
+        if self.phase is SessionPhase.IDLE and self.epoch == epoch and self.last_outcome is Outcome.COMMITTED:
+            return  # a retried commit
+        self._require_open(epoch)
+        self.phase, self.last_outcome, self.kv_length = SessionPhase.IDLE, Outcome.COMMITTED, self.pending_length
+
+    def abort(self, epoch: int) -> None:
+        if self.phase is SessionPhase.IDLE and self.epoch == epoch:
+            if self.last_outcome is Outcome.COMMITTED:
+                raise FailedPrecondition(f"epoch {epoch} is already committed", "ALREADY_COMMITTED")
+            return
+        if self.phase is SessionPhase.IDLE and epoch > self.epoch:
+            self.epoch, self.last_outcome = epoch, Outcome.ABORTED  # aborted before it began here
+            return
+        self._require_open(epoch)
+        self.phase, self.last_outcome, self.pending_length = SessionPhase.IDLE, Outcome.ABORTED, self.kv_length
+
+    def mark_indeterminate(self, epoch: int) -> None:
+        self._require_open(epoch)
+        self.phase, self.last_outcome = SessionPhase.INDETERMINATE, Outcome.INDETERMINATE
+
+    def resolve(self, epoch: int, outcome: Outcome) -> None:
+        if self.phase is not SessionPhase.INDETERMINATE or self.epoch != epoch:
+            raise FailedPrecondition(f"epoch {epoch} is not indeterminate here", "NOT_INDETERMINATE")
+        if outcome is Outcome.COMMITTED:
+            self.kv_length = self.pending_length
+        else:
+            self.pending_length = self.kv_length
+        self.phase, self.last_outcome = SessionPhase.IDLE, outcome
+
+    def _require_open(self, epoch: int) -> None:
+        if self.phase is not SessionPhase.IN_TXN or self.epoch != epoch:
+            raise FailedPrecondition(f"epoch {epoch} is not open (phase {self.phase.name}, epoch {self.epoch})",
+                                     "EPOCH_NOT_OPEN")

@@ -1,0 +1,374 @@
+"""One rank of the partitioned pipeline: its layers, its sessions' KV, the protocol's phases.
+
+Compiled stage graphs are shared by every session (one executable per (rows, KV capacity, output)
+shape); each session owns its KV handles and swaps them into an executable for a run, so no KV is
+ever copied on the hot path. A decode step is one graph run: rows are written into the KV handles
+in-graph (kv_write) and fed back by the executable's handle feeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from graphmesh import models
+from graphmesh.bundled import resolve_model
+from graphmesh.checkpoints import Checkpoint, open_checkpoint
+from graphmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+from graphmesh.graph import parse
+from graphmesh.models.config import ModelConfig
+from graphmesh_executor.backends import compile_graph
+from graphmesh_executor.executable import Executable
+from graphmesh_executor.fencing import Authority, Outcome, SessionTxn
+
+log = logging.getLogger("graphmesh.executor.stage")
+
+MIN_PREFILL_ROWS = 16
+MIN_KV_ROWS = 64
+
+
+def bucket(n: int, minimum: int) -> int:
+    """Power-of-two ladder: at most 2x padding."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+def seed_for(session_seed: int, position: int) -> int:
+    """The sample op's seed for the token at `position`: a replay of the same session draws the same."""
+    return (session_seed * 1_000_003 + position) & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    model: str
+    layer_start: int
+    layer_end: int
+    first: bool
+    last: bool
+    next_address: str
+    weights: str = "f32"
+    max_context_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class StageSession:
+    txn: SessionTxn = field(default_factory=SessionTxn)
+    handles: dict[str, Any] = field(default_factory=dict)
+    capacity: int = 0
+
+
+@dataclass
+class ExecuteResult:
+    token: int = 0
+    logits: np.ndarray | None = None
+    kv_length: int = 0
+    compute_us: float = 0.0
+    computed_tokens: int = 0
+
+
+class ProtocolError(Exception):
+    """Wraps a failure with its protocol error class (ARCH, COMM, CONTRACT)."""
+
+    def __init__(self, error_class: str, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.error_class = error_class
+        self.cause = cause
+
+
+Pusher = Callable[[str, str, int, int, np.ndarray, float], None]
+
+
+class StageRuntime:
+    def __init__(self, backend: str, device: str = "cpu", model_root: str | None = None,
+                 pusher: Pusher | None = None) -> None:
+        self.backend = backend
+        self.device = device
+        self.model_root = model_root
+        self.authority = Authority()
+        self.rank = 0
+        self.world_size = 0
+        self.spec: StageConfig | None = None
+        self.config: ModelConfig | None = None
+        self.model_identity = ""
+        self.param_bytes = 0
+        self._pusher = pusher
+        self._lock = threading.Condition()
+        self._sessions: dict[str, StageSession] = {}
+        self._mailbox: dict[tuple[str, int], np.ndarray] = {}
+        self._aborted: set[tuple[str, int]] = set()
+        self._executables: dict[tuple[int, int, bool], tuple[Executable[Any], threading.Lock]] = {}
+        self._compile_lock = threading.Lock()
+        self._holder: Executable[Any] | None = None
+        self._loaded_key: StageConfig | None = None
+
+    # -- install ---------------------------------------------------------------------------------------
+    def install(self, incarnation: int, rank: int, world_size: int, spec: StageConfig) -> float:
+        """Loads weights and compiles (reusing both when the stage is unchanged), then activates `incarnation`."""
+        with self._lock:
+            if incarnation <= self.authority.highest_seen:
+                self.authority.install(incarnation)  # refuses before any work: STALE_INCARNATION
+        t0 = time.perf_counter()
+        if spec != self._loaded_key:
+            self._load(spec)
+        with self._lock:
+            self.authority.install(incarnation)
+            self.rank, self.world_size, self.spec = rank, world_size, spec
+            # Sessions of an older incarnation are not trusted: the coordinator restores them.
+            self._sessions.clear()
+            self._mailbox.clear()
+            self._aborted.clear()
+            self._lock.notify_all()
+        return (time.perf_counter() - t0) * 1000.0
+
+    def _load(self, spec: StageConfig) -> None:
+        path = resolve_model(spec.model, self.model_root)
+        ckpt = open_checkpoint(path)
+        if ckpt.config is None:
+            raise InvalidArgument(f"{path} has no model config", "NO_MODEL_CONFIG")
+        config = ckpt.config
+        if not 0 <= spec.layer_start < spec.layer_end <= config.n_layers:
+            raise InvalidArgument(f"layers [{spec.layer_start}, {spec.layer_end}) outside the model's "
+                                  f"{config.n_layers} layers", "BAD_LAYER_RANGE")
+        self.config, self.spec = config, spec
+        self._executables.clear()
+        self._holder = None
+        holder = self._compile(1, MIN_KV_ROWS, sample=True, ckpt=ckpt)
+        self._holder = holder
+        self.model_identity = ckpt.identity()
+        self.param_bytes = sum(int(np.prod(t.shape)) * 4 for t in holder.graph.params.values())
+        self._loaded_key = spec
+
+    def _compile(self, rows: int, capacity: int, sample: bool, ckpt: Checkpoint | None = None) -> Executable[Any]:
+        assert self.config is not None and self.spec is not None
+        spec = self.spec
+        proto = models.build_stage(self.config, range(spec.layer_start, spec.layer_end), seq_len=rows,
+                                   cache_len=capacity, first=spec.first, last=spec.last, sample=sample)
+        exe = compile_graph(parse(proto), self.backend, self.device)
+        if ckpt is not None:
+            load_stage_params(exe, ckpt)
+        elif self._holder is not None:
+            exe.copy_params_from(self._holder)
+        n_layers = spec.layer_end - spec.layer_start
+        for i in range(n_layers):
+            exe.set_handle_feed(f"past_k_{i}", 1 + 2 * i)
+            exe.set_handle_feed(f"past_v_{i}", 2 + 2 * i)
+        return exe
+
+    def _executable(self, rows: int, capacity: int, sample: bool) -> tuple[Executable[Any], threading.Lock]:
+        key = (rows, capacity, sample)
+        with self._compile_lock:
+            if key not in self._executables:
+                self._executables[key] = (self._compile(rows, capacity, sample), threading.Lock())
+            return self._executables[key]
+
+    # -- protocol --------------------------------------------------------------------------------------
+    def _session(self, session_id: str) -> StageSession:
+        return self._sessions.setdefault(session_id, StageSession())
+
+    def execute(self, incarnation: int, session_id: str, epoch: int, commit_epoch: int, start: int,
+                token_ids: list[int], sampling: Sampling, logits: bool, timeout_s: float) -> ExecuteResult:
+        """Begin (after the folded commit), run this rank's group, push or finish."""
+        with self._lock:
+            self.authority.check(incarnation)
+            session = self._session(session_id)
+            if commit_epoch:
+                session.txn.commit(commit_epoch)
+            if start != session.txn.kv_length:
+                raise FailedPrecondition(f"session {session_id!r} has {session.txn.kv_length} committed tokens "
+                                         f"here, the invocation starts at {start}", "KV_LENGTH_MISMATCH")
+            session.txn.begin(epoch)
+        try:
+            result = self._run_group(incarnation, session_id, session, epoch, start, token_ids, sampling, logits,
+                                     timeout_s)
+        except ProtocolError as e:
+            with self._lock:
+                if e.error_class != "ARCH":
+                    self.authority.poison(incarnation, f"{e.error_class}: {e}")
+                if session.txn.epoch == epoch:
+                    session.txn.abort(epoch)
+            raise
+        with self._lock:
+            session.txn.advance(epoch, start + len(token_ids))
+        return result
+
+    def _run_group(self, incarnation: int, session_id: str, session: StageSession, epoch: int, start: int,
+                   token_ids: list[int], sampling: Sampling, want_logits: bool, timeout_s: float) -> ExecuteResult:
+        assert self.spec is not None and self.config is not None
+        spec, config, n = self.spec, self.config, len(token_ids)
+        limit = spec.max_context_tokens or config.max_position
+        if n == 0:
+            raise ProtocolError("ARCH", InvalidArgument("an invocation needs at least one token", "EMPTY_INPUT"))
+        if start + n > limit:
+            raise ProtocolError("ARCH", OutOfRange(f"{start + n} tokens exceed the context of {limit}",
+                                                   "CONTEXT_EXCEEDED"))
+        rows = 1 if n == 1 else bucket(n, MIN_PREFILL_ROWS)
+        capacity = bucket(start + rows, MIN_KV_ROWS)
+        inputs: dict[str, np.ndarray] = {"positions": start + np.arange(rows, dtype=np.int64)}
+        if spec.first:
+            ids = np.zeros(rows, np.int64)
+            ids[:n] = token_ids
+            if ids.max() >= config.vocab_size or ids.min() < 0:
+                raise ProtocolError("ARCH", InvalidArgument(f"token id outside the vocabulary of {config.vocab_size}",
+                                                            "BAD_TOKEN_ID"))
+            inputs["input_ids"] = ids
+        else:
+            hidden = self._await_boundary(session_id, epoch, timeout_s)
+            if hidden.shape != (n, config.hidden_size):
+                raise ProtocolError("CONTRACT", InvalidArgument(
+                    f"boundary of shape {list(hidden.shape)}, expected [{n}, {config.hidden_size}]", "SCHEMA_MISMATCH"))
+            padded = np.zeros((rows, config.hidden_size), np.float32)
+            padded[:n] = hidden
+            inputs["hidden_in"] = padded
+        sample = not want_logits
+        if spec.last:
+            inputs["last_index"] = np.array([n - 1], np.int64)
+            if sample:
+                inputs.update(temperature=np.array([sampling.temperature], np.float32),
+                              top_k=np.array([sampling.top_k], np.int64),
+                              top_p=np.array([sampling.top_p], np.float32),
+                              seed=np.array([seed_for(sampling.seed, start + n)], np.int64))
+        exe, lock = self._executable(rows, capacity, sample or not spec.last)
+        t0 = time.perf_counter()
+        try:
+            with lock:
+                self._fit_handles(exe, session, capacity, start)
+                own = exe.swap_handles(session.handles)
+                try:
+                    out = exe.run(inputs, read_indices=[0], typed=True)[0]
+                finally:
+                    session.handles = exe.swap_handles(own)
+        except (InvalidArgument, OutOfRange, NotFound, FailedPrecondition) as e:
+            raise ProtocolError("ARCH", e) from e
+        result = ExecuteResult(kv_length=start + n, compute_us=(time.perf_counter() - t0) * 1e6, computed_tokens=n)
+        if not spec.last:
+            assert self._pusher is not None
+            try:
+                self._pusher(spec.next_address, session_id, incarnation, epoch, out[:n], timeout_s)
+            except Exception as e:  # any failure to deliver leaves the order unprovable
+                raise ProtocolError("COMM", e) from e
+        elif sample:
+            result.token = int(out[0])
+        else:
+            result.logits = out.reshape(-1).astype(np.float32)
+        return result
+
+    def _fit_handles(self, exe: Executable[Any], session: StageSession, capacity: int, keep: int) -> None:
+        """Bucket rollover: moves the committed rows into handles of the new capacity, on the executor."""
+        if session.capacity == capacity:
+            return
+        assert self.spec is not None
+        grown: dict[str, Any] = {}
+        for i in range(self.spec.layer_end - self.spec.layer_start):
+            for kind in ("k", "v"):
+                name = f"past_{kind}_{i}"
+                fresh = exe.zeros_like_input(name)
+                if name in session.handles and keep:
+                    fresh = exe._copy_rows(fresh, 0, session.handles[name], 0, min(keep, session.capacity))
+                grown[name] = fresh
+        session.handles, session.capacity = grown, capacity
+
+    def _await_boundary(self, session_id: str, epoch: int, timeout_s: float) -> np.ndarray:
+        key = (session_id, epoch)
+        with self._lock:
+            ready = self._lock.wait_for(lambda: key in self._mailbox or key in self._aborted, timeout=timeout_s)
+            if key in self._aborted:
+                raise ProtocolError("ARCH", FailedPrecondition(f"epoch {epoch} was aborted", "EPOCH_ABORTED"))
+            if not ready:
+                raise ProtocolError("COMM", DeadlineExceeded(
+                    f"no boundary for session {session_id!r} epoch {epoch} within {timeout_s:.1f} s",
+                    "BOUNDARY_TIMEOUT"))
+            return self._mailbox.pop(key)
+
+    def accept_boundary(self, incarnation: int, session_id: str, epoch: int, hidden: np.ndarray) -> None:
+        """Validates a pushed bundle before accepting it; a bad bundle poisons (it breaks the contract)."""
+        with self._lock:
+            self.authority.check(incarnation)
+            assert self.config is not None
+            if hidden.dtype != np.float32 or hidden.ndim != 2 or hidden.shape[1] != self.config.hidden_size:
+                cause = f"boundary {hidden.dtype}{list(hidden.shape)} breaks schema f32[*, {self.config.hidden_size}]"
+                self.authority.poison(incarnation, f"CONTRACT: {cause}")
+                raise InvalidArgument(cause, "SCHEMA_MISMATCH", {"error_class": "CONTRACT"})
+            self._mailbox[(session_id, epoch)] = hidden
+            self._lock.notify_all()
+
+    def commit(self, incarnation: int, session_id: str, epoch: int) -> int:
+        with self._lock:
+            self.authority.check(incarnation)
+            session = self._session_or_404(session_id)
+            session.txn.commit(epoch)
+            return session.txn.kv_length
+
+    def abort(self, incarnation: int, session_id: str, epoch: int) -> int:
+        """Local rollback; allowed under poison (but not for an older incarnation's messages)."""
+        with self._lock:
+            if incarnation != self.authority.incarnation:
+                self.authority.check(incarnation)
+            self._aborted.add((session_id, epoch))
+            self._mailbox.pop((session_id, epoch), None)
+            self._lock.notify_all()
+            session = self._sessions.get(session_id)
+            if session is None:
+                return 0
+            session.txn.abort(epoch)
+            return session.txn.kv_length
+
+    def resolve(self, incarnation: int, session_id: str, epoch: int, outcome: Outcome) -> int:
+        with self._lock:
+            self.authority.check(incarnation)
+            session = self._session_or_404(session_id)
+            session.txn.resolve(epoch, outcome)
+            return session.txn.kv_length
+
+    def release(self, incarnation: int, session_id: str) -> bool:
+        with self._lock:
+            self.authority.check(incarnation)
+            return self._sessions.pop(session_id, None) is not None
+
+    def fence(self, incarnation: int, reason: str, terminal: bool) -> None:
+        with self._lock:
+            self.authority.poison(incarnation, reason or "fenced by the coordinator", terminal)
+            self._lock.notify_all()
+
+    def _session_or_404(self, session_id: str) -> StageSession:
+        if session_id not in self._sessions:
+            raise NotFound(f"no session {session_id!r} on this rank", "UNKNOWN_SESSION")
+        return self._sessions[session_id]
+
+    def sessions(self) -> list[tuple[str, StageSession]]:
+        with self._lock:
+            return list(self._sessions.items())
+
+
+def load_stage_params(exe: Executable[Any], ckpt: Checkpoint) -> None:
+    """Reads exactly the params the stage declares, with progress for big loads."""
+    names = list(exe.graph.params)
+    last_report = time.monotonic()
+    for i, name in enumerate(names):
+        t = exe.graph.params[name]
+        if t.dtype == "u8":
+            packed = ckpt.packed(name)
+            if packed is None:
+                raise NotFound(f"{name!r} is not stored packed in the checkpoint", "NOT_PACKED")
+            exe.set_param_typed(name, packed[1])
+        else:
+            exe.set_param_typed(name, ckpt.tensor(name, t.dtype))
+        if time.monotonic() - last_report > 1.0:
+            log.info("loading weights", extra={"loaded": i + 1, "total": len(names)})
+            last_report = time.monotonic()
+    exe.finalize_params()

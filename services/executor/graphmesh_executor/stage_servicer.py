@@ -1,0 +1,174 @@
+"""gRPC translation of the stage protocol (StageService) over StageRuntime, and the boundary pusher."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from graphmesh import tensors
+from graphmesh.errors import GraphmeshError, Internal, InvalidArgument, from_rpc_error
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
+from graphmesh_executor.stage import ProtocolError, Sampling, StageConfig, StageRuntime
+
+log = logging.getLogger("graphmesh.executor.stage")
+R = TypeVar("R")
+
+_OUTCOMES = {stage_pb2.EPOCH_OUTCOME_COMMITTED: Outcome.COMMITTED, stage_pb2.EPOCH_OUTCOME_ABORTED: Outcome.ABORTED}
+_AUTHORITY = {AuthorityState.NONE: stage_pb2.AUTHORITY_STATE_NONE, AuthorityState.ACTIVE: stage_pb2.AUTHORITY_STATE_ACTIVE,
+              AuthorityState.POISONED: stage_pb2.AUTHORITY_STATE_POISONED,
+              AuthorityState.TERMINAL: stage_pb2.AUTHORITY_STATE_TERMINAL}
+_PHASE = {SessionPhase.IDLE: stage_pb2.SESSION_PHASE_IDLE, SessionPhase.IN_TXN: stage_pb2.SESSION_PHASE_IN_TXN,
+          SessionPhase.INDETERMINATE: stage_pb2.SESSION_PHASE_INDETERMINATE}
+_OUTCOME_PB = {Outcome.NONE: stage_pb2.EPOCH_OUTCOME_UNSPECIFIED, Outcome.COMMITTED: stage_pb2.EPOCH_OUTCOME_COMMITTED,
+               Outcome.ABORTED: stage_pb2.EPOCH_OUTCOME_ABORTED,
+               Outcome.INDETERMINATE: stage_pb2.EPOCH_OUTCOME_INDETERMINATE}
+
+
+def _statused(fn: Callable[..., R]) -> Callable[..., R]:
+    """Maps typed errors to statuses in one place; the error class travels in ErrorInfo metadata."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
+        try:
+            return fn(self, request, context)
+        except ProtocolError as e:
+            cause = e.cause if isinstance(e.cause, GraphmeshError) else Internal(str(e.cause))
+            cause.metadata = {**cause.metadata, "error_class": e.error_class}
+            context.abort_with_status(cause.to_status())
+        except GraphmeshError as e:
+            context.abort_with_status(e.to_status())
+        except Exception as e:
+            log.exception("stage call failed")
+            context.abort_with_status(Internal(f"{type(e).__name__}: {e}").to_status())
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+class BoundaryPusher:
+    """Pushes boundary bundles to the next rank over one cached channel per address."""
+
+    def __init__(self) -> None:
+        self._stubs: dict[str, stage_pb2_grpc.StageServiceStub] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, address: str, session_id: str, incarnation: int, epoch: int, hidden: np.ndarray,
+                 timeout_s: float) -> None:
+        with self._lock:
+            if address not in self._stubs:
+                channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20),
+                                                                  ("grpc.max_receive_message_length", 64 << 20)])
+                self._stubs[address] = stage_pb2_grpc.StageServiceStub(channel)
+            stub = self._stubs[address]
+        request = stage_pb2.PushBoundaryRequest(
+            header=stage_pb2.FencingHeader(incarnation=incarnation, session_id=session_id, epoch=epoch),
+            tensors=[stage_pb2.BoundaryTensor(role=stage_pb2.BOUNDARY_ROLE_ACTIVATION, tensor=tensors.to_proto(hidden))])
+        try:
+            stub.PushBoundary(request, timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from e
+
+
+class StageServicer(stage_pb2_grpc.StageServiceServicer):
+    def __init__(self, runtime: StageRuntime) -> None:
+        self.runtime = runtime
+
+    @_statused
+    def Install(self, request: stage_pb2.InstallRequest, context: grpc.ServicerContext) -> stage_pb2.InstallResponse:
+        s = request.stage
+        spec = StageConfig(s.model, s.layer_start, s.layer_end, s.first, s.last, s.next_address, s.weights or "f32",
+                           s.max_context_tokens)
+        load_ms = self.runtime.install(request.incarnation, request.rank, request.world_size, spec)
+        return stage_pb2.InstallResponse(backend=self.runtime.backend, device=self.runtime.device,
+                                         param_bytes=self.runtime.param_bytes, load_ms=load_ms,
+                                         model_identity=self.runtime.model_identity)
+
+    @_statused
+    def ExecuteGroup(self, request: stage_pb2.ExecuteGroupRequest,
+                     context: grpc.ServicerContext) -> stage_pb2.ExecuteGroupResponse:
+        h, s = request.header, request.sampling
+        timeout_s = (request.boundary_timeout_ms or 30_000) / 1000.0
+        result = self.runtime.execute(h.incarnation, h.session_id, h.epoch, request.commit_epoch,
+                                      request.start_position, list(request.token_ids),
+                                      Sampling(s.temperature, s.top_k, s.top_p, s.seed),
+                                      request.output == stage_pb2.OUTPUT_KIND_LOGITS, timeout_s)
+        response = stage_pb2.ExecuteGroupResponse(token=result.token, kv_length=result.kv_length,
+                                                  compute_us=result.compute_us, computed_tokens=result.computed_tokens)
+        if result.logits is not None:
+            response.logits.CopyFrom(tensors.to_proto(result.logits))
+        return response
+
+    @_statused
+    def PushBoundary(self, request: stage_pb2.PushBoundaryRequest,
+                     context: grpc.ServicerContext) -> stage_pb2.PushBoundaryResponse:
+        h = request.header
+        activations = [t for t in request.tensors if t.role == stage_pb2.BOUNDARY_ROLE_ACTIVATION]
+        if len(activations) != 1 or len(request.tensors) != 1:
+            hidden = np.zeros((0,), np.float64)  # fails the schema check below, poisoning like any bad bundle
+        else:
+            hidden = tensors.from_proto(activations[0].tensor)
+        self.runtime.accept_boundary(h.incarnation, h.session_id, h.epoch, hidden)
+        return stage_pb2.PushBoundaryResponse()
+
+    @_statused
+    def Commit(self, request: stage_pb2.CommitRequest, context: grpc.ServicerContext) -> stage_pb2.CommitResponse:
+        h = request.header
+        return stage_pb2.CommitResponse(kv_length=self.runtime.commit(h.incarnation, h.session_id, h.epoch))
+
+    @_statused
+    def Abort(self, request: stage_pb2.AbortRequest, context: grpc.ServicerContext) -> stage_pb2.AbortResponse:
+        h = request.header
+        return stage_pb2.AbortResponse(kv_length=self.runtime.abort(h.incarnation, h.session_id, h.epoch))
+
+    @_statused
+    def ResolveEpoch(self, request: stage_pb2.ResolveEpochRequest,
+                     context: grpc.ServicerContext) -> stage_pb2.ResolveEpochResponse:
+        h = request.header
+        outcome = _OUTCOMES.get(request.outcome)
+        if outcome is None:
+            raise InvalidArgument("ResolveEpoch needs COMMITTED or ABORTED", "BAD_OUTCOME")
+        return stage_pb2.ResolveEpochResponse(kv_length=self.runtime.resolve(h.incarnation, h.session_id, h.epoch,
+                                                                             outcome))
+
+    @_statused
+    def ReleaseSession(self, request: stage_pb2.ReleaseSessionRequest,
+                       context: grpc.ServicerContext) -> stage_pb2.ReleaseSessionResponse:
+        h = request.header
+        return stage_pb2.ReleaseSessionResponse(released=self.runtime.release(h.incarnation, h.session_id))
+
+    @_statused
+    def Fence(self, request: stage_pb2.FenceRequest, context: grpc.ServicerContext) -> stage_pb2.FenceResponse:
+        self.runtime.fence(request.incarnation, request.reason, request.terminal)
+        return stage_pb2.FenceResponse(state=_AUTHORITY[self.runtime.authority.state])
+
+    @_statused
+    def Status(self, request: stage_pb2.StageStatusRequest,
+               context: grpc.ServicerContext) -> stage_pb2.StageStatusResponse:
+        rt, a = self.runtime, self.runtime.authority
+        response = stage_pb2.StageStatusResponse(state=_AUTHORITY[a.state], incarnation=a.incarnation,
+                                                 poison_cause=a.cause, rank=rt.rank, backend=rt.backend,
+                                                 device=rt.device)
+        if rt.spec is not None:
+            s = rt.spec
+            response.stage.CopyFrom(stage_pb2.StageSpec(model=s.model, layer_start=s.layer_start, layer_end=s.layer_end,
+                                                        first=s.first, last=s.last, next_address=s.next_address,
+                                                        weights=s.weights, max_context_tokens=s.max_context_tokens))
+        for session_id, session in rt.sessions():
+            t = session.txn
+            response.sessions.add(session_id=session_id, phase=_PHASE[t.phase], epoch=t.epoch,
+                                  last_outcome=_OUTCOME_PB[t.last_outcome], kv_length=t.kv_length,
+                                  kv_capacity=session.capacity)
+        return response
+
+
+def add_stage_service(server: grpc.Server, runtime: StageRuntime) -> StageServicer:
+    servicer = StageServicer(runtime)
+    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
+    return servicer
