@@ -1,0 +1,315 @@
+"""Checkpoint readers: a GGUF file, a .safetensors file, or a Hugging Face directory, all seen the same way.
+
+Every tensor is presented under its Hugging Face name and in HF layout (Linear weights [out, in], llama.cpp's
+Q/K row permutation undone, GPT-2 Conv1D weights [in, out]) and read from a memory map, so opening a
+checkpoint costs nothing and a stage reads only its own layers. GGUF Q4_0/Q4_1/Q8_0 weights can also be
+handed out packed, as the raw blocks the dequant_matmul op consumes. No torch or transformers here: the
+executor imports this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+
+from graphmesh import dtypes
+from graphmesh.errors import InvalidArgument, NotFound
+from graphmesh.models.config import ModelConfig
+from graphmesh.ops import packed_shape
+
+PACKED_SCHEMES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+_PLAIN_GGML = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64)
+
+_ST_DTYPES: dict[str, np.dtype[Any]] = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": dtypes.to_numpy("bf16"),
+    "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_)}
+
+# GGUF tensor names -> HF names, per family; "{i}" is the block index.
+_GGUF_LLAMA = {
+    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight", "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    **{f"blk.{{i}}.attn_{a}.{kind}": f"model.layers.{{i}}.self_attn.{a}_proj.{kind}"
+       for a in "qkv" for kind in ("weight", "bias")},
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    **{f"blk.{{i}}.ffn_{m}.weight": f"model.layers.{{i}}.mlp.{m}_proj.weight" for m in ("gate", "up", "down")},
+}
+_GGUF_GPT2 = {
+    "token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
+    "output.weight": "lm_head.weight",
+    **{f"output_norm.{k}": f"transformer.ln_f.{k}" for k in ("weight", "bias")},
+    **{f"blk.{{i}}.{src}.{k}": f"transformer.h.{{i}}.{dst}.{k}" for k in ("weight", "bias") for src, dst in (
+        ("attn_norm", "ln_1"), ("attn_qkv", "attn.c_attn"), ("attn_output", "attn.c_proj"), ("ffn_norm", "ln_2"),
+        ("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj"))},
+}
+# llama.cpp's converter transposes GPT-2's Conv1D weights to [out, in]; we hand them back as [in, out].
+_GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# GGUF architectures whose converter permutes Q/K rows for llama.cpp's interleaved rope.
+_PERMUTED_ARCHS = ("llama", "mistral")
+_LLAMA_ARCHS = ("llama", "mistral", "qwen2", "smollm")
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    data: np.ndarray  # memory-mapped, file layout: plain numbers, or GGUF blocks u8 [rows, row_bytes]
+    shape: tuple[int, ...]  # HF layout
+    ggml_type: GGMLQuantizationType | None = None  # None: `data` holds plain numbers
+    heads: int = 0  # > 0: undo llama.cpp's Q/K row permutation over this many heads
+    transpose: bool = False
+
+
+def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's permute(): within each head, rows (j, pair) go back to (pair, j). Works on
+    any row payload, so packed block rows un-permute the same way as float rows."""
+    return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+class Checkpoint:
+    """One opened checkpoint. Tensors are read lazily from memory maps; safe to share between threads."""
+
+    def __init__(self, path: Path, fmt: str, tensors: dict[str, _Tensor], config: ModelConfig | None,
+                 metadata: dict[str, Any], files: list[Path]) -> None:
+        self.path = path
+        self.format = fmt  # "gguf" | "safetensors" | "hf"
+        self.config = config
+        self.metadata = metadata
+        self._files = files
+        self._tensors = tensors
+        self._identity: str | None = None
+        embed = next((n for n in ("model.embed_tokens.weight", "transformer.wte.weight") if n in tensors), None)
+        if "lm_head.weight" not in tensors and embed and (config is None or config.tie_word_embeddings):
+            tensors["lm_head.weight"] = tensors[embed]
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def _get(self, name: str) -> _Tensor:
+        if name not in self._tensors:
+            raise NotFound(f"checkpoint {self.path} has no tensor {name!r}", "UNKNOWN_TENSOR")
+        return self._tensors[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._get(name).shape
+
+    def tensor(self, name: str, dtype: str = "f32") -> np.ndarray:
+        """The tensor in HF layout as `dtype`, dequantized if stored quantized; a read-only memory map when
+        nothing needs converting."""
+        t = self._get(name)
+        out = t.data if t.ggml_type is None else gguf.quants.dequantize(t.data, t.ggml_type)
+        if t.heads:
+            out = _unpermute(out, t.heads)
+        if t.transpose:
+            out = out.T
+        return np.ascontiguousarray(out.astype(dtypes.to_numpy(dtype), copy=False)).reshape(t.shape)
+
+    def packed(self, name: str) -> tuple[str, np.ndarray] | None:
+        """(scheme, u8 blocks [n, k/32 * block_bytes]) for a Q4_0/Q4_1/Q8_0 matrix in HF row order; None when
+        the tensor is not stored in one of those schemes (or its layout cannot be kept packed)."""
+        t = self._get(name)
+        if t.ggml_type not in PACKED_SCHEMES or t.transpose or len(t.shape) != 2:
+            return None
+        scheme = PACKED_SCHEMES[t.ggml_type]
+        blocks = _unpermute(t.data, t.heads) if t.heads else t.data
+        return scheme, blocks.reshape(packed_shape(scheme, *t.shape))
+
+    def packed_schemes(self) -> dict[str, str]:
+        """name -> scheme for every tensor packed() can hand out (the `packed_schemes` of a quantized stage)."""
+        return {name: PACKED_SCHEMES[t.ggml_type] for name, t in self._tensors.items()
+                if t.ggml_type in PACKED_SCHEMES and not t.transpose and len(t.shape) == 2}
+
+    def identity(self) -> str:
+        """sha256 over each file's name, size, header and evenly spaced samples: stable across processes and
+        cheap on multi-GB files, and it changes when the weights do (any re-quantization changes the header
+        and the sampled blocks)."""
+        if self._identity is None:
+            h = hashlib.sha256()
+            for f in self._files:
+                size = f.stat().st_size
+                h.update(f"{f.name}:{size}".encode())
+                with open(f, "rb") as fh:
+                    for offset in sorted({0, *(size * j // 16 for j in range(1, 16)), max(size - 65536, 0)}):
+                        fh.seek(offset)
+                        h.update(fh.read(65536))
+            self._identity = h.hexdigest()
+        return self._identity
+
+
+def _bad(path: Path, why: str) -> InvalidArgument:
+    return InvalidArgument(f"{path} is not a readable checkpoint: {why}", "BAD_CHECKPOINT")
+
+
+# -- GGUF ------------------------------------------------------------------------------------------------
+
+def _gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader: GGUFReader) -> ModelConfig:
+    """ModelConfig from GGUF metadata (llama.cpp key names)."""
+    arch = _gguf_value(reader, "general.architecture")
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}  # ggml order: fastest dimension first
+    if arch not in (*_LLAMA_ARCHS, "gpt2"):
+        raise InvalidArgument(f"GGUF architecture {arch!r} is not supported", "UNSUPPORTED_MODEL")
+
+    def key(k: str, default: Any = None) -> Any:
+        return _gguf_value(reader, f"{arch}.{k}", default)
+
+    scaling = key("rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise InvalidArgument(f"GGUF rope scaling {scaling!r} is not supported", "UNSUPPORTED_MODEL")
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    if "token_embd.weight" not in shapes:
+        raise InvalidArgument("GGUF file has no token_embd.weight", "BAD_CHECKPOINT")
+    eos = [_gguf_value(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
+    return ModelConfig(
+        arch="gpt2" if arch == "gpt2" else "llama", vocab_size=shapes["token_embd.weight"][1], hidden_size=hidden,
+        n_layers=int(key("block_count")), n_heads=heads, n_kv_heads=int(key("attention.head_count_kv") or heads),
+        head_dim=int(key("attention.key_length") or hidden // heads),
+        intermediate_size=int(key("feed_forward_length")),
+        norm_eps=float(key("attention.layer_norm_epsilon") if arch == "gpt2" else key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base", 10000.0)), qkv_bias="blk.0.attn_q.bias" in shapes,
+        tie_word_embeddings="output.weight" not in shapes, max_position=int(key("context_length", 2048)),
+        bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        hidden_act="gelu_tanh" if arch == "gpt2" else "silu")
+
+
+def _hf_name(gguf_name: str, table: dict[str, str]) -> str | None:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+        pattern = ".".join(["blk", "{i}", *parts[2:]])
+        return table[pattern].format(i=parts[1]) if pattern in table else None
+    return table.get(gguf_name)
+
+
+def _open_gguf(path: Path) -> Checkpoint:
+    try:
+        reader = GGUFReader(path, "r")
+        metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    except (ValueError, OSError, struct.error, IndexError, KeyError) as e:
+        raise _bad(path, str(e)) from e
+    config = config_from_gguf(reader)
+    arch = metadata.get("general.architecture")
+    table = _GGUF_GPT2 if config.arch == "gpt2" else _GGUF_LLAMA
+    tensors: dict[str, _Tensor] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name, table) or t.name
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        qtype = None if t.tensor_type in _PLAIN_GGML else GGMLQuantizationType(t.tensor_type)
+        data = t.data if qtype is not None else np.asarray(t.data).reshape(shape)
+        heads = 0
+        if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.n_heads if name.endswith("q_proj.weight") else config.n_kv_heads
+        transpose = config.arch == "gpt2" and name.endswith(_GPT2_TRANSPOSED)
+        tensors[name] = _Tensor(data, shape[::-1] if transpose else shape, qtype, heads, transpose)
+    return Checkpoint(path, "gguf", tensors, config, metadata, [path])
+
+
+# -- safetensors -----------------------------------------------------------------------------------------
+
+def _read_safetensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(name -> read-only memory-mapped array, __metadata__) without copying any tensor data."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if not 2 <= n <= min(size - 8, 1 << 28):
+                raise ValueError(f"header length {n} does not fit a file of {size} bytes")
+            header = json.loads(f.read(n))
+        mm = np.memmap(path, dtype=np.uint8, mode="r")
+        arrays = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _ST_DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (8 + n + int(o) for o in info["data_offsets"])
+            if end > size or end - start != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"tensor {name!r} {info['dtype']}{list(shape)} has bad data offsets")
+            arrays[name] = mm[start:end].view(dtype).reshape(shape)
+    except (ValueError, OSError, struct.error, KeyError, TypeError) as e:
+        raise _bad(path, str(e)) from e
+    return arrays, dict(header.get("__metadata__") or {})
+
+
+def _plain(arrays: dict[str, np.ndarray], config: ModelConfig | None) -> dict[str, _Tensor]:
+    tensors = {}
+    for name, a in arrays.items():
+        if config is not None and config.arch == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
+            if name.endswith((".attn.bias", ".attn.masked_bias")):
+                continue  # causal-mask buffers of old GPT-2 checkpoints, not weights
+            name = "transformer." + name
+        tensors[name] = _Tensor(a, tuple(a.shape))
+    return tensors
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        raise _bad(path, str(e)) from e
+
+
+def _open_hf_dir(path: Path) -> Checkpoint:
+    cfg = _read_json(path / "config.json")
+    generation = path / "generation_config.json"
+    if generation.exists():
+        eos = _read_json(generation).get("eos_token_id")
+        if eos is not None:
+            cfg = {**cfg, "eos_token_id": list(dict.fromkeys([*_as_list(cfg.get("eos_token_id")), *_as_list(eos)]))}
+    config = ModelConfig.from_hf_config(cfg)
+    index = path / "model.safetensors.index.json"
+    files = sorted({path / f for f in _read_json(index)["weight_map"].values()}) if index.exists() else sorted(
+        path.glob("*.safetensors"))
+    if not files:
+        raise NotFound(f"{path} has a config.json but no .safetensors files", "CHECKPOINT_NOT_FOUND")
+    arrays: dict[str, np.ndarray] = {}
+    metadata: dict[str, Any] = {}
+    for f in files:
+        a, meta = _read_safetensors(f)
+        arrays.update(a)
+        metadata.update(meta)
+    return Checkpoint(path, "hf", _plain(arrays, config), config, metadata, [path / "config.json", *files])
+
+
+def _as_list(v: Any) -> list[int]:
+    return [] if v is None else [int(x) for x in v] if isinstance(v, list) else [int(v)]
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Opens a .gguf file, a .safetensors file or a Hugging Face directory (config.json + *.safetensors,
+    sharded or not). Missing paths raise NotFound; unreadable ones InvalidArgument."""
+    p = Path(path).resolve()
+    if not p.exists():
+        raise NotFound(f"checkpoint {path} does not exist", "CHECKPOINT_NOT_FOUND")
+    files = sorted(p.iterdir()) if p.is_dir() else [p]
+    return _open(p, tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()))
+
+
+# GGUFReader spends seconds decoding the vocabulary arrays, and an executor opens the same file for every
+# stage it compiles: keep recent opens, keyed by (name, size, mtime) of the files so a rewritten one is reread.
+@lru_cache(maxsize=8)
+def _open(p: Path, files: tuple[tuple[str, int, int], ...]) -> Checkpoint:
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise NotFound(f"{p} is a directory without a config.json", "CHECKPOINT_NOT_FOUND")
+        return _open_hf_dir(p)
+    if p.suffix == ".gguf":
+        return _open_gguf(p)
+    if p.suffix == ".safetensors":
+        arrays, metadata = _read_safetensors(p)
+        return Checkpoint(p, "safetensors", _plain(arrays, None), None, metadata, [p])
+    raise InvalidArgument(f"{p}: unknown checkpoint format; expected .gguf, .safetensors or a directory",
+                          "UNKNOWN_CHECKPOINT_FORMAT")

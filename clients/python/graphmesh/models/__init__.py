@@ -1,0 +1,35 @@
+"""Model graph builders: one stage graph per contiguous span of layers, dispatched on ModelConfig.arch."""
+
+from __future__ import annotations
+
+from graphmesh import dtypes
+from graphmesh.errors import InvalidArgument
+from graphmesh.models import gpt2, llama
+from graphmesh.models.config import ModelConfig
+from graphmesh.ops import TensorType
+from graphmesh.v1 import graph_pb2
+
+__all__ = ["ModelConfig", "build_stage", "stage_params"]
+
+
+def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int, first: bool, last: bool,
+                sample: bool = False, name: str | None = None, quantized: bool = False,
+                packed_schemes: dict[str, str] | None = None) -> graph_pb2.Graph:
+    """The stage graph for `layers` (global indices); see graphmesh.models.llama for the I/O contract."""
+    if layers.step != 1 or not 0 <= layers.start <= layers.stop <= config.n_layers:
+        raise InvalidArgument(f"layers {layers} are not a contiguous span of the model's {config.n_layers} layers",
+                              "BAD_LAYER_RANGE")
+    if seq_len < 1 or cache_len < seq_len:
+        raise InvalidArgument(f"seq_len {seq_len} must be >= 1 and fit in cache_len {cache_len}", "BAD_SHAPE")
+    if config.arch == "gpt2":
+        if quantized:
+            raise InvalidArgument("quantized stages exist for the llama family only", "UNSUPPORTED_MODEL")
+        return gpt2.build_stage(config, layers, seq_len, cache_len, first, last, sample, name)
+    return llama.build_stage(config, layers, seq_len, cache_len, first, last, sample, name, quantized, packed_schemes)
+
+
+def stage_params(config: ModelConfig, layers: range, first: bool, last: bool, quantized: bool = False,
+                 packed_schemes: dict[str, str] | None = None) -> dict[str, TensorType]:
+    """The params a stage declares (HF names, global layer indices) and their types."""
+    proto = build_stage(config, layers, 1, 1, first, last, quantized=quantized, packed_schemes=packed_schemes)
+    return {p.name: TensorType(dtypes.from_proto(p.type.dtype), tuple(p.type.shape)) for p in proto.params}

@@ -1,0 +1,107 @@
+"""ModelConfig: the shape of a decoder LLM, read from a Hugging Face config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from graphmesh.errors import InvalidArgument
+
+ARCHS = ("llama", "gpt2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # "llama" (also Qwen2, Mistral-style) | "gpt2"
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float
+    rope_theta: float = 10000.0
+    rope_style: str = "half"  # HF Llama layout: rotate the two halves of each head
+    qkv_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    tie_word_embeddings: bool = False
+    max_position: int = 2048  # context length in tokens
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # gpt2: "gelu_tanh" | "gelu"
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise InvalidArgument(f"unknown architecture {self.arch!r}; expected one of {ARCHS}", "UNSUPPORTED_MODEL")
+        if self.n_heads <= 0 or self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+            raise InvalidArgument(f"{self.n_heads} query heads are not a multiple of {self.n_kv_heads} kv heads",
+                                  "BAD_CONFIG")
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """From the config.json of LlamaForCausalLM, Qwen2ForCausalLM or GPT2LMHeadModel."""
+        model_type = cfg.get("model_type", "")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if model_type == "gpt2":
+            if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
+                raise InvalidArgument("GPT-2 variants with per-layer attention scaling are not supported",
+                                      "UNSUPPORTED_MODEL")
+            act = cfg.get("activation_function", "gelu_new")
+            acts = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+            if act not in acts:
+                raise InvalidArgument(f"GPT-2 activation {act!r} is not supported", "UNSUPPORTED_MODEL")
+            hidden, heads = cfg["n_embd"], cfg["n_head"]
+            return cls(arch="gpt2", vocab_size=cfg["vocab_size"], hidden_size=hidden, n_layers=cfg["n_layer"],
+                       n_heads=heads, n_kv_heads=heads, head_dim=hidden // heads,
+                       intermediate_size=cfg.get("n_inner") or 4 * hidden, norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+                       tie_word_embeddings=cfg.get("tie_word_embeddings", True), max_position=cfg["n_positions"],
+                       bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, hidden_act=acts[act])
+        if model_type not in ("llama", "qwen2", "mistral"):
+            raise InvalidArgument(f"model_type {model_type!r} is not supported; expected llama, qwen2, mistral or gpt2",
+                                  "UNSUPPORTED_MODEL")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise InvalidArgument(f"rope scaling {rope} is not supported (the rope op has no scaling)", "UNSUPPORTED_MODEL")
+        if model_type != "qwen2" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+            raise InvalidArgument("Llama with attention_bias/mlp_bias is not supported", "UNSUPPORTED_MODEL")
+        if cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
+            raise InvalidArgument("sliding-window attention is not supported", "UNSUPPORTED_MODEL")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise InvalidArgument(f"hidden_act {cfg.get('hidden_act')!r} is not supported", "UNSUPPORTED_MODEL")
+        heads = cfg["num_attention_heads"]
+        return cls(arch="llama", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+                   n_layers=cfg["num_hidden_layers"], n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
+                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                   intermediate_size=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                   rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+                   qkv_bias=model_type == "qwen2", tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                   max_position=cfg.get("max_position_embeddings", 2048), bos_token_id=cfg.get("bos_token_id"),
+                   eos_token_ids=eos_ids)
+
+    def layer_params(self) -> int:
+        """Parameter count of one decoder block."""
+        h, i = self.hidden_size, self.intermediate_size
+        if self.arch == "gpt2":
+            return 4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
+        bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        return 2 * h + h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h + 3 * h * i + bias
+
+    def param_bytes(self, layers: range) -> int:
+        """f32 bytes of the params of a stage over `layers`: the embedding comes with layer 0 and the head
+        (final norm + lm_head, counted even when tied: the stage loads it as its own param) with the last layer."""
+        h, v = self.hidden_size, self.vocab_size
+        count = len(layers) * self.layer_params()
+        if layers.start == 0:
+            count += v * h + (self.max_position * h if self.arch == "gpt2" else 0)
+        if layers.stop == self.n_layers:
+            count += (2 * h if self.arch == "gpt2" else h) + v * h
+        return 4 * count

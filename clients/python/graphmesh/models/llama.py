@@ -1,0 +1,112 @@
+"""Llama-family stage graphs (Llama, SmolLM, Qwen2 with qkv bias), and the stage I/O contract every
+architecture shares.
+
+A stage runs the local layers `layers` (global indices) of the model on S rows. The same builder makes the
+prefill graph (S = bucket) and the decode graph (S = 1). Contract, in order:
+  inputs:  input_ids i64[S] (first stage) | hidden_in f32[S, H]; positions i64[S];
+           past_k_{i}, past_v_{i} f32[cache_len, kv_dim] for each local layer i;
+           last stage: last_index i64[1]; with sample: temperature f32[1], top_k i64[1], top_p f32[1], seed i64[1].
+  outputs: hidden_out f32[S, H] | logits f32[1, V] | token i64[1]; then for each local layer i the updated
+           K cache (output 1+2i) and V cache (output 2+2i), which the executor feeds back into past_k_i/past_v_i.
+New K/V rows go to cache rows positions[0] .. positions[0]+S-1; attention masks cache rows by position,
+so rows of a padded prefill past the prompt never reach a real query.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphmesh.graph import GraphBuilder, Value
+from graphmesh.models.config import ModelConfig
+from graphmesh.ops import packed_shape
+from graphmesh.v1 import graph_pb2
+
+
+@dataclass
+class StageIO:
+    x: Value  # [S] i64 token ids on the first stage, else [S, H] f32 hidden state
+    positions: Value  # [S] i64
+    start: Value  # [1] i64: the cache row of the first new K/V row
+    past: list[tuple[Value, Value]]  # per local layer: [cache_len, kv_dim] K and V
+    last_index: Value | None  # [1] i64, last stage only
+    sampling: tuple[Value, Value, Value, Value] | None  # temperature, top_k, top_p, seed
+
+
+def stage_inputs(g: GraphBuilder, c: ModelConfig, n_local: int, seq_len: int, cache_len: int, first: bool, last: bool,
+                 sample: bool) -> StageIO:
+    x = g.input("input_ids", (seq_len,), "i64") if first else g.input("hidden_in", (seq_len, c.hidden_size))
+    positions = g.input("positions", (seq_len,), "i64")
+    past = [(g.input(f"past_k_{i}", (cache_len, c.kv_dim)), g.input(f"past_v_{i}", (cache_len, c.kv_dim)))
+            for i in range(n_local)]
+    last_index = g.input("last_index", (1,), "i64") if last else None
+    sampling = (g.input("temperature", (1,)), g.input("top_k", (1,), "i64"), g.input("top_p", (1,)),
+                g.input("seed", (1,), "i64")) if last and sample else None
+    return StageIO(x, positions, g.slice(positions, 0, 0, 1), past, last_index, sampling)
+
+
+def stage_outputs(g: GraphBuilder, io: StageIO, result: Value, caches: list[Value]) -> graph_pb2.Graph:
+    """result: hidden [S, H] or logits [1, V]; the sampled token replaces logits when the stage samples."""
+    if io.sampling is not None:
+        result = g.sample(result, *io.sampling)
+    g.output(result, *caches)
+    return g.build()
+
+
+def cached_attention(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, q: Value, k: Value, v: Value,
+                     ) -> tuple[Value, Value, Value]:
+    """q [S, Hq, D] and k, v [S, kv_dim] (k already rotated) -> (attention output [S, Hq*D], K cache, V cache)."""
+    cache_len = io.past[i][0].shape[0]
+    k_cache = g.kv_write(io.past[i][0], k, io.start)
+    v_cache = g.kv_write(io.past[i][1], v, io.start)
+    heads = (cache_len, c.n_kv_heads, c.head_dim)
+    out = g.attention(q, g.reshape(k_cache, heads), g.reshape(v_cache, heads), io.positions, causal=True)
+    return g.reshape(out, (q.shape[0], c.q_dim)), k_cache, v_cache
+
+
+def _linear(g: GraphBuilder, x: Value, name: str, n: int, k: int, schemes: dict[str, str], bias: bool = False) -> Value:
+    """x [S, k] @ W.T with W stored [n, k] as in HF (or packed GGUF blocks when `name` has a scheme)."""
+    if name in schemes:
+        scheme = schemes[name]
+        y = g.dequant_matmul(x, g.param(name, packed_shape(scheme, n, k), "u8"), scheme, n, k)
+    else:
+        y = g.matmul(x, g.param(name, (n, k)), transpose_b=True)
+    return g.add(y, g.param(name.removesuffix("weight") + "bias", (n,))) if bias else y
+
+
+def _block(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, layer: int, x: Value, schemes: dict[str, str],
+           ) -> tuple[Value, Value, Value]:
+    p = f"model.layers.{layer}."
+    s, h = x.shape[0], c.hidden_size
+    a = g.rms_norm(x, g.param(p + "input_layernorm.weight", (h,)), c.norm_eps)
+    q = _linear(g, a, p + "self_attn.q_proj.weight", c.q_dim, h, schemes, c.qkv_bias)
+    k = _linear(g, a, p + "self_attn.k_proj.weight", c.kv_dim, h, schemes, c.qkv_bias)
+    v = _linear(g, a, p + "self_attn.v_proj.weight", c.kv_dim, h, schemes, c.qkv_bias)
+    q = g.rope(g.reshape(q, (s, c.n_heads, c.head_dim)), io.positions, c.rope_theta, c.rope_style)
+    k = g.rope(g.reshape(k, (s, c.n_kv_heads, c.head_dim)), io.positions, c.rope_theta, c.rope_style)
+    attn, k_cache, v_cache = cached_attention(g, c, io, i, q, g.reshape(k, (s, c.kv_dim)), v)
+    x = g.add(x, _linear(g, attn, p + "self_attn.o_proj.weight", h, c.q_dim, schemes))
+    m = g.rms_norm(x, g.param(p + "post_attention_layernorm.weight", (h,)), c.norm_eps)
+    gate = _linear(g, m, p + "mlp.gate_proj.weight", c.intermediate_size, h, schemes)
+    up = _linear(g, m, p + "mlp.up_proj.weight", c.intermediate_size, h, schemes)
+    x = g.add(x, _linear(g, g.mul(g.silu(gate), up), p + "mlp.down_proj.weight", h, c.intermediate_size, schemes))
+    return x, k_cache, v_cache
+
+
+def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int, first: bool, last: bool,
+                sample: bool = False, name: str | None = None, quantized: bool = False,
+                packed_schemes: dict[str, str] | None = None) -> graph_pb2.Graph:
+    """The stage graph over global layers `layers`. With quantized=True every Linear weight named in
+    packed_schemes (from Checkpoint.packed_schemes()) is a u8 param of GGUF blocks used through dequant_matmul."""
+    c = config
+    schemes = dict(packed_schemes or {}) if quantized else {}
+    g = GraphBuilder(name or f"llama_{layers.start}-{layers.stop}_s{seq_len}_c{cache_len}{'_q' if schemes else ''}")
+    io = stage_inputs(g, c, len(layers), seq_len, cache_len, first, last, sample)
+    x = g.gather(g.param("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)), io.x) if first else io.x
+    caches: list[Value] = []
+    for i, layer in enumerate(layers):
+        x, k_cache, v_cache = _block(g, c, io, i, layer, x, schemes)
+        caches += [k_cache, v_cache]
+    if io.last_index is None:
+        return stage_outputs(g, io, x, caches)
+    x = g.rms_norm(g.gather(x, io.last_index), g.param("model.norm.weight", (c.hidden_size,)), c.norm_eps)
+    return stage_outputs(g, io, _linear(g, x, "lm_head.weight", c.vocab_size, c.hidden_size, schemes), caches)

@@ -1,0 +1,154 @@
+"""Tokenizer: byte-level BPE from GGUF metadata, or tokenizer.json from a Hugging Face directory, plus the
+model's chat template.
+
+Built to give the same ids as transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=...)`: the same
+vocabulary respelling, merges, special tokens and pre-tokenizer choice. No transformers import here.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import BPE
+
+from graphmesh.checkpoints import Checkpoint
+from graphmesh.errors import InvalidArgument, NotFound
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> split regex. Any other value (gpt2, smollm, ...) keeps ByteLevel's own GPT-2 regex,
+# as transformers does.
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+@cache
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the spelling of byte-level BPE vocabularies)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
+
+
+def _gguf_tokenizer(meta: dict[str, Any]) -> tuple[HFTokenizer, bool]:
+    """(tokenizer, add_bos) from llama.cpp tokenizer.ggml.* metadata."""
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise InvalidArgument(f"GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported; "
+                              "only byte-level BPE ('gpt2')", "UNSUPPORTED_TOKENIZER")
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    # A token outside the byte alphabet (a llama.cpp export quirk) is respelled from its UTF-8 bytes.
+    vocab = {t if set(t) <= spelled else "".join(alphabet[b] for b in t.encode()): i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
+    tok = HFTokenizer(BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    split = _SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=bool(meta.get("tokenizer.ggml.add_space_prefix")))
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or []
+    named = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")]
+    special = [i for i, t in enumerate(types) if t == _CONTROL and set(tokens[i]) <= spelled]
+    special += [int(i) for i in named if i is not None]
+    tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in dict.fromkeys(special)])
+    user = [AddedToken(tokens[i], normalized=False, special=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+    if user:
+        tok.add_tokens(user)
+    return tok, bool(meta.get("tokenizer.ggml.add_bos_token", False))
+
+
+def _token_text(value: Any) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, special: dict[str, str | None],
+                 eos_token_ids: tuple[int, ...], add_bos: bool = False) -> None:
+        self.backend = tokenizer
+        self.chat_template = chat_template
+        self.special = special  # bos_token, eos_token, unk_token, pad_token -> text; the chat template sees these
+        self.eos_token_ids = eos_token_ids
+        bos = special.get("bos_token")
+        self.bos_token_id = tokenizer.token_to_id(bos) if bos else None
+        self.add_bos = add_bos and self.bos_token_id is not None
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> Tokenizer:
+        if ckpt.format == "gguf":
+            meta = ckpt.metadata
+            tok, add_bos = _gguf_tokenizer(meta)
+            tokens = meta["tokenizer.ggml.tokens"]
+            ids = {k: meta.get(f"tokenizer.ggml.{v}_token_id") for k, v in (
+                ("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
+            special = {k: tokens[i] if i is not None else None for k, i in ids.items()}
+            eos = ckpt.config.eos_token_ids if ckpt.config else ()
+            return cls(tok, meta.get("tokenizer.chat_template"), special, eos, add_bos)
+        if ckpt.format == "hf":
+            return cls.from_hf_dir(ckpt.path, ckpt.config.eos_token_ids if ckpt.config else ())
+        raise NotFound(f"{ckpt.path}: a bare .safetensors file carries no tokenizer", "TOKENIZER_NOT_FOUND")
+
+    @classmethod
+    def from_hf_dir(cls, path: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        """tokenizer.json + tokenizer_config.json (+ chat_template.jinja) of a Hugging Face directory."""
+        if not (path / "tokenizer.json").exists():
+            raise NotFound(f"{path} has no tokenizer.json", "TOKENIZER_NOT_FOUND")
+        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config_file = path / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_file.read_text()) if config_file.exists() else {}
+        template_file = path / "chat_template.jinja"
+        template = template_file.read_text() if template_file.exists() else config.get("chat_template")
+        special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        if not eos_token_ids and special["eos_token"] is not None:
+            eos_id = tok.token_to_id(special["eos_token"])
+            eos_token_ids = () if eos_id is None else (eos_id,)
+        # tokenizer.json's own post-processor already adds BOS where the model wants it.
+        return cls(tok, template if isinstance(template, str) else None, special, eos_token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.backend.encode(text).ids
+        return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation, rendered the way transformers renders chat templates."""
+        if self.chat_template is None:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return text + ("assistant: " if add_generation_prompt else "")
+        try:
+            return _compile(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                       **{k: v for k, v in self.special.items() if v is not None})
+        except jinja2.TemplateError as e:
+            raise InvalidArgument(f"chat template failed: {e}", "BAD_CHAT_TEMPLATE") from e
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@cache
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    # transformers' tojson: no HTML escaping, non-ASCII kept
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)

@@ -1,0 +1,89 @@
+"""Tiny seeded random-weight checkpoints written by transformers (offline), and the bundled SmolLM2 loaded
+by transformers as the reference for the real-model tests."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from graphmesh.bundled import resolve_model
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 1000
+# A wider init than HF's 0.02 spreads the logits, so greedy decoding of a random model does not hinge on
+# near-ties that float32 rounding could flip.
+INIT = 0.1
+
+
+def _save(model: PreTrainedModel, path: Path, **kwargs: Any) -> Path:
+    with torch.no_grad():  # HF starts norms at 1 and biases at 0; perturb them so the tests see if they are used
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, INIT)
+            elif "norm" in name or ".ln_" in name:
+                p.normal_(1.0, INIT)
+    model.generation_config.eos_token_id = None  # random weights: decode a fixed number of tokens
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def make_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """Llama, untied head, 2 layers, hidden 64, 4 heads of 16, 2 kv heads."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, initializer_range=INIT, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2)
+    return _save(LlamaForCausalLM(config), path)
+
+
+def make_tiny_qwen2(path: Path, seed: int = 1) -> Path:
+    """Qwen2 (Llama with q/k/v bias), tied head, rope theta 1e6, saved in small shards with an index."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, initializer_range=INIT, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                         bos_token_id=1, eos_token_id=2)
+    return _save(Qwen2ForCausalLM(config), path, max_shard_size="200KB")
+
+
+def make_tiny_gpt2(path: Path, seed: int = 2) -> Path:
+    """GPT-2, 2 layers, hidden 64, 4 heads, tied head."""
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, initializer_range=INIT,
+                        bos_token_id=0, eos_token_id=0)
+    return _save(GPT2LMHeadModel(config), path)
+
+
+TINY_MODELS = {"llama": make_tiny_llama, "qwen2": make_tiny_qwen2, "gpt2": make_tiny_gpt2}
+
+
+def smollm2_path() -> Path:
+    return resolve_model("smollm2-135m")
+
+
+@functools.cache
+def smollm2_hf() -> Any:
+    """transformers' SmolLM2 from the bundled GGUF, f32, in eval mode (about 15 s; cached for the whole
+    pytest process)."""
+    path = smollm2_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+
+
+@functools.cache
+def smollm2_hf_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+    path = smollm2_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
