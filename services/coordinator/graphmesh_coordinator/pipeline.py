@@ -119,28 +119,30 @@ class Mesh:
         calls.reverse()
         failures: list[InvocationFailed] = []
         replies: list[stage_pb2.ExecuteGroupResponse] = []
+        aborted = False
         for rank, call in zip(ranks, calls):
             try:
                 replies.append(call.result())
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
                 failures.append(InvocationFailed(classify(error), rank.plan.rank, error))
-                if classify(error) == "ARCH":
-                    self._abort_all(ranks, header)  # wakes ranks still waiting for a boundary that won't come
+                if classify(error) == "ARCH" and not aborted:
+                    self._abort_all(ranks, header, commit_epoch)  # wakes ranks waiting for a boundary that won't come
+                    aborted = True
+        if commit_epoch:
+            self.state.record(Decision(session_id, commit_epoch, "COMMITTED"))  # its token was delivered
         if not failures:
-            if commit_epoch:
-                self.state.record(Decision(session_id, commit_epoch, "COMMITTED"))
             return replies[-1]
         first = min(failures, key=lambda f: (f.error_class == "ARCH", f.rank))  # COMM outranks ARCH
         if first.error_class == "ARCH":
-            self._abort_all(ranks, header)
             self.state.record(Decision(session_id, epoch, "ABORTED"))
         else:
             self.fence(incarnation, f"{first.error_class} on rank {first.rank}: {first.cause.message}")
         raise first
 
-    def _abort_all(self, ranks: Sequence[Rank], header: stage_pb2.FencingHeader) -> None:
-        calls = [r.stub.Abort.future(stage_pb2.AbortRequest(header=header), timeout=self.rpc_timeout_s) for r in ranks]
+    def _abort_all(self, ranks: Sequence[Rank], header: stage_pb2.FencingHeader, commit_epoch: int) -> None:
+        request = stage_pb2.AbortRequest(header=header, commit_epoch=commit_epoch)
+        calls = [r.stub.Abort.future(request, timeout=self.rpc_timeout_s) for r in ranks]
         for call in calls:
             try:
                 call.result()

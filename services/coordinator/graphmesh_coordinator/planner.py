@@ -27,7 +27,7 @@ class StagePlan:
 
 
 def layer_bytes(config: ModelConfig) -> int:
-    return config.param_bytes(range(0, 1))
+    return 4 * config.layer_params()
 
 
 def head_bytes(config: ModelConfig) -> int:

@@ -13,19 +13,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from graphmesh import models
-from graphmesh.bundled import resolve_model
-from graphmesh.checkpoints import Checkpoint, open_checkpoint
+from graphmesh.bundled import BUNDLED, resolve_model
+from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from graphmesh.graph import parse
 from graphmesh.models.config import ModelConfig
 from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.executable import Executable
 from graphmesh_executor.fencing import Authority, Outcome, SessionTxn
+from graphmesh_executor.weights import load_params, resolve_under_root
 
 log = logging.getLogger("graphmesh.executor.stage")
 
@@ -137,7 +139,7 @@ class StageRuntime:
         return (time.perf_counter() - t0) * 1000.0
 
     def _load(self, spec: StageConfig) -> None:
-        path = resolve_model(spec.model, self.model_root)
+        path = self._model_path(spec.model)
         ckpt = open_checkpoint(path)
         if ckpt.config is None:
             raise InvalidArgument(f"{path} has no model config", "NO_MODEL_CONFIG")
@@ -148,20 +150,27 @@ class StageRuntime:
         self.config, self.spec = config, spec
         self._executables.clear()
         self._holder = None
-        holder = self._compile(1, MIN_KV_ROWS, sample=True, ckpt=ckpt)
+        holder = self._compile(1, MIN_KV_ROWS, sample=True, weights=path)
         self._holder = holder
         self.model_identity = ckpt.identity()
         self.param_bytes = sum(int(np.prod(t.shape)) * 4 for t in holder.graph.params.values())
         self._loaded_key = spec
 
-    def _compile(self, rows: int, capacity: int, sample: bool, ckpt: Checkpoint | None = None) -> Executable[Any]:
+    def _model_path(self, model: str) -> Path:
+        """A bundled name, or a path confined to --model-root when the executor has one."""
+        if model in BUNDLED or self.model_root is None:
+            return resolve_model(model)
+        return resolve_under_root(Path(self.model_root), model)
+
+    def _compile(self, rows: int, capacity: int, sample: bool, weights: Path | None = None) -> Executable[Any]:
         assert self.config is not None and self.spec is not None
         spec = self.spec
         proto = models.build_stage(self.config, range(spec.layer_start, spec.layer_end), seq_len=rows,
                                    cache_len=capacity, first=spec.first, last=spec.last, sample=sample)
         exe = compile_graph(parse(proto), self.backend, self.device)
-        if ckpt is not None:
-            load_stage_params(exe, ckpt)
+        if weights is not None:
+            load_params(exe, weights, {})
+            exe.finalize_params()
         elif self._holder is not None:
             exe.copy_params_from(self._holder)
         n_layers = spec.layer_end - spec.layer_start
@@ -304,6 +313,8 @@ class StageRuntime:
                 cause = f"boundary {hidden.dtype}{list(hidden.shape)} breaks schema f32[*, {self.config.hidden_size}]"
                 self.authority.poison(incarnation, f"CONTRACT: {cause}")
                 raise InvalidArgument(cause, "SCHEMA_MISMATCH", {"error_class": "CONTRACT"})
+            if (session_id, epoch) in self._aborted:
+                return  # a late push for an epoch already rolled back
             self._mailbox[(session_id, epoch)] = hidden
             self._lock.notify_all()
 
@@ -314,7 +325,7 @@ class StageRuntime:
             session.txn.commit(epoch)
             return session.txn.kv_length
 
-    def abort(self, incarnation: int, session_id: str, epoch: int) -> int:
+    def abort(self, incarnation: int, session_id: str, epoch: int, commit_epoch: int = 0) -> int:
         """Local rollback; allowed under poison (but not for an older incarnation's messages)."""
         with self._lock:
             if incarnation != self.authority.incarnation:
@@ -325,6 +336,8 @@ class StageRuntime:
             session = self._sessions.get(session_id)
             if session is None:
                 return 0
+            if commit_epoch and session.txn.epoch == commit_epoch:
+                session.txn.commit(commit_epoch)
             session.txn.abort(epoch)
             return session.txn.kv_length
 
@@ -354,21 +367,3 @@ class StageRuntime:
         with self._lock:
             return list(self._sessions.items())
 
-
-def load_stage_params(exe: Executable[Any], ckpt: Checkpoint) -> None:
-    """Reads exactly the params the stage declares, with progress for big loads."""
-    names = list(exe.graph.params)
-    last_report = time.monotonic()
-    for i, name in enumerate(names):
-        t = exe.graph.params[name]
-        if t.dtype == "u8":
-            packed = ckpt.packed(name)
-            if packed is None:
-                raise NotFound(f"{name!r} is not stored packed in the checkpoint", "NOT_PACKED")
-            exe.set_param_typed(name, packed[1])
-        else:
-            exe.set_param_typed(name, ckpt.tensor(name, t.dtype))
-        if time.monotonic() - last_report > 1.0:
-            log.info("loading weights", extra={"loaded": i + 1, "total": len(names)})
-            last_report = time.monotonic()
-    exe.finalize_params()

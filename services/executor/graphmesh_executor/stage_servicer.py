@@ -125,7 +125,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     @_statused
     def Abort(self, request: stage_pb2.AbortRequest, context: grpc.ServicerContext) -> stage_pb2.AbortResponse:
         h = request.header
-        return stage_pb2.AbortResponse(kv_length=self.runtime.abort(h.incarnation, h.session_id, h.epoch))
+        return stage_pb2.AbortResponse(kv_length=self.runtime.abort(h.incarnation, h.session_id, h.epoch,
+                                                                     request.commit_epoch))
 
     @_statused
     def ResolveEpoch(self, request: stage_pb2.ResolveEpochRequest,

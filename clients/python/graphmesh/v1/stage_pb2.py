@@ -25,27 +25,27 @@ _sym_db = _symbol_database.Default()
 from graphmesh.v1 import tensor_pb2 as graphmesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18graphmesh/v1/stage.proto\x12\x0cgraphmesh.v1\x1a\x19graphmesh/v1/tensor.proto\"G\n\rFencingHeader\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\xa2\x01\n\tStageSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\r\n\x05\x66irst\x18\x04 \x01(\x08\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\x14\n\x0cnext_address\x18\x06 \x01(\t\x12\x0f\n\x07weights\x18\x07 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x08 \x01(\r\"o\n\x0eInstallRequest\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12&\n\x05stage\x18\x04 \x01(\x0b\x32\x17.graphmesh.v1.StageSpec\"p\n\x0fInstallResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x13\n\x0bparam_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07load_ms\x18\x04 \x01(\x01\x12\x16\n\x0emodel_identity\x18\x05 \x01(\t\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xa9\x02\n\x13\x45xecuteGroupRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\x12-\n\x0b\x65xpert_pass\x18\x02 \x01(\x0e\x32\x18.graphmesh.v1.ExpertPass\x12\x14\n\x0c\x63ommit_epoch\x18\x03 \x01(\x04\x12\x16\n\x0estart_position\x18\x04 \x01(\x04\x12\x11\n\ttoken_ids\x18\x05 \x03(\x03\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.graphmesh.v1.SamplingParams\x12(\n\x06output\x18\x07 \x01(\x0e\x32\x18.graphmesh.v1.OutputKind\x12\x1b\n\x13\x62oundary_timeout_ms\x18\x08 \x01(\r\"\x8b\x01\n\x14\x45xecuteGroupResponse\x12\r\n\x05token\x18\x01 \x01(\x03\x12$\n\x06logits\x18\x02 \x01(\x0b\x32\x14.graphmesh.v1.Tensor\x12\x11\n\tkv_length\x18\x03 \x01(\x04\x12\x12\n\ncompute_us\x18\x04 \x01(\x01\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\x04\"`\n\x0e\x42oundaryTensor\x12(\n\x04role\x18\x01 \x01(\x0e\x32\x1a.graphmesh.v1.BoundaryRole\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x14.graphmesh.v1.Tensor\"\x80\x01\n\x13PushBoundaryRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\x12\r\n\x05route\x18\x02 \x01(\t\x12-\n\x07tensors\x18\x03 \x03(\x0b\x32\x1c.graphmesh.v1.BoundaryTensor\"\x16\n\x14PushBoundaryResponse\"<\n\rCommitRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\"#\n\x0e\x43ommitResponse\x12\x11\n\tkv_length\x18\x01 \x01(\x04\";\n\x0c\x41\x62ortRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\"\"\n\rAbortResponse\x12\x11\n\tkv_length\x18\x01 \x01(\x04\"o\n\x13ResolveEpochRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\x12+\n\x07outcome\x18\x02 \x01(\x0e\x32\x1a.graphmesh.v1.EpochOutcome\")\n\x14ResolveEpochResponse\x12\x11\n\tkv_length\x18\x01 \x01(\x04\"D\n\x15ReleaseSessionRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"E\n\x0c\x46\x65nceRequest\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08terminal\x18\x03 \x01(\x08\"<\n\rFenceResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.graphmesh.v1.AuthorityState\"\xbc\x01\n\x12StageSessionStatus\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x05phase\x18\x02 \x01(\x0e\x32\x1a.graphmesh.v1.SessionPhase\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x30\n\x0clast_outcome\x18\x04 \x01(\x0e\x32\x1a.graphmesh.v1.EpochOutcome\x12\x11\n\tkv_length\x18\x05 \x01(\x04\x12\x13\n\x0bkv_capacity\x18\x06 \x01(\x04\"\x14\n\x12StageStatusRequest\"\xf8\x01\n\x13StageStatusResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.graphmesh.v1.AuthorityState\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x14\n\x0cpoison_cause\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12&\n\x05stage\x18\x05 \x01(\x0b\x32\x17.graphmesh.v1.StageSpec\x12\x32\n\x08sessions\x18\x06 \x03(\x0b\x32 .graphmesh.v1.StageSessionStatus\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t*Z\n\nExpertPass\x12\x1b\n\x17\x45XPERT_PASS_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45XPERT_PASS_PREFILL\x10\x01\x12\x16\n\x12\x45XPERT_PASS_DECODE\x10\x02*o\n\nErrorClass\x12\x1b\n\x17\x45RROR_CLASS_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45RROR_CLASS_ARCH\x10\x01\x12\x14\n\x10\x45RROR_CLASS_COMM\x10\x02\x12\x18\n\x14\x45RROR_CLASS_CONTRACT\x10\x03*X\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_KIND_TOKEN\x10\x01\x12\x16\n\x12OUTPUT_KIND_LOGITS\x10\x02*K\n\x0c\x42oundaryRole\x12\x1d\n\x19\x42OUNDARY_ROLE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x42OUNDARY_ROLE_ACTIVATION\x10\x01*\x86\x01\n\x0c\x45pochOutcome\x12\x1d\n\x19\x45POCH_OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45POCH_OUTCOME_COMMITTED\x10\x01\x12\x19\n\x15\x45POCH_OUTCOME_ABORTED\x10\x02\x12\x1f\n\x1b\x45POCH_OUTCOME_INDETERMINATE\x10\x03*\xa3\x01\n\x0e\x41uthorityState\x12\x1f\n\x1b\x41UTHORITY_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41UTHORITY_STATE_NONE\x10\x01\x12\x1a\n\x16\x41UTHORITY_STATE_ACTIVE\x10\x02\x12\x1c\n\x18\x41UTHORITY_STATE_POISONED\x10\x03\x12\x1c\n\x18\x41UTHORITY_STATE_TERMINAL\x10\x04*\x80\x01\n\x0cSessionPhase\x12\x1d\n\x19SESSION_PHASE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_PHASE_IDLE\x10\x01\x12\x18\n\x14SESSION_PHASE_IN_TXN\x10\x02\x12\x1f\n\x1bSESSION_PHASE_INDETERMINATE\x10\x03\x32\xd0\x05\n\x0cStageService\x12\x46\n\x07Install\x12\x1c.graphmesh.v1.InstallRequest\x1a\x1d.graphmesh.v1.InstallResponse\x12U\n\x0c\x45xecuteGroup\x12!.graphmesh.v1.ExecuteGroupRequest\x1a\".graphmesh.v1.ExecuteGroupResponse\x12U\n\x0cPushBoundary\x12!.graphmesh.v1.PushBoundaryRequest\x1a\".graphmesh.v1.PushBoundaryResponse\x12\x43\n\x06\x43ommit\x12\x1b.graphmesh.v1.CommitRequest\x1a\x1c.graphmesh.v1.CommitResponse\x12@\n\x05\x41\x62ort\x12\x1a.graphmesh.v1.AbortRequest\x1a\x1b.graphmesh.v1.AbortResponse\x12U\n\x0cResolveEpoch\x12!.graphmesh.v1.ResolveEpochRequest\x1a\".graphmesh.v1.ResolveEpochResponse\x12[\n\x0eReleaseSession\x12#.graphmesh.v1.ReleaseSessionRequest\x1a$.graphmesh.v1.ReleaseSessionResponse\x12@\n\x05\x46\x65nce\x12\x1a.graphmesh.v1.FenceRequest\x1a\x1b.graphmesh.v1.FenceResponse\x12M\n\x06Status\x12 .graphmesh.v1.StageStatusRequest\x1a!.graphmesh.v1.StageStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18graphmesh/v1/stage.proto\x12\x0cgraphmesh.v1\x1a\x19graphmesh/v1/tensor.proto\"G\n\rFencingHeader\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\xa2\x01\n\tStageSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\r\n\x05\x66irst\x18\x04 \x01(\x08\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\x14\n\x0cnext_address\x18\x06 \x01(\t\x12\x0f\n\x07weights\x18\x07 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x08 \x01(\r\"o\n\x0eInstallRequest\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12&\n\x05stage\x18\x04 \x01(\x0b\x32\x17.graphmesh.v1.StageSpec\"p\n\x0fInstallResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x13\n\x0bparam_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07load_ms\x18\x04 \x01(\x01\x12\x16\n\x0emodel_identity\x18\x05 \x01(\t\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xa9\x02\n\x13\x45xecuteGroupRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\x12-\n\x0b\x65xpert_pass\x18\x02 \x01(\x0e\x32\x18.graphmesh.v1.ExpertPass\x12\x14\n\x0c\x63ommit_epoch\x18\x03 \x01(\x04\x12\x16\n\x0estart_position\x18\x04 \x01(\x04\x12\x11\n\ttoken_ids\x18\x05 \x03(\x03\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.graphmesh.v1.SamplingParams\x12(\n\x06output\x18\x07 \x01(\x0e\x32\x18.graphmesh.v1.OutputKind\x12\x1b\n\x13\x62oundary_timeout_ms\x18\x08 \x01(\r\"\x8b\x01\n\x14\x45xecuteGroupResponse\x12\r\n\x05token\x18\x01 \x01(\x03\x12$\n\x06logits\x18\x02 \x01(\x0b\x32\x14.graphmesh.v1.Tensor\x12\x11\n\tkv_length\x18\x03 \x01(\x04\x12\x12\n\ncompute_us\x18\x04 \x01(\x01\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\x04\"`\n\x0e\x42oundaryTensor\x12(\n\x04role\x18\x01 \x01(\x0e\x32\x1a.graphmesh.v1.BoundaryRole\x12$\n\x06tensor\x18\x02 \x01(\x0b\x32\x14.graphmesh.v1.Tensor\"\x80\x01\n\x13PushBoundaryRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\x12\r\n\x05route\x18\x02 \x01(\t\x12-\n\x07tensors\x18\x03 \x03(\x0b\x32\x1c.graphmesh.v1.BoundaryTensor\"\x16\n\x14PushBoundaryResponse\"<\n\rCommitRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\"#\n\x0e\x43ommitResponse\x12\x11\n\tkv_length\x18\x01 \x01(\x04\"Q\n\x0c\x41\x62ortRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\x12\x14\n\x0c\x63ommit_epoch\x18\x02 \x01(\x04\"\"\n\rAbortResponse\x12\x11\n\tkv_length\x18\x01 \x01(\x04\"o\n\x13ResolveEpochRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\x12+\n\x07outcome\x18\x02 \x01(\x0e\x32\x1a.graphmesh.v1.EpochOutcome\")\n\x14ResolveEpochResponse\x12\x11\n\tkv_length\x18\x01 \x01(\x04\"D\n\x15ReleaseSessionRequest\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\"*\n\x16ReleaseSessionResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"E\n\x0c\x46\x65nceRequest\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08terminal\x18\x03 \x01(\x08\"<\n\rFenceResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.graphmesh.v1.AuthorityState\"\xbc\x01\n\x12StageSessionStatus\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12)\n\x05phase\x18\x02 \x01(\x0e\x32\x1a.graphmesh.v1.SessionPhase\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x30\n\x0clast_outcome\x18\x04 \x01(\x0e\x32\x1a.graphmesh.v1.EpochOutcome\x12\x11\n\tkv_length\x18\x05 \x01(\x04\x12\x13\n\x0bkv_capacity\x18\x06 \x01(\x04\"\x14\n\x12StageStatusRequest\"\xf8\x01\n\x13StageStatusResponse\x12+\n\x05state\x18\x01 \x01(\x0e\x32\x1c.graphmesh.v1.AuthorityState\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x14\n\x0cpoison_cause\x18\x03 \x01(\t\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12&\n\x05stage\x18\x05 \x01(\x0b\x32\x17.graphmesh.v1.StageSpec\x12\x32\n\x08sessions\x18\x06 \x03(\x0b\x32 .graphmesh.v1.StageSessionStatus\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t*Z\n\nExpertPass\x12\x1b\n\x17\x45XPERT_PASS_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45XPERT_PASS_PREFILL\x10\x01\x12\x16\n\x12\x45XPERT_PASS_DECODE\x10\x02*o\n\nErrorClass\x12\x1b\n\x17\x45RROR_CLASS_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45RROR_CLASS_ARCH\x10\x01\x12\x14\n\x10\x45RROR_CLASS_COMM\x10\x02\x12\x18\n\x14\x45RROR_CLASS_CONTRACT\x10\x03*X\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11OUTPUT_KIND_TOKEN\x10\x01\x12\x16\n\x12OUTPUT_KIND_LOGITS\x10\x02*K\n\x0c\x42oundaryRole\x12\x1d\n\x19\x42OUNDARY_ROLE_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x42OUNDARY_ROLE_ACTIVATION\x10\x01*\x86\x01\n\x0c\x45pochOutcome\x12\x1d\n\x19\x45POCH_OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x45POCH_OUTCOME_COMMITTED\x10\x01\x12\x19\n\x15\x45POCH_OUTCOME_ABORTED\x10\x02\x12\x1f\n\x1b\x45POCH_OUTCOME_INDETERMINATE\x10\x03*\xa3\x01\n\x0e\x41uthorityState\x12\x1f\n\x1b\x41UTHORITY_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41UTHORITY_STATE_NONE\x10\x01\x12\x1a\n\x16\x41UTHORITY_STATE_ACTIVE\x10\x02\x12\x1c\n\x18\x41UTHORITY_STATE_POISONED\x10\x03\x12\x1c\n\x18\x41UTHORITY_STATE_TERMINAL\x10\x04*\x80\x01\n\x0cSessionPhase\x12\x1d\n\x19SESSION_PHASE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_PHASE_IDLE\x10\x01\x12\x18\n\x14SESSION_PHASE_IN_TXN\x10\x02\x12\x1f\n\x1bSESSION_PHASE_INDETERMINATE\x10\x03\x32\xd0\x05\n\x0cStageService\x12\x46\n\x07Install\x12\x1c.graphmesh.v1.InstallRequest\x1a\x1d.graphmesh.v1.InstallResponse\x12U\n\x0c\x45xecuteGroup\x12!.graphmesh.v1.ExecuteGroupRequest\x1a\".graphmesh.v1.ExecuteGroupResponse\x12U\n\x0cPushBoundary\x12!.graphmesh.v1.PushBoundaryRequest\x1a\".graphmesh.v1.PushBoundaryResponse\x12\x43\n\x06\x43ommit\x12\x1b.graphmesh.v1.CommitRequest\x1a\x1c.graphmesh.v1.CommitResponse\x12@\n\x05\x41\x62ort\x12\x1a.graphmesh.v1.AbortRequest\x1a\x1b.graphmesh.v1.AbortResponse\x12U\n\x0cResolveEpoch\x12!.graphmesh.v1.ResolveEpochRequest\x1a\".graphmesh.v1.ResolveEpochResponse\x12[\n\x0eReleaseSession\x12#.graphmesh.v1.ReleaseSessionRequest\x1a$.graphmesh.v1.ReleaseSessionResponse\x12@\n\x05\x46\x65nce\x12\x1a.graphmesh.v1.FenceRequest\x1a\x1b.graphmesh.v1.FenceResponse\x12M\n\x06Status\x12 .graphmesh.v1.StageStatusRequest\x1a!.graphmesh.v1.StageStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'graphmesh.v1.stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EXPERTPASS']._serialized_start=2375
-  _globals['_EXPERTPASS']._serialized_end=2465
-  _globals['_ERRORCLASS']._serialized_start=2467
-  _globals['_ERRORCLASS']._serialized_end=2578
-  _globals['_OUTPUTKIND']._serialized_start=2580
-  _globals['_OUTPUTKIND']._serialized_end=2668
-  _globals['_BOUNDARYROLE']._serialized_start=2670
-  _globals['_BOUNDARYROLE']._serialized_end=2745
-  _globals['_EPOCHOUTCOME']._serialized_start=2748
-  _globals['_EPOCHOUTCOME']._serialized_end=2882
-  _globals['_AUTHORITYSTATE']._serialized_start=2885
-  _globals['_AUTHORITYSTATE']._serialized_end=3048
-  _globals['_SESSIONPHASE']._serialized_start=3051
-  _globals['_SESSIONPHASE']._serialized_end=3179
+  _globals['_EXPERTPASS']._serialized_start=2397
+  _globals['_EXPERTPASS']._serialized_end=2487
+  _globals['_ERRORCLASS']._serialized_start=2489
+  _globals['_ERRORCLASS']._serialized_end=2600
+  _globals['_OUTPUTKIND']._serialized_start=2602
+  _globals['_OUTPUTKIND']._serialized_end=2690
+  _globals['_BOUNDARYROLE']._serialized_start=2692
+  _globals['_BOUNDARYROLE']._serialized_end=2767
+  _globals['_EPOCHOUTCOME']._serialized_start=2770
+  _globals['_EPOCHOUTCOME']._serialized_end=2904
+  _globals['_AUTHORITYSTATE']._serialized_start=2907
+  _globals['_AUTHORITYSTATE']._serialized_end=3070
+  _globals['_SESSIONPHASE']._serialized_start=3073
+  _globals['_SESSIONPHASE']._serialized_end=3201
   _globals['_FENCINGHEADER']._serialized_start=69
   _globals['_FENCINGHEADER']._serialized_end=140
   _globals['_STAGESPEC']._serialized_start=143
@@ -71,27 +71,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMMITRESPONSE']._serialized_start=1374
   _globals['_COMMITRESPONSE']._serialized_end=1409
   _globals['_ABORTREQUEST']._serialized_start=1411
-  _globals['_ABORTREQUEST']._serialized_end=1470
-  _globals['_ABORTRESPONSE']._serialized_start=1472
-  _globals['_ABORTRESPONSE']._serialized_end=1506
-  _globals['_RESOLVEEPOCHREQUEST']._serialized_start=1508
-  _globals['_RESOLVEEPOCHREQUEST']._serialized_end=1619
-  _globals['_RESOLVEEPOCHRESPONSE']._serialized_start=1621
-  _globals['_RESOLVEEPOCHRESPONSE']._serialized_end=1662
-  _globals['_RELEASESESSIONREQUEST']._serialized_start=1664
-  _globals['_RELEASESESSIONREQUEST']._serialized_end=1732
-  _globals['_RELEASESESSIONRESPONSE']._serialized_start=1734
-  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1776
-  _globals['_FENCEREQUEST']._serialized_start=1778
-  _globals['_FENCEREQUEST']._serialized_end=1847
-  _globals['_FENCERESPONSE']._serialized_start=1849
-  _globals['_FENCERESPONSE']._serialized_end=1909
-  _globals['_STAGESESSIONSTATUS']._serialized_start=1912
-  _globals['_STAGESESSIONSTATUS']._serialized_end=2100
-  _globals['_STAGESTATUSREQUEST']._serialized_start=2102
-  _globals['_STAGESTATUSREQUEST']._serialized_end=2122
-  _globals['_STAGESTATUSRESPONSE']._serialized_start=2125
-  _globals['_STAGESTATUSRESPONSE']._serialized_end=2373
-  _globals['_STAGESERVICE']._serialized_start=3182
-  _globals['_STAGESERVICE']._serialized_end=3902
+  _globals['_ABORTREQUEST']._serialized_end=1492
+  _globals['_ABORTRESPONSE']._serialized_start=1494
+  _globals['_ABORTRESPONSE']._serialized_end=1528
+  _globals['_RESOLVEEPOCHREQUEST']._serialized_start=1530
+  _globals['_RESOLVEEPOCHREQUEST']._serialized_end=1641
+  _globals['_RESOLVEEPOCHRESPONSE']._serialized_start=1643
+  _globals['_RESOLVEEPOCHRESPONSE']._serialized_end=1684
+  _globals['_RELEASESESSIONREQUEST']._serialized_start=1686
+  _globals['_RELEASESESSIONREQUEST']._serialized_end=1754
+  _globals['_RELEASESESSIONRESPONSE']._serialized_start=1756
+  _globals['_RELEASESESSIONRESPONSE']._serialized_end=1798
+  _globals['_FENCEREQUEST']._serialized_start=1800
+  _globals['_FENCEREQUEST']._serialized_end=1869
+  _globals['_FENCERESPONSE']._serialized_start=1871
+  _globals['_FENCERESPONSE']._serialized_end=1931
+  _globals['_STAGESESSIONSTATUS']._serialized_start=1934
+  _globals['_STAGESESSIONSTATUS']._serialized_end=2122
+  _globals['_STAGESTATUSREQUEST']._serialized_start=2124
+  _globals['_STAGESTATUSREQUEST']._serialized_end=2144
+  _globals['_STAGESTATUSRESPONSE']._serialized_start=2147
+  _globals['_STAGESTATUSRESPONSE']._serialized_end=2395
+  _globals['_STAGESERVICE']._serialized_start=3204
+  _globals['_STAGESERVICE']._serialized_end=3924
 # @@protoc_insertion_point(module_scope)

@@ -564,16 +564,22 @@ class AbortRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
+    COMMIT_EPOCH_FIELD_NUMBER: _builtins.int
+    commit_epoch: _builtins.int
+    """commit_epoch, when non-zero, is an earlier epoch to commit first: the
+    folded commit of an ExecuteGroup that this rank never received.
+    """
     @_builtins.property
     def header(self) -> Global___FencingHeader: ...
     def __init__(
         self,
         *,
         header: Global___FencingHeader | None = ...,
+        commit_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_epoch", b"commit_epoch", "header", b"header"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

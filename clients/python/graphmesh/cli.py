@@ -1,0 +1,135 @@
+"""graphmesh: start a mesh on loopback, generate text, show the mesh's status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from graphmesh.coordinator_client import CoordinatorClient
+from graphmesh.errors import GraphmeshError
+from graphmesh.launcher import LocalMesh, fastest_backend
+
+DEFAULT_COORDINATOR = "127.0.0.1:50050"
+
+
+def _mesh_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--executors", type=int, default=2, help="executor processes (default 2)")
+    p.add_argument("--backend", default="", help="numpy, torch or mlx; comma-separated per executor "
+                                                "(default: the fastest installed)")
+    p.add_argument("--model", default="smollm2-135m", help="bundled model name or checkpoint path")
+    p.add_argument("--split", default="", help="layers per executor, e.g. 20,10 (default: balanced)")
+    p.add_argument("--weights", default="f32", choices=["f32", "packed"])
+
+
+def _mesh(args: argparse.Namespace, listen: str = "") -> LocalMesh:
+    backends = [b for b in args.backend.split(",") if b]
+    backend: str | list[str] = backends if len(backends) > 1 else (backends[0] if backends else fastest_backend())
+    count = len(backends) if len(backends) > 1 else args.executors
+    return LocalMesh(count, backend, args.model, [int(x) for x in args.split.split(",") if x], args.weights,
+                     coordinator_listen=listen)
+
+
+@contextmanager
+def _coordinator(args: argparse.Namespace) -> Iterator[str]:
+    if args.coordinator:
+        yield args.coordinator
+        return
+    print(f"starting an embedded mesh ({args.executors} executors)...", file=sys.stderr)
+    with _mesh(args) as mesh:
+        yield mesh.coordinator_address
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    with _mesh(args, args.listen) as mesh:
+        print(f"coordinator {mesh.coordinator_address}", flush=True)
+        for rank, address in enumerate(mesh.executor_addresses):
+            print(f"executor {rank} {address}", flush=True)
+        print(f"logs in {mesh.log_dir}; Ctrl-C to stop", flush=True)
+        try:
+            while all(p.poll() is None for p in mesh.processes):
+                time.sleep(0.5)
+            print("a mesh process exited; stopping", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    with _coordinator(args) as address, CoordinatorClient(address) as client:
+        t0 = time.perf_counter()
+        token_ids: list[int] = []
+        prompt_ids: list[int] = []
+        text, ttft_ms, finish = "", 0.0, ""
+        for chunk in client.generate(args.prompt, max_tokens=args.max_tokens, raw=args.raw,
+                                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                     model=args.model if args.coordinator else ""):
+            if not token_ids:
+                ttft_ms, prompt_ids = chunk.ttft_ms or (time.perf_counter() - t0) * 1000, chunk.prompt_token_ids
+            token_ids += chunk.token_ids
+            text += chunk.text
+            finish = chunk.finish_reason or finish
+            if not args.json:
+                print(chunk.text, end="", flush=True)
+        elapsed = time.perf_counter() - t0
+        decode_s = max(elapsed - ttft_ms / 1000, 1e-9)
+        tokens_per_s = (len(token_ids) - 1) / decode_s if len(token_ids) > 1 else 0.0
+        if args.json:
+            print(json.dumps({"text": text, "prompt_token_ids": prompt_ids, "token_ids": token_ids,
+                              "ttft_ms": round(ttft_ms, 2), "tokens_per_s": round(tokens_per_s, 2),
+                              "finish_reason": finish}))
+        else:
+            print(f"\n[{len(token_ids)} tokens, ttft {ttft_ms:.0f} ms, {tokens_per_s:.1f} tok/s, {finish}]",
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with CoordinatorClient(args.coordinator or DEFAULT_COORDINATOR) as client:
+        s = client.status()
+    if args.json:
+        from google.protobuf import json_format
+        print(json_format.MessageToJson(s, preserving_proto_field_name=True))
+        return 0
+    print(f"model {s.model}  incarnation {s.incarnation}  ready {s.ready}  recoveries {s.recoveries}")
+    for st in s.stages:
+        print(f"  rank {st.rank} {st.address:21s} layers [{st.layer_start}, {st.layer_end})  {st.backend}/{st.device}"
+              f"  {st.param_bytes / 2**20:.0f} MiB  {'healthy' if st.healthy else 'UNHEALTHY'}")
+    for sess in s.sessions:
+        print(f"  session {sess.session_id} tokens {sess.tokens} epoch {sess.epoch}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="graphmesh", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start kvstore, coordinator and executors on loopback (foreground)")
+    _mesh_args(up)
+    up.add_argument("--listen", default=DEFAULT_COORDINATOR, help="coordinator address")
+    gen = sub.add_parser("generate", help="generate text")
+    _mesh_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--coordinator", default="", help="address of a running coordinator (default: embedded mesh)")
+    gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--json", action="store_true")
+    st = sub.add_parser("status", help="show the plan, executors, incarnation and sessions")
+    st.add_argument("--coordinator", default="")
+    st.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        return {"up": cmd_up, "generate": cmd_generate, "status": cmd_status}[args.command](args)
+    except GraphmeshError as e:
+        print(f"graphmesh: {e.code.name}: {e.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

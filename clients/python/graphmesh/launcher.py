@@ -1,0 +1,135 @@
+"""Starts a mesh on loopback as real processes: executors, then the coordinator (and the kvstore when
+installed). Used by `graphmesh up`, `graphmesh generate` without --coordinator, `make demo`, tests and
+benchmarks."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fastest_backend() -> str:
+    for name in ("torch", "mlx"):
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return "numpy"
+
+
+def wait_healthy(address: str, process: subprocess.Popen[bytes] | None, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"{what} exited with status {process.returncode} before serving")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} at {address} did not become healthy within {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+
+@dataclass
+class LocalMesh:
+    executors: int = 2
+    backend: str | Sequence[str] = ""
+    model: str = "smollm2-135m"
+    split: Sequence[int] = ()
+    weights: str = "f32"
+    log_dir: str = ""
+    state_dir: str = ""
+    extra_coordinator_args: Sequence[str] = ()
+    startup_timeout_s: float = 300.0
+    coordinator_listen: str = ""
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    executor_addresses: list[str] = field(default_factory=list)
+    coordinator_address: str = ""
+
+    def backends(self) -> list[str]:
+        if isinstance(self.backend, str):
+            return [self.backend or fastest_backend()] * self.executors
+        return list(self.backend)
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="graphmesh-logs-"))
+        self.log_dir = str(log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(log_dir / f"{name}.log", "wb")
+        process = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})})
+        self.processes.append(process)
+        return process
+
+    def start(self) -> LocalMesh:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        backends = self.backends()
+        threads = max(1, (os.cpu_count() or 2) // len(backends))  # executors sharing a machine must not oversubscribe
+        spawned = []
+        for rank, backend in enumerate(backends):
+            address = f"127.0.0.1:{free_port()}"
+            env = {"OMP_NUM_THREADS": str(threads)}
+            if backend == "mlx" and os.path.exists(OPENBLAS):
+                env["LD_PRELOAD"] = OPENBLAS
+            process = self._spawn(f"executor-{rank}", ["graphmesh_executor.server", "--listen", address, "--backend",
+                                                       backend, "--threads", str(threads)], env)
+            spawned.append((address, process, rank))
+            self.executor_addresses.append(address)
+        for address, process, rank in spawned:
+            wait_healthy(address, process, 120.0, f"executor {rank}")
+        self.coordinator_address = self.coordinator_listen or f"127.0.0.1:{free_port()}"
+        args = ["graphmesh_coordinator.server", "--listen", self.coordinator_address, "--executors",
+                ",".join(self.executor_addresses), "--model", self.model, "--weights", self.weights,
+                "--state-dir", self.state_dir or tempfile.mkdtemp(prefix="graphmesh-state-")]
+        if self.split:
+            args += ["--split", ",".join(str(n) for n in self.split)]
+        coordinator = self._spawn("coordinator", [*args, *self.extra_coordinator_args])
+        wait_healthy(self.coordinator_address, coordinator, self.startup_timeout_s, "coordinator")
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> LocalMesh:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()

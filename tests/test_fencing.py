@@ -1,0 +1,138 @@
+"""The executor's state machines, without gRPC: explicit cases and hypothesis property tests."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from graphmesh.errors import FailedPrecondition
+from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionPhase, SessionTxn
+
+
+def test_authority_lifecycle() -> None:
+    a = Authority()
+    with pytest.raises(FailedPrecondition) as e:
+        a.check(1)
+    assert e.value.reason == "NOT_INSTALLED"
+    a.install(1)
+    a.check(1)
+    with pytest.raises(FailedPrecondition) as e:
+        a.check(2)
+    assert e.value.reason == "STALE_INCARNATION"
+    a.poison(1, "first")
+    a.poison(1, "second")
+    assert (a.state, a.cause) == (AuthorityState.POISONED, "first")
+    with pytest.raises(FailedPrecondition) as e:
+        a.check(1)
+    assert e.value.reason == "POISONED"
+    with pytest.raises(FailedPrecondition):
+        a.install(1)  # never re-activate a poisoned incarnation
+    a.install(2)
+    a.check(2)
+    with pytest.raises(FailedPrecondition) as e:
+        a.check(1)
+    assert e.value.reason == "STALE_INCARNATION"
+
+
+def test_fencing_a_newer_incarnation_blocks_installing_older_ones() -> None:
+    a = Authority()
+    a.install(3)
+    a.poison(7, "a newer coordinator exists")
+    assert a.state is AuthorityState.POISONED
+    for k in (4, 5, 6, 7):
+        with pytest.raises(FailedPrecondition):
+            a.install(k)
+    a.install(8)
+    assert a.state is AuthorityState.ACTIVE
+
+
+def test_session_commit_abort_and_indeterminate() -> None:
+    t = SessionTxn()
+    t.begin(1)
+    t.advance(1, 10)
+    t.commit(1)
+    assert (t.phase, t.kv_length) == (SessionPhase.IDLE, 10)
+    t.commit(1)  # a retried commit is idempotent
+    t.begin(2)
+    t.advance(2, 11)
+    t.abort(2)
+    assert (t.kv_length, t.last_outcome) == (10, Outcome.ABORTED)
+    with pytest.raises(FailedPrecondition) as e:
+        t.begin(2)
+    assert e.value.reason == "STALE_EPOCH"
+    t.begin(3)
+    t.advance(3, 11)
+    t.mark_indeterminate(3)
+    with pytest.raises(FailedPrecondition) as e:
+        t.begin(4)
+    assert e.value.reason == "SESSION_INDETERMINATE"
+    t.resolve(3, Outcome.COMMITTED)
+    assert (t.phase, t.kv_length) == (SessionPhase.IDLE, 11)
+    with pytest.raises(FailedPrecondition):
+        t.abort(3)  # committed epochs cannot be rolled back
+
+
+authority_events = st.lists(st.tuples(st.sampled_from(["install", "check", "poison", "terminal"]),
+                                      st.integers(min_value=0, max_value=6)), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(authority_events)
+def test_no_sequence_accepts_a_stale_or_poisoned_token(events: list[tuple[str, int]]) -> None:
+    a = Authority()
+    poisoned: set[int] = set()
+    installed: list[int] = []
+    for kind, k in events:
+        try:
+            if kind == "install":
+                a.install(k)
+                installed.append(k)
+            elif kind == "poison":
+                if a.state is AuthorityState.ACTIVE and k >= a.incarnation:
+                    poisoned.add(a.incarnation)
+                a.poison(k, "x")
+            elif kind == "terminal":
+                if a.state is AuthorityState.ACTIVE and k >= a.incarnation:
+                    poisoned.add(a.incarnation)
+                a.poison(k, "x", terminal=True)
+            else:
+                a.check(k)
+                # accepted: k is the newest installed incarnation, and was never poisoned
+                assert installed and k == installed[-1] == max(installed)
+                assert k not in poisoned
+        except FailedPrecondition:
+            pass
+        assert installed == sorted(set(installed))  # incarnations only ever increase
+
+
+txn_events = st.lists(st.tuples(st.sampled_from(["begin", "advance", "commit", "abort", "indet", "resolve_c",
+                                                 "resolve_a"]),
+                                st.integers(min_value=1, max_value=5), st.integers(min_value=0, max_value=50)),
+                      max_size=50)
+
+
+@settings(max_examples=300, deadline=None)
+@given(txn_events)
+def test_no_sequence_loses_a_committed_kv_row(events: list[tuple[str, int, int]]) -> None:
+    t = SessionTxn()
+    committed = 0
+    for kind, epoch, length in events:
+        before = (t.phase, t.epoch, t.kv_length, t.pending_length, t.last_outcome)
+        try:
+            if kind == "begin":
+                t.begin(epoch)
+            elif kind == "advance":
+                t.advance(epoch, committed + length)  # execution only appends rows
+            elif kind == "commit":
+                t.commit(epoch)
+            elif kind == "abort":
+                t.abort(epoch)
+            elif kind == "indet":
+                t.mark_indeterminate(epoch)
+            else:
+                t.resolve(epoch, Outcome.COMMITTED if kind == "resolve_c" else Outcome.ABORTED)
+        except FailedPrecondition:
+            assert before == (t.phase, t.epoch, t.kv_length, t.pending_length, t.last_outcome)  # refusals change nothing
+        assert t.kv_length >= committed  # committed rows are never lost
+        committed = t.kv_length

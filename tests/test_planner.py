@@ -1,0 +1,39 @@
+"""Partition planning, without processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphmesh.errors import InvalidArgument
+from graphmesh.models.config import ModelConfig
+from graphmesh_coordinator.planner import head_bytes, layer_bytes, plan
+
+SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3,
+                      head_dim=64, intermediate_size=1536, norm_eps=1e-5, tie_word_embeddings=True, max_position=8192)
+
+
+def test_split_covers_every_layer_once_in_order() -> None:
+    for n in (1, 2, 3, 5):
+        stages = plan(SMOLLM2, [f"e{i}" for i in range(n)])
+        assert [s.rank for s in stages] == list(range(n))
+        assert stages[0].layer_start == 0 and stages[-1].layer_end == 30
+        assert all(a.layer_end == b.layer_start for a, b in zip(stages, stages[1:]))
+        assert all(s.layer_end > s.layer_start for s in stages)
+
+
+def test_balance_charges_the_lm_head_to_the_last_stage() -> None:
+    first, last = plan(SMOLLM2, ["a", "b"])
+    cost = [(s.layer_end - s.layer_start) * layer_bytes(SMOLLM2) for s in (first, last)]
+    cost[1] += head_bytes(SMOLLM2)
+    assert first.layer_end - first.layer_start > last.layer_end - last.layer_start
+    assert abs(cost[0] - cost[1]) <= layer_bytes(SMOLLM2)  # within one layer of even
+
+
+def test_explicit_split_and_bad_splits() -> None:
+    stages = plan(SMOLLM2, ["a", "b", "c"], split=[10, 10, 10])
+    assert [(s.layer_start, s.layer_end) for s in stages] == [(0, 10), (10, 20), (20, 30)]
+    for bad in ([10, 10], [10, 10, 11], [0, 15, 15]):
+        with pytest.raises(InvalidArgument):
+            plan(SMOLLM2, ["a", "b", "c"], split=bad)
+    with pytest.raises(InvalidArgument):
+        plan(SMOLLM2, [])
