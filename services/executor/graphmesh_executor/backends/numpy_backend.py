@@ -45,7 +45,7 @@ def _matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
 
 def _reduce(fn: Any) -> Kernel:
     def kernel(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
-        axes = tuple(a["axes"]) if a["axes"] else None
+        axes = tuple(sorted({ax % xs[0].ndim for ax in a["axes"]})) if a["axes"] else None  # the spec allows -1 and 1 together
         return np.asarray(fn(_up(xs[0]), axis=axes, keepdims=a["keepdims"])).astype(xs[0].dtype)
     return kernel
 
@@ -243,7 +243,7 @@ class NumpyExecutable(Executable[Array]):
     kernels = KERNELS
 
     def _from_host(self, array: Array) -> Array:
-        return np.ascontiguousarray(array)
+        return np.asarray(array, order="C")  # ascontiguousarray would turn a 0-d array into shape (1,)
 
     def _to_host(self, value: Array) -> Array:
         return value
