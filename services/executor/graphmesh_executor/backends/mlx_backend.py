@@ -1,0 +1,362 @@
+"""mlx backend: CPU on Linux, Metal on macOS. One short kernel per op, numpy semantics.
+
+mx.fast kernels are used where they match the numpy definition (rms_norm, layer_norm,
+scaled_dot_product_attention). rope is written out: mx.fast.rope takes per-row positions but forms its
+angles in float32, which drifts from numpy by ~2e-4 at position 4k and ~2e-3 at 30k; here the cos/sin
+tables come from numpy in float64, so every position matches to the compute dtype's rounding.
+
+Dtypes (GetCapabilitiesResponse.dtypes = MlxExecutable.dtypes):
+- f32: native. f16/bf16: elementwise ops, reductions and matmul native (mlx accumulates in f32: at most
+  ~1 ulp from numpy); softmax, norms, gelu, attention, rope and the dequantized matmul compute in f32 and
+  round once, as numpy does.
+- f64: native on CPU for storage, matmul and arithmetic, but mlx evaluates exp (so softmax, attention,
+  sigmoid, silu, gelu) and erf at float32 accuracy, and mx.fast norms reduce in float32: f64 graphs agree
+  with numpy to the f32 tolerance, not to f64. Metal has no f64: a graph with any f64 value runs on the
+  CPU stream there.
+TOLERANCES gives (rtol, atol) against the numpy backend per dtype.
+
+Start this backend's process with launch_env() (LD_PRELOAD=PRELOAD plus OPENBLAS_CORETYPE): mlx-cpu's
+bundled BLAS is slow; Debian's OpenBLAS with the right kernels makes an fp32 [64, 576] x [576, 1536]
+matmul ~20-40x faster and a [1, 576] x [576, 1536] matvec ~2-4x faster on the 2-core machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import mlx.core as mx
+import numpy as np
+from graphmesh import dtypes
+from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
+from graphmesh.graph import Graph
+from graphmesh.ops import QUANT_BLOCKS, TensorType
+
+from graphmesh_executor.executable import Executable, Kernel, RunContext, sample_row, uniform
+
+PRELOAD = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+
+
+def launch_env(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
+    """Environment for an mlx executor process: OpenBLAS preloaded, and its kernels named.
+
+    Debian's OpenBLAS 0.3.21 does not know this VM's CPU model ("Intel Xeon Processor") and falls back to
+    generic Prescott code; naming the core from the CPU flags makes sgemm another ~3-7x faster.
+    """
+    if not os.path.exists(PRELOAD):
+        return {}
+    env = {"LD_PRELOAD": PRELOAD}
+    try:
+        with open(cpuinfo) as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return env
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        env["OPENBLAS_CORETYPE"] = "SkylakeX"
+    elif {"avx2", "fma"} <= flags:
+        env["OPENBLAS_CORETYPE"] = "Haswell"
+    return env
+
+
+# (rtol, atol) against the numpy backend; halves are within 1 ulp (2^-10, 2^-7) of numpy's single rounding
+TOLERANCES: dict[str, tuple[float, float]] = {"f64": (1e-5, 1e-5), "f32": (1e-5, 1e-5), "f16": (1e-3, 1e-5),
+                                              "bf16": (8e-3, 1e-4)}
+
+Array = mx.array
+_MX: dict[str, mx.Dtype] = {"f64": mx.float64, "f32": mx.float32, "f16": mx.float16, "bf16": mx.bfloat16,
+                            "i64": mx.int64, "i32": mx.int32, "u8": mx.uint8, "bool": mx.bool_}
+_INTS = (mx.int64, mx.int32, mx.uint8)
+_HALF = (mx.float16, mx.bfloat16)
+
+
+def to_mx(array: np.ndarray) -> Array:
+    # mx.array turns float64 into float32 unless told the dtype
+    return mx.array(array, dtype=_MX[dtypes.from_numpy(array.dtype)])
+
+
+def to_numpy(value: Array) -> np.ndarray:
+    if value.dtype == mx.bfloat16:  # numpy's buffer protocol has no bf16
+        return np.array(value.view(mx.uint16)).view(dtypes.to_numpy("bf16"))
+    return np.array(value)
+
+
+def _indices(idx: Array, bound: int, what: str) -> np.ndarray:
+    """The indices on the host, checked: mlx does not bound-check gathers."""
+    host = to_numpy(idx).astype(np.int64)
+    if host.size and (host.min() < 0 or host.max() >= bound):
+        bad = int(host.max()) if host.max() >= bound else int(host.min())
+        raise OutOfRange(f"{what} index {bad} outside [0, {bound})", "INDEX_OUT_OF_RANGE")
+    return host
+
+
+def _scalar(x: Array) -> float:
+    return float(to_numpy(x).reshape(-1)[0])
+
+
+def _in_f32(fn: Kernel) -> Kernel:
+    """numpy computes f16/bf16 in f32 and rounds once; mlx's half softmax, norms and gelu round inside (~10 ulps)."""
+    def kernel(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+        if xs[0].dtype not in _HALF:
+            return fn(ctx, xs, a)
+        return fn(ctx, [x.astype(mx.float32) if x.dtype in _HALF else x for x in xs], a).astype(xs[0].dtype)
+    return kernel
+
+
+def _unary(fn: Any) -> Kernel:
+    return lambda ctx, xs, a: fn(xs[0])
+
+
+def _gelu(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x = xs[0]
+    if a["approximate"] == "tanh":
+        return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + mx.erf(x / math.sqrt(2.0)))
+
+
+def _div(a: Array, b: Array) -> Array:
+    if a.dtype not in _INTS:
+        return a / b
+    q = mx.floor_divide(a, b)  # numpy casts the true quotient to int: round toward zero, exactly
+    return mx.where((q < 0) & (q * b != a), q + 1, q)
+
+
+def _matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x, w = xs
+    x = mx.swapaxes(x, -1, -2) if a["transpose_a"] else x
+    w = mx.swapaxes(w, -1, -2) if a["transpose_b"] else w
+    return x @ w
+
+
+def _reduce(fn: Any) -> Kernel:
+    def kernel(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+        axes = list(a["axes"]) if a["axes"] else None
+        return fn(xs[0], axis=axes, keepdims=a["keepdims"]).astype(xs[0].dtype)
+    return kernel
+
+
+def _gather(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    table, idx = xs
+    _indices(idx, table.shape[a["axis"]], "gather")
+    return mx.take(table, idx, axis=a["axis"])
+
+
+def _slice(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    index: list[slice] = [slice(None)] * xs[0].ndim
+    index[a["axis"]] = slice(a["start"], a["end"])
+    return xs[0][tuple(index)]
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_table(positions: bytes, theta: float, rot: int, dtype: str) -> tuple[Array, Array]:
+    """cos, sin [S, 1, rot/2] from float64 angles; every layer of a run reuses the same positions."""
+    pos = np.frombuffer(positions, np.int64).astype(np.float64)
+    angles = pos[:, None, None] * theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)[None, None, :]
+    return mx.array(np.cos(angles), dtype=_MX[dtype]), mx.array(np.sin(angles), dtype=_MX[dtype])
+
+
+def _rope(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x, pos = xs
+    seq, heads, dim = x.shape
+    rot = a["rotary_dim"] or dim
+    compute = "f64" if x.dtype == mx.float64 else "f32"
+    cos, sin = _rope_table(to_numpy(pos).astype(np.int64).tobytes(), a["theta"], rot, compute)
+    y = x.astype(_MX[compute])
+    if a["style"] == "half":
+        x1, x2 = y[..., : rot // 2], y[..., rot // 2 : rot]
+        rotated = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    else:
+        x1, x2 = y[..., 0:rot:2], y[..., 1:rot:2]
+        rotated = mx.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(seq, heads, rot)
+    out = rotated if rot == dim else mx.concatenate([rotated, y[..., rot:]], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    q, k, v = xs[:3]
+    scale = a["scale"] or 1.0 / math.sqrt(q.shape[2])
+    mask = None
+    if a["causal"]:
+        pos = to_numpy(xs[3]).astype(np.int64)
+        keys = min(k.shape[0], int(pos.max()) + 1) if pos.size else 0  # rows past every query are masked: skip them
+        k, v = k[:keys], v[:keys]
+        if pos.size and pos.min() < keys - 1:  # some query sees fewer than all kept keys
+            mask = mx.array(np.arange(keys)[None, :] <= pos[:, None])  # [Sq, keys]
+    # halves in f32 as numpy does (mlx's half sdpa is ~100 ulps off), after the cut so only live rows convert;
+    # [S, H, D] -> [1, H, S, D]; sdpa maps query head h to kv head h // (Hq / Hkv), as numpy's grouping does
+    qkv = [(t.astype(mx.float32) if t.dtype in _HALF else t).transpose(1, 0, 2)[None] for t in (q, k, v)]
+    out = mx.fast.scaled_dot_product_attention(*qkv, scale=scale, mask=mask)
+    return out[0].transpose(1, 0, 2).astype(q.dtype)
+
+
+def _kv_write(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    cache, rows, pos = xs
+    start = int(_scalar(pos))
+    if start < 0 or start + rows.shape[0] > cache.shape[0]:
+        raise OutOfRange(f"kv_write of rows [{start}, {start + rows.shape[0]}) into a cache of "
+                         f"{cache.shape[0]} rows", "ROW_OUT_OF_RANGE")
+    # Functional update: once the old handle is dropped (the feed replaces it before the read), mlx donates
+    # its buffer and writes the rows in place instead of copying the cache.
+    return mx.slice_update(cache, rows, mx.array([start]), axes=(0,))
+
+
+def _take_along_axis(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x, idx = xs
+    _indices(idx, x.shape[a["axis"]], "take_along_axis")
+    return mx.take_along_axis(x, idx, axis=a["axis"])
+
+
+def _grouped_matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    # One matmul per expert over its rows: mx.gather_mm would do it in one call, but on CPU it takes f32 only.
+    x, w, ids = xs
+    expert = _indices(ids, w.shape[0], "expert")
+    order = np.argsort(expert, kind="stable")
+    experts, starts = np.unique(expert[order], return_index=True)
+    grouped = mx.take(x, mx.array(order), axis=0)
+    ends = [*starts[1:].tolist(), len(order)]
+    parts = [grouped[s:t] @ w[int(e)] for e, s, t in zip(experts.tolist(), starts.tolist(), ends)]
+    if not parts:
+        return mx.zeros((0, w.shape[2]), x.dtype)
+    return mx.take(mx.concatenate(parts, axis=0), mx.array(np.argsort(order)), axis=0)
+
+
+def _sample(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    # On the host in float64 through the shared sample_row, so every backend draws the same token.
+    logits, temperature, top_k, top_p, seed = xs
+    t, k, p, s = _scalar(temperature), int(_scalar(top_k)), _scalar(top_p), int(to_numpy(seed).reshape(-1)[0])
+    rows = to_numpy(logits)
+    return mx.array(np.array([sample_row(r, t, k, p, uniform(ctx.rng, s, b)) for b, r in enumerate(rows)], np.int64))
+
+
+def repack(packed: np.ndarray, scheme: str, n: int, k: int) -> tuple[Array, Array, Array, int]:
+    """GGUF blocks u8 [n, k/32 * block_bytes] -> mlx affine (w uint32 [n, k*bits/32], scales, biases [n, k/32], bits).
+
+    group_size is 32. q4_1: scale d, bias m. q4_0: (q - 8) d = d q - 8d. q8_0: the int8 q shifted by 128
+    to unsigned, bias -128 d. All scales are f16 values, so these biases are exact in f32.
+    """
+    block, size = QUANT_BLOCKS[scheme]
+    b = packed.reshape(n, k // block, size)
+    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]  # [n, nb]
+    if scheme == "q8_0":
+        q = (b[..., 2:].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return mx.array(q.reshape(n, -1).view(np.uint32)), mx.array(d), mx.array(-128.0 * d), 8
+    qs = b[..., -16:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # GGUF: low nibbles are elements 0..15, high 16..31
+    nibbles = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # mlx: element i at bits 4*(i % 8) of word i/8
+    bias = -8.0 * d if scheme == "q4_0" else b[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+    return mx.array(nibbles.reshape(n, -1).view(np.uint32)), mx.array(d), mx.array(bias), 4
+
+
+_WEIGHTS: dict[tuple[int, bool], Any] = {}  # id(packed param) -> its repacked or dequantized form
+
+
+def _cached(packed: Array, dense: bool, scheme: str, n: int, k: int) -> Any:
+    """Repacks (and on CPU dequantizes) a packed param once; the entry goes when the param array does."""
+    key = (id(packed), dense)
+    if key not in _WEIGHTS:
+        w, scales, biases, bits = repack(to_numpy(packed), scheme, n, k)
+        # dense [k, n] contiguous: OpenBLAS 0.3.21 runs x @ w_kn ~2x faster than x @ w_nk.T for one row
+        _WEIGHTS[key] = (mx.contiguous(mx.dequantize(w, scales, biases, group_size=32, bits=bits).T) if dense
+                         else (w, scales, biases, bits))
+        weakref.finalize(packed, _WEIGHTS.pop, key, None)
+    return _WEIGHTS[key]
+
+
+def _dequant_matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    x, packed = xs
+    compute = mx.float64 if x.dtype == mx.float64 else mx.float32  # numpy: f32 weights, halves computed in f32
+    if mx.default_device() == mx.gpu and compute == mx.float32:
+        w, scales, biases, bits = _cached(packed, False, a["scheme"], a["n"], a["k"])
+        y = mx.quantized_matmul(x.astype(compute), w, scales, biases, transpose=True, group_size=32, bits=bits)
+    else:
+        # mlx's CPU quantized_matmul is 2-3x slower than an OpenBLAS f32 matmul of the dequantized weight
+        y = x.astype(compute) @ _cached(packed, True, a["scheme"], a["n"], a["k"]).astype(compute)
+    return y.astype(x.dtype)
+
+
+KERNELS: dict[str, Kernel] = {
+    "neg": _unary(mx.negative),
+    "exp": _unary(mx.exp),
+    "log": _unary(mx.log),
+    "sqrt": _unary(mx.sqrt),
+    "rsqrt": _unary(mx.rsqrt),
+    "tanh": _unary(mx.tanh),
+    "sigmoid": _unary(mx.sigmoid),
+    "relu": _unary(lambda x: mx.maximum(x, 0)),
+    "silu": _unary(lambda x: x * mx.sigmoid(x)),
+    "gelu": _in_f32(_gelu),
+    "add": lambda ctx, xs, a: xs[0] + xs[1],
+    "sub": lambda ctx, xs, a: xs[0] - xs[1],
+    "mul": lambda ctx, xs, a: xs[0] * xs[1],
+    "div": lambda ctx, xs, a: _div(xs[0], xs[1]),
+    "pow": lambda ctx, xs, a: mx.power(xs[0], xs[1]),
+    "matmul": _matmul,
+    "sum": _reduce(mx.sum),
+    "mean": _reduce(mx.mean),
+    "max": _reduce(mx.max),
+    "softmax": _in_f32(lambda ctx, xs, a: mx.softmax(xs[0], axis=a["axis"])),
+    "layer_norm": _in_f32(lambda ctx, xs, a: mx.fast.layer_norm(xs[0], xs[1], xs[2], a["eps"])),
+    "rms_norm": _in_f32(lambda ctx, xs, a: mx.fast.rms_norm(xs[0], xs[1], a["eps"])),
+    "gather": _gather,
+    "reshape": lambda ctx, xs, a: xs[0].reshape(a["shape"]),
+    "transpose": lambda ctx, xs, a: xs[0].transpose(a["perm"]),
+    "concat": lambda ctx, xs, a: mx.concatenate(xs, axis=a["axis"]),
+    "slice": _slice,
+    "cast": lambda ctx, xs, a: xs[0].astype(_MX[a["dtype"]]),
+    "constant": lambda ctx, xs, a: to_mx(a["value"]),
+    "rope": _rope,
+    "attention": _attention,
+    "kv_write": _kv_write,
+    "top_k": lambda ctx, xs, a: mx.argsort(-xs[0], axis=-1)[..., : a["k"]].astype(mx.int64),  # mlx sorts stably
+    "take_along_axis": _take_along_axis,
+    "grouped_matmul": _grouped_matmul,
+    "argmax": lambda ctx, xs, a: mx.argmax(xs[0], axis=a["axis"]).astype(mx.int64),
+    "sample": _sample,
+    "dequant_matmul": _dequant_matmul,
+}
+
+
+class MlxExecutable(Executable[Array]):
+    backend = "mlx"
+    kernels = KERNELS
+    dtypes: ClassVar[tuple[str, ...]] = ("f64", "f32", "f16", "bf16")
+
+    def __init__(self, graph: Graph, device: str = "cpu") -> None:
+        kind = device.split(":")[0]
+        if kind not in ("cpu", "gpu", "metal"):
+            raise InvalidArgument(f"mlx device must be cpu, gpu or metal, got {device!r}", "UNKNOWN_DEVICE")
+        if kind != "cpu" and not mx.is_available(mx.gpu):
+            raise FailedPrecondition(f"mlx device {device!r}: this mlx build has no GPU (Metal)", "DEVICE_UNAVAILABLE")
+        f64 = any(t.dtype == "f64" for t in (*graph.inputs.values(), *graph.params.values(), *(n.type for n in graph.nodes)))
+        self._stream = mx.cpu if kind == "cpu" or f64 else mx.gpu  # Metal has no f64
+        super().__init__(graph, device)
+
+    def _execute(self, env: dict[str, Array]) -> list[Array]:
+        with mx.stream(self._stream):
+            return super()._execute(env)
+
+    def run(self, inputs: dict[str, np.ndarray], read_indices: Sequence[int] | None = None, typed: bool = False,
+            extent: tuple[int, int] | None = None) -> list[np.ndarray]:
+        outs = super().run(inputs, read_indices, typed, extent)
+        # Outputs nobody read (fed handles off the read path) must not stay lazy and chain graphs across runs.
+        # Evaluated here, after the feeds replaced the old handles, kv_write can still update in place.
+        mx.eval(self._last_outputs or [])
+        return outs
+
+    def _from_host(self, array: np.ndarray) -> Array:
+        return to_mx(array)
+
+    def _to_host(self, value: Array) -> np.ndarray:
+        return to_numpy(value)
+
+    def _zeros(self, t: TensorType) -> Array:
+        return mx.zeros(t.shape, _MX[t.dtype])
+
+    def _copy_rows(self, dst: Array, dst_start: int, src: Array, src_start: int, n: int) -> Array:
+        return mx.slice_update(dst, src[src_start : src_start + n], mx.array([dst_start]), axes=(0,))
+
+    def _cast(self, value: Array, dtype: str) -> Array:
+        return value.astype(_MX[dtype])
