@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from graphmesh.errors import InvalidArgument
@@ -17,7 +19,7 @@ def test_split_covers_every_layer_once_in_order() -> None:
         stages = plan(SMOLLM2, [f"e{i}" for i in range(n)])
         assert [s.rank for s in stages] == list(range(n))
         assert stages[0].layer_start == 0 and stages[-1].layer_end == 30
-        assert all(a.layer_end == b.layer_start for a, b in zip(stages, stages[1:]))
+        assert all(a.layer_end == b.layer_start for a, b in itertools.pairwise(stages))
         assert all(s.layer_end > s.layer_start for s in stages)
 
 

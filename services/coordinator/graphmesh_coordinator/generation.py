@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphmesh import tensors
-from graphmesh.errors import InvalidArgument
+from graphmesh.errors import InvalidArgument, Unavailable
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import stage_pb2
-from graphmesh_coordinator.pipeline import Mesh
+from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
+
+MAX_RECOVERIES = 3
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,14 @@ class Event:
 @dataclass
 class SessionInfo:
     session_id: str
-    tokens: int = 0
-    epoch: int = 0
+    history: list[int] = field(default_factory=list)  # tokens whose KV is committed, in order
+    epoch: int = 0  # the newest epoch issued (epochs are consumed even when they fail)
+    delivered_epoch: int = 0  # the newest epoch whose output reached the client: committed, folded into the next
+    incarnation: int = 0  # the incarnation holding this session's KV; 0 until the first invocation
+
+    @property
+    def tokens(self) -> int:
+        return len(self.history)
 
 
 @dataclass
@@ -102,37 +110,57 @@ class Generator:
         try:
             pending = list(request.prompt_ids)
             for step in range(budget):
-                epoch = session.epoch + 1
-                reply = self.mesh.invoke(session.session_id, epoch, session.epoch, session.tokens, pending, sampling,
-                                         stage_pb2.OUTPUT_KIND_TOKEN)
-                session.tokens, session.epoch = session.tokens + len(pending), epoch
+                reply = self.invoke(session, pending, sampling, stage_pb2.OUTPUT_KIND_TOKEN)
                 token = int(reply.token)
                 pending = [token]
-                first = step == 0
-                extra = {"ttft_ms": (time.perf_counter() - t0) * 1000.0,
-                         "prefill_computed_tokens": int(reply.computed_tokens)} if first else {}
+                ttft_ms = (time.perf_counter() - t0) * 1000.0 if step == 0 else 0.0
+                computed = int(reply.computed_tokens) if step == 0 else 0
                 if token in self.eos and not request.ignore_eos:
-                    yield Event([token], "", "eos", **extra)
+                    yield Event([token], "", "eos", ttft_ms, computed)
                     return
                 text = detok.push(token)
                 completion += text
                 hit = next((s for s in request.stop if s in completion), None)
                 if hit is not None:
-                    cut = completion.index(hit)
-                    yield Event([token], text[: max(0, len(text) - (len(completion) - cut))], "stop", **extra)
+                    overshoot = len(completion) - completion.index(hit)
+                    yield Event([token], text[: max(0, len(text) - overshoot)], "stop", ttft_ms, computed)
                     return
-                yield Event([token], text, "length" if step == budget - 1 else "", **extra)
+                yield Event([token], text, "length" if step == budget - 1 else "", ttft_ms, computed)
         finally:
             with self._lock:
                 self.sessions.pop(session.session_id, None)
             self.mesh.release(session.session_id)
 
+    def invoke(self, session: SessionInfo, pending: list[int], sampling: stage_pb2.SamplingParams,
+               output: stage_pb2.OutputKind.ValueType) -> stage_pb2.ExecuteGroupResponse:
+        """One invocation, surviving the loss of executors: after a COMM failure the roster is rebuilt and the
+        session's committed tokens are recomputed together with the pending ones, so the replay samples the
+        same token at the same position with the same seed."""
+        for _ in range(MAX_RECOVERIES + 1):
+            incarnation = self.mesh.incarnation
+            restore = session.incarnation != incarnation
+            tokens = session.history + pending if restore else pending
+            start = 0 if restore else len(session.history)
+            commit = 0 if restore else session.delivered_epoch
+            session.epoch += 1
+            try:
+                reply = self.mesh.invoke(session.session_id, session.epoch, commit, start, tokens, sampling, output)
+            except InvocationFailed as failure:
+                if failure.error_class == "ARCH":
+                    raise
+                self.mesh.recover(incarnation)
+                continue
+            session.history += pending
+            session.delivered_epoch, session.incarnation = session.epoch, incarnation
+            return reply
+        raise Unavailable(f"session {session.session_id} lost the mesh {MAX_RECOVERIES + 1} times in a row",
+                          "TOO_MANY_RECOVERIES")
+
     def logits(self, token_ids: list[int]) -> np.ndarray:
         validate(GenerationRequest(token_ids, 1), self.context_tokens)
-        session_id = uuid.uuid4().hex
+        session = SessionInfo(uuid.uuid4().hex)
         try:
-            reply = self.mesh.invoke(session_id, 1, 0, 0, token_ids, stage_pb2.SamplingParams(),
-                                     stage_pb2.OUTPUT_KIND_LOGITS)
+            reply = self.invoke(session, token_ids, stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_LOGITS)
         finally:
-            self.mesh.release(session_id)
+            self.mesh.release(session.session_id)
         return tensors.from_proto(reply.logits)

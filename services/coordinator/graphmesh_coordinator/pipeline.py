@@ -18,8 +18,10 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
 from graphmesh.models.config import ModelConfig
@@ -42,10 +44,18 @@ class InvocationFailed(Exception):
         self.error_class, self.rank, self.cause = error_class, rank, cause
 
 
+# A rank that refuses for these reasons is fenced or was rebuilt: the roster must be recovered.
+_FENCED_REASONS = {"STALE_INCARNATION", "POISONED", "NOT_INSTALLED"}
+_CONTRACT_REASONS = {"KV_LENGTH_MISMATCH", "EPOCH_NOT_OPEN", "EPOCH_OPEN", "STALE_EPOCH", "UNKNOWN_SESSION",
+                     "SESSION_INDETERMINATE", "ALREADY_COMMITTED"}
+
+
 def classify(error: GraphmeshError) -> str:
     if "error_class" in error.metadata:
         return error.metadata["error_class"]
-    return "COMM" if error.code in _COMM_CODES else "ARCH"
+    if error.reason in _FENCED_REASONS or error.code in _COMM_CODES:
+        return "COMM"
+    return "CONTRACT" if error.reason in _CONTRACT_REASONS else "ARCH"
 
 
 @dataclass
@@ -73,12 +83,17 @@ class Mesh:
         self.recoveries = 0
         self.ready = False
         self._lock = threading.Lock()
+        self._recover_lock = threading.Lock()
+        self._in_flight: set[grpc.Future[stage_pb2.ExecuteGroupResponse]] = set()
+        self._watch_stop = threading.Event()
 
-    def install(self) -> None:
-        """Issues a new incarnation and installs the plan on every executor (they load their own weights)."""
+    def install(self, addresses: Sequence[str] | None = None) -> None:
+        """Issues a new incarnation and installs the plan on the executors (they load their own weights)."""
+        addresses = list(addresses or self.addresses)
+        split = self.split if self.split and len(self.split) == len(addresses) else None
         with self._lock:
             incarnation = self.state.next_incarnation()
-            stages = plan(self.config, self.addresses, self.split)
+            stages = plan(self.config, addresses, split)
             ranks = [Rank(p, stage_pb2_grpc.StageServiceStub(self.channels[p.address])) for p in stages]
             t0 = time.perf_counter()
             log.info("installing", extra={"incarnation": incarnation, "ranks": len(ranks),
@@ -117,18 +132,25 @@ class Mesh:
                                                 output=output, boundary_timeout_ms=timeout_ms)
         calls = [r.stub.ExecuteGroup.future(request, timeout=self.rpc_timeout_s + 5.0) for r in reversed(ranks)]
         calls.reverse()
+        with self._lock:
+            self._in_flight.update(calls)
         failures: list[InvocationFailed] = []
         replies: list[stage_pb2.ExecuteGroupResponse] = []
         aborted = False
         for rank, call in zip(ranks, calls):
             try:
                 replies.append(call.result())
+            except grpc.FutureCancelledError:
+                failures.append(InvocationFailed("COMM", rank.plan.rank, Unavailable(
+                    f"rank {rank.plan.rank} ({rank.plan.address}) stopped answering health checks", "EXECUTOR_LOST")))
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
                 failures.append(InvocationFailed(classify(error), rank.plan.rank, error))
                 if classify(error) == "ARCH" and not aborted:
                     self._abort_all(ranks, header, commit_epoch)  # wakes ranks waiting for a boundary that won't come
                     aborted = True
+        with self._lock:
+            self._in_flight.difference_update(calls)
         if commit_epoch:
             self.state.record(Decision(session_id, commit_epoch, "COMMITTED"))  # its token was delivered
         if not failures:
@@ -139,6 +161,52 @@ class Mesh:
         else:
             self.fence(incarnation, f"{first.error_class} on rank {first.rank}: {first.cause.message}")
         raise first
+
+    def recover(self, failed_incarnation: int, deadline_s: float = 120.0) -> None:
+        """Rebuilds the roster after incarnation `failed_incarnation` was lost: fence it, wait for healthy
+        executors (a restarted one at the same address counts), install incarnation k+1 on them. Idempotent:
+        concurrent sessions that saw the same failure wait here and find the work done."""
+        with self._recover_lock:
+            if self.incarnation != failed_incarnation and self.ready:
+                return
+            t0 = time.monotonic()
+            self.fence(failed_incarnation, "recovery")
+            while True:
+                healthy = [a for a in self.addresses if _healthy(self.channels[a], 1.0)]
+                if healthy:
+                    try:
+                        self.install(healthy)
+                        break
+                    except Unavailable as e:
+                        log.warning("install during recovery failed; retrying", extra={"error": e.message})
+                if time.monotonic() - t0 > deadline_s:
+                    raise Unavailable(f"no healthy executors within {deadline_s:.0f} s of losing incarnation "
+                                      f"{failed_incarnation}", "NO_HEALTHY_EXECUTORS")
+                time.sleep(0.1)
+            self.recoveries += 1
+            log.warning("recovered", extra={"failed_incarnation": failed_incarnation, "incarnation": self.incarnation,
+                                            "executors": len(self.ranks),
+                                            "ms": round((time.monotonic() - t0) * 1e3, 1)})
+
+    def watch(self, interval_s: float = 0.25, misses: int = 2) -> None:
+        """Health watching: an executor that misses `misses` checks in a row (dead, frozen, cut off) cancels
+        the in-flight invocations, which then fail as COMM and trigger recovery — long before any deadline."""
+        missed = dict.fromkeys(self.addresses, 0)
+
+        def loop() -> None:
+            while not self._watch_stop.wait(interval_s):
+                for rank in list(self.ranks):
+                    address = rank.plan.address
+                    missed[address] = 0 if _healthy(self.channels[address], interval_s * 2) else missed[address] + 1
+                    if missed[address] == misses and self.ready:
+                        log.warning("executor lost", extra={"address": address, "rank": rank.plan.rank})
+                        rank.healthy = False
+                        with self._lock:
+                            lost, self._in_flight = list(self._in_flight), set()
+                        for call in lost:
+                            call.cancel()
+
+        threading.Thread(target=loop, name="health-watch", daemon=True).start()
 
     def _abort_all(self, ranks: Sequence[Rank], header: stage_pb2.FencingHeader, commit_epoch: int) -> None:
         request = stage_pb2.AbortRequest(header=header, commit_epoch=commit_epoch)
@@ -178,7 +246,7 @@ class Mesh:
         except grpc.RpcError:
             pass  # a fenced or dead rank has dropped the session already
 
-    def _each(self, send: Callable[[Rank], grpc.Future]) -> None:
+    def _each(self, send: Callable[[Rank], grpc.Future[Any]]) -> None:
         calls = [send(r) for r in self.ranks]
         for call in calls:
             call.result()
@@ -193,25 +261,28 @@ class Mesh:
         return out
 
     def close(self) -> None:
+        self._watch_stop.set()
         for channel in self.channels.values():
             channel.close()
 
 
+def _healthy(channel: grpc.Channel, timeout_s: float) -> bool:
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
 def wait_for_executors(addresses: Sequence[str], timeout_s: float) -> None:
     """Waits until every executor answers its health check, or fails naming the ones that don't."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     deadline = time.monotonic() + timeout_s
     pending = list(addresses)
     with futures.ThreadPoolExecutor(max(1, len(pending))) as pool:
         while pending:
             def ok(address: str) -> bool:
                 with grpc.insecure_channel(address) as channel:
-                    try:
-                        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-                        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-                    except grpc.RpcError:
-                        return False
+                    return _healthy(channel, 2.0)
             results = list(pool.map(ok, pending))
             pending = [a for a, good in zip(pending, results) if not good]
             if pending and time.monotonic() > deadline:

@@ -15,8 +15,9 @@ from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 
 log = logging.getLogger("graphmesh.coordinator")
 
-_FINISH = {"length": coordinator_pb2.FINISH_REASON_LENGTH, "eos": coordinator_pb2.FINISH_REASON_EOS,
-           "stop": coordinator_pb2.FINISH_REASON_STOP}
+_FINISH: dict[str, coordinator_pb2.FinishReason.ValueType] = {
+    "length": coordinator_pb2.FINISH_REASON_LENGTH, "eos": coordinator_pb2.FINISH_REASON_EOS,
+    "stop": coordinator_pb2.FINISH_REASON_STOP}
 
 
 def _as_status(error: Exception) -> grpc.Status:
@@ -71,7 +72,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     @staticmethod
     def _response(event: Event, prompt_ids: list[int] | None) -> coordinator_pb2.GenerateResponse:
         response = coordinator_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text,
-                                                    finish_reason=_FINISH.get(event.finish_reason, 0),
+                                                    finish_reason=_FINISH.get(event.finish_reason,
+                                                                              coordinator_pb2.FINISH_REASON_UNSPECIFIED),
                                                     ttft_ms=event.ttft_ms,
                                                     prefill_computed_tokens=event.prefill_computed_tokens)
         if prompt_ids is not None:

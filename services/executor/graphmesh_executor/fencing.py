@@ -85,6 +85,7 @@ class SessionTxn:
     last_outcome: Outcome = Outcome.NONE
     kv_length: int = 0  # committed rows
     pending_length: int = 0  # rows written by the open epoch, committed on commit
+    committed_epoch: int = 0  # the newest committed epoch
 
     def begin(self, epoch: int) -> None:
         if self.phase is SessionPhase.INDETERMINATE:
@@ -102,15 +103,16 @@ class SessionTxn:
         self.pending_length = length
 
     def commit(self, epoch: int) -> None:
-        if self.phase is SessionPhase.IDLE and self.epoch == epoch and self.last_outcome is Outcome.COMMITTED:
-            return  # a retried commit
+        if epoch <= self.committed_epoch:
+            return  # a retried or folded-twice commit
         self._require_open(epoch)
         self.phase, self.last_outcome, self.kv_length = SessionPhase.IDLE, Outcome.COMMITTED, self.pending_length
+        self.committed_epoch = epoch
 
     def abort(self, epoch: int) -> None:
+        if epoch <= self.committed_epoch:
+            raise FailedPrecondition(f"epoch {epoch} is already committed", "ALREADY_COMMITTED")
         if self.phase is SessionPhase.IDLE and self.epoch == epoch:
-            if self.last_outcome is Outcome.COMMITTED:
-                raise FailedPrecondition(f"epoch {epoch} is already committed", "ALREADY_COMMITTED")
             return
         if self.phase is SessionPhase.IDLE and epoch > self.epoch:
             self.epoch, self.last_outcome = epoch, Outcome.ABORTED  # aborted before it began here
@@ -126,7 +128,7 @@ class SessionTxn:
         if self.phase is not SessionPhase.INDETERMINATE or self.epoch != epoch:
             raise FailedPrecondition(f"epoch {epoch} is not indeterminate here", "NOT_INDETERMINATE")
         if outcome is Outcome.COMMITTED:
-            self.kv_length = self.pending_length
+            self.kv_length, self.committed_epoch = self.pending_length, epoch
         else:
             self.pending_length = self.kv_length
         self.phase, self.last_outcome = SessionPhase.IDLE, outcome

@@ -26,7 +26,7 @@ from graphmesh.graph import parse
 from graphmesh.models.config import ModelConfig
 from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.executable import Executable
-from graphmesh_executor.fencing import Authority, Outcome, SessionTxn
+from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionTxn
 from graphmesh_executor.weights import load_params, resolve_under_root
 
 log = logging.getLogger("graphmesh.executor.stage")
@@ -295,7 +295,11 @@ class StageRuntime:
     def _await_boundary(self, session_id: str, epoch: int, timeout_s: float) -> np.ndarray:
         key = (session_id, epoch)
         with self._lock:
-            ready = self._lock.wait_for(lambda: key in self._mailbox or key in self._aborted, timeout=timeout_s)
+            ready = self._lock.wait_for(lambda: key in self._mailbox or key in self._aborted or
+                                        self.authority.state is not AuthorityState.ACTIVE, timeout=timeout_s)
+            if self.authority.state is not AuthorityState.ACTIVE:
+                raise ProtocolError("COMM", FailedPrecondition(f"fenced while waiting for a boundary: "
+                                                               f"{self.authority.cause}", "POISONED"))
             if key in self._aborted:
                 raise ProtocolError("ARCH", FailedPrecondition(f"epoch {epoch} was aborted", "EPOCH_ABORTED"))
             if not ready:
