@@ -9,10 +9,11 @@ Dtypes (GetCapabilitiesResponse.dtypes = MlxExecutable.dtypes):
 - f32: native. f16/bf16: elementwise ops, reductions and matmul native (mlx accumulates in f32: at most
   ~1 ulp from numpy); softmax, norms, gelu, attention, rope and the dequantized matmul compute in f32 and
   round once, as numpy does.
-- f64: native on CPU for storage, matmul and arithmetic, but mlx evaluates exp (so softmax, attention,
-  sigmoid, silu, gelu) and erf at float32 accuracy, and mx.fast norms reduce in float32: f64 graphs agree
-  with numpy to the f32 tolerance, not to f64. Metal has no f64: a graph with any f64 value runs on the
-  CPU stream there.
+- f64: native on CPU for storage, matmul, arithmetic, log, tanh, pow, sqrt and reductions. mlx evaluates
+  exp and erf at float32 accuracy even for f64 and reduces its fast norms in f32, so exp, sigmoid, silu,
+  gelu, softmax, layer_norm, rms_norm and attention on f64 run the numpy reference kernel on the host (a
+  sync per such node: f64 graphs are for checking, not speed). Metal has no f64: a graph with any f64
+  value runs on the CPU stream there.
 TOLERANCES gives (rtol, atol) against the numpy backend per dtype.
 
 Start this backend's process with launch_env() (LD_PRELOAD=PRELOAD plus OPENBLAS_CORETYPE): mlx-cpu's
@@ -31,11 +32,12 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
+
 from graphmesh import dtypes
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph
 from graphmesh.ops import QUANT_BLOCKS, TensorType
-
+from graphmesh_executor.backends.numpy_backend import KERNELS as NUMPY_KERNELS
 from graphmesh_executor.executable import Executable, Kernel, RunContext, sample_row, uniform
 
 PRELOAD = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
@@ -63,7 +65,7 @@ def launch_env(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
 
 
 # (rtol, atol) against the numpy backend; halves are within 1 ulp (2^-10, 2^-7) of numpy's single rounding
-TOLERANCES: dict[str, tuple[float, float]] = {"f64": (1e-5, 1e-5), "f32": (1e-5, 1e-5), "f16": (1e-3, 1e-5),
+TOLERANCES: dict[str, tuple[float, float]] = {"f64": (1e-12, 1e-12), "f32": (1e-5, 1e-5), "f16": (1e-3, 1e-5),
                                               "bf16": (8e-3, 1e-4)}
 
 Array = mx.array
@@ -106,6 +108,16 @@ def _in_f32(fn: Kernel) -> Kernel:
     return kernel
 
 
+def _f64_on_host(op: str, fn: Kernel) -> Kernel:
+    """f64 through the numpy reference kernel: mlx-cpu accepts f64 but evaluates exp and erf, and reduces its
+    fast norms, at float32 accuracy (~1e-7 relative), far from the 1e-10 an f64 graph is checked against."""
+    def kernel(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+        if xs[0].dtype != mx.float64:
+            return fn(ctx, xs, a)
+        return to_mx(NUMPY_KERNELS[op](ctx, [to_numpy(x) for x in xs], a))
+    return kernel
+
+
 def _unary(fn: Any) -> Kernel:
     return lambda ctx, xs, a: fn(xs[0])
 
@@ -133,8 +145,9 @@ def _matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
 
 def _reduce(fn: Any) -> Kernel:
     def kernel(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
-        axes = list(a["axes"]) if a["axes"] else None
-        return fn(xs[0], axis=axes, keepdims=a["keepdims"]).astype(xs[0].dtype)
+        x = xs[0]
+        axes = sorted({ax % x.ndim for ax in a["axes"]}) if a["axes"] and x.ndim else None  # (-1, 1) may name one axis
+        return fn(x, axis=axes, keepdims=a["keepdims"]).astype(x.dtype)
     return kernel
 
 
@@ -279,15 +292,15 @@ def _dequant_matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Arra
 
 KERNELS: dict[str, Kernel] = {
     "neg": _unary(mx.negative),
-    "exp": _unary(mx.exp),
+    "exp": _f64_on_host("exp", _unary(mx.exp)),
     "log": _unary(mx.log),
     "sqrt": _unary(mx.sqrt),
     "rsqrt": _unary(mx.rsqrt),
     "tanh": _unary(mx.tanh),
-    "sigmoid": _unary(mx.sigmoid),
+    "sigmoid": _f64_on_host("sigmoid", _unary(mx.sigmoid)),
     "relu": _unary(lambda x: mx.maximum(x, 0)),
-    "silu": _unary(lambda x: x * mx.sigmoid(x)),
-    "gelu": _in_f32(_gelu),
+    "silu": _f64_on_host("silu", _unary(lambda x: x * mx.sigmoid(x))),
+    "gelu": _f64_on_host("gelu", _in_f32(_gelu)),
     "add": lambda ctx, xs, a: xs[0] + xs[1],
     "sub": lambda ctx, xs, a: xs[0] - xs[1],
     "mul": lambda ctx, xs, a: xs[0] * xs[1],
@@ -297,9 +310,9 @@ KERNELS: dict[str, Kernel] = {
     "sum": _reduce(mx.sum),
     "mean": _reduce(mx.mean),
     "max": _reduce(mx.max),
-    "softmax": _in_f32(lambda ctx, xs, a: mx.softmax(xs[0], axis=a["axis"])),
-    "layer_norm": _in_f32(lambda ctx, xs, a: mx.fast.layer_norm(xs[0], xs[1], xs[2], a["eps"])),
-    "rms_norm": _in_f32(lambda ctx, xs, a: mx.fast.rms_norm(xs[0], xs[1], a["eps"])),
+    "softmax": _f64_on_host("softmax", _in_f32(lambda ctx, xs, a: mx.softmax(xs[0], axis=a["axis"]))),
+    "layer_norm": _f64_on_host("layer_norm", _in_f32(lambda ctx, xs, a: mx.fast.layer_norm(xs[0], xs[1], xs[2], a["eps"]))),
+    "rms_norm": _f64_on_host("rms_norm", _in_f32(lambda ctx, xs, a: mx.fast.rms_norm(xs[0], xs[1], a["eps"]))),
     "gather": _gather,
     "reshape": lambda ctx, xs, a: xs[0].reshape(a["shape"]),
     "transpose": lambda ctx, xs, a: xs[0].transpose(a["perm"]),
@@ -308,7 +321,7 @@ KERNELS: dict[str, Kernel] = {
     "cast": lambda ctx, xs, a: xs[0].astype(_MX[a["dtype"]]),
     "constant": lambda ctx, xs, a: to_mx(a["value"]),
     "rope": _rope,
-    "attention": _attention,
+    "attention": _f64_on_host("attention", _attention),
     "kv_write": _kv_write,
     "top_k": lambda ctx, xs, a: mx.argsort(-xs[0], axis=-1)[..., : a["k"]].astype(mx.int64),  # mlx sorts stably
     "take_along_axis": _take_along_axis,
