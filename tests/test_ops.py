@@ -15,15 +15,28 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from graphmesh import dtypes, ops
 from graphmesh.errors import OutOfRange
 from graphmesh.graph import GraphBuilder, GraphError, parse
 from graphmesh.ops import OpError
 from graphmesh.v1 import graph_pb2
 from graphmesh_executor.backends import available, compile_graph, executable_class
-from graphmesh_executor.executable import RngOptions, uniform
+from graphmesh_executor.executable import Executable, RngOptions, uniform
 
-BACKENDS = available()
+
+def targets() -> list[str]:
+    """Backend names, and "torch:cuda" where torch sees a GPU."""
+    names = available()
+    if "torch" in names:
+        import torch
+
+        if torch.cuda.is_available():
+            names.append("torch:cuda")
+    return names
+
+
+BACKENDS = targets()
 
 # Per output dtype: (rtol, atol). Inputs are rounded to their dtype before the float64
 # reference sees them, so these bound only the backend's compute and output rounding.
@@ -467,7 +480,12 @@ def test_every_op_has_cases() -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backend_lowers_every_op(backend: str) -> None:
-    assert set(ops.SPECS) <= set(executable_class(backend).kernels)
+    assert set(ops.SPECS) <= set(executable_class(backend.partition(":")[0]).kernels)
+
+
+def compile_on(target: str, g: GraphBuilder) -> Executable[Any]:
+    name, _, device = target.partition(":")
+    return compile_graph(parse(g.build()), name, device or "cpu")
 
 
 def run_op(backend: str, op: str, inputs: list[np.ndarray], attrs: dict[str, Any]) -> np.ndarray:
@@ -476,7 +494,7 @@ def run_op(backend: str, op: str, inputs: list[np.ndarray], attrs: dict[str, Any
     values = [g.input(f"x{i}", a.shape, dtypes.from_numpy(a.dtype)) for i, a in enumerate(inputs)]
     out = g.node(op, values, **attrs)
     g.output(out)
-    ex = compile_graph(parse(g.build()), backend)
+    ex = compile_on(backend, g)
     (got,) = ex.run({f"x{i}": a for i, a in enumerate(inputs)}, typed=True)
     assert got.dtype == dtypes.to_numpy(out.dtype), f"{op} returned {got.dtype}, inferred {out.dtype}"
     assert got.shape == out.shape, f"{op} returned shape {got.shape}, inferred {out.shape}"
@@ -503,7 +521,7 @@ def test_kv_write_leaves_its_cache_input_unchanged(backend: str) -> None:
     written = g.kv_write(cache, rows, pos)
     after = g.mul(cache, 1.0)  # declared after kv_write, so it runs after it
     g.output(written, after)
-    ex = compile_graph(parse(g.build()), backend)
+    ex = compile_on(backend, g)
     c = rand((4, 3))
     w, a = ex.run({"cache": c, "rows": np.ones((1, 3), np.float32), "pos": np.array(2)})
     np.testing.assert_array_equal(a, c)
@@ -667,6 +685,6 @@ def test_scalar_operands_become_constants_of_the_other_dtype() -> None:
     y = g.mul(x, 2.0)
     assert y.dtype == "f16"
     g.output(y)
-    ex = compile_graph(parse(g.build()), BACKENDS[0])
+    ex = compile_on(BACKENDS[0], g)
     (got,) = ex.run({"x": np.array([1, 2, 3], np.float16)}, typed=True)
     np.testing.assert_array_equal(got, np.array([2, 4, 6], np.float16))

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
 from graphmesh import dtypes
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph
 from graphmesh.ops import QUANT_BLOCKS, TensorType
-
 from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_row, uniform
 
 Tensor = torch.Tensor
@@ -74,7 +74,7 @@ def _gather(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     table, idx = xs
     axis = a["axis"] % table.ndim
     _check_indices(idx, table.shape[axis], "gather")
-    rows = table.index_select(axis, idx.reshape(-1))
+    rows = table.index_select(axis, idx.reshape(-1).long())
     return rows.reshape(*table.shape[:axis], *idx.shape, *table.shape[axis + 1:])
 
 
@@ -249,9 +249,9 @@ class TorchExecutable(Executable[Tensor]):
         try:
             self._device = torch.device(device)
         except RuntimeError as e:
-            raise InvalidArgument(f"bad torch device {device!r}: {e}", "BAD_DEVICE") from e
+            raise InvalidArgument(f"bad torch device {device!r}: {e}", "UNKNOWN_DEVICE") from e
         if self._device.type not in ("cpu", "cuda"):
-            raise InvalidArgument(f"torch backend runs on cpu or cuda[:n], not {device!r}", "BAD_DEVICE")
+            raise InvalidArgument(f"torch backend runs on cpu or cuda[:n], not {device!r}", "UNKNOWN_DEVICE")
         if self._device.type == "cuda" and not torch.cuda.is_available():
             raise FailedPrecondition(f"device {device!r}: torch sees no CUDA device", "DEVICE_UNAVAILABLE")
         super().__init__(graph, device)

@@ -1,0 +1,668 @@
+"""The ExecutableGraph trait through the Python Executable, on every available backend (no gRPC).
+
+Params, handles and feeds, resident KV row copies, RNG policy, MoE residency accounting, and the
+bad inputs: each raises its graphmesh.errors type and leaves the executable as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from graphmesh import dtypes
+from graphmesh.errors import FailedPrecondition, GraphmeshError, InvalidArgument, NotFound, OutOfRange
+from graphmesh.graph import GraphBuilder, Value, parse
+from graphmesh.ops import packed_shape
+from graphmesh_executor.backends import available, compile_graph
+from graphmesh_executor.executable import Executable, MoeStats, RngOptions
+
+
+def targets() -> list[str]:
+    """Backend names, and "torch:cuda" where torch sees a GPU."""
+    names = available()
+    if "torch" in names:
+        import torch
+
+        if torch.cuda.is_available():
+            names.append("torch:cuda")
+    return names
+
+
+BACKENDS = targets()
+BF16 = dtypes.to_numpy("bf16")
+Exe = Executable[Any]
+
+rng = np.random.default_rng(7)
+
+
+def compile_(target: str, g: GraphBuilder) -> Exe:
+    name, _, device = target.partition(":")
+    return compile_graph(parse(g.build()), name, device or "cpu")
+
+
+def f32(*shape: int) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+# -- a small graph with params of every kind and a KV-style handle --------------------------------------
+def basic(backend: str) -> Exe:
+    """y = x @ w + bias (f16 param); cache = kv_write(past, x[0:1], pos); plus typed params passed through."""
+    g = GraphBuilder("basic")
+    x, past, pos = g.input("x", (2, 3)), g.input("past", (4, 3)), g.input("pos", (1,), "i64")
+    w, bias = g.param("w", (3, 3)), g.param("bias", (3,), "f16")
+    y = g.add(g.matmul(x, w), g.cast(bias, "f32"))
+    cache = g.kv_write(past, g.slice(x, 0, 0, 1), pos)
+    g.output(y, cache, g.param("pb", (2,), "bf16"), g.param("pi", (2,), "i32"), g.param("pu", (4,), "u8"))
+    return compile_(backend, g)
+
+
+X = f32(2, 3)
+W = f32(3, 3)
+BIAS = np.array([0.5, -1.0, 2.0], np.float16)
+
+
+def loaded(backend: str) -> Exe:
+    ex = basic(backend)
+    ex.set_param("w", W)
+    ex.set_param("bias", BIAS.astype(np.float32))
+    return ex
+
+
+def probe(ex: Exe) -> np.ndarray:
+    """The y output on fixed inputs, from a clone (it shares params, not handles or outputs)."""
+    return ex.clone().run({"x": X, "pos": np.array([0])}, read_indices=[0])[0]
+
+
+def state(ex: Exe) -> dict[str, Any]:
+    """Everything a failed call must leave as it was."""
+    return {"y": probe(ex), "handles": {n: ex.read_handle(n) for n in ex.graph.inputs if ex.has_handle(n)[0]},
+            "resident": {n: ex.has_handle(n) for n in ex.graph.inputs}, "missing": ex.finalize_params(),
+            "feeds": (dict(ex._prefix_feeds), dict(ex._row_feeds)), "extent": ex._extent, "rng": ex.rng()}
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if key == "y":
+            np.testing.assert_array_equal(a[key], b[key])
+        elif key == "handles":
+            assert a[key].keys() == b[key].keys()
+            for name in a[key]:
+                np.testing.assert_array_equal(a[key][name], b[key][name])
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_set_param_casts_and_set_param_typed_keeps_dtype(backend: str) -> None:
+    ex = loaded(backend)
+    assert ex.finalize_params() == ["pb", "pi", "pu"]
+    ex.set_param("pb", np.array([1.5, -3.0], np.float32))
+    ex.set_param_typed("pi", np.array([7, -9], np.int32))
+    ex.set_param_typed("pu", np.array([0, 1, 200, 255], np.uint8))
+    assert ex.finalize_params() == []
+    y, cache, pb, pi, pu = ex.run({"x": X, "pos": np.array([1])}, typed=True)
+    np.testing.assert_allclose(y, X.astype(np.float64) @ W + BIAS, rtol=1e-5, atol=1e-5)
+    assert pb.dtype == BF16 and pi.dtype == np.int32 and pu.dtype == np.uint8 and cache.dtype == np.float32
+    np.testing.assert_array_equal(pb.astype(np.float32), [1.5, -3.0])
+    np.testing.assert_array_equal(pi, [7, -9])
+    np.testing.assert_array_equal(pu, [0, 1, 200, 255])
+    ex.set_param_typed("bias", np.array([1, 2, 3], np.float16))
+    ex.set_param_typed("pb", np.array([0.25, 8], BF16))
+    untyped = ex.run({"x": X, "pos": np.array([1])})
+    assert all(o.dtype == np.float32 for o in untyped)  # run without typed widens every output to f32
+    np.testing.assert_allclose(untyped[0], X.astype(np.float64) @ W + [1, 2, 3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(untyped[2], [0.25, 8])
+    np.testing.assert_array_equal(untyped[4], [0, 1, 200, 255])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_missing_params_read_as_zeros(backend: str) -> None:
+    ex = basic(backend)
+    assert ex.finalize_params() == ["w", "bias", "pb", "pi", "pu"]
+    y, _, pb, pi, pu = ex.run({"x": X, "pos": np.array([0])}, typed=True)
+    assert not y.any() and not pb.astype(np.float32).any() and not pi.any() and not pu.any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copy_params_from(backend: str) -> None:
+    src = loaded(backend)
+    g = GraphBuilder("other")  # shares w; its bias has another dtype, so it is not copied
+    x = g.input("x", (5, 3))
+    g.output(g.add(g.matmul(x, g.param("w", (3, 3))), g.param("bias", (3,))))
+    dst = compile_(backend, g)
+    assert dst.copy_params_from(src) == ["w"]
+    assert dst.finalize_params() == ["bias"]
+    x5 = f32(5, 3)
+    np.testing.assert_allclose(dst.run({"x": x5})[0], x5 @ W, rtol=1e-5, atol=1e-5)
+    other = next((b for b in BACKENDS if b != backend), None)
+    if other is not None:
+        assert compile_(other, g).copy_params_from(src) == []  # another backend: unsupported, not an error
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_clone_is_independent(backend: str) -> None:
+    ex = loaded(backend)
+    ex.bind_handle("past", np.ones((4, 3), np.float32))
+    ex.set_handle_feed("past", 1)
+    twin = ex.clone()
+    twin.set_param("w", np.zeros((3, 3), np.float32))
+    twin.run({"x": X, "pos": np.array([2])})
+    np.testing.assert_array_equal(twin.read_handle("past")[2], X[0])  # the feed came along
+    np.testing.assert_array_equal(ex.read_handle("past"), np.ones((4, 3)))
+    np.testing.assert_allclose(probe(ex), X.astype(np.float64) @ W + BIAS, rtol=1e-5, atol=1e-5)
+    with pytest.raises(FailedPrecondition):
+        twin.clone().read_output(0)  # a clone starts without outputs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_run_read_indices_slots_and_rows(backend: str) -> None:
+    ex = loaded(backend)
+    with pytest.raises(FailedPrecondition):
+        ex.read_output_row(0, 0, 3)
+    past = f32(4, 3)
+    outs = ex.run({"x": X, "past": past, "pos": np.array([3])}, read_indices=[1, 0])
+    assert [o.shape for o in outs] == [(4, 3), (2, 3)]
+    np.testing.assert_array_equal(outs[0][:3], past[:3])
+    np.testing.assert_array_equal(outs[0][3], X[0])
+    np.testing.assert_array_equal(ex.read_output_row(1, 3, 3), X[0])
+    np.testing.assert_array_equal(ex.read_output_row(0, 1, 3), outs[1][1])
+    with pytest.raises(OutOfRange):
+        ex.read_output_row(1, 4, 3)
+    with pytest.raises(OutOfRange):
+        ex.run({"x": X}, read_indices=[5])
+    slots = ex.run_slots([X, past, np.array([3])])
+    np.testing.assert_array_equal(slots[1], outs[0])
+    with pytest.raises(InvalidArgument):
+        ex.run_slots([X, past, np.array([3]), X])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_commit_no_wait_and_run_pipelined(backend: str) -> None:
+    ex = loaded(backend)
+    ex.bind_handle("past", np.zeros((4, 3), np.float32))
+    ex.set_handle_feed("past", 1)
+    for p in range(3):
+        ex.commit_no_wait({"x": X + p, "pos": np.array([p])})
+    assert ex.sync_pending() == 3
+    assert ex.sync_pending() == 0
+    np.testing.assert_array_equal(ex.read_handle("past")[:3], np.stack([X[0] + p for p in range(3)]))
+    sets = [{"x": X * p, "past": f32(4, 3), "pos": np.array([p])} for p in range(3)]
+    pipelined = ex.run_pipelined(sets)
+    single = loaded(backend)
+    for got, inputs in zip(pipelined, sets):
+        for a, b in zip(got, single.run(inputs)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_active_extent(backend: str) -> None:
+    ex = loaded(backend)
+    assert ex.set_active_extent((3, 4)) == ex.capabilities.active_extent
+    for bad in ((0, 4), (5, 4), (-1, 2)):
+        with pytest.raises(InvalidArgument):
+            ex.set_active_extent(bad)
+        assert ex._extent == (3, 4)
+    ex.run({"x": X}, extent=(1, 4))
+    assert ex._extent == (3, 4)  # a per-run extent does not stick
+    ex.set_active_extent(None)
+    assert ex._extent is None
+
+
+# -- sampling and the RNG policy -------------------------------------------------------------------------
+def sampler(backend: str, batch: int = 64, vocab: int = 16) -> Exe:
+    g = GraphBuilder("sampler")
+    g.output(g.sample(g.input("logits", (batch, vocab)), g.input("t", (1,)), g.input("k", (1,), "i64"),
+                      g.input("p", (1,)), g.input("seed", (1,), "i64")))
+    return compile_(backend, g)
+
+
+LOGITS = f32(64, 16)
+
+
+def draw(ex: Exe, seed: int, t: float = 1.0) -> np.ndarray:
+    return ex.run({"logits": LOGITS, "t": np.array([t], np.float32), "k": np.array([0]), "p": np.array([1.0], np.float32),
+                   "seed": np.array([seed])}, typed=True)[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rng_policy(backend: str) -> None:
+    ex = sampler(backend)
+    assert ex.rng() == RngOptions(42, "splitmix")
+    first = draw(ex, 1)
+    np.testing.assert_array_equal(draw(ex, 1), first)  # every run re-seeds from the policy
+    np.testing.assert_array_equal(draw(sampler(backend), 1), first)
+    assert (draw(ex, 2) != first).any()
+    ex.set_rng(RngOptions(seed=7))
+    assert ex.rng() == RngOptions(7, "splitmix")
+    assert (draw(ex, 1) != first).any()
+    for other in BACKENDS:  # same policy and seed: the same tokens on every backend
+        twin = sampler(other)
+        twin.set_rng(RngOptions(seed=7))
+        np.testing.assert_array_equal(draw(twin, 1), draw(ex, 1))
+    ex.set_rng(RngOptions(seed=7, backend="zero"))  # u = 0 always takes the most likely token
+    np.testing.assert_array_equal(draw(ex, 3), LOGITS.argmax(-1))
+    np.testing.assert_array_equal(draw(ex, 3, t=0.0), LOGITS.argmax(-1))
+    with pytest.raises(InvalidArgument):
+        ex.set_rng(RngOptions(backend="philox"))
+    assert ex.rng() == RngOptions(7, "zero")
+
+
+# -- handles and feeds -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bind_read_and_write_handle_rows(backend: str) -> None:
+    ex = loaded(backend)
+    assert ex.has_handle("past") == (False, False)
+    with pytest.raises(NotFound):
+        ex.read_handle("past")
+    past = f32(4, 3)
+    assert ex.bind_handle("past", past, resident=True)
+    assert ex.has_handle("past") == (True, True)
+    np.testing.assert_array_equal(ex.run({"x": X, "pos": np.array([0])})[1][1:], past[1:])  # the handle fed the input
+    explicit = f32(4, 3)
+    np.testing.assert_array_equal(ex.run({"x": X, "past": explicit, "pos": np.array([0])})[1][1:], explicit[1:])
+    np.testing.assert_array_equal(ex.read_handle("past", (1, 3)), past[1:3])
+    rows = f32(2, 3)
+    assert ex.write_handle_rows("past", 2, rows)
+    np.testing.assert_array_equal(ex.read_handle("past"), np.concatenate([past[:2], rows]))
+    ex.bind_handle("past", past)
+    assert ex.has_handle("past") == (True, False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_handle_feed_accumulates_kv_rows(backend: str) -> None:
+    """kv_write output fed back into its own cache: a decode loop. Earlier results never change afterwards."""
+    ex = loaded(backend)
+    ex.bind_handle("past", np.zeros((4, 3), np.float32))
+    assert ex.set_handle_feed("past", 1)
+    seen = []
+    for p in range(4):
+        seen.append(ex.run({"x": X + p, "pos": np.array([p])}, read_indices=[1])[0])
+        seen.append(ex.read_handle("past"))
+    want = np.stack([X[0] + p for p in range(4)])
+    np.testing.assert_array_equal(ex.read_handle("past"), want)
+    for p in range(4):
+        for snapshot in seen[2 * p : 2 * p + 2]:
+            np.testing.assert_array_equal(snapshot[: p + 1], want[: p + 1])
+            assert not snapshot[p + 1 :].any()
+    with pytest.raises(InvalidArgument):
+        ex.set_handle_feed("past", 0)  # y is [2, 3], the handle [4, 3]
+    with pytest.raises(OutOfRange):
+        ex.set_handle_feed("past", 9)
+    with pytest.raises(NotFound):
+        ex.set_handle_feed("nope", 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_read_by_another_node_is_not_overwritten(backend: str) -> None:
+    """A fed cache that a second node also reads must reach that node as it was before the write."""
+    g = GraphBuilder("two_readers")
+    past, row, pos = g.input("past", (3, 2)), g.input("row", (1, 2)), g.input("pos", (), "i64")
+    written = g.kv_write(past, row, pos)
+    g.output(written, g.sum(past, axes=(0,)))
+    ex = compile_(backend, g)
+    ex.bind_handle("past", np.ones((3, 2), np.float32))
+    ex.set_handle_feed("past", 0)
+    for p in range(3):
+        _, total = ex.run({"row": np.full((1, 2), 10.0, np.float32), "pos": np.array(p)})
+        np.testing.assert_array_equal(total, [3 + 9 * p] * 2)
+
+
+def concat_decoder(backend: str, upper: int, kv: int = 4, layers: int = 2) -> Exe:
+    """The rlx resident-KV convention: output 0 = a logits stand-in, 1+2i / 2+2i = concat(past, new) [upper+1, kv]."""
+    g = GraphBuilder(f"decode_{upper}")
+    new = g.input("new", (1, kv))
+    caches: list[Value] = []
+    for i in range(layers):
+        for sign, kind in ((1.0, "k"), (-1.0, "v")):
+            past = g.input(f"past_{kind}_{i}", (upper, kv))
+            caches.append(g.concat([past, g.mul(new, sign * (i + 1))], axis=0))
+    g.output(g.sum(caches[0], axes=(0,)), *caches)
+    return compile_(backend, g)
+
+
+def kv_row(layer: int, kind: str, token: int, kv: int = 4) -> np.ndarray:
+    return np.full(kv, (1.0 if kind == "k" else -1.0) * (layer + 1) * (token + 1), np.float32)
+
+
+def decode_steps(ex: Exe, upper: int, tokens: range, kv: int = 4) -> None:
+    for t in tokens:
+        ex.run({"new": np.full((1, kv), t + 1.0, np.float32)}, read_indices=[0])
+        if t < upper:
+            assert ex.feed_kv_row(upper, t, kv)
+
+
+def register_feeds(ex: Exe, layers: int = 2) -> None:
+    for i in range(layers):
+        assert ex.register_kv_row_feed(f"past_k_{i}", 1 + 2 * i)
+        assert ex.register_kv_row_feed(f"past_v_{i}", 2 + 2 * i)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_row_feed(backend: str) -> None:
+    ex = concat_decoder(backend, 4)
+    with pytest.raises(FailedPrecondition):
+        ex.feed_kv_row(4, 0, 4)
+    register_feeds(ex)
+    decode_steps(ex, 4, range(3))
+    for i in range(2):
+        for kind in "kv":
+            h = ex.read_handle(f"past_{kind}_{i}")
+            np.testing.assert_array_equal(h[:3], np.stack([kv_row(i, kind, t) for t in range(3)]))
+            assert not h[3].any()
+    before = state_of_handles(ex)
+    for bad in ((5, 0, 4), (4, 4, 4), (-1, 0, 4)):
+        with pytest.raises(OutOfRange):
+            ex.feed_kv_row(*bad)
+    with pytest.raises(InvalidArgument):
+        ex.feed_kv_row(4, 0, 0)
+    assert_handles_equal(before, state_of_handles(ex))
+
+
+def state_of_handles(ex: Exe) -> dict[str, np.ndarray]:
+    return {n: ex.read_handle(n) for n in ex.graph.inputs if ex.has_handle(n)[0]}
+
+
+def assert_handles_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seed_resident_kv_prefix_on_bucket_rollover(backend: str) -> None:
+    """Bucket 4 -> 8 at the token that fills row 4: that row exists only in the old bucket's outputs."""
+    old = concat_decoder(backend, 4)
+    register_feeds(old)
+    decode_steps(old, 4, range(5))  # tokens 0..3 fed into rows 0..3; token 4 sits in output row 4
+    new = concat_decoder(backend, 8)
+    assert new.seed_resident_kv_prefix_from(old, 5, 4, 4, 2)
+    for i in range(2):
+        for kind in "kv":
+            h = new.read_handle(f"past_{kind}_{i}")
+            np.testing.assert_array_equal(h[:5], np.stack([kv_row(i, kind, t) for t in range(5)]))
+            assert not h[5:].any()
+            assert new.has_handle(f"past_{kind}_{i}")[1]
+    register_feeds(new)
+    decode_steps(new, 8, range(5, 7))
+    np.testing.assert_array_equal(new.read_handle("past_v_1")[:7], np.stack([kv_row(1, "v", t) for t in range(7)]))
+    assert old.seed_resident_kv_prefix_from(new, 0, 4, 4, 2)  # nothing to copy: trivially true
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_copy_resident_kv_rows(backend: str) -> None:
+    src = concat_decoder(backend, 8)
+    register_feeds(src)
+    decode_steps(src, 8, range(6))
+    dst = concat_decoder(backend, 8)
+    for name in dst.graph.inputs:
+        if name.startswith("past_"):
+            dst.bind_handle(name, np.full((8, 4), 99.0, np.float32))
+    assert dst.copy_resident_kv_rows_from(src, 2, 5, 8, 4, 2)
+    h = dst.read_handle("past_k_1")
+    np.testing.assert_array_equal(h[:2], 99.0)  # rows before from_row stay
+    np.testing.assert_array_equal(h[2:5], np.stack([kv_row(1, "k", t) for t in range(2, 5)]))
+    assert not h[5:].any()  # rows from to_row on are zeroed
+    before = state_of_handles(dst)
+    with pytest.raises(OutOfRange):
+        dst.copy_resident_kv_rows_from(src, 0, 9, 8, 4, 2)  # past the destination's 8 rows
+    small = concat_decoder(backend, 4)
+    register_feeds(small)
+    decode_steps(small, 4, range(5))
+    with pytest.raises(OutOfRange):
+        dst.copy_resident_kv_rows_from(small, 0, 6, 4, 4, 2)  # row 5 is neither in small's handles nor its row 4
+    assert_handles_equal(before, state_of_handles(dst))
+    other = next((b for b in BACKENDS if b != backend), None)
+    if other is not None:
+        assert not concat_decoder(other, 8).copy_resident_kv_rows_from(src, 0, 2, 8, 4, 2)
+
+
+# -- MoE -------------------------------------------------------------------------------------------------
+T, H, F, E, K = 5, 4, 6, 4, 2
+
+
+def moe_graph(backend: str, layers: int = 2) -> Exe:
+    """Mixtral-style routing: router matmul -> softmax -> top_k -> take_along_axis -> renormalise, then
+    gate/up/down grouped_matmuls over each token's K expert slots, weighted and summed back per token."""
+    g = GraphBuilder("moe")
+    x = g.input("x", (T, H))
+    slots = g.constant(np.repeat(np.arange(T), K))  # token of each of the T*K rows
+    for layer in range(layers):
+        p = f"l{layer}."
+        probs = g.softmax(g.matmul(x, g.param(p + "router", (H, E))))
+        top = g.top_k(probs, K)
+        weights = g.take_along_axis(probs, top)
+        weights = g.div(weights, g.sum(weights, axes=(-1,), keepdims=True))
+        ids = g.reshape(top, (T * K,))
+        rows = g.gather(x, slots)
+        gate = g.grouped_matmul(rows, g.param(p + "gate", (E, H, F)), ids)
+        up = g.grouped_matmul(rows, g.param(p + "up", (E, H, F)), ids)
+        down = g.grouped_matmul(g.mul(g.silu(gate), up), g.param(p + "down", (E, F, H)), ids)
+        mixed = g.sum(g.reshape(g.mul(down, g.reshape(weights, (T * K, 1))), (T, K, H)), axes=(1,))
+        x = g.add(x, mixed)
+    g.output(x)
+    return compile_(backend, g)
+
+
+MOE_PARAMS = {f"l{layer}.{name}": f32(*shape) for layer in range(2)
+              for name, shape in (("router", (H, E)), ("gate", (E, H, F)), ("up", (E, H, F)), ("down", (E, F, H)))}
+MOE_X = f32(T, H)
+
+
+def moe_reference(x: np.ndarray, layers: int = 2) -> tuple[np.ndarray, list[list[int]]]:
+    """float64 forward and each layer's routed expert ids (token-major, best first)."""
+    h = x.astype(np.float64)
+    routed = []
+    for layer in range(layers):
+        p = {k.split(".")[1]: v.astype(np.float64) for k, v in MOE_PARAMS.items() if k.startswith(f"l{layer}.")}
+        out = h.copy()
+        ids: list[int] = []
+        for t in range(T):
+            logits = h[t] @ p["router"]
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+            top = sorted(range(E), key=lambda e: (-probs[e], e))[:K]
+            ids += top
+            for e in top:
+                act = h[t] @ p["gate"][e]
+                out[t] += probs[e] / probs[top].sum() * ((act / (1 + np.exp(-act)) * (h[t] @ p["up"][e])) @ p["down"][e])
+        h = out
+        routed.append(ids)
+    return h, routed
+
+
+def loaded_moe(backend: str) -> Exe:
+    ex = moe_graph(backend)
+    for name, value in MOE_PARAMS.items():
+        ex.set_param(name, value)
+    return ex
+
+
+def expected_stats(routed: list[list[int]], masks: list[list[bool]]) -> MoeStats:
+    stats = MoeStats()
+    for ids, mask in zip(routed, masks):
+        experts, counts = np.unique(ids, return_counts=True)
+        for e, n in zip(experts.tolist(), counts.tolist()):
+            for _ in range(3):  # gate, up and down each call the expert once
+                if mask[e]:
+                    stats.resident_expert_calls += 1
+                    stats.resident_tokens += n
+                else:
+                    stats.offloaded_expert_calls += 1
+                    stats.offloaded_tokens += n
+    return stats
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_moe_forward_capture_and_residency(backend: str) -> None:
+    ex = loaded_moe(backend)
+    want, routed = moe_reference(MOE_X)
+    assert len(set(routed[0]) | set(routed[1])) > 1  # the fixture must route to several experts
+    assert ex.take_moe_topk_capture() is None
+    assert ex.enable_moe_topk_capture(E)
+    np.testing.assert_allclose(ex.run({"x": MOE_X})[0], want, rtol=1e-4, atol=1e-4)
+    assert ex.take_moe_topk_capture() == routed
+    assert ex.take_moe_topk_capture() is None  # take drains
+    assert ex.take_moe_residency_stats() == expected_stats(routed, [[True] * E] * 2)  # no mask: all resident
+    assert ex.take_moe_residency_stats() == MoeStats()
+
+    mask = [True, False, True, False]
+    assert ex.set_moe_resident_experts(mask)
+    ex.run({"x": MOE_X})
+    assert ex.take_moe_residency_stats() == expected_stats(routed, [mask, mask])
+    assert ex.take_moe_topk_capture() == routed  # capture stays on until re-enabled with another width
+    per_layer = [[False, True, True, True], [True, True, False, False]]
+    assert ex.set_moe_resident_experts_per_layer(per_layer)
+    ex.enable_moe_topk_capture(E + 1)  # no router has that width: nothing is captured
+    ex.run({"x": MOE_X})
+    got = ex.take_moe_residency_stats()
+    assert got == expected_stats(routed, per_layer)
+    assert got.offloaded_expert_calls > 0 and got.resident_expert_calls > 0
+    assert ex.take_moe_topk_capture() is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_moe_bad_masks(backend: str) -> None:
+    ex = loaded_moe(backend)
+    ex.set_moe_resident_experts([True, False, True, False])
+    before = ex._moe_masks
+    calls: list[Callable[[], object]] = [
+        lambda: ex.set_moe_resident_experts([True] * 3),
+        lambda: ex.set_moe_resident_experts_per_layer([[True] * E]),
+        lambda: ex.set_moe_resident_experts_per_layer([[True] * E, [True] * (E + 1)])]
+    for call in calls:
+        with pytest.raises(InvalidArgument) as info:
+            call()
+        assert info.value.reason == "BAD_MASK"
+    assert ex._moe_masks == before
+
+
+# -- bad inputs: the right error, and nothing changed -----------------------------------------------------
+def q4_graph(backend: str) -> Exe:
+    g = GraphBuilder("q4")
+    g.output(g.dequant_matmul(g.input("x", (1, 32)), g.param("wq", packed_shape("q4_0", 2, 32), "u8"), "q4_0", 2, 32))
+    return compile_(backend, g)
+
+
+BAD: list[tuple[str, type[GraphmeshError], str, Callable[[Exe], object]]] = [
+    ("feed to an unknown handle", NotFound, "UNKNOWN_HANDLE", lambda ex: ex.set_handle_feed("nope", 1)),
+    ("row feed to an unknown handle", NotFound, "UNKNOWN_HANDLE", lambda ex: ex.register_kv_row_feed("nope", 1)),
+    ("row feed from a missing output", OutOfRange, "OUTPUT_INDEX_OUT_OF_RANGE", lambda ex: ex.register_kv_row_feed("past", 7)),
+    ("bind to an unknown handle", NotFound, "UNKNOWN_HANDLE", lambda ex: ex.bind_handle("nope", X)),
+    ("bind of the wrong shape", InvalidArgument, "SHAPE_MISMATCH", lambda ex: ex.bind_handle("past", f32(5, 3))),
+    ("bind of the wrong dtype", InvalidArgument, "DTYPE_MISMATCH",
+     lambda ex: ex.bind_handle("past", np.zeros((4, 3), np.int64))),
+    ("write rows past the end", OutOfRange, "ROW_OUT_OF_RANGE", lambda ex: ex.write_handle_rows("past", 3, f32(2, 3))),
+    ("write rows of the wrong width", InvalidArgument, "SHAPE_MISMATCH", lambda ex: ex.write_handle_rows("past", 0, f32(1, 2))),
+    ("read rows past the end", OutOfRange, "ROW_OUT_OF_RANGE", lambda ex: ex.read_handle("past", (2, 5))),
+    ("extent above upper", InvalidArgument, "BAD_EXTENT", lambda ex: ex.set_active_extent((5, 4))),
+    ("per-run extent above upper", InvalidArgument, "BAD_EXTENT", lambda ex: ex.run({"x": X}, extent=(5, 4))),
+    ("unknown input", NotFound, "UNKNOWN_INPUT", lambda ex: ex.run({"x": X, "nope": X})),
+    ("input of the wrong shape", InvalidArgument, "SHAPE_MISMATCH", lambda ex: ex.run({"x": f32(3, 3)})),
+    ("input of the wrong dtype", InvalidArgument, "DTYPE_MISMATCH", lambda ex: ex.run({"x": X, "pos": np.array([0.5])})),
+    ("unknown param", NotFound, "UNKNOWN_PARAM", lambda ex: ex.set_param("nope", W)),
+    ("param of the wrong shape", InvalidArgument, "SHAPE_MISMATCH", lambda ex: ex.set_param("w", f32(3, 4))),
+    ("param of the wrong dtype", InvalidArgument, "DTYPE_MISMATCH",
+     lambda ex: ex.set_param_typed("w", np.ones((3, 3), np.int32))),
+    ("f32 into a u8 param", InvalidArgument, "DTYPE_MISMATCH", lambda ex: ex.set_param("pu", np.ones(4, np.float32))),
+    ("kv_write past the cache", OutOfRange, "ROW_OUT_OF_RANGE", lambda ex: ex.run({"x": X, "pos": np.array([4])})),
+    ("unknown rng backend", InvalidArgument, "BAD_RNG", lambda ex: ex.set_rng(RngOptions(backend="mt"))),
+    ("row of an output past its end", OutOfRange, "ROW_OUT_OF_RANGE", lambda ex: ex.read_output_row(0, 2, 3)),
+]
+
+
+@pytest.mark.parametrize("what,error,reason,call", BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_raises_and_changes_nothing(backend: str, what: str, error: type[GraphmeshError], reason: str,
+                                              call: Callable[[Exe], object]) -> None:
+    ex = loaded(backend)
+    ex.bind_handle("past", f32(4, 3), resident=True)
+    ex.set_handle_feed("past", 1)
+    ex.set_active_extent((2, 4))
+    ex.set_rng(RngOptions(seed=5))
+    ex.run({"x": X, "pos": np.array([1])})
+    before = state(ex)
+    with pytest.raises(error) as info:
+        call(ex)
+    assert info.value.reason == reason
+    assert_same(before, state(ex))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_param_length_mismatch(backend: str) -> None:
+    ex = q4_graph(backend)
+    good = np.zeros(packed_shape("q4_0", 2, 32), np.uint8)
+    good[:, 0:2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)  # d = 0.5
+    good[:, 2:] = 0x99  # every nibble 9: each weight (9 - 8) * 0.5
+    ex.set_param_typed("wq", good)
+    x = f32(1, 32)
+    np.testing.assert_allclose(ex.run({"x": x})[0], np.full((1, 2), x.sum() * 0.5), rtol=1e-5, atol=1e-5)
+    for bad in (np.zeros((2, 17), np.uint8), np.zeros(36, np.uint8)):
+        with pytest.raises(InvalidArgument) as info:
+            ex.set_param_typed("wq", bad)
+        assert info.value.reason == "SHAPE_MISMATCH"
+    np.testing.assert_allclose(ex.run({"x": x})[0], np.full((1, 2), x.sum() * 0.5), rtol=1e-5, atol=1e-5)
+
+
+# -- torch specifics ---------------------------------------------------------------------------------------
+needs_torch = pytest.mark.skipif("torch" not in BACKENDS, reason="the torch backend is not installed")
+
+
+@needs_torch
+def test_torch_device_strings() -> None:
+    import torch
+
+    g = GraphBuilder("id")
+    g.output(g.neg(g.input("x", (2,))))
+    graph = parse(g.build())
+    for bad in ("tpu", "cuda:x", "mps"):
+        with pytest.raises(InvalidArgument):
+            compile_graph(graph, "torch", bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(FailedPrecondition):
+            compile_graph(graph, "torch", "cuda:0")
+
+
+@needs_torch
+def test_torch_writes_a_fed_cache_in_place() -> None:
+    """The decode fast path: a kv_write whose output feeds its own cache handle reuses the handle's buffer."""
+    ex = loaded("torch")
+    ex.bind_handle("past", np.zeros((4, 3), np.float32))
+    buffer = ex._handles["past"].data_ptr()
+    ex.run({"x": X, "pos": np.array([0])})
+    assert ex._last_outputs is not None and ex._last_outputs[1].data_ptr() != buffer  # no feed: a new cache
+    ex.set_handle_feed("past", 1)
+    ex.run({"x": X, "pos": np.array([0])})
+    buffer = ex._handles["past"].data_ptr()
+    ex.run({"x": X + 1, "pos": np.array([1])})
+    assert ex._handles["past"].data_ptr() == buffer
+    np.testing.assert_array_equal(ex.read_handle("past")[:2], [X[0], X[0] + 1])
+
+
+@needs_torch
+def test_torch_configure_threads() -> None:
+    import torch
+
+    from graphmesh_executor.backends.torch_backend import configure
+
+    before = torch.get_num_threads()
+    try:
+        configure(1)
+        assert torch.get_num_threads() == 1
+        configure(None)  # None keeps the current setting
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif("torch:cuda" not in BACKENDS, reason="needs a CUDA device")
+def test_torch_cuda_keeps_params_and_handles_on_the_device() -> None:
+    ex = loaded("torch:cuda")
+    ex.bind_handle("past", np.zeros((4, 3), np.float32))
+    ex.set_handle_feed("past", 1)
+    ex.run({"x": X, "pos": np.array([0])})
+    assert ex._params["w"].device.type == "cuda" and ex._handles["past"].device.type == "cuda"
+    np.testing.assert_array_equal(ex.read_handle("past")[0], X[0])
