@@ -245,6 +245,39 @@ def test_kv_write_leaves_its_input_untouched() -> None:
     assert np.array_equal(out[2], [1, 1]) and np.array_equal(np.delete(out, 2, 0), np.delete(before, 2, 0))
 
 
+def test_fed_kv_write_in_place_keeps_other_readers_of_the_old_cache() -> None:
+    # The fed handle is written in place only when kv_write is its one reader; here `sum` reads it too, after
+    # kv_write in the plan, and must see the old rows. Then, with sampling forcing evaluation mid-run, the fed
+    # handle must still advance exactly as numpy's.
+    g = GraphBuilder("kvr")
+    cache, rows, pos = g.input("past_k_0", (6, 2)), g.input("rows", (1, 2)), g.input("pos", (), "i64")
+    written = g.kv_write(cache, rows, pos)
+    g.output(g.sum(g.mul(written, 1.0)), written, g.sum(cache))
+    graphs = [parse(g.build())]
+    g = GraphBuilder("kvs")
+    cache, rows, pos = g.input("past_k_0", (6, 2)), g.input("rows", (1, 2)), g.input("pos", (), "i64")
+    written = g.kv_write(cache, rows, pos)
+    logits = g.reshape(g.sum(written, axes=(1,)), (1, 6))
+    token = g.sample(logits, g.input("t", (), "f32"), g.input("k", (), "i64"), g.input("p", (), "f32"),
+                     g.input("seed", (), "i64"))
+    g.output(token, written)
+    graphs.append(parse(g.build()))
+    for graph in graphs:
+        start = rand((6, 2))
+        exes = {b: compile_graph(graph, b) for b in ("numpy", "mlx")}
+        for exe in exes.values():
+            exe.bind_handle("past_k_0", start)
+            exe.set_handle_feed("past_k_0", 1)
+        for step in range(4):
+            feed = {"rows": rand((1, 2)), "pos": np.array(step), "t": np.array(0.7, np.float32), "k": np.array(0),
+                    "p": np.array(1.0, np.float32), "seed": np.array(step)}
+            feed = {k: v for k, v in feed.items() if k in graph.inputs}
+            want, got = (exes[b].run(feed, typed=True) for b in ("numpy", "mlx"))
+            for w, o in zip(want, got):
+                np.testing.assert_allclose(o, w, rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(exes["mlx"].read_handle("past_k_0"), exes["numpy"].read_handle("past_k_0"))
+
+
 def test_devices() -> None:
     graph = build("neg", [rand((2,))])
     with pytest.raises(InvalidArgument):

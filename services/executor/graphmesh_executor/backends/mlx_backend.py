@@ -205,14 +205,21 @@ def _attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     return out[0].transpose(1, 0, 2).astype(q.dtype)
 
 
+_DONATED: set[int] = set()  # ids of the handle arrays a run lets kv_write update in place (see MlxExecutable)
+
+
 def _kv_write(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     cache, rows, pos = xs
     start = int(_scalar(pos))
     if start < 0 or start + rows.shape[0] > cache.shape[0]:
         raise OutOfRange(f"kv_write of rows [{start}, {start + rows.shape[0]}) into a cache of "
                          f"{cache.shape[0]} rows", "ROW_OUT_OF_RANGE")
-    # Functional update: once the old handle is dropped (the feed replaces it before the read), mlx donates
-    # its buffer and writes the rows in place instead of copying the cache.
+    if id(cache) in _DONATED:
+        # Rebinding the handle's own array object leaves its old buffer referenced by this update alone, so mlx
+        # writes the rows in place even when the run evaluates (in-graph sampling) while the handle is held.
+        cache[start : start + rows.shape[0]] = rows
+        return cache
+    # Functional; still in place if the old array is gone by evaluation time (the feed replaced it before the read).
     return mx.slice_update(cache, rows, mx.array([start]), axes=(0,))
 
 
@@ -346,16 +353,31 @@ class MlxExecutable(Executable[Array]):
         f64 = any(t.dtype == "f64" for t in (*graph.inputs.values(), *graph.params.values(), *(n.type for n in graph.nodes)))
         self._stream = mx.cpu if kind == "cpu" or f64 else mx.gpu  # Metal has no f64
         super().__init__(graph, device)
+        # kv_write nodes that may update their cache handle in place, as the torch backend's: the cache is an
+        # input read by that node alone, and the node is an output (donated only while a feed stores it back).
+        readers: dict[str, int] = {}
+        for node in graph.nodes:
+            for name in node.inputs:
+                readers[name] = readers.get(name, 0) + 1
+        self._donors = {n.inputs[0]: graph.outputs.index(n.name) for n in graph.nodes
+                        if n.op == "kv_write" and n.inputs[0] in graph.inputs and n.name in graph.outputs
+                        and readers[n.inputs[0]] == 1 and n.inputs[0] not in graph.outputs}
 
     def _execute(self, env: dict[str, Array]) -> list[Array]:
-        with mx.stream(self._stream):
-            return super()._execute(env)
+        donated = [id(env[h]) for h, out in self._donors.items()
+                   if self._prefix_feeds.get(h) == out and h in self._handles and env.get(h) is self._handles[h]
+                   and sum(v is env[h] for v in self._handles.values()) == 1]
+        _DONATED.update(donated)
+        try:
+            with mx.stream(self._stream):
+                return super()._execute(env)
+        finally:
+            _DONATED.difference_update(donated)  # the arrays live through the run, so their ids stay theirs
 
     def run(self, inputs: dict[str, np.ndarray], read_indices: Sequence[int] | None = None, typed: bool = False,
             extent: tuple[int, int] | None = None) -> list[np.ndarray]:
         outs = super().run(inputs, read_indices, typed, extent)
         # Outputs nobody read (fed handles off the read path) must not stay lazy and chain graphs across runs.
-        # Evaluated here, after the feeds replaced the old handles, kv_write can still update in place.
         mx.eval(self._last_outputs or [])
         return outs
 
