@@ -1,0 +1,418 @@
+"""ExecutorService over gRPC: proto in, one Executable call, proto out.
+
+The ExecutableGraph semantics live in graphmesh_executor.executable and the
+locking in graphmesh_executor.registry; this module only translates. Every
+exception becomes a gRPC status in one place (`to_status`, applied by the
+`rpc` decorator), so a bad request gets a clear status and the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import grpc
+import numpy as np
+
+from graphmesh import dtypes, tensors
+from graphmesh.dtypes import DTypeError
+from graphmesh.errors import GraphmeshError, Internal, InvalidArgument, ResourceExhausted
+from graphmesh.graph import GraphError, parse
+from graphmesh.ops import OpError, TensorType
+from graphmesh.tensors import TensorError
+from graphmesh.v1 import executor_pb2, executor_pb2_grpc, graph_pb2, tensor_pb2
+from graphmesh_executor import weights
+from graphmesh_executor.executable import Executable, RngOptions
+from graphmesh_executor.registry import ExecutableRegistry
+
+log = logging.getLogger("graphmesh.executor")
+
+INLINE_OUTPUT_BYTES = 2 << 20  # Run answers inline up to this total; larger outputs are fetched with ReadOutput
+MESSAGE_SLACK_BYTES = 64 << 10  # room for the non-tensor fields of a message under the size cap
+
+_BAD_INPUT: tuple[tuple[type[Exception], str], ...] = (
+    (GraphError, "BAD_GRAPH"), (OpError, "BAD_OP"), (TensorError, "BAD_TENSOR"), (DTypeError, "UNKNOWN_DTYPE"))
+_BACKENDS = {"numpy": executor_pb2.BACKEND_NUMPY, "torch": executor_pb2.BACKEND_TORCH, "mlx": executor_pb2.BACKEND_MLX}
+_RNG_BACKENDS = {executor_pb2.RNG_BACKEND_SPLITMIX: "splitmix", executor_pb2.RNG_BACKEND_ZERO: "zero"}
+_FORMATS = {executor_pb2.CHECKPOINT_FORMAT_UNSPECIFIED: "", executor_pb2.CHECKPOINT_FORMAT_GGUF: "gguf",
+            executor_pb2.CHECKPOINT_FORMAT_SAFETENSORS: "safetensors"}
+
+
+def to_status(exc: BaseException, method: str = "") -> grpc.Status:
+    """The status for any exception a call raised: typed errors keep their code and reason."""
+    if isinstance(exc, GraphmeshError):
+        err = exc
+    else:
+        reason = next((r for cls, r in _BAD_INPUT if isinstance(exc, cls)), None)
+        if reason is None:
+            log.error("internal error", exc_info=exc, extra={"method": method})
+            return Internal(f"{type(exc).__name__}: {exc}", "INTERNAL").to_status()
+        err = InvalidArgument(str(exc), reason)
+    log.warning("request refused", extra={"method": method, "code": err.code.name, "reason": err.reason,
+                                          "error": err.message})
+    return err.to_status()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def rpc(fn: F) -> F:
+    """Aborts the call with `to_status` of whatever the handler raised (unary and streaming handlers alike)."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def streaming(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from fn(self, request, context)
+            except Exception as e:
+                if context.is_active():
+                    context.abort_with_status(to_status(e, fn.__name__))
+        return cast(F, streaming)
+
+    @functools.wraps(fn)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as e:
+            if not context.is_active():
+                raise  # the client is gone (a cancelled client stream); nobody reads a status
+            context.abort_with_status(to_status(e, fn.__name__))
+    return cast(F, unary)
+
+
+def _type(dtype: str, shape: Iterable[int]) -> graph_pb2.TensorType:
+    return graph_pb2.TensorType(dtype=dtypes.to_proto(dtype), shape=list(shape))
+
+
+def _specs(types: Iterable[tuple[str, TensorType]]) -> list[executor_pb2.IoSpec]:
+    return [executor_pb2.IoSpec(name=name, type=_type(t.dtype, t.shape), index=i) for i, (name, t) in enumerate(types)]
+
+
+def _named(items: Iterable[tensor_pb2.NamedTensor]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for item in items:
+        if item.name in out:
+            raise InvalidArgument(f"input {item.name!r} is given twice", "DUPLICATE_INPUT")
+        try:
+            out[item.name] = tensors.from_proto(item.tensor)
+        except (TensorError, DTypeError) as e:
+            raise type(e)(f"input {item.name!r}: {e}") from e
+    return out
+
+
+def _run_inputs(exe: Executable[Any], request: executor_pb2.RunRequest) -> dict[str, np.ndarray]:
+    if request.inputs or not request.slot_inputs:
+        return _named(request.inputs)
+    if len(request.slot_inputs) > len(exe.input_names):  # run_slots: inputs by position
+        raise InvalidArgument(f"{len(request.slot_inputs)} slot inputs for a graph of {len(exe.input_names)} inputs",
+                              "TOO_MANY_INPUTS")
+    return {name: tensors.from_proto(t) for name, t in zip(exe.input_names, request.slot_inputs)}
+
+
+def _extent(message: executor_pb2.ActiveExtent) -> tuple[int, int]:
+    return message.actual, message.upper
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
+    def __init__(self, registry: ExecutableRegistry, *, model_root: Path | None = None,
+                 max_message_bytes: int = 64 << 20, max_param_bytes: int = tensors.MAX_TENSOR_BYTES) -> None:
+        self.registry = registry
+        self.model_root = model_root
+        self.max_message_bytes = max_message_bytes
+        self.max_param_bytes = max_param_bytes
+
+    # -- executables -----------------------------------------------------------------------------------
+    @rpc
+    def GetCapabilities(self, request: executor_pb2.GetCapabilitiesRequest,
+                        context: grpc.ServicerContext) -> executor_pb2.GetCapabilitiesResponse:
+        cls = self.registry.executable_class
+        return executor_pb2.GetCapabilitiesResponse(
+            backend=_BACKENDS[self.registry.backend], device=self.registry.device,
+            capabilities=executor_pb2.Capabilities(**asdict(cls.capabilities)), ops=sorted(cls.kernels),
+            dtypes=[dtypes.to_proto(d) for d in dtypes.DTYPE_NAMES], max_message_bytes=self.max_message_bytes)
+
+    @rpc
+    def Compile(self, request: executor_pb2.CompileRequest, context: grpc.ServicerContext) -> executor_pb2.CompileResponse:
+        started = time.perf_counter()
+        graph = parse(request.graph)
+        executable_id, exe = self.registry.compile(graph, request.executable_id)
+        ms = (time.perf_counter() - started) * 1e3
+        log.info("compiled", extra={"executable_id": executable_id, "graph": graph.name, "nodes": len(graph.nodes),
+                                    "ms": round(ms, 2)})
+        return executor_pb2.CompileResponse(
+            executable_id=executable_id, inputs=_specs(graph.inputs.items()), params=_specs(graph.params.items()),
+            outputs=_specs(zip(graph.outputs, exe.output_types)),
+            capabilities=executor_pb2.Capabilities(**asdict(exe.capabilities)), compile_ms=ms)
+
+    @rpc
+    def Release(self, request: executor_pb2.ReleaseRequest, context: grpc.ServicerContext) -> executor_pb2.ReleaseResponse:
+        return executor_pb2.ReleaseResponse(released=self.registry.release(request.executable_id))
+
+    @rpc
+    def Clone(self, request: executor_pb2.CloneRequest, context: grpc.ServicerContext) -> executor_pb2.CloneResponse:
+        clone_id = self.registry.clone(request.executable_id, request.clone_id)
+        return executor_pb2.CloneResponse(supported=clone_id is not None, clone_id=clone_id or "")
+
+    # -- params ----------------------------------------------------------------------------------------
+    def _receive(self, messages: Iterator[Any], exe: Executable[Any], first: Any,
+                 take: Callable[[str, np.ndarray], Any]) -> tuple[list[str], int]:
+        """Reassembles the chunk stream of SetParams/BindHandle; `take` consumes each finished tensor."""
+        assembler = tensors.ChunkAssembler(self.max_param_bytes)
+        names: list[str] = []
+        received = declared = 0
+        for message in itertools.chain([first], messages):
+            if message.executable_id and message.executable_id != first.executable_id:
+                raise InvalidArgument(f"one stream addresses executables {first.executable_id!r} and "
+                                      f"{message.executable_id!r}", "MIXED_EXECUTABLES")
+            chunk = message.chunk
+            if chunk.name:
+                declared += tensors.nbytes(dtypes.from_proto(chunk.dtype), tensors.check_shape(chunk.shape))
+                if declared > self.max_param_bytes:
+                    raise ResourceExhausted(f"tensor {chunk.name!r} brings this stream to {declared} bytes, over this "
+                                            f"executor's --max-param-bytes of {self.max_param_bytes}", "TOO_MANY_BYTES")
+            done = assembler.feed(chunk)  # reading chunk.data copies 1 MiB each time: only the assembler reads it
+            if done is not None:
+                take(*done)
+                names.append(done[0])
+                received += done[1].nbytes
+        assembler.close()
+        return names, received
+
+    @rpc
+    def SetParams(self, request_iterator: Iterator[executor_pb2.SetParamsRequest],
+                  context: grpc.ServicerContext) -> executor_pb2.SetParamsResponse:
+        first = next(request_iterator, None)
+        if first is None:
+            raise InvalidArgument("empty SetParams stream", "EMPTY_STREAM")
+        with self.registry.use(first.executable_id) as exe:
+            def take(name: str, array: np.ndarray) -> None:
+                (exe.set_param if array.dtype == np.float32 else exe.set_param_typed)(name, array)
+            names, received = self._receive(request_iterator, exe, first, take)
+        return executor_pb2.SetParamsResponse(names=names, bytes_received=received)
+
+    @rpc
+    def LoadParams(self, request: executor_pb2.LoadParamsRequest,
+                   context: grpc.ServicerContext) -> executor_pb2.LoadParamsResponse:
+        started = time.perf_counter()
+        with self.registry.use(request.executable_id) as exe:
+            target = weights.resolve_under_root(self.model_root, request.path)
+            weights.check_format(target, _FORMATS.get(request.format, ""))
+            names, loaded = weights.load_params(exe, target, request.name_map)
+        return executor_pb2.LoadParamsResponse(names=names, bytes_loaded=loaded,
+                                               load_ms=(time.perf_counter() - started) * 1e3)
+
+    @rpc
+    def FinalizeParams(self, request: executor_pb2.FinalizeParamsRequest,
+                       context: grpc.ServicerContext) -> executor_pb2.FinalizeParamsResponse:
+        with self.registry.use(request.executable_id) as exe:
+            return executor_pb2.FinalizeParamsResponse(missing=exe.finalize_params())
+
+    @rpc
+    def CopyParamsFrom(self, request: executor_pb2.CopyParamsFromRequest,
+                       context: grpc.ServicerContext) -> executor_pb2.CopyParamsFromResponse:
+        with self.registry.use_pair(request.executable_id, request.source_executable_id) as (dst, src):
+            return executor_pb2.CopyParamsFromResponse(supported=True, names=dst.copy_params_from(src))
+
+    # -- running ---------------------------------------------------------------------------------------
+    def _run(self, request: executor_pb2.RunRequest, inline_limit: int, stream_rest: bool) -> executor_pb2.RunResponse:
+        with self.registry.use(request.executable_id) as exe:
+            inputs = _run_inputs(exe, request)
+            extent = _extent(request.active_extent) if request.HasField("active_extent") else None
+            started = time.perf_counter()
+            outs = exe.run(inputs, list(request.read_indices) or None, request.typed_outputs, extent)
+            if request.HasField("kv_row_feed"):
+                feed = request.kv_row_feed
+                exe.feed_kv_row(feed.src_row, feed.dst_row, feed.row_elems)
+            response = executor_pb2.RunResponse(run_us=(time.perf_counter() - started) * 1e6)
+            indices = list(request.read_indices) or range(len(outs))
+            inline = 0
+            for index, out in zip(indices, outs):
+                item = response.outputs.add(index=index)
+                item.type.dtype = dtypes.to_proto(dtypes.from_numpy(out.dtype))
+                item.type.shape.extend(out.shape)
+                if inline + out.nbytes <= inline_limit:
+                    item.tensor.CopyFrom(tensors.to_proto(out))
+                    inline += out.nbytes
+                elif stream_rest:
+                    item.streamed = True
+                else:
+                    raise ResourceExhausted(f"output {index} ({out.nbytes} bytes) does not fit a RunPipelined answer "
+                                            f"of at most {inline_limit} bytes; use Run and ReadOutput", "OUTPUT_TOO_LARGE")
+            return response
+
+    @rpc
+    def Run(self, request: executor_pb2.RunRequest, context: grpc.ServicerContext) -> executor_pb2.RunResponse:
+        return self._run(request, INLINE_OUTPUT_BYTES, stream_rest=True)
+
+    @rpc
+    def ReadOutput(self, request: executor_pb2.ReadOutputRequest,
+                   context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
+        with self.registry.use(request.executable_id) as exe:
+            out = exe.read_output(request.index, request.typed)
+            yield from tensors.to_chunks(exe.graph.outputs[request.index], out)
+
+    @rpc
+    def RunPipelined(self, request_iterator: Iterator[executor_pb2.RunRequest],
+                     context: grpc.ServicerContext) -> Iterator[executor_pb2.RunResponse]:
+        # Only the last run's outputs stay readable, so every answer of the stream is inline.
+        for request in request_iterator:
+            yield self._run(request, self.max_message_bytes - MESSAGE_SLACK_BYTES, stream_rest=False)
+
+    @rpc
+    def CommitNoWait(self, request: executor_pb2.CommitNoWaitRequest,
+                     context: grpc.ServicerContext) -> executor_pb2.CommitNoWaitResponse:
+        with self.registry.use(request.executable_id) as exe:
+            exe.commit_no_wait(_named(request.inputs))
+        return executor_pb2.CommitNoWaitResponse()
+
+    @rpc
+    def SyncPending(self, request: executor_pb2.SyncPendingRequest,
+                    context: grpc.ServicerContext) -> executor_pb2.SyncPendingResponse:
+        with self.registry.use(request.executable_id) as exe:
+            return executor_pb2.SyncPendingResponse(completed=exe.sync_pending())
+
+    @rpc
+    def ReadOutputRow(self, request: executor_pb2.ReadOutputRowRequest,
+                      context: grpc.ServicerContext) -> executor_pb2.ReadOutputRowResponse:
+        with self.registry.use(request.executable_id) as exe:
+            row = exe.read_output_row(request.output_index, request.row, request.row_inner)
+        return executor_pb2.ReadOutputRowResponse(supported=True, row=tensors.to_proto(row))
+
+    @rpc
+    def SetActiveExtent(self, request: executor_pb2.SetActiveExtentRequest,
+                        context: grpc.ServicerContext) -> executor_pb2.SetActiveExtentResponse:
+        extent = _extent(request.extent) if request.HasField("extent") else None
+        with self.registry.use(request.executable_id) as exe:
+            return executor_pb2.SetActiveExtentResponse(honored=exe.set_active_extent(extent))
+
+    @rpc
+    def SetRng(self, request: executor_pb2.SetRngRequest, context: grpc.ServicerContext) -> executor_pb2.SetRngResponse:
+        if request.rng.backend not in _RNG_BACKENDS:
+            raise InvalidArgument(f"rng backend {request.rng.backend} is not one of SPLITMIX, ZERO", "BAD_RNG")
+        with self.registry.use(request.executable_id) as exe:
+            exe.set_rng(RngOptions(request.rng.seed, _RNG_BACKENDS[request.rng.backend]))
+        return executor_pb2.SetRngResponse()
+
+    @rpc
+    def GetRng(self, request: executor_pb2.GetRngRequest, context: grpc.ServicerContext) -> executor_pb2.GetRngResponse:
+        with self.registry.use(request.executable_id) as exe:
+            rng = exe.rng()
+        backend = next(k for k, v in _RNG_BACKENDS.items() if v == rng.backend)
+        return executor_pb2.GetRngResponse(rng=executor_pb2.RngOptions(seed=rng.seed, backend=backend))
+
+    # -- handles ---------------------------------------------------------------------------------------
+    @rpc
+    def BindHandle(self, request_iterator: Iterator[executor_pb2.BindHandleRequest],
+                   context: grpc.ServicerContext) -> executor_pb2.BindHandleResponse:
+        first = next(request_iterator, None)
+        if first is None:
+            raise InvalidArgument("empty BindHandle stream", "EMPTY_STREAM")
+        supported = []
+        with self.registry.use(first.executable_id) as exe:
+            self._receive(request_iterator, exe, first,
+                          lambda name, array: supported.append(exe.bind_handle(name, array, first.resident)))
+        if not supported:
+            raise InvalidArgument("BindHandle stream carried no tensor", "EMPTY_STREAM")
+        return executor_pb2.BindHandleResponse(supported=all(supported))
+
+    @rpc
+    def ReadHandle(self, request: executor_pb2.ReadHandleRequest,
+                   context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
+        rows = None if request.row_start == request.row_end == 0 else (request.row_start, request.row_end)
+        with self.registry.use(request.executable_id) as exe:
+            yield from tensors.to_chunks(request.name, exe.read_handle(request.name, rows))
+
+    @rpc
+    def WriteHandleRows(self, request: executor_pb2.WriteHandleRowsRequest,
+                        context: grpc.ServicerContext) -> executor_pb2.WriteHandleRowsResponse:
+        rows = tensors.from_proto(request.rows)
+        with self.registry.use(request.executable_id) as exe:
+            return executor_pb2.WriteHandleRowsResponse(supported=exe.write_handle_rows(request.name, request.row_start,
+                                                                                        rows))
+
+    @rpc
+    def HasHandle(self, request: executor_pb2.HasHandleRequest,
+                  context: grpc.ServicerContext) -> executor_pb2.HasHandleResponse:
+        with self.registry.use(request.executable_id) as exe:
+            bound, resident = exe.has_handle(request.name)
+        return executor_pb2.HasHandleResponse(bound=bound, resident=resident)
+
+    @rpc
+    def SetHandleFeed(self, request: executor_pb2.SetHandleFeedRequest,
+                      context: grpc.ServicerContext) -> executor_pb2.SetHandleFeedResponse:
+        with self.registry.use(request.executable_id) as exe:
+            return executor_pb2.SetHandleFeedResponse(supported=exe.set_handle_feed(request.handle_name,
+                                                                                    request.output_index))
+
+    @rpc
+    def RegisterKvRowFeed(self, request: executor_pb2.RegisterKvRowFeedRequest,
+                          context: grpc.ServicerContext) -> executor_pb2.RegisterKvRowFeedResponse:
+        with self.registry.use(request.executable_id) as exe:
+            return executor_pb2.RegisterKvRowFeedResponse(supported=exe.register_kv_row_feed(request.handle_name,
+                                                                                             request.output_index))
+
+    @rpc
+    def FeedKvRow(self, request: executor_pb2.FeedKvRowRequest,
+                  context: grpc.ServicerContext) -> executor_pb2.FeedKvRowResponse:
+        feed = request.feed
+        with self.registry.use(request.executable_id) as exe:
+            return executor_pb2.FeedKvRowResponse(supported=exe.feed_kv_row(feed.src_row, feed.dst_row, feed.row_elems))
+
+    @rpc
+    def CopyResidentKvRows(self, request: executor_pb2.CopyResidentKvRowsRequest,
+                           context: grpc.ServicerContext) -> executor_pb2.CopyResidentKvRowsResponse:
+        r = request
+        with self.registry.use_pair(r.executable_id, r.source_executable_id) as (dst, src):
+            ok = dst.copy_resident_kv_rows_from(src, r.from_row, r.to_row, r.outgoing_upper, r.kv_dim, r.n_layers)
+        return executor_pb2.CopyResidentKvRowsResponse(supported=ok)
+
+    @rpc
+    def SeedResidentKvPrefix(self, request: executor_pb2.SeedResidentKvPrefixRequest,
+                             context: grpc.ServicerContext) -> executor_pb2.SeedResidentKvPrefixResponse:
+        r = request
+        with self.registry.use_pair(r.executable_id, r.source_executable_id) as (dst, src):
+            ok = dst.seed_resident_kv_prefix_from(src, r.prefix_tokens, r.outgoing_upper, r.kv_dim, r.n_layers)
+        return executor_pb2.SeedResidentKvPrefixResponse(supported=ok)
+
+    # -- MoE -------------------------------------------------------------------------------------------
+    @rpc
+    def SetMoeResidency(self, request: executor_pb2.SetMoeResidencyRequest,
+                        context: grpc.ServicerContext) -> executor_pb2.SetMoeResidencyResponse:
+        which = request.WhichOneof("mask")
+        if which is None:
+            raise InvalidArgument("SetMoeResidency needs a merged or a per_layer mask", "BAD_MASK")
+        with self.registry.use(request.executable_id) as exe:
+            if which == "merged":
+                ok = exe.set_moe_resident_experts(list(request.merged.values))
+            else:
+                ok = exe.set_moe_resident_experts_per_layer([list(m.values) for m in request.per_layer.layers])
+        return executor_pb2.SetMoeResidencyResponse(supported=ok)
+
+    @rpc
+    def EnableMoeTopkCapture(self, request: executor_pb2.EnableMoeTopkCaptureRequest,
+                             context: grpc.ServicerContext) -> executor_pb2.EnableMoeTopkCaptureResponse:
+        with self.registry.use(request.executable_id) as exe:
+            return executor_pb2.EnableMoeTopkCaptureResponse(supported=exe.enable_moe_topk_capture(request.num_experts))
+
+    @rpc
+    def TakeMoeTopkCapture(self, request: executor_pb2.TakeMoeTopkCaptureRequest,
+                           context: grpc.ServicerContext) -> executor_pb2.TakeMoeTopkCaptureResponse:
+        with self.registry.use(request.executable_id) as exe:
+            captured = exe.take_moe_topk_capture()
+        return executor_pb2.TakeMoeTopkCaptureResponse(
+            captured=captured is not None, layers=[executor_pb2.ExpertIds(ids=ids) for ids in captured or []])
+
+    @rpc
+    def TakeMoeResidencyStats(self, request: executor_pb2.TakeMoeResidencyStatsRequest,
+                              context: grpc.ServicerContext) -> executor_pb2.TakeMoeResidencyStatsResponse:
+        with self.registry.use(request.executable_id) as exe:
+            stats = exe.take_moe_residency_stats()
+        return executor_pb2.TakeMoeResidencyStatsResponse(supported=True,
+                                                          stats=executor_pb2.MoeResidencyStats(**asdict(stats)))

@@ -1,0 +1,94 @@
+"""Shared fixtures: service processes on loopback, started once and waited for through grpc health."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+STARTUP_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (bound to 0, then closed); good enough on loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def health_status(address: str, service: str = "", timeout: float = 2.0) -> int:
+    """The grpc.health.v1 status of `service` at `address`; raises grpc.RpcError when unreachable."""
+    with grpc.insecure_channel(address) as channel:
+        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                             timeout=timeout)
+        return int(response.status)
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+@contextmanager
+def start_process(args: Sequence[str], health_address: str, *, log_path: Path | None = None,
+                  env: dict[str, str] | None = None, timeout: float = STARTUP_TIMEOUT_S) -> Iterator[subprocess.Popen[bytes]]:
+    """Runs `args` until the block ends; yields once health at `health_address` says SERVING.
+
+    stdout and stderr go to `log_path` (a temporary file by default) and its tail is shown when the
+    process dies or never turns healthy. Teardown sends SIGTERM, then SIGKILL after 10 s.
+    """
+    if log_path is None:
+        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"graphmesh-test-{os.getpid()}-{health_address.replace(':', '_')}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})})
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{args[:3]} exited with {process.returncode}:\n{_log_tail(log_path)}")
+            try:
+                if health_status(health_address, timeout=1.0) == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{args[:3]} not SERVING at {health_address} after {timeout} s:\n{_log_tail(log_path)}")
+            time.sleep(0.1)
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def executor_args(address: str, *extra: str, backend: str = "numpy") -> list[str]:
+    return [sys.executable, "-m", "graphmesh_executor.server", "--listen", address, "--backend", backend, *extra]
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The --model-root of the shared executors: tests write checkpoints here for LoadParams."""
+    return tmp_path_factory.mktemp("model_root")
+
+
+@pytest.fixture(scope="session")
+def numpy_executor(model_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Address of an executor process on the numpy backend, shared by the whole session."""
+    address = f"127.0.0.1:{free_port()}"
+    log_path = tmp_path_factory.mktemp("logs") / "numpy_executor.log"
+    with start_process(executor_args(address, "--model-root", str(model_root)), address, log_path=log_path,
+                       env={"OMP_NUM_THREADS": "1"}):
+        yield address

@@ -1,0 +1,406 @@
+"""Every ExecutorService RPC through ExecutorClient against a real executor process (numpy backend).
+
+References are independent of the executor: plain numpy for the small graphs, and transformers'
+own decoder layer modules for the Llama and GPT-2 blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from graphmesh import ExecutorClient, GraphBuilder, RemoteExecutable, errors
+from graphmesh.graph import Value
+from graphmesh.v1 import executor_pb2, graph_pb2
+from graphmesh_executor.backends.numpy_backend import KERNELS
+from tests.conftest import health_status
+
+RNG = np.random.default_rng(0)
+
+
+def randn(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def client(numpy_executor: str) -> Iterator[ExecutorClient]:
+    with ExecutorClient(numpy_executor, timeout=60.0) as c:
+        yield c
+
+
+def mlp_graph(name: str = "mlp") -> graph_pb2.Graph:
+    """x[4,8] -> relu(x @ w1) @ w2 + b; outputs: y [4,3] f32 and argmax(y) [4] i64."""
+    g = GraphBuilder(name)
+    x = g.input("x", (4, 8))
+    h = g.relu(g.matmul(x, g.param("w1", (8, 16))))
+    y = g.add(g.matmul(h, g.param("w2", (16, 3))), g.param("b", (3,)))
+    g.output(y, g.argmax(y))
+    return g.build()
+
+
+def mlp_ref(x: np.ndarray, w1: np.ndarray, w2: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.maximum(x.astype(np.float64) @ w1, 0) @ w2 + b
+
+
+@pytest.fixture(scope="module")
+def mlp(client: ExecutorClient) -> tuple[RemoteExecutable, dict[str, np.ndarray]]:
+    exe = client.compile(mlp_graph())
+    params = {"w1": randn(8, 16), "w2": randn(16, 3), "b": randn(3)}
+    assert exe.set_params({"w1": params["w1"], "w2": params["w2"]}) == ["w1", "w2"]  # one stream, two tensors
+    exe.set_param_typed("b", params["b"].astype(np.float64))  # f64 in, cast to the declared f32
+    assert exe.finalize_params() == []
+    return exe, params
+
+
+def test_health_and_reflection(numpy_executor: str) -> None:
+    assert health_status(numpy_executor) == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(numpy_executor, "graphmesh.v1.ExecutorService") == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(numpy_executor) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"graphmesh.v1.ExecutorService", "grpc.health.v1.Health"} <= services
+
+
+def test_capabilities(client: ExecutorClient) -> None:
+    caps = client.capabilities()
+    assert caps.backend == executor_pb2.BACKEND_NUMPY and caps.device == "cpu"
+    assert list(caps.ops) == sorted(KERNELS)
+    assert caps.max_message_bytes == 64 << 20
+    assert caps.capabilities.clone and caps.capabilities.typed_io
+
+
+def test_compile_reports_io(client: ExecutorClient, mlp: tuple[RemoteExecutable, dict[str, np.ndarray]]) -> None:
+    exe, _ = mlp
+    assert [(s.name, s.dtype, s.shape) for s in exe.inputs] == [("x", "f32", (4, 8))]
+    assert [(s.name, s.shape) for s in exe.params] == [("w1", (8, 16)), ("w2", (16, 3)), ("b", (3,))]
+    assert [(s.dtype, s.shape) for s in exe.outputs] == [("f32", (4, 3)), ("i64", (4,))]
+    named = client.compile(mlp_graph("named"), executable_id="my-mlp")
+    assert named.id == "my-mlp"
+    with pytest.raises(errors.AlreadyExists, match="my-mlp"):
+        client.compile(mlp_graph("again"), executable_id="my-mlp")
+    assert named.finalize_params() == ["w1", "w2", "b"]
+    assert named.release() and not named.release()
+
+
+def test_run_variants(mlp: tuple[RemoteExecutable, dict[str, np.ndarray]]) -> None:
+    exe, p = mlp
+    x = randn(4, 8)
+    want = mlp_ref(x, p["w1"], p["w2"], p["b"])
+    y, best = exe.run({"x": x})
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    assert best.dtype == np.float32 and np.array_equal(best, want.argmax(-1))  # run widens every output to f32
+    typed = exe.run_typed({"x": x})
+    assert typed[1].dtype == np.int64 and np.array_equal(typed[1], want.argmax(-1))
+    (only,) = exe.run_read_outputs({"x": x}, [1])
+    assert np.array_equal(only, want.argmax(-1))
+    np.testing.assert_allclose(exe.run_slots([x])[0], want, rtol=1e-5, atol=1e-5)
+    row = exe.read_output_row(0, 2, 3)
+    assert row is not None
+    np.testing.assert_allclose(row, want[2], rtol=1e-5, atol=1e-5)
+    xs = [randn(4, 8) for _ in range(3)]
+    for got, xi in zip(exe.run_pipelined([{"x": xi} for xi in xs]), xs):
+        np.testing.assert_allclose(got[0], mlp_ref(xi, p["w1"], p["w2"], p["b"]), rtol=1e-5, atol=1e-5)
+    exe.commit_no_wait({"x": x})
+    exe.commit_no_wait({"x": x})
+    assert exe.sync_pending() == 2 and exe.sync_pending() == 0
+    with pytest.raises(errors.OutOfRange, match="output index 5"):
+        exe.run({"x": x}, read_indices=[5])
+
+
+def test_extent_and_rng(client: ExecutorClient, mlp: tuple[RemoteExecutable, dict[str, np.ndarray]]) -> None:
+    exe, _ = mlp
+    honored = client.capabilities().capabilities.active_extent
+    assert exe.set_active_extent((2, 4)) is honored
+    assert exe.set_active_extent(None) is honored
+    with pytest.raises(errors.InvalidArgument, match=r"1 <= actual <= upper"):
+        exe.set_active_extent((5, 4))
+    exe.set_rng(7, "zero")
+    assert exe.rng() == (7, "zero")
+    exe.set_rng(123)
+    assert exe.rng() == (123, "splitmix")
+
+
+def test_sampling_follows_rng_policy(client: ExecutorClient) -> None:
+    g = GraphBuilder("sampler")
+    logits = g.input("logits", (3, 50))
+    scalars = [g.input("temperature", (), "f32"), g.input("top_k", (), "i64"), g.input("top_p", (), "f32"),
+               g.input("seed", (), "i64")]
+    g.output(g.sample(logits, *scalars))
+    exe = client.compile(g.build())
+    x = randn(3, 50) * 3
+    feed: dict[str, npt.ArrayLike] = {"logits": x, "temperature": np.float32(1.0), "top_k": np.int64(0), "top_p": np.float32(1.0),
+            "seed": np.int64(5)}
+    exe.set_rng(0, "zero")  # every draw is 0: the most likely token of each row
+    assert np.array_equal(exe.run_typed(feed)[0], x.argmax(-1))
+    exe.set_rng(99)
+    draws = {tuple(exe.run_typed(feed)[0]) for _ in range(2)}
+    assert len(draws) == 1  # the same policy, seed and row give the same tokens
+    exe.release()
+
+
+def test_clone_copy_release(client: ExecutorClient, mlp: tuple[RemoteExecutable, dict[str, np.ndarray]]) -> None:
+    exe, _ = mlp
+    x = randn(4, 8)
+    want = exe.run({"x": x})[0]
+    twin = exe.clone()
+    assert twin is not None and twin.id != exe.id
+    np.testing.assert_array_equal(twin.run({"x": x})[0], want)
+    other = client.compile(mlp_graph("other"))
+    assert sorted(other.copy_params_from(exe) or []) == ["b", "w1", "w2"]
+    assert other.finalize_params() == []
+    np.testing.assert_array_equal(other.run({"x": x})[0], want)
+    again = client.executable(twin.id)
+    assert twin.release()
+    with pytest.raises(errors.NotFound, match=twin.id):
+        again.run({"x": x})
+    assert other.release()
+    elsewhere = ExecutorClient(client.address.replace("127.0.0.1", "localhost"))
+    assert elsewhere.executable("exe-x").copy_params_from(exe) is None  # another executor: not supported
+    elsewhere.close()
+
+
+def test_large_param_in_and_large_output_out(client: ExecutorClient) -> None:
+    g = GraphBuilder("big")
+    x = g.input("x", (2, 4096))
+    g.input("h", (1100, 1024))  # a 4.4 MB handle
+    w = g.param("w", (4096, 4352))  # 71 MB: over the 64 MiB message cap, so it must stream
+    g.output(g.matmul(x, w), g.slice(w, 0, 0, 300))  # the slice is 5.2 MB: fetched with ReadOutput
+    exe = client.compile(g.build())
+    weight = randn(4096, 4352)
+    exe.set_param("w", weight)
+    xv = randn(2, 4096)
+    y, head = exe.run({"x": xv})
+    np.testing.assert_allclose(y, xv.astype(np.float64) @ weight, rtol=1e-4, atol=1e-3)
+    np.testing.assert_array_equal(head, weight[:300])
+    state = randn(1100, 1024)
+    assert exe.bind_handle("h", state)
+    np.testing.assert_array_equal(exe.read_handle("h"), state)
+    np.testing.assert_array_equal(exe.read_handle("h", (1000, 1100)), state[1000:])
+    assert exe.release()
+
+
+def test_handles_and_prefix_feed(client: ExecutorClient) -> None:
+    g = GraphBuilder("accumulate")
+    state, x = g.input("state", (4, 8)), g.input("x", (4, 8))
+    g.output(g.add(state, x))
+    exe = client.compile(g.build())
+    assert exe.has_handle("state") == (False, False)
+    assert exe.bind_handle("state", np.zeros((4, 8), np.float32))
+    assert exe.has_handle("state") == (True, False)
+    assert exe.set_handle_feed("state", 0)
+    xs = [randn(4, 8) for _ in range(3)]
+    for xi in xs:
+        exe.run({"x": xi})
+    np.testing.assert_allclose(exe.read_handle("state"), sum(xs), rtol=1e-6, atol=1e-6)
+    assert exe.has_handle("state") == (True, True)  # a fed handle is resident
+    rows = randn(2, 8)
+    assert exe.write_handle_rows("state", 1, rows)
+    np.testing.assert_array_equal(exe.read_handle("state", (1, 3)), rows)
+    with pytest.raises(errors.OutOfRange, match="rows"):
+        exe.write_handle_rows("state", 3, rows)
+    with pytest.raises(errors.NotFound, match="nope"):
+        exe.read_handle("nope")
+    exe.release()
+
+
+def kv_graph(upper: int, dim: int) -> graph_pb2.Graph:
+    """A decode step of one layer: outputs (summary, [past_k; k_row], [past_v; v_row]), as the trait expects."""
+    g = GraphBuilder(f"kv{upper}")
+    past_k, past_v = g.input("past_k_0", (upper, dim)), g.input("past_v_0", (upper, dim))
+    k_row, v_row = g.input("k_row", (1, dim)), g.input("v_row", (1, dim))
+    new_k, new_v = g.concat([past_k, k_row], 0), g.concat([past_v, v_row], 0)
+    g.output(g.sum(new_k), new_k, new_v)
+    return g.build()
+
+
+def test_kv_row_feeds_and_row_copies(client: ExecutorClient) -> None:
+    dim = 6
+    keys, values = randn(5, dim), randn(5, dim)
+    small = client.compile(kv_graph(4, dim))
+    for name in ("past_k_0", "past_v_0"):
+        assert small.bind_handle(name, np.zeros((4, dim), np.float32), resident=True)
+    assert small.register_kv_row_feed("past_k_0", 1) and small.register_kv_row_feed("past_v_0", 2)
+    for t in range(4):
+        step = {"k_row": keys[t:t + 1], "v_row": values[t:t + 1]}
+        if t % 2:
+            small.run(step)
+            assert small.feed_kv_row(4, t, dim)  # the new row sits at index `upper` of the concat outputs
+        else:
+            small.run(step, kv_row_feed=(4, t, dim))
+    np.testing.assert_array_equal(small.read_handle("past_k_0"), keys[:4])
+    np.testing.assert_array_equal(small.read_handle("past_v_0"), values[:4])
+    assert small.has_handle("past_k_0") == (True, True)
+    small.run({"k_row": keys[4:5], "v_row": values[4:5]})  # the bucket is full: row 4 exists only in the outputs
+
+    big = client.compile(kv_graph(8, dim))
+    assert big.copy_resident_kv_rows_from(small, 0, 5, 4, dim, 1)  # rollover into the next bucket
+    want_k = np.zeros((8, dim), np.float32)
+    want_k[:5] = keys
+    np.testing.assert_array_equal(big.read_handle("past_k_0"), want_k)
+    np.testing.assert_array_equal(big.read_handle("past_v_0", (0, 5)), values)
+
+    seeded = client.compile(kv_graph(8, dim))
+    assert seeded.seed_resident_kv_prefix_from(small, 3, 4, dim, 1)
+    np.testing.assert_array_equal(seeded.read_handle("past_k_0", (0, 3)), keys[:3])
+    np.testing.assert_array_equal(seeded.read_handle("past_k_0", (3, 8)), np.zeros((5, dim), np.float32))
+    with pytest.raises(errors.OutOfRange, match="row"):
+        seeded.copy_resident_kv_rows_from(small, 0, 6, 4, dim, 1)
+    for exe in (small, big, seeded):
+        exe.release()
+
+
+def test_moe(client: ExecutorClient) -> None:
+    tokens, k, n, experts = 6, 8, 16, 4
+    g = GraphBuilder("moe")
+    x = g.input("x", (tokens, k))
+    ids = g.reshape(g.top_k(g.matmul(x, g.param("router", (k, experts))), 1), (tokens,))
+    gate = g.grouped_matmul(x, g.param("w_gate", (experts, k, n)), ids)
+    up = g.grouped_matmul(x, g.param("w_up", (experts, k, n)), ids)
+    g.output(g.grouped_matmul(g.mul(g.silu(gate), up), g.param("w_down", (experts, n, k)), ids))
+    exe = client.compile(g.build())
+    p = {"router": randn(k, experts), "w_gate": randn(experts, k, n), "w_up": randn(experts, k, n),
+         "w_down": randn(experts, n, k)}
+    exe.set_params(p)
+    xv = randn(tokens, k)
+    chosen = (xv.astype(np.float64) @ p["router"]).argmax(-1)
+    gate_ref = np.einsum("tk,tkn->tn", xv, p["w_gate"][chosen])
+    up_ref = np.einsum("tk,tkn->tn", xv, p["w_up"][chosen])
+    h = gate_ref / (1 + np.exp(-gate_ref)) * up_ref
+    want = np.einsum("tn,tnk->tk", h, p["w_down"][chosen])
+
+    assert exe.enable_moe_topk_capture(experts)
+    assert exe.take_moe_topk_capture() is None
+    np.testing.assert_allclose(exe.run({"x": xv})[0], want, rtol=1e-4, atol=1e-4)
+    assert exe.take_moe_topk_capture() == [chosen.tolist()]
+    assert exe.take_moe_topk_capture() is None
+
+    exe.take_moe_residency_stats()
+    mask = [True, False, True, False]
+    assert exe.set_moe_resident_experts(mask)
+    exe.run({"x": xv})
+    stats = exe.take_moe_residency_stats()
+    resident = [e for e in set(chosen.tolist()) if mask[e]]
+    resident_tokens = sum(int((chosen == e).sum()) for e in resident)
+    assert stats is not None
+    assert (stats.resident_expert_calls, stats.resident_tokens) == (3 * len(resident), 3 * resident_tokens)
+    assert stats.offloaded_tokens == 3 * (tokens - resident_tokens)
+    assert exe.set_moe_resident_experts_per_layer([[True] * experts])
+    exe.run({"x": xv})
+    stats = exe.take_moe_residency_stats()
+    assert stats is not None and stats.offloaded_expert_calls == 0 and stats.resident_tokens == 3 * tokens
+    with pytest.raises(errors.InvalidArgument, match="2 entries"):
+        exe.set_moe_resident_experts([True, False])
+    exe.release()
+
+
+# -- transformer blocks: weights loaded by the executor from a transformers checkpoint ------------------
+
+SEQ = 7
+
+
+def _linear(g: GraphBuilder, x: Value, name: str, n: int, k: int) -> Value:
+    """x @ W^T with W in nn.Linear layout [out, in]."""
+    return g.matmul(x, g.param(name, (n, k)), transpose_b=True)
+
+
+def llama_block_graph(hidden: int, heads: int, kv_heads: int, ffn: int, eps: float, theta: float) -> graph_pb2.Graph:
+    head_dim = hidden // heads
+    g = GraphBuilder("llama_block")
+    x, pos = g.input("x", (SEQ, hidden)), g.input("positions", (SEQ,), "i64")
+    h = g.rms_norm(x, g.param("ln1", (hidden,)), eps)
+    q = g.rope(g.reshape(_linear(g, h, "wq", heads * head_dim, hidden), (SEQ, heads, head_dim)), pos, theta)
+    k = g.rope(g.reshape(_linear(g, h, "wk", kv_heads * head_dim, hidden), (SEQ, kv_heads, head_dim)), pos, theta)
+    v = g.reshape(_linear(g, h, "wv", kv_heads * head_dim, hidden), (SEQ, kv_heads, head_dim))
+    a = g.reshape(g.attention(q, k, v, pos), (SEQ, heads * head_dim))
+    x = g.add(x, _linear(g, a, "wo", hidden, heads * head_dim))
+    h = g.rms_norm(x, g.param("ln2", (hidden,)), eps)
+    m = g.mul(g.silu(_linear(g, h, "w_gate", ffn, hidden)), _linear(g, h, "w_up", ffn, hidden))
+    g.output(g.add(x, _linear(g, m, "w_down", hidden, ffn)))
+    return g.build()
+
+
+LLAMA_NAMES = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm", "wq": "self_attn.q_proj",
+               "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj",
+               "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+
+
+def gpt2_block_graph(hidden: int, heads: int, eps: float) -> graph_pb2.Graph:
+    """GPT-2's Conv1D weights are [in, out]: x @ W + b. Params are named as in the checkpoint (no name_map)."""
+    head_dim = hidden // heads
+    g = GraphBuilder("gpt2_block")
+    x, pos = g.input("x", (SEQ, hidden)), g.input("positions", (SEQ,), "i64")
+
+    def conv1d(v: Value, prefix: str, n: int) -> Value:
+        k = v.shape[-1]
+        return g.add(g.matmul(v, g.param(f"{prefix}.weight", (k, n))), g.param(f"{prefix}.bias", (n,)))
+
+    def norm(v: Value, prefix: str) -> Value:
+        return g.layer_norm(v, g.param(f"{prefix}.weight", (hidden,)), g.param(f"{prefix}.bias", (hidden,)), eps)
+
+    p = "transformer.h.0"
+    qkv = conv1d(norm(x, f"{p}.ln_1"), f"{p}.attn.c_attn", 3 * hidden)
+    q, k, v = (g.reshape(g.slice(qkv, 1, i * hidden, (i + 1) * hidden), (SEQ, heads, head_dim)) for i in range(3))
+    a = g.reshape(g.attention(q, k, v, pos), (SEQ, hidden))
+    x = g.add(x, conv1d(a, f"{p}.attn.c_proj", hidden))
+    m = g.gelu(conv1d(norm(x, f"{p}.ln_2"), f"{p}.mlp.c_fc", 4 * hidden), approximate="tanh")
+    g.output(g.add(x, conv1d(m, f"{p}.mlp.c_proj", hidden)))
+    return g.build()
+
+
+def _causal_mask(torch: Any) -> Any:
+    return torch.full((SEQ, SEQ), float("-inf")).triu(1)[None, None]
+
+
+def test_llama_block_matches_transformers(client: ExecutorClient, model_root: Path) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, vocab_size=100, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(model_root / "llama")
+    theta = float(cfg.rope_parameters["rope_theta"])
+    exe = client.compile(llama_block_graph(64, 4, 2, 96, cfg.rms_norm_eps, theta))
+    layer = 1
+    name_map = {name: f"model.layers.{layer}.{hf}.weight" for name, hf in LLAMA_NAMES.items()}
+    assert sorted(exe.load_params("llama/model.safetensors", name_map, fmt="safetensors")) == sorted(LLAMA_NAMES)
+    assert exe.finalize_params() == []
+
+    x = torch.randn(1, SEQ, 64)
+    positions = torch.arange(SEQ)[None]  # positions double as KV rows in `attention`, so a block without a cache starts at 0
+    with torch.no_grad():
+        cos_sin = model.model.rotary_emb(x, positions)
+        mask = _causal_mask(torch)
+        want = model.model.layers[layer](x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
+        want = (want[0] if isinstance(want, tuple) else want)[0].numpy()
+    got = exe.run({"x": x[0].numpy(), "positions": positions[0].numpy()})[0]
+    # f32 on both sides; the numpy backend computes rope in f64, so only rounding order differs
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    exe.release()
+
+
+def test_gpt2_block_matches_transformers(client: ExecutorClient, model_root: Path) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    cfg = transformers.GPT2Config(n_layer=1, n_head=4, n_embd=64, vocab_size=100, n_positions=32,
+                                  attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.save_pretrained(model_root / "gpt2")
+    exe = client.compile(gpt2_block_graph(64, 4, cfg.layer_norm_epsilon))
+    assert len(exe.load_params("gpt2")) == 12  # the HF directory; names as stored, no name_map
+    assert exe.finalize_params() == []
+    x = torch.randn(1, SEQ, 64)
+    with torch.no_grad():
+        want = model.transformer.h[0](x, attention_mask=_causal_mask(torch))
+        want = (want[0] if isinstance(want, tuple) else want)[0].numpy()
+    got = exe.run({"x": x[0].numpy(), "positions": np.arange(SEQ, dtype=np.int64)})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    exe.release()
