@@ -7,8 +7,9 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import torch
-from graphmesh.bundled import resolve_model
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
@@ -19,6 +20,10 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from graphmesh import checkpoints
+from graphmesh.bundled import resolve_model
+from graphmesh.checkpoints import open_checkpoint
 
 VOCAB = 1000
 # A wider init than HF's 0.02 spreads the logits, so greedy decoding of a random model does not hinge on
@@ -65,6 +70,56 @@ def make_tiny_gpt2(path: Path, seed: int = 2) -> Path:
     config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128, initializer_range=INIT,
                         bos_token_id=0, eos_token_id=0)
     return _save(GPT2LMHeadModel(config), path)
+
+
+def _llamacpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permute() of Q/K rows (HF half-rotation -> interleaved pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+GGUF_TYPES = {"self_attn": gguf.GGMLQuantizationType.Q4_0, "mlp": gguf.GGMLQuantizationType.Q8_0,
+              "lm_head": gguf.GGMLQuantizationType.Q4_1}
+
+
+def write_llama_gguf(hf_dir: Path, path: Path) -> Path:
+    """An HF Llama checkpoint as llama.cpp's converter writes it: Q/K rows permuted, attention weights Q4_0,
+    MLP Q8_0, an untied head Q4_1, embedding F16, norms F32."""
+    ckpt = open_checkpoint(hf_dir)
+    c = ckpt.config
+    assert c is not None and c.arch == "llama" and not c.qkv_bias
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.n_layers)
+    w.add_context_length(c.max_position)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_bos_token_id(c.bos_token_id or 0)
+    w.add_eos_token_id(c.eos_token_ids[0])
+    table = {hf: g for g, hf in checkpoints._GGUF_LLAMA.items()}
+    for name in ckpt.names():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        key = name.replace(f".{layer}.", ".{i}.", 1) if layer else name
+        gname = table[key].format(i=layer)
+        array = ckpt.tensor(name)
+        if name.endswith("q_proj.weight"):
+            array = _llamacpp_permute(array, c.n_heads)
+        elif name.endswith("k_proj.weight"):
+            array = _llamacpp_permute(array, c.n_kv_heads)
+        qtype = next((t for part, t in GGUF_TYPES.items() if part in name), None)
+        if qtype is not None:
+            w.add_tensor(gname, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, array.astype(np.float16) if "embed" in name else array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 TINY_MODELS = {"llama": make_tiny_llama, "qwen2": make_tiny_qwen2, "gpt2": make_tiny_gpt2}

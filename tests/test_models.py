@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
 from graphmesh import models
 from graphmesh.checkpoints import Checkpoint, open_checkpoint
 from graphmesh.errors import InvalidArgument
@@ -19,8 +21,6 @@ from graphmesh.models import ModelConfig
 from graphmesh.tokenizer import Tokenizer
 from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.executable import Executable
-from transformers import AutoModelForCausalLM, PreTrainedModel
-
 from tests import model_fixtures
 
 PROMPT_LEN, BUCKET, CACHE, NEW_TOKENS = 11, 16, 32, 20
@@ -158,6 +158,21 @@ def test_decoder_block_matches_hf_block(ref: Reference) -> None:
     out = exe.run({"hidden_in": hidden[0][0].numpy(), "positions": np.arange(PROMPT_LEN, dtype=np.int64)})
     assert np.abs(out[0] - hidden[1][0].numpy()).max() < LOGIT_TOL
     assert out[1].shape == (BUCKET, config.kv_dim) and not out[1][PROMPT_LEN:].any()  # rows past the prompt untouched
+
+
+def test_quantized_stages_match_dequantized(tmp_path: Path) -> None:
+    """A llama.cpp-style GGUF (Q4_0 attention, Q8_0 MLP, Q4_1 head) run packed through dequant_matmul, split two
+    ways, against the same file dequantized to f32 params."""
+    ckpt = open_checkpoint(model_fixtures.write_llama_gguf(model_fixtures.make_tiny_llama(tmp_path), tmp_path / "q.gguf"))
+    assert ckpt.config is not None
+    prompt = list(range(3, 3 + PROMPT_LEN))
+    runs = [generate(make_stages(ckpt, ckpt.config, SPLITS[2], BUCKET, CACHE, quantized=q), ckpt.config, prompt,
+                     NEW_TOKENS, BUCKET) for q in (False, True)]
+    packed = [t for t in make_stages(ckpt, ckpt.config, SPLITS[2], BUCKET, CACHE, quantized=True)[1].prefill.graph
+              .params.values() if t.dtype == "u8"]
+    assert len(packed) == 7 + 1  # layer 1's seven Linear weights and the head
+    assert np.abs(runs[0][0] - runs[1][0]).max() < LOGIT_TOL
+    assert runs[0][1] == runs[1][1]
 
 
 def test_stage_contract() -> None:

@@ -1,0 +1,79 @@
+"""The tokenizer built from GGUF metadata (and from an HF directory) gives the ids, text and chat prompts that
+transformers' AutoTokenizer gives for the same SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from graphmesh.checkpoints import open_checkpoint
+from graphmesh.tokenizer import Tokenizer
+from tests import model_fixtures
+
+PROMPTS = [
+    "Hello world",
+    "  leading spaces,   runs of spaces\t\ttabs\n\n\nand newlines  ",
+    "digits 1234567890, 3.14159, -42 and 2025-01-31",
+    "héllo wörld — naïve café, 日本語, Ελληνικά, 😀👍🏽",
+    "don't you're I'll it's WE'VE",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>\n",
+    "def f(x):\n    return x ** 2  # comment\n",
+    "",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2? Answer in ünïcode 🙂."},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And   3+3?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tok() -> Any:
+    return model_fixtures.smollm2_hf_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_checkpoint(open_checkpoint(model_fixtures.smollm2_path()))
+
+
+@pytest.mark.parametrize("text", PROMPTS)
+def test_encode_decode_match_transformers(hf_tok: Any, tok: Tokenizer, text: str) -> None:
+    ids = hf_tok(text).input_ids
+    assert tok.encode(text) == ids
+    assert tok.decode(ids) == hf_tok.decode(ids)
+    assert tok.decode(ids, skip_special_tokens=True) == hf_tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_template_matches_transformers(hf_tok: Any, tok: Tokenizer, messages: list[dict[str, str]]) -> None:
+    for gen in (True, False):
+        text = tok.apply_chat_template(messages, add_generation_prompt=gen)
+        assert text == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        assert tok.encode(text) == hf_tok.apply_chat_template(messages, add_generation_prompt=gen)["input_ids"]
+
+
+def test_special_ids(tok: Tokenizer) -> None:
+    assert tok.eos_token_ids == (2,) and tok.bos_token_id == 1 and not tok.add_bos
+    assert tok.encode("<|im_end|>") == [2]
+
+
+def test_hf_directory_tokenizer(hf_tok: Any, tmp_path: Path) -> None:
+    """tokenizer.json + tokenizer_config.json saved next to a model's weights, read through the checkpoint."""
+    model_dir = model_fixtures.make_tiny_llama(tmp_path / "model")
+    hf_tok.save_pretrained(model_dir)
+    reloaded = AutoTokenizer.from_pretrained(model_dir)
+    tok = Tokenizer.from_checkpoint(open_checkpoint(model_dir))
+    for text in PROMPTS:
+        assert tok.encode(text) == reloaded(text).input_ids
+    for messages in CHATS:
+        assert tok.apply_chat_template(messages) == reloaded.apply_chat_template(messages, tokenize=False,
+                                                                                 add_generation_prompt=True)
+
+
+def test_plain_format_without_a_template(tok: Tokenizer) -> None:
+    bare = Tokenizer(tok.backend, None, tok.special, tok.eos_token_ids)
+    assert bare.apply_chat_template([{"role": "user", "content": "hi"}]) == "user: hi\nassistant: "
