@@ -221,6 +221,8 @@ class StageSpec(_message.Message):
     NEXT_ADDRESS_FIELD_NUMBER: _builtins.int
     WEIGHTS_FIELD_NUMBER: _builtins.int
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
+    KVSTORE_ADDRESS_FIELD_NUMBER: _builtins.int
+    KV_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """model is a bundled model name ("smollm2-135m") or a checkpoint path the
     executor can read (under its --model-root when one is set).
@@ -242,6 +244,10 @@ class StageSpec(_message.Message):
     """
     max_context_tokens: _builtins.int
     """max_context_tokens caps a session's KV rows; 0 uses the model's context."""
+    kvstore_address: _builtins.str
+    """kvstore_address, when set, receives committed KV blocks (write-behind)."""
+    kv_block_tokens: _builtins.int
+    """kv_block_tokens is the KV store's block size in tokens (default 16)."""
     def __init__(
         self,
         *,
@@ -253,10 +259,12 @@ class StageSpec(_message.Message):
         next_address: _builtins.str = ...,
         weights: _builtins.str = ...,
         max_context_tokens: _builtins.int = ...,
+        kvstore_address: _builtins.str = ...,
+        kv_block_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first", b"first", "last", b"last", "layer_end", b"layer_end", "layer_start", b"layer_start", "max_context_tokens", b"max_context_tokens", "model", b"model", "next_address", b"next_address", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first", b"first", "kv_block_tokens", b"kv_block_tokens", "kvstore_address", b"kvstore_address", "last", b"last", "layer_end", b"layer_end", "layer_start", b"layer_start", "max_context_tokens", b"max_context_tokens", "model", b"model", "next_address", b"next_address", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -686,6 +694,91 @@ class ReleaseSessionResponse(_message.Message):
 Global___ReleaseSessionResponse: _TypeAlias = ReleaseSessionResponse  # noqa: Y015
 
 @_typing.final
+class ReadSessionKvRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    FROM_ROW_FIELD_NUMBER: _builtins.int
+    TO_ROW_FIELD_NUMBER: _builtins.int
+    from_row: _builtins.int
+    """from_row and to_row select rows [from_row, to_row) of the committed KV."""
+    to_row: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___FencingHeader: ...
+    def __init__(
+        self,
+        *,
+        header: Global___FencingHeader | None = ...,
+        from_row: _builtins.int = ...,
+        to_row: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_row", b"from_row", "header", b"header", "to_row", b"to_row"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadSessionKvRequest: _TypeAlias = ReadSessionKvRequest  # noqa: Y015
+
+@_typing.final
+class WriteSessionKvRequest(_message.Message):
+    """WriteSessionKvRequest is one message of the WriteSessionKv stream: the
+    first carries header and start_row, then `rows` chunks of one tensor
+    f32 [n, layers, 2, kv_dim].
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    START_ROW_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    start_row: _builtins.int
+    """start_row must equal the session's committed KV length."""
+    @_builtins.property
+    def header(self) -> Global___FencingHeader: ...
+    @_builtins.property
+    def rows(self) -> _tensor_pb2.TensorChunk: ...
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """token_ids are the tokens of the written rows (kept for write-behind keys)."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___FencingHeader | None = ...,
+        start_row: _builtins.int = ...,
+        rows: _tensor_pb2.TensorChunk | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "rows", b"rows"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "rows", b"rows", "start_row", b"start_row", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteSessionKvRequest: _TypeAlias = WriteSessionKvRequest  # noqa: Y015
+
+@_typing.final
+class WriteSessionKvResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KV_LENGTH_FIELD_NUMBER: _builtins.int
+    kv_length: _builtins.int
+    def __init__(
+        self,
+        *,
+        kv_length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_length", b"kv_length"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteSessionKvResponse: _TypeAlias = WriteSessionKvResponse  # noqa: Y015
+
+@_typing.final
 class FenceRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -795,6 +888,8 @@ class StageStatusResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    MODEL_IDENTITY_FIELD_NUMBER: _builtins.int
+    KV_DIM_FIELD_NUMBER: _builtins.int
     state: Global___AuthorityState.ValueType
     incarnation: _builtins.int
     poison_cause: _builtins.str
@@ -802,6 +897,10 @@ class StageStatusResponse(_message.Message):
     rank: _builtins.int
     backend: _builtins.str
     device: _builtins.str
+    model_identity: _builtins.str
+    """model_identity is the checkpoint identity of the installed stage."""
+    kv_dim: _builtins.int
+    """kv_dim is the KV row width per layer, in elements."""
     @_builtins.property
     def stage(self) -> Global___StageSpec: ...
     @_builtins.property
@@ -817,10 +916,12 @@ class StageStatusResponse(_message.Message):
         sessions: _abc.Iterable[Global___StageSessionStatus] | None = ...,
         backend: _builtins.str = ...,
         device: _builtins.str = ...,
+        model_identity: _builtins.str = ...,
+        kv_dim: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "incarnation", b"incarnation", "poison_cause", b"poison_cause", "rank", b"rank", "sessions", b"sessions", "stage", b"stage", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "incarnation", b"incarnation", "kv_dim", b"kv_dim", "model_identity", b"model_identity", "poison_cause", b"poison_cause", "rank", b"rank", "sessions", b"sessions", "stage", b"stage", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

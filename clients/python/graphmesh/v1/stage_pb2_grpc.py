@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from graphmesh.v1 import stage_pb2 as graphmesh_dot_v1_dot_stage__pb2
+from graphmesh.v1 import tensor_pb2 as graphmesh_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -74,6 +75,16 @@ class StageServiceStub:
                 '/graphmesh.v1.StageService/ReleaseSession',
                 request_serializer=graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionRequest.SerializeToString,
                 response_deserializer=graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionResponse.FromString,
+                _registered_method=True)
+        self.ReadSessionKv = channel.unary_stream(
+                '/graphmesh.v1.StageService/ReadSessionKv',
+                request_serializer=graphmesh_dot_v1_dot_stage__pb2.ReadSessionKvRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
+                _registered_method=True)
+        self.WriteSessionKv = channel.stream_unary(
+                '/graphmesh.v1.StageService/WriteSessionKv',
+                request_serializer=graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvResponse.FromString,
                 _registered_method=True)
         self.Fence = channel.unary_unary(
                 '/graphmesh.v1.StageService/Fence',
@@ -154,6 +165,23 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadSessionKv(self, request, context):
+        """ReadSessionKv streams rows [from_row, to_row) of a session's committed KV
+        as one tensor "kv" f32 [rows, layers, 2, kv_dim].
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteSessionKv(self, request_iterator, context):
+        """WriteSessionKv writes rows into an idle session's KV starting at its
+        committed length (creating the session when it is new) and commits them:
+        how the KV store seeds a prefix and how rows migrate between executors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Fence(self, request, context):
         """Fence poisons incarnation `incarnation` on this executor (first cause
         wins; never cleared). A later Install(k+1) makes the executor ACTIVE.
@@ -206,6 +234,16 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.ReleaseSession,
                     request_deserializer=graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionRequest.FromString,
                     response_serializer=graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionResponse.SerializeToString,
+            ),
+            'ReadSessionKv': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadSessionKv,
+                    request_deserializer=graphmesh_dot_v1_dot_stage__pb2.ReadSessionKvRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.SerializeToString,
+            ),
+            'WriteSessionKv': grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteSessionKv,
+                    request_deserializer=graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvResponse.SerializeToString,
             ),
             'Fence': grpc.unary_unary_rpc_method_handler(
                     servicer.Fence,
@@ -413,6 +451,60 @@ class StageService:
             '/graphmesh.v1.StageService/ReleaseSession',
             graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionRequest.SerializeToString,
             graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadSessionKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/graphmesh.v1.StageService/ReadSessionKv',
+            graphmesh_dot_v1_dot_stage__pb2.ReadSessionKvRequest.SerializeToString,
+            graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteSessionKv(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/graphmesh.v1.StageService/WriteSessionKv',
+            graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvRequest.SerializeToString,
+            graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from graphmesh.v1 import stage_pb2 as _stage_pb2
+from graphmesh.v1 import tensor_pb2 as _tensor_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc
@@ -67,6 +68,15 @@ class StageServiceStub:
     """
     ReleaseSession: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ReleaseSessionRequest, _stage_pb2.ReleaseSessionResponse]
     """ReleaseSession frees a session's KV rows on this rank."""
+    ReadSessionKv: _grpc.UnaryStreamMultiCallable[_stage_pb2.ReadSessionKvRequest, _tensor_pb2.TensorChunk]
+    """ReadSessionKv streams rows [from_row, to_row) of a session's committed KV
+    as one tensor "kv" f32 [rows, layers, 2, kv_dim].
+    """
+    WriteSessionKv: _grpc.StreamUnaryMultiCallable[_stage_pb2.WriteSessionKvRequest, _stage_pb2.WriteSessionKvResponse]
+    """WriteSessionKv writes rows into an idle session's KV starting at its
+    committed length (creating the session when it is new) and commits them:
+    how the KV store seeds a prefix and how rows migrate between executors.
+    """
     Fence: _grpc.UnaryUnaryMultiCallable[_stage_pb2.FenceRequest, _stage_pb2.FenceResponse]
     """Fence poisons incarnation `incarnation` on this executor (first cause
     wins; never cleared). A later Install(k+1) makes the executor ACTIVE.
@@ -113,6 +123,15 @@ class StageServiceAsyncStub(StageServiceStub):
     """
     ReleaseSession: _aio.UnaryUnaryMultiCallable[_stage_pb2.ReleaseSessionRequest, _stage_pb2.ReleaseSessionResponse]  # type: ignore[assignment]
     """ReleaseSession frees a session's KV rows on this rank."""
+    ReadSessionKv: _aio.UnaryStreamMultiCallable[_stage_pb2.ReadSessionKvRequest, _tensor_pb2.TensorChunk]  # type: ignore[assignment]
+    """ReadSessionKv streams rows [from_row, to_row) of a session's committed KV
+    as one tensor "kv" f32 [rows, layers, 2, kv_dim].
+    """
+    WriteSessionKv: _aio.StreamUnaryMultiCallable[_stage_pb2.WriteSessionKvRequest, _stage_pb2.WriteSessionKvResponse]  # type: ignore[assignment]
+    """WriteSessionKv writes rows into an idle session's KV starting at its
+    committed length (creating the session when it is new) and commits them:
+    how the KV store seeds a prefix and how rows migrate between executors.
+    """
     Fence: _aio.UnaryUnaryMultiCallable[_stage_pb2.FenceRequest, _stage_pb2.FenceResponse]  # type: ignore[assignment]
     """Fence poisons incarnation `incarnation` on this executor (first cause
     wins; never cleared). A later Install(k+1) makes the executor ACTIVE.
@@ -198,6 +217,27 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.ReleaseSessionResponse, _abc.Awaitable[_stage_pb2.ReleaseSessionResponse]]:
         """ReleaseSession frees a session's KV rows on this rank."""
+
+    @_abc_1.abstractmethod
+    def ReadSessionKv(
+        self,
+        request: _stage_pb2.ReadSessionKvRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_tensor_pb2.TensorChunk], _abc.AsyncIterator[_tensor_pb2.TensorChunk]]:
+        """ReadSessionKv streams rows [from_row, to_row) of a session's committed KV
+        as one tensor "kv" f32 [rows, layers, 2, kv_dim].
+        """
+
+    @_abc_1.abstractmethod
+    def WriteSessionKv(
+        self,
+        request_iterator: _MaybeAsyncIterator[_stage_pb2.WriteSessionKvRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.WriteSessionKvResponse, _abc.Awaitable[_stage_pb2.WriteSessionKvResponse]]:
+        """WriteSessionKv writes rows into an idle session's KV starting at its
+        committed length (creating the session when it is new) and commits them:
+        how the KV store seeds a prefix and how rows migrate between executors.
+        """
 
     @_abc_1.abstractmethod
     def Fence(
