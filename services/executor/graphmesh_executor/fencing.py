@@ -120,6 +120,16 @@ class SessionTxn:
         self._require_open(epoch)
         self.phase, self.last_outcome, self.pending_length = SessionPhase.IDLE, Outcome.ABORTED, self.kv_length
 
+    def append_committed(self, start: int, rows: int) -> None:
+        """Rows written from outside an invocation (a seeded prefix, a migration) extend the committed KV."""
+        if self.phase is not SessionPhase.IDLE:
+            raise FailedPrecondition(f"epoch {self.epoch} is open; KV rows can only be written between epochs",
+                                     "EPOCH_OPEN")
+        if start != self.kv_length:
+            raise FailedPrecondition(f"rows start at {start} but {self.kv_length} rows are committed",
+                                     "KV_LENGTH_MISMATCH")
+        self.kv_length = self.pending_length = start + rows
+
     def mark_indeterminate(self, epoch: int) -> None:
         self._require_open(epoch)
         self.phase, self.last_outcome = SessionPhase.INDETERMINATE, Outcome.INDETERMINATE

@@ -58,6 +58,8 @@ class StageConfig:
     next_address: str
     weights: str = "f32"
     max_context_tokens: int = 0
+    kvstore_address: str = ""
+    kv_block_tokens: int = 16
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,9 @@ class StageSession:
     txn: SessionTxn = field(default_factory=SessionTxn)
     handles: dict[str, Any] = field(default_factory=dict)
     capacity: int = 0
+    tokens: list[int] = field(default_factory=list)  # committed tokens, for KV store keys
+    pending_tokens: list[int] = field(default_factory=list)  # tokens of the open epoch
+    stored_tokens: int = 0  # tokens already written behind to the KV store
 
 
 @dataclass
@@ -94,11 +99,30 @@ class ProtocolError(Exception):
 
 
 Pusher = Callable[[str, str, int, int, np.ndarray, float], None]
+# (kvstore address, namespace fields, all committed tokens, first block, rows [n, layers, 2, kv_dim], stamps)
+BlockWriter = Callable[["KvBlocks"], None]
+
+
+@dataclass(frozen=True)
+class KvBlocks:
+    """Committed whole blocks of a session, ready to be written behind to the KV store."""
+
+    address: str
+    model_identity: str
+    layer_start: int
+    layer_end: int
+    kv_dim: int
+    block_tokens: int
+    token_ids: list[int]
+    first_block: int
+    rows: np.ndarray  # f32 [blocks * block_tokens, layers, 2, kv_dim]
+    incarnation: int
+    epoch: int
 
 
 class StageRuntime:
     def __init__(self, backend: str, device: str = "cpu", model_root: str | None = None,
-                 pusher: Pusher | None = None) -> None:
+                 pusher: Pusher | None = None, block_writer: BlockWriter | None = None) -> None:
         self.backend = backend
         self.device = device
         self.model_root = model_root
@@ -110,6 +134,7 @@ class StageRuntime:
         self.model_identity = ""
         self.param_bytes = 0
         self._pusher = pusher
+        self._block_writer = block_writer
         self._lock = threading.Condition()
         self._sessions: dict[str, StageSession] = {}
         self._mailbox: dict[tuple[str, int], np.ndarray] = {}
@@ -197,11 +222,12 @@ class StageRuntime:
             self.authority.check(incarnation)
             session = self._session(session_id)
             if commit_epoch:
-                session.txn.commit(commit_epoch)
+                self._commit(incarnation, session_id, session, commit_epoch)
             if start != session.txn.kv_length:
                 raise FailedPrecondition(f"session {session_id!r} has {session.txn.kv_length} committed tokens "
                                          f"here, the invocation starts at {start}", "KV_LENGTH_MISMATCH")
             session.txn.begin(epoch)
+            session.pending_tokens = list(token_ids)
         try:
             result = self._run_group(incarnation, session_id, session, epoch, start, token_ids, sampling, logits,
                                      timeout_s)
@@ -326,7 +352,85 @@ class StageRuntime:
         with self._lock:
             self.authority.check(incarnation)
             session = self._session_or_404(session_id)
-            session.txn.commit(epoch)
+            self._commit(incarnation, session_id, session, epoch)
+            return session.txn.kv_length
+
+    def _commit(self, incarnation: int, session_id: str, session: StageSession, epoch: int) -> None:
+        """Commits under the lock, then hands whole new blocks to the write-behind."""
+        if epoch <= session.txn.committed_epoch:
+            return
+        session.txn.commit(epoch)
+        session.tokens += session.pending_tokens
+        session.pending_tokens = []
+        self._write_behind(incarnation, session, epoch)
+
+    def _write_behind(self, incarnation: int, session: StageSession, epoch: int) -> None:
+        spec = self.spec
+        if self._block_writer is None or spec is None or not spec.kvstore_address:
+            return
+        block = spec.kv_block_tokens or 16
+        whole = session.txn.kv_length // block * block
+        if whole <= session.stored_tokens or len(session.tokens) < whole:
+            return
+        rows = self._read_rows(session, session.stored_tokens, whole)
+        self._block_writer(KvBlocks(spec.kvstore_address, self.model_identity, spec.layer_start, spec.layer_end,
+                                    self.kv_dim, block, session.tokens[:whole], session.stored_tokens // block, rows,
+                                    incarnation, epoch))
+        session.stored_tokens = whole
+
+    @property
+    def kv_dim(self) -> int:
+        return self.config.kv_dim if self.config is not None else 0
+
+    def _read_rows(self, session: StageSession, start: int, end: int) -> np.ndarray:
+        assert self.spec is not None and self._holder is not None
+        layers = self.spec.layer_end - self.spec.layer_start
+        rows = np.empty((end - start, layers, 2, self.kv_dim), np.float32)
+        for i in range(layers):
+            for j, kind in enumerate(("k", "v")):
+                rows[:, i, j] = self._holder._to_host(session.handles[f"past_{kind}_{i}"])[start:end]
+        return rows
+
+    def read_kv(self, incarnation: int, session_id: str, from_row: int, to_row: int) -> np.ndarray:
+        """Committed rows [from_row, to_row) as f32 [rows, layers, 2, kv_dim]."""
+        with self._lock:
+            self.authority.check(incarnation)
+            session = self._session_or_404(session_id)
+            if not 0 <= from_row <= to_row <= session.txn.kv_length:
+                raise OutOfRange(f"rows [{from_row}, {to_row}) outside the {session.txn.kv_length} committed rows of "
+                                 f"session {session_id!r}", "ROW_OUT_OF_RANGE")
+            return self._read_rows(session, from_row, to_row)
+
+    def write_kv(self, incarnation: int, session_id: str, start: int, rows: np.ndarray, token_ids: list[int]) -> int:
+        """Appends committed rows to an idle session (a seeded prefix or a migration); returns the KV length."""
+        assert self.spec is not None
+        layers = self.spec.layer_end - self.spec.layer_start
+        if rows.dtype != np.float32 or rows.ndim != 4 or rows.shape[1:] != (layers, 2, self.kv_dim):
+            raise InvalidArgument(f"KV rows {rows.dtype}{list(rows.shape)} do not match this stage's "
+                                  f"f32[n, {layers}, 2, {self.kv_dim}]", "BAD_KV_ROWS")
+        if token_ids and len(token_ids) != rows.shape[0]:
+            raise InvalidArgument(f"{len(token_ids)} token ids for {rows.shape[0]} rows", "BAD_KV_ROWS")
+        limit = self.spec.max_context_tokens or (self.config.max_position if self.config else 0)
+        if start + rows.shape[0] > limit:
+            raise OutOfRange(f"{start + rows.shape[0]} rows exceed the context of {limit}", "CONTEXT_EXCEEDED")
+        with self._lock:
+            self.authority.check(incarnation)
+            session = self._session(session_id)
+            session.txn.append_committed(start, 0)  # refuses an open epoch or a gap before touching anything
+            capacity = bucket(start + rows.shape[0] + 1, MIN_KV_ROWS)
+            exe, lock = self._executable(1, capacity, True)
+            with lock:
+                self._fit_handles(exe, session, capacity, start)
+                for i in range(layers):
+                    for j, kind in enumerate(("k", "v")):
+                        name = f"past_{kind}_{i}"
+                        block = exe._from_host(np.ascontiguousarray(rows[:, i, j]))
+                        session.handles[name] = exe._copy_rows(session.handles[name], start, block, 0, rows.shape[0])
+            session.txn.append_committed(start, rows.shape[0])
+            if token_ids:
+                session.tokens += token_ids
+                if session.stored_tokens == start:
+                    session.stored_tokens = session.txn.kv_length  # these rows came from the store or a peer
             return session.txn.kv_length
 
     def abort(self, incarnation: int, session_id: str, epoch: int, commit_epoch: int = 0) -> int:

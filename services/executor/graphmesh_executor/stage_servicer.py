@@ -5,15 +5,17 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
 from graphmesh import tensors
+from graphmesh.dtypes import DTypeError
 from graphmesh.errors import GraphmeshError, Internal, InvalidArgument, from_rpc_error
-from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh.tensors import TensorError
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
 from graphmesh_executor.stage import ProtocolError, Sampling, StageConfig, StageRuntime
 
@@ -38,6 +40,8 @@ def _statused(fn: Callable[..., R]) -> Callable[..., R]:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
         try:
             return fn(self, request, context)
+        except (TensorError, DTypeError) as e:
+            context.abort_with_status(InvalidArgument(str(e), "BAD_TENSOR").to_status())
         except ProtocolError as e:
             cause = e.cause if isinstance(e.cause, GraphmeshError) else Internal(str(e.cause))
             cause.metadata = {**cause.metadata, "error_class": e.error_class}
@@ -84,7 +88,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def Install(self, request: stage_pb2.InstallRequest, context: grpc.ServicerContext) -> stage_pb2.InstallResponse:
         s = request.stage
         spec = StageConfig(s.model, s.layer_start, s.layer_end, s.first, s.last, s.next_address, s.weights or "f32",
-                           s.max_context_tokens)
+                           s.max_context_tokens, s.kvstore_address, s.kv_block_tokens or 16)
         load_ms = self.runtime.install(request.incarnation, request.rank, request.world_size, spec)
         return stage_pb2.InstallResponse(backend=self.runtime.backend, device=self.runtime.device,
                                          param_bytes=self.runtime.param_bytes, load_ms=load_ms,
@@ -144,6 +148,33 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         h = request.header
         return stage_pb2.ReleaseSessionResponse(released=self.runtime.release(h.incarnation, h.session_id))
 
+    def ReadSessionKv(self, request: stage_pb2.ReadSessionKvRequest,
+                      context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
+        h = request.header
+        try:
+            rows = self.runtime.read_kv(h.incarnation, h.session_id, request.from_row, request.to_row)
+        except GraphmeshError as e:
+            context.abort_with_status(e.to_status())
+        yield from tensors.to_chunks("kv", rows)
+
+    @_statused
+    def WriteSessionKv(self, request_iterator: Iterator[stage_pb2.WriteSessionKvRequest],
+                       context: grpc.ServicerContext) -> stage_pb2.WriteSessionKvResponse:
+        assembler = tensors.ChunkAssembler()
+        first: stage_pb2.WriteSessionKvRequest | None = None
+        rows = None
+        for message in request_iterator:
+            first = first or message
+            done = assembler.feed(message.rows)
+            if done is not None:
+                rows = done[1]
+        assembler.close()
+        if first is None or rows is None:
+            raise InvalidArgument("WriteSessionKv carried no rows", "EMPTY_STREAM")
+        h = first.header
+        length = self.runtime.write_kv(h.incarnation, h.session_id, first.start_row, rows, list(first.token_ids))
+        return stage_pb2.WriteSessionKvResponse(kv_length=length)
+
     @_statused
     def Fence(self, request: stage_pb2.FenceRequest, context: grpc.ServicerContext) -> stage_pb2.FenceResponse:
         self.runtime.fence(request.incarnation, request.reason, request.terminal)
@@ -155,12 +186,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         rt, a = self.runtime, self.runtime.authority
         response = stage_pb2.StageStatusResponse(state=_AUTHORITY[a.state], incarnation=a.incarnation,
                                                  poison_cause=a.cause, rank=rt.rank, backend=rt.backend,
-                                                 device=rt.device)
+                                                 device=rt.device, model_identity=rt.model_identity, kv_dim=rt.kv_dim)
         if rt.spec is not None:
             s = rt.spec
             response.stage.CopyFrom(stage_pb2.StageSpec(model=s.model, layer_start=s.layer_start, layer_end=s.layer_end,
                                                         first=s.first, last=s.last, next_address=s.next_address,
-                                                        weights=s.weights, max_context_tokens=s.max_context_tokens))
+                                                        weights=s.weights, max_context_tokens=s.max_context_tokens,
+                                                        kvstore_address=s.kvstore_address,
+                                                        kv_block_tokens=s.kv_block_tokens))
         for session_id, session in rt.sessions():
             t = session.txn
             response.sessions.add(session_id=session_id, phase=_PHASE[t.phase], epoch=t.epoch,

@@ -1,0 +1,78 @@
+"""Write-behind of committed KV blocks to the KV store, off the decode path."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from graphmesh import kvkeys, tensors
+from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
+from graphmesh_executor.stage import KvBlocks
+
+log = logging.getLogger("graphmesh.executor.kv")
+_FLUSH = KvBlocks("", "", 0, 0, 0, 0, [], -1, np.zeros((0, 0, 2, 0), np.float32), 0, 0)  # a marker, never written
+
+
+class KvWriteBehind:
+    """A queue and one thread; a failed put is logged and counted, never retried into the hot path."""
+
+    def __init__(self, max_queued: int = 256) -> None:
+        self._queue: queue.Queue[KvBlocks] = queue.Queue(max_queued)
+        self._stubs: dict[str, kvstore_pb2_grpc.KvStoreServiceStub] = {}
+        self.failures = 0
+        self.dropped = 0
+        self.written_blocks = 0
+        self._flushed = threading.Event()
+        threading.Thread(target=self._run, name="kv-write-behind", daemon=True).start()
+
+    def __call__(self, blocks: KvBlocks) -> None:
+        try:
+            self._queue.put_nowait(blocks)
+        except queue.Full:
+            self.dropped += 1  # the store is behind: drop rather than stall generation
+            log.warning("kv write-behind queue full; blocks dropped", extra={"dropped": self.dropped})
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Waits until everything queued so far was written (tests and shutdown)."""
+        self._flushed.clear()
+        self._queue.put(_FLUSH)
+        self._flushed.wait(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            blocks = self._queue.get()
+            if blocks is _FLUSH:
+                self._flushed.set()
+                continue
+            try:
+                self._put(blocks)
+            except grpc.RpcError as e:
+                self.failures += 1
+                log.warning("kv write-behind failed", extra={"address": blocks.address, "code": e.code().name,
+                                                             "failures": self.failures})
+
+    def _put(self, blocks: KvBlocks) -> None:
+        if blocks.address not in self._stubs:
+            channel = grpc.insecure_channel(blocks.address, options=[("grpc.max_send_message_length", 64 << 20)])
+            self._stubs[blocks.address] = kvstore_pb2_grpc.KvStoreServiceStub(channel)
+        ns = kvkeys.namespace(blocks.model_identity, blocks.layer_start, blocks.layer_end, blocks.kv_dim,
+                              block_tokens=blocks.block_tokens)
+        count = blocks.rows.shape[0] // blocks.block_tokens
+
+        def requests() -> Iterator[kvstore_pb2.PutBlocksRequest]:
+            for i, chunk in enumerate(tensors.to_chunks("rows", blocks.rows)):
+                if i == 0:
+                    yield kvstore_pb2.PutBlocksRequest(namespace=ns, token_ids=blocks.token_ids,
+                                                       first_block=blocks.first_block, block_count=count,
+                                                       incarnation=blocks.incarnation, epoch=blocks.epoch, rows=chunk)
+                else:
+                    yield kvstore_pb2.PutBlocksRequest(rows=chunk)
+
+        self._stubs[blocks.address].PutBlocks(requests(), timeout=30.0)
+        self.written_blocks += count
+
