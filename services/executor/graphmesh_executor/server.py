@@ -23,14 +23,18 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from graphmesh import logs
-from graphmesh.v1 import executor_pb2, executor_pb2_grpc
+from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
 from graphmesh_executor.backends import NAMES
+from graphmesh_executor.kv_writer import KvWriteBehind
 from graphmesh_executor.registry import ExecutableRegistry
 from graphmesh_executor.servicer import ExecutorServicer
+from graphmesh_executor.stage import StageRuntime
+from graphmesh_executor.stage_servicer import BoundaryPusher, add_stage_service
 
 log = logging.getLogger("graphmesh.executor")
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_name
+STAGE_SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
 
 
 @dataclass(frozen=True)
@@ -80,10 +84,14 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRe
     executor_pb2_grpc.add_ExecutorServiceServicer_to_server(
         ExecutorServicer(registry, model_root=config.model_root, max_message_bytes=config.max_message_bytes,
                          max_param_bytes=config.max_param_bytes), server)
+    runtime = StageRuntime(config.backend, config.device, str(config.model_root) if config.model_root else None,
+                           pusher=BoundaryPusher(), block_writer=KvWriteBehind())
+    add_stage_service(server, runtime)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        (SERVICE_NAME, STAGE_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"cannot listen on {config.listen}")
