@@ -160,8 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         serve_echo(a.echo_server)
         return
     tune_malloc()
+    load = os.getloadavg()  # other processes on a small machine move these numbers: recorded with them
     executor_address, echo_address = free_address(), free_address()
-    progress(f"starting executor at {executor_address} and bare echo at {echo_address}")
+    progress(f"starting executor at {executor_address} and bare echo at {echo_address}; load average {load}")
     processes = [spawn([sys.executable, "-m", "graphmesh_executor.server", "--listen", executor_address, "--backend",
                         "numpy"], executor_address),
                  spawn([sys.executable, __file__, "--echo-server", echo_address], echo_address)]
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "grpcio": grpc.__version__},
+                    "grpcio": grpc.__version__, "load_average_at_start": load, "load_average_at_end": os.getloadavg()},
         "chunk_bytes": tensors.CHUNK_BYTES, "goal_ratio": GOAL,
         "round_trip": {"runs": a.rtt_runs, **rtt}, "transfer": {"runs": a.runs, "rows": rows}}, indent=2) + "\n")
     print(f"\nwrote {RESULTS}")
