@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -33,7 +34,7 @@ def check_shape(shape: Iterable[int]) -> tuple[int, ...]:
 
 
 def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * dtypes.itemsize(dtype)
+    return math.prod(shape) * dtypes.itemsize(dtype)
 
 
 def from_bytes(dtype: str, shape: Iterable[int], data: bytes | bytearray | memoryview) -> np.ndarray:
@@ -83,7 +84,7 @@ class ChunkAssembler:
         self._name = ""
         self._dtype = ""
         self._shape: tuple[int, ...] = ()
-        self._buffer = bytearray()
+        self._buffer = np.empty(0, np.uint8)
         self._filled = 0
         self._active = False
 
@@ -98,21 +99,22 @@ class ChunkAssembler:
             size = nbytes(self._dtype, self._shape)
             if size > self._max_bytes:
                 raise TensorError(f"tensor {self._name!r} of {size} bytes exceeds the limit of {self._max_bytes}")
-            self._buffer = bytearray(size)
+            self._buffer = np.empty(size, np.uint8)  # not zero-filled: every byte is written before use
             self._filled = 0
             self._active = True
         elif not self._active:
             raise TensorError("chunk without a tensor header (the first chunk of a tensor must carry its name)")
         if chunk.offset_bytes != self._filled:
             raise TensorError(f"tensor {self._name!r}: chunk at offset {chunk.offset_bytes}, expected {self._filled}")
-        end = self._filled + len(chunk.data)
+        data = chunk.data  # each access to a bytes field copies it
+        end = self._filled + len(data)
         if end > len(self._buffer):
             raise TensorError(f"tensor {self._name!r}: {end} bytes received for a tensor of {len(self._buffer)}")
-        self._buffer[self._filled:end] = chunk.data
+        self._buffer[self._filled:end] = np.frombuffer(data, np.uint8)
         self._filled = end
         if self._filled == len(self._buffer):
             self._active = False
-            array = np.frombuffer(self._buffer, dtype=dtypes.to_numpy(self._dtype)).reshape(self._shape)
+            array = self._buffer.view(dtypes.to_numpy(self._dtype)).reshape(self._shape)
             return self._name, array
         return None
 
