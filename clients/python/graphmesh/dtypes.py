@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+
 from graphmesh.v1 import tensor_pb2
 
 # name -> (numpy dtype, proto enum). bf16 comes from ml_dtypes: numpy has none.

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from graphmesh import dtypes, ops, tensors
 from graphmesh.ops import OpError, TensorType
 from graphmesh.v1 import graph_pb2

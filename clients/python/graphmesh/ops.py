@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from graphmesh import dtypes
 from graphmesh.dtypes import FLOAT_DTYPES
 

@@ -6,6 +6,7 @@ import math
 from collections.abc import Iterable, Iterator
 
 import numpy as np
+
 from graphmesh import dtypes
 from graphmesh.v1 import tensor_pb2
 

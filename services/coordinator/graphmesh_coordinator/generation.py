@@ -62,12 +62,14 @@ class SessionInfo:
 class Detokenizer:
     """Emits text only once it is final: a token that ends inside a UTF-8 sequence waits for the next."""
 
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     ids: list[int] = field(default_factory=list)
     emitted: str = ""
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if self.tokenizer is None:
+            return ""
         text = self.tokenizer.decode(self.ids)
         if text.endswith("\ufffd"):
             return ""
@@ -89,7 +91,7 @@ def validate(request: GenerationRequest, context_tokens: int) -> None:
 
 
 class Generator:
-    def __init__(self, mesh: Mesh, tokenizer: Tokenizer, eos_token_ids: Sequence[int], context_tokens: int) -> None:
+    def __init__(self, mesh: Mesh, tokenizer: Tokenizer | None, eos_token_ids: Sequence[int], context_tokens: int) -> None:
         self.mesh, self.tokenizer = mesh, tokenizer
         self.eos = set(eos_token_ids)
         self.context_tokens = context_tokens

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from graphmesh import logs
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
-from graphmesh.errors import InvalidArgument
+from graphmesh.errors import InvalidArgument, NotFound
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_coordinator.generation import Generator
@@ -49,12 +49,17 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
     ckpt = open_checkpoint(path)
     if ckpt.config is None:
         raise InvalidArgument(f"{path} has no model config", "NO_MODEL_CONFIG")
-    tokenizer = Tokenizer.from_checkpoint(ckpt)
+    try:
+        tokenizer: Tokenizer | None = Tokenizer.from_checkpoint(ckpt)
+    except NotFound as e:
+        log.warning("no tokenizer: only token-id requests will be served", extra={"reason": e.message})
+        tokenizer = None
     state = DurableState(config.state_dir)
     mesh = Mesh(config.model, ckpt.config, config.executors, state, config.split or None, config.weights,
                 config.rpc_timeout_s, max_context_tokens=config.max_context_tokens)
     context = config.max_context_tokens or ckpt.config.max_position
-    generator = Generator(mesh, tokenizer, tokenizer.eos_token_ids, context)
+    eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
+    generator = Generator(mesh, tokenizer, eos, context)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
                          options=[("grpc.max_send_message_length", 64 << 20),
                                   ("grpc.max_receive_message_length", 64 << 20)])

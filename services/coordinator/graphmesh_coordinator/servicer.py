@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import grpc
 
 from graphmesh import tensors
-from graphmesh.errors import GraphmeshError, Internal, InvalidArgument, NotFound, Unavailable
+from graphmesh.errors import FailedPrecondition, GraphmeshError, Internal, InvalidArgument, NotFound, Unavailable
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
@@ -45,6 +45,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         tok = self.generator.tokenizer
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
+        if tok is None:
+            raise FailedPrecondition(f"model {self.model_name!r} has no tokenizer: send prompt_token_ids",
+                                     "NO_TOKENIZER")
         if request.messages:
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             return tok.encode(tok.apply_chat_template(messages))
