@@ -7,6 +7,7 @@ host in float64 (executable.sample_row) so every backend picks the same token.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
@@ -26,10 +27,12 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 _HALF = (torch.float16, torch.bfloat16)
 _BF16 = dtypes.to_numpy("bf16")
-# Tensor attributes: a kv_write cache the executable hands over for an in-place write, and the
-# converted forms of a packed weight (they live exactly as long as the packed tensor).
+# Tensor attributes: a kv_write cache the executable hands over for an in-place write, the converted
+# forms of a packed weight, and values derived from a tensor that every layer reads (the positions),
+# each computed once. They live exactly as long as the tensor, which is never written in place.
 _DONATED = "_graphmesh_donated"
 _CONVERTED = "_graphmesh_converted"
+_MEMO = "_graphmesh_memo"
 
 
 def configure(threads: int | None) -> None:
@@ -42,9 +45,23 @@ def _up(x: Tensor) -> Tensor:
     return x.float() if x.dtype in _HALF and x.device.type == "cpu" else x
 
 
+def _memo(t: Tensor, key: Hashable, make: Callable[[], Any]) -> Any:
+    # 30 layers read the same positions tensor: derive rope tables and host-side values (a device sync
+    # on CUDA) once per run, not once per layer.
+    memo = t.__dict__.setdefault(_MEMO, {})
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """(min, max) of a non-empty integer tensor, on the host."""
+    return _memo(t, "span", lambda: tuple(torch.stack(torch.aminmax(t)).tolist()))  # type: ignore[no-any-return]
+
+
 def _check_indices(idx: Tensor, bound: int, what: str) -> None:
     if idx.numel():
-        lo, hi = torch.stack(torch.aminmax(idx)).tolist()  # one host sync; a bad index on CUDA would kill the context
+        lo, hi = _span(idx)  # checked on the host: a bad index on CUDA would kill the context
         if lo < 0 or hi >= bound:
             raise OutOfRange(f"{what} index {hi if hi >= bound else lo} outside [0, {bound})", "INDEX_OUT_OF_RANGE")
 
@@ -78,13 +95,17 @@ def _gather(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     return rows.reshape(*table.shape[:axis], *idx.shape, *table.shape[axis + 1:])
 
 
+def _rope_table(pos: Tensor, theta: float, rot: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    inv_freq = theta ** (-torch.arange(0, rot, 2, dtype=torch.float64, device=pos.device) / rot)
+    angles = pos.to(torch.float64)[:, None, None] * inv_freq  # [S, 1, rot/2]; float64 keeps far positions exact
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def _rope(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, pos = xs
     rot = a["rotary_dim"] or x.shape[2]
-    inv_freq = a["theta"] ** (-torch.arange(0, rot, 2, dtype=torch.float64, device=x.device) / rot)
-    angles = pos.to(torch.float64)[:, None, None] * inv_freq  # [S, 1, rot/2]; float64 keeps far positions exact
     y = _up(x)
-    cos, sin = angles.cos().to(y.dtype), angles.sin().to(y.dtype)
+    cos, sin = _memo(pos, ("rope", a["theta"], rot, y.dtype), lambda: _rope_table(pos, a["theta"], rot, y.dtype))
     if a["style"] == "half":
         x1, x2 = y[..., : rot // 2], y[..., rot // 2 : rot]
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
@@ -99,11 +120,20 @@ def _attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     mask = None
     if a["causal"] and q.shape[0]:
         pos = xs[3]
-        lo, hi = torch.stack(torch.aminmax(pos)).tolist()
+        lo, hi = _span(pos)
         keys = min(k.shape[0], hi + 1)  # rows past every query's position are padding: never read them
         k, v = k[:keys], v[:keys]
         if lo + 1 < keys:  # some query sees fewer keys than remain (prefill); a decode step needs no mask
-            mask = torch.arange(keys, device=q.device)[None, :] <= pos[:, None]
+            mask = _memo(pos, ("mask", keys), lambda: torch.arange(keys, device=q.device)[None, :] <= pos[:, None])
+    if q.shape[0] == 1:
+        # Decode: two small matmuls per kv head group; SDPA's dispatch costs more than the math here
+        # (measured 1.65 ms vs 0.12 ms on CPU for 32 heads over 400 keys). One query needs no mask.
+        hq, d = q.shape[1:]
+        hkv = k.shape[1]
+        qg, kh, vh = _up(q).reshape(hkv, hq // hkv, d), _up(k).permute(1, 2, 0), _up(v).transpose(0, 1)
+        scores = torch.matmul(qg, kh) * (a["scale"] or d**-0.5)  # [Hkv, G, keys]
+        p = torch.softmax(scores.float() if scores.dtype in _HALF else scores, -1).to(vh.dtype)
+        return torch.matmul(p, vh).reshape(1, hq, d).to(q.dtype)  # [Hkv, G, D] -> [1, Hq, D]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
                                          scale=a["scale"] or None, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(0, 1)
@@ -111,13 +141,14 @@ def _attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
 
 def _kv_write(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     cache, rows, pos = xs
-    start = int(pos.reshape(-1)[0])
+    start: int = _memo(pos, "start", lambda: int(pos.reshape(-1)[0]))
     if start < 0 or start + rows.shape[0] > cache.shape[0]:
         raise OutOfRange(f"kv_write of rows [{start}, {start + rows.shape[0]}) into a cache of "
                          f"{cache.shape[0]} rows", "ROW_OUT_OF_RANGE")
     # Functional unless the executable donated the cache: a handle replaced by this very output after the run.
     out = cache if cache.__dict__.pop(_DONATED, False) else cache.clone()
     out[start : start + rows.shape[0]] = rows
+    out.__dict__.pop(_MEMO, None)  # written in place: nothing derived from it before still holds
     return out
 
 
