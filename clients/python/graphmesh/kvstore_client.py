@@ -1,0 +1,111 @@
+"""Python client of the KV store. Arrays are numpy; a failed call raises the graphmesh.errors type of its status."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from graphmesh import dtypes, errors, tensors
+from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, stage_pb2
+
+MAX_MESSAGE_BYTES = 64 << 20
+R = TypeVar("R")
+
+
+def _call(fn: Callable[[], R]) -> R:
+    try:
+        return fn()
+    except grpc.RpcError as e:
+        raise errors.from_rpc_error(e) from None
+
+
+class KvStoreClient:
+    """A channel to one KV store. Every call has a deadline of `timeout` seconds."""
+
+    def __init__(self, address: str, timeout: float = 60.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                                                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self._stub = kvstore_pb2_grpc.KvStoreServiceStub(self._channel)
+
+    def __enter__(self) -> KvStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def put_blocks(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int], first_block: int, rows: np.ndarray,
+                   incarnation: int = 0, epoch: int = 0) -> tuple[int, int]:
+        """Stores rows f32 [blocks * block_tokens, layers, 2, kv_dim] as blocks [first_block, first_block + blocks);
+        token_ids run from the start of the sequence through the last block. Returns (stored, already_present)."""
+        block_count = rows.shape[0] // ns.block_tokens if ns.block_tokens else 0
+
+        def requests() -> Iterator[kvstore_pb2.PutBlocksRequest]:
+            view = np.ascontiguousarray(rows, dtype=rows.dtype.newbyteorder("<")).reshape(-1).view(np.uint8)
+            for offset in range(0, max(len(view), 1), tensors.CHUNK_BYTES):
+                request = kvstore_pb2.PutBlocksRequest()
+                if offset == 0:
+                    request.namespace.CopyFrom(ns)
+                    request.token_ids.extend(token_ids)
+                    request.first_block, request.block_count = first_block, block_count
+                    request.incarnation, request.epoch = incarnation, epoch
+                    request.rows.name = "rows"
+                    request.rows.dtype = dtypes.to_proto(dtypes.from_numpy(rows.dtype))
+                    request.rows.shape.extend(rows.shape)
+                # fields set in place: a 1 MiB chunk passed to a constructor is copied far more slowly
+                request.rows.offset_bytes = offset
+                request.rows.data = view[offset:offset + tensors.CHUNK_BYTES].tobytes()
+                yield request
+
+        response = _call(lambda: self._stub.PutBlocks(requests(), timeout=self.timeout))
+        return response.stored, response.already_present
+
+    def lookup(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int]) -> int:
+        """The longest stored prefix of token_ids, in tokens."""
+        request = kvstore_pb2.LookupRequest(namespace=ns, token_ids=token_ids)
+        return _call(lambda: self._stub.Lookup(request, timeout=self.timeout)).matched_tokens
+
+    def get_blocks(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int], max_tokens: int = 0) -> np.ndarray:
+        """The rows of the longest stored prefix (at most max_tokens; 0: no cap): f32 [tokens, layers, 2, kv_dim]."""
+        request = kvstore_pb2.GetBlocksRequest(namespace=ns, token_ids=token_ids, max_tokens=max_tokens)
+        got = _call(lambda: tensors.assemble(self._stub.GetBlocks(request, timeout=self.timeout)))
+        if len(got) != 1:
+            raise errors.Internal(f"GetBlocks returned {len(got)} tensors, expected 1")
+        return got[0][1]
+
+    def seed_executor(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int], executor_address: str,
+                      incarnation: int, session_id: str, max_tokens: int = 0) -> tuple[int, int, float]:
+        """Writes the longest stored prefix into a new session on an executor; returns (seeded tokens, bytes, ms)."""
+        request = kvstore_pb2.SeedExecutorRequest(
+            namespace=ns, token_ids=token_ids, max_tokens=max_tokens, executor_address=executor_address,
+            header=stage_pb2.FencingHeader(incarnation=incarnation, session_id=session_id))
+        r = _call(lambda: self._stub.SeedExecutor(request, timeout=self.timeout))
+        return r.seeded_tokens, r.bytes, r.elapsed_ms
+
+    def copy_rows(self, source_address: str, source_session: str, source_incarnation: int, destination_address: str,
+                  destination_session: str, destination_incarnation: int, from_row: int, to_row: int) -> tuple[int, float]:
+        """Copies rows [from_row, to_row) of a session between executors; returns (bytes, ms)."""
+        request = kvstore_pb2.CopyRowsRequest(
+            source_address=source_address,
+            source_header=stage_pb2.FencingHeader(incarnation=source_incarnation, session_id=source_session),
+            destination_address=destination_address,
+            destination_header=stage_pb2.FencingHeader(incarnation=destination_incarnation,
+                                                       session_id=destination_session),
+            from_row=from_row, to_row=to_row)
+        r = _call(lambda: self._stub.CopyRows(request, timeout=self.timeout))
+        return r.bytes, r.elapsed_ms
+
+    def evict(self, ns: kvstore_pb2.KvNamespace | None = None) -> int:
+        """Drops the blocks of `ns`, or every block; returns how many."""
+        request = kvstore_pb2.EvictRequest(namespace=ns) if ns is not None else kvstore_pb2.EvictRequest()
+        return _call(lambda: self._stub.Evict(request, timeout=self.timeout)).evicted_blocks
+
+    def stats(self) -> kvstore_pb2.StatsResponse:
+        return _call(lambda: self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=self.timeout))

@@ -1,0 +1,147 @@
+"""Moves KV rows into executors: a stored prefix into a session (seed), a session's rows to another executor (copy).
+
+Both use the executors' StageService: ReadSessionKv streams a session's rows, WriteSessionKv appends rows to
+an idle session. A copy relays the chunks as raw bytes, forwarded as they arrive, so the source and the
+destination stream at the same time and no chunk is parsed or re-encoded on the way.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from graphmesh import dtypes, errors, tensors
+from graphmesh.errors import GraphmeshError, InvalidArgument
+from graphmesh.v1 import kvstore_pb2, stage_pb2, tensor_pb2
+from graphmesh_kvstore.store import Store
+
+_SERVICE = "/" + stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
+_ROWS_TAG = bytes([stage_pb2.WriteSessionKvRequest.DESCRIPTOR.fields_by_name["rows"].number << 3 | 2])
+
+
+def _raw(data: bytes) -> bytes:
+    return data
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _write_request(first: stage_pb2.WriteSessionKvRequest | None, chunk: bytes) -> bytes:
+    """A serialized WriteSessionKvRequest whose `rows` is the serialized TensorChunk `chunk`: protobuf
+    merges concatenated fields, so the chunk is framed, never decoded."""
+    head = first.SerializeToString() if first is not None else b""
+    return b"".join((head, _ROWS_TAG, _varint(len(chunk)), chunk))
+
+
+def executor_error(error: grpc.RpcError, address: str, method: str) -> GraphmeshError:
+    """The executor's own status code and reason, with a message that says which executor failed."""
+    e = errors.from_rpc_error(error)
+    e.message = f"executor {address} failed {method}: {e.message}"
+    e.args = (e.message,)
+    e.metadata = {**e.metadata, "executor": address}
+    return e
+
+
+class _Stage:
+    """The two StageService methods the store calls, on one channel, with raw-bytes chunk framing."""
+
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", max_message_bytes),
+                                                               ("grpc.max_receive_message_length", max_message_bytes)])
+        self.read = self.channel.unary_stream(
+            f"{_SERVICE}/ReadSessionKv", request_serializer=stage_pb2.ReadSessionKvRequest.SerializeToString,
+            response_deserializer=_raw)
+        self.write = self.channel.stream_unary(
+            f"{_SERVICE}/WriteSessionKv", request_serializer=_raw,
+            response_deserializer=stage_pb2.WriteSessionKvResponse.FromString)
+
+
+class Mover:
+    def __init__(self, store: Store, timeout_s: float = 120.0, max_message_bytes: int = 64 << 20) -> None:
+        self.store = store
+        self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes
+        self._stages: dict[str, _Stage] = {}
+        self._lock = threading.Lock()
+
+    def _stage(self, address: str) -> _Stage:
+        if not address:
+            raise InvalidArgument("executor address is empty", "BAD_ADDRESS")
+        with self._lock:
+            if address not in self._stages:
+                self._stages[address] = _Stage(address, self.max_message_bytes)
+            return self._stages[address]
+
+    def seed(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int], max_tokens: int, address: str,
+             header: stage_pb2.FencingHeader, timeout_s: float | None = None) -> tuple[int, int, float]:
+        """Writes the longest stored prefix (up to max_tokens, in whole blocks) into a new session at row 0;
+        returns (seeded tokens, bytes, seconds). Nothing stored: nothing is sent."""
+        started = time.perf_counter()
+        rows = self.store.get_blocks(ns, token_ids, max_tokens)  # f32 [tokens, layers, 2, kv_dim]
+        n = rows.shape[0]
+        if n == 0:
+            return 0, 0, time.perf_counter() - started
+        stage = self._stage(address)
+        first = stage_pb2.WriteSessionKvRequest(header=header, start_row=0, token_ids=token_ids[:n])
+        requests = (_write_request(first if i == 0 else None, c.SerializeToString())
+                    for i, c in enumerate(tensors.to_chunks("kv", rows)))
+        try:
+            stage.write(requests, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as e:
+            raise executor_error(e, address, "WriteSessionKv") from None
+        seconds = time.perf_counter() - started
+        self.store.record_transfer("seed", rows.nbytes, seconds)
+        return n, rows.nbytes, seconds
+
+    def copy_rows(self, source: str, source_header: stage_pb2.FencingHeader, destination: str,
+                  destination_header: stage_pb2.FencingHeader, from_row: int, to_row: int,
+                  timeout_s: float | None = None) -> tuple[int, float]:
+        """Copies rows [from_row, to_row) of the source session to the same rows of the destination session
+        (K rows carry their rotary position, so they keep their row index); returns (bytes, seconds)."""
+        if to_row < from_row:
+            raise InvalidArgument(f"rows [{from_row}, {to_row}) are reversed", "BAD_ROWS")
+        started = time.perf_counter()
+        timeout = timeout_s or self.timeout_s
+        src, dst = self._stage(source), self._stage(destination)
+        read = src.read(stage_pb2.ReadSessionKvRequest(header=source_header, from_row=from_row, to_row=to_row),
+                        timeout=timeout)
+        first = stage_pb2.WriteSessionKvRequest(header=destination_header, start_row=from_row)
+        source_failed: list[grpc.RpcError] = []
+        payload = [0]
+
+        def requests() -> Iterator[bytes]:
+            try:
+                for i, chunk in enumerate(read):
+                    if i == 0:
+                        head = tensor_pb2.TensorChunk.FromString(chunk)
+                        payload[0] = tensors.nbytes(dtypes.from_proto(head.dtype), tuple(head.shape))
+                    yield _write_request(first if i == 0 else None, chunk)
+            except grpc.RpcError as e:
+                source_failed.append(e)
+                raise  # cancels the write: the destination never commits a partial copy
+
+        try:
+            dst.write(requests(), timeout=timeout)
+        except grpc.RpcError as e:
+            read.cancel()
+            if source_failed:
+                raise executor_error(source_failed[0], source, "ReadSessionKv") from None
+            raise executor_error(e, destination, "WriteSessionKv") from None
+        seconds = time.perf_counter() - started
+        self.store.record_transfer("copy", payload[0], seconds)
+        return payload[0], seconds
+
+    def close(self) -> None:
+        with self._lock:
+            for stage in self._stages.values():
+                stage.channel.close()
+            self._stages.clear()

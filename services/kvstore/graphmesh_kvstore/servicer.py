@@ -1,0 +1,115 @@
+"""gRPC translation of KvStoreService over Store (blocks) and Mover (rows into and between executors)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from graphmesh import dtypes, tensors
+from graphmesh.dtypes import DTypeError
+from graphmesh.errors import GraphmeshError, Internal, InvalidArgument
+from graphmesh.tensors import TensorError
+from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
+from graphmesh_kvstore.mover import Mover
+from graphmesh_kvstore.store import Store
+
+log = logging.getLogger("graphmesh.kvstore")
+R = TypeVar("R")
+
+
+def _statused(fn: Callable[..., R]) -> Callable[..., R]:
+    """Maps typed errors to statuses in one place."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
+        try:
+            return fn(self, request, context)
+        except (TensorError, DTypeError) as e:
+            context.abort_with_status(InvalidArgument(str(e), "BAD_TENSOR").to_status())
+        except GraphmeshError as e:
+            context.abort_with_status(e.to_status())
+        except Exception as e:
+            log.exception("kvstore call failed")
+            context.abort_with_status(Internal(f"{type(e).__name__}: {e}").to_status())
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    """The caller's remaining time, passed on to the executors."""
+    remaining = context.time_remaining()
+    return remaining if remaining is not None and remaining < 1e9 else None
+
+
+class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
+    def __init__(self, store: Store, mover: Mover) -> None:
+        self.store = store
+        self.mover = mover
+
+    @_statused
+    def PutBlocks(self, request_iterator: Iterator[kvstore_pb2.PutBlocksRequest],
+                  context: grpc.ServicerContext) -> kvstore_pb2.PutBlocksResponse:
+        first = next(request_iterator, None)
+        if first is None or not first.rows.name:
+            raise InvalidArgument("PutBlocks must start with the namespace, tokens and the rows' first chunk",
+                                  "EMPTY_STREAM")
+        ns, chunk = first.namespace, first.rows
+        # checked before any row is buffered: a wrong or oversized stream is refused at its first message
+        layout = self.store.check_put(ns, len(first.token_ids), first.first_block, first.block_count,
+                                      dtypes.from_proto(chunk.dtype), chunk.shape)
+        assembler = tensors.ChunkAssembler(max_bytes=first.block_count * layout.block_bytes)
+        done = assembler.feed(chunk)
+        for message in request_iterator:
+            if done is not None:
+                raise InvalidArgument("PutBlocks carried more than one rows tensor", "BAD_PUT")
+            done = assembler.feed(message.rows)
+        assembler.close()
+        if done is None:
+            raise InvalidArgument("PutBlocks ended before its rows", "BAD_PUT")
+        stored, present = self.store.put_blocks(ns, first.token_ids, first.first_block, first.block_count, done[1],
+                                                first.incarnation, first.epoch)
+        return kvstore_pb2.PutBlocksResponse(stored=stored, already_present=present)
+
+    @_statused
+    def Lookup(self, request: kvstore_pb2.LookupRequest, context: grpc.ServicerContext) -> kvstore_pb2.LookupResponse:
+        return kvstore_pb2.LookupResponse(matched_tokens=self.store.lookup(request.namespace, request.token_ids))
+
+    @_statused
+    def GetBlocks(self, request: kvstore_pb2.GetBlocksRequest,
+                  context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
+        rows = self.store.get_blocks(request.namespace, request.token_ids, request.max_tokens)
+        return tensors.to_chunks("rows", rows)
+
+    @_statused
+    def SeedExecutor(self, request: kvstore_pb2.SeedExecutorRequest,
+                     context: grpc.ServicerContext) -> kvstore_pb2.SeedExecutorResponse:
+        tokens, nbytes, seconds = self.mover.seed(request.namespace, request.token_ids, request.max_tokens,
+                                                  request.executor_address, request.header, _deadline(context))
+        return kvstore_pb2.SeedExecutorResponse(seeded_tokens=tokens, bytes=nbytes, elapsed_ms=seconds * 1e3)
+
+    @_statused
+    def CopyRows(self, request: kvstore_pb2.CopyRowsRequest,
+                 context: grpc.ServicerContext) -> kvstore_pb2.CopyRowsResponse:
+        nbytes, seconds = self.mover.copy_rows(request.source_address, request.source_header,
+                                               request.destination_address, request.destination_header,
+                                               request.from_row, request.to_row, _deadline(context))
+        return kvstore_pb2.CopyRowsResponse(bytes=nbytes, elapsed_ms=seconds * 1e3)
+
+    @_statused
+    def Evict(self, request: kvstore_pb2.EvictRequest, context: grpc.ServicerContext) -> kvstore_pb2.EvictResponse:
+        ns = request.namespace if request.HasField("namespace") else None
+        return kvstore_pb2.EvictResponse(evicted_blocks=self.store.evict(ns))
+
+    @_statused
+    def Stats(self, request: kvstore_pb2.StatsRequest, context: grpc.ServicerContext) -> kvstore_pb2.StatsResponse:
+        s = self.store.stats()
+        return kvstore_pb2.StatsResponse(
+            blocks=s.blocks, memory_bytes=s.memory_bytes, disk_bytes=s.disk_bytes, capacity_bytes=s.capacity_bytes,
+            lookups=s.lookups, hit_tokens=s.hit_tokens, miss_tokens=s.miss_tokens, hit_ratio=s.hit_ratio,
+            evictions=s.evictions, corrupt_blocks=s.corrupt_blocks, seed_bytes_per_s=s.seed_bytes_per_s,
+            copy_bytes_per_s=s.copy_bytes_per_s)
