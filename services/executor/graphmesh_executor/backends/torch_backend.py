@@ -7,6 +7,8 @@ host in float64 (executable.sample_row) so every backend picks the same token.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -288,10 +290,7 @@ class TorchExecutable(Executable[Tensor]):
         super().__init__(graph, device)
         # kv_write nodes that may write their cache input in place: the input is read by that node alone,
         # and the node is an output. Donated only while a prefix feed stores that output back into the handle.
-        readers: dict[str, int] = {}
-        for node in graph.nodes:
-            for name in node.inputs:
-                readers[name] = readers.get(name, 0) + 1
+        readers = Counter(name for node in graph.nodes for name in node.inputs)
         self._donors = {n.inputs[0]: graph.outputs.index(n.name) for n in graph.nodes
                         if n.op == "kv_write" and n.inputs[0] in graph.inputs and n.name in graph.outputs
                         and readers[n.inputs[0]] == 1 and n.inputs[0] not in graph.outputs}
@@ -333,3 +332,22 @@ class TorchExecutable(Executable[Tensor]):
     @torch.inference_mode()
     def _execute(self, env: dict[str, Tensor]) -> list[Tensor]:
         return super()._execute(env)
+
+    @torch.inference_mode()
+    def feed_kv_row(self, src_row: int, dst_row: int, row_elems: int) -> bool:
+        """The base method with the row copied on the device, into the handle in place, not through the host."""
+        if self._last_outputs is None or row_elems <= 0:
+            return super().feed_kv_row(src_row, dst_row, row_elems)  # raises the right error
+        plan = []
+        for handle, index in self._row_feeds.items():
+            t = self.graph.inputs[handle]
+            out = self._last_outputs[index].reshape(-1, row_elems)
+            if not (0 <= src_row < out.shape[0] and 0 <= dst_row < math.prod(t.shape) // row_elems):
+                return super().feed_kv_row(src_row, dst_row, row_elems)  # raises OutOfRange; nothing was written
+            plan.append((handle, out[src_row], self._handles[handle] if handle in self._handles else self._zeros(t)))
+        for handle, row, value in plan:
+            value = value.contiguous()  # a fed-back output may be a strided view
+            value.view(-1, row_elems)[dst_row] = row
+            self._handles[handle] = value
+            self._resident.add(handle)
+        return True
