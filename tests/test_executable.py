@@ -666,3 +666,31 @@ def test_torch_cuda_keeps_params_and_handles_on_the_device() -> None:
     ex.run({"x": X, "pos": np.array([0])})
     assert ex._params["w"].device.type == "cuda" and ex._handles["past"].device.type == "cuda"
     np.testing.assert_array_equal(ex.read_handle("past")[0], X[0])
+
+
+@needs_torch
+def test_torch_keeps_q4_weights_packed_for_bf16_activations() -> None:
+    """bf16 x with n % 16 == 0 runs torch's int4 kernel on a form converted once per param (shared by
+    copy_params_from); other dtypes multiply by a weight dequantized once to their dtype."""
+    import torch
+
+    from graphmesh_executor.backends.torch_backend import _CONVERTED
+
+    def exe(dtype: str) -> Exe:
+        g = GraphBuilder(f"q4_{dtype}")
+        g.output(g.dequant_matmul(g.input("x", (2, 64), dtype), g.param("wq", packed_shape("q4_1", 16, 64), "u8"),
+                                  "q4_1", 16, 64))
+        return compile_("torch", g)
+
+    packed = rng.integers(0, 256, packed_shape("q4_1", 16, 64)).astype(np.uint8)
+    packed.reshape(16, 2, 20)[..., 0:4] = np.frombuffer(np.array([0.01, -0.05], np.float16).tobytes(), np.uint8)
+    src = exe("bf16")
+    src.set_param_typed("wq", packed)
+    x = f32(2, 64)
+    (y,) = src.run({"x": x.astype(BF16)})
+    assert set(src._params["wq"].__dict__[_CONVERTED]) == {"int4"}
+    ref = exe("f32")
+    assert ref.copy_params_from(src) == ["wq"]
+    (want,) = ref.run({"x": x.astype(BF16).astype(np.float32)})
+    np.testing.assert_allclose(y, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    assert set(src._params["wq"].__dict__[_CONVERTED]) == {"int4", torch.float32}  # one param, both forms

@@ -185,31 +185,34 @@ def _sample(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     return torch.tensor(tokens, dtype=torch.int64, device=logits.device)
 
 
-def dequantize(packed: Tensor, scheme: str, n: int, k: int) -> Tensor:
-    """GGUF blocks [n, k/32 * block_bytes] u8 -> f32 [n, k]."""
+def _unpack(packed: Tensor, scheme: str, n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """GGUF blocks [n, k/32 * block_bytes] u8 -> codes q [n, k/32, 32], scale d and zero z [n, k/32, 1] (f32).
+
+    A weight is q * d for q8_0 and (q - 8) * d + z for q4 (z = 0 for q4_0, m + 8d for q4_1): the form
+    torch's int4 kernel computes.
+    """
     block, size = QUANT_BLOCKS[scheme]
     b = packed.reshape(n, k // block, size)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
+    d = b[..., 0:2].contiguous().view(torch.float16).float()
     if scheme == "q8_0":
-        return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(n, k)
+        return b[..., 2:].contiguous().view(torch.int8), d, torch.zeros_like(d)
     qs = b[..., -16:]
-    q = torch.cat([qs & 0x0F, qs >> 4], -1).float()  # low nibbles are elements 0..15
-    if scheme == "q4_0":
-        return ((q - 8.0) * d).reshape(n, k)
-    m = b[..., 2:4].contiguous().view(torch.float16).float()
-    return (q * d + m).reshape(n, k)
+    q = torch.cat([qs & 0x0F, qs >> 4], -1)  # low nibbles are elements 0..15
+    z = b[..., 2:4].contiguous().view(torch.float16).float() + 8 * d if scheme == "q4_1" else torch.zeros_like(d)
+    return q, d, z
+
+
+def dequantize(packed: Tensor, scheme: str, n: int, k: int) -> Tensor:
+    """GGUF blocks -> f32 [n, k]."""
+    q, d, z = _unpack(packed, scheme, n, k)
+    return ((q.float() - (0.0 if scheme == "q8_0" else 8.0)) * d + z).reshape(n, k)
 
 
 def _int4pack(packed: Tensor, scheme: str, n: int, k: int) -> tuple[Tensor, Tensor]:
-    """q4_0/q4_1 blocks -> torch's CPU int4 layout; its kernel computes (q - 8) * scale + zero per 32 elements."""
-    block, size = QUANT_BLOCKS[scheme]
-    b = packed.reshape(n, k // block, size)
-    qs = b[..., -16:]
-    q = torch.cat([qs & 0x0F, qs >> 4], -1).reshape(n, k).to(torch.int32)
-    d = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [n, nb]
-    zero = torch.zeros_like(d) if scheme == "q4_0" else b[..., 2:4].contiguous().view(torch.float16).float()[..., 0] + 8 * d
-    scales = torch.stack([d, zero], -1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [nb, n, 2]
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), scales
+    """q4_0/q4_1 blocks -> torch's CPU int4 layout and its bf16 (scale, zero) pairs [k/32, n, 2]."""
+    q, d, z = _unpack(packed, scheme, n, k)
+    scales = torch.cat([d, z], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(n, k).to(torch.int32), 8), scales
 
 
 def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
