@@ -324,6 +324,8 @@ class TorchExecutable(Executable[Tensor]):
         return value.to(TORCH_DTYPES[dtype])
 
     def _gather_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, Tensor]:
+        # A run that fails after the in-place write leaves rows from `pos` on written: rows past the
+        # session's committed length, which attention masks and the retried run overwrites.
         env = super()._gather_inputs(inputs)
         for handle, output in self._donors.items():
             if self._prefix_feeds.get(handle) == output and handle in self._handles and handle not in inputs:
@@ -351,6 +353,7 @@ class TorchExecutable(Executable[Tensor]):
         for handle, row, value in plan:
             value = value.contiguous()  # a fed-back output may be a strided view
             value.view(-1, row_elems)[dst_row] = row
+            value.__dict__.pop(_MEMO, None)
             self._handles[handle] = value
             self._resident.add(handle)
         return True
