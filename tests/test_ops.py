@@ -639,11 +639,8 @@ def _attr_proto(kind: str, value: Any) -> graph_pb2.AttrValue:
     return graph_pb2.AttrValue(s=value)
 
 
-CAST_XFAIL = pytest.mark.xfail(strict=True, reason="ops._cast lets dtypes.DTypeError out instead of OpError")
-
-
 @pytest.mark.parametrize("op,inputs,attrs", [
-    pytest.param(*e, id=f"{e[0]}-{i}", marks=[CAST_XFAIL] if e[0] == "cast" else []) for i, e in enumerate(SPEC_ERRORS)])
+    pytest.param(*e, id=f"{e[0]}-{i}") for i, e in enumerate(SPEC_ERRORS)])
 def test_spec_errors(op: str, inputs: list[tuple[tuple[int, ...], str]], attrs: dict[str, Any]) -> None:
     g = GraphBuilder("bad")
     values = [g.input(f"x{i}", shape, dt) for i, (shape, dt) in enumerate(inputs)]
@@ -660,7 +657,6 @@ def test_spec_errors(op: str, inputs: list[tuple[tuple[int, ...], str]], attrs: 
         parse(proto)
 
 
-@pytest.mark.xfail(strict=True, reason="ops.resolve_attrs reads SPECS[op] before infer() names the unknown op: KeyError")
 def test_builder_rejects_an_unknown_op() -> None:
     with pytest.raises(OpError):
         GraphBuilder("g").node("softplus", [])

@@ -19,6 +19,8 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from graphmesh.faults import TcpProxy
+
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
 
 
@@ -65,9 +67,15 @@ class LocalMesh:
     extra_coordinator_args: Sequence[str] = ()
     startup_timeout_s: float = 300.0
     coordinator_listen: str = ""
+    fault_injection: bool = False  # executors accept StageService.InjectFault
+    proxied: bool = False  # the coordinator and the boundary pushes reach executors through fault proxies
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    executor_addresses: list[str] = field(default_factory=list)
+    executor_processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    executor_addresses: list[str] = field(default_factory=list)  # as the coordinator sees them
+    proxies: list[TcpProxy] = field(default_factory=list)
+    coordinator_process: subprocess.Popen[bytes] | None = None
     coordinator_address: str = ""
+    _coordinator_args: list[str] = field(default_factory=list)
 
     def backends(self) -> list[str]:
         if isinstance(self.backend, str):
@@ -78,7 +86,7 @@ class LocalMesh:
         log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="graphmesh-logs-"))
         self.log_dir = str(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
-        out = open(log_dir / f"{name}.log", "wb")
+        out = open(log_dir / f"{name}.log", "ab")
         process = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})})
         self.processes.append(process)
@@ -101,9 +109,14 @@ class LocalMesh:
             env = {"OMP_NUM_THREADS": str(threads)}
             if backend == "mlx" and os.path.exists(OPENBLAS):
                 env["LD_PRELOAD"] = OPENBLAS
-            process = self._spawn(f"executor-{rank}", ["graphmesh_executor.server", "--listen", address, "--backend",
-                                                       backend, "--threads", str(threads)], env)
+            args = ["graphmesh_executor.server", "--listen", address, "--backend", backend, "--threads", str(threads)]
+            process = self._spawn(f"executor-{rank}", args + (["--enable-fault-injection"] if self.fault_injection
+                                                              else []), env)
             spawned.append((address, process, rank))
+            self.executor_processes.append(process)
+            if self.proxied:
+                self.proxies.append(TcpProxy(address))
+                address = self.proxies[-1].address
             self.executor_addresses.append(address)
         for address, process, rank in spawned:
             wait_healthy(address, process, 120.0, f"executor {rank}")
@@ -113,8 +126,13 @@ class LocalMesh:
                 "--state-dir", self.state_dir or tempfile.mkdtemp(prefix="graphmesh-state-")]
         if self.split:
             args += ["--split", ",".join(str(n) for n in self.split)]
-        coordinator = self._spawn("coordinator", [*args, *self.extra_coordinator_args])
-        wait_healthy(self.coordinator_address, coordinator, self.startup_timeout_s, "coordinator")
+        self._coordinator_args = [*args, *self.extra_coordinator_args]
+        self.start_coordinator()
+
+    def start_coordinator(self) -> None:
+        """(Re)starts the coordinator on the same address and state dir."""
+        self.coordinator_process = self._spawn("coordinator", self._coordinator_args)
+        wait_healthy(self.coordinator_address, self.coordinator_process, self.startup_timeout_s, "coordinator")
 
     def stop(self) -> None:
         for process in reversed(self.processes):
@@ -127,6 +145,8 @@ class LocalMesh:
                 process.kill()
                 process.wait()
         self.processes.clear()
+        for proxy in self.proxies:
+            proxy.close()
 
     def __enter__(self) -> LocalMesh:
         return self.start()

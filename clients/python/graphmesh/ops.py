@@ -209,7 +209,10 @@ def _slice(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 
 def _cast(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
-    return TensorType(dtypes.check(attrs["dtype"]), ins[0].shape)
+    try:
+        return TensorType(dtypes.check(attrs["dtype"]), ins[0].shape)
+    except dtypes.DTypeError as e:
+        raise _fail(str(e)) from e
 
 
 def _constant(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -393,7 +396,9 @@ _KIND_CHECK: dict[str, Callable[[Any], bool]] = {
 
 def resolve_attrs(op: str, attrs: dict[str, Any]) -> dict[str, Any]:
     """Checks attributes against the spec and fills in defaults."""
-    spec = SPECS[op]
+    spec = SPECS.get(op)
+    if spec is None:
+        raise _fail(f"unknown op {op!r}")
     unknown = set(attrs) - set(spec.attrs)
     if unknown:
         raise _fail(f"op {op!r} has no attribute(s) {sorted(unknown)}; it takes {sorted(spec.attrs) or 'none'}")

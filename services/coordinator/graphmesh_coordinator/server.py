@@ -74,7 +74,12 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
     health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     server.start()
     wait_for_executors(config.executors, config.startup_timeout_s)
+    if state.incarnation:
+        # A restarted coordinator: whatever incarnation its predecessor left is fenced everywhere before a
+        # new one is issued, so an executor never obeys the old coordinator again.
+        mesh.fence(state.incarnation, "coordinator restarted")
     mesh.install()
+    mesh.watch()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, port, mesh
 

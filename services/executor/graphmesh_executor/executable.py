@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
+
 from graphmesh import dtypes
 from graphmesh.dtypes import FLOAT_DTYPES
 from graphmesh.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
@@ -401,6 +402,11 @@ class Executable(Generic[T]):
             raise FailedPrecondition("feed_kv_row before any run", "NO_OUTPUTS")
         if row_elems <= 0:
             raise InvalidArgument(f"row_elems must be positive, got {row_elems}", "BAD_ROW")
+        for handle, index in self._row_feeds.items():
+            sizes = (int(np.prod(self.output_types[index].shape)), int(np.prod(self.graph.inputs[handle].shape)))
+            if any(size % row_elems for size in sizes):
+                raise InvalidArgument(f"row_elems {row_elems} does not divide output {index} or handle {handle!r} "
+                                      f"({sizes[0]} and {sizes[1]} elements)", "BAD_ROW")
         plan = []
         for handle, index in self._row_feeds.items():
             t = self.graph.inputs[handle]

@@ -47,6 +47,7 @@ class ExecutorConfig:
     max_message_bytes: int = 64 << 20
     max_param_bytes: int = 1 << 36
     workers: int = 16  # gRPC handler threads: calls on different executables run in parallel
+    enable_fault_injection: bool = False  # StageService.InjectFault, for tests and benchmarks only
 
 
 def tune_malloc() -> None:
@@ -85,7 +86,8 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRe
         ExecutorServicer(registry, model_root=config.model_root, max_message_bytes=config.max_message_bytes,
                          max_param_bytes=config.max_param_bytes), server)
     runtime = StageRuntime(config.backend, config.device, str(config.model_root) if config.model_root else None,
-                           pusher=BoundaryPusher(), block_writer=KvWriteBehind())
+                           pusher=BoundaryPusher(), block_writer=KvWriteBehind(),
+                           faults_enabled=config.enable_fault_injection)
     add_stage_service(server, runtime)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -120,10 +122,11 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--max-message-bytes", type=_size, default=64 << 20, help="largest gRPC message (e.g. 64Mi)")
     p.add_argument("--max-param-bytes", type=_size, default=1 << 36, help="largest SetParams/BindHandle stream")
     p.add_argument("--workers", type=int, default=16, help="gRPC handler threads")
+    p.add_argument("--enable-fault-injection", action="store_true", help="accept StageService.InjectFault (tests)")
     a = p.parse_args(argv)
     return ExecutorConfig(listen=a.listen, backend=a.backend, device=a.device, model_root=a.model_root,
                           threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,
-                          workers=a.workers)
+                          workers=a.workers, enable_fault_injection=a.enable_fault_injection)
 
 
 def main(argv: list[str] | None = None) -> None:

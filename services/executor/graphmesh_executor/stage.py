@@ -122,7 +122,8 @@ class KvBlocks:
 
 class StageRuntime:
     def __init__(self, backend: str, device: str = "cpu", model_root: str | None = None,
-                 pusher: Pusher | None = None, block_writer: BlockWriter | None = None) -> None:
+                 pusher: Pusher | None = None, block_writer: BlockWriter | None = None,
+                 faults_enabled: bool = False) -> None:
         self.backend = backend
         self.device = device
         self.model_root = model_root
@@ -135,6 +136,8 @@ class StageRuntime:
         self.param_bytes = 0
         self._pusher = pusher
         self._block_writer = block_writer
+        self.faults_enabled = faults_enabled
+        self._faults: dict[str, int] = {}
         self._lock = threading.Condition()
         self._sessions: dict[str, StageSession] = {}
         self._mailbox: dict[tuple[str, int], np.ndarray] = {}
@@ -249,6 +252,8 @@ class StageRuntime:
         limit = spec.max_context_tokens or config.max_position
         if n == 0:
             raise ProtocolError("ARCH", InvalidArgument("an invocation needs at least one token", "EMPTY_INPUT"))
+        if self._take_fault("arch"):
+            raise ProtocolError("ARCH", InvalidArgument("injected deterministic failure", "INJECTED_FAULT"))
         if start + n > limit:
             raise ProtocolError("ARCH", OutOfRange(f"{start + n} tokens exceed the context of {limit}",
                                                    "CONTEXT_EXCEEDED"))
@@ -293,8 +298,9 @@ class StageRuntime:
         result = ExecuteResult(kv_length=start + n, compute_us=(time.perf_counter() - t0) * 1e6, computed_tokens=n)
         if not spec.last:
             assert self._pusher is not None
+            bundle = out[:n, :-1] if self._take_fault("corrupt") else out[:n]
             try:
-                self._pusher(spec.next_address, session_id, incarnation, epoch, out[:n], timeout_s)
+                self._pusher(spec.next_address, session_id, incarnation, epoch, bundle, timeout_s)
             except Exception as e:  # any failure to deliver leaves the order unprovable
                 raise ProtocolError("COMM", e) from e
         elif sample:
@@ -465,6 +471,24 @@ class StageRuntime:
         with self._lock:
             self.authority.poison(incarnation, reason or "fenced by the coordinator", terminal)
             self._lock.notify_all()
+
+    def inject_fault(self, kind: str, count: int) -> None:
+        if not self.faults_enabled:
+            raise FailedPrecondition("fault injection is off; start the executor with --enable-fault-injection",
+                                     "FAULT_INJECTION_DISABLED")
+        if count < 1 or kind not in ("arch", "corrupt"):
+            raise InvalidArgument(f"bad fault {kind!r} x {count}", "BAD_FAULT")
+        with self._lock:
+            self._faults[kind] = self._faults.get(kind, 0) + count
+
+    def _take_fault(self, kind: str) -> bool:
+        if not self._faults.get(kind):
+            return False
+        with self._lock:
+            if self._faults.get(kind, 0) <= 0:
+                return False
+            self._faults[kind] -= 1
+            return True
 
     def _session_or_404(self, session_id: str) -> StageSession:
         if session_id not in self._sessions:

@@ -181,6 +181,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.FenceResponse(state=_AUTHORITY[self.runtime.authority.state])
 
     @_statused
+    def InjectFault(self, request: stage_pb2.InjectFaultRequest,
+                    context: grpc.ServicerContext) -> stage_pb2.InjectFaultResponse:
+        self.runtime.inject_fault(_FAULTS.get(request.kind, ""), request.count)
+        return stage_pb2.InjectFaultResponse()
+
+    @_statused
     def Status(self, request: stage_pb2.StageStatusRequest,
                context: grpc.ServicerContext) -> stage_pb2.StageStatusResponse:
         rt, a = self.runtime, self.runtime.authority
@@ -200,6 +206,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                                   last_outcome=_OUTCOME_PB[t.last_outcome], kv_length=t.kv_length,
                                   kv_capacity=session.capacity)
         return response
+
+
+_FAULTS = {stage_pb2.FAULT_KIND_ARCH_FAILURE: "arch", stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY: "corrupt"}
 
 
 def add_stage_service(server: grpc.Server, runtime: StageRuntime) -> StageServicer:

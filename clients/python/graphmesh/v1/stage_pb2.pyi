@@ -136,6 +136,36 @@ EPOCH_OUTCOME_ABORTED: EpochOutcome.ValueType  # 2
 EPOCH_OUTCOME_INDETERMINATE: EpochOutcome.ValueType  # 3
 Global___EpochOutcome: _TypeAlias = EpochOutcome  # noqa: Y015
 
+class _FaultKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _FaultKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FaultKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    FAULT_KIND_UNSPECIFIED: _FaultKind.ValueType  # 0
+    FAULT_KIND_ARCH_FAILURE: _FaultKind.ValueType  # 1
+    """FAULT_KIND_ARCH_FAILURE fails the next ExecuteGroup deterministically,
+    before any payload leaves the rank.
+    """
+    FAULT_KIND_CORRUPT_BOUNDARY: _FaultKind.ValueType  # 2
+    """FAULT_KIND_CORRUPT_BOUNDARY corrupts the next boundary bundle this rank
+    pushes (one activation column dropped): the receiver must refuse it.
+    """
+
+class FaultKind(_FaultKind, metaclass=_FaultKindEnumTypeWrapper):
+    """FaultKind is an injectable failure."""
+
+FAULT_KIND_UNSPECIFIED: FaultKind.ValueType  # 0
+FAULT_KIND_ARCH_FAILURE: FaultKind.ValueType  # 1
+"""FAULT_KIND_ARCH_FAILURE fails the next ExecuteGroup deterministically,
+before any payload leaves the rank.
+"""
+FAULT_KIND_CORRUPT_BOUNDARY: FaultKind.ValueType  # 2
+"""FAULT_KIND_CORRUPT_BOUNDARY corrupts the next boundary bundle this rank
+pushes (one activation column dropped): the receiver must refuse it.
+"""
+Global___FaultKind: _TypeAlias = FaultKind  # noqa: Y015
+
 class _AuthorityState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -777,6 +807,44 @@ class WriteSessionKvResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WriteSessionKvResponse: _TypeAlias = WriteSessionKvResponse  # noqa: Y015
+
+@_typing.final
+class InjectFaultRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    kind: Global___FaultKind.ValueType
+    count: _builtins.int
+    """count is how many times the fault fires, >= 1."""
+    def __init__(
+        self,
+        *,
+        kind: Global___FaultKind.ValueType = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InjectFaultRequest: _TypeAlias = InjectFaultRequest  # noqa: Y015
+
+@_typing.final
+class InjectFaultResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InjectFaultResponse: _TypeAlias = InjectFaultResponse  # noqa: Y015
 
 @_typing.final
 class FenceRequest(_message.Message):

@@ -96,6 +96,11 @@ class StageServiceStub:
                 request_serializer=graphmesh_dot_v1_dot_stage__pb2.StageStatusRequest.SerializeToString,
                 response_deserializer=graphmesh_dot_v1_dot_stage__pb2.StageStatusResponse.FromString,
                 _registered_method=True)
+        self.InjectFault = channel.unary_unary(
+                '/graphmesh.v1.StageService/InjectFault',
+                request_serializer=graphmesh_dot_v1_dot_stage__pb2.InjectFaultRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_stage__pb2.InjectFaultResponse.FromString,
+                _registered_method=True)
 
 
 class StageServiceServicer:
@@ -197,6 +202,14 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InjectFault(self, request, context):
+        """InjectFault arms a fault for tests and benchmarks. FAILED_PRECONDITION
+        unless the executor runs with --enable-fault-injection.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -254,6 +267,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=graphmesh_dot_v1_dot_stage__pb2.StageStatusRequest.FromString,
                     response_serializer=graphmesh_dot_v1_dot_stage__pb2.StageStatusResponse.SerializeToString,
+            ),
+            'InjectFault': grpc.unary_unary_rpc_method_handler(
+                    servicer.InjectFault,
+                    request_deserializer=graphmesh_dot_v1_dot_stage__pb2.InjectFaultRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_stage__pb2.InjectFaultResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +577,33 @@ class StageService:
             '/graphmesh.v1.StageService/Status',
             graphmesh_dot_v1_dot_stage__pb2.StageStatusRequest.SerializeToString,
             graphmesh_dot_v1_dot_stage__pb2.StageStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InjectFault(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graphmesh.v1.StageService/InjectFault',
+            graphmesh_dot_v1_dot_stage__pb2.InjectFaultRequest.SerializeToString,
+            graphmesh_dot_v1_dot_stage__pb2.InjectFaultResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -83,6 +83,10 @@ class StageServiceStub:
     """
     Status: _grpc.UnaryUnaryMultiCallable[_stage_pb2.StageStatusRequest, _stage_pb2.StageStatusResponse]
     """Status reports the authority and session state machines. Not fenced."""
+    InjectFault: _grpc.UnaryUnaryMultiCallable[_stage_pb2.InjectFaultRequest, _stage_pb2.InjectFaultResponse]
+    """InjectFault arms a fault for tests and benchmarks. FAILED_PRECONDITION
+    unless the executor runs with --enable-fault-injection.
+    """
 
 @_typing.type_check_only
 class StageServiceAsyncStub(StageServiceStub):
@@ -138,6 +142,10 @@ class StageServiceAsyncStub(StageServiceStub):
     """
     Status: _aio.UnaryUnaryMultiCallable[_stage_pb2.StageStatusRequest, _stage_pb2.StageStatusResponse]  # type: ignore[assignment]
     """Status reports the authority and session state machines. Not fenced."""
+    InjectFault: _aio.UnaryUnaryMultiCallable[_stage_pb2.InjectFaultRequest, _stage_pb2.InjectFaultResponse]  # type: ignore[assignment]
+    """InjectFault arms a fault for tests and benchmarks. FAILED_PRECONDITION
+    unless the executor runs with --enable-fault-injection.
+    """
 
 class StageServiceServicer(metaclass=_abc_1.ABCMeta):
     """StageService is the partitioned pipeline protocol on an executor: the
@@ -256,5 +264,15 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.StageStatusResponse, _abc.Awaitable[_stage_pb2.StageStatusResponse]]:
         """Status reports the authority and session state machines. Not fenced."""
+
+    @_abc_1.abstractmethod
+    def InjectFault(
+        self,
+        request: _stage_pb2.InjectFaultRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.InjectFaultResponse, _abc.Awaitable[_stage_pb2.InjectFaultResponse]]:
+        """InjectFault arms a fault for tests and benchmarks. FAILED_PRECONDITION
+        unless the executor runs with --enable-fault-injection.
+        """
 
 def add_StageServiceServicer_to_server(servicer: StageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -7,7 +7,6 @@ from typing import Any
 
 from graphmesh.errors import FailedPrecondition, InvalidArgument
 from graphmesh.graph import Graph
-
 from graphmesh_executor.executable import Executable
 
 NAMES = ("numpy", "torch", "mlx")

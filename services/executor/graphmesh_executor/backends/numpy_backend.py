@@ -6,10 +6,10 @@ import math
 from typing import Any
 
 import numpy as np
+
 from graphmesh import dtypes
 from graphmesh.errors import OutOfRange
 from graphmesh.ops import QUANT_BLOCKS
-
 from graphmesh_executor.executable import Executable, Kernel, RunContext, sample_row, uniform
 
 Array = np.ndarray
