@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -15,7 +14,7 @@ from graphmesh.errors import InvalidArgument, OutOfRange  # noqa: E402
 from graphmesh.graph import GraphBuilder, parse  # noqa: E402
 from graphmesh.ops import SPECS, packed_shape  # noqa: E402
 from graphmesh_executor.backends import compile_graph  # noqa: E402
-from graphmesh_executor.backends.mlx_backend import PRELOAD, TOLERANCES, MlxExecutable, launch_env, repack  # noqa: E402
+from graphmesh_executor.backends.mlx_backend import TOLERANCES, MlxExecutable, launch_env, repack  # noqa: E402
 from graphmesh_executor.backends.numpy_backend import dequantize  # noqa: E402
 from graphmesh_executor.executable import Executable, RngOptions  # noqa: E402
 
@@ -353,12 +352,23 @@ def test_llama_block_prefill_then_decode_matches_numpy() -> None:
     assert np.abs(exes["mlx"][1].read_handle("past_k_0")[10:]).max() == 0.0  # rows past the sequence untouched
 
 
-@pytest.mark.parametrize("flags,core", [("fpu sse2 avx2 fma avx512f avx512bw avx512dq avx512vl", "SkylakeX"),
-                                        ("fpu sse2 avx2 fma avx512f", "Haswell"), ("fpu sse2", None)])
-def test_launch_env_names_the_openblas_core(tmp_path: Any, flags: str, core: str | None) -> None:
-    if not os.path.exists(PRELOAD):
-        pytest.skip(f"{PRELOAD} is not installed")
+AVX512 = "fpu sse2 avx2 fma avx512f avx512bw avx512dq avx512vl"
+
+
+@pytest.mark.parametrize("libs,flags,want", [
+    ("blis,openblas", AVX512, {"LD_PRELOAD": "blis", "BLIS_ARCH_TYPE": "skx"}),
+    ("blis", "fpu sse2 avx2 fma", {"LD_PRELOAD": "blis"}),  # BLIS identifies CPUs without AVX-512 itself
+    ("openblas", AVX512, {"LD_PRELOAD": "openblas", "OPENBLAS_CORETYPE": "SkylakeX"}),
+    ("openblas", "fpu sse2 avx2 fma avx512f", {"LD_PRELOAD": "openblas", "OPENBLAS_CORETYPE": "Haswell"}),
+    ("openblas", "fpu sse2", {"LD_PRELOAD": "openblas"}),
+    ("", AVX512, {}),
+])
+def test_launch_env_preloads_a_blas_and_names_its_kernels(tmp_path: Any, libs: str, flags: str,
+                                                          want: dict[str, str]) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\nflags\t\t: {flags}\n")
-    env = launch_env(str(cpuinfo))
-    assert env["LD_PRELOAD"] == PRELOAD and env.get("OPENBLAS_CORETYPE") == core
+    paths = {name: str(tmp_path / f"lib{name}.so") for name in ("blis", "openblas")}
+    for name in filter(None, libs.split(",")):
+        (tmp_path / f"lib{name}.so").write_bytes(b"")
+    env = launch_env(str(cpuinfo), blis=paths["blis"], openblas=paths["openblas"])
+    assert env == {k: paths.get(v, v) for k, v in want.items()}
