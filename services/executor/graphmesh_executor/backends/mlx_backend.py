@@ -38,7 +38,7 @@ from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph
 from graphmesh.ops import QUANT_BLOCKS, TensorType
 from graphmesh_executor.backends.numpy_backend import KERNELS as NUMPY_KERNELS
-from graphmesh_executor.executable import Executable, Kernel, RunContext, sample_row, uniform
+from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_row, uniform
 
 PRELOAD = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"  # Debian libopenblas0-pthread
 BLIS = "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4"  # Debian libblis4-pthread
@@ -343,6 +343,8 @@ KERNELS: dict[str, Kernel] = {
 
 class MlxExecutable(Executable[Array]):
     backend = "mlx"
+    # Handles stay mlx arrays between runs (unified memory on Metal) and fed kv_writes update them in place.
+    capabilities = Capabilities(resident_handles=True)
     kernels = KERNELS
     dtypes: ClassVar[tuple[str, ...]] = ("f64", "f32", "f16", "bf16")
 
