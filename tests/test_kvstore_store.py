@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -277,3 +278,24 @@ def test_the_configured_block_size_is_the_only_one_accepted() -> None:
     store = Store(1 << 20, block_tokens=16)
     with pytest.raises(InvalidArgument, match="differs from this store's 16"):
         store.lookup(NS, list(range(8)))
+
+
+def test_concurrent_puts_and_lookups_keep_the_accounting(tmp_path: Path) -> None:
+    store = Store(capacity_bytes=10 * BLOCK_BYTES, directory=tmp_path)
+    shared = list(range(8))  # every thread stores these 2 blocks: exactly one put may store each
+
+    def work(t: int) -> tuple[int, int]:
+        stored = present = 0
+        for i in range(10):
+            tokens = [*shared, *[t * 1000 + i * 10 + j for j in range(BT)]]
+            s, p = put_all(store, tokens, rows_for(tokens, seed=t))
+            stored, present = stored + s, present + p
+            assert store.lookup(NS, tokens) == 12
+        return stored, present
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, range(4)))
+    assert sum(s for s, _ in results) == 2 + 4 * 10
+    s = store.stats()
+    assert s.blocks == 42 and s.memory_bytes == 10 * BLOCK_BYTES
+    assert s.disk_bytes == sum(p.stat().st_size for p in tmp_path.iterdir())

@@ -132,9 +132,9 @@ class Mover:
         try:
             dst.write(requests(), timeout=timeout)
         except grpc.RpcError as e:
-            read.cancel()
-            if source_failed:
+            if source_failed:  # set before the write was cancelled, so it is the first cause
                 raise executor_error(source_failed[0], source, "ReadSessionKv") from None
+            read.cancel()  # after the check: cancelling makes the read fail too
             raise executor_error(e, destination, "WriteSessionKv") from None
         seconds = time.perf_counter() - started
         self.store.record_transfer("copy", payload[0], seconds)
