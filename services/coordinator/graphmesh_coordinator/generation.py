@@ -22,6 +22,7 @@ from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 
 MAX_RECOVERIES = 3
+MAX_ARCH_RETRIES = 1
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,8 @@ class Generator:
         """One invocation, surviving the loss of executors: after a COMM failure the roster is rebuilt and the
         session's committed tokens are recomputed together with the pending ones, so the replay samples the
         same token at the same position with the same seed."""
-        for _ in range(MAX_RECOVERIES + 1):
+        arch_retries = MAX_ARCH_RETRIES
+        for _ in range(MAX_RECOVERIES + MAX_ARCH_RETRIES + 1):
             incarnation = self.mesh.incarnation
             restore = session.incarnation != incarnation
             tokens = session.history + pending if restore else pending
@@ -149,7 +151,10 @@ class Generator:
                 reply = self.mesh.invoke(session.session_id, session.epoch, commit, start, tokens, sampling, output)
             except InvocationFailed as failure:
                 if failure.error_class == "ARCH":
-                    raise
+                    if arch_retries == 0:
+                        raise
+                    arch_retries -= 1  # every rank rolled back and stays ACTIVE: the invocation is retryable
+                    continue
                 self.mesh.recover(incarnation)
                 continue
             session.history += pending

@@ -71,7 +71,7 @@ class Rank:
 class Mesh:
     def __init__(self, model: str, config: ModelConfig, addresses: Sequence[str], state: DurableState,
                  split: Sequence[int] | None = None, weights: str = "f32", rpc_timeout_s: float = 60.0,
-                 install_timeout_s: float = 600.0, max_context_tokens: int = 0) -> None:
+                 install_timeout_s: float = 600.0, max_context_tokens: int = 0, max_inflight: int = 16) -> None:
         self.model, self.config, self.state = model, config, state
         self.addresses = list(addresses)
         self.split = list(split) if split else None
@@ -81,10 +81,14 @@ class Mesh:
         self.ranks: list[Rank] = []
         self.incarnation = 0
         self.recoveries = 0
-        self.ready = False
+        self._ready = threading.Event()
         self._lock = threading.Lock()
         self._recover_lock = threading.Lock()
         self._in_flight: set[grpc.Future[stage_pb2.ExecuteGroupResponse]] = set()
+        # Every rank but the first holds a handler thread while it waits for its boundary; bounding the
+        # invocations in flight keeps executors' thread pools (64 by default) from filling with waiters
+        # that the pushes they wait for could then never reach. Sessions beyond this queue here.
+        self._slots = threading.BoundedSemaphore(max_inflight)
         self._watch_stop = threading.Event()
 
     def install(self, addresses: Sequence[str] | None = None) -> None:
@@ -116,7 +120,8 @@ class Mesh:
                     raise Unavailable(f"executor {rank.plan.address} (rank {rank.plan.rank}) failed to install: "
                                       f"{error.message}", "INSTALL_FAILED") from e
                 rank.backend, rank.device, rank.param_bytes = reply.backend, reply.device, reply.param_bytes
-            self.ranks, self.incarnation, self.ready = ranks, incarnation, True
+            self.ranks, self.incarnation = ranks, incarnation
+            self._ready.set()
             log.info("installed", extra={"incarnation": incarnation, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
 
     def invoke(self, session_id: str, epoch: int, commit_epoch: int, start: int, token_ids: Sequence[int],
@@ -130,6 +135,12 @@ class Mesh:
                                                 else stage_pb2.EXPERT_PASS_DECODE, commit_epoch=commit_epoch,
                                                 start_position=start, token_ids=token_ids, sampling=sampling,
                                                 output=output, boundary_timeout_ms=timeout_ms)
+        with self._slots:
+            return self._invoke(ranks, incarnation, header, request, session_id, epoch, commit_epoch)
+
+    def _invoke(self, ranks: Sequence[Rank], incarnation: int, header: stage_pb2.FencingHeader,
+                request: stage_pb2.ExecuteGroupRequest, session_id: str, epoch: int,
+                commit_epoch: int) -> stage_pb2.ExecuteGroupResponse:
         calls = [r.stub.ExecuteGroup.future(request, timeout=self.rpc_timeout_s + 5.0) for r in reversed(ranks)]
         calls.reverse()
         with self._lock:
@@ -146,9 +157,13 @@ class Mesh:
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
                 failures.append(InvocationFailed(classify(error), rank.plan.rank, error))
-                if classify(error) == "ARCH" and not aborted:
-                    self._abort_all(ranks, header, commit_epoch)  # wakes ranks waiting for a boundary that won't come
-                    aborted = True
+                if aborted:
+                    continue
+                aborted = True  # wake the ranks still waiting for a boundary that will never come:
+                if classify(error) == "ARCH":
+                    self._abort_all(ranks, header, commit_epoch)  # roll back, stay ACTIVE
+                else:
+                    self.fence(incarnation, f"{classify(error)} on rank {rank.plan.rank}: {error.message}")
         with self._lock:
             self._in_flight.difference_update(calls)
         if commit_epoch:
@@ -158,9 +173,17 @@ class Mesh:
         first = min(failures, key=lambda f: (f.error_class == "ARCH", f.rank))  # COMM outranks ARCH
         if first.error_class == "ARCH":
             self.state.record(Decision(session_id, epoch, "ABORTED"))
-        else:
+        elif failures[0].error_class == "ARCH":
             self.fence(incarnation, f"{first.error_class} on rank {first.rank}: {first.cause.message}")
         raise first
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Waits out a recovery: a request that arrives meanwhile is delayed, not refused."""
+        return self._ready.wait(timeout_s)
 
     def recover(self, failed_incarnation: int, deadline_s: float = 120.0) -> None:
         """Rebuilds the roster after incarnation `failed_incarnation` was lost: fence it, wait for healthy
@@ -188,7 +211,7 @@ class Mesh:
                                             "executors": len(self.ranks),
                                             "ms": round((time.monotonic() - t0) * 1e3, 1)})
 
-    def watch(self, interval_s: float = 0.25, misses: int = 2) -> None:
+    def watch(self, interval_s: float = 0.25, misses: int = 2, timeout_s: float = 0.75) -> None:
         """Health watching: an executor that misses `misses` checks in a row (dead, frozen, cut off) cancels
         the in-flight invocations, which then fail as COMM and trigger recovery — long before any deadline."""
         missed = dict.fromkeys(self.addresses, 0)
@@ -197,7 +220,7 @@ class Mesh:
             while not self._watch_stop.wait(interval_s):
                 for rank in list(self.ranks):
                     address = rank.plan.address
-                    missed[address] = 0 if _healthy(self.channels[address], interval_s * 2) else missed[address] + 1
+                    missed[address] = 0 if _healthy(self.channels[address], timeout_s) else missed[address] + 1
                     if missed[address] == misses and self.ready:
                         log.warning("executor lost", extra={"address": address, "rank": rank.plan.rank})
                         rank.healthy = False
@@ -220,10 +243,11 @@ class Mesh:
     def fence(self, incarnation: int, reason: str) -> None:
         """Poisons `incarnation` on every executor that answers."""
         log.warning("fencing", extra={"incarnation": incarnation, "reason": reason})
-        with self._lock:
-            self.ready = False
+        if incarnation == self.incarnation:
+            self._ready.clear()  # a late fence of an incarnation already replaced must not un-ready its successor
+        # Short deadline: a frozen executor must not hold up recovery; a later Install supersedes it anyway.
         calls = [(a, stage_pb2_grpc.StageServiceStub(ch).Fence.future(
-            stage_pb2.FenceRequest(incarnation=incarnation, reason=reason), timeout=5.0))
+            stage_pb2.FenceRequest(incarnation=incarnation, reason=reason), timeout=0.5))
             for a, ch in self.channels.items()]
         for address, call in calls:
             try:

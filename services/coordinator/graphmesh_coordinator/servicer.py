@@ -14,6 +14,7 @@ from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 
 log = logging.getLogger("graphmesh.coordinator")
+RECOVERY_WAIT_S = 120.0
 
 _FINISH: dict[str, coordinator_pb2.FinishReason.ValueType] = {
     "length": coordinator_pb2.FINISH_REASON_LENGTH, "eos": coordinator_pb2.FINISH_REASON_EOS,
@@ -38,8 +39,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def _check_model(self, model: str) -> None:
         if model and model != self.model_name:
             raise NotFound(f"unknown model {model!r}; this coordinator serves {self.model_name!r}", "UNKNOWN_MODEL")
-        if not self.mesh.ready:
-            raise Unavailable("the mesh is not ready", "MESH_NOT_READY")
+        if not self.mesh.wait_ready(RECOVERY_WAIT_S):
+            raise Unavailable(f"the mesh has not been ready for {RECOVERY_WAIT_S:.0f} s", "MESH_NOT_READY")
 
     def _prompt_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
         tok = self.generator.tokenizer

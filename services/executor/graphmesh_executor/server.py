@@ -46,7 +46,7 @@ class ExecutorConfig:
     threads: int | None = None  # compute threads of the backend; None keeps the library default
     max_message_bytes: int = 64 << 20
     max_param_bytes: int = 1 << 36
-    workers: int = 16  # gRPC handler threads: calls on different executables run in parallel
+    workers: int = 64  # gRPC handler threads; stage waiters hold one each (the coordinator bounds them)
     enable_fault_injection: bool = False  # StageService.InjectFault, for tests and benchmarks only
 
 
@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--threads", type=int, help="compute threads of the backend")
     p.add_argument("--max-message-bytes", type=_size, default=64 << 20, help="largest gRPC message (e.g. 64Mi)")
     p.add_argument("--max-param-bytes", type=_size, default=1 << 36, help="largest SetParams/BindHandle stream")
-    p.add_argument("--workers", type=int, default=16, help="gRPC handler threads")
+    p.add_argument("--workers", type=int, default=64, help="gRPC handler threads")
     p.add_argument("--enable-fault-injection", action="store_true", help="accept StageService.InjectFault (tests)")
     a = p.parse_args(argv)
     return ExecutorConfig(listen=a.listen, backend=a.backend, device=a.device, model_root=a.model_root,
