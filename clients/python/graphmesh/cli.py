@@ -46,6 +46,8 @@ def _coordinator(args: argparse.Namespace) -> Iterator[str]:
 def cmd_up(args: argparse.Namespace) -> int:
     with _mesh(args, args.listen) as mesh:
         print(f"coordinator {mesh.coordinator_address}", flush=True)
+        if mesh.kvstore_address:
+            print(f"kvstore {mesh.kvstore_address}", flush=True)
         for rank, address in enumerate(mesh.executor_addresses):
             print(f"executor {rank} {address}", flush=True)
         print(f"logs in {mesh.log_dir}; Ctrl-C to stop", flush=True)

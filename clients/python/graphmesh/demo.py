@@ -13,7 +13,7 @@ QUESTION = "What is the capital of France, and what is it famous for?"
 
 def main() -> int:
     backend = fastest_backend()
-    print(f"== starting the mesh: 2 executors ({backend}) + coordinator on loopback; "
+    print(f"== starting the mesh: kvstore + 2 executors ({backend}) + coordinator on loopback; "
           "each executor loads its own layers of SmolLM2-135M-Instruct", flush=True)
     t0 = time.perf_counter()
     with LocalMesh(2, backend, "smollm2-135m") as mesh, CoordinatorClient(mesh.coordinator_address) as client:

@@ -65,6 +65,7 @@ class LocalMesh:
     extra_coordinator_args: Sequence[str] = ()
     startup_timeout_s: float = 300.0
     coordinator_listen: str = ""
+    kvstore: bool = True  # start a KV store (when graphmesh-kvstore is installed) and write KV behind to it
     fault_injection: bool = False  # executors accept StageService.InjectFault
     proxied: bool = False  # the coordinator and the boundary pushes reach executors through fault proxies
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -73,6 +74,7 @@ class LocalMesh:
     proxies: list[TcpProxy] = field(default_factory=list)
     coordinator_process: subprocess.Popen[bytes] | None = None
     coordinator_address: str = ""
+    kvstore_address: str = ""
     _coordinator_args: list[str] = field(default_factory=list)
 
     def backends(self) -> list[str]:
@@ -99,6 +101,10 @@ class LocalMesh:
         return self
 
     def _start(self) -> None:
+        if self.kvstore and importlib.util.find_spec("graphmesh_kvstore") is not None:
+            self.kvstore_address = f"127.0.0.1:{free_port()}"
+            store = self._spawn("kvstore", ["graphmesh_kvstore.server", "--listen", self.kvstore_address])
+            wait_healthy(self.kvstore_address, store, 60.0, "kvstore")
         backends = self.backends()
         threads = max(1, (os.cpu_count() or 2) // len(backends))  # executors sharing a machine must not oversubscribe
         spawned = []
@@ -122,6 +128,8 @@ class LocalMesh:
                 "--state-dir", self.state_dir or tempfile.mkdtemp(prefix="graphmesh-state-")]
         if self.split:
             args += ["--split", ",".join(str(n) for n in self.split)]
+        if self.kvstore_address:
+            args += ["--kvstore", self.kvstore_address]
         self._coordinator_args = [*args, *self.extra_coordinator_args]
         self.start_coordinator()
 

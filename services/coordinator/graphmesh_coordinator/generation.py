@@ -142,9 +142,10 @@ class Generator:
         arch_retries = MAX_ARCH_RETRIES
         for _ in range(MAX_RECOVERIES + MAX_ARCH_RETRIES + 1):
             incarnation = self.mesh.incarnation
-            restore = session.incarnation != incarnation
+            restore = session.incarnation != incarnation  # a new session, or one whose KV was lost
             tokens = session.history + pending if restore else pending
-            start = 0 if restore else len(session.history)
+            start = self.mesh.seed_prefix(session.session_id, tokens) if restore else len(session.history)
+            tokens = tokens[start:] if restore else tokens
             commit = 0 if restore else session.delivered_epoch
             session.epoch += 1
             try:

@@ -23,7 +23,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from graphmesh import kvkeys
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
+from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.models.config import ModelConfig
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator.planner import StagePlan, plan
@@ -66,16 +68,20 @@ class Rank:
     device: str = ""
     param_bytes: int = 0
     healthy: bool = True
+    model_identity: str = ""
 
 
 class Mesh:
     def __init__(self, model: str, config: ModelConfig, addresses: Sequence[str], state: DurableState,
                  split: Sequence[int] | None = None, weights: str = "f32", rpc_timeout_s: float = 60.0,
-                 install_timeout_s: float = 600.0, max_context_tokens: int = 0, max_inflight: int = 16) -> None:
+                 install_timeout_s: float = 600.0, max_context_tokens: int = 0, max_inflight: int = 16,
+                 kvstore: str = "", kv_block_tokens: int = kvkeys.DEFAULT_BLOCK_TOKENS) -> None:
         self.model, self.config, self.state = model, config, state
         self.addresses = list(addresses)
         self.split = list(split) if split else None
         self.weights, self.max_context_tokens = weights, max_context_tokens
+        self.kvstore = KvStoreClient(kvstore) if kvstore else None
+        self.kvstore_address, self.kv_block_tokens = kvstore, kv_block_tokens
         self.rpc_timeout_s, self.install_timeout_s = rpc_timeout_s, install_timeout_s
         self.channels = {a: grpc.insecure_channel(a, options=_CHANNEL_OPTIONS) for a in self.addresses}
         self.ranks: list[Rank] = []
@@ -108,7 +114,9 @@ class Mesh:
                 spec = stage_pb2.StageSpec(model=self.model, layer_start=p.layer_start, layer_end=p.layer_end,
                                            first=p.rank == 0, last=p.rank == len(ranks) - 1,
                                            next_address=stages[p.rank + 1].address if p.rank + 1 < len(ranks) else "",
-                                           weights=self.weights, max_context_tokens=self.max_context_tokens)
+                                           weights=self.weights, max_context_tokens=self.max_context_tokens,
+                                           kvstore_address=self.kvstore_address,
+                                           kv_block_tokens=self.kv_block_tokens)
                 request = stage_pb2.InstallRequest(incarnation=incarnation, rank=p.rank, world_size=len(ranks), stage=spec)
                 calls.append(rank.stub.Install.future(request, timeout=self.install_timeout_s))
             for rank, call in zip(ranks, calls):
@@ -120,6 +128,7 @@ class Mesh:
                     raise Unavailable(f"executor {rank.plan.address} (rank {rank.plan.rank}) failed to install: "
                                       f"{error.message}", "INSTALL_FAILED") from e
                 rank.backend, rank.device, rank.param_bytes = reply.backend, reply.device, reply.param_bytes
+                rank.model_identity = reply.model_identity
             self.ranks, self.incarnation = ranks, incarnation
             self._ready.set()
             log.info("installed", extra={"incarnation": incarnation, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
@@ -184,6 +193,34 @@ class Mesh:
     def wait_ready(self, timeout_s: float) -> bool:
         """Waits out a recovery: a request that arrives meanwhile is delayed, not refused."""
         return self._ready.wait(timeout_s)
+
+    def seed_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
+        """Seeds a new session's KV on every rank from the longest prefix all of them have stored, leaving at
+        least one token to compute; returns the rows seeded (0 when there is no store or no common hit). A store
+        that fails is a cache miss, never a failed request."""
+        if self.kvstore is None:
+            return 0
+        block = self.kv_block_tokens
+        limit = (len(token_ids) - 1) // block * block
+        if limit <= 0:
+            return 0
+        ranks, incarnation = self.ranks, self.incarnation
+        spaces = [kvkeys.namespace(r.model_identity, r.plan.layer_start, r.plan.layer_end, self.config.kv_dim,
+                                   block_tokens=block) for r in ranks]
+        try:
+            matched = min(self.kvstore.lookup(ns, token_ids[:limit]) for ns in spaces)
+            if matched == 0:
+                return 0
+            seeded = [self.kvstore.seed_executor(ns, token_ids[:matched], r.plan.address, incarnation, session_id,
+                                                 max_tokens=matched)[0] for ns, r in zip(spaces, ranks)]
+        except GraphmeshError as e:
+            log.warning("kv seed failed; computing the whole prompt", extra={"error": e.message})
+            self.release(session_id)
+            return 0
+        if any(n != matched for n in seeded):  # a block was evicted between lookup and seed
+            self.release(session_id)
+            return 0
+        return matched
 
     def recover(self, failed_incarnation: int, deadline_s: float = 120.0) -> None:
         """Rebuilds the roster after incarnation `failed_incarnation` was lost: fence it, wait for healthy
@@ -286,6 +323,8 @@ class Mesh:
 
     def close(self) -> None:
         self._watch_stop.set()
+        if self.kvstore is not None:
+            self.kvstore.close()
         for channel in self.channels.values():
             channel.close()
 

@@ -56,7 +56,7 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
         tokenizer = None
     state = DurableState(config.state_dir)
     mesh = Mesh(config.model, ckpt.config, config.executors, state, config.split or None, config.weights,
-                config.rpc_timeout_s, max_context_tokens=config.max_context_tokens)
+                config.rpc_timeout_s, max_context_tokens=config.max_context_tokens, kvstore=config.kvstore)
     context = config.max_context_tokens or ckpt.config.max_position
     eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
     generator = Generator(mesh, tokenizer, eos, context)
