@@ -146,6 +146,7 @@ class StageRuntime:
         self._compile_lock = threading.Lock()
         self._holder: Executable[Any] | None = None
         self._loaded_key: StageConfig | None = None
+        self._packed_schemes: dict[str, str] = {}
 
     # -- install ---------------------------------------------------------------------------------------
     def install(self, incarnation: int, rank: int, world_size: int, spec: StageConfig) -> float:
@@ -175,13 +176,16 @@ class StageRuntime:
         if not 0 <= spec.layer_start < spec.layer_end <= config.n_layers:
             raise InvalidArgument(f"layers [{spec.layer_start}, {spec.layer_end}) outside the model's "
                                   f"{config.n_layers} layers", "BAD_LAYER_RANGE")
+        if spec.weights not in ("f32", "packed"):
+            raise InvalidArgument(f"weights must be 'f32' or 'packed', got {spec.weights!r}", "BAD_WEIGHTS")
         self.config, self.spec = config, spec
+        self._packed_schemes = ckpt.packed_schemes()
         self._executables.clear()
         self._holder = None
         holder = self._compile(1, MIN_KV_ROWS, sample=True, weights=path)
         self._holder = holder
         self.model_identity = ckpt.identity()
-        self.param_bytes = sum(int(np.prod(t.shape)) * 4 for t in holder.graph.params.values())
+        self.param_bytes = sum(int(np.prod(t.shape)) * (1 if t.dtype == "u8" else 4) for t in holder.graph.params.values())
         self._loaded_key = spec
 
     def _model_path(self, model: str) -> Path:
@@ -193,8 +197,10 @@ class StageRuntime:
     def _compile(self, rows: int, capacity: int, sample: bool, weights: Path | None = None) -> Executable[Any]:
         assert self.config is not None and self.spec is not None
         spec = self.spec
+        packed = spec.weights == "packed"  # quantized GGUF blocks stay packed, consumed by dequant_matmul
         proto = models.build_stage(self.config, range(spec.layer_start, spec.layer_end), seq_len=rows,
-                                   cache_len=capacity, first=spec.first, last=spec.last, sample=sample)
+                                   cache_len=capacity, first=spec.first, last=spec.last, sample=sample,
+                                   quantized=packed, packed_schemes=self._packed_schemes if packed else None)
         exe = compile_graph(parse(proto), self.backend, self.device)
         if weights is not None:
             load_params(exe, weights, {})
