@@ -62,7 +62,11 @@ demo: $(STAMP)
 	$(PY) -m graphmesh.demo
 
 bench: $(STAMP)
-	$(PY) bench/bench_executor.py
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# Lints, renders and validates the chart for several values sets (also run by tests/test_helm.py).
+helm: $(STAMP)
+	scripts/helm_check.sh
 
 clean:
 	rm -rf build .pytest_cache .mypy_cache
