@@ -10,15 +10,9 @@ limits and the same 1 MiB chunking. Prints a table and writes bench/results/exec
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import socket
-import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -26,13 +20,13 @@ from typing import Any
 import grpc
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
+
+from bench.common import MIB, OPTIONS, free_address, interleaved_medians, machine, progress, spawn, write_results
 from graphmesh import ExecutorClient, GraphBuilder, tensors
 from graphmesh.v1 import executor_pb2, tensor_pb2
 from graphmesh_executor.server import tune_malloc
 
-MIB = 1 << 20
-OPTIONS = [("grpc.max_receive_message_length", 64 * MIB), ("grpc.max_send_message_length", 64 * MIB)]
-RESULTS = Path(__file__).parent / "results" / "executor.json"
 GOAL = 1.3
 
 
@@ -61,38 +55,6 @@ def serve_echo(address: str) -> None:
     server.wait_for_termination()
 
 
-# -- helpers ----------------------------------------------------------------------------------------------
-def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def spawn(args: list[str], address: str) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(args, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    with grpc.insecure_channel(address) as channel:
-        grpc.channel_ready_future(channel).result(timeout=60)
-    return process
-
-
-def paired_medians(ours: Callable[[], Any], bare: Callable[[], Any], runs: int, warmup: int = 1) -> tuple[float, float]:
-    """Median seconds of each, measured alternately so that load from other processes hits both alike."""
-    for _ in range(warmup):
-        ours()
-        bare()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(runs):
-        for fn, out in ((ours, times[0]), (bare, times[1])):
-            started = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - started)
-    return statistics.median(times[0]), statistics.median(times[1])
-
-
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # -- the measurements -------------------------------------------------------------------------------------
 def round_trip(client: ExecutorClient, echo: grpc.Channel, runs: int) -> dict[str, float]:
     g = GraphBuilder("tiny")
@@ -104,7 +66,7 @@ def round_trip(client: ExecutorClient, echo: grpc.Channel, runs: int) -> dict[st
     payload = request.SerializeToString()  # the echo moves the same bytes a Run request does
     unary: grpc.UnaryUnaryMultiCallable[bytes, bytes] = echo.unary_unary("/bench.Echo/Unary")
     progress(f"round trip: {runs} runs each, Run request of {len(payload)} bytes")
-    ours, bare = paired_medians(lambda: exe.run(x), lambda: unary(payload, timeout=30), runs, warmup=50)
+    ours, bare = interleaved_medians([lambda: exe.run(x), lambda: unary(payload, timeout=30)], runs, warmup=50)
     exe.release()
     return {"graphmesh_run_us": ours * 1e6, "bare_echo_us": bare * 1e6, "ratio": ours / bare}
 
@@ -139,7 +101,7 @@ def transfer(client: ExecutorClient, echo: grpc.Channel, size_mib: int, runs: in
     for op, fn, bare_fn in (("SetParams in", lambda: exe.set_param("p", data), echo_in),
                             ("Run output out", run_out, echo_out),
                             ("ReadHandle out", lambda: exe.read_handle("h"), echo_out)):
-        ours, bare = paired_medians(fn, bare_fn, runs)
+        ours, bare = interleaved_medians([fn, bare_fn], runs)
         row = {"size_mib": size_mib, "op": op, "mib_per_s": size_mib / ours, "bare_echo_mib_per_s": size_mib / bare,
                "ratio": ours / bare}
         progress(f"  {size_mib:>4} MiB {op:<15} {row['mib_per_s']:8.0f} MiB/s   bare {row['bare_echo_mib_per_s']:8.0f}"
@@ -190,13 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         print(f"  {r['size_mib']:>4} MiB  {r['op']:<15} {r['mib_per_s']:>10.0f} {r['bare_echo_mib_per_s']:>10.0f} "
               f"{r['ratio']:>6.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "grpcio": grpc.__version__, "load_average_at_start": load, "load_average_at_end": os.getloadavg()},
-        "chunk_bytes": tensors.CHUNK_BYTES, "goal_ratio": GOAL,
-        "round_trip": {"runs": a.rtt_runs, **rtt}, "transfer": {"runs": a.runs, "rows": rows}}, indent=2) + "\n")
-    print(f"\nwrote {RESULTS}")
+    write_results("executor.json", {
+        "machine": machine(load), "chunk_bytes": tensors.CHUNK_BYTES, "goal_ratio": GOAL,
+        "round_trip": {"runs": a.rtt_runs, **rtt}, "transfer": {"runs": a.runs, "rows": rows}})
 
 
 if __name__ == "__main__":

@@ -13,31 +13,34 @@ the topology of CopyRows). Every process is separate; prints a table and writes 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
+
+from bench.common import (
+    MIB,
+    OPTIONS,
+    cpu_seconds,
+    free_address,
+    interleaved_medians,
+    machine,
+    progress,
+    spawn,
+    write_results,
+)
 from graphmesh import tensors
 from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor.server import tune_malloc
 
-MIB = 1 << 20
-GIB = 1 << 30
-OPTIONS = [("grpc.max_receive_message_length", 64 * MIB), ("grpc.max_send_message_length", 64 * MIB)]
-RESULTS = Path(__file__).parent / "results" / "kvstore.json"
 LAYERS, HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M: 30 layers, 3 kv heads of 64
 GOAL_MIB_S = 1024.0
 
@@ -90,23 +93,6 @@ def serve_bare(address: str) -> None:
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
-def free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def spawn(args: list[str], address: str) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(args, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    with grpc.insecure_channel(address) as channel:
-        grpc.channel_ready_future(channel).result(timeout=60)
-    return process
-
-
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def write_model(path: Path, max_rows: int) -> Path:
     """A random Llama with SmolLM2-135M's KV layout and nothing else of its size."""
     import torch
@@ -118,19 +104,6 @@ def write_model(path: Path, max_rows: int) -> Path:
                          max_position_embeddings=max_rows, tie_word_embeddings=True)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
-
-
-def paired_medians(fns: list[Callable[[], None]], runs: int) -> list[float]:
-    """Median seconds of each, measured round-robin so that load from other processes hits all alike."""
-    for fn in fns:
-        fn()  # warm-up: channels, allocator pools
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(runs):
-        for fn, out in zip(fns, times):
-            started = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - started)
-    return [statistics.median(t) for t in times]
 
 
 # -- the measurement ---------------------------------------------------------------------------------------
@@ -173,26 +146,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  {'bare grpcio, one hop (source -> sink)':<48} {one_hop:>8.0f}   ours / bare = {ours / one_hop:.2f}")
     print(f"  {'bare grpcio, two hops (source -> relay -> sink)':<48} {two_hops:>8.0f}   ours / bare = "
           f"{ours / two_hops:.2f}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "grpcio": grpc.__version__, "load_average_at_start": load, "load_average_at_end": os.getloadavg()},
+    print(f"\nCPU seconds of one copy (the machine's cores bound the sum): executor A {cpu['a']:.2f}, "
+          f"kvstore {cpu['kvstore']:.2f}, executor B {cpu['b']:.2f}")
+    write_results("kvstore.json", {
+        "machine": machine(load),
         "what": "a tiny random Llama with SmolLM2-135M's KV layout; session filled by WriteSessionKv",
         "rows": a.rows, "layers": LAYERS, "kv_dim": kv_dim, "bytes": rows.nbytes, "runs": a.runs,
         "chunk_bytes": tensors.CHUNK_BYTES, "goal_mib_per_s": GOAL_MIB_S,
         "copy_rows_mib_per_s": ours, "bare_one_hop_mib_per_s": one_hop, "bare_two_hops_mib_per_s": two_hops,
         "copy_rows_s": result[0], "bare_one_hop_s": result[1], "bare_two_hops_s": result[2],
-        "cpu_s_of_one_copy": {"executor_a": cpu["a"], "kvstore": cpu["kvstore"], "executor_b": cpu["b"]}},
-        indent=2) + "\n")
-    print(f"\nCPU seconds of one copy (the machine's cores bound the sum): executor A {cpu['a']:.2f}, "
-          f"kvstore {cpu['kvstore']:.2f}, executor B {cpu['b']:.2f}")
-    print(f"\nwrote {RESULTS}")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        "cpu_s_of_one_copy": {"executor_a": cpu["a"], "kvstore": cpu["kvstore"], "executor_b": cpu["b"]}})
 
 
 def measure(a: argparse.Namespace, addresses: dict[str, str], rows: np.ndarray,
@@ -236,7 +199,7 @@ def measure(a: argparse.Namespace, addresses: dict[str, str], rows: np.ndarray,
         def bare_two_hops() -> None:
             assert relay(total + f"{addresses['source']},{addresses['sink']}".encode(), timeout=600) == total
 
-        result = paired_medians([copy_rows, bare_one_hop, bare_two_hops], a.runs)
+        result = interleaved_medians([copy_rows, bare_one_hop, bare_two_hops], a.runs)
         # the copy must be exact, not only fast
         last = f"copy-{copies[0]}"
         before = {n: cpu_seconds(pid) for n, pid in pids.items()}

@@ -1,0 +1,108 @@
+"""What every benchmark shares: progress on stderr, free ports, spawning servers, interleaved medians, machine
+info (cores, load average, git commit) recorded with the numbers, tables, and the JSON results file."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+MIB = 1 << 20
+GIB = 1 << 30
+OPTIONS = [("grpc.max_receive_message_length", 64 * MIB), ("grpc.max_send_message_length", 64 * MIB)]
+RESULTS_DIR = Path(__file__).parent / "results"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def spawn(args: list[str], address: str) -> subprocess.Popen[bytes]:
+    """Starts a server process and waits until its port answers."""
+    process = subprocess.Popen(args, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with grpc.insecure_channel(address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=60)
+    return process
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def interleaved_medians(fns: Sequence[Callable[[], Any]], runs: int, warmup: int = 1) -> list[float]:
+    """Median seconds of each function, measured round-robin so that load from other processes hits all alike."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(runs):
+        for fn, out in zip(fns, times):
+            started = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - started)
+    return [median(t) for t in times]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def git_commit() -> str:
+    """HEAD, with "+dirty" when the working tree differs from it (the numbers may then belong to no commit)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                               text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.strip() + ("+dirty" if dirty.strip() else "")
+
+
+def machine(load_at_start: tuple[float, float, float], **extra: Any) -> dict[str, Any]:
+    """Where and under what load the numbers were taken: other processes on a small machine move them."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "grpcio": grpc.__version__, "git_commit": git_commit(), "load_average_at_start": list(load_at_start),
+            "load_average_at_end": list(os.getloadavg()), **extra}
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain text table: strings left-aligned, numbers right-aligned, floats with the digits they need."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return "-" if v != v else f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+        return str(v)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(row[i], int | float) for row in rows) for i in range(len(headers))]
+    lines = ["  ".join(h.rjust(w) if n else h.ljust(w) for h, w, n in zip(headers, widths, numeric))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(r, widths, numeric)) for r in cells]
+    return "\n".join(lines)
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    path = RESULTS_DIR / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {path}")
+    return path
