@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-PROTOS := $(wildcard protos/graphmesh/v1/*.proto)
+PROTOS := $(wildcard protos/graphmesh/v1/*.proto) protos/graphmesh/kserve/grpc_service.proto
 DISTS := clients/python services/executor services/coordinator services/kvstore
 PYPROJECTS := $(foreach d,$(DISTS),$(wildcard $(d)/pyproject.toml))
 BLIS := /usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4
@@ -44,8 +44,8 @@ proto-check: $(STAMP)
 	@rm -rf build/proto-check && mkdir -p build/proto-check
 	@$(PY) -m grpc_tools.protoc -Iprotos --python_out=build/proto-check --grpc_python_out=build/proto-check \
 	  --mypy_out=build/proto-check --mypy_grpc_out=build/proto-check $(PROTOS)
-	@for f in build/proto-check/graphmesh/v1/*; do \
-	  cmp -s $$f clients/python/graphmesh/v1/$$(basename $$f) || { echo "stale stub: $$(basename $$f); run make proto"; exit 1; }; done
+	@for f in build/proto-check/graphmesh/v1/* build/proto-check/graphmesh/kserve/*; do \
+	  cmp -s $$f clients/python/$${f#build/proto-check/} || { echo "stale stub: $${f#build/proto-check/}; run make proto"; exit 1; }; done
 	@echo "proto stubs are fresh"
 
 lint: $(STAMP)

@@ -17,9 +17,11 @@ from graphmesh import logs
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import InvalidArgument, NotFound
+from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_coordinator.generation import Generator
+from graphmesh_coordinator.kserve import KServeServicer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
 from graphmesh_coordinator.servicer import CoordinatorServicer
 from graphmesh_coordinator.state import DurableState
@@ -65,6 +67,7 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
                                   ("grpc.max_receive_message_length", 64 << 20)])
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(generator, mesh, config.model),
                                                                   server)
+    kserve_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(generator, mesh, config.model), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,

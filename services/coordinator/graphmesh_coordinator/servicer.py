@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 
 from graphmesh import tensors
 from graphmesh.errors import FailedPrecondition, GraphmeshError, Internal, InvalidArgument, NotFound, Unavailable
+from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
@@ -21,7 +22,7 @@ _FINISH: dict[str, coordinator_pb2.FinishReason.ValueType] = {
     "stop": coordinator_pb2.FINISH_REASON_STOP}
 
 
-def _as_status(error: Exception) -> grpc.Status:
+def as_status(error: Exception) -> grpc.Status:
     if isinstance(error, InvocationFailed):
         if error.error_class == "ARCH":
             return error.cause.to_status()
@@ -30,6 +31,23 @@ def _as_status(error: Exception) -> grpc.Status:
         return error.to_status()
     log.exception("coordinator call failed", exc_info=error)
     return Internal(f"{type(error).__name__}: {error}").to_status()
+
+
+def prompt_token_ids(tokenizer: Tokenizer | None, model_name: str, *, prompt: str = "", raw: bool = False,
+                     messages: Sequence[tuple[str, str]] = (), token_ids: Sequence[int] = ()) -> list[int]:
+    """A request's prompt as token ids, shared by every API: token ids win over text, a chat (role, content)
+    wins over a prompt, and a prompt is one user message of the chat template unless it is raw."""
+    if token_ids:
+        return list(token_ids)
+    if tokenizer is None:
+        raise FailedPrecondition(f"model {model_name!r} has no tokenizer: send prompt_token_ids", "NO_TOKENIZER")
+    if messages:
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages]))
+    if not prompt:
+        raise InvalidArgument("the prompt is empty", "EMPTY_PROMPT")
+    if raw:
+        return tokenizer.encode(prompt)
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -42,27 +60,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if not self.mesh.wait_ready(RECOVERY_WAIT_S):
             raise Unavailable(f"the mesh has not been ready for {RECOVERY_WAIT_S:.0f} s", "MESH_NOT_READY")
 
-    def _prompt_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
-        tok = self.generator.tokenizer
-        if request.prompt_token_ids:
-            return list(request.prompt_token_ids)
-        if tok is None:
-            raise FailedPrecondition(f"model {self.model_name!r} has no tokenizer: send prompt_token_ids",
-                                     "NO_TOKENIZER")
-        if request.messages:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            return tok.encode(tok.apply_chat_template(messages))
-        if not request.prompt:
-            raise InvalidArgument("the prompt is empty", "EMPTY_PROMPT")
-        if request.raw:
-            return tok.encode(request.prompt)
-        return tok.encode(tok.apply_chat_template([{"role": "user", "content": request.prompt}]))
-
     def Generate(self, request: coordinator_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[coordinator_pb2.GenerateResponse]:
         try:
             self._check_model(request.model)
-            prompt_ids = self._prompt_ids(request)
+            prompt_ids = prompt_token_ids(self.generator.tokenizer, self.model_name, prompt=request.prompt,
+                                          raw=request.raw, messages=[(m.role, m.content) for m in request.messages],
+                                          token_ids=request.prompt_token_ids)
             s = request.sampling
             gen = GenerationRequest(prompt_ids, request.max_tokens, s.temperature, s.top_k, s.top_p or 1.0, s.seed,
                                     tuple(request.stop), request.ignore_eos)
@@ -71,7 +75,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 yield self._response(event, prompt_ids if first else None)
                 first = False
         except Exception as e:
-            context.abort_with_status(_as_status(e))
+            context.abort_with_status(as_status(e))
 
     @staticmethod
     def _response(event: Event, prompt_ids: list[int] | None) -> coordinator_pb2.GenerateResponse:
@@ -91,7 +95,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             logits = self.generator.logits(list(request.token_ids))
             return coordinator_pb2.ComputeLogitsResponse(logits=tensors.to_proto(logits))
         except Exception as e:
-            context.abort_with_status(_as_status(e))
+            context.abort_with_status(as_status(e))
             raise
 
     def Status(self, request: coordinator_pb2.StatusRequest,
