@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from graphmesh import models
+from graphmesh import models, telemetry
 from graphmesh.bundled import BUNDLED, resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
@@ -123,7 +123,7 @@ class KvBlocks:
 class StageRuntime:
     def __init__(self, backend: str, device: str = "cpu", model_root: str | None = None,
                  pusher: Pusher | None = None, block_writer: BlockWriter | None = None,
-                 faults_enabled: bool = False) -> None:
+                 faults_enabled: bool = False, min_kv_rows: int = MIN_KV_ROWS) -> None:
         self.backend = backend
         self.device = device
         self.model_root = model_root
@@ -137,6 +137,7 @@ class StageRuntime:
         self._pusher = pusher
         self._block_writer = block_writer
         self.faults_enabled = faults_enabled
+        self.min_kv_rows = min_kv_rows  # the smallest rung of the KV capacity ladder
         self._faults: dict[str, int] = {}
         self._lock = threading.Condition()
         self._sessions: dict[str, StageSession] = {}
@@ -156,7 +157,9 @@ class StageRuntime:
                 self.authority.install(incarnation)  # refuses before any work: STALE_INCARNATION
         t0 = time.perf_counter()
         if spec != self._loaded_key:
-            self._load(spec)
+            with telemetry.span("stage.load_weights", model=spec.model, layer_start=spec.layer_start,
+                                layer_end=spec.layer_end, weights=spec.weights):
+                self._load(spec)
         with self._lock:
             self.authority.install(incarnation)
             self.rank, self.world_size, self.spec = rank, world_size, spec
@@ -182,7 +185,7 @@ class StageRuntime:
         self._packed_schemes = ckpt.packed_schemes()
         self._executables.clear()
         self._holder = None
-        holder = self._compile(1, MIN_KV_ROWS, sample=True, weights=path)
+        holder = self._compile(1, self.min_kv_rows, sample=True, weights=path)
         self._holder = holder
         self.model_identity = ckpt.identity()
         self.param_bytes = sum(int(np.prod(t.shape)) * (1 if t.dtype == "u8" else 4) for t in holder.graph.params.values())
@@ -264,7 +267,7 @@ class StageRuntime:
             raise ProtocolError("ARCH", OutOfRange(f"{start + n} tokens exceed the context of {limit}",
                                                    "CONTEXT_EXCEEDED"))
         rows = 1 if n == 1 else bucket(n, MIN_PREFILL_ROWS)
-        capacity = bucket(start + rows, MIN_KV_ROWS)
+        capacity = bucket(start + rows, self.min_kv_rows)
         inputs: dict[str, np.ndarray] = {"positions": start + np.arange(rows, dtype=np.int64)}
         if spec.first:
             ids = np.zeros(rows, np.int64)
@@ -292,7 +295,7 @@ class StageRuntime:
         exe, lock = self._executable(rows, capacity, sample or not spec.last)
         t0 = time.perf_counter()
         try:
-            with lock:
+            with lock, telemetry.span("stage.compute", rows=rows, kv_capacity=capacity):
                 self._fit_handles(exe, session, capacity, start)
                 own = exe.swap_handles(session.handles)
                 try:
@@ -309,10 +312,12 @@ class StageRuntime:
                 self._pusher(spec.next_address, session_id, incarnation, epoch, bundle, timeout_s)
             except Exception as e:  # any failure to deliver leaves the order unprovable
                 raise ProtocolError("COMM", e) from e
-        elif sample:
-            result.token = int(out[0])
         else:
-            result.logits = out.reshape(-1).astype(np.float32)
+            with telemetry.span("stage.finish", output="token" if sample else "logits"):
+                if sample:
+                    result.token = int(out[0])
+                else:
+                    result.logits = out.reshape(-1).astype(np.float32)
         return result
 
     def _fit_handles(self, exe: Executable[Any], session: StageSession, capacity: int, keep: int) -> None:
@@ -371,10 +376,11 @@ class StageRuntime:
         """Commits under the lock, then hands whole new blocks to the write-behind."""
         if epoch <= session.txn.committed_epoch:
             return
-        session.txn.commit(epoch)
-        session.tokens += session.pending_tokens
-        session.pending_tokens = []
-        self._write_behind(incarnation, session, epoch)
+        with telemetry.span("stage.commit", session=session_id, epoch=epoch, incarnation=incarnation):
+            session.txn.commit(epoch)
+            session.tokens += session.pending_tokens
+            session.pending_tokens = []
+            self._write_behind(incarnation, session, epoch)
 
     def _write_behind(self, incarnation: int, session: StageSession, epoch: int) -> None:
         spec = self.spec
@@ -429,7 +435,7 @@ class StageRuntime:
             self.authority.check(incarnation)
             session = self._session(session_id)
             session.txn.append_committed(start, 0)  # refuses an open epoch or a gap before touching anything
-            capacity = bucket(start + rows.shape[0] + 1, MIN_KV_ROWS)
+            capacity = bucket(start + rows.shape[0] + 1, self.min_kv_rows)
             exe, lock = self._executable(1, capacity, True)
             with lock:
                 self._fit_handles(exe, session, capacity, start)
