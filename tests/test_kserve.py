@@ -1,0 +1,142 @@
+"""The KServe v2 / Open Inference Protocol endpoint, driven by the real tritonclient.grpc client.
+
+tritonclient pins protobuf < 7 and the product needs 7, so the client runs in its own venv (build/triton-venv,
+made here on first use) as a subprocess: tests/kserve_client.py makes every call once and prints JSON, and the
+tests below hold it against the native CoordinatorService on the same mesh (SmolLM2-135M over 2 torch executors).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from graphmesh.coordinator_client import CoordinatorClient
+from graphmesh.errors import InvalidArgument
+from graphmesh.launcher import LocalMesh
+from graphmesh_coordinator.kserve import pack_bytes, unpack_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+TRITON_VENV = ROOT / "build" / "triton-venv"
+MODEL = "smollm2-135m"
+PROMPT = "Write a haiku about the sea."
+SAMPLING: dict[str, Any] = {"max_tokens": 24, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 1234}
+TOKEN_IDS = [1, 504, 3458, 282, 4649, 314, 260, 1345]
+
+
+def triton_python() -> Path:
+    """The tritonclient venv's python, made once: never install tritonclient into the product's .venv."""
+    python = TRITON_VENV / "bin" / "python"
+    stamp = TRITON_VENV / ".installed"
+    if not stamp.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(TRITON_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "tritonclient[grpc]"], check=True)
+        stamp.touch()
+    return python
+
+
+def run_client(mode: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Runs tests/kserve_client.py in the tritonclient venv and returns what it printed."""
+    done = subprocess.run([str(triton_python()), str(ROOT / "tests" / "kserve_client.py"), mode, json.dumps(config)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def test_bytes_elements_round_trip_and_truncation_is_refused() -> None:
+    items = [b"", "h\u00e9llo".encode(), bytes(range(256)) * 3]
+    raw = pack_bytes(items)
+    assert raw[:4] == b"\x00\x00\x00\x00" and raw[4:8] == (6).to_bytes(4, "little")
+    assert unpack_bytes(raw, "x") == items
+    for cut in (len(raw) - 1, 2, 4 + 6 + 3):
+        with pytest.raises(InvalidArgument):
+            unpack_bytes(raw[:cut], "x")
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[LocalMesh]:
+    with LocalMesh(2, "torch", MODEL) as mesh:
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def client_run(mesh: LocalMesh, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    logits_path = tmp_path_factory.mktemp("kserve") / "logits.npy"
+    out = run_client("check", {"address": mesh.coordinator_address, "model": MODEL, "prompt": PROMPT,
+                               "params": SAMPLING, "token_ids": TOKEN_IDS, "logits_path": str(logits_path)})
+    out["logits"] = np.load(logits_path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def native_text(mesh: LocalMesh) -> str:
+    """What `graphmesh generate` prints for the same prompt, seed and sampling parameters."""
+    with CoordinatorClient(mesh.coordinator_address) as client:
+        return "".join(chunk.text for chunk in client.generate(PROMPT, **SAMPLING))
+
+
+@pytest.mark.slow
+def test_health_and_metadata(client_run: dict[str, Any], mesh: LocalMesh) -> None:
+    assert client_run["live"] is True and client_run["ready"] is True and client_run["model_ready"] is True
+    assert client_run["server_metadata"]["name"] == "graphmesh"
+    assert client_run["server_metadata"]["version"]
+    with CoordinatorClient(mesh.coordinator_address) as client:
+        vocab = int(client.compute_logits(TOKEN_IDS).size)
+    assert client_run["model_metadata"] == {
+        "name": MODEL, "versions": ["1"], "platform": "graphmesh",
+        "inputs": {"input_ids": ["INT64", [1, -1]], "text_input": ["BYTES", [1]]},
+        "outputs": {"logits": ["FP32", [1, vocab]], "text_output": ["BYTES", [1]]}}
+
+
+@pytest.mark.slow
+def test_text_generation_is_identical_to_graphmesh_generate(client_run: dict[str, Any], native_text: str) -> None:
+    assert native_text  # 24 sampled tokens of a chat reply are never all swallowed
+    assert client_run["text"]["text"] == native_text
+    assert client_run["text"]["id"] == "text-1"
+    assert client_run["text"]["finish_reason"] in ("length", "eos")
+
+
+@pytest.mark.slow
+def test_logits_equal_the_native_path(client_run: dict[str, Any], mesh: LocalMesh) -> None:
+    with CoordinatorClient(mesh.coordinator_address) as client:
+        expected = client.compute_logits(TOKEN_IDS)
+    got = client_run["logits"]
+    assert client_run["logits_dtype"] == "float32" and got.shape == (1, expected.size)
+    np.testing.assert_allclose(got.reshape(-1), expected.reshape(-1).astype(np.float32), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_streaming_gives_the_same_text_piece_by_piece(client_run: dict[str, Any], native_text: str) -> None:
+    stream = client_run["stream"]
+    assert stream["errors"] == []
+    s1 = stream["responses"]["s-1"]
+    assert "".join(s1["chunks"]) == native_text
+    assert len(s1["chunks"]) > 1  # one response per piece, not one at the end
+    assert s1["finals"] == [False] * (len(s1["finals"]) - 1) + [True]
+
+
+@pytest.mark.slow
+def test_bad_requests_get_the_protocol_statuses_and_the_server_keeps_serving(client_run: dict[str, Any],
+                                                                              native_text: str) -> None:
+    errors = client_run["errors"]
+    for case in ("unknown_model", "unknown_model_ready", "unknown_model_metadata"):
+        assert errors[case]["status"] == "StatusCode.NOT_FOUND", case
+        assert "no-such-model" in errors[case]["message"]
+    for case in ("wrong_datatype", "shape_mismatch", "text_shape_mismatch", "bad_parameter"):
+        assert errors[case]["status"] == "StatusCode.INVALID_ARGUMENT", case
+    assert "INT32" in errors["wrong_datatype"]["message"] and "INT64" in errors["wrong_datatype"]["message"]
+    assert "shape" in errors["shape_mismatch"]["message"]
+    assert "max_tokens" in errors["bad_parameter"]["message"]
+    # On a stream the errors travel in-band, and the good request sent after them on the same stream completes.
+    after = client_run["stream_after_error"]
+    assert sorted(m.split(":")[0] for m in after["errors"]) == ["INVALID_ARGUMENT", "NOT_FOUND"]
+    assert "".join(after["responses"]["s-2"]["chunks"]) == native_text
+    assert set(after["responses"]) == {"s-2"}
+    assert client_run["text_after_errors"]["text"] == native_text
