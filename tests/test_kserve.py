@@ -14,13 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import InvalidArgument
+from graphmesh.kserve import grpc_service_pb2 as pb
+from graphmesh.kserve import grpc_service_pb2_grpc as pb_grpc
 from graphmesh.launcher import LocalMesh
-from graphmesh_coordinator.kserve import pack_bytes, unpack_bytes
+from graphmesh_coordinator.kserve import FINAL, pack_bytes, unpack_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_VENV = ROOT / "build" / "triton-venv"
@@ -140,3 +143,63 @@ def test_bad_requests_get_the_protocol_statuses_and_the_server_keeps_serving(cli
     assert "".join(after["responses"]["s-2"]["chunks"]) == native_text
     assert set(after["responses"]) == {"s-2"}
     assert client_run["text_after_errors"]["text"] == native_text
+
+
+@pytest.mark.slow
+def test_typed_contents_and_the_rarer_refusals_over_our_own_stubs(mesh: LocalMesh) -> None:
+    """What tritonclient never sends (typed contents instead of raw bytes) and the refusals it cannot provoke,
+    through graphmesh's own stubs of the same wire protocol."""
+    Tensor = pb.ModelInferRequest.InferInputTensor
+    with grpc.insecure_channel(mesh.coordinator_address) as channel, \
+            CoordinatorClient(mesh.coordinator_address) as native:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+        ids = Tensor(name="input_ids", datatype="INT64", shape=[1, len(TOKEN_IDS)],
+                     contents=pb.InferTensorContents(int64_contents=TOKEN_IDS))
+        reply = stub.ModelInfer(pb.ModelInferRequest(model_name=MODEL, inputs=[ids], id="typed"), timeout=120)
+        assert reply.id == "typed" and [(o.name, o.datatype, list(o.shape)) for o in reply.outputs] == \
+            [("logits", "FP32", [1, len(reply.raw_output_contents[0]) // 4])]
+        np.testing.assert_allclose(np.frombuffer(reply.raw_output_contents[0], "<f4"),
+                                   native.compute_logits(TOKEN_IDS).reshape(-1), rtol=0, atol=1e-5)
+
+        text = Tensor(name="text_input", datatype="BYTES", shape=[1], contents=pb.InferTensorContents(
+            bytes_contents=[PROMPT.encode()]))
+        greedy = {"max_tokens": pb.InferParameter(int64_param=8), "raw": pb.InferParameter(bool_param=True)}
+        reply = stub.ModelInfer(pb.ModelInferRequest(model_name=MODEL, inputs=[text], parameters=greedy), timeout=120)
+        assert unpack_bytes(reply.raw_output_contents[0], "text_output") == \
+            ["".join(c.text for c in native.generate(PROMPT, max_tokens=8, raw=True)).encode()]
+
+        # A logits request on the stream is one response, the final one.
+        streamed = list(stub.ModelStreamInfer(iter([pb.ModelInferRequest(model_name=MODEL, inputs=[ids], id="s")]),
+                                              timeout=120))
+        assert [(r.error_message, r.infer_response.id, r.infer_response.parameters[FINAL].bool_param)
+                for r in streamed] == [("", "s", True)]
+
+        raw_text = pack_bytes([PROMPT.encode()])
+        bad: dict[str, tuple[pb.ModelInferRequest, grpc.StatusCode]] = {
+            "unknown version": (pb.ModelInferRequest(model_name=MODEL, model_version="2", inputs=[ids]),
+                                grpc.StatusCode.NOT_FOUND),
+            "unknown input": (pb.ModelInferRequest(model_name=MODEL, inputs=[Tensor(name="prompt", datatype="BYTES",
+                                                                                     shape=[1])],
+                                                   raw_input_contents=[raw_text]), grpc.StatusCode.INVALID_ARGUMENT),
+            "two inputs": (pb.ModelInferRequest(model_name=MODEL, inputs=[ids, text]), grpc.StatusCode.INVALID_ARGUMENT),
+            "raw and typed": (pb.ModelInferRequest(model_name=MODEL, inputs=[ids],
+                                                   raw_input_contents=[np.array(TOKEN_IDS, "<i8").tobytes()]),
+                              grpc.StatusCode.INVALID_ARGUMENT),
+            "truncated bytes": (pb.ModelInferRequest(model_name=MODEL, inputs=[Tensor(name="text_input",
+                                                                                       datatype="BYTES", shape=[1])],
+                                                     raw_input_contents=[raw_text[:-1]]),
+                                grpc.StatusCode.INVALID_ARGUMENT),
+            "output of the other kind": (pb.ModelInferRequest(
+                model_name=MODEL, inputs=[ids], outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(
+                    name="text_output")]), grpc.StatusCode.INVALID_ARGUMENT),
+            "top_p out of range": (pb.ModelInferRequest(model_name=MODEL, inputs=[text], parameters={
+                "top_p": pb.InferParameter(double_param=1.5)}), grpc.StatusCode.INVALID_ARGUMENT),
+            "negative seed": (pb.ModelInferRequest(model_name=MODEL, inputs=[text], parameters={
+                "seed": pb.InferParameter(int64_param=-1)}), grpc.StatusCode.INVALID_ARGUMENT),
+        }
+        for case, (request, code) in bad.items():
+            with pytest.raises(grpc.RpcError) as failed:
+                stub.ModelInfer(request, timeout=120)
+            assert failed.value.code() == code, (case, failed.value.details())
+        assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live

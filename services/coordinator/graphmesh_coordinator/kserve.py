@@ -66,14 +66,6 @@ class Output:
     raw: bytes
 
 
-@dataclass(frozen=True)
-class Call:
-    """A parsed request: token_ids for logits, or generation for text."""
-
-    token_ids: list[int] | None
-    generation: GenerationRequest | None
-
-
 def _parameter(params: dict[str, pb.InferParameter], key: str, kinds: tuple[str, ...],
                default: bool | int | float) -> bool | int | float:
     if key not in params:
@@ -121,12 +113,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise NotFound(f"model {name!r} has no version {version!r}; it has {MODEL_VERSION!r}",
                            "UNKNOWN_MODEL_VERSION")
 
-    def _outputs(self) -> dict[str, tuple[str, list[int]]]:
-        outputs = {LOGITS_OUTPUT: ("FP32", [1, self.mesh.config.vocab_size])}
-        if self.generator.tokenizer is not None:
-            outputs[TEXT_OUTPUT] = ("BYTES", [1])
-        return outputs
-
     def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.ServicerContext) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
@@ -155,13 +141,15 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise
         T = pb.ModelMetadataResponse.TensorMetadata
         inputs = [T(name=IDS_INPUT, datatype="INT64", shape=[1, -1])]
-        if self.generator.tokenizer is not None:
+        outputs = [T(name=LOGITS_OUTPUT, datatype="FP32", shape=[1, self.mesh.config.vocab_size])]
+        if self.generator.tokenizer is not None:  # without one, only token ids can be served
             inputs.append(T(name=TEXT_INPUT, datatype="BYTES", shape=[1]))
-        outputs = [T(name=name, datatype=dtype, shape=shape) for name, (dtype, shape) in self._outputs().items()]
+            outputs.append(T(name=TEXT_OUTPUT, datatype="BYTES", shape=[1]))
         return pb.ModelMetadataResponse(name=self.model_name, versions=[MODEL_VERSION], platform="graphmesh",
                                         inputs=inputs, outputs=outputs)
 
-    def _parse(self, request: pb.ModelInferRequest) -> Call:
+    def _parse(self, request: pb.ModelInferRequest) -> list[int] | GenerationRequest:
+        """The token ids of a logits request, or the generation a text request asks for."""
         self._check_model(request.model_name, request.model_version)
         if not self.mesh.wait_ready(RECOVERY_WAIT_S):
             raise Unavailable(f"the mesh has not been ready for {RECOVERY_WAIT_S:.0f} s", "MESH_NOT_READY")
@@ -175,17 +163,17 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         raw = request.raw_input_contents[0] if request.raw_input_contents else None
         if raw is not None and tensor.HasField("contents"):
             raise InvalidArgument(f"input {tensor.name!r} has both raw and typed contents", "BOTH_CONTENTS")
+        if tensor.name not in (TEXT_INPUT, IDS_INPUT):
+            raise InvalidArgument(f"unknown input {tensor.name!r}; expected {TEXT_INPUT!r} or {IDS_INPUT!r}",
+                                  "UNKNOWN_INPUT")
         produced = TEXT_OUTPUT if tensor.name == TEXT_INPUT else LOGITS_OUTPUT
         for wanted in request.outputs:
             if wanted.name != produced:
                 raise InvalidArgument(f"output {wanted.name!r} is not produced for input {tensor.name!r}; "
                                       f"it produces {produced!r}", "UNKNOWN_OUTPUT")
         if tensor.name == IDS_INPUT:
-            return Call(self._token_ids(tensor, raw), None)
-        if tensor.name == TEXT_INPUT:
-            return Call(None, self._generation(request, self._text(tensor, raw)))
-        raise InvalidArgument(f"unknown input {tensor.name!r}; expected {TEXT_INPUT!r} or {IDS_INPUT!r}",
-                              "UNKNOWN_INPUT")
+            return self._token_ids(tensor, raw)
+        return self._generation(request, self._text(tensor, raw))
 
     @staticmethod
     def _check_type(tensor: pb.ModelInferRequest.InferInputTensor, datatype: str) -> None:
@@ -247,11 +235,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> pb.ModelInferResponse:
         try:
             call = self._parse(request)
-            if call.token_ids is not None:
-                return self._response(request, self._logits(call.token_ids), {})
-            assert call.generation is not None
+            if not isinstance(call, GenerationRequest):
+                return self._response(request, self._logits(call), {})
             text, finish = "", ""
-            for event in self.generator.generate(call.generation):
+            for event in self.generator.generate(call):
                 text, finish = text + event.text, event.finish_reason or finish
             return self._response(request, self._text_output(text),
                                   {"finish_reason": pb.InferParameter(string_param=finish)})
@@ -261,11 +248,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _stream(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> Iterator[pb.ModelInferResponse]:
         call = self._parse(request)
-        if call.token_ids is not None:
-            yield self._response(request, self._logits(call.token_ids), {FINAL: pb.InferParameter(bool_param=True)})
+        if not isinstance(call, GenerationRequest):
+            yield self._response(request, self._logits(call), {FINAL: pb.InferParameter(bool_param=True)})
             return
-        assert call.generation is not None
-        for event in self.generator.generate(call.generation):
+        for event in self.generator.generate(call):
             if not context.is_active():
                 return  # the client left: closing the generator ends the session
             final = bool(event.finish_reason)
