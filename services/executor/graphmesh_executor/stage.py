@@ -123,7 +123,7 @@ class KvBlocks:
 class StageRuntime:
     def __init__(self, backend: str, device: str = "cpu", model_root: str | None = None,
                  pusher: Pusher | None = None, block_writer: BlockWriter | None = None,
-                 faults_enabled: bool = False, min_kv_rows: int = MIN_KV_ROWS) -> None:
+                 faults_enabled: bool = False, min_kv_rows: int = MIN_KV_ROWS, standby_weights: bool = False) -> None:
         self.backend = backend
         self.device = device
         self.model_root = model_root
@@ -138,6 +138,10 @@ class StageRuntime:
         self._block_writer = block_writer
         self.faults_enabled = faults_enabled
         self.min_kv_rows = min_kv_rows  # the smallest rung of the KV capacity ladder
+        # Standby weights: after install, the rest of the model is read in the background, so that a re-plan
+        # after losing a peer (which hands this rank new layers) costs no checkpoint reads. Memory for speed.
+        self.standby_weights = standby_weights
+        self._standby: dict[str, np.ndarray] = {}
         self._faults: dict[str, int] = {}
         self._lock = threading.Condition()
         self._sessions: dict[str, StageSession] = {}
@@ -184,12 +188,23 @@ class StageRuntime:
         self.config, self.spec = config, spec
         self._packed_schemes = ckpt.packed_schemes()
         self._executables.clear()
-        self._holder = None
-        holder = self._compile(1, self.min_kv_rows, sample=True, weights=path)
+        previous, self._holder = self._holder, None
+        holder = self._compile(1, self.min_kv_rows, sample=True, weights=path, reuse=previous)
         self._holder = holder
         self.model_identity = ckpt.identity()
         self.param_bytes = sum(int(np.prod(t.shape)) * (1 if t.dtype == "u8" else 4) for t in holder.graph.params.values())
         self._loaded_key = spec
+        if self.standby_weights and spec.weights == "f32":
+            threading.Thread(target=self._read_standby, args=(path, config, set(holder.graph.params)), daemon=True,
+                             name="standby-weights").start()
+
+    def _read_standby(self, path: Path, config: ModelConfig, held: set[str]) -> None:
+        ckpt = open_checkpoint(path)
+        every = models.stage_params(config, range(0, config.n_layers), first=True, last=True)
+        for name, t in every.items():
+            if name not in held and name not in self._standby:
+                self._standby[name] = ckpt.tensor(name, t.dtype)
+        log.info("standby weights read", extra={"params": len(self._standby)})
 
     def _model_path(self, model: str) -> Path:
         """A bundled name, or a path confined to --model-root when the executor has one."""
@@ -197,7 +212,8 @@ class StageRuntime:
             return resolve_model(model)
         return resolve_under_root(Path(self.model_root), model)
 
-    def _compile(self, rows: int, capacity: int, sample: bool, weights: Path | None = None) -> Executable[Any]:
+    def _compile(self, rows: int, capacity: int, sample: bool, weights: Path | None = None,
+                 reuse: Executable[Any] | None = None) -> Executable[Any]:
         assert self.config is not None and self.spec is not None
         spec = self.spec
         packed = spec.weights == "packed"  # quantized GGUF blocks stay packed, consumed by dequant_matmul
@@ -206,7 +222,13 @@ class StageRuntime:
                                    quantized=packed, packed_schemes=self._packed_schemes if packed else None)
         exe = compile_graph(parse(proto), self.backend, self.device)
         if weights is not None:
-            load_params(exe, weights, {})
+            # A re-plan (recovery, rebalancing) keeps the layers this rank already holds and reads only the new ones.
+            kept = set(exe.copy_params_from(reuse) if reuse is not None else [])
+            for name in exe.graph.params.keys() - kept:
+                if name in self._standby:
+                    exe.set_param_typed(name, self._standby[name])
+                    kept.add(name)
+            load_params(exe, weights, {}, skip=kept)
             exe.finalize_params()
         elif self._holder is not None:
             exe.copy_params_from(self._holder)

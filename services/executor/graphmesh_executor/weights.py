@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +48,10 @@ def check_format(target: Path, fmt: str) -> None:
         raise InvalidArgument(f"{target.name!r} is not a {fmt} checkpoint (suffix {target.suffix!r})", "BAD_FORMAT")
 
 
-def load_params(executable: Executable[Any], target: Path, name_map: Mapping[str, str]) -> tuple[list[str], int]:
-    """Sets every declared param from the checkpoint; returns (names, bytes loaded)."""
+def load_params(executable: Executable[Any], target: Path, name_map: Mapping[str, str],
+                skip: Collection[str] = ()) -> tuple[list[str], int]:
+    """Sets every declared param from the checkpoint, but those in `skip` (already set); returns (names, bytes
+    loaded)."""
     ckpt = open_checkpoint(target)
     available = set(ckpt.names())
     params = executable.graph.params
@@ -63,6 +65,8 @@ def load_params(executable: Executable[Any], target: Path, name_map: Mapping[str
     loaded_bytes = 0
     started = last_report = time.monotonic()
     for i, (name, want) in enumerate(params.items()):
+        if name in skip:
+            continue
         src = sources[name]
         if want.dtype == "u8":
             packed = ckpt.packed(src)
