@@ -3,8 +3,8 @@
 It runs in its own venv (tritonclient pins protobuf < 7, the product needs 7), so it imports nothing from graphmesh:
     python kserve_client.py check '{"address": ..., "model": ..., "prompt": ..., "params": {...}, "token_ids": [...],
                                     "logits_path": "out.npy"}'
-    python kserve_client.py bench '{"address": ..., "model": ..., "prompt": ..., "params": {...}, "token_ids": [...],
-                                    "runs": 7}'
+    python kserve_client.py bench '{"address": ..., "model": ..., "prompt": ..., "params": {...}, "token_ids": [...]}'
+        then one line per call on stdin, "text" or "logits"; each is answered with {"ms": ...} on stdout
 """
 
 from __future__ import annotations
@@ -118,26 +118,26 @@ def check(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def bench(cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelInfer latencies: the text request and the logits request, alternating, after one warm-up of each."""
+def bench(cfg: dict[str, Any]) -> None:
+    """Times one ModelInfer per line read from stdin ("text" or "logits") and answers each with a JSON line, so that
+    the caller can interleave these calls with its own."""
     client = tc.InferenceServerClient(cfg["address"])
-    model, params = cfg["model"], cfg["params"]
     text_in, ids_in = [text_input(cfg["prompt"])], [ids_input(cfg["token_ids"])]
-    text_ms, logits_ms, text = [], [], ""
-    for run in range(cfg["runs"] + 1):
+    for line in sys.stdin:
         t0 = time.perf_counter()
-        result = client.infer(model, text_in, parameters=params)
-        t1 = time.perf_counter()
-        client.infer(model, ids_in).as_numpy("logits")
-        t2 = time.perf_counter()
-        text = result.as_numpy("text_output")[0].decode()
-        if run:
-            text_ms.append((t1 - t0) * 1000.0)
-            logits_ms.append((t2 - t1) * 1000.0)
+        if line.strip() == "text":
+            result = client.infer(cfg["model"], text_in, parameters=cfg["params"])
+            answer = {"ms": (time.perf_counter() - t0) * 1000.0, "text": result.as_numpy("text_output")[0].decode()}
+        else:
+            client.infer(cfg["model"], ids_in).as_numpy("logits")
+            answer = {"ms": (time.perf_counter() - t0) * 1000.0}
+        print(json.dumps(answer), flush=True)
     client.close()
-    return {"text_ms": text_ms, "logits_ms": logits_ms, "text": text}
 
 
 if __name__ == "__main__":
     mode, config = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps(check(config) if mode == "check" else bench(config)))
+    if mode == "check":
+        print(json.dumps(check(config)))
+    else:
+        bench(config)
