@@ -17,6 +17,7 @@ import numpy.typing as npt
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from graphmesh import dtypes, errors, tensors
+from graphmesh.security import bearer
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, graph_pb2, tensor_pb2
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -77,13 +78,14 @@ def _extent(extent: tuple[int, int]) -> executor_pb2.ActiveExtent:
 
 
 class ExecutorClient:
-    """A channel to one executor. Every call has a deadline of `timeout` seconds."""
+    """A channel to one executor. Every call has a deadline of `timeout` seconds. credentials: TLS
+    (graphmesh.security.credentials(ca, cert, key)); token: a bearer token sent with every call."""
 
     def __init__(self, address: str, *, timeout: float = 30.0, credentials: grpc.ChannelCredentials | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 metadata: Sequence[tuple[str, str]] = (), token: str = "") -> None:
         self.address = address
         self.timeout = timeout
-        self.metadata = tuple(metadata)
+        self.metadata = (*metadata, *bearer(token))
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
         self.channel = (grpc.secure_channel(address, credentials, options) if credentials is not None

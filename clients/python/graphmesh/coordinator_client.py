@@ -11,6 +11,7 @@ import numpy as np
 
 from graphmesh import tensors
 from graphmesh.errors import from_rpc_error
+from graphmesh.security import bearer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 _FINISH = {coordinator_pb2.FINISH_REASON_LENGTH: "length", coordinator_pb2.FINISH_REASON_EOS: "eos",
@@ -31,13 +32,15 @@ class Chunk:
 
 
 class CoordinatorClient:
+    """credentials: TLS (graphmesh.security.credentials(ca, cert, key)); token: the coordinator's bearer token."""
+
     def __init__(self, address: str, *, timeout: float = 600.0, credentials: grpc.ChannelCredentials | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 metadata: Sequence[tuple[str, str]] = (), token: str = "") -> None:
         options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
         self._channel = (grpc.secure_channel(address, credentials, options) if credentials
                          else grpc.insecure_channel(address, options))
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
-        self.timeout, self.metadata = timeout, tuple(metadata)
+        self.timeout, self.metadata = timeout, (*metadata, *bearer(token))
 
     def __enter__(self) -> CoordinatorClient:
         return self

@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 
 from graphmesh import dtypes, errors, tensors
+from graphmesh.security import bearer
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, stage_pb2
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -23,13 +24,21 @@ def _call(fn: Callable[[], R]) -> R:
 
 
 class KvStoreClient:
-    """A channel to one KV store. Every call has a deadline of `timeout` seconds."""
+    """A channel to one KV store. Every call has a deadline of `timeout` seconds. credentials: TLS
+    (graphmesh.security.credentials(ca, cert, key)); token: a bearer token sent with every call; interceptors:
+    client interceptors for the channel (the coordinator's trace propagation)."""
 
-    def __init__(self, address: str, timeout: float = 60.0) -> None:
+    def __init__(self, address: str, timeout: float = 60.0, *, credentials: grpc.ChannelCredentials | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), token: str = "",
+                 interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                                                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self.metadata = (*metadata, *bearer(token))
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        channel = (grpc.secure_channel(address, credentials, options) if credentials is not None
+                   else grpc.insecure_channel(address, options))
+        self._channel = grpc.intercept_channel(channel, *interceptors)
         self._stub = kvstore_pb2_grpc.KvStoreServiceStub(self._channel)
 
     def __enter__(self) -> KvStoreClient:
@@ -64,18 +73,18 @@ class KvStoreClient:
                 request.rows.data = view[offset:offset + tensors.CHUNK_BYTES].tobytes()
                 yield request
 
-        response = _call(lambda: self._stub.PutBlocks(requests(), timeout=self.timeout))
+        response = _call(lambda: self._stub.PutBlocks(requests(), timeout=self.timeout, metadata=self.metadata))
         return response.stored, response.already_present
 
     def lookup(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int]) -> int:
         """The longest stored prefix of token_ids, in tokens."""
         request = kvstore_pb2.LookupRequest(namespace=ns, token_ids=token_ids)
-        return _call(lambda: self._stub.Lookup(request, timeout=self.timeout)).matched_tokens
+        return _call(lambda: self._stub.Lookup(request, timeout=self.timeout, metadata=self.metadata)).matched_tokens
 
     def get_blocks(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int], max_tokens: int = 0) -> np.ndarray:
         """The rows of the longest stored prefix (at most max_tokens; 0: no cap): f32 [tokens, layers, 2, kv_dim]."""
         request = kvstore_pb2.GetBlocksRequest(namespace=ns, token_ids=token_ids, max_tokens=max_tokens)
-        got = _call(lambda: tensors.assemble(self._stub.GetBlocks(request, timeout=self.timeout)))
+        got = _call(lambda: tensors.assemble(self._stub.GetBlocks(request, timeout=self.timeout, metadata=self.metadata)))
         if len(got) != 1:
             raise errors.Internal(f"GetBlocks returned {len(got)} tensors, expected 1")
         return got[0][1]
@@ -86,7 +95,7 @@ class KvStoreClient:
         request = kvstore_pb2.SeedExecutorRequest(
             namespace=ns, token_ids=token_ids, max_tokens=max_tokens, executor_address=executor_address,
             header=stage_pb2.FencingHeader(incarnation=incarnation, session_id=session_id))
-        r = _call(lambda: self._stub.SeedExecutor(request, timeout=self.timeout))
+        r = _call(lambda: self._stub.SeedExecutor(request, timeout=self.timeout, metadata=self.metadata))
         return r.seeded_tokens, r.bytes, r.elapsed_ms
 
     def copy_rows(self, source_address: str, source_session: str, source_incarnation: int, destination_address: str,
@@ -99,13 +108,14 @@ class KvStoreClient:
             destination_header=stage_pb2.FencingHeader(incarnation=destination_incarnation,
                                                        session_id=destination_session),
             from_row=from_row, to_row=to_row)
-        r = _call(lambda: self._stub.CopyRows(request, timeout=self.timeout))
+        r = _call(lambda: self._stub.CopyRows(request, timeout=self.timeout, metadata=self.metadata))
         return r.bytes, r.elapsed_ms
 
     def evict(self, ns: kvstore_pb2.KvNamespace | None = None) -> int:
         """Drops the blocks of `ns`, or every block; returns how many."""
         request = kvstore_pb2.EvictRequest(namespace=ns) if ns is not None else kvstore_pb2.EvictRequest()
-        return _call(lambda: self._stub.Evict(request, timeout=self.timeout)).evicted_blocks
+        return _call(lambda: self._stub.Evict(request, timeout=self.timeout, metadata=self.metadata)).evicted_blocks
 
     def stats(self) -> kvstore_pb2.StatsResponse:
-        return _call(lambda: self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=self.timeout))
+        return _call(lambda: self._stub.Stats(kvstore_pb2.StatsRequest(), timeout=self.timeout,
+                                               metadata=self.metadata))

@@ -19,6 +19,7 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from graphmesh import security
 from graphmesh.faults import TcpProxy
 
 
@@ -35,9 +36,10 @@ def fastest_backend() -> str:
     return "numpy"
 
 
-def wait_healthy(address: str, process: subprocess.Popen[bytes] | None, timeout_s: float, what: str) -> None:
+def wait_healthy(address: str, process: subprocess.Popen[bytes] | None, timeout_s: float, what: str,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process is not None and process.poll() is not None:
@@ -68,6 +70,18 @@ class LocalMesh:
     kvstore: bool = True  # start a KV store (when graphmesh-kvstore is installed) and write KV behind to it
     fault_injection: bool = False  # executors accept StageService.InjectFault
     proxied: bool = False  # the coordinator and the boundary pushes reach executors through fault proxies
+    # TLS for every service (PEM files): each serves with tls_cert and presents it to the others; with tls_ca
+    # every hop is mutual TLS. The certificate must name 127.0.0.1.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_roots: str = ""  # without tls_ca: the CA every process trusts for servers (GRPC_DEFAULT_SSL_ROOTS_FILE_PATH)
+    auth_token_file: str = ""  # clients of the coordinator must send this bearer token
+    metrics: bool = False  # every service serves Prometheus /metrics on a free port (metrics_ports)
+    env: dict[str, str] = field(default_factory=dict)  # added to every service's environment (OTEL_* ...)
+    extra_executor_args: Sequence[str] = ()
+    extra_kvstore_args: Sequence[str] = ()
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # "coordinator", "kvstore", "executor-<rank>"
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     executor_processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     executor_addresses: list[str] = field(default_factory=list)  # as the coordinator sees them
@@ -87,10 +101,40 @@ class LocalMesh:
         self.log_dir = str(log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         out = open(log_dir / f"{name}.log", "ab")
-        process = subprocess.Popen([sys.executable, "-m", *args], stdout=out, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **(env or {})})
+        if self.metrics:
+            self.metrics_ports[name] = free_port()
+            args = [*args, "--metrics-port", str(self.metrics_ports[name])]
+        process = subprocess.Popen([sys.executable, "-m", *args, *self._security_args(name)], stdout=out,
+                                   stderr=subprocess.STDOUT, env={**os.environ, **self._env(name), **(env or {})})
         self.processes.append(process)
         return process
+
+    def _env(self, name: str) -> dict[str, str]:
+        env = dict(self.env)
+        if self.tls_roots:
+            env["GRPC_DEFAULT_SSL_ROOTS_FILE_PATH"] = self.tls_roots
+        if env.get("OTEL_TRACES_EXPORTER", "none") != "none":  # tell the processes of one service apart in traces
+            env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(filter(None, (env.get("OTEL_RESOURCE_ATTRIBUTES"),
+                                                                     f"service.instance.id={name}")))
+        return env
+
+    def _security_args(self, name: str) -> list[str]:
+        args = []
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key), ("--tls-ca", self.tls_ca)):
+            if path:
+                args += [flag, path]
+        if name == "coordinator" and self.auth_token_file:
+            args += ["--auth-token-file", self.auth_token_file]
+        extra = {"kvstore": self.extra_kvstore_args, "coordinator": self.extra_coordinator_args}
+        return args + list(extra.get(name, self.extra_executor_args if name.startswith("executor") else ()))
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """What a client of this mesh needs to reach it: its CA, and its certificate when the mesh wants one."""
+        if not self.tls_cert:
+            return None
+        if not self.tls_ca:
+            return security.credentials(self.tls_roots)
+        return security.credentials(self.tls_ca, self.tls_cert, self.tls_key)
 
     def start(self) -> LocalMesh:
         try:
@@ -104,7 +148,7 @@ class LocalMesh:
         if self.kvstore and importlib.util.find_spec("graphmesh_kvstore") is not None:
             self.kvstore_address = f"127.0.0.1:{free_port()}"
             store = self._spawn("kvstore", ["graphmesh_kvstore.server", "--listen", self.kvstore_address])
-            wait_healthy(self.kvstore_address, store, 60.0, "kvstore")
+            wait_healthy(self.kvstore_address, store, 60.0, "kvstore", self.credentials())
         backends = self.backends()
         threads = max(1, (os.cpu_count() or 2) // len(backends))  # executors sharing a machine must not oversubscribe
         spawned = []
@@ -121,7 +165,7 @@ class LocalMesh:
                 address = self.proxies[-1].address
             self.executor_addresses.append(address)
         for address, process, rank in spawned:
-            wait_healthy(address, process, 120.0, f"executor {rank}")
+            wait_healthy(address, process, 120.0, f"executor {rank}", self.credentials())
         self.coordinator_address = self.coordinator_listen or f"127.0.0.1:{free_port()}"
         args = ["graphmesh_coordinator.server", "--listen", self.coordinator_address, "--executors",
                 ",".join(self.executor_addresses), "--model", self.model, "--weights", self.weights,
@@ -130,13 +174,14 @@ class LocalMesh:
             args += ["--split", ",".join(str(n) for n in self.split)]
         if self.kvstore_address:
             args += ["--kvstore", self.kvstore_address]
-        self._coordinator_args = [*args, *self.extra_coordinator_args]
+        self._coordinator_args = args
         self.start_coordinator()
 
     def start_coordinator(self) -> None:
         """(Re)starts the coordinator on the same address and state dir."""
         self.coordinator_process = self._spawn("coordinator", self._coordinator_args)
-        wait_healthy(self.coordinator_address, self.coordinator_process, self.startup_timeout_s, "coordinator")
+        wait_healthy(self.coordinator_address, self.coordinator_process, self.startup_timeout_s, "coordinator",
+                     self.credentials())
 
     def stop(self) -> None:
         for process in reversed(self.processes):

@@ -201,14 +201,18 @@ class _Observe(grpc.ServerInterceptor):
         method = details.method
 
         def done(context: grpc.ServicerContext, ok: bool, started: float) -> None:
-            code = context.code()  # type: ignore[attr-defined]  # grpcio has it; the stubs lack it
-            name = code.name if isinstance(code, grpc.StatusCode) else ("OK" if ok else "UNKNOWN")
+            code = context.code()  # type: ignore[attr-defined]  # grpcio has code() and details(); the stubs lack them
+            if not isinstance(code, grpc.StatusCode):  # no status set: returned, raised, or the client went away
+                code = grpc.StatusCode.OK if ok else grpc.StatusCode.UNKNOWN if context.is_active() \
+                    else grpc.StatusCode.CANCELLED
             if self.metrics:
-                RPC_SECONDS.labels(method, name).observe(time.perf_counter() - started)
-            if name != "OK":
+                RPC_SECONDS.labels(method, code.name).observe(time.perf_counter() - started)
+            if code is not grpc.StatusCode.OK:
+                details = context.details() or b""  # type: ignore[attr-defined]
+                text = details.decode(errors="replace") if isinstance(details, bytes) else str(details)
                 current = trace.get_current_span()
-                current.set_attribute("rpc.grpc.status_code", code.value[0] if isinstance(code, grpc.StatusCode) else 2)
-                current.set_status(Status(StatusCode.ERROR, f"{name}: {context.details() or ''}"))  # type: ignore[attr-defined]
+                current.set_attribute("rpc.grpc.status_code", code.value[0])
+                current.set_status(Status(StatusCode.ERROR, f"{code.name}: {text}"))
 
         def around(behavior: Behavior, streaming: bool) -> Behavior:
             def unary(request: Any, context: grpc.ServicerContext) -> Any:

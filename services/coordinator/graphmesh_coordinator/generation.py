@@ -14,8 +14,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from prometheus_client import Counter, Histogram
 
-from graphmesh import tensors
+from graphmesh import telemetry, tensors
 from graphmesh.errors import InvalidArgument, Unavailable
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import stage_pb2
@@ -23,6 +24,13 @@ from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 
 MAX_RECOVERIES = 3
 MAX_ARCH_RETRIES = 1
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TTFT_SECONDS = Histogram("graphmesh_ttft_seconds", "Time from a generation request to its first token",
+                         buckets=_LATENCY_BUCKETS)
+INTER_TOKEN_SECONDS = Histogram("graphmesh_inter_token_seconds", "Time between consecutive tokens of a stream",
+                                buckets=_LATENCY_BUCKETS)
+TOKENS_GENERATED = Counter("graphmesh_tokens_generated", "Tokens generated and streamed to clients")
 
 
 @dataclass(frozen=True)
@@ -110,25 +118,33 @@ class Generator:
         t0 = time.perf_counter()
         completion = ""
         budget = min(request.max_tokens, self.context_tokens - len(request.prompt_ids))
+        last = t0
         try:
-            pending = list(request.prompt_ids)
-            for step in range(budget):
-                reply = self.invoke(session, pending, sampling, stage_pb2.OUTPUT_KIND_TOKEN)
-                token = int(reply.token)
-                pending = [token]
-                ttft_ms = (time.perf_counter() - t0) * 1000.0 if step == 0 else 0.0
-                computed = int(reply.computed_tokens) if step == 0 else 0
-                if token in self.eos and not request.ignore_eos:
-                    yield Event([token], "", "eos", ttft_ms, computed)
-                    return
-                text = detok.push(token)
-                completion += text
-                hit = next((s for s in request.stop if s in completion), None)
-                if hit is not None:
-                    overshoot = len(completion) - completion.index(hit)
-                    yield Event([token], text[: max(0, len(text) - overshoot)], "stop", ttft_ms, computed)
-                    return
-                yield Event([token], text, "length" if step == budget - 1 else "", ttft_ms, computed)
+            with telemetry.span("generate", session=session.session_id, prompt_tokens=len(request.prompt_ids),
+                                max_tokens=request.max_tokens) as span:
+                pending = list(request.prompt_ids)
+                for step in range(budget):
+                    reply = self.invoke(session, pending, sampling, stage_pb2.OUTPUT_KIND_TOKEN)
+                    token = int(reply.token)
+                    pending = [token]
+                    now = time.perf_counter()
+                    (TTFT_SECONDS if step == 0 else INTER_TOKEN_SECONDS).observe(now - last)
+                    last = now
+                    TOKENS_GENERATED.inc()
+                    span.set_attribute("completion_tokens", step + 1)
+                    ttft_ms = (now - t0) * 1000.0 if step == 0 else 0.0
+                    computed = int(reply.computed_tokens) if step == 0 else 0
+                    if token in self.eos and not request.ignore_eos:
+                        yield Event([token], "", "eos", ttft_ms, computed)
+                        return
+                    text = detok.push(token)
+                    completion += text
+                    hit = next((s for s in request.stop if s in completion), None)
+                    if hit is not None:
+                        overshoot = len(completion) - completion.index(hit)
+                        yield Event([token], text[: max(0, len(text) - overshoot)], "stop", ttft_ms, computed)
+                        return
+                    yield Event([token], text, "length" if step == budget - 1 else "", ttft_ms, computed)
         finally:
             with self._lock:
                 self.sessions.pop(session.session_id, None)

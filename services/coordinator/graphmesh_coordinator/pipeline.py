@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from graphmesh import kvkeys
+from graphmesh import kvkeys, security, telemetry
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
 from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.models.config import ModelConfig
@@ -75,18 +75,22 @@ class Mesh:
     def __init__(self, model: str, config: ModelConfig, addresses: Sequence[str], state: DurableState,
                  split: Sequence[int] | None = None, weights: str = "f32", rpc_timeout_s: float = 60.0,
                  install_timeout_s: float = 600.0, max_context_tokens: int = 0, max_inflight: int = 16,
-                 kvstore: str = "", kv_block_tokens: int = kvkeys.DEFAULT_BLOCK_TOKENS) -> None:
+                 kvstore: str = "", kv_block_tokens: int = kvkeys.DEFAULT_BLOCK_TOKENS,
+                 tls: security.Tls | None = None) -> None:
         self.model, self.config, self.state = model, config, state
         self.addresses = list(addresses)
         self.split = list(split) if split else None
         self.weights, self.max_context_tokens = weights, max_context_tokens
-        self.kvstore = KvStoreClient(kvstore) if kvstore else None
+        self.kvstore = KvStoreClient(kvstore, credentials=tls.channel_credentials() if tls else None,
+                                     interceptors=telemetry.client_interceptors()) if kvstore else None
         self.kvstore_address, self.kv_block_tokens = kvstore, kv_block_tokens
         self.rpc_timeout_s, self.install_timeout_s = rpc_timeout_s, install_timeout_s
-        self.channels = {a: grpc.insecure_channel(a, options=_CHANNEL_OPTIONS) for a in self.addresses}
+        self.channels = {a: telemetry.traced(security.channel(a, tls, _CHANNEL_OPTIONS)) for a in self.addresses}
         self.ranks: list[Rank] = []
         self.incarnation = 0
         self.recoveries = 0
+        self.queued = 0  # invocations waiting for a slot
+        self._queued_lock = threading.Lock()
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._recover_lock = threading.Lock()
@@ -101,9 +105,11 @@ class Mesh:
         """Issues a new incarnation and installs the plan on the executors (they load their own weights)."""
         addresses = list(addresses or self.addresses)
         split = self.split if self.split and len(self.split) == len(addresses) else None
-        with self._lock:
+        with self._lock, telemetry.span("mesh.install", executors=len(addresses)) as span:
             incarnation = self.state.next_incarnation()
-            stages = plan(self.config, addresses, split)
+            span.set_attribute("incarnation", incarnation)
+            with telemetry.span("mesh.plan", incarnation=incarnation):
+                stages = plan(self.config, addresses, split)
             ranks = [Rank(p, stage_pb2_grpc.StageServiceStub(self.channels[p.address])) for p in stages]
             t0 = time.perf_counter()
             log.info("installing", extra={"incarnation": incarnation, "ranks": len(ranks),
@@ -144,13 +150,31 @@ class Mesh:
                                                 else stage_pb2.EXPERT_PASS_DECODE, commit_epoch=commit_epoch,
                                                 start_position=start, token_ids=token_ids, sampling=sampling,
                                                 output=output, boundary_timeout_ms=timeout_ms)
-        with self._slots:
-            return self._invoke(ranks, incarnation, header, request, session_id, epoch, commit_epoch)
+        with self._queued_lock:
+            self.queued += 1
+        try:
+            self._slots.acquire()
+        finally:
+            with self._queued_lock:
+                self.queued -= 1
+        try:
+            with telemetry.span("mesh.invoke", session=session_id, epoch=epoch, incarnation=incarnation,
+                                commit_epoch=commit_epoch, start_position=start, tokens=len(token_ids)):
+                return self._invoke(ranks, incarnation, header, request, session_id, epoch, commit_epoch)
+        finally:
+            self._slots.release()
 
     def _invoke(self, ranks: Sequence[Rank], incarnation: int, header: stage_pb2.FencingHeader,
                 request: stage_pb2.ExecuteGroupRequest, session_id: str, epoch: int,
                 commit_epoch: int) -> stage_pb2.ExecuteGroupResponse:
-        calls = [r.stub.ExecuteGroup.future(request, timeout=self.rpc_timeout_s + 5.0) for r in reversed(ranks)]
+        calls = []
+        for r in reversed(ranks):
+            span = telemetry.start_span("mesh.execute_group", rank=r.plan.rank, address=r.plan.address,
+                                        last=r.plan.rank == len(ranks) - 1)
+            with telemetry.use(span):
+                call = r.stub.ExecuteGroup.future(request, timeout=self.rpc_timeout_s + 5.0)
+            telemetry.end_when_done(span, call)
+            calls.append(call)
         calls.reverse()
         with self._lock:
             self._in_flight.update(calls)
@@ -226,7 +250,7 @@ class Mesh:
         """Rebuilds the roster after incarnation `failed_incarnation` was lost: fence it, wait for healthy
         executors (a restarted one at the same address counts), install incarnation k+1 on them. Idempotent:
         concurrent sessions that saw the same failure wait here and find the work done."""
-        with self._recover_lock:
+        with self._recover_lock, telemetry.span("mesh.recover", failed_incarnation=failed_incarnation):
             if self.incarnation != failed_incarnation and self.ready:
                 return
             t0 = time.monotonic()
@@ -283,20 +307,22 @@ class Mesh:
         if incarnation == self.incarnation:
             self._ready.clear()  # a late fence of an incarnation already replaced must not un-ready its successor
         # Short deadline: a frozen executor must not hold up recovery; a later Install supersedes it anyway.
-        calls = [(a, stage_pb2_grpc.StageServiceStub(ch).Fence.future(
-            stage_pb2.FenceRequest(incarnation=incarnation, reason=reason), timeout=0.5))
-            for a, ch in self.channels.items()]
-        for address, call in calls:
-            try:
-                call.result()
-            except grpc.RpcError:
-                for rank in self.ranks:
-                    if rank.plan.address == address:
-                        rank.healthy = False
+        with telemetry.span("mesh.fence", incarnation=incarnation, reason=reason):
+            calls = [(a, stage_pb2_grpc.StageServiceStub(ch).Fence.future(
+                stage_pb2.FenceRequest(incarnation=incarnation, reason=reason), timeout=0.5))
+                for a, ch in self.channels.items()]
+            for address, call in calls:
+                try:
+                    call.result()
+                except grpc.RpcError:
+                    for rank in self.ranks:
+                        if rank.plan.address == address:
+                            rank.healthy = False
 
     def commit(self, session_id: str, epoch: int) -> None:
         header = stage_pb2.FencingHeader(incarnation=self.incarnation, session_id=session_id, epoch=epoch)
-        self._each(lambda r: r.stub.Commit.future(stage_pb2.CommitRequest(header=header), timeout=self.rpc_timeout_s))
+        with telemetry.span("mesh.commit", session=session_id, epoch=epoch, incarnation=self.incarnation):
+            self._each(lambda r: r.stub.Commit.future(stage_pb2.CommitRequest(header=header), timeout=self.rpc_timeout_s))
         self.state.record(Decision(session_id, epoch, "COMMITTED"))
 
     def release(self, session_id: str) -> None:
@@ -337,14 +363,14 @@ def _healthy(channel: grpc.Channel, timeout_s: float) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def wait_for_executors(addresses: Sequence[str], timeout_s: float) -> None:
+def wait_for_executors(addresses: Sequence[str], timeout_s: float, tls: security.Tls | None = None) -> None:
     """Waits until every executor answers its health check, or fails naming the ones that don't."""
     deadline = time.monotonic() + timeout_s
     pending = list(addresses)
     with futures.ThreadPoolExecutor(max(1, len(pending))) as pool:
         while pending:
             def ok(address: str) -> bool:
-                with grpc.insecure_channel(address) as channel:
+                with security.channel(address, tls) as channel:
                     return _healthy(channel, 2.0)
             results = list(pool.map(ok, pending))
             pending = [a for a, good in zip(pending, results) if not good]

@@ -13,11 +13,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from graphmesh import logs
+from graphmesh import logs, security, telemetry
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import InvalidArgument, NotFound
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
+from graphmesh.security import ServerSecurity
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_coordinator.generation import Generator
@@ -41,6 +42,8 @@ class CoordinatorConfig:
     startup_timeout_s: float = 60.0
     rpc_timeout_s: float = 60.0
     max_context_tokens: int = 0
+    metrics_port: int = 0  # Prometheus /metrics; 0: off
+    security: ServerSecurity = field(default_factory=ServerSecurity)
 
 
 def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
@@ -58,13 +61,16 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
         tokenizer = None
     state = DurableState(config.state_dir)
     mesh = Mesh(config.model, ckpt.config, config.executors, state, config.split or None, config.weights,
-                config.rpc_timeout_s, max_context_tokens=config.max_context_tokens, kvstore=config.kvstore)
+                config.rpc_timeout_s, max_context_tokens=config.max_context_tokens, kvstore=config.kvstore,
+                tls=config.security.tls)
     context = config.max_context_tokens or ckpt.config.max_position
     eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
     generator = Generator(mesh, tokenizer, eos, context)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
                          options=[("grpc.max_send_message_length", 64 << 20),
-                                  ("grpc.max_receive_message_length", 64 << 20)])
+                                  ("grpc.max_receive_message_length", 64 << 20)],
+                         interceptors=[*telemetry.server_interceptors(config.metrics_port > 0),
+                                       *config.security.interceptors()])
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(generator, mesh, config.model),
                                                                   server)
     kserve_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(generator, mesh, config.model), server)
@@ -73,10 +79,19 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
     names = (coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(config.listen)
+    port = config.security.add_port(server, config.listen)
     health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     server.start()
-    wait_for_executors(config.executors, config.startup_timeout_s)
+    config.security.serve_health(health_servicer)
+    if config.metrics_port:
+        telemetry.expose(
+            ("graphmesh_incarnation", "gauge", "The incarnation the mesh runs under", lambda: mesh.incarnation),
+            ("graphmesh_recoveries", "counter", "Rosters rebuilt after a lost incarnation", lambda: mesh.recoveries),
+            ("graphmesh_mesh_ready", "gauge", "1 while the mesh is installed and not recovering", lambda: mesh.ready),
+            ("graphmesh_active_sessions", "gauge", "Generation sessions in progress", lambda: len(generator.sessions)),
+            ("graphmesh_queue_depth", "gauge", "Invocations waiting for one of the bounded in-flight slots",
+             lambda: mesh.queued))
+    wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
     if state.incarnation:
         # A restarted coordinator: whatever incarnation its predecessor left is fenced everywhere before a
         # new one is issued, so an executor never obeys the old coordinator again.
@@ -99,12 +114,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--startup-timeout", type=float, default=60.0)
     parser.add_argument("--rpc-timeout", type=float, default=60.0)
     parser.add_argument("--max-context", type=int, default=0, help="cap on tokens per session (0: the model's)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
+    security.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
     logs.configure("coordinator")
-    config = CoordinatorConfig(args.listen, [a for a in args.executors.split(",") if a], args.model, args.state_dir,
-                               args.kvstore, [int(x) for x in args.split.split(",") if x], args.weights,
-                               args.startup_timeout, args.rpc_timeout, args.max_context)
+    telemetry.setup("graphmesh-coordinator")
     try:
+        config = CoordinatorConfig(args.listen, [a for a in args.executors.split(",") if a], args.model, args.state_dir,
+                                   args.kvstore, [int(x) for x in args.split.split(",") if x], args.weights,
+                                   args.startup_timeout, args.rpc_timeout, args.max_context, args.metrics_port,
+                                   security.from_args(args))
+        telemetry.serve_metrics(config.metrics_port)
         server, port, mesh = build_server(config)
     except Exception as e:
         log.error("coordinator failed to start", extra={"error": str(e)})
@@ -116,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     stop.wait()
     server.stop(grace=2.0).wait()
     mesh.close()
+    telemetry.shutdown()
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ class Authority:
         self.incarnation = 0
         self.cause = ""
         self.highest_seen = 0
+        self.poisonings = 0  # incarnations this executor saw poisoned (a metric)
 
     def install(self, incarnation: int) -> None:
         if incarnation <= self.highest_seen:
@@ -59,6 +60,7 @@ class Authority:
             return
         if self.state is AuthorityState.ACTIVE:
             self.state, self.cause = AuthorityState.POISONED, cause
+            self.poisonings += 1
         if terminal:
             self.state = AuthorityState.TERMINAL
 

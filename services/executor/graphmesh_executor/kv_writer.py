@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
-from graphmesh import kvkeys, tensors
+from graphmesh import kvkeys, security, telemetry, tensors
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from graphmesh_executor.stage import KvBlocks
 
@@ -21,9 +21,11 @@ _FLUSH = KvBlocks("", "", 0, 0, 0, 0, [], -1, np.zeros((0, 0, 2, 0), np.float32)
 class KvWriteBehind:
     """A queue and one thread; a failed put is logged and counted, never retried into the hot path."""
 
-    def __init__(self, max_queued: int = 256) -> None:
-        self._queue: queue.Queue[KvBlocks] = queue.Queue(max_queued)
+    def __init__(self, max_queued: int = 256, tls: security.Tls | None = None) -> None:
+        # each entry keeps the trace context of the commit that produced it: the put joins that request's trace
+        self._queue: queue.Queue[tuple[KvBlocks, telemetry.Context]] = queue.Queue(max_queued)
         self._stubs: dict[str, kvstore_pb2_grpc.KvStoreServiceStub] = {}
+        self.tls = tls
         self.failures = 0
         self.dropped = 0
         self.written_blocks = 0
@@ -32,7 +34,7 @@ class KvWriteBehind:
 
     def __call__(self, blocks: KvBlocks) -> None:
         try:
-            self._queue.put_nowait(blocks)
+            self._queue.put_nowait((blocks, telemetry.current_context()))
         except queue.Full:
             self.dropped += 1  # the store is behind: drop rather than stall generation
             log.warning("kv write-behind queue full; blocks dropped", extra={"dropped": self.dropped})
@@ -40,17 +42,20 @@ class KvWriteBehind:
     def flush(self, timeout_s: float = 10.0) -> None:
         """Waits until everything queued so far was written (tests and shutdown)."""
         self._flushed.clear()
-        self._queue.put(_FLUSH)
+        self._queue.put((_FLUSH, telemetry.current_context()))
         self._flushed.wait(timeout_s)
 
     def _run(self) -> None:
         while True:
-            blocks = self._queue.get()
+            blocks, ctx = self._queue.get()
             if blocks is _FLUSH:
                 self._flushed.set()
                 continue
             try:
-                self._put(blocks)
+                with telemetry.span("stage.kv_write_behind", parent=ctx, first_block=blocks.first_block,
+                                    incarnation=blocks.incarnation, epoch=blocks.epoch,
+                                    tokens=int(blocks.rows.shape[0])):
+                    self._put(blocks)
             except grpc.RpcError as e:
                 self.failures += 1
                 log.warning("kv write-behind failed", extra={"address": blocks.address, "code": e.code().name,
@@ -58,8 +63,8 @@ class KvWriteBehind:
 
     def _put(self, blocks: KvBlocks) -> None:
         if blocks.address not in self._stubs:
-            channel = grpc.insecure_channel(blocks.address, options=[("grpc.max_send_message_length", 64 << 20)])
-            self._stubs[blocks.address] = kvstore_pb2_grpc.KvStoreServiceStub(channel)
+            channel = security.channel(blocks.address, self.tls, [("grpc.max_send_message_length", 64 << 20)])
+            self._stubs[blocks.address] = kvstore_pb2_grpc.KvStoreServiceStub(telemetry.traced(channel))
         ns = kvkeys.namespace(blocks.model_identity, blocks.layer_start, blocks.layer_end, blocks.kv_dim,
                               block_tokens=blocks.block_tokens)
         count = blocks.rows.shape[0] // blocks.block_tokens

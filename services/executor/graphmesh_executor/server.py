@@ -16,16 +16,18 @@ import sys
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from graphmesh import logs
+from graphmesh import logs, security, telemetry
+from graphmesh.security import ServerSecurity
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
 from graphmesh_executor.backends import NAMES
+from graphmesh_executor.fencing import AuthorityState
 from graphmesh_executor.kv_writer import KvWriteBehind
 from graphmesh_executor.registry import ExecutableRegistry
 from graphmesh_executor.servicer import ExecutorServicer
@@ -49,6 +51,8 @@ class ExecutorConfig:
     max_param_bytes: int = 1 << 36
     workers: int = 64  # gRPC handler threads; stage waiters hold one each (the coordinator bounds them)
     enable_fault_injection: bool = False  # StageService.InjectFault, for tests and benchmarks only
+    metrics_port: int = 0  # Prometheus /metrics; 0: off
+    security: ServerSecurity = field(default_factory=ServerSecurity)
 
 
 def tune_malloc() -> None:
@@ -82,12 +86,14 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRe
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="executor-rpc"),
-                         options=options)
+                         options=options, interceptors=[*telemetry.server_interceptors(config.metrics_port > 0),
+                                                        *config.security.interceptors()])
     executor_pb2_grpc.add_ExecutorServiceServicer_to_server(
         ExecutorServicer(registry, model_root=config.model_root, max_message_bytes=config.max_message_bytes,
                          max_param_bytes=config.max_param_bytes), server)
+    block_writer = KvWriteBehind(tls=config.security.tls)
     runtime = StageRuntime(config.backend, config.device, str(config.model_root) if config.model_root else None,
-                           pusher=BoundaryPusher(), block_writer=KvWriteBehind(),
+                           pusher=BoundaryPusher(config.security.tls), block_writer=block_writer,
                            faults_enabled=config.enable_fault_injection)
     add_stage_service(server, runtime)
     health_servicer = health.HealthServicer()
@@ -95,12 +101,25 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRe
     reflection.enable_server_reflection(
         (SERVICE_NAME, STAGE_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {config.listen}")
+    port = config.security.add_port(server, config.listen)
     server.start()
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    config.security.serve_health(health_servicer)
+    if config.metrics_port:
+        authority = runtime.authority
+        telemetry.expose(
+            ("graphmesh_incarnation", "gauge", "The incarnation this executor obeys (0: not installed)",
+             lambda: authority.incarnation),
+            ("graphmesh_poisoned", "gauge", "1 while the current incarnation is poisoned or terminal",
+             lambda: authority.state in (AuthorityState.POISONED, AuthorityState.TERMINAL)),
+            ("graphmesh_poisonings", "counter", "Incarnations poisoned on this executor", lambda: authority.poisonings),
+            ("graphmesh_stage_sessions", "gauge", "Sessions holding KV on this executor", lambda: len(runtime.sessions())),
+            ("graphmesh_kv_write_behind_blocks", "counter", "KV blocks written behind to the kvstore",
+             lambda: block_writer.written_blocks),
+            ("graphmesh_kv_write_behind_failures", "counter", "Failed write-behind puts", lambda: block_writer.failures),
+            ("graphmesh_kv_write_behind_dropped", "counter", "Write-behinds dropped on a full queue",
+             lambda: block_writer.dropped))
     return server, port, registry
 
 
@@ -124,10 +143,14 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--max-param-bytes", type=_size, default=1 << 36, help="largest SetParams/BindHandle stream")
     p.add_argument("--workers", type=int, default=64, help="gRPC handler threads")
     p.add_argument("--enable-fault-injection", action="store_true", help="accept StageService.InjectFault (tests)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
+    security.add_arguments(p)
     a = p.parse_args(argv)
     return ExecutorConfig(listen=a.listen, backend=a.backend, device=a.device, model_root=a.model_root,
                           threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,
-                          workers=a.workers, enable_fault_injection=a.enable_fault_injection)
+                          workers=a.workers, enable_fault_injection=a.enable_fault_injection,
+                          metrics_port=a.metrics_port,
+                          security=security.from_args(a))
 
 
 def _preload_blas(backend: str) -> None:
@@ -148,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv is None:
         _preload_blas(config.backend)
     logs.configure("executor")
+    telemetry.setup("graphmesh-executor")
+    telemetry.serve_metrics(config.metrics_port)
     tune_malloc()
     started = time.monotonic()
     server, port, _ = build_server(config)
@@ -162,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     stop.wait()
     log.info("stopping", extra={"grace_s": 5})
     server.stop(grace=5).wait()
+    telemetry.shutdown()
 
 
 if __name__ == "__main__":

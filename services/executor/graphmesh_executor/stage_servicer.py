@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from graphmesh import tensors
+from graphmesh import security, telemetry, tensors
 from graphmesh.dtypes import DTypeError
 from graphmesh.errors import GraphmeshError, Internal, InvalidArgument, from_rpc_error
 from graphmesh.tensors import TensorError
@@ -57,25 +57,29 @@ def _statused(fn: Callable[..., R]) -> Callable[..., R]:
 
 
 class BoundaryPusher:
-    """Pushes boundary bundles to the next rank over one cached channel per address."""
+    """Pushes boundary bundles to the next rank over one cached channel per address (TLS with this
+    executor's certificate when it has one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: security.Tls | None = None) -> None:
         self._stubs: dict[str, stage_pb2_grpc.StageServiceStub] = {}
         self._lock = threading.Lock()
+        self.tls = tls
 
     def __call__(self, address: str, session_id: str, incarnation: int, epoch: int, hidden: np.ndarray,
                  timeout_s: float) -> None:
         with self._lock:
             if address not in self._stubs:
-                channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20),
-                                                                  ("grpc.max_receive_message_length", 64 << 20)])
-                self._stubs[address] = stage_pb2_grpc.StageServiceStub(channel)
+                channel = security.channel(address, self.tls, [("grpc.max_send_message_length", 64 << 20),
+                                                               ("grpc.max_receive_message_length", 64 << 20)])
+                self._stubs[address] = stage_pb2_grpc.StageServiceStub(telemetry.traced(channel))
             stub = self._stubs[address]
         request = stage_pb2.PushBoundaryRequest(
             header=stage_pb2.FencingHeader(incarnation=incarnation, session_id=session_id, epoch=epoch),
             tensors=[stage_pb2.BoundaryTensor(role=stage_pb2.BOUNDARY_ROLE_ACTIVATION, tensor=tensors.to_proto(hidden))])
         try:
-            stub.PushBoundary(request, timeout=timeout_s)
+            with telemetry.span("stage.push_boundary", session=session_id, epoch=epoch, incarnation=incarnation,
+                                address=address, rows=int(hidden.shape[0])):
+                stub.PushBoundary(request, timeout=timeout_s)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
 
@@ -99,10 +103,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                      context: grpc.ServicerContext) -> stage_pb2.ExecuteGroupResponse:
         h, s = request.header, request.sampling
         timeout_s = (request.boundary_timeout_ms or 30_000) / 1000.0
-        result = self.runtime.execute(h.incarnation, h.session_id, h.epoch, request.commit_epoch,
-                                      request.start_position, list(request.token_ids),
-                                      Sampling(s.temperature, s.top_k, s.top_p, s.seed),
-                                      request.output == stage_pb2.OUTPUT_KIND_LOGITS, timeout_s)
+        with telemetry.span("stage.execute", session=h.session_id, epoch=h.epoch, incarnation=h.incarnation,
+                            rank=self.runtime.rank, commit_epoch=request.commit_epoch,
+                            start_position=request.start_position, tokens=len(request.token_ids)):
+            result = self.runtime.execute(h.incarnation, h.session_id, h.epoch, request.commit_epoch,
+                                          request.start_position, list(request.token_ids),
+                                          Sampling(s.temperature, s.top_k, s.top_p, s.seed),
+                                          request.output == stage_pb2.OUTPUT_KIND_LOGITS, timeout_s)
         response = stage_pb2.ExecuteGroupResponse(token=result.token, kv_length=result.kv_length,
                                                   compute_us=result.compute_us, computed_tokens=result.computed_tokens)
         if result.logits is not None:

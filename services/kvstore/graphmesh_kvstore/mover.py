@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from graphmesh import dtypes, errors, tensors
+from graphmesh import dtypes, errors, security, telemetry, tensors
 from graphmesh.errors import GraphmeshError, InvalidArgument
 from graphmesh.v1 import kvstore_pb2, stage_pb2, tensor_pb2
 from graphmesh_kvstore.store import Store
@@ -54,9 +54,10 @@ def executor_error(error: grpc.RpcError, address: str, method: str) -> Graphmesh
 class _Stage:
     """The two StageService methods the store calls, on one channel, with raw-bytes chunk framing."""
 
-    def __init__(self, address: str, max_message_bytes: int) -> None:
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", max_message_bytes),
-                                                               ("grpc.max_receive_message_length", max_message_bytes)])
+    def __init__(self, address: str, max_message_bytes: int, tls: security.Tls | None = None) -> None:
+        self.channel = telemetry.traced(security.channel(
+            address, tls, [("grpc.max_send_message_length", max_message_bytes),
+                           ("grpc.max_receive_message_length", max_message_bytes)]))
         self.read = self.channel.unary_stream(
             f"{_SERVICE}/ReadSessionKv", request_serializer=stage_pb2.ReadSessionKvRequest.SerializeToString,
             response_deserializer=_raw)
@@ -66,10 +67,12 @@ class _Stage:
 
 
 class Mover:
-    def __init__(self, store: Store, timeout_s: float = 120.0, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(self, store: Store, timeout_s: float = 120.0, max_message_bytes: int = 64 << 20,
+                 tls: security.Tls | None = None) -> None:
         self.store = store
         self.timeout_s = timeout_s
         self.max_message_bytes = max_message_bytes
+        self.tls = tls  # the store's own certificate, presented to executors (mutual TLS)
         self._stages: dict[str, _Stage] = {}
         self._lock = threading.Lock()
 
@@ -78,29 +81,32 @@ class Mover:
             raise InvalidArgument("executor address is empty", "BAD_ADDRESS")
         with self._lock:
             if address not in self._stages:
-                self._stages[address] = _Stage(address, self.max_message_bytes)
+                self._stages[address] = _Stage(address, self.max_message_bytes, self.tls)
             return self._stages[address]
 
     def seed(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int], max_tokens: int, address: str,
              header: stage_pb2.FencingHeader, timeout_s: float | None = None) -> tuple[int, int, float]:
         """Writes the longest stored prefix (up to max_tokens, in whole blocks) into a new session at row 0;
         returns (seeded tokens, bytes, seconds). Nothing stored: nothing is sent."""
-        started = time.perf_counter()
-        rows = self.store.get_blocks(ns, token_ids, max_tokens)  # f32 [tokens, layers, 2, kv_dim]
-        n = rows.shape[0]
-        if n == 0:
-            return 0, 0, time.perf_counter() - started
-        stage = self._stage(address)
-        first = stage_pb2.WriteSessionKvRequest(header=header, start_row=0, token_ids=token_ids[:n])
-        requests = (_write_request(first if i == 0 else None, c.SerializeToString())
-                    for i, c in enumerate(tensors.to_chunks("kv", rows)))
-        try:
-            stage.write(requests, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as e:
-            raise executor_error(e, address, "WriteSessionKv") from None
-        seconds = time.perf_counter() - started
-        self.store.record_transfer("seed", rows.nbytes, seconds)
-        return n, rows.nbytes, seconds
+        with telemetry.span("kv.seed", session=header.session_id, incarnation=header.incarnation,
+                            executor=address, max_tokens=max_tokens) as span:
+            started = time.perf_counter()
+            rows = self.store.get_blocks(ns, token_ids, max_tokens)  # f32 [tokens, layers, 2, kv_dim]
+            n = rows.shape[0]
+            span.set_attributes({"tokens": n, "bytes": rows.nbytes})
+            if n == 0:
+                return 0, 0, time.perf_counter() - started
+            stage = self._stage(address)
+            first = stage_pb2.WriteSessionKvRequest(header=header, start_row=0, token_ids=token_ids[:n])
+            requests = (_write_request(first if i == 0 else None, c.SerializeToString())
+                        for i, c in enumerate(tensors.to_chunks("kv", rows)))
+            try:
+                stage.write(requests, timeout=timeout_s or self.timeout_s)
+            except grpc.RpcError as e:
+                raise executor_error(e, address, "WriteSessionKv") from None
+            seconds = time.perf_counter() - started
+            self.store.record_transfer("seed", rows.nbytes, seconds)
+            return n, rows.nbytes, seconds
 
     def copy_rows(self, source: str, source_header: stage_pb2.FencingHeader, destination: str,
                   destination_header: stage_pb2.FencingHeader, from_row: int, to_row: int,
@@ -109,36 +115,38 @@ class Mover:
         (K rows carry their rotary position, so they keep their row index); returns (bytes, seconds)."""
         if to_row < from_row:
             raise InvalidArgument(f"rows [{from_row}, {to_row}) are reversed", "BAD_ROWS")
-        started = time.perf_counter()
-        timeout = timeout_s or self.timeout_s
-        src, dst = self._stage(source), self._stage(destination)
-        read = src.read(stage_pb2.ReadSessionKvRequest(header=source_header, from_row=from_row, to_row=to_row),
-                        timeout=timeout)
-        first = stage_pb2.WriteSessionKvRequest(header=destination_header, start_row=from_row)
-        source_failed: list[grpc.RpcError] = []
-        payload = [0]
+        with telemetry.span("kv.copy_rows", source=source, destination=destination, from_row=from_row, to_row=to_row,
+                            session=destination_header.session_id, incarnation=destination_header.incarnation):
+            started = time.perf_counter()
+            timeout = timeout_s or self.timeout_s
+            src, dst = self._stage(source), self._stage(destination)
+            read = src.read(stage_pb2.ReadSessionKvRequest(header=source_header, from_row=from_row, to_row=to_row),
+                            timeout=timeout)
+            first = stage_pb2.WriteSessionKvRequest(header=destination_header, start_row=from_row)
+            source_failed: list[grpc.RpcError] = []
+            payload = [0]
 
-        def requests() -> Iterator[bytes]:
+            def requests() -> Iterator[bytes]:
+                try:
+                    for i, chunk in enumerate(read):
+                        if i == 0:
+                            head = tensor_pb2.TensorChunk.FromString(chunk)
+                            payload[0] = tensors.nbytes(dtypes.from_proto(head.dtype), tuple(head.shape))
+                        yield _write_request(first if i == 0 else None, chunk)
+                except grpc.RpcError as e:
+                    source_failed.append(e)
+                    raise  # cancels the write: the destination never commits a partial copy
+
             try:
-                for i, chunk in enumerate(read):
-                    if i == 0:
-                        head = tensor_pb2.TensorChunk.FromString(chunk)
-                        payload[0] = tensors.nbytes(dtypes.from_proto(head.dtype), tuple(head.shape))
-                    yield _write_request(first if i == 0 else None, chunk)
+                dst.write(requests(), timeout=timeout)
             except grpc.RpcError as e:
-                source_failed.append(e)
-                raise  # cancels the write: the destination never commits a partial copy
-
-        try:
-            dst.write(requests(), timeout=timeout)
-        except grpc.RpcError as e:
-            if source_failed:  # set before the write was cancelled, so it is the first cause
-                raise executor_error(source_failed[0], source, "ReadSessionKv") from None
-            read.cancel()  # after the check: cancelling makes the read fail too
-            raise executor_error(e, destination, "WriteSessionKv") from None
-        seconds = time.perf_counter() - started
-        self.store.record_transfer("copy", payload[0], seconds)
-        return payload[0], seconds
+                if source_failed:  # set before the write was cancelled, so it is the first cause
+                    raise executor_error(source_failed[0], source, "ReadSessionKv") from None
+                read.cancel()  # after the check: cancelling makes the read fail too
+                raise executor_error(e, destination, "WriteSessionKv") from None
+            seconds = time.perf_counter() - started
+            self.store.record_transfer("copy", payload[0], seconds)
+            return payload[0], seconds
 
     def close(self) -> None:
         with self._lock:

@@ -9,14 +9,15 @@ import sys
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from graphmesh import logs
+from graphmesh import logs, security, telemetry
+from graphmesh.security import ServerSecurity
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from graphmesh_kvstore.mover import Mover
 from graphmesh_kvstore.servicer import KvStoreServicer
@@ -38,28 +39,43 @@ class KvStoreConfig:
     max_message_bytes: int = 64 << 20
     executor_timeout_s: float = 120.0  # for seeds and copies whose caller set no deadline
     workers: int = 16
+    metrics_port: int = 0  # Prometheus /metrics; 0: off
+    security: ServerSecurity = field(default_factory=ServerSecurity)
 
 
 def build_server(config: KvStoreConfig) -> tuple[grpc.Server, int, Store]:
     """Creates, binds and starts the server; health turns SERVING once it accepts calls."""
     store = Store(config.capacity_bytes, config.directory, config.disk_capacity_bytes, config.block_tokens,
                   config.max_put_bytes)
-    mover = Mover(store, config.executor_timeout_s, config.max_message_bytes)
+    mover = Mover(store, config.executor_timeout_s, config.max_message_bytes, config.security.tls)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvstore-rpc"),
-                         options=options)
+                         options=options, interceptors=[*telemetry.server_interceptors(config.metrics_port > 0),
+                                                        *config.security.interceptors()])
     kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(KvStoreServicer(store, mover), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {config.listen}")
+    port = config.security.add_port(server, config.listen)
     server.start()
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    config.security.serve_health(health_servicer)
+    if config.metrics_port:
+        telemetry.expose(
+            ("graphmesh_kv_blocks", "gauge", "KV blocks stored (memory and disk tiers)", lambda: store.stats().blocks),
+            ("graphmesh_kv_memory_bytes", "gauge", "Bytes of KV in the memory tier", lambda: store.stats().memory_bytes),
+            ("graphmesh_kv_disk_bytes", "gauge", "Bytes of KV in the disk tier", lambda: store.stats().disk_bytes),
+            ("graphmesh_kv_capacity_bytes", "gauge", "Size of the memory tier", lambda: store.capacity_bytes),
+            ("graphmesh_kv_hit_ratio", "gauge", "Looked-up tokens found stored, over all lookups",
+             lambda: store.stats().hit_ratio),
+            ("graphmesh_kv_hit_tokens", "counter", "Looked-up tokens found stored", lambda: store.stats().hit_tokens),
+            ("graphmesh_kv_miss_tokens", "counter", "Looked-up tokens not stored", lambda: store.stats().miss_tokens),
+            ("graphmesh_kv_evictions", "counter", "Blocks evicted", lambda: store.stats().evictions),
+            ("graphmesh_kv_corrupt_blocks", "counter", "Blocks dropped for a bad checksum",
+             lambda: store.stats().corrupt_blocks))
     return server, port, store
 
 
@@ -83,16 +99,21 @@ def parse_args(argv: list[str] | None = None) -> KvStoreConfig:
     p.add_argument("--max-message-bytes", type=_size, default=64 << 20, help="largest gRPC message")
     p.add_argument("--executor-timeout", type=float, default=120.0, help="seconds for a seed or copy without deadline")
     p.add_argument("--workers", type=int, default=16, help="gRPC handler threads")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
+    security.add_arguments(p)
     a = p.parse_args(argv)
     return KvStoreConfig(listen=a.listen, capacity_bytes=a.capacity_bytes, directory=a.dir,
                          disk_capacity_bytes=a.disk_capacity_bytes, block_tokens=a.block_tokens,
                          max_put_bytes=a.max_put_bytes, max_message_bytes=a.max_message_bytes,
-                         executor_timeout_s=a.executor_timeout, workers=a.workers)
+                         executor_timeout_s=a.executor_timeout, workers=a.workers, metrics_port=a.metrics_port,
+                         security=security.from_args(a))
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     logs.configure("kvstore")
+    telemetry.setup("graphmesh-kvstore")
+    telemetry.serve_metrics(config.metrics_port)
     started = time.monotonic()
     server, port, store = build_server(config)
     host = config.listen.rsplit(":", 1)[0]
@@ -108,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     stop.wait()
     log.info("stopping", extra={"grace_s": 5})
     server.stop(grace=5).wait()
+    telemetry.shutdown()
 
 
 if __name__ == "__main__":
