@@ -70,6 +70,7 @@ class LocalMesh:
     kvstore: bool = True  # start a KV store (when graphmesh-kvstore is installed) and write KV behind to it
     fault_injection: bool = False  # executors accept StageService.InjectFault
     proxied: bool = False  # the coordinator and the boundary pushes reach executors through fault proxies
+    standby_weights: bool = False  # executors hold the whole model: re-plans after a loss read no checkpoint
     # TLS for every service (PEM files): each serves with tls_cert and presents it to the others; with tls_ca
     # every hop is mutual TLS. The certificate must name 127.0.0.1.
     tls_cert: str = ""
@@ -156,8 +157,9 @@ class LocalMesh:
             address = f"127.0.0.1:{free_port()}"
             env = {"OMP_NUM_THREADS": str(threads)}
             args = ["graphmesh_executor.server", "--listen", address, "--backend", backend, "--threads", str(threads)]
-            process = self._spawn(f"executor-{rank}", args + (["--enable-fault-injection"] if self.fault_injection
-                                                              else []), env)
+            args += ["--enable-fault-injection"] if self.fault_injection else []
+            args += ["--standby-weights"] if self.standby_weights else []
+            process = self._spawn(f"executor-{rank}", args, env)
             spawned.append((address, process, rank))
             self.executor_processes.append(process)
             if self.proxied:

@@ -17,6 +17,7 @@ from graphmesh import logs, security, telemetry
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import InvalidArgument, NotFound
+from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.security import ServerSecurity
 from graphmesh.tokenizer import Tokenizer
@@ -77,6 +78,7 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,
+             kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     port = config.security.add_port(server, config.listen)

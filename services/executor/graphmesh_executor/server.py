@@ -51,6 +51,7 @@ class ExecutorConfig:
     max_param_bytes: int = 1 << 36
     workers: int = 64  # gRPC handler threads; stage waiters hold one each (the coordinator bounds them)
     enable_fault_injection: bool = False  # StageService.InjectFault, for tests and benchmarks only
+    standby_weights: bool = False  # read the whole model in the background: fast re-plans after a peer is lost
     metrics_port: int = 0  # Prometheus /metrics; 0: off
     security: ServerSecurity = field(default_factory=ServerSecurity)
 
@@ -94,7 +95,7 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRe
     block_writer = KvWriteBehind(tls=config.security.tls)
     runtime = StageRuntime(config.backend, config.device, str(config.model_root) if config.model_root else None,
                            pusher=BoundaryPusher(config.security.tls), block_writer=block_writer,
-                           faults_enabled=config.enable_fault_injection)
+                           faults_enabled=config.enable_fault_injection, standby_weights=config.standby_weights)
     add_stage_service(server, runtime)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -143,13 +144,15 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--max-param-bytes", type=_size, default=1 << 36, help="largest SetParams/BindHandle stream")
     p.add_argument("--workers", type=int, default=64, help="gRPC handler threads")
     p.add_argument("--enable-fault-injection", action="store_true", help="accept StageService.InjectFault (tests)")
+    p.add_argument("--standby-weights", action="store_true",
+                   help="hold the whole model's weights so a re-plan after losing a peer reads no checkpoint")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
     security.add_arguments(p)
     a = p.parse_args(argv)
     return ExecutorConfig(listen=a.listen, backend=a.backend, device=a.device, model_root=a.model_root,
                           threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,
                           workers=a.workers, enable_fault_injection=a.enable_fault_injection,
-                          metrics_port=a.metrics_port,
+                          standby_weights=a.standby_weights, metrics_port=a.metrics_port,
                           security=security.from_args(a))
 
 
