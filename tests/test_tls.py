@@ -223,3 +223,17 @@ def test_server_security_flags_are_checked(tmp_path: Path, pki: Pki) -> None:
               "coordinator, kvstore", "--auth-token-file", pki.token_file)
     assert s.tls is not None and s.tls.ca is not None
     assert s.allowed_peers == {"coordinator", "kvstore"} and s.auth_token == TOKEN
+
+
+def test_the_cli_speaks_mutual_tls_with_a_token(mtls_mesh: LocalMesh, pki: Pki) -> None:
+    import json
+    import subprocess
+    import sys
+
+    tls = ["--tls-ca", pki.ca, "--tls-cert", pki.client.cert, "--tls-key", pki.client.key]
+    base = [sys.executable, "-m", "graphmesh.cli", "status", "--coordinator", mtls_mesh.coordinator_address, "--json"]
+    ok = subprocess.run([*base, *tls, "--token", TOKEN], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["ready"]
+    refused = subprocess.run([*base, *tls, "--token", "wrong"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "UNAUTHENTICATED" in refused.stderr

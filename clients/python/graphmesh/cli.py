@@ -9,11 +9,24 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from graphmesh import security
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError
 from graphmesh.launcher import LocalMesh, fastest_backend
 
 DEFAULT_COORDINATOR = "127.0.0.1:50050"
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", default="", help="bearer token for a coordinator started with --auth-token-file")
+    p.add_argument("--tls-ca", default="", help="CA certificate: connect over TLS")
+    p.add_argument("--tls-cert", default="", help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default="", help="client key (mutual TLS)")
+
+
+def _client(args: argparse.Namespace, address: str) -> CoordinatorClient:
+    creds = security.credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
+    return CoordinatorClient(address, credentials=creds, token=args.token)
 
 
 def _mesh_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +74,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    with _coordinator(args) as address, CoordinatorClient(address) as client:
+    with _coordinator(args) as address, _client(args, address) as client:
         t0 = time.perf_counter()
         token_ids: list[int] = []
         prompt_ids: list[int] = []
@@ -90,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with CoordinatorClient(args.coordinator or DEFAULT_COORDINATOR) as client:
+    with _client(args, args.coordinator or DEFAULT_COORDINATOR) as client:
         s = client.status()
     if args.json:
         from google.protobuf import json_format
@@ -122,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", action="store_true")
+    _client_args(gen)
     st = sub.add_parser("status", help="show the plan, executors, incarnation and sessions")
     st.add_argument("--coordinator", default="")
     st.add_argument("--json", action="store_true")
+    _client_args(st)
     args = parser.parse_args(argv)
     try:
         return {"up": cmd_up, "generate": cmd_generate, "status": cmd_status}[args.command](args)
