@@ -10,11 +10,16 @@ prefill graph (S = bucket) and the decode graph (S = 1). Contract, in order:
            K cache (output 1+2i) and V cache (output 2+2i), which the executor feeds back into past_k_i/past_v_i.
 New K/V rows go to cache rows positions[0] .. positions[0]+S-1; attention masks cache rows by position,
 so rows of a padded prefill past the prompt never reach a real query.
+
+Two opt-in precisions (the defaults are the exact f32 graph above): dtype="bf16"/"f16" keeps params, KV
+caches and compute in that dtype while the boundary, logits and token stay as in the contract (a GPU
+stage); packed_activations="bf16" feeds bf16 activations to the dequant_matmuls of a quantized stage's
+layers (not its head), the form torch's packed int4 CPU kernel multiplies without dequantizing the weight.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from graphmesh.graph import GraphBuilder, Value
 from graphmesh.models.config import ModelConfig
@@ -33,10 +38,10 @@ class StageIO:
 
 
 def stage_inputs(g: GraphBuilder, c: ModelConfig, n_local: int, seq_len: int, cache_len: int, first: bool, last: bool,
-                 sample: bool) -> StageIO:
+                 sample: bool, kv_dtype: str = "f32") -> StageIO:
     x = g.input("input_ids", (seq_len,), "i64") if first else g.input("hidden_in", (seq_len, c.hidden_size))
     positions = g.input("positions", (seq_len,), "i64")
-    past = [(g.input(f"past_k_{i}", (cache_len, c.kv_dim)), g.input(f"past_v_{i}", (cache_len, c.kv_dim)))
+    past = [(g.input(f"past_k_{i}", (cache_len, c.kv_dim), kv_dtype), g.input(f"past_v_{i}", (cache_len, c.kv_dim), kv_dtype))
             for i in range(n_local)]
     last_index = g.input("last_index", (1,), "i64") if last else None
     sampling = (g.input("temperature", (1,)), g.input("top_k", (1,), "i64"), g.input("top_p", (1,)),
@@ -63,50 +68,79 @@ def cached_attention(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, q: Va
     return g.reshape(out, (q.shape[0], c.q_dim)), k_cache, v_cache
 
 
-def _linear(g: GraphBuilder, x: Value, name: str, n: int, k: int, schemes: dict[str, str], bias: bool = False) -> Value:
+@dataclass
+class _Precision:
+    dtype: str = "f32"  # params, KV caches and compute
+    packed_activations: str = "f32"  # the dtype dequant_matmuls take
+    casts: dict[str, Value] = field(default_factory=dict)  # one cast per activation that several Linears read
+
+    def packed_input(self, g: GraphBuilder, x: Value) -> Value:
+        if self.packed_activations == x.dtype:
+            return x
+        if x.name not in self.casts:
+            self.casts[x.name] = g.cast(x, self.packed_activations)
+        return self.casts[x.name]
+
+
+def _linear(g: GraphBuilder, x: Value, name: str, n: int, k: int, schemes: dict[str, str], bias: bool = False,
+            precision: _Precision | None = None) -> Value:
     """x [S, k] @ W.T with W stored [n, k] as in HF (or packed GGUF blocks when `name` has a scheme)."""
+    p = precision or _Precision()
     if name in schemes:
         scheme = schemes[name]
-        y = g.dequant_matmul(x, g.param(name, packed_shape(scheme, n, k), "u8"), scheme, n, k)
+        y = g.dequant_matmul(p.packed_input(g, x), g.param(name, packed_shape(scheme, n, k), "u8"), scheme, n, k)
+        y = g.cast(y, x.dtype) if y.dtype != x.dtype else y
     else:
-        y = g.matmul(x, g.param(name, (n, k)), transpose_b=True)
-    return g.add(y, g.param(name.removesuffix("weight") + "bias", (n,))) if bias else y
+        y = g.matmul(x, g.param(name, (n, k), p.dtype), transpose_b=True)
+    return g.add(y, g.param(name.removesuffix("weight") + "bias", (n,), p.dtype)) if bias else y
 
 
 def _block(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, layer: int, x: Value, schemes: dict[str, str],
-           ) -> tuple[Value, Value, Value]:
+           precision: _Precision) -> tuple[Value, Value, Value]:
     p = f"model.layers.{layer}."
-    s, h = x.shape[0], c.hidden_size
-    a = g.rms_norm(x, g.param(p + "input_layernorm.weight", (h,)), c.norm_eps)
-    q = _linear(g, a, p + "self_attn.q_proj.weight", c.q_dim, h, schemes, c.qkv_bias)
-    k = _linear(g, a, p + "self_attn.k_proj.weight", c.kv_dim, h, schemes, c.qkv_bias)
-    v = _linear(g, a, p + "self_attn.v_proj.weight", c.kv_dim, h, schemes, c.qkv_bias)
+    s, h, dt = x.shape[0], c.hidden_size, precision.dtype
+    a = g.rms_norm(x, g.param(p + "input_layernorm.weight", (h,), dt), c.norm_eps)
+    q = _linear(g, a, p + "self_attn.q_proj.weight", c.q_dim, h, schemes, c.qkv_bias, precision)
+    k = _linear(g, a, p + "self_attn.k_proj.weight", c.kv_dim, h, schemes, c.qkv_bias, precision)
+    v = _linear(g, a, p + "self_attn.v_proj.weight", c.kv_dim, h, schemes, c.qkv_bias, precision)
     q = g.rope(g.reshape(q, (s, c.n_heads, c.head_dim)), io.positions, c.rope_theta, c.rope_style)
     k = g.rope(g.reshape(k, (s, c.n_kv_heads, c.head_dim)), io.positions, c.rope_theta, c.rope_style)
     attn, k_cache, v_cache = cached_attention(g, c, io, i, q, g.reshape(k, (s, c.kv_dim)), v)
-    x = g.add(x, _linear(g, attn, p + "self_attn.o_proj.weight", h, c.q_dim, schemes))
-    m = g.rms_norm(x, g.param(p + "post_attention_layernorm.weight", (h,)), c.norm_eps)
-    gate = _linear(g, m, p + "mlp.gate_proj.weight", c.intermediate_size, h, schemes)
-    up = _linear(g, m, p + "mlp.up_proj.weight", c.intermediate_size, h, schemes)
-    x = g.add(x, _linear(g, g.mul(g.silu(gate), up), p + "mlp.down_proj.weight", h, c.intermediate_size, schemes))
+    x = g.add(x, _linear(g, attn, p + "self_attn.o_proj.weight", h, c.q_dim, schemes, precision=precision))
+    m = g.rms_norm(x, g.param(p + "post_attention_layernorm.weight", (h,), dt), c.norm_eps)
+    gate = _linear(g, m, p + "mlp.gate_proj.weight", c.intermediate_size, h, schemes, precision=precision)
+    up = _linear(g, m, p + "mlp.up_proj.weight", c.intermediate_size, h, schemes, precision=precision)
+    x = g.add(x, _linear(g, g.mul(g.silu(gate), up), p + "mlp.down_proj.weight", h, c.intermediate_size, schemes,
+                         precision=precision))
     return x, k_cache, v_cache
 
 
 def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int, first: bool, last: bool,
                 sample: bool = False, name: str | None = None, quantized: bool = False,
-                packed_schemes: dict[str, str] | None = None) -> graph_pb2.Graph:
+                packed_schemes: dict[str, str] | None = None, dtype: str = "f32",
+                packed_activations: str = "f32") -> graph_pb2.Graph:
     """The stage graph over global layers `layers`. With quantized=True every Linear weight named in
-    packed_schemes (from Checkpoint.packed_schemes()) is a u8 param of GGUF blocks used through dequant_matmul."""
+    packed_schemes (from Checkpoint.packed_schemes()) is a u8 param of GGUF blocks used through dequant_matmul.
+    dtype and packed_activations: see the module docstring."""
     c = config
     schemes = dict(packed_schemes or {}) if quantized else {}
-    g = GraphBuilder(name or f"llama_{layers.start}-{layers.stop}_s{seq_len}_c{cache_len}{'_q' if schemes else ''}")
-    io = stage_inputs(g, c, len(layers), seq_len, cache_len, first, last, sample)
-    x = g.gather(g.param("model.embed_tokens.weight", (c.vocab_size, c.hidden_size)), io.x) if first else io.x
+    precision = _Precision(dtype, packed_activations if schemes else dtype)
+    suffix = ("_q" if schemes else "") + ("" if dtype == "f32" else f"_{dtype}") + \
+        ("_a" + packed_activations if schemes and packed_activations != "f32" else "")
+    g = GraphBuilder(name or f"llama_{layers.start}-{layers.stop}_s{seq_len}_c{cache_len}{suffix}")
+    io = stage_inputs(g, c, len(layers), seq_len, cache_len, first, last, sample, dtype)
+    if first:
+        x = g.gather(g.param("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), dtype), io.x)
+    else:
+        x = g.cast(io.x, dtype) if dtype != "f32" else io.x
     caches: list[Value] = []
     for i, layer in enumerate(layers):
-        x, k_cache, v_cache = _block(g, c, io, i, layer, x, schemes)
+        x, k_cache, v_cache = _block(g, c, io, i, layer, x, schemes, precision)
         caches += [k_cache, v_cache]
     if io.last_index is None:
-        return stage_outputs(g, io, x, caches)
-    x = g.rms_norm(g.gather(x, io.last_index), g.param("model.norm.weight", (c.hidden_size,)), c.norm_eps)
-    return stage_outputs(g, io, _linear(g, x, "lm_head.weight", c.vocab_size, c.hidden_size, schemes), caches)
+        return stage_outputs(g, io, g.cast(x, "f32") if dtype != "f32" else x, caches)
+    x = g.rms_norm(g.gather(x, io.last_index), g.param("model.norm.weight", (c.hidden_size,), dtype), c.norm_eps)
+    # The head keeps the stage dtype: bf16 logits near 16 are 0.125 apart, and greedy picks would flip.
+    head = _Precision(dtype, dtype)
+    logits = _linear(g, x, "lm_head.weight", c.vocab_size, c.hidden_size, schemes, precision=head)
+    return stage_outputs(g, io, g.cast(logits, "f32") if dtype != "f32" else logits, caches)

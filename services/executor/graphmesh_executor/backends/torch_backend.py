@@ -3,6 +3,16 @@
 f16/bf16 run natively (torch has CPU and CUDA kernels for every op used here); rope upcasts
 half inputs on CPU, where each elementwise step would otherwise round. Sampling runs on the
 host in float64 (executable.sample_row) so every backend picks the same token.
+
+A graph runs as a plan of slots (one list index per value, freed after its last reader), not
+through the base class's dict interpreter: decode of a 30-layer model is ~800 kernel calls, and
+Python overhead per call is what a decode step on CPU pays besides reading the weights.
+
+On CUDA, a graph whose host-side decisions can all be made from its host inputs (index bounds,
+the KV write row, greedy sampling) runs "static" kernels that never read device values on the
+host, and from its second run with the same handles is captured as a CUDA graph and replayed:
+inputs are copied into static buffers, KV handles are written in place, outputs are the graph's
+own buffers. A decode step is then one replay instead of ~800 launches.
 """
 
 from __future__ import annotations
@@ -10,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,7 +29,7 @@ import torch.nn.functional as F
 
 from graphmesh import dtypes
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
-from graphmesh.graph import Graph
+from graphmesh.graph import Graph, Node
 from graphmesh.ops import QUANT_BLOCKS, TensorType
 from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_row, uniform
 
@@ -61,8 +72,14 @@ def _span(t: Tensor) -> tuple[int, int]:
     return _memo(t, "span", lambda: tuple(torch.stack(torch.aminmax(t)).tolist()))  # type: ignore[no-any-return]
 
 
-def _check_indices(idx: Tensor, bound: int, what: str) -> None:
-    if idx.numel():
+def _static(ctx: RunContext) -> bool:
+    """A run whose kernels must not read device values on the host (it may be captured as a CUDA graph):
+    the executable checked every index on the host inputs before the run."""
+    return bool(ctx.extras.get("static"))
+
+
+def _check_indices(ctx: RunContext, idx: Tensor, bound: int, what: str) -> None:
+    if idx.numel() and not _static(ctx):
         lo, hi = _span(idx)  # checked on the host: a bad index on CUDA would kill the context
         if lo < 0 or hi >= bound:
             raise OutOfRange(f"{what} index {hi if hi >= bound else lo} outside [0, {bound})", "INDEX_OUT_OF_RANGE")
@@ -92,7 +109,7 @@ def _reduce(fn: Any) -> Kernel:
 def _gather(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     table, idx = xs
     axis = a["axis"] % table.ndim
-    _check_indices(idx, table.shape[axis], "gather")
+    _check_indices(ctx, idx, table.shape[axis], "gather")
     rows = table.index_select(axis, idx.reshape(-1).long())
     return rows.reshape(*table.shape[:axis], *idx.shape, *table.shape[axis + 1:])
 
@@ -103,10 +120,20 @@ def _rope_table(pos: Tensor, theta: float, rot: int, dtype: torch.dtype) -> tupl
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def _half_table(pos: Tensor, theta: float, rot: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin over the whole head, sin signed so that rope = x * cos + roll(x, rot/2) * sin."""
+    cos, sin = _rope_table(pos, theta, rot, dtype)
+    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+
+
 def _rope(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, pos = xs
     rot = a["rotary_dim"] or x.shape[2]
     y = _up(x)
+    if a["style"] == "half" and rot == x.shape[2]:
+        # Four kernels instead of ten; the same products and sums as the halves below (the sign is exact).
+        cos, sin = _memo(pos, ("rope-half", a["theta"], rot, y.dtype), lambda: _half_table(pos, a["theta"], rot, y.dtype))
+        return (y * cos + y.roll(rot // 2, -1) * sin).to(x.dtype)
     cos, sin = _memo(pos, ("rope", a["theta"], rot, y.dtype), lambda: _rope_table(pos, a["theta"], rot, y.dtype))
     if a["style"] == "half":
         x1, x2 = y[..., : rot // 2], y[..., rot // 2 : rot]
@@ -120,7 +147,19 @@ def _rope(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
 def _attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     q, k, v = xs[:3]  # [S, H, D]
     mask = None
-    if a["causal"] and q.shape[0]:
+    hide = None  # decode: keys past the query's position, on the device
+    if a["causal"] and q.shape[0] and _static(ctx):
+        # No host read of the positions: every cache row is read and rows past each query's position are
+        # masked, so one captured graph serves every position.
+        pos, keys = xs[3], k.shape[0]
+        visible: Tensor = _memo(pos, ("static-mask", keys),
+                                lambda: torch.arange(keys, device=q.device)[None, :] <= pos[:, None])
+        mask, hide = visible, _memo(pos, ("static-hide", keys), lambda: ~visible[0])
+        # Rows past every query are padding that may hold anything (NaN included): a zero weight times NaN is
+        # NaN, so they are zeroed, not only masked.
+        pad = _memo(pos, ("static-pad", keys), lambda: (torch.arange(keys, device=q.device) > pos.max())[:, None, None])
+        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+    elif a["causal"] and q.shape[0]:
         pos = xs[3]
         lo, hi = _span(pos)
         keys = min(k.shape[0], hi + 1)  # rows past every query's position are padding: never read them
@@ -134,6 +173,8 @@ def _attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
         hkv = k.shape[1]
         qg, kh, vh = _up(q).reshape(hkv, hq // hkv, d), _up(k).permute(1, 2, 0), _up(v).transpose(0, 1)
         scores = torch.matmul(qg, kh) * (a["scale"] or d**-0.5)  # [Hkv, G, keys]
+        if hide is not None:
+            scores.masked_fill_(hide, -math.inf)
         p = torch.softmax(scores.float() if scores.dtype in _HALF else scores, -1).to(vh.dtype)
         return torch.matmul(p, vh).reshape(1, hq, d).to(q.dtype)  # [Hkv, G, D] -> [1, Hq, D]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
@@ -143,6 +184,14 @@ def _attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
 
 def _kv_write(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     cache, rows, pos = xs
+    if _static(ctx):
+        # The executable checked the row range on the host, and writes its donated caches in place.
+        idx = pos.reshape(-1)[:1]
+        if rows.shape[0] > 1:
+            idx = idx + torch.arange(rows.shape[0], device=pos.device)
+        cache.__dict__.pop(_DONATED, None)
+        cache.__dict__.pop(_MEMO, None)
+        return cache.index_copy_(0, idx, rows)
     start: int = _memo(pos, "start", lambda: int(pos.reshape(-1)[0]))
     if start < 0 or start + rows.shape[0] > cache.shape[0]:
         raise OutOfRange(f"kv_write of rows [{start}, {start + rows.shape[0]}) into a cache of "
@@ -161,13 +210,13 @@ def _top_k(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
 
 def _take_along_axis(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, idx = xs
-    _check_indices(idx, x.shape[a["axis"]], "take_along_axis")
+    _check_indices(ctx, idx, x.shape[a["axis"]], "take_along_axis")
     return torch.gather(x, a["axis"], idx.long())
 
 
 def _grouped_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, w, ids = xs
-    _check_indices(ids, w.shape[0], "expert")
+    _check_indices(ctx, ids, w.shape[0], "expert")
     out = x.new_empty((x.shape[0], w.shape[2]))
     for e in torch.unique(ids).tolist():  # one matmul per expert present, never a gathered [M, K, N] weight copy
         rows = ids == e
@@ -177,6 +226,8 @@ def _grouped_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
 
 def _sample(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     logits = xs[0]
+    if _static(ctx):  # the executable runs static only when the host temperature says greedy
+        return torch.argmax(logits, dim=-1)
     t, k, p, s = (x.reshape(-1)[0].item() for x in xs[1:])
     if t <= 0.0:  # greedy needs no host copy of the logits; argmax picks the first maximum like numpy
         return torch.argmax(logits, dim=-1)
@@ -209,10 +260,19 @@ def dequantize(packed: Tensor, scheme: str, n: int, k: int) -> Tensor:
 
 
 def _int4pack(packed: Tensor, scheme: str, n: int, k: int) -> tuple[Tensor, Tensor]:
-    """q4_0/q4_1 blocks -> torch's CPU int4 layout and its bf16 (scale, zero) pairs [k/32, n, 2]."""
+    """GGUF blocks -> torch's CPU int4 layout and its bf16 (scale, zero) pairs [k/32, rows, 2].
+
+    q4 gives n rows. q8_0 gives 2n: a code q is 16 * (q >> 4) + (q & 15), two exact nibbles, so rows
+    0..n-1 hold the low nibbles (scale d, zero 8d) and rows n..2n-1 the high ones (scale 16d), and the
+    product is the sum of the two halves: half the bytes of a bf16 weight, a quarter of f32.
+    """
     q, d, z = _unpack(packed, scheme, n, k)
+    if scheme == "q8_0":
+        codes = q.to(torch.int32)
+        q = torch.cat([codes & 0x0F, (codes >> 4) + 8])
+        d, z = torch.cat([d, 16 * d]), torch.cat([8 * d, torch.zeros_like(d)])
     scales = torch.cat([d, z], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(n, k).to(torch.int32), 8), scales
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(q.shape[0], k).to(torch.int32), 8), scales
 
 
 def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
@@ -221,15 +281,55 @@ def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
     converted: dict[Any, Any] = packed.__dict__.setdefault(_CONVERTED, {})
     # The packed int4 kernel is fast only with bf16 activations (f32/f16 take a slow path there), and it
     # needs n % 16 == 0; everything else multiplies by the weight dequantized once to x's dtype.
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and scheme in ("q4_0", "q4_1") and n % 16 == 0:
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and n % 16 == 0:
         if "int4" not in converted:
             converted["int4"] = _int4pack(packed, scheme, n, k)
         w, scales = converted["int4"]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, k), w, 32, scales)
+        if scheme == "q8_0":
+            y = y[:, :n] + y[:, n:]
         return y.reshape(*x.shape[:-1], n)
     if x.dtype not in converted:
-        converted[x.dtype] = dequantize(packed, scheme, n, k).to(x.dtype)
+        w = dequantize(packed, scheme, n, k).to(x.dtype)
+        converted[x.dtype] = w.mT.contiguous().mT if w.device.type == "cpu" else w  # see TorchExecutable._transposed
     return F.linear(x, converted[x.dtype])
+
+
+def _host_op(node: Node, x: np.ndarray | None) -> np.ndarray | None:
+    """slice or reshape of a host value, as the node does it on the device."""
+    if x is None:
+        return None
+    if node.op == "reshape":
+        return x.reshape(node.attrs["shape"])
+    index = [slice(None)] * x.ndim
+    index[node.attrs["axis"] % x.ndim] = slice(node.attrs["start"], node.attrs["end"])
+    return x[tuple(index)]
+
+
+def _host_check(node: Node, value: Callable[[dict[str, np.ndarray]], np.ndarray | None], graph: Graph) -> HostCheck:
+    """What the node's kernel would check or decide on the device values, done on the host inputs: raises the
+    kernel's error, or returns False when the run cannot be static (a value is missing, sampling is not greedy)."""
+    def check(inputs: dict[str, np.ndarray]) -> bool:
+        x = value(inputs)
+        if x is None:
+            return False
+        if node.op == "sample":
+            return bool(x.reshape(-1)[0] <= 0.0)
+        if node.op == "kv_write":
+            start, rows, capacity = int(x.reshape(-1)[0]), graph.type_of(node.inputs[1]).shape[0], \
+                graph.type_of(node.inputs[0]).shape[0]
+            if start < 0 or start + rows > capacity:
+                raise OutOfRange(f"kv_write of rows [{start}, {start + rows}) into a cache of {capacity} rows",
+                                 "ROW_OUT_OF_RANGE")
+            return True
+        shape = graph.type_of(node.inputs[0]).shape
+        bound = shape[node.attrs["axis"] % len(shape)]
+        if x.size and (x.min() < 0 or x.max() >= bound):
+            bad = x.max() if x.max() >= bound else x.min()
+            what = "gather" if node.op == "gather" else "take_along_axis"
+            raise OutOfRange(f"{what} index {bad} outside [0, {bound})", "INDEX_OUT_OF_RANGE")
+        return True
+    return check
 
 
 KERNELS: dict[str, Kernel] = {
@@ -275,11 +375,31 @@ KERNELS: dict[str, Kernel] = {
 }
 
 
+@dataclass(frozen=True)
+class _Step:
+    kernel: Kernel
+    args: tuple[int, ...]  # slots read
+    attrs: dict[str, Any]
+    out: int  # slot written
+    free: tuple[int, ...]  # slots whose last reader this is
+
+
+@dataclass(frozen=True)
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    outputs: list[Tensor]
+
+
+HostCheck = Callable[[dict[str, np.ndarray]], bool]
+_MAX_CAPTURES = 8  # per executable: one per session whose decode runs on it, oldest dropped first
+
+
 class TorchExecutable(Executable[Tensor]):
     backend = "torch"
     # Handles stay torch tensors on the executable's device between runs (GPU memory on cuda).
     capabilities = Capabilities(resident_handles=True)
     kernels = KERNELS
+    cuda_graphs = True  # capture static runs on CUDA; False runs the same static kernels eagerly
 
     def __init__(self, graph: Graph, device: str = "cpu") -> None:
         try:
@@ -297,6 +417,158 @@ class TorchExecutable(Executable[Tensor]):
         self._donors = {n.inputs[0]: graph.outputs.index(n.name) for n in graph.nodes
                         if n.op == "kv_write" and n.inputs[0] in graph.inputs and n.name in graph.outputs
                         and readers[n.inputs[0]] == 1 and n.inputs[0] not in graph.outputs}
+        # Weights read only as W in x @ W.T are kept as W.T contiguous (a view of the declared shape): MKL's
+        # one-row product reads that layout faster (7.2 vs 10.2 ms for SmolLM2's 49152x576 head on one core).
+        uses = Counter(name for node in graph.nodes for name in node.inputs)
+        self._transposed = {n.inputs[1] for n in graph.nodes if n.op == "matmul" and n.attrs["transpose_b"]
+                            and not n.attrs["transpose_a"] and n.inputs[1] in graph.params
+                            and len(graph.params[n.inputs[1]].shape) == 2 and uses[n.inputs[1]] == 1
+                            and n.inputs[0] != n.inputs[1]} if self._device.type == "cpu" else set()
+        # The base interpreter counts MoE expert calls and captures top-k ids: graphs with those ops keep it.
+        self._planned = not any(n.op in ("grouped_matmul", "top_k") for n in graph.nodes)
+        self._slots, self._steps = self._plan(graph)
+        self._host_checks = self._static_checks(graph) if self._device.type == "cuda" and self._planned else None
+        self._host_inputs: dict[str, np.ndarray] = {}
+        self._static_in: dict[str, Tensor] = {}
+        self._captures: dict[tuple[int, ...], _Captured] = {}
+        self._seen: dict[tuple[int, ...], int] = {}
+
+    # -- the plan --------------------------------------------------------------------------------------
+    def _plan(self, graph: Graph) -> tuple[dict[str, int], list[_Step]]:
+        names = [*graph.inputs, *graph.params, *(n.name for n in graph.nodes)]
+        slots = {name: i for i, name in enumerate(names)}
+        keep = set(graph.outputs) | set(graph.params)
+        steps = []
+        for i, node in enumerate(graph.nodes):
+            if node.op == "constant":
+                continue
+            free = tuple(slots[n] for n in dict.fromkeys(node.inputs) if self._last_use.get(n) == i and n not in keep)
+            steps.append(_Step(self.kernels[node.op], tuple(slots[n] for n in node.inputs), node.attrs, slots[node.name],
+                               free))
+        return slots, steps
+
+    def _run_plan(self, env: dict[str, Tensor], ctx: RunContext) -> list[Tensor]:
+        values: list[Any] = [None] * len(self._slots)
+        slots = self._slots
+        for name, value in env.items():
+            values[slots[name]] = value
+        for name, value in self._constants.items():
+            values[slots[name]] = value
+        for name, t in self.graph.params.items():
+            values[slots[name]] = self._params[name] if name in self._params else self._zeros(t)
+        for step in self._steps:
+            values[step.out] = step.kernel(ctx, [values[j] for j in step.args], step.attrs)
+            for j in step.free:
+                values[j] = None
+        return [values[slots[name]] for name in self.graph.outputs]
+
+    # -- static runs and CUDA graphs --------------------------------------------------------------------
+    def _static_checks(self, graph: Graph) -> list[HostCheck] | None:
+        """Host-side stand-ins for every host read the kernels make, or None when some value they need is not
+        a host input seen through slices and reshapes (then the graph always runs eagerly)."""
+        nodes = {n.name: n for n in graph.nodes}
+
+        def host(name: str) -> Callable[[dict[str, np.ndarray]], np.ndarray | None] | None:
+            if name in graph.inputs:
+                return lambda inputs: np.asarray(inputs[name]) if name in inputs else None
+            node = nodes.get(name)
+            if node is None or node.op not in ("slice", "reshape"):
+                return None
+            inner = host(node.inputs[0])
+            if inner is None:
+                return None
+            return lambda inputs: _host_op(node, inner(inputs))
+
+        checks: list[HostCheck] = []
+        for node in graph.nodes:
+            if node.op in ("gather", "take_along_axis", "kv_write", "sample"):
+                value = host(node.inputs[2 if node.op == "kv_write" else 1])
+                if value is None:
+                    return None
+                if node.op == "kv_write" and (node.name not in graph.outputs or
+                                              self._donors.get(node.inputs[0]) != graph.outputs.index(node.name)):
+                    return None  # only a donated cache may be written in place
+                checks.append(_host_check(node, value, graph))
+        return checks
+
+    def _static_env(self, env: dict[str, Tensor]) -> tuple[dict[str, Tensor], tuple[int, ...]] | None:
+        """env with the host inputs in static buffers, and the capture key (the handles' addresses); None when
+        this run must be eager: a host check declines, a cache is not donated, or an input reads as zeros."""
+        host = self._host_inputs
+        if self._host_checks is None or not all(check(host) for check in self._host_checks):
+            return None
+        if any(self._donors.get(h) != i for h, i in self._prefix_feeds.items()):
+            return None  # a fed output that is not the handle itself would move the handle into the graph's pool
+        if any(h in host or self._prefix_feeds.get(h) != i for h, i in self._donors.items()):
+            return None  # static kv_write writes in place: only a cache that its output replaces anyway
+        if any(name not in host and name not in self._handles for name in self.graph.inputs):
+            return None
+        static = dict(env)
+        for name in host:
+            buf = self._static_in.get(name)
+            if buf is None:
+                buf = self._static_in[name] = torch.empty_like(env[name])
+            buf.copy_(env[name])
+            buf.__dict__.pop(_MEMO, None)  # rope tables and masks of the last run were derived from old values
+            static[name] = buf
+        return static, tuple(env[name].data_ptr() for name in self.graph.inputs if name not in host)
+
+    def _run_static(self, env: dict[str, Tensor], key: tuple[int, ...]) -> list[Tensor]:
+        ctx = RunContext(self._rng, self._extent, {"static": True})
+        if not self.cuda_graphs:
+            return self._run_plan(env, ctx)
+        captured = self._captures.get(key)
+        if captured is not None:
+            captured.graph.replay()
+            return list(captured.outputs)
+        self._seen[key] = self._seen.get(key, 0) + 1
+        if self._seen[key] < 2:  # a one-off run (a prefill) is not worth a capture
+            return self._run_plan(env, ctx)
+        stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            outs = self._run_plan(env, ctx)  # this run's work, and the warm-up a capture needs first
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other executables may run on other threads of the server meanwhile.
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                for buf in self._static_in.values():
+                    buf.__dict__.pop(_MEMO, None)
+                captured_outs = self._run_plan(env, ctx)
+        torch.cuda.current_stream(self._device).wait_stream(stream)
+        for buf in self._static_in.values():
+            buf.__dict__.pop(_MEMO, None)
+        if len(self._captures) >= _MAX_CAPTURES:
+            self._captures.pop(next(iter(self._captures)))
+        self._captures[key] = _Captured(graph, captured_outs)
+        self._seen.pop(key)
+        return outs
+
+    def _forget_captures(self) -> None:
+        """Captured graphs read params by address: any param change drops them."""
+        self._captures, self._seen = {}, {}
+
+    def _lay_out(self, name: str) -> None:
+        if name in self._transposed:
+            self._params[name] = self._params[name].mT.contiguous().mT
+        self._forget_captures()
+
+    def set_param(self, name: str, data: np.ndarray) -> None:
+        super().set_param(name, data)
+        self._lay_out(name)
+
+    def set_param_typed(self, name: str, data: np.ndarray) -> None:
+        super().set_param_typed(name, data)
+        self._lay_out(name)
+
+    def copy_params_from(self, src: Executable[Any]) -> list[str]:
+        self._forget_captures()
+        return super().copy_params_from(src)
+
+    def clone(self) -> Executable[Tensor]:
+        twin = super().clone()
+        assert isinstance(twin, TorchExecutable)
+        twin._static_in, twin._captures, twin._seen = {}, {}, {}
+        return twin
 
     def _from_host(self, array: np.ndarray) -> Tensor:
         owned = np.array(array, order="C")  # a copy: in-place KV writes must never reach the caller's array
@@ -327,6 +599,7 @@ class TorchExecutable(Executable[Tensor]):
         # A run that fails after the in-place write leaves rows from `pos` on written: rows past the
         # session's committed length, which attention masks and the retried run overwrites.
         env = super()._gather_inputs(inputs)
+        self._host_inputs = inputs
         for handle, output in self._donors.items():
             if self._prefix_feeds.get(handle) == output and handle in self._handles and handle not in inputs:
                 alias = env[handle].detach()  # a new tensor object over the same storage carries the mark
@@ -336,7 +609,13 @@ class TorchExecutable(Executable[Tensor]):
 
     @torch.inference_mode()
     def _execute(self, env: dict[str, Tensor]) -> list[Tensor]:
-        return super()._execute(env)
+        if not self._planned:
+            return super()._execute(env)
+        if self._host_checks is not None:
+            static = self._static_env(env)
+            if static is not None:
+                return self._run_static(*static)
+        return self._run_plan(env, RunContext(self._rng, self._extent))
 
     @torch.inference_mode()
     def feed_kv_row(self, src_row: int, dst_row: int, row_elems: int) -> bool:
