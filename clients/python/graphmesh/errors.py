@@ -7,6 +7,12 @@ the client turns the status back into the same exception type.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
+
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -108,3 +114,57 @@ def from_rpc_error(error: grpc.RpcError) -> GraphmeshError:
     exc = cls(details or code.name, reason or code.name, metadata)
     exc.code = code
     return exc
+
+
+log = logging.getLogger("graphmesh")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _bad_input() -> tuple[tuple[type[Exception], str], ...]:
+    # Imported late: these modules are below this one and must not import it back.
+    from graphmesh.dtypes import DTypeError
+    from graphmesh.graph import GraphError
+    from graphmesh.ops import OpError
+    from graphmesh.tensors import TensorError
+
+    return ((GraphError, "BAD_GRAPH"), (OpError, "BAD_OP"), (TensorError, "BAD_TENSOR"), (DTypeError, "UNKNOWN_DTYPE"))
+
+
+def to_status(exc: BaseException, method: str = "") -> grpc.Status:
+    """The status for any exception a call raised: typed errors keep their code and reason, malformed input is
+    INVALID_ARGUMENT, anything else INTERNAL (and logged with its traceback)."""
+    if isinstance(exc, GraphmeshError):
+        err = exc
+    else:
+        reason = next((r for cls, r in _bad_input() if isinstance(exc, cls)), None)
+        if reason is None:
+            log.error("internal error", exc_info=exc, extra={"method": method})
+            return Internal(f"{type(exc).__name__}: {exc}", "INTERNAL").to_status()
+        err = InvalidArgument(str(exc), reason)
+    log.warning("request refused", extra={"method": method, "code": err.code.name, "reason": err.reason,
+                                          "error": err.message})
+    return err.to_status()
+
+
+def rpc(fn: F) -> F:
+    """Aborts the call with `to_status` of whatever the handler raised (unary and streaming handlers alike): the
+    one place where every service turns exceptions into statuses, so a bad request never takes the server down."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def streaming(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from fn(self, request, context)
+            except Exception as e:
+                if context.is_active():
+                    context.abort_with_status(to_status(e, fn.__name__))
+        return cast(F, streaming)
+
+    @functools.wraps(fn)
+    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as e:
+            if not context.is_active():
+                raise  # the client is gone (a cancelled client stream); nobody reads a status
+            context.abort_with_status(to_status(e, fn.__name__))
+    return cast(F, unary)

@@ -9,24 +9,22 @@ serving.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import grpc
 import numpy as np
 
 from graphmesh import dtypes, tensors
 from graphmesh.dtypes import DTypeError
-from graphmesh.errors import GraphmeshError, Internal, InvalidArgument, ResourceExhausted
-from graphmesh.graph import GraphError, parse
-from graphmesh.ops import OpError, TensorType
+from graphmesh.errors import InvalidArgument, ResourceExhausted, rpc
+from graphmesh.graph import parse
+from graphmesh.ops import TensorType
 from graphmesh.tensors import TensorError
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, graph_pb2, tensor_pb2
 from graphmesh_executor import weights
@@ -38,53 +36,10 @@ log = logging.getLogger("graphmesh.executor")
 INLINE_OUTPUT_BYTES = 2 << 20  # Run answers inline up to this total; larger outputs are fetched with ReadOutput
 MESSAGE_SLACK_BYTES = 64 << 10  # room for the non-tensor fields of a message under the size cap
 
-_BAD_INPUT: tuple[tuple[type[Exception], str], ...] = (
-    (GraphError, "BAD_GRAPH"), (OpError, "BAD_OP"), (TensorError, "BAD_TENSOR"), (DTypeError, "UNKNOWN_DTYPE"))
 _BACKENDS = {"numpy": executor_pb2.BACKEND_NUMPY, "torch": executor_pb2.BACKEND_TORCH, "mlx": executor_pb2.BACKEND_MLX}
 _RNG_BACKENDS = {executor_pb2.RNG_BACKEND_SPLITMIX: "splitmix", executor_pb2.RNG_BACKEND_ZERO: "zero"}
 _FORMATS = {executor_pb2.CHECKPOINT_FORMAT_UNSPECIFIED: "", executor_pb2.CHECKPOINT_FORMAT_GGUF: "gguf",
             executor_pb2.CHECKPOINT_FORMAT_SAFETENSORS: "safetensors"}
-
-
-def to_status(exc: BaseException, method: str = "") -> grpc.Status:
-    """The status for any exception a call raised: typed errors keep their code and reason."""
-    if isinstance(exc, GraphmeshError):
-        err = exc
-    else:
-        reason = next((r for cls, r in _BAD_INPUT if isinstance(exc, cls)), None)
-        if reason is None:
-            log.error("internal error", exc_info=exc, extra={"method": method})
-            return Internal(f"{type(exc).__name__}: {exc}", "INTERNAL").to_status()
-        err = InvalidArgument(str(exc), reason)
-    log.warning("request refused", extra={"method": method, "code": err.code.name, "reason": err.reason,
-                                          "error": err.message})
-    return err.to_status()
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def rpc(fn: F) -> F:
-    """Aborts the call with `to_status` of whatever the handler raised (unary and streaming handlers alike)."""
-    if inspect.isgeneratorfunction(fn):
-        @functools.wraps(fn)
-        def streaming(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            try:
-                yield from fn(self, request, context)
-            except Exception as e:
-                if context.is_active():
-                    context.abort_with_status(to_status(e, fn.__name__))
-        return cast(F, streaming)
-
-    @functools.wraps(fn)
-    def unary(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return fn(self, request, context)
-        except Exception as e:
-            if not context.is_active():
-                raise  # the client is gone (a cancelled client stream); nobody reads a status
-            context.abort_with_status(to_status(e, fn.__name__))
-    return cast(F, unary)
 
 
 def _type(dtype: str, shape: Iterable[int]) -> graph_pb2.TensorType:

@@ -21,7 +21,15 @@ import numpy as np
 from graphmesh import models, telemetry
 from graphmesh.bundled import BUNDLED, resolve_model
 from graphmesh.checkpoints import open_checkpoint
-from graphmesh.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
+from graphmesh.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    GraphmeshError,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+)
 from graphmesh.graph import parse
 from graphmesh.models.config import ModelConfig
 from graphmesh_executor.backends import compile_graph
@@ -89,11 +97,14 @@ class ExecuteResult:
     computed_tokens: int = 0
 
 
-class ProtocolError(Exception):
-    """Wraps a failure with its protocol error class (ARCH, COMM, CONTRACT)."""
+class ProtocolError(GraphmeshError):
+    """A failure with its protocol error class (ARCH, COMM, CONTRACT): the status of its cause, with the class in
+    the ErrorInfo metadata so the coordinator knows what it means for the protocol."""
 
     def __init__(self, error_class: str, cause: Exception) -> None:
-        super().__init__(str(cause))
+        base = cause if isinstance(cause, GraphmeshError) else Internal(f"{type(cause).__name__}: {cause}")
+        super().__init__(base.message, base.reason, {**base.metadata, "error_class": error_class})
+        self.code = base.code
         self.error_class = error_class
         self.cause = cause
 

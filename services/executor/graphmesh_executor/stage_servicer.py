@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import TypeVar
 
 import grpc
 import numpy as np
 
 from graphmesh import security, telemetry, tensors
-from graphmesh.dtypes import DTypeError
-from graphmesh.errors import GraphmeshError, Internal, InvalidArgument, from_rpc_error
-from graphmesh.tensors import TensorError
+from graphmesh.errors import InvalidArgument, from_rpc_error, rpc
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
-from graphmesh_executor.stage import ProtocolError, Sampling, StageConfig, StageRuntime
+from graphmesh_executor.stage import Sampling, StageConfig, StageRuntime
 
 log = logging.getLogger("graphmesh.executor.stage")
 R = TypeVar("R")
@@ -31,29 +28,6 @@ _PHASE = {SessionPhase.IDLE: stage_pb2.SESSION_PHASE_IDLE, SessionPhase.IN_TXN: 
 _OUTCOME_PB = {Outcome.NONE: stage_pb2.EPOCH_OUTCOME_UNSPECIFIED, Outcome.COMMITTED: stage_pb2.EPOCH_OUTCOME_COMMITTED,
                Outcome.ABORTED: stage_pb2.EPOCH_OUTCOME_ABORTED,
                Outcome.INDETERMINATE: stage_pb2.EPOCH_OUTCOME_INDETERMINATE}
-
-
-def _statused(fn: Callable[..., R]) -> Callable[..., R]:
-    """Maps typed errors to statuses in one place; the error class travels in ErrorInfo metadata."""
-
-    @functools.wraps(fn)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
-        try:
-            return fn(self, request, context)
-        except (TensorError, DTypeError) as e:
-            context.abort_with_status(InvalidArgument(str(e), "BAD_TENSOR").to_status())
-        except ProtocolError as e:
-            cause = e.cause if isinstance(e.cause, GraphmeshError) else Internal(str(e.cause))
-            cause.metadata = {**cause.metadata, "error_class": e.error_class}
-            context.abort_with_status(cause.to_status())
-        except GraphmeshError as e:
-            context.abort_with_status(e.to_status())
-        except Exception as e:
-            log.exception("stage call failed")
-            context.abort_with_status(Internal(f"{type(e).__name__}: {e}").to_status())
-        raise AssertionError("unreachable")
-
-    return wrapper
 
 
 class BoundaryPusher:
@@ -88,7 +62,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def __init__(self, runtime: StageRuntime) -> None:
         self.runtime = runtime
 
-    @_statused
+    @rpc
     def Install(self, request: stage_pb2.InstallRequest, context: grpc.ServicerContext) -> stage_pb2.InstallResponse:
         s = request.stage
         spec = StageConfig(s.model, s.layer_start, s.layer_end, s.first, s.last, s.next_address, s.weights or "f32",
@@ -98,7 +72,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                                          param_bytes=self.runtime.param_bytes, load_ms=load_ms,
                                          model_identity=self.runtime.model_identity)
 
-    @_statused
+    @rpc
     def ExecuteGroup(self, request: stage_pb2.ExecuteGroupRequest,
                      context: grpc.ServicerContext) -> stage_pb2.ExecuteGroupResponse:
         h, s = request.header, request.sampling
@@ -116,7 +90,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             response.logits.CopyFrom(tensors.to_proto(result.logits))
         return response
 
-    @_statused
+    @rpc
     def PushBoundary(self, request: stage_pb2.PushBoundaryRequest,
                      context: grpc.ServicerContext) -> stage_pb2.PushBoundaryResponse:
         h = request.header
@@ -128,18 +102,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.runtime.accept_boundary(h.incarnation, h.session_id, h.epoch, hidden)
         return stage_pb2.PushBoundaryResponse()
 
-    @_statused
+    @rpc
     def Commit(self, request: stage_pb2.CommitRequest, context: grpc.ServicerContext) -> stage_pb2.CommitResponse:
         h = request.header
         return stage_pb2.CommitResponse(kv_length=self.runtime.commit(h.incarnation, h.session_id, h.epoch))
 
-    @_statused
+    @rpc
     def Abort(self, request: stage_pb2.AbortRequest, context: grpc.ServicerContext) -> stage_pb2.AbortResponse:
         h = request.header
         return stage_pb2.AbortResponse(kv_length=self.runtime.abort(h.incarnation, h.session_id, h.epoch,
                                                                      request.commit_epoch))
 
-    @_statused
+    @rpc
     def ResolveEpoch(self, request: stage_pb2.ResolveEpochRequest,
                      context: grpc.ServicerContext) -> stage_pb2.ResolveEpochResponse:
         h = request.header
@@ -149,22 +123,20 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.ResolveEpochResponse(kv_length=self.runtime.resolve(h.incarnation, h.session_id, h.epoch,
                                                                              outcome))
 
-    @_statused
+    @rpc
     def ReleaseSession(self, request: stage_pb2.ReleaseSessionRequest,
                        context: grpc.ServicerContext) -> stage_pb2.ReleaseSessionResponse:
         h = request.header
         return stage_pb2.ReleaseSessionResponse(released=self.runtime.release(h.incarnation, h.session_id))
 
+    @rpc
     def ReadSessionKv(self, request: stage_pb2.ReadSessionKvRequest,
                       context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
         h = request.header
-        try:
-            rows = self.runtime.read_kv(h.incarnation, h.session_id, request.from_row, request.to_row)
-        except GraphmeshError as e:
-            context.abort_with_status(e.to_status())
+        rows = self.runtime.read_kv(h.incarnation, h.session_id, request.from_row, request.to_row)
         yield from tensors.to_chunks("kv", rows)
 
-    @_statused
+    @rpc
     def WriteSessionKv(self, request_iterator: Iterator[stage_pb2.WriteSessionKvRequest],
                        context: grpc.ServicerContext) -> stage_pb2.WriteSessionKvResponse:
         assembler = tensors.ChunkAssembler()
@@ -182,18 +154,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         length = self.runtime.write_kv(h.incarnation, h.session_id, first.start_row, rows, list(first.token_ids))
         return stage_pb2.WriteSessionKvResponse(kv_length=length)
 
-    @_statused
+    @rpc
     def Fence(self, request: stage_pb2.FenceRequest, context: grpc.ServicerContext) -> stage_pb2.FenceResponse:
         self.runtime.fence(request.incarnation, request.reason, request.terminal)
         return stage_pb2.FenceResponse(state=_AUTHORITY[self.runtime.authority.state])
 
-    @_statused
+    @rpc
     def InjectFault(self, request: stage_pb2.InjectFaultRequest,
                     context: grpc.ServicerContext) -> stage_pb2.InjectFaultResponse:
         self.runtime.inject_fault(_FAULTS.get(request.kind, ""), request.count)
         return stage_pb2.InjectFaultResponse()
 
-    @_statused
+    @rpc
     def Status(self, request: stage_pb2.StageStatusRequest,
                context: grpc.ServicerContext) -> stage_pb2.StageStatusResponse:
         rt, a = self.runtime, self.runtime.authority

@@ -2,42 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import TypeVar
 
 import grpc
 
 from graphmesh import dtypes, tensors
-from graphmesh.dtypes import DTypeError
-from graphmesh.errors import GraphmeshError, Internal, InvalidArgument
-from graphmesh.tensors import TensorError
+from graphmesh.errors import InvalidArgument, rpc
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 from graphmesh_kvstore.mover import Mover
 from graphmesh_kvstore.store import Store
 
 log = logging.getLogger("graphmesh.kvstore")
 R = TypeVar("R")
-
-
-def _statused(fn: Callable[..., R]) -> Callable[..., R]:
-    """Maps typed errors to statuses in one place."""
-
-    @functools.wraps(fn)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> R:
-        try:
-            return fn(self, request, context)
-        except (TensorError, DTypeError) as e:
-            context.abort_with_status(InvalidArgument(str(e), "BAD_TENSOR").to_status())
-        except GraphmeshError as e:
-            context.abort_with_status(e.to_status())
-        except Exception as e:
-            log.exception("kvstore call failed")
-            context.abort_with_status(Internal(f"{type(e).__name__}: {e}").to_status())
-        raise AssertionError("unreachable")
-
-    return wrapper
 
 
 def _deadline(context: grpc.ServicerContext) -> float | None:
@@ -51,7 +29,7 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         self.store = store
         self.mover = mover
 
-    @_statused
+    @rpc
     def PutBlocks(self, request_iterator: Iterator[kvstore_pb2.PutBlocksRequest],
                   context: grpc.ServicerContext) -> kvstore_pb2.PutBlocksResponse:
         first = next(request_iterator, None)
@@ -75,24 +53,24 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                                                 first.incarnation, first.epoch)
         return kvstore_pb2.PutBlocksResponse(stored=stored, already_present=present)
 
-    @_statused
+    @rpc
     def Lookup(self, request: kvstore_pb2.LookupRequest, context: grpc.ServicerContext) -> kvstore_pb2.LookupResponse:
         return kvstore_pb2.LookupResponse(matched_tokens=self.store.lookup(request.namespace, request.token_ids))
 
-    @_statused
+    @rpc
     def GetBlocks(self, request: kvstore_pb2.GetBlocksRequest,
                   context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
         rows = self.store.get_blocks(request.namespace, request.token_ids, request.max_tokens)
         return tensors.to_chunks("rows", rows)
 
-    @_statused
+    @rpc
     def SeedExecutor(self, request: kvstore_pb2.SeedExecutorRequest,
                      context: grpc.ServicerContext) -> kvstore_pb2.SeedExecutorResponse:
         tokens, nbytes, seconds = self.mover.seed(request.namespace, request.token_ids, request.max_tokens,
                                                   request.executor_address, request.header, _deadline(context))
         return kvstore_pb2.SeedExecutorResponse(seeded_tokens=tokens, bytes=nbytes, elapsed_ms=seconds * 1e3)
 
-    @_statused
+    @rpc
     def CopyRows(self, request: kvstore_pb2.CopyRowsRequest,
                  context: grpc.ServicerContext) -> kvstore_pb2.CopyRowsResponse:
         nbytes, seconds = self.mover.copy_rows(request.source_address, request.source_header,
@@ -100,12 +78,12 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
                                                request.from_row, request.to_row, _deadline(context))
         return kvstore_pb2.CopyRowsResponse(bytes=nbytes, elapsed_ms=seconds * 1e3)
 
-    @_statused
+    @rpc
     def Evict(self, request: kvstore_pb2.EvictRequest, context: grpc.ServicerContext) -> kvstore_pb2.EvictResponse:
         ns = request.namespace if request.HasField("namespace") else None
         return kvstore_pb2.EvictResponse(evicted_blocks=self.store.evict(ns))
 
-    @_statused
+    @rpc
     def Stats(self, request: kvstore_pb2.StatsRequest, context: grpc.ServicerContext) -> kvstore_pb2.StatsResponse:
         s = self.store.stats()
         return kvstore_pb2.StatsResponse(
