@@ -188,47 +188,45 @@ def concurrent(mesh: LocalMesh, prompt: list[int], sessions: int, tokens: int) -
 
 @dataclass
 class Profile:
-    client_ms: float  # a decode token as the client sees it (median gap between streamed tokens)
-    direct_ms: float  # a decode invocation driven directly: every rank's ExecuteGroup, commit folded in
-    compute_ms: list[float]  # graph time per rank (ExecuteGroupResponse.compute_us)
+    """Per decode token, in seconds: the client's gap between streamed tokens, a decode invocation driven directly
+    (every rank's ExecuteGroup, commit folded in), and each rank's graph time (ExecuteGroupResponse.compute_us)."""
+
+    client: list[float] = field(default_factory=list)
+    direct: list[float] = field(default_factory=list)
+    compute: list[list[float]] = field(default_factory=list)
 
 
-def profile(mesh: LocalMesh, prompt: list[int], tokens: int, rounds: int) -> Profile:
-    """Alternates generating through the coordinator with driving the mesh's executors as the coordinator does
-    (under its incarnation, a session of our own), so that both see the same load."""
+def profile_round(mesh: LocalMesh, prompt: list[int], tokens: int, out: Profile) -> None:
+    """Generates once through the coordinator, then drives the mesh's executors as the coordinator does (under
+    its incarnation, with a session of our own)."""
+    run = mesh_engine(mesh)(prompt, tokens)
+    out.client += [b - a for a, b in itertools.pairwise(run.arrivals)]
     with CoordinatorClient(mesh.coordinator_address) as client:
         status = client.status()
     channels = [grpc.insecure_channel(s.address) for s in sorted(status.stages, key=lambda s: s.rank)]
     stubs = [stage_pb2_grpc.StageServiceStub(c) for c in channels]
-    engine = mesh_engine(mesh)
-    client_gaps: list[float] = []
-    direct: list[float] = []
-    compute: list[list[float]] = [[] for _ in stubs]
-    for _ in range(rounds):
-        run = engine(prompt, tokens)
-        client_gaps += [b - a for a, b in itertools.pairwise(run.arrivals)]
-        session = f"bench-profile-{uuid.uuid4().hex}"
-        pending, start, commit = list(prompt), 0, 0
-        for epoch in range(1, tokens + 1):
-            request = stage_pb2.ExecuteGroupRequest(
-                header=stage_pb2.FencingHeader(incarnation=status.incarnation, session_id=session, epoch=epoch),
-                expert_pass=stage_pb2.EXPERT_PASS_PREFILL if len(pending) > 1 else stage_pb2.EXPERT_PASS_DECODE,
-                commit_epoch=commit, start_position=start, token_ids=pending, output=stage_pb2.OUTPUT_KIND_TOKEN,
-                boundary_timeout_ms=30_000)
-            t0 = time.perf_counter()
-            calls = [stub.ExecuteGroup.future(request, timeout=60) for stub in reversed(stubs)][::-1]
-            replies = [c.result() for c in calls]
-            if epoch > 1:  # decode steps only
-                direct.append(time.perf_counter() - t0)
-                for out, reply in zip(compute, replies):
-                    out.append(reply.compute_us / 1e3)
-            start, pending, commit = start + len(pending), [int(replies[-1].token)], epoch
-        header = stage_pb2.FencingHeader(incarnation=status.incarnation, session_id=session)
-        for stub in stubs:
-            stub.ReleaseSession(stage_pb2.ReleaseSessionRequest(header=header), timeout=30)
+    out.compute = out.compute or [[] for _ in stubs]
+    session = f"bench-profile-{uuid.uuid4().hex}"
+    pending, start, commit = list(prompt), 0, 0
+    for epoch in range(1, tokens + 1):
+        request = stage_pb2.ExecuteGroupRequest(
+            header=stage_pb2.FencingHeader(incarnation=status.incarnation, session_id=session, epoch=epoch),
+            expert_pass=stage_pb2.EXPERT_PASS_PREFILL if len(pending) > 1 else stage_pb2.EXPERT_PASS_DECODE,
+            commit_epoch=commit, start_position=start, token_ids=pending, output=stage_pb2.OUTPUT_KIND_TOKEN,
+            boundary_timeout_ms=30_000)
+        t0 = time.perf_counter()
+        calls = [stub.ExecuteGroup.future(request, timeout=60) for stub in reversed(stubs)][::-1]
+        replies = [c.result() for c in calls]
+        if epoch > 1:  # decode steps only
+            out.direct.append(time.perf_counter() - t0)
+            for samples, reply in zip(out.compute, replies):
+                samples.append(reply.compute_us / 1e6)
+        start, pending, commit = start + len(pending), [int(replies[-1].token)], epoch
+    header = stage_pb2.FencingHeader(incarnation=status.incarnation, session_id=session)
+    for stub in stubs:
+        stub.ReleaseSession(stage_pb2.ReleaseSessionRequest(header=header), timeout=30)
     for channel in channels:
         channel.close()
-    return Profile(median(client_gaps) * 1e3, median(direct) * 1e3, [median(c) for c in compute])
 
 
 # -- the benchmark ------------------------------------------------------------------------------------------------
@@ -291,8 +289,21 @@ def main(argv: list[str] | None = None) -> None:
                          f"{aggregate[k][-1].tokens_per_s:6.2f} tokens/s aggregate, CPU "
                          f"{aggregate[k][-1].cpu_busy:.0%} busy")
 
-        progress("profile: driving each mesh's executors directly with the stage protocol")
-        profiles = {n: profile(meshes[n], prompt, a.tokens, a.rounds) for n in sizes}
+        progress("profile: the in-process engines, and each mesh through its client and driven directly, alternating")
+        inprocess = [name for name in engines if name.startswith("in-process")]
+        # executors run graphs on gRPC handler threads: the same engine on a thread that is not the main one
+        worker = ThreadPoolExecutor(1)
+        engines["in-process, worker thread"] = lambda ids, n: worker.submit(engines["in-process executor"], ids, n).result()
+        inprocess.append("in-process, worker thread")
+        profiles: dict[str, Profile] = {name: Profile(compute=[[]]) for name in inprocess}
+        profiles |= {f"mesh, {n} executor{'s' if n > 1 else ''}": Profile() for n in sizes}
+        for _ in range(a.rounds):
+            for name in inprocess:
+                run = engines[name](prompt, a.tokens)
+                profiles[name].client += [b - a_ for a_, b in itertools.pairwise(run.arrivals)]
+                profiles[name].compute[0] += [us / 1e6 for us in run.compute_us[1:]]
+            for n in sizes:
+                profile_round(meshes[n], prompt, a.tokens, profiles[f"mesh, {n} executor{'s' if n > 1 else ''}"])
     finally:
         for mesh in meshes.values():
             mesh.stop()
@@ -302,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(a: argparse.Namespace, prompt: list[int], threads: int, load: tuple[float, float, float],
            runs: dict[str, list[Run]], engine_threads: dict[str, str], aggregate: dict[int, list[Concurrent]],
-           profiles: dict[int, Profile]) -> None:
+           profiles: dict[str, Profile]) -> None:
     reference = runs["transformers generate"][0].tokens
     inprocess = median([r.decode_tokens_per_s for r in runs["in-process executor"]])
     rows: list[list[Any]] = []
@@ -341,29 +352,33 @@ def report(a: argparse.Namespace, prompt: list[int], threads: int, load: tuple[f
     print("\ngoals:")
     print(f"  2-executor mesh / in-process executor tokens/s = {mesh2:.2f} (goal >= {GOAL_MESH_VS_INPROCESS}): "
           f"{'met' if mesh2 >= GOAL_MESH_VS_INPROCESS else 'MISSED'}")
+    if "in-process, 1 thread" in variants:
+        one_thread = variants["mesh, 2 executors"]["decode_tokens_per_s"] / variants["in-process, 1 thread"][
+            "decode_tokens_per_s"]
+        goals["mesh2_vs_in_process_1_thread"] = {"value": one_thread, "goal": None, "met": None}
+        print(f"  (against the in-process executor on 1 thread, what one session's pipeline has at any moment: "
+              f"{one_thread:.2f})")
     print(f"  {biggest} sessions / {min(aggregate)} session aggregate = {scaling:.2f} (goal >= {GOAL_CONCURRENCY}): "
           f"{'met' if scaling >= GOAL_CONCURRENCY else 'MISSED'}")
 
     prof_rows: list[list[Any]] = []
     breakdown: dict[str, dict[str, Any]] = {}
-    for name in ("in-process executor", "in-process, 1 thread"):
-        if name in runs:
-            token = median([median([b - a for a, b in itertools.pairwise(r.arrivals)]) for r in runs[name]]) * 1e3
-            compute = median([median(r.compute_us[1:]) / 1e3 for r in runs[name]])
-            prof_rows.append([name, token, compute, token - compute, float("nan")])
-            breakdown[name] = {"ms_per_token": token, "compute_ms": compute, "stage_runtime_ms": token - compute}
-    for n, prof in profiles.items():
-        name = f"mesh, {n} executor{'s' if n > 1 else ''}"
-        compute = sum(prof.compute_ms)
-        prof_rows.append([name, prof.client_ms, compute, prof.direct_ms - compute, prof.client_ms - prof.direct_ms])
-        breakdown[name] = {"ms_per_token": prof.client_ms, "compute_ms_per_rank": prof.compute_ms,
-                           "direct_protocol_ms_per_token": prof.direct_ms, "stage_runtime_and_rpc_ms": prof.direct_ms - compute,
-                           "coordinator_and_client_ms": prof.client_ms - prof.direct_ms}
-    print("\nwhere a decode token's time goes, in ms (median per token, measured apart from the table above: the "
-          "client's gap between tokens, alternating with the same generation driven directly with the stage protocol; "
-          "compute: graph runs summed over the ranks, from compute_us; stage runtime + protocol: a directly driven "
-          "invocation minus compute = the runtime's Python, the ExecuteGroup RPCs and the boundary pushes; coordinator "
-          "+ client: the client's gap minus a directly driven invocation):")
+    for name, prof in profiles.items():
+        client = median(prof.client) * 1e3
+        direct = median(prof.direct) * 1e3 if prof.direct else client  # in-process: no protocol around the runtime
+        per_rank = [median(c) * 1e3 for c in prof.compute]
+        compute = sum(per_rank)
+        mesh = name.startswith("mesh")
+        prof_rows.append([name, client, compute, direct - compute, client - direct if mesh else float("nan")])
+        breakdown[name] = {"ms_per_token": client, "compute_ms_per_rank": per_rank, "direct_ms_per_token": direct,
+                           "stage_runtime_and_protocol_ms": direct - compute,
+                           "coordinator_and_client_ms": client - direct if mesh else None}
+    print("\nwhere a decode token's time goes, in ms (median per token, measured after the table above in rounds of "
+          "their own: each engine once, each mesh through the client and then driven directly with the stage "
+          "protocol; compute: graph runs summed over the ranks, from compute_us; stage runtime + protocol: a directly "
+          "driven invocation minus compute = the runtime's Python, the ExecuteGroup RPCs and the boundary pushes; "
+          "coordinator + client: the client's gap minus a directly driven invocation; 'worker thread': the in-process "
+          "engine called from a thread that is not the main one, as an executor's gRPC handler is):")
     print(table(["engine", "ms/token", "compute", "stage runtime + protocol", "coordinator + client"], prof_rows))
 
     write_results("mesh.json", {

@@ -11,6 +11,7 @@ split each recovery into detection, fencing, the re-install (of which the execut
 restore and replay. Prints tables and writes bench/results/recovery.json.
 
     .venv/bin/python bench/bench_recovery.py [--faults 3] [--before 8] [--after 24] [--victim 1]
+        [--cases kill,kill+kv,stop,stop+kv]   (+standby: executors started with --standby-weights)
 """
 
 from __future__ import annotations
@@ -45,7 +46,29 @@ EXECUTORS = 3
 SESSIONS = 4
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 GOAL_S = 2.0
-CASES = [("kill -9", False), ("kill -9", True), ("SIGSTOP", False), ("SIGSTOP", True)]
+
+
+@dataclass(frozen=True)
+class Case:
+    fault: str  # "kill -9" or "SIGSTOP"
+    kvstore: bool  # restore sessions from the KV store (else by recomputing their tokens)
+    standby: bool = False  # executors hold the whole model's weights (--standby-weights): no checkpoint read on a re-plan
+
+    @classmethod
+    def parse(cls, text: str) -> Case:
+        """"kill", "stop", with "+kv" and/or "+standby"."""
+        fault, *flags = text.split("+")
+        if fault not in ("kill", "stop") or not set(flags) <= {"kv", "standby"}:
+            raise ValueError(f"bad case {text!r}: kill or stop, then +kv and/or +standby")
+        return cls("kill -9" if fault == "kill" else "SIGSTOP", "kv" in flags, "standby" in flags)
+
+    @property
+    def name(self) -> str:
+        return f"{self.fault}, {'with' if self.kvstore else 'without'} kvstore{', standby weights' if self.standby else ''}"
+
+    @property
+    def slug(self) -> str:
+        return f"{self.fault.replace(' ', '')}{'-kv' if self.kvstore else ''}{'-standby' if self.standby else ''}"
 
 
 @dataclass
@@ -115,17 +138,17 @@ def timeline(log_dir: Path, wall_fault: float, resumed_wall: float) -> dict[str,
     return out
 
 
-def faulted_run(how: str, kvstore: bool, prompt: list[int], a: argparse.Namespace, log_dir: Path,
+def faulted_run(case: Case, prompt: list[int], a: argparse.Namespace, log_dir: Path,
                 baseline: list[list[int]] | None) -> tuple[dict[str, Any], list[list[int]]]:
     """One fresh mesh, one fault; returns the measurements and (on the first mesh) the fault-free tokens."""
-    with LocalMesh(EXECUTORS, "torch", MODEL, kvstore=kvstore, fault_injection=True, proxied=True,
-                   log_dir=str(log_dir)) as mesh:
+    with LocalMesh(EXECUTORS, "torch", MODEL, kvstore=case.kvstore, fault_injection=True, proxied=True,
+                   standby_weights=case.standby, log_dir=str(log_dir)) as mesh:
         if baseline is None:
             clean = Streams()
             generate(mesh, prompt, a.before + a.after, clean)
             baseline = clean.tokens
         victim = mesh.executor_processes[a.victim]
-        store = KvStoreClient(mesh.kvstore_address) if kvstore else None
+        store = KvStoreClient(mesh.kvstore_address) if case.kvstore else None
         streams = Streams()
         fired: dict[str, float] = {}
         stats: dict[str, kvstore_pb2.StatsResponse] = {}
@@ -136,7 +159,7 @@ def faulted_run(how: str, kvstore: bool, prompt: list[int], a: argparse.Namespac
             if store:
                 stats["at_fault"] = store.stats()  # what the recovery's restores then hit is counted from here
             fired["perf"], fired["wall"] = time.perf_counter(), time.time()
-            if how == "kill -9":
+            if case.fault == "kill -9":
                 faults.kill9(victim)
             else:
                 faults.freeze(victim)
@@ -145,7 +168,7 @@ def faulted_run(how: str, kvstore: bool, prompt: list[int], a: argparse.Namespac
         try:
             generate(mesh, prompt, a.before + a.after, streams)
         finally:
-            if how == "SIGSTOP":
+            if case.fault == "SIGSTOP":
                 faults.thaw(victim)
         if store:
             stats["end"] = store.stats()
@@ -161,7 +184,7 @@ def faulted_run(how: str, kvstore: bool, prompt: list[int], a: argparse.Namespac
                              for pairs in gaps)
     next_token = [min(t for t in s if t >= t_fault) - t_fault for s in streams.arrivals]
     result: dict[str, Any] = {
-        "fault": how, "kvstore": kvstore, "victim_rank": a.victim,
+        "fault": case.fault, "kvstore": case.kvstore, "standby_weights": case.standby, "victim_rank": a.victim,
         "normal_gap_ms": normal * 1e3, "largest_gap_ms": worst_gap * 1e3, "recovery_ms": (worst_gap - normal) * 1e3,
         "fault_to_next_token_ms": [t * 1e3 for t in next_token],
         "tokens_per_session": [len(t) for t in streams.tokens],
@@ -180,10 +203,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--before", type=int, default=8, help="tokens every session streams before the fault")
     p.add_argument("--after", type=int, default=24, help="tokens per session after that (they outlast the recovery)")
     p.add_argument("--victim", type=int, default=1, help="rank of the executor faulted (0..2)")
-    p.add_argument("--cases", default="kill,kill+kv,stop,stop+kv", help="which cases to run (default: all four)")
+    p.add_argument("--cases", default="kill,kill+kv,stop,stop+kv",
+                   help="kill or stop, each with +kv (restore from the KV store) and/or +standby (--standby-weights)")
     a = p.parse_args(argv)
-    names = {"kill": CASES[0], "kill+kv": CASES[1], "stop": CASES[2], "stop+kv": CASES[3]}
-    cases = [names[c] for c in a.cases.split(",")]
+    cases = [Case.parse(c) for c in a.cases.split(",")]
     load = os.getloadavg()
     path = resolve_model(MODEL)
     tokenizer = Tokenizer.from_checkpoint(open_checkpoint(path))
@@ -191,17 +214,15 @@ def main(argv: list[str] | None = None) -> None:
     progress(f"{len(cases)} cases x {a.faults} faults of executor rank {a.victim} of {EXECUTORS}, {SESSIONS} sessions of "
              f"{a.before}+{a.after} tokens (seeded sampling); a fresh mesh per fault; load average {load}")
     logs = Path(tempfile.mkdtemp(prefix="graphmesh-bench-recovery-"))
-    results: dict[tuple[str, bool], list[dict[str, Any]]] = {case: [] for case in cases}
+    results: dict[Case, list[dict[str, Any]]] = {case: [] for case in cases}
     baseline: list[list[int]] | None = None
     for i in range(a.faults):
-        for how, kvstore in cases:
-            name = f"{how}, {'with' if kvstore else 'without'} kvstore"
+        for case in cases:
             t0 = time.perf_counter()
-            result, baseline = faulted_run(how, kvstore, prompt, a,
-                                           logs / f"{i}-{how.replace(' ', '')}-{'kv' if kvstore else 'nokv'}", baseline)
-            results[(how, kvstore)].append(result)
+            result, baseline = faulted_run(case, prompt, a, logs / f"{i}-{case.slug}", baseline)
+            results[case].append(result)
             t = result["timeline_ms"]
-            progress(f"fault {i + 1}/{a.faults}  {name:<26} recovery {result['recovery_ms']:7.0f} ms   "
+            progress(f"fault {i + 1}/{a.faults}  {case.name:<44} recovery {result['recovery_ms']:7.0f} ms   "
                      f"(detected {t.get('detected_ms', float('nan')):5.0f} ms, install {t.get('install_ms', float('nan')):6.0f}"
                      f" ms, weights {t.get('weight_load_ms_max', float('nan')):6.0f} ms)   identical "
                      f"{result['identical_to_fault_free']}   [{time.perf_counter() - t0:.0f} s]")
@@ -209,13 +230,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(a: argparse.Namespace, load: tuple[float, float, float], prompt: list[int],
-           results: dict[tuple[str, bool], list[dict[str, Any]]], logs: Path) -> None:
+           results: dict[Case, list[dict[str, Any]]], logs: Path) -> None:
     rows: list[list[Any]] = []
     phase_rows: list[list[Any]] = []
     cases: dict[str, Any] = {}
     nan = float("nan")
-    for (how, kvstore), rs in results.items():
-        name = f"{how}, {'with' if kvstore else 'without'} kvstore"
+    for case, rs in results.items():
+        name = case.name
         recovery = median([r["recovery_ms"] for r in rs])
         next_token = median([max(r["fault_to_next_token_ms"]) for r in rs])
 
@@ -224,7 +245,7 @@ def report(a: argparse.Namespace, load: tuple[float, float, float], prompt: list
             return median(values) if values else nan
 
         same = all(r["identical_to_fault_free"] for r in rs)
-        hits = median([float(r["kvstore_after_fault"]["hit_tokens"]) for r in rs]) if kvstore else nan
+        hits = median([float(r["kvstore_after_fault"]["hit_tokens"]) for r in rs]) if case.kvstore else nan
         rows.append([name, median([r["normal_gap_ms"] for r in rs]), recovery, next_token,
                      "met" if recovery <= GOAL_S * 1e3 else "MISSED", "yes" if same else "NO", hits])
         phase_rows.append([name, phase("detected_ms"), phase("recovered_ms_logged"), phase("install_ms"),
