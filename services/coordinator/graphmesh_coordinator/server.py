@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -20,6 +18,7 @@ from graphmesh.errors import InvalidArgument, NotFound
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.security import ServerSecurity
+from graphmesh.serving import run_until_signalled
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_coordinator.generation import Generator
@@ -132,13 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         log.error("coordinator failed to start", extra={"error": str(e)})
         raise SystemExit(f"graphmesh-coordinator: {e}") from e
     log.info("serving", extra={"listen": config.listen, "port": port, "incarnation": mesh.incarnation})
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
-    server.stop(grace=2.0).wait()
-    mesh.close()
-    telemetry.shutdown()
+    try:
+        run_until_signalled(server, grace_s=2.0)
+    finally:
+        mesh.close()
 
 
 if __name__ == "__main__":

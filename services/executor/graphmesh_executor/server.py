@@ -11,9 +11,7 @@ import argparse
 import ctypes
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from graphmesh import logs, security, telemetry
 from graphmesh.security import ServerSecurity
+from graphmesh.serving import run_until_signalled
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
 from graphmesh_executor.backends import NAMES
 from graphmesh_executor.fencing import AuthorityState
@@ -184,13 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                                "model_root": str(config.model_root or ""), "max_message_bytes": config.max_message_bytes,
                                "startup_ms": round((time.monotonic() - started) * 1e3, 1)})
     print(f"graphmesh-executor listening on {host}:{port}", file=sys.stderr, flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("stopping", extra={"grace_s": 5})
-    server.stop(grace=5).wait()
-    telemetry.shutdown()
+    run_until_signalled(server, grace_s=5.0)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -18,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from graphmesh import logs, security, telemetry
 from graphmesh.security import ServerSecurity
+from graphmesh.serving import run_until_signalled
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from graphmesh_kvstore.mover import Mover
 from graphmesh_kvstore.servicer import KvStoreServicer
@@ -123,13 +122,7 @@ def main(argv: list[str] | None = None) -> None:
                                "block_tokens": config.block_tokens, "blocks": s.blocks, "disk_bytes": s.disk_bytes,
                                "startup_ms": round((time.monotonic() - started) * 1e3, 1)})
     print(f"graphmesh-kvstore listening on {host}:{port}", file=sys.stderr, flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("stopping", extra={"grace_s": 5})
-    server.stop(grace=5).wait()
-    telemetry.shutdown()
+    run_until_signalled(server, grace_s=5.0)
 
 
 if __name__ == "__main__":
