@@ -168,14 +168,15 @@ class Transformers:
         for n in (1, tokens):
             began = time.perf_counter()
             with self.torch.inference_mode():
-                out = self.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+                # eos_token_id=None, not min_new_tokens: the latter masks EOS and changes the greedy tokens
+                out = self.model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
             seconds.append(time.perf_counter() - began)
         return out[0, len(prompt):].tolist(), (seconds[1] - seconds[0]) / (tokens - 1)
 
     def prefill(self, prompt: list[int]) -> tuple[float, np.ndarray]:
         began = time.perf_counter()
         with self.torch.inference_mode():
-            logits = self.model(self.torch.tensor([prompt])).logits[0, -1]
+            logits = self.model(self.torch.tensor([prompt]), logits_to_keep=1).logits[0, -1]  # as generate does
         return time.perf_counter() - began, logits.numpy()
 
 
@@ -188,7 +189,7 @@ def prompts() -> tuple[list[int], list[int]]:
 
     tok = Tokenizer.from_checkpoint(open_checkpoint(resolve_model(MODEL)))
     chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
-    long = tok.encode(TEXT * 8)
+    long = tok.encode(TEXT * 12)
     assert len(long) >= 512
     return chat, long[:512]
 

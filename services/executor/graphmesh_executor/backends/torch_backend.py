@@ -147,6 +147,7 @@ def _rope(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
 def _attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     q, k, v = xs[:3]  # [S, H, D]
     mask = None
+    causal = False  # the mask is exactly SDPA's lower triangle: its flash kernel, not a masked one (~1.5x on CPU)
     hide = None  # decode: keys past the query's position, on the device
     if a["causal"] and q.shape[0] and _static(ctx):
         # No host read of the positions: every cache row is read and rows past each query's position are
@@ -165,7 +166,10 @@ def _attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
         keys = min(k.shape[0], hi + 1)  # rows past every query's position are padding: never read them
         k, v = k[:keys], v[:keys]
         if lo + 1 < keys:  # some query sees fewer keys than remain (prefill); a decode step needs no mask
-            mask = _memo(pos, ("mask", keys), lambda: torch.arange(keys, device=q.device)[None, :] <= pos[:, None])
+            causal = lo == 0 and keys == q.shape[0] and _memo(pos, "iota", lambda: bool(
+                torch.equal(pos, torch.arange(keys, dtype=pos.dtype, device=pos.device))))
+            if not causal:
+                mask = _memo(pos, ("mask", keys), lambda: torch.arange(keys, device=q.device)[None, :] <= pos[:, None])
     if q.shape[0] == 1:
         # Decode: two small matmuls per kv head group; SDPA's dispatch costs more than the math here
         # (measured 1.65 ms vs 0.12 ms on CPU for 32 heads over 400 keys). One query needs no mask.
@@ -177,9 +181,11 @@ def _attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
             scores.masked_fill_(hide, -math.inf)
         p = torch.softmax(scores.float() if scores.dtype in _HALF else scores, -1).to(vh.dtype)
         return torch.matmul(p, vh).reshape(1, hq, d).to(q.dtype)  # [Hkv, G, D] -> [1, Hq, D]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                         scale=a["scale"] or None, enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(0, 1)
+    # A batch axis of 1: torch's CPU flash kernel takes 4-d inputs only (3-d ones fall back to the math path, 3-4x slower).
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, is_causal=causal, scale=a["scale"] or None,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
 
 
 def _kv_write(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
@@ -282,6 +288,10 @@ def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
     # The packed int4 kernel is fast only with bf16 activations (f32/f16 take a slow path there), and it
     # needs n % 16 == 0; everything else multiplies by the weight dequantized once to x's dtype.
     if x.dtype == torch.bfloat16 and x.device.type == "cpu" and n % 16 == 0:
+        if x.numel() >= 256 * k:
+            # A long prefill: the int4 kernel is a one-row kernel (14.6 ms for 512 x 576 x 1536), while dequantizing
+            # on the fly and a bf16 GEMM take 8.3 ms, and nothing dense stays in memory.
+            return F.linear(x, dequantize(packed, scheme, n, k).to(torch.bfloat16))
         if "int4" not in converted:
             converted["int4"] = _int4pack(packed, scheme, n, k)
         w, scales = converted["int4"]
@@ -419,10 +429,9 @@ class TorchExecutable(Executable[Tensor]):
                         and readers[n.inputs[0]] == 1 and n.inputs[0] not in graph.outputs}
         # Weights read only as W in x @ W.T are kept as W.T contiguous (a view of the declared shape): MKL's
         # one-row product reads that layout faster (7.2 vs 10.2 ms for SmolLM2's 49152x576 head on one core).
-        uses = Counter(name for node in graph.nodes for name in node.inputs)
         self._transposed = {n.inputs[1] for n in graph.nodes if n.op == "matmul" and n.attrs["transpose_b"]
                             and not n.attrs["transpose_a"] and n.inputs[1] in graph.params
-                            and len(graph.params[n.inputs[1]].shape) == 2 and uses[n.inputs[1]] == 1
+                            and len(graph.params[n.inputs[1]].shape) == 2 and readers[n.inputs[1]] == 1
                             and n.inputs[0] != n.inputs[1]} if self._device.type == "cpu" else set()
         # The base interpreter counts MoE expert calls and captures top-k ids: graphs with those ops keep it.
         self._planned = not any(n.op in ("grouped_matmul", "top_k") for n in graph.nodes)
