@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--state-dir", default="./coordinator-state")
     parser.add_argument("--kvstore", default="")
     parser.add_argument("--split", default="", help="layers per executor, e.g. 15,15 (default: balanced)")
-    parser.add_argument("--weights", default="f32", choices=["f32", "packed"])
+    parser.add_argument("--weights", default="f32", choices=["f32", "packed", "packed-bf16"])
     parser.add_argument("--startup-timeout", type=float, default=60.0)
     parser.add_argument("--rpc-timeout", type=float, default=60.0)
     parser.add_argument("--max-context", type=int, default=0, help="cap on tokens per session (0: the model's)")

@@ -194,8 +194,9 @@ class StageRuntime:
         if not 0 <= spec.layer_start < spec.layer_end <= config.n_layers:
             raise InvalidArgument(f"layers [{spec.layer_start}, {spec.layer_end}) outside the model's "
                                   f"{config.n_layers} layers", "BAD_LAYER_RANGE")
-        if spec.weights not in ("f32", "packed"):
-            raise InvalidArgument(f"weights must be 'f32' or 'packed', got {spec.weights!r}", "BAD_WEIGHTS")
+        if spec.weights not in ("f32", "packed", "packed-bf16"):
+            raise InvalidArgument(f"weights must be 'f32', 'packed' or 'packed-bf16', got {spec.weights!r}",
+                                  "BAD_WEIGHTS")
         self.config, self.spec = config, spec
         self._packed_schemes = ckpt.packed_schemes()
         self._executables.clear()
@@ -227,10 +228,13 @@ class StageRuntime:
                  reuse: Executable[Any] | None = None) -> Executable[Any]:
         assert self.config is not None and self.spec is not None
         spec = self.spec
-        packed = spec.weights == "packed"  # quantized GGUF blocks stay packed, consumed by dequant_matmul
+        # "packed": GGUF blocks stay packed, consumed by dequant_matmul (exact); "packed-bf16" also runs those
+        # matmuls on bf16 activations, which torch's int4 kernel needs to be fast (not token-exact).
+        packed = spec.weights in ("packed", "packed-bf16")
         proto = models.build_stage(self.config, range(spec.layer_start, spec.layer_end), seq_len=rows,
                                    cache_len=capacity, first=spec.first, last=spec.last, sample=sample,
-                                   quantized=packed, packed_schemes=self._packed_schemes if packed else None)
+                                   quantized=packed, packed_schemes=self._packed_schemes if packed else None,
+                                   packed_activations="bf16" if spec.weights == "packed-bf16" else "f32")
         exe = compile_graph(parse(proto), self.backend, self.device)
         if weights is not None:
             # A re-plan (recovery, rebalancing) keeps the layers this rank already holds and reads only the new ones.

@@ -14,7 +14,7 @@ __all__ = ["ModelConfig", "build_stage", "stage_params"]
 
 def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int, first: bool, last: bool,
                 sample: bool = False, name: str | None = None, quantized: bool = False,
-                packed_schemes: dict[str, str] | None = None) -> graph_pb2.Graph:
+                packed_schemes: dict[str, str] | None = None, packed_activations: str = "f32") -> graph_pb2.Graph:
     """The stage graph for `layers` (global indices); see graphmesh.models.llama for the I/O contract."""
     if layers.step != 1 or not 0 <= layers.start <= layers.stop <= config.n_layers:
         raise InvalidArgument(f"layers {layers} are not a contiguous span of the model's {config.n_layers} layers",
@@ -25,7 +25,8 @@ def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int
         if quantized:
             raise InvalidArgument("quantized stages exist for the llama family only", "UNSUPPORTED_MODEL")
         return gpt2.build_stage(config, layers, seq_len, cache_len, first, last, sample, name)
-    return llama.build_stage(config, layers, seq_len, cache_len, first, last, sample, name, quantized, packed_schemes)
+    return llama.build_stage(config, layers, seq_len, cache_len, first, last, sample, name, quantized, packed_schemes,
+                             packed_activations=packed_activations)
 
 
 def stage_params(config: ModelConfig, layers: range, first: bool, last: bool, quantized: bool = False,
