@@ -4,14 +4,20 @@ aggregate tokens/s of 1, 4 and 8 concurrent sessions on the 2-executor mesh, and
 
 Every engine gets the same chat-templated prompt (token ids), greedy, f32 weights dequantized from the bundled
 GGUF, and the machine's cores as compute threads (the in-process engines set torch's threads; LocalMesh splits
-the cores between its executors). The meshes run without a KV store: repeated prompts would otherwise be seeded
+the cores between its executors). The in-process executor also runs on 1 thread: a single session's pipeline
+computes on one stage at a time. The meshes run without a KV store: repeated prompts would otherwise be seeded
 from it and their prefill skipped. Rounds interleave the engines, so load from other processes hits all alike;
-the table shows medians over the rounds. The profile drives the 2-executor mesh's executors directly with the
-stage protocol (the coordinator's own incarnation and ranks) and reads each rank's compute_us, which splits a
-token's time into executor compute, protocol RPCs with the boundary push, and the coordinator with the client
-stream. Prints tables and writes bench/results/mesh.json.
+the tables show medians over the rounds (on a shared 2-core machine the 2-thread engines suffer most from that
+load: a team of 2 threads waits at every barrier for a thread that another process holds).
+
+The profile, in rounds of its own, drives each mesh's executors directly with the stage protocol (the
+coordinator's own incarnation and ranks) between generations through the coordinator, and reads each rank's
+compute_us: a token's time splits into graph compute, the stage runtime with the protocol RPCs and boundary
+pushes, and the coordinator with the client stream. It also runs the in-process engine from a worker thread, as
+an executor's gRPC handler runs it. Prints tables and writes bench/results/mesh.json.
 
     .venv/bin/python bench/bench_mesh.py [--tokens 64] [--rounds 3] [--sessions 1,4,8] [--concurrent-tokens 32]
+        [--meshes 1,2,3]
 """
 
 from __future__ import annotations
