@@ -110,8 +110,7 @@ class ProtocolError(GraphmeshError):
 
 
 Pusher = Callable[[str, str, int, int, np.ndarray, float], None]
-# (kvstore address, namespace fields, all committed tokens, first block, rows [n, layers, 2, kv_dim], stamps)
-BlockWriter = Callable[["KvBlocks"], None]
+BlockWriter = Callable[["KvBlocks"], None]  # hands committed blocks to the write-behind (kv_writer.KvWriteBehind)
 
 
 @dataclass(frozen=True)
