@@ -18,6 +18,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 STARTUP_TIMEOUT_S = 60.0
 
 
+def backend_targets() -> list[str]:
+    """Backend names for the per-backend suites, and "torch:cuda" where torch sees a GPU."""
+    from graphmesh_executor.backends import available
+
+    names = available()
+    if "torch" in names:
+        import torch
+
+        if torch.cuda.is_available():
+            names.append("torch:cuda")
+    return names
+
+
 def free_port() -> int:
     """A port that was free a moment ago (bound to 0, then closed); good enough on loopback."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

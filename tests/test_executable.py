@@ -16,22 +16,11 @@ from graphmesh import dtypes
 from graphmesh.errors import FailedPrecondition, GraphmeshError, InvalidArgument, NotFound, OutOfRange
 from graphmesh.graph import GraphBuilder, Value, parse
 from graphmesh.ops import packed_shape
-from graphmesh_executor.backends import available, compile_graph
+from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.executable import Executable, MoeStats, RngOptions
+from tests.conftest import backend_targets
 
-
-def targets() -> list[str]:
-    """Backend names, and "torch:cuda" where torch sees a GPU."""
-    names = available()
-    if "torch" in names:
-        import torch
-
-        if torch.cuda.is_available():
-            names.append("torch:cuda")
-    return names
-
-
-BACKENDS = targets()
+BACKENDS = backend_targets()
 BF16 = dtypes.to_numpy("bf16")
 Exe = Executable[Any]
 

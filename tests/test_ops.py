@@ -21,22 +21,11 @@ from graphmesh.errors import OutOfRange
 from graphmesh.graph import GraphBuilder, GraphError, parse
 from graphmesh.ops import OpError
 from graphmesh.v1 import graph_pb2
-from graphmesh_executor.backends import available, compile_graph, executable_class
+from graphmesh_executor.backends import compile_graph, executable_class
 from graphmesh_executor.executable import Executable, RngOptions, uniform
+from tests.conftest import backend_targets
 
-
-def targets() -> list[str]:
-    """Backend names, and "torch:cuda" where torch sees a GPU."""
-    names = available()
-    if "torch" in names:
-        import torch
-
-        if torch.cuda.is_available():
-            names.append("torch:cuda")
-    return names
-
-
-BACKENDS = targets()
+BACKENDS = backend_targets()
 
 # Per output dtype: (rtol, atol). Inputs are rounded to their dtype before the float64
 # reference sees them, so these bound only the backend's compute and output rounding.

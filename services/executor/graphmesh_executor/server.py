@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from graphmesh import logs, security, telemetry
 from graphmesh.security import ServerSecurity
-from graphmesh.serving import run_until_signalled
+from graphmesh.serving import byte_size, run_until_signalled
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
 from graphmesh_executor.backends import NAMES
 from graphmesh_executor.fencing import AuthorityState
@@ -123,14 +123,6 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRe
     return server, port, registry
 
 
-def _size(text: str) -> int:
-    """Bytes with an optional binary suffix: 4096, 64Mi, 1Gi."""
-    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
-    for suffix, factor in units.items():
-        if text.endswith(suffix):
-            return int(text[: -len(suffix)]) * factor
-    return int(text)
-
 
 def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p = argparse.ArgumentParser(prog="graphmesh-executor", description="Serves compiled graphs over gRPC.")
@@ -139,8 +131,8 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--model-root", type=Path, help="directory LoadParams may read checkpoints from")
     p.add_argument("--threads", type=int, help="compute threads of the backend")
-    p.add_argument("--max-message-bytes", type=_size, default=64 << 20, help="largest gRPC message (e.g. 64Mi)")
-    p.add_argument("--max-param-bytes", type=_size, default=1 << 36, help="largest SetParams/BindHandle stream")
+    p.add_argument("--max-message-bytes", type=byte_size, default=64 << 20, help="largest gRPC message (e.g. 64Mi)")
+    p.add_argument("--max-param-bytes", type=byte_size, default=1 << 36, help="largest SetParams/BindHandle stream")
     p.add_argument("--workers", type=int, default=64, help="gRPC handler threads")
     p.add_argument("--enable-fault-injection", action="store_true", help="accept StageService.InjectFault (tests)")
     p.add_argument("--standby-weights", action="store_true",

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from graphmesh import logs, security, telemetry
 from graphmesh.security import ServerSecurity
-from graphmesh.serving import run_until_signalled
+from graphmesh.serving import byte_size, run_until_signalled
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from graphmesh_kvstore.mover import Mover
 from graphmesh_kvstore.servicer import KvStoreServicer
@@ -78,24 +78,16 @@ def build_server(config: KvStoreConfig) -> tuple[grpc.Server, int, Store]:
     return server, port, store
 
 
-def _size(text: str) -> int:
-    """Bytes with an optional binary suffix: 4096, 64Mi, 1Gi."""
-    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
-    for suffix, factor in units.items():
-        if text.endswith(suffix):
-            return int(text[: -len(suffix)]) * factor
-    return int(text)
-
 
 def parse_args(argv: list[str] | None = None) -> KvStoreConfig:
     p = argparse.ArgumentParser(prog="graphmesh-kvstore", description="Stores committed KV blocks by token prefix.")
     p.add_argument("--listen", default="127.0.0.1:50060", help="HOST:PORT; port 0 picks a free port")
-    p.add_argument("--capacity-bytes", type=_size, default=1 << 30, help="memory tier size (e.g. 4Gi)")
+    p.add_argument("--capacity-bytes", type=byte_size, default=1 << 30, help="memory tier size (e.g. 4Gi)")
     p.add_argument("--dir", type=Path, help="disk tier directory; blocks there survive restarts")
-    p.add_argument("--disk-capacity-bytes", type=_size, default=0, help="disk tier size; 0 is unbounded")
+    p.add_argument("--disk-capacity-bytes", type=byte_size, default=0, help="disk tier size; 0 is unbounded")
     p.add_argument("--block-tokens", type=int, default=16, help="the block size accepted; 0 accepts any")
-    p.add_argument("--max-put-bytes", type=_size, default=DEFAULT_MAX_PUT_BYTES, help="largest PutBlocks")
-    p.add_argument("--max-message-bytes", type=_size, default=64 << 20, help="largest gRPC message")
+    p.add_argument("--max-put-bytes", type=byte_size, default=DEFAULT_MAX_PUT_BYTES, help="largest PutBlocks")
+    p.add_argument("--max-message-bytes", type=byte_size, default=64 << 20, help="largest gRPC message")
     p.add_argument("--executor-timeout", type=float, default=120.0, help="seconds for a seed or copy without deadline")
     p.add_argument("--workers", type=int, default=16, help="gRPC handler threads")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
