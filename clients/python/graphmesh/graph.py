@@ -327,6 +327,14 @@ class GraphBuilder:
     def kv_write(self, cache: Value, rows: Value, position: Value) -> Value:
         return self.node("kv_write", [cache, rows, position])
 
+    def kv_scatter(self, pool: Value, rows: Value, slots: Value) -> Value:
+        return self.node("kv_scatter", [pool, rows, slots])
+
+    def paged_attention(self, q: Value, k_pool: Value, v_pool: Value, block_table: Value, token_seq: Value,
+                        q_positions: Value, block_size: int, decode: bool = False, scale: float = 0.0) -> Value:
+        return self.node("paged_attention", [q, k_pool, v_pool, block_table, token_seq, q_positions],
+                         block_size=block_size, decode=decode, scale=scale)
+
     def top_k(self, x: Value, k: int) -> Value: return self.node("top_k", [x], k=k)
 
     def take_along_axis(self, x: Value, indices: Value, axis: int = -1) -> Value:

@@ -271,6 +271,39 @@ def _kv_write(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     return cache
 
 
+def _kv_scatter(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    pool, rows, slots = ins
+    if pool.dtype != rows.dtype or not pool.shape or pool.shape[1:] != rows.shape[1:]:
+        raise _fail(f"kv_scatter rows {rows} do not fit pool {pool}")
+    _integer(slots, "kv_scatter slots")
+    if slots.shape != rows.shape[:1]:
+        raise _fail(f"kv_scatter needs one slot per row: slots {slots} for rows {rows}")
+    return pool
+
+
+def _paged_attention(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    q, k_pool, v_pool, table, token_seq, positions = ins
+    for t, what in ((q, "q"), (k_pool, "k_pool"), (v_pool, "v_pool")):
+        _float(t, what)
+        if len(t.shape) != 3:
+            raise _fail(f"paged_attention {what} must be [rows, heads, head_dim], got {t}")
+    if k_pool.shape != v_pool.shape or q.dtype != k_pool.dtype or k_pool.dtype != v_pool.dtype:
+        raise _fail(f"paged_attention pools differ: {k_pool} and {v_pool} (q {q})")
+    if q.shape[2] != k_pool.shape[2] or k_pool.shape[1] == 0 or q.shape[1] % k_pool.shape[1]:
+        raise _fail(f"paged_attention heads do not group: q {q}, pool {k_pool}")
+    block = attrs["block_size"]
+    if block < 1 or k_pool.shape[0] % block:
+        raise _fail(f"pool of {k_pool.shape[0]} rows is not a whole number of blocks of {block}")
+    for t, what in ((table, "block_table"), (token_seq, "token_seq"), (positions, "q_positions")):
+        _integer(t, what)
+    if len(table.shape) != 2 or token_seq.shape != (q.shape[0],) or positions.shape != (q.shape[0],):
+        raise _fail(f"paged_attention wants block_table [seqs, blocks], token_seq and q_positions [{q.shape[0]}]; "
+                    f"got {table}, {token_seq}, {positions}")
+    if attrs["decode"] and table.shape[0] != q.shape[0]:
+        raise _fail(f"a decode paged_attention has one query per sequence: {q.shape[0]} queries, {table.shape[0]} rows")
+    return q
+
+
 def _top_k(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     x = ins[0]
     if not x.shape or not 1 <= attrs["k"] <= x.shape[-1]:
@@ -309,10 +342,11 @@ def _sample(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     _float(logits, "logits")
     if len(logits.shape) != 2:
         raise _fail(f"sample wants logits [batch, vocab], got {logits}")
+    # One setting for every row (a scalar or [1]), or one per row ([batch]); see sample_row's draw rule.
     for t, want, what in ((temperature, "f32", "temperature"), (top_k, "i64", "top_k"),
                           (top_p, "f32", "top_p"), (seed, "i64", "seed")):
-        if t.dtype != want or t.shape not in ((), (1,)):
-            raise _fail(f"sample {what} must be a {want} scalar, got {t}")
+        if t.dtype != want or t.shape not in ((), (1,), (logits.shape[0],)):
+            raise _fail(f"sample {what} must be a {want} scalar or [{logits.shape[0]}], got {t}")
     return TensorType("i64", (logits.shape[0],))
 
 
@@ -374,6 +408,9 @@ _register(
                                  "rotary_dim": Attr("int", 0)}),
     OpSpec("attention", 3, 4, _attention, {"causal": Attr("bool", True), "scale": Attr("float", 0.0)}),
     OpSpec("kv_write", 3, 3, _kv_write),
+    OpSpec("kv_scatter", 3, 3, _kv_scatter),
+    OpSpec("paged_attention", 6, 6, _paged_attention, {"block_size": Attr("int"), "scale": Attr("float", 0.0),
+                                                       "decode": Attr("bool", False)}),
     OpSpec("top_k", 1, 1, _top_k, {"k": Attr("int")}),
     OpSpec("take_along_axis", 2, 2, _take_along_axis, {"axis": Attr("int", -1)}),
     OpSpec("grouped_matmul", 3, 3, _grouped_matmul),

@@ -100,6 +100,21 @@ def sample_row(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
     return int(order[min(int(np.searchsorted(cum, u * cum[-1], side="right")), len(cum) - 1)])
 
 
+def sample_rows(rng: RngOptions, logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                seed: np.ndarray) -> np.ndarray:
+    """The sample op on host arrays. Each setting is one for every row (scalar or [1]) or one per row ([B]). With one
+    seed, row b draws with that seed and row index b; with a seed per row, row b draws with its own seed and row
+    index 0, so each session of a batch draws exactly what it draws alone (a batch of one is both)."""
+    per_row = seed.size == logits.shape[0] > 1
+
+    def setting(x: np.ndarray, b: int) -> Any:
+        return x.reshape(-1)[b if x.size > 1 else 0].item()
+
+    return np.array([sample_row(row, float(setting(temperature, b)), int(setting(top_k, b)), float(setting(top_p, b)),
+                                uniform(rng, int(setting(seed, b)), 0 if per_row else b))
+                     for b, row in enumerate(logits)], np.int64)
+
+
 def _convertible(have: str, want: str) -> bool:
     if have == want:
         return True

@@ -10,7 +10,7 @@ import numpy as np
 from graphmesh import dtypes
 from graphmesh.errors import OutOfRange
 from graphmesh.ops import QUANT_BLOCKS
-from graphmesh_executor.executable import Executable, Kernel, RunContext, sample_row, uniform
+from graphmesh_executor.executable import Executable, Kernel, RunContext, sample_rows
 
 Array = np.ndarray
 _erf = np.frompyfunc(math.erf, 1, 1)
@@ -130,6 +130,42 @@ def _kv_write(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     return out
 
 
+def _kv_scatter(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    pool, rows, slots = xs
+    _check_indices(slots, pool.shape[0], "kv_scatter slot")
+    out = pool.copy()
+    out[slots.astype(np.int64)] = rows
+    return out
+
+
+def paged_rows(table: Array, seq: int, keys: int, block: int) -> Array:
+    """Pool rows of logical positions 0..keys-1 of sequence `seq`: block_table[seq, j // block] * block + j % block."""
+    j = np.arange(keys)
+    return table[seq, j // block].astype(np.int64) * block + j % block
+
+
+def _paged_attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    q, k_pool, v_pool = (_up(t) for t in xs[:3])
+    table, token_seq, pos = (x.astype(np.int64) for x in xs[3:])
+    block = a["block_size"]
+    _check_indices(table, k_pool.shape[0] // block, "block_table block")
+    _check_indices(token_seq, table.shape[0], "token_seq sequence")
+    _check_indices(pos, table.shape[1] * block, "q_positions position")
+    t, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    scale = a["scale"] or 1.0 / math.sqrt(d)
+    out = np.zeros_like(q)
+    for i in range(t):  # one query at a time: the plainest statement of what every backend must compute
+        rows = paged_rows(table, int(token_seq[i]), int(pos[i]) + 1, block)
+        k, v = k_pool[rows], v_pool[rows]  # [keys, Hkv, D]
+        qg = q[i].reshape(hkv, hq // hkv, d)
+        scores = np.einsum("hgd,khd->hgk", qg, k) * scale
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[i] = np.einsum("hgk,khd->hgd", p, v).reshape(hq, d)
+    return out.astype(xs[0].dtype)
+
+
 def _top_k(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     return np.argsort(-_up(xs[0]), axis=-1, kind="stable")[..., : a["k"]].astype(np.int64)
 
@@ -155,10 +191,7 @@ def _argmax(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
 
 
 def _sample(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
-    logits, temperature, top_k, top_p, seed = xs
-    t, k, p, s = float(temperature.reshape(-1)[0]), int(top_k.reshape(-1)[0]), float(top_p.reshape(-1)[0]), int(
-        seed.reshape(-1)[0])
-    return np.array([sample_row(row, t, k, p, uniform(ctx.rng, s, b)) for b, row in enumerate(logits)], np.int64)
+    return sample_rows(ctx.rng, *xs)
 
 
 def dequantize(packed: Array, scheme: str, n: int, k: int) -> Array:
@@ -229,6 +262,8 @@ KERNELS: dict[str, Kernel] = {
     "rope": _rope,
     "attention": _attention,
     "kv_write": _kv_write,
+    "kv_scatter": _kv_scatter,
+    "paged_attention": _paged_attention,
     "top_k": _top_k,
     "take_along_axis": _take_along_axis,
     "grouped_matmul": _grouped_matmul,
