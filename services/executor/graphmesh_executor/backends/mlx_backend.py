@@ -38,7 +38,8 @@ from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph
 from graphmesh.ops import QUANT_BLOCKS, TensorType
 from graphmesh_executor.backends.numpy_backend import KERNELS as NUMPY_KERNELS
-from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_row, uniform
+from graphmesh_executor.backends.numpy_backend import paged_rows
+from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_rows
 
 PRELOAD = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"  # Debian libopenblas0-pthread
 BLIS = "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4"  # Debian libblis4-pthread
@@ -207,7 +208,7 @@ def _attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     return out[0].transpose(1, 0, 2).astype(q.dtype)
 
 
-_DONATED: set[int] = set()  # ids of the handle arrays a run lets kv_write update in place (see MlxExecutable)
+_DONATED: set[int] = set()  # ids of the handle arrays a run lets kv_write/kv_scatter update in place (see MlxExecutable)
 
 
 def _kv_write(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
@@ -223,6 +224,65 @@ def _kv_write(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
         return cache
     # Functional; still in place if the old array is gone by evaluation time (the feed replaced it before the read).
     return mx.slice_update(cache, rows, mx.array([start]), axes=(0,))
+
+
+def _kv_scatter(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    pool, rows, slots = xs
+    host = _indices(slots, pool.shape[0], "kv_scatter slot")
+    if not host.size:
+        return pool
+    if np.unique(host).size < host.size:  # mlx scatters duplicates in no set order; numpy's last write wins
+        keep = np.sort(host.size - 1 - np.unique(host[::-1], return_index=True)[1])
+        host, rows = host[keep], mx.take(rows, mx.array(keep), axis=0)
+    idx = mx.array(host)
+    if id(pool) in _DONATED:  # as _kv_write: rebinding the handle's own array object lets mlx write in place
+        pool[idx] = rows
+        return pool
+    out = mx.array(pool)  # a new array object over the same value: the assignment below leaves `pool` as it was
+    out[idx] = rows
+    return out
+
+
+def _paged_attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    q, k_pool, v_pool = xs[:3]
+    block, t, d, hkv = a["block_size"], q.shape[0], q.shape[2], k_pool.shape[1]
+    # mlx does not bound-check gathers, so the table and positions come to the host even for decode; decode
+    # skips only token_seq (it promises token_seq[t] == t).
+    table = _indices(xs[3], k_pool.shape[0] // block, "block_table block")
+    seq = np.arange(t) if a["decode"] else _indices(xs[4], table.shape[0], "token_seq sequence")
+    pos = _indices(xs[5], table.shape[1] * block, "q_positions position")
+    scale = a["scale"] or 1.0 / math.sqrt(d)
+    if t == 0:
+        return mx.zeros(q.shape, q.dtype)
+
+    def keys_of(rows: np.ndarray) -> tuple[Array, Array]:
+        # halves in f32 as numpy does, after the gather so only live rows convert; [N, keys] -> [N, Hkv, keys, D]
+        kv = [mx.take(p, mx.array(rows.reshape(-1)), axis=0).reshape(*rows.shape, hkv, d) for p in (k_pool, v_pool)]
+        k, v = ((x.astype(mx.float32) if x.dtype in _HALF else x).transpose(0, 2, 1, 3) for x in kv)
+        return k, v
+
+    qf = q.astype(mx.float32) if q.dtype in _HALF else q
+    if a["decode"]:
+        # One query per sequence: one batched sdpa over every sequence's keys up to the longest, the rest masked.
+        keys = int(pos.max()) + 1
+        k, v = keys_of(np.stack([paged_rows(table, s, keys, block) for s in range(t)]))
+        mask = mx.array(np.arange(keys)[None, :] <= pos[:, None])[:, None, None, :] if pos.min() < keys - 1 else None
+        out = mx.fast.scaled_dot_product_attention(qf[:, :, None, :], k, v, scale=scale, mask=mask)[:, :, 0, :]
+        return out.astype(q.dtype)
+    # Prefill or mixed: one sdpa per sequence over its own keys, causal by position; sdpa maps query head h to
+    # kv head h // (Hq / Hkv), as numpy's grouping does.
+    order = np.argsort(seq, kind="stable")
+    seqs, starts = np.unique(seq[order], return_index=True)
+    parts = []
+    for s, lo, hi in zip(seqs.tolist(), starts.tolist(), [*starts[1:].tolist(), t]):
+        tokens, p = order[lo:hi], pos[order[lo:hi]]
+        keys = int(p.max()) + 1
+        k, v = keys_of(paged_rows(table, s, keys, block)[None])
+        mask = mx.array(np.arange(keys)[None, :] <= p[:, None]) if p.min() < keys - 1 else None  # [n, keys]
+        qs = mx.take(qf, mx.array(tokens), axis=0).transpose(1, 0, 2)[None]  # [1, Hq, n, D]
+        parts.append(mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask=mask)[0].transpose(1, 0, 2))
+    out = mx.take(mx.concatenate(parts, axis=0), mx.array(np.argsort(order)), axis=0)
+    return out.astype(q.dtype)
 
 
 def _take_along_axis(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
@@ -246,11 +306,8 @@ def _grouped_matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Arra
 
 
 def _sample(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
-    # On the host in float64 through the shared sample_row, so every backend draws the same token.
-    logits, temperature, top_k, top_p, seed = xs
-    t, k, p, s = _scalar(temperature), int(_scalar(top_k)), _scalar(top_p), int(to_numpy(seed).reshape(-1)[0])
-    rows = to_numpy(logits)
-    return mx.array(np.array([sample_row(r, t, k, p, uniform(ctx.rng, s, b)) for b, r in enumerate(rows)], np.int64))
+    # On the host in float64 through the shared sample_rows, so every backend draws the same token.
+    return mx.array(sample_rows(ctx.rng, *(to_numpy(x) for x in xs)))
 
 
 def repack(packed: np.ndarray, scheme: str, n: int, k: int) -> tuple[Array, Array, Array, int]:
@@ -332,6 +389,8 @@ KERNELS: dict[str, Kernel] = {
     "rope": _rope,
     "attention": _f64_on_host("attention", _attention),
     "kv_write": _kv_write,
+    "kv_scatter": _kv_scatter,
+    "paged_attention": _f64_on_host("paged_attention", _paged_attention),
     "top_k": lambda ctx, xs, a: mx.argsort(-xs[0], axis=-1)[..., : a["k"]].astype(mx.int64),  # mlx sorts stably
     "take_along_axis": _take_along_axis,
     "grouped_matmul": _grouped_matmul,
@@ -343,7 +402,7 @@ KERNELS: dict[str, Kernel] = {
 
 class MlxExecutable(Executable[Array]):
     backend = "mlx"
-    # Handles stay mlx arrays between runs (unified memory on Metal) and fed kv_writes update them in place.
+    # Handles stay mlx arrays between runs (unified memory on Metal) and fed kv_writes/kv_scatters update them in place.
     capabilities = Capabilities(resident_handles=True)
     kernels = KERNELS
     dtypes: ClassVar[tuple[str, ...]] = ("f64", "f32", "f16", "bf16")
@@ -357,14 +416,14 @@ class MlxExecutable(Executable[Array]):
         f64 = any(t.dtype == "f64" for t in (*graph.inputs.values(), *graph.params.values(), *(n.type for n in graph.nodes)))
         self._stream = mx.cpu if kind == "cpu" or f64 else mx.gpu  # Metal has no f64
         super().__init__(graph, device)
-        # kv_write nodes that may update their cache handle in place, as the torch backend's: the cache is an
-        # input read by that node alone, and the node is an output (donated only while a feed stores it back).
+        # kv_write/kv_scatter nodes that may update their cache (pool) handle in place, as the torch backend's: the
+        # cache is an input read by that node alone, and the node is an output (donated only while a feed stores it back).
         readers: dict[str, int] = {}
         for node in graph.nodes:
             for name in node.inputs:
                 readers[name] = readers.get(name, 0) + 1
         self._donors = {n.inputs[0]: graph.outputs.index(n.name) for n in graph.nodes
-                        if n.op == "kv_write" and n.inputs[0] in graph.inputs and n.name in graph.outputs
+                        if n.op in ("kv_write", "kv_scatter") and n.inputs[0] in graph.inputs and n.name in graph.outputs
                         and readers[n.inputs[0]] == 1 and n.inputs[0] not in graph.outputs}
 
     def _execute(self, env: dict[str, Array]) -> list[Array]:
