@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphmesh.errors import FailedPrecondition
-from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionPhase, SessionTxn
+from graphmesh_executor.fencing import MAX_INCARNATION_STEP, Authority, AuthorityState, Outcome, SessionPhase, SessionTxn
 
 
 def test_authority_lifecycle() -> None:
@@ -45,6 +45,24 @@ def test_fencing_a_newer_incarnation_blocks_installing_older_ones() -> None:
             a.install(k)
     a.install(8)
     a.check(8)
+
+
+def test_an_incarnation_far_beyond_the_highest_seen_is_refused_and_changes_nothing() -> None:
+    """One Fence(2**64 - 1) must not make every later Install stale: far-ahead numbers are refused outright."""
+    fresh = Authority()
+    for call in (fresh.install, fresh.poison, fresh.check_install):
+        with pytest.raises(FailedPrecondition) as e:
+            call(MAX_INCARNATION_STEP + 1, *(("attack",) if call == fresh.poison else ()))
+        assert e.value.reason == "INCARNATION_OUT_OF_RANGE"
+    assert (fresh.state, fresh.highest_seen) == (AuthorityState.NONE, 0)
+    a = Authority()
+    a.install(5)
+    with pytest.raises(FailedPrecondition) as e:
+        a.poison(2**64 - 1, "attack")
+    assert e.value.reason == "INCARNATION_OUT_OF_RANGE"
+    assert (a.state, a.incarnation, a.highest_seen, a.cause) == (AuthorityState.ACTIVE, 5, 5, "")
+    a.install(5 + MAX_INCARNATION_STEP)  # the largest step is still a legal one
+    assert a.incarnation == 5 + MAX_INCARNATION_STEP
 
 
 def test_session_commit_abort_and_indeterminate() -> None:

@@ -8,6 +8,11 @@ Session:    IDLE --begin(e)--> IN_TXN(e) --commit(e)--> IDLE(last=COMMITTED)
 
 Both are plain classes, tested without gRPC; the caller holds a lock around them. Every refusal is a
 FailedPrecondition with a machine-readable reason and changes nothing.
+
+An incarnation more than MAX_INCARNATION_STEP beyond the highest seen (0 on a fresh executor) is refused
+(INCARNATION_OUT_OF_RANGE), by install and by fence alike: one Fence(2**64 - 1) would otherwise make this
+executor refuse every later Install for good. A coordinator issues incarnations one by one, so a million
+rebuilds fit in one step; only a caller that is not the mesh's coordinator sends a number that far ahead.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from enum import Enum
 
 from graphmesh.errors import FailedPrecondition
 
+MAX_INCARNATION_STEP = 1 << 20
 
 class AuthorityState(Enum):
     NONE = 1
@@ -33,11 +39,23 @@ class Authority:
         self.highest_seen = 0
         self.poisonings = 0  # incarnations this executor saw poisoned (a metric)
 
-    def install(self, incarnation: int) -> None:
+    def check_install(self, incarnation: int) -> None:
+        """Refuses an incarnation that install() would refuse, before the caller does any work for it."""
         if incarnation <= self.highest_seen:
             raise FailedPrecondition(
                 f"incarnation {incarnation} is not newer than {self.highest_seen}, the highest this executor has seen",
                 "STALE_INCARNATION", {"current_incarnation": str(self.incarnation)})
+        self._check_in_range(incarnation)
+
+    def _check_in_range(self, incarnation: int) -> None:
+        if incarnation > self.highest_seen + MAX_INCARNATION_STEP:
+            raise FailedPrecondition(
+                f"incarnation {incarnation} is more than {MAX_INCARNATION_STEP} beyond {self.highest_seen}, the "
+                f"highest this executor has seen", "INCARNATION_OUT_OF_RANGE",
+                {"current_incarnation": str(self.incarnation), "highest_seen": str(self.highest_seen)})
+
+    def install(self, incarnation: int) -> None:
+        self.check_install(incarnation)
         self.state, self.incarnation, self.cause, self.highest_seen = AuthorityState.ACTIVE, incarnation, "", incarnation
 
     def check(self, incarnation: int) -> None:
@@ -55,6 +73,7 @@ class Authority:
     def poison(self, incarnation: int, cause: str, terminal: bool = False) -> None:
         """Fences `incarnation`. First cause wins and poison is never cleared; fencing a newer incarnation
         than the current one also fences the current one (a newer coordinator exists)."""
+        self._check_in_range(incarnation)
         self.highest_seen = max(self.highest_seen, incarnation)
         if self.state is AuthorityState.NONE or incarnation < self.incarnation:
             return
