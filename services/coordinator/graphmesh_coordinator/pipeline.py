@@ -1,10 +1,11 @@
-"""The invocation driver: the roster of ranks, Install, and one invocation over every rank.
+"""The invocation driver: the roster of ranks, Install, and one step (an invocation over the rows of many
+sessions) over every rank.
 
-Per invocation the coordinator sends ExecuteGroup to every rank at once. Ranks begin the epoch (after
-committing the previous one, folded in), the first stage embeds the tokens, each stage pushes its
+Per step the coordinator sends ExecuteStep to every rank at once. Ranks begin every row's epoch (after
+committing each session's previous one, folded in), the first stage embeds the tokens, each stage pushes its
 boundary straight to the next executor (the coordinator never relays activations), and the last stage
-returns the sampled token or the logits. One invocation costs one round trip from the coordinator plus
-one push per stage boundary.
+returns each row's sampled token or logits. One step costs one round trip from the coordinator plus one push
+per stage boundary, whatever the number of sessions in it.
 
 Failures are classified where they happen: ARCH (deterministic, nothing left the rank) rolls every
 rank back and is raised to the caller; COMM / CONTRACT fence the incarnation on every rank.
@@ -12,6 +13,7 @@ rank back and is raised to the caller; COMM / CONTRACT fence the incarnation on 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -69,18 +71,19 @@ class Rank:
     param_bytes: int = 0
     healthy: bool = True
     model_identity: str = ""
+    kv_pool_blocks: int = 0
 
 
 class Mesh:
     def __init__(self, model: str, config: ModelConfig, addresses: Sequence[str], state: DurableState,
                  split: Sequence[int] | None = None, weights: str = "f32", rpc_timeout_s: float = 60.0,
-                 install_timeout_s: float = 600.0, max_context_tokens: int = 0, max_inflight: int = 16,
+                 install_timeout_s: float = 600.0, max_context_tokens: int = 0, dtype: str = "",
                  kvstore: str = "", kv_block_tokens: int = kvkeys.DEFAULT_BLOCK_TOKENS,
                  tls: security.Tls | None = None) -> None:
         self.model, self.config, self.state = model, config, state
         self.addresses = list(addresses)
         self.split = list(split) if split else None
-        self.weights, self.max_context_tokens = weights, max_context_tokens
+        self.weights, self.max_context_tokens, self.dtype = weights, max_context_tokens, dtype
         self.kvstore = KvStoreClient(kvstore, credentials=tls.channel_credentials() if tls else None,
                                      interceptors=telemetry.client_interceptors()) if kvstore else None
         self.kvstore_address, self.kv_block_tokens = kvstore, kv_block_tokens
@@ -89,16 +92,12 @@ class Mesh:
         self.ranks: list[Rank] = []
         self.incarnation = 0
         self.recoveries = 0
-        self.queued = 0  # invocations waiting for a slot
-        self._queued_lock = threading.Lock()
+        self.kv_pool_blocks = 0  # the smallest pool of the roster: what the scheduler may lend to sessions
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._recover_lock = threading.Lock()
-        self._in_flight: set[grpc.Future[stage_pb2.ExecuteGroupResponse]] = set()
-        # Every rank but the first holds a handler thread while it waits for its boundary; bounding the
-        # invocations in flight keeps executors' thread pools (64 by default) from filling with waiters
-        # that the pushes they wait for could then never reach. Sessions beyond this queue here.
-        self._slots = threading.BoundedSemaphore(max_inflight)
+        self._in_flight: set[grpc.Future[stage_pb2.ExecuteStepResponse]] = set()
+        self._step_ids = itertools.count(1)
         self._watch_stop = threading.Event()
 
     def install(self, addresses: Sequence[str] | None = None) -> None:
@@ -122,7 +121,7 @@ class Mesh:
                                            next_address=stages[p.rank + 1].address if p.rank + 1 < len(ranks) else "",
                                            weights=self.weights, max_context_tokens=self.max_context_tokens,
                                            kvstore_address=self.kvstore_address,
-                                           kv_block_tokens=self.kv_block_tokens)
+                                           kv_block_tokens=self.kv_block_tokens, dtype=self.dtype)
                 request = stage_pb2.InstallRequest(incarnation=incarnation, rank=p.rank, world_size=len(ranks), stage=spec)
                 calls.append(rank.stub.Install.future(request, timeout=self.install_timeout_s))
             for rank, call in zip(ranks, calls):
@@ -134,52 +133,40 @@ class Mesh:
                     raise Unavailable(f"executor {rank.plan.address} (rank {rank.plan.rank}) failed to install: "
                                       f"{error.message}", "INSTALL_FAILED") from e
                 rank.backend, rank.device, rank.param_bytes = reply.backend, reply.device, reply.param_bytes
-                rank.model_identity = reply.model_identity
+                rank.model_identity, rank.kv_pool_blocks = reply.model_identity, reply.kv_pool_blocks
             self.ranks, self.incarnation = ranks, incarnation
+            self.kv_pool_blocks = min(r.kv_pool_blocks for r in ranks)
             self._ready.set()
             log.info("installed", extra={"incarnation": incarnation, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
 
-    def invoke(self, session_id: str, epoch: int, commit_epoch: int, start: int, token_ids: Sequence[int],
-               sampling: stage_pb2.SamplingParams, output: stage_pb2.OutputKind.ValueType
-               ) -> stage_pb2.ExecuteGroupResponse:
-        """Runs one invocation on every rank and returns the last stage's answer."""
+    def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: stage_pb2.OutputKind.ValueType,
+                     ) -> stage_pb2.ExecuteStepResponse:
+        """Runs one step on every rank and returns the last stage's answer (one result per row, in order)."""
         ranks, incarnation = self.ranks, self.incarnation
-        header = stage_pb2.FencingHeader(incarnation=incarnation, session_id=session_id, epoch=epoch)
-        timeout_ms = int(self.rpc_timeout_s * 1000)
-        request = stage_pb2.ExecuteGroupRequest(header=header, expert_pass=stage_pb2.EXPERT_PASS_PREFILL if len(token_ids) > 1
-                                                else stage_pb2.EXPERT_PASS_DECODE, commit_epoch=commit_epoch,
-                                                start_position=start, token_ids=token_ids, sampling=sampling,
-                                                output=output, boundary_timeout_ms=timeout_ms)
-        with self._queued_lock:
-            self.queued += 1
-        try:
-            self._slots.acquire()
-        finally:
-            with self._queued_lock:
-                self.queued -= 1
-        try:
-            with telemetry.span("mesh.invoke", session=session_id, epoch=epoch, incarnation=incarnation,
-                                commit_epoch=commit_epoch, start_position=start, tokens=len(token_ids)):
-                return self._invoke(ranks, incarnation, header, request, session_id, epoch, commit_epoch)
-        finally:
-            self._slots.release()
+        step_id = next(self._step_ids)
+        tokens = sum(len(r.token_ids) for r in rows)
+        request = stage_pb2.ExecuteStepRequest(
+            incarnation=incarnation, step_id=step_id, rows=rows, output=output,
+            boundary_timeout_ms=int(self.rpc_timeout_s * 1000),
+            expert_pass=stage_pb2.EXPERT_PASS_PREFILL if tokens > len(rows) else stage_pb2.EXPERT_PASS_DECODE)
+        with telemetry.span("mesh.step", step=step_id, incarnation=incarnation, rows=len(rows), tokens=tokens):
+            return self._execute(ranks, incarnation, request)
 
-    def _invoke(self, ranks: Sequence[Rank], incarnation: int, header: stage_pb2.FencingHeader,
-                request: stage_pb2.ExecuteGroupRequest, session_id: str, epoch: int,
-                commit_epoch: int) -> stage_pb2.ExecuteGroupResponse:
+    def _execute(self, ranks: Sequence[Rank], incarnation: int,
+                 request: stage_pb2.ExecuteStepRequest) -> stage_pb2.ExecuteStepResponse:
         calls = []
         for r in reversed(ranks):
-            span = telemetry.start_span("mesh.execute_group", rank=r.plan.rank, address=r.plan.address,
+            span = telemetry.start_span("mesh.execute_step", rank=r.plan.rank, address=r.plan.address,
                                         last=r.plan.rank == len(ranks) - 1)
             with telemetry.use(span):
-                call = r.stub.ExecuteGroup.future(request, timeout=self.rpc_timeout_s + 5.0)
+                call = r.stub.ExecuteStep.future(request, timeout=self.rpc_timeout_s + 5.0)
             telemetry.end_when_done(span, call)
             calls.append(call)
         calls.reverse()
         with self._lock:
             self._in_flight.update(calls)
         failures: list[InvocationFailed] = []
-        replies: list[stage_pb2.ExecuteGroupResponse] = []
+        replies: list[stage_pb2.ExecuteStepResponse] = []
         aborted = False
         for rank, call in zip(ranks, calls):
             try:
@@ -194,18 +181,20 @@ class Mesh:
                     continue
                 aborted = True  # wake the ranks still waiting for a boundary that will never come:
                 if classify(error) == "ARCH":
-                    self._abort_all(ranks, header, commit_epoch)  # roll back, stay ACTIVE
+                    self._abort_step(ranks, request)  # roll back, stay ACTIVE
                 else:
                     self.fence(incarnation, f"{classify(error)} on rank {rank.plan.rank}: {error.message}")
         with self._lock:
             self._in_flight.difference_update(calls)
-        if commit_epoch:
-            self.state.record(Decision(session_id, commit_epoch, "COMMITTED"))  # its token was delivered
+        for row in request.rows:
+            if row.commit_epoch:
+                self.state.record(Decision(row.session_id, row.commit_epoch, "COMMITTED"))  # its token was delivered
         if not failures:
             return replies[-1]
         first = min(failures, key=lambda f: (f.error_class == "ARCH", f.rank))  # COMM outranks ARCH
         if first.error_class == "ARCH":
-            self.state.record(Decision(session_id, epoch, "ABORTED"))
+            for row in request.rows:
+                self.state.record(Decision(row.session_id, row.epoch, "ABORTED"))
         elif failures[0].error_class == "ARCH":
             self.fence(incarnation, f"{first.error_class} on rank {first.rank}: {first.cause.message}")
         raise first
@@ -292,9 +281,9 @@ class Mesh:
 
         threading.Thread(target=loop, name="health-watch", daemon=True).start()
 
-    def _abort_all(self, ranks: Sequence[Rank], header: stage_pb2.FencingHeader, commit_epoch: int) -> None:
-        request = stage_pb2.AbortRequest(header=header, commit_epoch=commit_epoch)
-        calls = [r.stub.Abort.future(request, timeout=self.rpc_timeout_s) for r in ranks]
+    def _abort_step(self, ranks: Sequence[Rank], step: stage_pb2.ExecuteStepRequest) -> None:
+        request = stage_pb2.AbortStepRequest(incarnation=step.incarnation, step_id=step.step_id, rows=step.rows)
+        calls = [r.stub.AbortStep.future(request, timeout=self.rpc_timeout_s) for r in ranks]
         for call in calls:
             try:
                 call.result()
@@ -318,12 +307,6 @@ class Mesh:
                     for rank in self.ranks:
                         if rank.plan.address == address:
                             rank.healthy = False
-
-    def commit(self, session_id: str, epoch: int) -> None:
-        header = stage_pb2.FencingHeader(incarnation=self.incarnation, session_id=session_id, epoch=epoch)
-        with telemetry.span("mesh.commit", session=session_id, epoch=epoch, incarnation=self.incarnation):
-            self._each(lambda r: r.stub.Commit.future(stage_pb2.CommitRequest(header=header), timeout=self.rpc_timeout_s))
-        self.state.record(Decision(session_id, epoch, "COMMITTED"))
 
     def release(self, session_id: str) -> None:
         header = stage_pb2.FencingHeader(incarnation=self.incarnation, session_id=session_id)

@@ -183,6 +183,16 @@ class Executable(Generic[T]):
     def _cast(self, value: T, dtype: str) -> T:
         raise NotImplementedError("need _cast")
 
+    def _take_rows(self, value: T, rows: np.ndarray) -> np.ndarray:
+        """value[rows] on the host (axis 0); backends move only those rows."""
+        return self._to_host(value)[rows]
+
+    def _put_rows(self, value: T, rows: np.ndarray, data: np.ndarray) -> T:
+        """value[rows] = data (axis 0, cast to value's dtype); backends may write in place."""
+        host = self._to_host(value).copy()
+        host[rows] = data
+        return self._from_host(host)
+
     # -- params ----------------------------------------------------------------------------------------
     def _param_type(self, name: str) -> TensorType:
         if name not in self.graph.params:

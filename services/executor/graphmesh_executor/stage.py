@@ -1,9 +1,11 @@
-"""One rank of the partitioned pipeline: its layers, its sessions' KV, the protocol's phases.
+"""One rank of the partitioned pipeline: its layers, its paged KV, the protocol's phases per step.
 
-Compiled stage graphs are shared by every session (one executable per (rows, KV capacity, output)
-shape); each session owns its KV handles and swaps them into an executable for a run, so no KV is
-ever copied on the hot path. A decode step is one graph run: rows are written into the KV handles
-in-graph (kv_write) and fed back by the executable's handle feeds.
+A step is one invocation of the protocol over rows of many sessions (decode tokens and prompt chunks mixed).
+Every session's KV lives in the stage's pools (kv_pool.KvPool lends their blocks); compiled stage graphs are
+shared by every step of the same bucketed shape (tokens, sequences, blocks per sequence) and write new K/V
+rows into the pools in place (kv_scatter), so no KV is ever copied on the hot path. All device work runs on
+the executor's one engine thread (engine.Engine); handler threads begin and commit the rows' epochs, wait for
+boundaries and push them.
 """
 
 from __future__ import annotations
@@ -29,18 +31,21 @@ from graphmesh.errors import (
     InvalidArgument,
     NotFound,
     OutOfRange,
+    ResourceExhausted,
 )
 from graphmesh.graph import parse
 from graphmesh.models.config import ModelConfig
 from graphmesh_executor.backends import compile_graph
+from graphmesh_executor.engine import Engine
 from graphmesh_executor.executable import Executable
 from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionTxn
+from graphmesh_executor.kv_pool import SCRATCH_BLOCK, KvPool, blocks_for
 from graphmesh_executor.weights import load_params, resolve_under_root
 
 log = logging.getLogger("graphmesh.executor.stage")
 
 MIN_PREFILL_ROWS = 16
-MIN_KV_ROWS = 64
+DEFAULT_KV_CACHE_BYTES = 512 << 20  # the CPU pool's cap when --kv-cache-bytes is not given
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -68,6 +73,7 @@ class StageConfig:
     max_context_tokens: int = 0
     kvstore_address: str = ""
     kv_block_tokens: int = 16
+    dtype: str = ""  # "" resolves to bf16 on CUDA, f32 on CPU
 
 
 @dataclass(frozen=True)
@@ -78,21 +84,31 @@ class Sampling:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class StepRow:
+    """One session's part of a step (stage.proto StepRow)."""
+
+    session_id: str
+    epoch: int
+    commit_epoch: int
+    start: int
+    token_ids: list[int]
+    sampling: Sampling = Sampling()
+
+
 @dataclass
 class StageSession:
     txn: SessionTxn = field(default_factory=SessionTxn)
-    handles: dict[str, Any] = field(default_factory=dict)
-    capacity: int = 0
     tokens: list[int] = field(default_factory=list)  # committed tokens, for KV store keys
     pending_tokens: list[int] = field(default_factory=list)  # tokens of the open epoch
     stored_tokens: int = 0  # tokens already written behind to the KV store
 
 
 @dataclass
-class ExecuteResult:
-    token: int = 0
-    logits: np.ndarray | None = None
-    kv_length: int = 0
+class StepResult:
+    tokens: list[int] = field(default_factory=list)  # per row (last stage, sampling)
+    logits: np.ndarray | None = None  # f32 [rows, vocab] (last stage, logits)
+    kv_lengths: list[int] = field(default_factory=list)
     compute_us: float = 0.0
     computed_tokens: int = 0
 
@@ -109,7 +125,7 @@ class ProtocolError(GraphmeshError):
         self.cause = cause
 
 
-Pusher = Callable[[str, str, int, int, np.ndarray, float], None]
+Pusher = Callable[[str, int, int, np.ndarray, float], None]  # (address, incarnation, step_id, hidden, timeout_s)
 BlockWriter = Callable[["KvBlocks"], None]  # hands committed blocks to the write-behind (kv_writer.KvWriteBehind)
 
 
@@ -133,7 +149,7 @@ class KvBlocks:
 class StageRuntime:
     def __init__(self, backend: str, device: str = "cpu", model_root: str | None = None,
                  pusher: Pusher | None = None, block_writer: BlockWriter | None = None,
-                 faults_enabled: bool = False, min_kv_rows: int = MIN_KV_ROWS, standby_weights: bool = False) -> None:
+                 faults_enabled: bool = False, kv_cache_bytes: int = 0, standby_weights: bool = False) -> None:
         self.backend = backend
         self.device = device
         self.model_root = model_root
@@ -144,10 +160,11 @@ class StageRuntime:
         self.config: ModelConfig | None = None
         self.model_identity = ""
         self.param_bytes = 0
+        self.dtype = "f32"
         self._pusher = pusher
         self._block_writer = block_writer
         self.faults_enabled = faults_enabled
-        self.min_kv_rows = min_kv_rows  # the smallest rung of the KV capacity ladder
+        self.kv_cache_bytes = kv_cache_bytes  # 0: default_kv_cache_bytes()
         # Standby weights: after install, the rest of the model is read in the background, so that a re-plan
         # after losing a peer (which hands this rank new layers) costs no checkpoint reads. Memory for speed.
         self.standby_weights = standby_weights
@@ -155,11 +172,14 @@ class StageRuntime:
         self._faults: dict[str, int] = {}
         self._lock = threading.Condition()
         self._sessions: dict[str, StageSession] = {}
-        self._mailbox: dict[tuple[str, int], np.ndarray] = {}
-        self._aborted: set[tuple[str, int]] = set()
-        self._executables: dict[tuple[int, int, bool], tuple[Executable[Any], threading.Lock]] = {}
-        self._compile_lock = threading.Lock()
+        self._mailbox: dict[int, np.ndarray] = {}  # step id -> the boundary pushed for it
+        self._aborted: set[int] = set()
+        self.engine = Engine(f"engine-{backend}")
+        # Everything below is touched on the engine thread only.
+        self._executables: dict[tuple[int, int, int, bool, bool], Executable[Any]] = {}
         self._holder: Executable[Any] | None = None
+        self._pools: dict[str, Any] = {}
+        self.pool = KvPool(2, 16)
         self._loaded_key: StageConfig | None = None
         self._packed_schemes: dict[str, str] = {}
 
@@ -173,7 +193,7 @@ class StageRuntime:
         if spec != self._loaded_key:
             with telemetry.span("stage.load_weights", model=spec.model, layer_start=spec.layer_start,
                                 layer_end=spec.layer_end, weights=spec.weights):
-                self._load(spec)
+                self.engine.run("stage.load", lambda: self._load(spec))
         with self._lock:
             self.authority.install(incarnation)
             self.rank, self.world_size, self.spec = rank, world_size, spec
@@ -181,6 +201,7 @@ class StageRuntime:
             self._sessions.clear()
             self._mailbox.clear()
             self._aborted.clear()
+            self.pool.clear()
             self._lock.notify_all()
         return (time.perf_counter() - t0) * 1000.0
 
@@ -196,15 +217,26 @@ class StageRuntime:
         if spec.weights not in ("f32", "packed", "packed-bf16"):
             raise InvalidArgument(f"weights must be 'f32', 'packed' or 'packed-bf16', got {spec.weights!r}",
                                   "BAD_WEIGHTS")
-        self.config, self.spec = config, spec
+        dtype = spec.dtype or ("bf16" if self.device.startswith("cuda") else "f32")
+        if dtype not in ("f32", "bf16", "f16"):
+            raise InvalidArgument(f"dtype must be 'f32', 'bf16' or 'f16', got {dtype!r}", "BAD_DTYPE")
+        self.config, self.spec, self.dtype = config, spec, dtype
         self._packed_schemes = ckpt.packed_schemes()
         self._executables.clear()
-        previous, self._holder = self._holder, None
-        holder = self._compile(1, self.min_kv_rows, sample=True, weights=path, reuse=previous)
+        block = spec.kv_block_tokens or 16
+        layers = spec.layer_end - spec.layer_start
+        row_bytes = 2 * layers * config.kv_dim * (4 if dtype == "f32" else 2)  # K and V of every layer, per token
+        budget = self.kv_cache_bytes or default_kv_cache_bytes(self.device)
+        pool = KvPool(max(2, budget // (row_bytes * block)), block)
+        previous, self._holder, self.pool, self._pools = self._holder, None, pool, {}
+        holder = self._compile(1, 1, 1, True, True, weights=path, reuse=previous)
         self._holder = holder
+        self._pools = {name: holder.zeros_like_input(name) for name in self._pool_names()}
         self.model_identity = ckpt.identity()
         self.param_bytes = sum(int(np.prod(t.shape)) * (1 if t.dtype == "u8" else 4) for t in holder.graph.params.values())
         self._loaded_key = spec
+        log.info("stage loaded", extra={"layers": f"{spec.layer_start}-{spec.layer_end}", "dtype": dtype,
+                                        "kv_pool_blocks": pool.lendable, "kv_block_tokens": block})
         if self.standby_weights and spec.weights == "f32":
             threading.Thread(target=self._read_standby, args=(path, config, set(holder.graph.params)), daemon=True,
                              name="standby-weights").start()
@@ -223,17 +255,29 @@ class StageRuntime:
             return resolve_model(model)
         return resolve_under_root(Path(self.model_root), model)
 
-    def _compile(self, rows: int, capacity: int, sample: bool, weights: Path | None = None,
+    def _pool_names(self) -> list[str]:
+        assert self.spec is not None
+        return [f"past_{kind}_{i}" for i in range(self.spec.layer_end - self.spec.layer_start) for kind in ("k", "v")]
+
+    @property
+    def max_blocks(self) -> int:
+        """Blocks of the longest session this stage holds."""
+        assert self.spec is not None and self.config is not None
+        return blocks_for(self.spec.max_context_tokens or self.config.max_position, self.pool.block_tokens)
+
+    def _compile(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool, weights: Path | None = None,
                  reuse: Executable[Any] | None = None) -> Executable[Any]:
         assert self.config is not None and self.spec is not None
         spec = self.spec
         # "packed": GGUF blocks stay packed, consumed by dequant_matmul (exact); "packed-bf16" also runs those
         # matmuls on bf16 activations, which torch's int4 kernel needs to be fast (not token-exact).
         packed = spec.weights in ("packed", "packed-bf16")
-        proto = models.build_stage(self.config, range(spec.layer_start, spec.layer_end), seq_len=rows,
-                                   cache_len=capacity, first=spec.first, last=spec.last, sample=sample,
-                                   quantized=packed, packed_schemes=self._packed_schemes if packed else None,
-                                   packed_activations="bf16" if spec.weights == "packed-bf16" else "f32")
+        layout = models.PagedLayout(seqs, blocks, self.pool.block_tokens, self.pool.blocks, decode)
+        proto = models.build_stage(self.config, range(spec.layer_start, spec.layer_end), seq_len=tokens, cache_len=0,
+                                   first=spec.first, last=spec.last, sample=sample, quantized=packed,
+                                   packed_schemes=self._packed_schemes if packed else None,
+                                   packed_activations="bf16" if spec.weights == "packed-bf16" else "f32",
+                                   dtype=self.dtype, paged=layout)
         exe = compile_graph(parse(proto), self.backend, self.device)
         if weights is not None:
             # A re-plan (recovery, rebalancing) keeps the layers this rank already holds and reads only the new ones.
@@ -246,148 +290,189 @@ class StageRuntime:
             exe.finalize_params()
         elif self._holder is not None:
             exe.copy_params_from(self._holder)
-        n_layers = spec.layer_end - spec.layer_start
-        for i in range(n_layers):
-            exe.set_handle_feed(f"past_k_{i}", 1 + 2 * i)
-            exe.set_handle_feed(f"past_v_{i}", 2 + 2 * i)
+        for j, name in enumerate(self._pool_names()):
+            exe.set_handle_feed(name, 1 + j)  # the updated pool replaces the handle: kv_scatter writes in place
         return exe
 
-    def _executable(self, rows: int, capacity: int, sample: bool) -> tuple[Executable[Any], threading.Lock]:
-        key = (rows, capacity, sample)
-        with self._compile_lock:
-            if key not in self._executables:
-                self._executables[key] = (self._compile(rows, capacity, sample), threading.Lock())
-            return self._executables[key]
+    def _executable(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool) -> Executable[Any]:
+        key = (tokens, seqs, blocks, decode, sample)
+        if key not in self._executables:
+            self._executables[key] = self._compile(*key)
+        return self._executables[key]
 
     # -- protocol --------------------------------------------------------------------------------------
     def _session(self, session_id: str) -> StageSession:
         return self._sessions.setdefault(session_id, StageSession())
 
-    def execute(self, incarnation: int, session_id: str, epoch: int, commit_epoch: int, start: int,
-                token_ids: list[int], sampling: Sampling, logits: bool, timeout_s: float) -> ExecuteResult:
-        """Begin (after the folded commit), run this rank's group, push or finish."""
+    def execute_step(self, incarnation: int, step_id: int, rows: list[StepRow], logits: bool,
+                     timeout_s: float) -> StepResult:
+        """Begin every row (after its folded commit), run this rank's group for all of them, push or finish."""
         with self._lock:
             self.authority.check(incarnation)
-            session = self._session(session_id)
-            if commit_epoch:
-                self._commit(incarnation, session_id, session, commit_epoch)
-            if start != session.txn.kv_length:
-                raise FailedPrecondition(f"session {session_id!r} has {session.txn.kv_length} committed tokens "
-                                         f"here, the invocation starts at {start}", "KV_LENGTH_MISMATCH")
-            session.txn.begin(epoch)
-            session.pending_tokens = list(token_ids)
+            self._check_rows(rows)
+            self._begin(incarnation, rows)
         try:
-            result = self._run_group(incarnation, session_id, session, epoch, start, token_ids, sampling, logits,
-                                     timeout_s)
+            result = self._run_step(incarnation, step_id, rows, logits, timeout_s)
         except ProtocolError as e:
             with self._lock:
                 if e.error_class != "ARCH":
                     self.authority.poison(incarnation, f"{e.error_class}: {e}")
-                if session.txn.epoch == epoch:
-                    session.txn.abort(epoch)
+                for row in rows:
+                    session = self._sessions.get(row.session_id)
+                    if session is not None and session.txn.epoch == row.epoch:
+                        session.txn.abort(row.epoch)
             raise
         with self._lock:
-            session.txn.advance(epoch, start + len(token_ids))
+            for row in rows:
+                self._sessions[row.session_id].txn.advance(row.epoch, row.start + len(row.token_ids))
+            result.kv_lengths = [row.start + len(row.token_ids) for row in rows]
         return result
 
-    def _run_group(self, incarnation: int, session_id: str, session: StageSession, epoch: int, start: int,
-                   token_ids: list[int], sampling: Sampling, want_logits: bool, timeout_s: float) -> ExecuteResult:
+    def _check_rows(self, rows: list[StepRow]) -> None:
+        """What makes a step impossible, refused before any row begins (ARCH: nothing changed anywhere)."""
         assert self.spec is not None and self.config is not None
-        spec, config, n = self.spec, self.config, len(token_ids)
-        limit = spec.max_context_tokens or config.max_position
-        if n == 0:
-            raise ProtocolError("ARCH", InvalidArgument("an invocation needs at least one token", "EMPTY_INPUT"))
+        limit = self.spec.max_context_tokens or self.config.max_position
+        if not rows:
+            raise ProtocolError("ARCH", InvalidArgument("a step needs at least one row", "EMPTY_STEP"))
+        if len({row.session_id for row in rows}) != len(rows):
+            raise ProtocolError("ARCH", InvalidArgument("a session appears twice in one step", "DUPLICATE_SESSION"))
+        for row in rows:
+            n = len(row.token_ids)
+            if n == 0:
+                raise ProtocolError("ARCH", InvalidArgument(f"row of session {row.session_id!r} has no tokens",
+                                                            "EMPTY_INPUT"))
+            if row.start + n > limit:
+                raise ProtocolError("ARCH", OutOfRange(f"{row.start + n} tokens exceed the context of {limit}",
+                                                       "CONTEXT_EXCEEDED"))
+            if self.spec.first and (max(row.token_ids) >= self.config.vocab_size or min(row.token_ids) < 0):
+                raise ProtocolError("ARCH", InvalidArgument(
+                    f"token id outside the vocabulary of {self.config.vocab_size}", "BAD_TOKEN_ID"))
         if self._take_fault("arch"):
             raise ProtocolError("ARCH", InvalidArgument("injected deterministic failure", "INJECTED_FAULT"))
-        if start + n > limit:
-            raise ProtocolError("ARCH", OutOfRange(f"{start + n} tokens exceed the context of {limit}",
-                                                   "CONTEXT_EXCEEDED"))
-        rows = 1 if n == 1 else bucket(n, MIN_PREFILL_ROWS)
-        capacity = bucket(start + rows, self.min_kv_rows)
-        inputs: dict[str, np.ndarray] = {"positions": start + np.arange(rows, dtype=np.int64)}
-        if spec.first:
-            ids = np.zeros(rows, np.int64)
-            ids[:n] = token_ids
-            if ids.max() >= config.vocab_size or ids.min() < 0:
-                raise ProtocolError("ARCH", InvalidArgument(f"token id outside the vocabulary of {config.vocab_size}",
-                                                            "BAD_TOKEN_ID"))
-            inputs["input_ids"] = ids
-        else:
-            hidden = self._await_boundary(session_id, epoch, timeout_s)
-            if hidden.shape != (n, config.hidden_size):
+
+    def _begin(self, incarnation: int, rows: list[StepRow]) -> None:
+        """Commits each row's folded epoch and begins its epoch with its KV blocks reserved; a row that cannot
+        begin rolls back the rows already begun, so the step changes nothing but the folded commits."""
+        begun: list[tuple[StageSession, int]] = []
+        try:
+            for row in rows:
+                session = self._session(row.session_id)
+                if row.commit_epoch:
+                    self._commit(incarnation, row.session_id, session, row.commit_epoch)
+                if row.start != session.txn.kv_length:
+                    raise FailedPrecondition(f"session {row.session_id!r} has {session.txn.kv_length} committed "
+                                             f"tokens here, the row starts at {row.start}", "KV_LENGTH_MISMATCH")
+                session.txn.begin(row.epoch)
+                begun.append((session, row.epoch))
+                session.pending_tokens = list(row.token_ids)
+                try:
+                    self.pool.reserve(row.session_id, row.start + len(row.token_ids))
+                except ResourceExhausted as e:
+                    raise ProtocolError("ARCH", e) from e
+        except Exception:
+            for session, epoch in begun:
+                session.txn.abort(epoch)
+            raise
+
+    def _run_step(self, incarnation: int, step_id: int, rows: list[StepRow], want_logits: bool,
+                  timeout_s: float) -> StepResult:
+        assert self.spec is not None and self.config is not None
+        spec, hidden = self.spec, None
+        total = sum(len(row.token_ids) for row in rows)
+        if not spec.first:
+            hidden = self._await_boundary(step_id, timeout_s)
+            if hidden.shape != (total, self.config.hidden_size):
                 raise ProtocolError("CONTRACT", InvalidArgument(
-                    f"boundary of shape {list(hidden.shape)}, expected [{n}, {config.hidden_size}]", "SCHEMA_MISMATCH"))
-            padded = np.zeros((rows, config.hidden_size), np.float32)
-            padded[:n] = hidden
-            inputs["hidden_in"] = padded
-        sample = not want_logits
-        if spec.last:
-            inputs["last_index"] = np.array([n - 1], np.int64)
-            if sample:
-                inputs.update(temperature=np.array([sampling.temperature], np.float32),
-                              top_k=np.array([sampling.top_k], np.int64),
-                              top_p=np.array([sampling.top_p], np.float32),
-                              seed=np.array([seed_for(sampling.seed, start + n)], np.int64))
-        exe, lock = self._executable(rows, capacity, sample or not spec.last)
+                    f"boundary of shape {list(hidden.shape)}, expected [{total}, {self.config.hidden_size}]",
+                    "SCHEMA_MISMATCH"))
         t0 = time.perf_counter()
         try:
-            with lock, telemetry.span("stage.compute", rows=rows, kv_capacity=capacity):
-                self._fit_handles(exe, session, capacity, start)
-                own = exe.swap_handles(session.handles)
-                try:
-                    out = exe.run(inputs, read_indices=[0], typed=True)[0]
-                finally:
-                    session.handles = exe.swap_handles(own)
-        except (InvalidArgument, OutOfRange, NotFound, FailedPrecondition) as e:
+            out = self.engine.run("stage.compute", lambda: self._compute(rows, hidden, not want_logits))
+        except (InvalidArgument, OutOfRange, NotFound, FailedPrecondition, ResourceExhausted) as e:
             raise ProtocolError("ARCH", e) from e
-        result = ExecuteResult(kv_length=start + n, compute_us=(time.perf_counter() - t0) * 1e6, computed_tokens=n)
+        result = StepResult(compute_us=(time.perf_counter() - t0) * 1e6, computed_tokens=total)
         if not spec.last:
             assert self._pusher is not None
-            bundle = out[:n, :-1] if self._take_fault("corrupt") else out[:n]
+            bundle = out[:total, :-1] if self._take_fault("corrupt") else out[:total]
             try:
-                self._pusher(spec.next_address, session_id, incarnation, epoch, bundle, timeout_s)
+                with telemetry.span("stage.push_boundary", step=step_id, rows=len(rows), tokens=total):
+                    self._pusher(spec.next_address, incarnation, step_id, bundle, timeout_s)
             except Exception as e:  # any failure to deliver leaves the order unprovable
                 raise ProtocolError("COMM", e) from e
+        elif want_logits:
+            result.logits = out[: len(rows)].astype(np.float32)
         else:
-            with telemetry.span("stage.finish", output="token" if sample else "logits"):
-                if sample:
-                    result.token = int(out[0])
-                else:
-                    result.logits = out.reshape(-1).astype(np.float32)
+            result.tokens = [int(t) for t in out[: len(rows)]]
         return result
 
-    def _fit_handles(self, exe: Executable[Any], session: StageSession, capacity: int, keep: int) -> None:
-        """Bucket rollover: moves the committed rows into handles of the new capacity, on the executor."""
-        if session.capacity == capacity:
-            return
-        assert self.spec is not None
-        grown: dict[str, Any] = {}
-        for i in range(self.spec.layer_end - self.spec.layer_start):
-            for kind in ("k", "v"):
-                name = f"past_{kind}_{i}"
-                fresh = exe.zeros_like_input(name)
-                if name in session.handles and keep:
-                    fresh = exe._copy_rows(fresh, 0, session.handles[name], 0, min(keep, session.capacity))
-                grown[name] = fresh
-        session.handles, session.capacity = grown, capacity
+    def _compute(self, rows: list[StepRow], hidden: np.ndarray | None, sample: bool) -> np.ndarray:
+        """One run over every row, on the engine thread. Shapes are bucketed (powers of two) so a handful of
+        executables serve every step: padded token rows write the scratch block, padded sequences read it."""
+        assert self.spec is not None and self.config is not None
+        spec, config, pool = self.spec, self.config, self.pool
+        counts = [len(row.token_ids) for row in rows]
+        total, decode = sum(counts), all(n == 1 for n in counts)
+        seqs = bucket(len(rows), 1)
+        tokens = seqs if decode else bucket(total, MIN_PREFILL_ROWS)
+        tables = [pool.table(row.session_id) for row in rows]
+        blocks = min(bucket(max(len(t) for t in tables), 1), max(self.max_blocks, max(len(t) for t in tables)))
+        positions = np.zeros(tokens, np.int64)
+        slots = np.full(tokens, SCRATCH_BLOCK * pool.block_tokens, np.int64)
+        token_seq = np.arange(tokens, dtype=np.int64) if decode else np.zeros(tokens, np.int64)
+        block_table = np.full((seqs, blocks), SCRATCH_BLOCK, np.int64)
+        last_index = np.zeros(seqs, np.int64)
+        at = 0
+        for b, (row, n, table) in enumerate(zip(rows, counts, tables)):
+            positions[at:at + n] = row.start + np.arange(n)
+            slots[at:at + n] = pool.slots(row.session_id, row.start, row.start + n)
+            token_seq[at:at + n] = b
+            block_table[b, :len(table)] = table
+            last_index[b] = at + n - 1
+            at += n
+        inputs: dict[str, np.ndarray] = {"positions": positions, "slots": slots, "token_seq": token_seq,
+                                         "block_table": block_table}
+        if spec.first:
+            ids = np.zeros(tokens, np.int64)
+            ids[:total] = [t for row in rows for t in row.token_ids]
+            inputs["input_ids"] = ids
+        else:
+            assert hidden is not None
+            padded = np.zeros((tokens, config.hidden_size), np.float32)
+            padded[:total] = hidden
+            inputs["hidden_in"] = padded
+        if spec.last:
+            inputs["last_index"] = last_index
+            if sample:
+                pad = seqs - len(rows)
+                inputs.update(
+                    temperature=np.array([r.sampling.temperature for r in rows] + [0.0] * pad, np.float32),
+                    top_k=np.array([r.sampling.top_k for r in rows] + [0] * pad, np.int64),
+                    top_p=np.array([r.sampling.top_p for r in rows] + [1.0] * pad, np.float32),
+                    seed=np.array([seed_for(r.sampling.seed, r.start + n) for r, n in zip(rows, counts)] + [0] * pad,
+                                  np.int64))
+        exe = self._executable(tokens, seqs, blocks, decode, sample or not spec.last)
+        with telemetry.span("stage.run", tokens=tokens, seqs=seqs, blocks=blocks, rows=len(rows)):
+            own = exe.swap_handles(self._pools)
+            try:
+                return exe.run(inputs, read_indices=[0], typed=True)[0]
+            finally:
+                self._pools = exe.swap_handles(own)
 
-    def _await_boundary(self, session_id: str, epoch: int, timeout_s: float) -> np.ndarray:
-        key = (session_id, epoch)
+    def _await_boundary(self, step_id: int, timeout_s: float) -> np.ndarray:
         with self._lock:
-            ready = self._lock.wait_for(lambda: key in self._mailbox or key in self._aborted or
+            ready = self._lock.wait_for(lambda: step_id in self._mailbox or step_id in self._aborted or
                                         self.authority.state is not AuthorityState.ACTIVE, timeout=timeout_s)
             if self.authority.state is not AuthorityState.ACTIVE:
                 raise ProtocolError("COMM", FailedPrecondition(f"fenced while waiting for a boundary: "
                                                                f"{self.authority.cause}", "POISONED"))
-            if key in self._aborted:
-                raise ProtocolError("ARCH", FailedPrecondition(f"epoch {epoch} was aborted", "EPOCH_ABORTED"))
+            if step_id in self._aborted:
+                raise ProtocolError("ARCH", FailedPrecondition(f"step {step_id} was aborted", "EPOCH_ABORTED"))
             if not ready:
                 raise ProtocolError("COMM", DeadlineExceeded(
-                    f"no boundary for session {session_id!r} epoch {epoch} within {timeout_s:.1f} s",
-                    "BOUNDARY_TIMEOUT"))
-            return self._mailbox.pop(key)
+                    f"no boundary for step {step_id} within {timeout_s:.1f} s", "BOUNDARY_TIMEOUT"))
+            return self._mailbox.pop(step_id)
 
-    def accept_boundary(self, incarnation: int, session_id: str, epoch: int, hidden: np.ndarray) -> None:
+    def accept_boundary(self, incarnation: int, step_id: int, hidden: np.ndarray) -> None:
         """Validates a pushed bundle before accepting it; a bad bundle poisons (it breaks the contract)."""
         with self._lock:
             self.authority.check(incarnation)
@@ -396,9 +481,9 @@ class StageRuntime:
                 cause = f"boundary {hidden.dtype}{list(hidden.shape)} breaks schema f32[*, {self.config.hidden_size}]"
                 self.authority.poison(incarnation, f"CONTRACT: {cause}")
                 raise InvalidArgument(cause, "SCHEMA_MISMATCH", {"error_class": "CONTRACT"})
-            if (session_id, epoch) in self._aborted:
-                return  # a late push for an epoch already rolled back
-            self._mailbox[(session_id, epoch)] = hidden
+            if step_id in self._aborted:
+                return  # a late push for a step already rolled back
+            self._mailbox[step_id] = hidden
             self._lock.notify_all()
 
     def commit(self, incarnation: int, session_id: str, epoch: int) -> int:
@@ -416,9 +501,9 @@ class StageRuntime:
             session.txn.commit(epoch)
             session.tokens += session.pending_tokens
             session.pending_tokens = []
-            self._write_behind(incarnation, session, epoch)
+            self._write_behind(incarnation, session_id, session, epoch)
 
-    def _write_behind(self, incarnation: int, session: StageSession, epoch: int) -> None:
+    def _write_behind(self, incarnation: int, session_id: str, session: StageSession, epoch: int) -> None:
         spec = self.spec
         if self._block_writer is None or spec is None or not spec.kvstore_address:
             return
@@ -426,23 +511,26 @@ class StageRuntime:
         whole = session.txn.kv_length // block * block
         if whole <= session.stored_tokens or len(session.tokens) < whole:
             return
-        rows = self._read_rows(session, session.stored_tokens, whole)
-        self._block_writer(KvBlocks(spec.kvstore_address, self.model_identity, spec.layer_start, spec.layer_end,
-                                    self.kv_dim, block, session.tokens[:whole], session.stored_tokens // block, rows,
-                                    incarnation, epoch))
+        # Read on the engine thread after the step that wrote the rows, without holding up this commit (the caller
+        # holds the lock): the slots are taken now, so a release and reuse of the blocks later cannot race it.
+        writer, slots, tokens, first = self._block_writer, self.pool.slots(session_id, session.stored_tokens, whole), \
+            session.tokens[:whole], session.stored_tokens // block
+        self.engine.post("stage.kv_write_behind", lambda: writer(KvBlocks(
+            spec.kvstore_address, self.model_identity, spec.layer_start, spec.layer_end, self.kv_dim, block, tokens,
+            first, self._take(slots), incarnation, epoch)))
         session.stored_tokens = whole
 
     @property
     def kv_dim(self) -> int:
         return self.config.kv_dim if self.config is not None else 0
 
-    def _read_rows(self, session: StageSession, start: int, end: int) -> np.ndarray:
-        assert self.spec is not None and self._holder is not None
-        layers = self.spec.layer_end - self.spec.layer_start
-        rows = np.empty((end - start, layers, 2, self.kv_dim), np.float32)
-        for i in range(layers):
-            for j, kind in enumerate(("k", "v")):
-                rows[:, i, j] = self._holder._to_host(session.handles[f"past_{kind}_{i}"])[start:end]
+    def _take(self, slots: np.ndarray) -> np.ndarray:
+        """Pool rows `slots` as f32 [rows, layers, 2, kv_dim], moved off the device row by row (engine thread)."""
+        assert self._holder is not None
+        names = self._pool_names()
+        rows = np.empty((len(slots), len(names) // 2, 2, self.kv_dim), np.float32)
+        for j, name in enumerate(names):
+            rows[:, j // 2, j % 2] = self._holder._take_rows(self._pools[name], slots)
         return rows
 
     def read_kv(self, incarnation: int, session_id: str, from_row: int, to_row: int) -> np.ndarray:
@@ -453,7 +541,8 @@ class StageRuntime:
             if not 0 <= from_row <= to_row <= session.txn.kv_length:
                 raise OutOfRange(f"rows [{from_row}, {to_row}) outside the {session.txn.kv_length} committed rows of "
                                  f"session {session_id!r}", "ROW_OUT_OF_RANGE")
-            return self._read_rows(session, from_row, to_row)
+            slots = self.pool.slots(session_id, from_row, to_row)
+        return self.engine.run("stage.read_kv", lambda: self._take(slots))
 
     def write_kv(self, incarnation: int, session_id: str, start: int, rows: np.ndarray, token_ids: list[int]) -> int:
         """Appends committed rows to an idle session (a seeded prefix or a migration); returns the KV length."""
@@ -471,15 +560,17 @@ class StageRuntime:
             self.authority.check(incarnation)
             session = self._session(session_id)
             session.txn.append_committed(start, 0)  # refuses an open epoch or a gap before touching anything
-            capacity = bucket(start + rows.shape[0] + 1, self.min_kv_rows)
-            exe, lock = self._executable(1, capacity, True)
-            with lock:
-                self._fit_handles(exe, session, capacity, start)
-                for i in range(layers):
-                    for j, kind in enumerate(("k", "v")):
-                        name = f"past_{kind}_{i}"
-                        block = exe._from_host(np.ascontiguousarray(rows[:, i, j]))
-                        session.handles[name] = exe._copy_rows(session.handles[name], start, block, 0, rows.shape[0])
+            self.pool.reserve(session_id, start + rows.shape[0])
+            slots = self.pool.slots(session_id, start, start + rows.shape[0])
+
+        def write() -> None:
+            assert self._holder is not None
+            for j, name in enumerate(self._pool_names()):
+                self._pools[name] = self._holder._put_rows(self._pools[name], slots,
+                                                           np.ascontiguousarray(rows[:, j // 2, j % 2]))
+        self.engine.run("stage.write_kv", write)  # outside the lock: the engine may be busy with another step
+        with self._lock:
+            self.authority.check(incarnation)
             session.txn.append_committed(start, rows.shape[0])
             if token_ids:
                 session.tokens += token_ids
@@ -487,14 +578,22 @@ class StageRuntime:
                     session.stored_tokens = session.txn.kv_length  # these rows came from the store or a peer
             return session.txn.kv_length
 
-    def abort(self, incarnation: int, session_id: str, epoch: int, commit_epoch: int = 0) -> int:
-        """Local rollback; allowed under poison (but not for an older incarnation's messages)."""
+    def abort_step(self, incarnation: int, step_id: int, rows: list[StepRow]) -> None:
+        """Rolls back every row of a step and wakes a wait for its boundary; allowed under poison."""
         with self._lock:
             if incarnation != self.authority.incarnation:
                 self.authority.check(incarnation)
-            self._aborted.add((session_id, epoch))
-            self._mailbox.pop((session_id, epoch), None)
+            self._aborted.add(step_id)
+            self._mailbox.pop(step_id, None)
             self._lock.notify_all()
+        for row in rows:
+            self.abort(incarnation, row.session_id, row.epoch, row.commit_epoch)
+
+    def abort(self, incarnation: int, session_id: str, epoch: int, commit_epoch: int = 0) -> int:
+        """Local rollback of one session's epoch; allowed under poison (but not for an older incarnation)."""
+        with self._lock:
+            if incarnation != self.authority.incarnation:
+                self.authority.check(incarnation)
             session = self._sessions.get(session_id)
             if session is None:
                 return 0
@@ -513,6 +612,7 @@ class StageRuntime:
     def release(self, incarnation: int, session_id: str) -> bool:
         with self._lock:
             self.authority.check(incarnation)
+            self.pool.release(session_id)
             return self._sessions.pop(session_id, None) is not None
 
     def fence(self, incarnation: int, reason: str, terminal: bool) -> None:
@@ -547,3 +647,19 @@ class StageRuntime:
         with self._lock:
             return list(self._sessions.items())
 
+
+
+def default_kv_cache_bytes(device: str) -> int:
+    """The KV pool's size when --kv-cache-bytes is not given: a quarter of the free device memory on CUDA (after
+    the weights), else a tenth of the available host memory up to DEFAULT_KV_CACHE_BYTES."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free // 4)
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return DEFAULT_KV_CACHE_BYTES
+    return min(DEFAULT_KV_CACHE_BYTES, available // 10)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -14,7 +14,7 @@ from graphmesh import security, telemetry, tensors
 from graphmesh.errors import InvalidArgument, from_rpc_error, rpc
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
-from graphmesh_executor.stage import Sampling, StageConfig, StageRuntime
+from graphmesh_executor.stage import Sampling, StageConfig, StageRuntime, StepRow
 
 log = logging.getLogger("graphmesh.executor.stage")
 R = TypeVar("R")
@@ -39,8 +39,7 @@ class BoundaryPusher:
         self._lock = threading.Lock()
         self.tls = tls
 
-    def __call__(self, address: str, session_id: str, incarnation: int, epoch: int, hidden: np.ndarray,
-                 timeout_s: float) -> None:
+    def __call__(self, address: str, incarnation: int, step_id: int, hidden: np.ndarray, timeout_s: float) -> None:
         with self._lock:
             if address not in self._stubs:
                 channel = security.channel(address, self.tls, [("grpc.max_send_message_length", 64 << 20),
@@ -48,12 +47,10 @@ class BoundaryPusher:
                 self._stubs[address] = stage_pb2_grpc.StageServiceStub(telemetry.traced(channel))
             stub = self._stubs[address]
         request = stage_pb2.PushBoundaryRequest(
-            header=stage_pb2.FencingHeader(incarnation=incarnation, session_id=session_id, epoch=epoch),
+            header=stage_pb2.FencingHeader(incarnation=incarnation), step_id=step_id,
             tensors=[stage_pb2.BoundaryTensor(role=stage_pb2.BOUNDARY_ROLE_ACTIVATION, tensor=tensors.to_proto(hidden))])
         try:
-            with telemetry.span("stage.push_boundary", session=session_id, epoch=epoch, incarnation=incarnation,
-                                address=address, rows=int(hidden.shape[0])):
-                stub.PushBoundary(request, timeout=timeout_s)
+            stub.PushBoundary(request, timeout=timeout_s)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
 
@@ -66,29 +63,34 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def Install(self, request: stage_pb2.InstallRequest, context: grpc.ServicerContext) -> stage_pb2.InstallResponse:
         s = request.stage
         spec = StageConfig(s.model, s.layer_start, s.layer_end, s.first, s.last, s.next_address, s.weights or "f32",
-                           s.max_context_tokens, s.kvstore_address, s.kv_block_tokens or 16)
+                           s.max_context_tokens, s.kvstore_address, s.kv_block_tokens or 16, s.dtype)
         load_ms = self.runtime.install(request.incarnation, request.rank, request.world_size, spec)
         return stage_pb2.InstallResponse(backend=self.runtime.backend, device=self.runtime.device,
                                          param_bytes=self.runtime.param_bytes, load_ms=load_ms,
-                                         model_identity=self.runtime.model_identity)
+                                         model_identity=self.runtime.model_identity,
+                                         kv_pool_blocks=self.runtime.pool.lendable, dtype=self.runtime.dtype)
 
     @rpc
-    def ExecuteGroup(self, request: stage_pb2.ExecuteGroupRequest,
-                     context: grpc.ServicerContext) -> stage_pb2.ExecuteGroupResponse:
-        h, s = request.header, request.sampling
+    def ExecuteStep(self, request: stage_pb2.ExecuteStepRequest,
+                    context: grpc.ServicerContext) -> stage_pb2.ExecuteStepResponse:
         timeout_s = (request.boundary_timeout_ms or 30_000) / 1000.0
-        with telemetry.span("stage.execute", session=h.session_id, epoch=h.epoch, incarnation=h.incarnation,
-                            rank=self.runtime.rank, commit_epoch=request.commit_epoch,
-                            start_position=request.start_position, tokens=len(request.token_ids)):
-            result = self.runtime.execute(h.incarnation, h.session_id, h.epoch, request.commit_epoch,
-                                          request.start_position, list(request.token_ids),
-                                          Sampling(s.temperature, s.top_k, s.top_p, s.seed),
-                                          request.output == stage_pb2.OUTPUT_KIND_LOGITS, timeout_s)
-        response = stage_pb2.ExecuteGroupResponse(token=result.token, kv_length=result.kv_length,
-                                                  compute_us=result.compute_us, computed_tokens=result.computed_tokens)
+        rows = step_rows(request.rows)
+        with telemetry.span("stage.execute", step=request.step_id, incarnation=request.incarnation,
+                            rank=self.runtime.rank, rows=len(rows), tokens=sum(len(r.token_ids) for r in rows)):
+            result = self.runtime.execute_step(request.incarnation, request.step_id, rows,
+                                               request.output == stage_pb2.OUTPUT_KIND_LOGITS, timeout_s)
+        response = stage_pb2.ExecuteStepResponse(compute_us=result.compute_us, computed_tokens=result.computed_tokens)
+        for i, length in enumerate(result.kv_lengths):
+            response.rows.add(token=result.tokens[i] if result.tokens else 0, kv_length=length)
         if result.logits is not None:
             response.logits.CopyFrom(tensors.to_proto(result.logits))
         return response
+
+    @rpc
+    def AbortStep(self, request: stage_pb2.AbortStepRequest,
+                  context: grpc.ServicerContext) -> stage_pb2.AbortStepResponse:
+        self.runtime.abort_step(request.incarnation, request.step_id, step_rows(request.rows))
+        return stage_pb2.AbortStepResponse()
 
     @rpc
     def PushBoundary(self, request: stage_pb2.PushBoundaryRequest,
@@ -99,7 +101,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             hidden = np.zeros((0,), np.float64)  # fails the schema check below, poisoning like any bad bundle
         else:
             hidden = tensors.from_proto(activations[0].tensor)
-        self.runtime.accept_boundary(h.incarnation, h.session_id, h.epoch, hidden)
+        self.runtime.accept_boundary(h.incarnation, request.step_id, hidden)
         return stage_pb2.PushBoundaryResponse()
 
     @rpc
@@ -178,13 +180,18 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                                                         first=s.first, last=s.last, next_address=s.next_address,
                                                         weights=s.weights, max_context_tokens=s.max_context_tokens,
                                                         kvstore_address=s.kvstore_address,
-                                                        kv_block_tokens=s.kv_block_tokens))
+                                                        kv_block_tokens=s.kv_block_tokens, dtype=rt.dtype))
         for session_id, session in rt.sessions():
             t = session.txn
             response.sessions.add(session_id=session_id, phase=_PHASE[t.phase], epoch=t.epoch,
                                   last_outcome=_OUTCOME_PB[t.last_outcome], kv_length=t.kv_length,
-                                  kv_capacity=session.capacity)
+                                  kv_capacity=len(rt.pool.table(session_id)) * rt.pool.block_tokens)
         return response
+
+
+def step_rows(rows: Iterable[stage_pb2.StepRow]) -> list[StepRow]:
+    return [StepRow(r.session_id, r.epoch, r.commit_epoch, r.start_position, list(r.token_ids),
+                    Sampling(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.seed)) for r in rows]
 
 
 _FAULTS = {stage_pb2.FAULT_KIND_ARCH_FAILURE: "arch", stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY: "corrupt"}

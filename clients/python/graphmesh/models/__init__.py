@@ -6,27 +6,36 @@ from graphmesh import dtypes
 from graphmesh.errors import InvalidArgument
 from graphmesh.models import gpt2, llama
 from graphmesh.models.config import ModelConfig
+from graphmesh.models.llama import PagedLayout
 from graphmesh.ops import TensorType
 from graphmesh.v1 import graph_pb2
 
-__all__ = ["ModelConfig", "build_stage", "stage_params"]
+__all__ = ["ModelConfig", "PagedLayout", "build_stage", "stage_params"]
 
 
 def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int, first: bool, last: bool,
                 sample: bool = False, name: str | None = None, quantized: bool = False,
-                packed_schemes: dict[str, str] | None = None, packed_activations: str = "f32") -> graph_pb2.Graph:
-    """The stage graph for `layers` (global indices); see graphmesh.models.llama for the I/O contract."""
+                packed_schemes: dict[str, str] | None = None, packed_activations: str = "f32", dtype: str = "f32",
+                paged: PagedLayout | None = None) -> graph_pb2.Graph:
+    """The stage graph for `layers` (global indices); see graphmesh.models.llama for the I/O contract. With
+    `paged`, the batched form: seq_len token rows over paged.seqs sequences, cache_len ignored (the pools'
+    size is paged.pool_rows)."""
     if layers.step != 1 or not 0 <= layers.start <= layers.stop <= config.n_layers:
         raise InvalidArgument(f"layers {layers} are not a contiguous span of the model's {config.n_layers} layers",
                               "BAD_LAYER_RANGE")
+    if paged is not None:
+        cache_len = paged.pool_rows
+        if paged.seqs < 1 or paged.blocks < 1 or paged.pool_blocks < 1 or seq_len < paged.seqs or \
+                (paged.decode and seq_len != paged.seqs):
+            raise InvalidArgument(f"bad paged layout {paged} for {seq_len} token rows", "BAD_SHAPE")
     if seq_len < 1 or cache_len < seq_len:
         raise InvalidArgument(f"seq_len {seq_len} must be >= 1 and fit in cache_len {cache_len}", "BAD_SHAPE")
     if config.arch == "gpt2":
         if quantized:
             raise InvalidArgument("quantized stages exist for the llama family only", "UNSUPPORTED_MODEL")
-        return gpt2.build_stage(config, layers, seq_len, cache_len, first, last, sample, name)
+        return gpt2.build_stage(config, layers, seq_len, cache_len, first, last, sample, name, dtype, paged)
     return llama.build_stage(config, layers, seq_len, cache_len, first, last, sample, name, quantized, packed_schemes,
-                             packed_activations=packed_activations)
+                             dtype, packed_activations, paged)
 
 
 def stage_params(config: ModelConfig, layers: range, first: bool, last: bool, quantized: bool = False,

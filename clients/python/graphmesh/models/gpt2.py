@@ -5,9 +5,10 @@ Same stage I/O contract as the Llama builder (see graphmesh.models.llama).
 
 from __future__ import annotations
 
+from graphmesh.errors import InvalidArgument
 from graphmesh.graph import GraphBuilder, Value
 from graphmesh.models.config import ModelConfig
-from graphmesh.models.llama import StageIO, cached_attention, stage_inputs, stage_outputs
+from graphmesh.models.llama import PagedLayout, StageIO, cached_attention, stage_inputs, stage_outputs
 from graphmesh.v1 import graph_pb2
 
 
@@ -34,10 +35,14 @@ def _block(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, layer: int, x: 
 
 
 def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int, first: bool, last: bool,
-                sample: bool = False, name: str | None = None) -> graph_pb2.Graph:
+                sample: bool = False, name: str | None = None, dtype: str = "f32",
+                paged: PagedLayout | None = None) -> graph_pb2.Graph:
     c = config
-    g = GraphBuilder(name or f"gpt2_{layers.start}-{layers.stop}_s{seq_len}_c{cache_len}")
-    io = stage_inputs(g, c, len(layers), seq_len, cache_len, first, last, sample)
+    if dtype != "f32":
+        raise InvalidArgument(f"gpt2 stages run in f32 only, not {dtype}", "UNSUPPORTED_DTYPE")
+    shape = f"_s{seq_len}_b{paged.seqs}x{paged.blocks}_p{paged.pool_blocks}" if paged else f"_s{seq_len}_c{cache_len}"
+    g = GraphBuilder(name or f"gpt2_{layers.start}-{layers.stop}{shape}")
+    io = stage_inputs(g, c, len(layers), seq_len, cache_len, first, last, sample, paged=paged)
     x = io.x
     if first:
         wte = g.param("transformer.wte.weight", (c.vocab_size, c.hidden_size))

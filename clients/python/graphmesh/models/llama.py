@@ -11,6 +11,16 @@ prefill graph (S = bucket) and the decode graph (S = 1). Contract, in order:
 New K/V rows go to cache rows positions[0] .. positions[0]+S-1; attention masks cache rows by position,
 so rows of a padded prefill past the prompt never reach a real query.
 
+The paged form (a PagedLayout given; what the executor's engine runs) is one step over many sessions: S token
+rows of B sequences, the rows of each sequence contiguous. The caches are pools shared by every session of the
+stage, in blocks of `block_size` rows:
+  inputs:  input_ids i64[S] | hidden_in f32[S, H]; positions i64[S]; slots i64[S] (the pool row each token's K/V
+           goes to); block_table i64[B, M] (each sequence's pool blocks in order); token_seq i64[S] (each token's
+           sequence); past_k_{i}, past_v_{i} f32[pool rows, kv_dim];
+           last stage: last_index i64[B] (each sequence's last token row); with sample: temperature f32[B],
+           top_k i64[B], top_p f32[B], seed i64[B] (one per sequence: each draws what it would alone).
+  outputs: hidden_out f32[S, H] | logits f32[B, V] | token i64[B]; then the updated pools as above.
+
 Two opt-in precisions (the defaults are the exact f32 graph above): dtype="bf16"/"f16" keeps params, KV
 caches and compute in that dtype while the boundary, logits and token stay as in the contract (a GPU
 stage); packed_activations="bf16" feeds bf16 activations to the dequant_matmuls of a quantized stage's
@@ -27,26 +37,56 @@ from graphmesh.ops import packed_shape
 from graphmesh.v1 import graph_pb2
 
 
+@dataclass(frozen=True)
+class PagedLayout:
+    """The shape of a batched step: `seqs` sequences each reading at most `blocks` blocks of `block_size` rows
+    from pools of `pool_blocks` blocks; `decode` promises one token per sequence (kernels then read no host value)."""
+
+    seqs: int
+    blocks: int
+    block_size: int
+    pool_blocks: int
+    decode: bool = False
+
+    @property
+    def pool_rows(self) -> int:
+        return self.pool_blocks * self.block_size
+
+
+@dataclass
+class PagedIO:
+    layout: PagedLayout
+    slots: Value  # [S] i64
+    block_table: Value  # [B, M] i64
+    token_seq: Value  # [S] i64
+
+
 @dataclass
 class StageIO:
     x: Value  # [S] i64 token ids on the first stage, else [S, H] f32 hidden state
     positions: Value  # [S] i64
-    start: Value  # [1] i64: the cache row of the first new K/V row
-    past: list[tuple[Value, Value]]  # per local layer: [cache_len, kv_dim] K and V
-    last_index: Value | None  # [1] i64, last stage only
+    start: Value  # [1] i64: the cache row of the first new K/V row (contiguous form)
+    past: list[tuple[Value, Value]]  # per local layer: [cache_len, kv_dim] K and V (paged: the pools)
+    last_index: Value | None  # [1] i64 ([B] paged), last stage only
     sampling: tuple[Value, Value, Value, Value] | None  # temperature, top_k, top_p, seed
+    paged: PagedIO | None = None
 
 
 def stage_inputs(g: GraphBuilder, c: ModelConfig, n_local: int, seq_len: int, cache_len: int, first: bool, last: bool,
-                 sample: bool, kv_dtype: str = "f32") -> StageIO:
+                 sample: bool, kv_dtype: str = "f32", paged: PagedLayout | None = None) -> StageIO:
     x = g.input("input_ids", (seq_len,), "i64") if first else g.input("hidden_in", (seq_len, c.hidden_size))
     positions = g.input("positions", (seq_len,), "i64")
-    past = [(g.input(f"past_k_{i}", (cache_len, c.kv_dim), kv_dtype), g.input(f"past_v_{i}", (cache_len, c.kv_dim), kv_dtype))
+    rows = paged.pool_rows if paged else cache_len
+    past = [(g.input(f"past_k_{i}", (rows, c.kv_dim), kv_dtype), g.input(f"past_v_{i}", (rows, c.kv_dim), kv_dtype))
             for i in range(n_local)]
-    last_index = g.input("last_index", (1,), "i64") if last else None
-    sampling = (g.input("temperature", (1,)), g.input("top_k", (1,), "i64"), g.input("top_p", (1,)),
-                g.input("seed", (1,), "i64")) if last and sample else None
-    return StageIO(x, positions, g.slice(positions, 0, 0, 1), past, last_index, sampling)
+    outs = paged.seqs if paged else 1
+    last_index = g.input("last_index", (outs,), "i64") if last else None
+    sampling = (g.input("temperature", (outs,)), g.input("top_k", (outs,), "i64"), g.input("top_p", (outs,)),
+                g.input("seed", (outs,), "i64")) if last and sample else None
+    paged_io = PagedIO(paged, g.input("slots", (seq_len,), "i64"), g.input("block_table", (paged.seqs, paged.blocks),
+                                                                             "i64"),
+                       g.input("token_seq", (seq_len,), "i64")) if paged else None
+    return StageIO(x, positions, g.slice(positions, 0, 0, 1), past, last_index, sampling, paged_io)
 
 
 def stage_outputs(g: GraphBuilder, io: StageIO, result: Value, caches: list[Value]) -> graph_pb2.Graph:
@@ -60,6 +100,13 @@ def stage_outputs(g: GraphBuilder, io: StageIO, result: Value, caches: list[Valu
 def cached_attention(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, q: Value, k: Value, v: Value,
                      ) -> tuple[Value, Value, Value]:
     """q [S, Hq, D] and k, v [S, kv_dim] (k already rotated) -> (attention output [S, Hq*D], K cache, V cache)."""
+    if io.paged is not None:
+        p = io.paged
+        k_pool, v_pool = g.kv_scatter(io.past[i][0], k, p.slots), g.kv_scatter(io.past[i][1], v, p.slots)
+        heads = (p.layout.pool_rows, c.n_kv_heads, c.head_dim)
+        out = g.paged_attention(q, g.reshape(k_pool, heads), g.reshape(v_pool, heads), p.block_table, p.token_seq,
+                                io.positions, p.layout.block_size, p.layout.decode)
+        return g.reshape(out, (q.shape[0], c.q_dim)), k_pool, v_pool
     cache_len = io.past[i][0].shape[0]
     k_cache = g.kv_write(io.past[i][0], k, io.start)
     v_cache = g.kv_write(io.past[i][1], v, io.start)
@@ -118,17 +165,18 @@ def _block(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, layer: int, x: 
 def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int, first: bool, last: bool,
                 sample: bool = False, name: str | None = None, quantized: bool = False,
                 packed_schemes: dict[str, str] | None = None, dtype: str = "f32",
-                packed_activations: str = "f32") -> graph_pb2.Graph:
+                packed_activations: str = "f32", paged: PagedLayout | None = None) -> graph_pb2.Graph:
     """The stage graph over global layers `layers`. With quantized=True every Linear weight named in
     packed_schemes (from Checkpoint.packed_schemes()) is a u8 param of GGUF blocks used through dequant_matmul.
-    dtype and packed_activations: see the module docstring."""
+    dtype, packed_activations and paged: see the module docstring."""
     c = config
     schemes = dict(packed_schemes or {}) if quantized else {}
     precision = _Precision(dtype, packed_activations if schemes else dtype)
     suffix = ("_q" if schemes else "") + ("" if dtype == "f32" else f"_{dtype}") + \
         ("_a" + packed_activations if schemes and packed_activations != "f32" else "")
-    g = GraphBuilder(name or f"llama_{layers.start}-{layers.stop}_s{seq_len}_c{cache_len}{suffix}")
-    io = stage_inputs(g, c, len(layers), seq_len, cache_len, first, last, sample, dtype)
+    shape = f"_s{seq_len}_b{paged.seqs}x{paged.blocks}_p{paged.pool_blocks}" if paged else f"_s{seq_len}_c{cache_len}"
+    g = GraphBuilder(name or f"llama_{layers.start}-{layers.stop}{shape}{suffix}")
+    io = stage_inputs(g, c, len(layers), seq_len, cache_len, first, last, sample, dtype, paged)
     if first:
         x = g.gather(g.param("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), dtype), io.x)
     else:

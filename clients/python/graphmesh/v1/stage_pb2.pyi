@@ -144,7 +144,7 @@ class _FaultKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FaultKind.V
     DESCRIPTOR: _descriptor.EnumDescriptor
     FAULT_KIND_UNSPECIFIED: _FaultKind.ValueType  # 0
     FAULT_KIND_ARCH_FAILURE: _FaultKind.ValueType  # 1
-    """FAULT_KIND_ARCH_FAILURE fails the next ExecuteGroup deterministically,
+    """FAULT_KIND_ARCH_FAILURE fails the next ExecuteStep deterministically,
     before any payload leaves the rank.
     """
     FAULT_KIND_CORRUPT_BOUNDARY: _FaultKind.ValueType  # 2
@@ -157,7 +157,7 @@ class FaultKind(_FaultKind, metaclass=_FaultKindEnumTypeWrapper):
 
 FAULT_KIND_UNSPECIFIED: FaultKind.ValueType  # 0
 FAULT_KIND_ARCH_FAILURE: FaultKind.ValueType  # 1
-"""FAULT_KIND_ARCH_FAILURE fails the next ExecuteGroup deterministically,
+"""FAULT_KIND_ARCH_FAILURE fails the next ExecuteStep deterministically,
 before any payload leaves the rank.
 """
 FAULT_KIND_CORRUPT_BOUNDARY: FaultKind.ValueType  # 2
@@ -253,6 +253,7 @@ class StageSpec(_message.Message):
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
     KVSTORE_ADDRESS_FIELD_NUMBER: _builtins.int
     KV_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """model is a bundled model name ("smollm2-135m") or a checkpoint path the
     executor can read (under its --model-root when one is set).
@@ -277,7 +278,13 @@ class StageSpec(_message.Message):
     kvstore_address: _builtins.str
     """kvstore_address, when set, receives committed KV blocks (write-behind)."""
     kv_block_tokens: _builtins.int
-    """kv_block_tokens is the KV store's block size in tokens (default 16)."""
+    """kv_block_tokens is the KV block size in tokens (default 16): the block of
+    the executor's paged KV pool and of the KV store.
+    """
+    dtype: _builtins.str
+    """dtype is the stage graphs' compute and KV dtype: "f32", "bf16" or "f16";
+    empty picks bf16 on CUDA and f32 on CPU.
+    """
     def __init__(
         self,
         *,
@@ -291,10 +298,11 @@ class StageSpec(_message.Message):
         max_context_tokens: _builtins.int = ...,
         kvstore_address: _builtins.str = ...,
         kv_block_tokens: _builtins.int = ...,
+        dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first", b"first", "kv_block_tokens", b"kv_block_tokens", "kvstore_address", b"kvstore_address", "last", b"last", "layer_end", b"layer_end", "layer_start", b"layer_start", "max_context_tokens", b"max_context_tokens", "model", b"model", "next_address", b"next_address", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "first", b"first", "kv_block_tokens", b"kv_block_tokens", "kvstore_address", b"kvstore_address", "last", b"last", "layer_end", b"layer_end", "layer_start", b"layer_start", "max_context_tokens", b"max_context_tokens", "model", b"model", "next_address", b"next_address", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -338,6 +346,8 @@ class InstallResponse(_message.Message):
     PARAM_BYTES_FIELD_NUMBER: _builtins.int
     LOAD_MS_FIELD_NUMBER: _builtins.int
     MODEL_IDENTITY_FIELD_NUMBER: _builtins.int
+    KV_POOL_BLOCKS_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     """backend and device of this executor, e.g. "torch" and "cpu"."""
     device: _builtins.str
@@ -347,6 +357,13 @@ class InstallResponse(_message.Message):
     """load_ms is the weight loading and compile time in milliseconds."""
     model_identity: _builtins.str
     """model_identity is the checkpoint's identity hash (KV keys are rooted in it)."""
+    kv_pool_blocks: _builtins.int
+    """kv_pool_blocks is the number of KV blocks of kv_block_tokens tokens this
+    rank can lend to sessions (its --kv-cache-bytes); the coordinator admits
+    and preempts sessions so that no rank ever runs out.
+    """
+    dtype: _builtins.str
+    """dtype is the stage graphs' dtype after resolving the default."""
     def __init__(
         self,
         *,
@@ -355,10 +372,12 @@ class InstallResponse(_message.Message):
         param_bytes: _builtins.int = ...,
         load_ms: _builtins.float = ...,
         model_identity: _builtins.str = ...,
+        kv_pool_blocks: _builtins.int = ...,
+        dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "load_ms", b"load_ms", "model_identity", b"model_identity", "param_bytes", b"param_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "dtype", b"dtype", "kv_pool_blocks", b"kv_pool_blocks", "load_ms", b"load_ms", "model_identity", b"model_identity", "param_bytes", b"param_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -401,35 +420,32 @@ class SamplingParams(_message.Message):
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
 @_typing.final
-class ExecuteGroupRequest(_message.Message):
+class StepRow(_message.Message):
+    """StepRow is one session's part of a step."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    HEADER_FIELD_NUMBER: _builtins.int
-    EXPERT_PASS_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     COMMIT_EPOCH_FIELD_NUMBER: _builtins.int
     START_POSITION_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
-    OUTPUT_FIELD_NUMBER: _builtins.int
-    BOUNDARY_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
-    expert_pass: Global___ExpertPass.ValueType
+    session_id: _builtins.str
+    epoch: _builtins.int
+    """epoch is the session's commit epoch for this row, starting at 1."""
     commit_epoch: _builtins.int
     """commit_epoch, when non-zero, is an earlier epoch of this session to
-    commit before beginning `header.epoch` (a folded Commit).
+    commit before beginning `epoch` (a folded Commit).
     """
     start_position: _builtins.int
-    """start_position is the session's KV length before this invocation, in
-    tokens; it must equal the rank's committed KV length.
+    """start_position is the session's KV length before this row, in tokens;
+    it must equal the rank's committed KV length.
     """
-    output: Global___OutputKind.ValueType
-    boundary_timeout_ms: _builtins.int
-    """boundary_timeout_ms bounds the wait for the previous stage's bundle."""
-    @_builtins.property
-    def header(self) -> Global___FencingHeader: ...
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """token_ids are the new tokens; the first stage embeds them, every stage
-        uses their count.
+        """token_ids are the row's new tokens (a decode token or a prompt chunk);
+        the first stage embeds them, every stage uses their count.
         """
 
     @_builtins.property
@@ -437,60 +453,169 @@ class ExecuteGroupRequest(_message.Message):
     def __init__(
         self,
         *,
-        header: Global___FencingHeader | None = ...,
-        expert_pass: Global___ExpertPass.ValueType = ...,
+        session_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
         commit_epoch: _builtins.int = ...,
         start_position: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: Global___SamplingParams | None = ...,
-        output: Global___OutputKind.ValueType = ...,
-        boundary_timeout_ms: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_timeout_ms", b"boundary_timeout_ms", "commit_epoch", b"commit_epoch", "expert_pass", b"expert_pass", "header", b"header", "output", b"output", "sampling", b"sampling", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_epoch", b"commit_epoch", "epoch", b"epoch", "sampling", b"sampling", "session_id", b"session_id", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ExecuteGroupRequest: _TypeAlias = ExecuteGroupRequest  # noqa: Y015
+Global___StepRow: _TypeAlias = StepRow  # noqa: Y015
 
 @_typing.final
-class ExecuteGroupResponse(_message.Message):
+class ExecuteStepRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    BOUNDARY_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    EXPERT_PASS_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.int
+    """incarnation is the coordinator's fencing token for the roster."""
+    step_id: _builtins.int
+    """step_id names the step within the incarnation (boundaries and aborts
+    carry it); the coordinator never reuses one.
+    """
+    output: Global___OutputKind.ValueType
+    """output is the same for every row of the step."""
+    boundary_timeout_ms: _builtins.int
+    """boundary_timeout_ms bounds the wait for the previous stage's bundle."""
+    expert_pass: Global___ExpertPass.ValueType
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepRow]:
+        """rows are at most one per session, in the order of the boundary bundle."""
+
+    def __init__(
+        self,
+        *,
+        incarnation: _builtins.int = ...,
+        step_id: _builtins.int = ...,
+        rows: _abc.Iterable[Global___StepRow] | None = ...,
+        output: Global___OutputKind.ValueType = ...,
+        boundary_timeout_ms: _builtins.int = ...,
+        expert_pass: Global___ExpertPass.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_timeout_ms", b"boundary_timeout_ms", "expert_pass", b"expert_pass", "incarnation", b"incarnation", "output", b"output", "rows", b"rows", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExecuteStepRequest: _TypeAlias = ExecuteStepRequest  # noqa: Y015
+
+@_typing.final
+class StepRowResult(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_FIELD_NUMBER: _builtins.int
-    LOGITS_FIELD_NUMBER: _builtins.int
     KV_LENGTH_FIELD_NUMBER: _builtins.int
+    token: _builtins.int
+    """token is the row's sampled token (last stage, OUTPUT_KIND_TOKEN)."""
+    kv_length: _builtins.int
+    """kv_length is the session's KV length on this rank after the step."""
+    def __init__(
+        self,
+        *,
+        token: _builtins.int = ...,
+        kv_length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_length", b"kv_length", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepRowResult: _TypeAlias = StepRowResult  # noqa: Y015
+
+@_typing.final
+class ExecuteStepResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    LOGITS_FIELD_NUMBER: _builtins.int
     COMPUTE_US_FIELD_NUMBER: _builtins.int
     COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
-    token: _builtins.int
-    """token is the sampled token (last stage, OUTPUT_KIND_TOKEN)."""
-    kv_length: _builtins.int
-    """kv_length is the session's KV length on this rank after the invocation."""
     compute_us: _builtins.float
     """compute_us is the time spent running graphs, in microseconds."""
     computed_tokens: _builtins.int
     """computed_tokens is the number of token rows this rank computed."""
     @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepRowResult]: ...
+    @_builtins.property
     def logits(self) -> _tensor_pb2.Tensor:
-        """logits are the last position's logits (last stage, OUTPUT_KIND_LOGITS)."""
+        """logits are f32 [rows, vocab]: each row's last position (last stage,
+        OUTPUT_KIND_LOGITS).
+        """
 
     def __init__(
         self,
         *,
-        token: _builtins.int = ...,
+        rows: _abc.Iterable[Global___StepRowResult] | None = ...,
         logits: _tensor_pb2.Tensor | None = ...,
-        kv_length: _builtins.int = ...,
         compute_us: _builtins.float = ...,
         computed_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["logits", b"logits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_us", b"compute_us", "computed_tokens", b"computed_tokens", "kv_length", b"kv_length", "logits", b"logits", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_us", b"compute_us", "computed_tokens", b"computed_tokens", "logits", b"logits", "rows", b"rows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ExecuteGroupResponse: _TypeAlias = ExecuteGroupResponse  # noqa: Y015
+Global___ExecuteStepResponse: _TypeAlias = ExecuteStepResponse  # noqa: Y015
+
+@_typing.final
+class AbortStepRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.int
+    step_id: _builtins.int
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepRow]:
+        """rows name the sessions and epochs to roll back; a row's commit_epoch is
+        committed first (the folded commit of an ExecuteStep this rank may never
+        have received).
+        """
+
+    def __init__(
+        self,
+        *,
+        incarnation: _builtins.int = ...,
+        step_id: _builtins.int = ...,
+        rows: _abc.Iterable[Global___StepRow] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "rows", b"rows", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortStepRequest: _TypeAlias = AbortStepRequest  # noqa: Y015
+
+@_typing.final
+class AbortStepResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortStepResponse: _TypeAlias = AbortStepResponse  # noqa: Y015
 
 @_typing.final
 class BoundaryTensor(_message.Message):
@@ -522,22 +647,32 @@ class PushBoundaryRequest(_message.Message):
     HEADER_FIELD_NUMBER: _builtins.int
     ROUTE_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
+    STEP_ID_FIELD_NUMBER: _builtins.int
     route: _builtins.str
     """route is "<src_rank>-><dst_rank>"."""
+    step_id: _builtins.int
+    """step_id is the step the bundle belongs to."""
     @_builtins.property
-    def header(self) -> Global___FencingHeader: ...
+    def header(self) -> Global___FencingHeader:
+        """header carries the incarnation (session_id and epoch are unset: a bundle
+        belongs to a step).
+        """
+
     @_builtins.property
-    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BoundaryTensor]: ...
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BoundaryTensor]:
+        """tensors hold the step's rows in order: the hidden state [tokens, hidden]."""
+
     def __init__(
         self,
         *,
         header: Global___FencingHeader | None = ...,
         route: _builtins.str = ...,
         tensors: _abc.Iterable[Global___BoundaryTensor] | None = ...,
+        step_id: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "route", b"route", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "route", b"route", "step_id", b"step_id", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -46,10 +46,15 @@ class StageServiceStub:
                 request_serializer=graphmesh_dot_v1_dot_stage__pb2.InstallRequest.SerializeToString,
                 response_deserializer=graphmesh_dot_v1_dot_stage__pb2.InstallResponse.FromString,
                 _registered_method=True)
-        self.ExecuteGroup = channel.unary_unary(
-                '/graphmesh.v1.StageService/ExecuteGroup',
-                request_serializer=graphmesh_dot_v1_dot_stage__pb2.ExecuteGroupRequest.SerializeToString,
-                response_deserializer=graphmesh_dot_v1_dot_stage__pb2.ExecuteGroupResponse.FromString,
+        self.ExecuteStep = channel.unary_unary(
+                '/graphmesh.v1.StageService/ExecuteStep',
+                request_serializer=graphmesh_dot_v1_dot_stage__pb2.ExecuteStepRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_stage__pb2.ExecuteStepResponse.FromString,
+                _registered_method=True)
+        self.AbortStep = channel.unary_unary(
+                '/graphmesh.v1.StageService/AbortStep',
+                request_serializer=graphmesh_dot_v1_dot_stage__pb2.AbortStepRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_stage__pb2.AbortStepResponse.FromString,
                 _registered_method=True)
         self.PushBoundary = channel.unary_unary(
                 '/graphmesh.v1.StageService/PushBoundary',
@@ -121,12 +126,22 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ExecuteGroup(self, request, context):
-        """ExecuteGroup runs this rank's group for one invocation. It begins the
-        epoch (checkpointing the session's KV length) and, when commit_epoch is
-        set, first commits that earlier epoch. A non-first stage waits for its
-        boundary bundle; a non-last stage pushes its bundle to the next rank.
-        The last stage returns the output (Finish).
+    def ExecuteStep(self, request, context):
+        """ExecuteStep runs this rank's group for one step: one invocation of the
+        protocol over the rows of many sessions. For every row it first commits
+        the folded commit_epoch, then begins the row's epoch (checkpointing the
+        session's KV length); any row that cannot begin rolls back every row of
+        the step. A non-first stage waits for the step's boundary bundle; a
+        non-last stage pushes its bundle to the next rank. The last stage
+        returns each row's output (Finish).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortStep(self, request, context):
+        """AbortStep rolls back every row of a step (allowed even when poisoned:
+        rollback is local) and wakes a rank waiting for the step's boundary.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -218,10 +233,15 @@ def add_StageServiceServicer_to_server(servicer, server):
                     request_deserializer=graphmesh_dot_v1_dot_stage__pb2.InstallRequest.FromString,
                     response_serializer=graphmesh_dot_v1_dot_stage__pb2.InstallResponse.SerializeToString,
             ),
-            'ExecuteGroup': grpc.unary_unary_rpc_method_handler(
-                    servicer.ExecuteGroup,
-                    request_deserializer=graphmesh_dot_v1_dot_stage__pb2.ExecuteGroupRequest.FromString,
-                    response_serializer=graphmesh_dot_v1_dot_stage__pb2.ExecuteGroupResponse.SerializeToString,
+            'ExecuteStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExecuteStep,
+                    request_deserializer=graphmesh_dot_v1_dot_stage__pb2.ExecuteStepRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_stage__pb2.ExecuteStepResponse.SerializeToString,
+            ),
+            'AbortStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortStep,
+                    request_deserializer=graphmesh_dot_v1_dot_stage__pb2.AbortStepRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_stage__pb2.AbortStepResponse.SerializeToString,
             ),
             'PushBoundary': grpc.unary_unary_rpc_method_handler(
                     servicer.PushBoundary,
@@ -318,7 +338,7 @@ class StageService:
             _registered_method=True)
 
     @staticmethod
-    def ExecuteGroup(request,
+    def ExecuteStep(request,
             target,
             options=(),
             channel_credentials=None,
@@ -331,9 +351,36 @@ class StageService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/graphmesh.v1.StageService/ExecuteGroup',
-            graphmesh_dot_v1_dot_stage__pb2.ExecuteGroupRequest.SerializeToString,
-            graphmesh_dot_v1_dot_stage__pb2.ExecuteGroupResponse.FromString,
+            '/graphmesh.v1.StageService/ExecuteStep',
+            graphmesh_dot_v1_dot_stage__pb2.ExecuteStepRequest.SerializeToString,
+            graphmesh_dot_v1_dot_stage__pb2.ExecuteStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graphmesh.v1.StageService/AbortStep',
+            graphmesh_dot_v1_dot_stage__pb2.AbortStepRequest.SerializeToString,
+            graphmesh_dot_v1_dot_stage__pb2.AbortStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

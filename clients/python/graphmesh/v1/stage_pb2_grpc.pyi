@@ -45,12 +45,18 @@ class StageServiceStub:
     it loads its layers' weights and compiles its stage graphs. An
     incarnation lower than or equal to one already seen is refused.
     """
-    ExecuteGroup: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ExecuteGroupRequest, _stage_pb2.ExecuteGroupResponse]
-    """ExecuteGroup runs this rank's group for one invocation. It begins the
-    epoch (checkpointing the session's KV length) and, when commit_epoch is
-    set, first commits that earlier epoch. A non-first stage waits for its
-    boundary bundle; a non-last stage pushes its bundle to the next rank.
-    The last stage returns the output (Finish).
+    ExecuteStep: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ExecuteStepRequest, _stage_pb2.ExecuteStepResponse]
+    """ExecuteStep runs this rank's group for one step: one invocation of the
+    protocol over the rows of many sessions. For every row it first commits
+    the folded commit_epoch, then begins the row's epoch (checkpointing the
+    session's KV length); any row that cannot begin rolls back every row of
+    the step. A non-first stage waits for the step's boundary bundle; a
+    non-last stage pushes its bundle to the next rank. The last stage
+    returns each row's output (Finish).
+    """
+    AbortStep: _grpc.UnaryUnaryMultiCallable[_stage_pb2.AbortStepRequest, _stage_pb2.AbortStepResponse]
+    """AbortStep rolls back every row of a step (allowed even when poisoned:
+    rollback is local) and wakes a rank waiting for the step's boundary.
     """
     PushBoundary: _grpc.UnaryUnaryMultiCallable[_stage_pb2.PushBoundaryRequest, _stage_pb2.PushBoundaryResponse]
     """PushBoundary delivers a boundary bundle from the previous stage. The
@@ -104,12 +110,18 @@ class StageServiceAsyncStub(StageServiceStub):
     it loads its layers' weights and compiles its stage graphs. An
     incarnation lower than or equal to one already seen is refused.
     """
-    ExecuteGroup: _aio.UnaryUnaryMultiCallable[_stage_pb2.ExecuteGroupRequest, _stage_pb2.ExecuteGroupResponse]  # type: ignore[assignment]
-    """ExecuteGroup runs this rank's group for one invocation. It begins the
-    epoch (checkpointing the session's KV length) and, when commit_epoch is
-    set, first commits that earlier epoch. A non-first stage waits for its
-    boundary bundle; a non-last stage pushes its bundle to the next rank.
-    The last stage returns the output (Finish).
+    ExecuteStep: _aio.UnaryUnaryMultiCallable[_stage_pb2.ExecuteStepRequest, _stage_pb2.ExecuteStepResponse]  # type: ignore[assignment]
+    """ExecuteStep runs this rank's group for one step: one invocation of the
+    protocol over the rows of many sessions. For every row it first commits
+    the folded commit_epoch, then begins the row's epoch (checkpointing the
+    session's KV length); any row that cannot begin rolls back every row of
+    the step. A non-first stage waits for the step's boundary bundle; a
+    non-last stage pushes its bundle to the next rank. The last stage
+    returns each row's output (Finish).
+    """
+    AbortStep: _aio.UnaryUnaryMultiCallable[_stage_pb2.AbortStepRequest, _stage_pb2.AbortStepResponse]  # type: ignore[assignment]
+    """AbortStep rolls back every row of a step (allowed even when poisoned:
+    rollback is local) and wakes a rank waiting for the step's boundary.
     """
     PushBoundary: _aio.UnaryUnaryMultiCallable[_stage_pb2.PushBoundaryRequest, _stage_pb2.PushBoundaryResponse]  # type: ignore[assignment]
     """PushBoundary delivers a boundary bundle from the previous stage. The
@@ -168,16 +180,28 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
     @_abc_1.abstractmethod
-    def ExecuteGroup(
+    def ExecuteStep(
         self,
-        request: _stage_pb2.ExecuteGroupRequest,
+        request: _stage_pb2.ExecuteStepRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_stage_pb2.ExecuteGroupResponse, _abc.Awaitable[_stage_pb2.ExecuteGroupResponse]]:
-        """ExecuteGroup runs this rank's group for one invocation. It begins the
-        epoch (checkpointing the session's KV length) and, when commit_epoch is
-        set, first commits that earlier epoch. A non-first stage waits for its
-        boundary bundle; a non-last stage pushes its bundle to the next rank.
-        The last stage returns the output (Finish).
+    ) -> _typing.Union[_stage_pb2.ExecuteStepResponse, _abc.Awaitable[_stage_pb2.ExecuteStepResponse]]:
+        """ExecuteStep runs this rank's group for one step: one invocation of the
+        protocol over the rows of many sessions. For every row it first commits
+        the folded commit_epoch, then begins the row's epoch (checkpointing the
+        session's KV length); any row that cannot begin rolls back every row of
+        the step. A non-first stage waits for the step's boundary bundle; a
+        non-last stage pushes its bundle to the next rank. The last stage
+        returns each row's output (Finish).
+        """
+
+    @_abc_1.abstractmethod
+    def AbortStep(
+        self,
+        request: _stage_pb2.AbortStepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.AbortStepResponse, _abc.Awaitable[_stage_pb2.AbortStepResponse]]:
+        """AbortStep rolls back every row of a step (allowed even when poisoned:
+        rollback is local) and wakes a rank waiting for the step's boundary.
         """
 
     @_abc_1.abstractmethod

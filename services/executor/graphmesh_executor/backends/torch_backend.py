@@ -31,7 +31,7 @@ from graphmesh import dtypes
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph, Node
 from graphmesh.ops import QUANT_BLOCKS, TensorType
-from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_row, uniform
+from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_rows
 
 Tensor = torch.Tensor
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -209,6 +209,67 @@ def _kv_write(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     return out
 
 
+def _kv_scatter(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
+    pool, rows, slots = xs
+    _check_indices(ctx, slots, pool.shape[0], "kv_scatter slot")
+    # In place when the executable donated the pool (the handle this output replaces): a pool is the whole KV of
+    # every session on the stage, far too big to copy per layer per step.
+    out = pool if pool.__dict__.pop(_DONATED, False) or _static(ctx) else pool.clone()
+    out.__dict__.pop(_MEMO, None)
+    return out.index_copy_(0, slots.reshape(-1).long(), rows.to(out.dtype))
+
+
+def _paged_rows(table: Tensor, blocks: int, block: int) -> Tensor:
+    """Pool block ids of the first `blocks` blocks of every sequence, flattened [B * blocks]."""
+    return table[:, :blocks].reshape(-1).long()
+
+
+def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
+    q, k_pool, v_pool, table, token_seq, pos = xs
+    block, (t, hq, d), hkv = a["block_size"], q.shape, k_pool.shape[1]
+    scale = a["scale"] or d**-0.5
+    _check_indices(ctx, table, k_pool.shape[0] // block, "block_table block")
+    _check_indices(ctx, token_seq, table.shape[0], "token_seq sequence")
+    _check_indices(ctx, pos, table.shape[1] * block, "q_positions position")
+    k_blocks, v_blocks = k_pool.view(-1, block, hkv, d), v_pool.view(-1, block, hkv, d)
+    if a["decode"]:
+        # One query per sequence: gather every sequence's blocks (whole-block copies) and run one batched
+        # attention with keys past each query masked. Static runs read every block of the table (no host read).
+        blocks = table.shape[1] if _static(ctx) else -(-(_span(pos)[1] + 1) // block)
+        ids = _paged_rows(table, blocks, block)
+        keys = blocks * block
+        k = k_blocks.index_select(0, ids).view(t, keys, hkv, d)
+        v = v_blocks.index_select(0, ids).view(t, keys, hkv, d)
+        hidden = _memo(pos, ("paged-hide", keys), lambda: torch.arange(keys, device=q.device)[None, :] > pos[:, None])
+        scores = torch.matmul(q.reshape(t, hkv, hq // hkv, d), k.permute(0, 2, 3, 1)) * scale  # [T, Hkv, G, keys]
+        scores = scores.float() if scores.dtype in _HALF else scores
+        scores.masked_fill_(hidden[:, None, None, :], -math.inf)
+        p = torch.softmax(scores, -1).to(v.dtype)
+        return torch.matmul(p, v.permute(0, 2, 1, 3)).reshape(t, hq, d).to(q.dtype)
+    # Chunks of prompts (and decodes) mixed: each sequence's queries are one contiguous run of rows.
+    seqs, positions = token_seq.tolist(), pos.tolist()
+    out, start = [], 0
+    while start < t:
+        end = start
+        while end < t and seqs[end] == seqs[start]:
+            end += 1
+        keys = max(positions[start:end]) + 1
+        blocks = -(-keys // block)
+        ids = table[seqs[start], :blocks].long()
+        k = k_blocks.index_select(0, ids).reshape(-1, hkv, d)[:keys]
+        v = v_blocks.index_select(0, ids).reshape(-1, hkv, d)[:keys]
+        qs, ps = q[start:end], pos[start:end]
+        from_zero = positions[start] == 0 and positions[end - 1] == end - start - 1 and keys == end - start
+        mask = None if from_zero else torch.arange(keys, device=q.device)[None, :] <= ps[:, None]
+        # A batch axis of 1: torch's CPU flash kernel takes 4-d inputs only.
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=mask, is_causal=from_zero and end - start > 1, scale=scale,
+                                           enable_gqa=hq != hkv)
+        out.append(o[0].transpose(0, 1))
+        start = end
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
 def _top_k(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     # A stable descending sort puts equal values in index order; torch.topk does not promise that.
     return torch.sort(xs[0], dim=-1, descending=True, stable=True).indices[..., : a["k"]]
@@ -232,14 +293,13 @@ def _grouped_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
 
 def _sample(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     logits = xs[0]
-    if _static(ctx):  # the executable runs static only when the host temperature says greedy
+    if _static(ctx):  # the executable runs static only when the host temperatures say greedy
         return torch.argmax(logits, dim=-1)
-    t, k, p, s = (x.reshape(-1)[0].item() for x in xs[1:])
-    if t <= 0.0:  # greedy needs no host copy of the logits; argmax picks the first maximum like numpy
+    settings = [x.to("cpu").numpy() for x in xs[1:]]
+    if (settings[0] <= 0.0).all():  # greedy needs no host copy of the logits; argmax picks the first maximum like numpy
         return torch.argmax(logits, dim=-1)
-    rows = logits.to("cpu", torch.float64).numpy()
-    tokens = [sample_row(row, t, int(k), p, uniform(ctx.rng, int(s), b)) for b, row in enumerate(rows)]
-    return torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+    tokens = sample_rows(ctx.rng, logits.to("cpu", torch.float64).numpy(), *settings)
+    return torch.from_numpy(tokens).to(logits.device)
 
 
 def _unpack(packed: Tensor, scheme: str, n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -324,7 +384,7 @@ def _host_check(node: Node, value: Callable[[dict[str, np.ndarray]], np.ndarray 
         if x is None:
             return False
         if node.op == "sample":
-            return bool(x.reshape(-1)[0] <= 0.0)
+            return bool((x <= 0.0).all())
         if node.op == "kv_write":
             start, rows, capacity = int(x.reshape(-1)[0]), graph.type_of(node.inputs[1]).shape[0], \
                 graph.type_of(node.inputs[0]).shape[0]
@@ -333,12 +393,32 @@ def _host_check(node: Node, value: Callable[[dict[str, np.ndarray]], np.ndarray 
                                  "ROW_OUT_OF_RANGE")
             return True
         shape = graph.type_of(node.inputs[0]).shape
-        bound = shape[node.attrs["axis"] % len(shape)]
-        if x.size and (x.min() < 0 or x.max() >= bound):
-            bad = x.max() if x.max() >= bound else x.min()
-            what = "gather" if node.op == "gather" else "take_along_axis"
-            raise OutOfRange(f"{what} index {bad} outside [0, {bound})", "INDEX_OUT_OF_RANGE")
+        bound = shape[0] if node.op == "kv_scatter" else shape[node.attrs["axis"] % len(shape)]
+        _host_bounds(x, bound, {"gather": "gather", "kv_scatter": "kv_scatter slot"}.get(node.op, "take_along_axis"))
         return True
+    return check
+
+
+def _host_bounds(x: np.ndarray, bound: int, what: str) -> None:
+    if x.size and (x.min() < 0 or x.max() >= bound):
+        bad = x.max() if x.max() >= bound else x.min()
+        raise OutOfRange(f"{what} index {bad} outside [0, {bound})", "INDEX_OUT_OF_RANGE")
+
+
+def _paged_check(node: Node, values: list[Callable[[dict[str, np.ndarray]], np.ndarray | None]],
+                 graph: Graph) -> HostCheck:
+    """paged_attention's index checks on the host inputs; only a decode graph runs static (it reads no host value)."""
+    pool_rows, (seqs, blocks) = graph.type_of(node.inputs[1]).shape[0], graph.type_of(node.inputs[3]).shape
+    bounds = ((pool_rows // node.attrs["block_size"], "block_table block"), (seqs, "token_seq sequence"),
+              (blocks * node.attrs["block_size"], "q_positions position"))
+
+    def check(inputs: dict[str, np.ndarray]) -> bool:
+        xs = [value(inputs) for value in values]
+        if any(x is None for x in xs):
+            return False
+        for x, (bound, what) in zip(xs, bounds):
+            _host_bounds(x, bound, what)  # type: ignore[arg-type]
+        return bool(node.attrs["decode"])
     return check
 
 
@@ -376,6 +456,8 @@ KERNELS: dict[str, Kernel] = {
     "rope": _rope,
     "attention": _attention,
     "kv_write": _kv_write,
+    "kv_scatter": _kv_scatter,
+    "paged_attention": _paged_attention,
     "top_k": _top_k,
     "take_along_axis": _take_along_axis,
     "grouped_matmul": _grouped_matmul,
@@ -425,7 +507,7 @@ class TorchExecutable(Executable[Tensor]):
         # and the node is an output. Donated only while a prefix feed stores that output back into the handle.
         readers = Counter(name for node in graph.nodes for name in node.inputs)
         self._donors = {n.inputs[0]: graph.outputs.index(n.name) for n in graph.nodes
-                        if n.op == "kv_write" and n.inputs[0] in graph.inputs and n.name in graph.outputs
+                        if n.op in ("kv_write", "kv_scatter") and n.inputs[0] in graph.inputs and n.name in graph.outputs
                         and readers[n.inputs[0]] == 1 and n.inputs[0] not in graph.outputs}
         # Weights read only as W in x @ W.T are kept as W.T contiguous (a view of the declared shape): MKL's
         # one-row product reads that layout faster (7.2 vs 10.2 ms for SmolLM2's 49152x576 head on one core).
@@ -490,11 +572,16 @@ class TorchExecutable(Executable[Tensor]):
 
         checks: list[HostCheck] = []
         for node in graph.nodes:
-            if node.op in ("gather", "take_along_axis", "kv_write", "sample"):
-                value = host(node.inputs[2 if node.op == "kv_write" else 1])
+            if node.op == "paged_attention":
+                values = [host(name) for name in node.inputs[3:]]
+                if any(v is None for v in values):
+                    return None
+                checks.append(_paged_check(node, values, graph))  # type: ignore[arg-type]
+            if node.op in ("gather", "take_along_axis", "kv_write", "kv_scatter", "sample"):
+                value = host(node.inputs[2 if node.op in ("kv_write", "kv_scatter") else 1])
                 if value is None:
                     return None
-                if node.op == "kv_write" and (node.name not in graph.outputs or
+                if node.op in ("kv_write", "kv_scatter") and (node.name not in graph.outputs or
                                               self._donors.get(node.inputs[0]) != graph.outputs.index(node.name)):
                     return None  # only a donated cache may be written in place
                 checks.append(_host_check(node, value, graph))
@@ -603,6 +690,17 @@ class TorchExecutable(Executable[Tensor]):
 
     def _cast(self, value: Tensor, dtype: str) -> Tensor:
         return value.to(TORCH_DTYPES[dtype])
+
+    @torch.inference_mode()
+    def _take_rows(self, value: Tensor, rows: np.ndarray) -> np.ndarray:
+        return self._to_host(value.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(value.device)))
+
+    @torch.inference_mode()
+    def _put_rows(self, value: Tensor, rows: np.ndarray, data: np.ndarray) -> Tensor:
+        idx = torch.from_numpy(np.asarray(rows, np.int64)).to(value.device)
+        value.index_copy_(0, idx, self._from_host(data).to(value.dtype))
+        value.__dict__.pop(_MEMO, None)
+        return value
 
     def _gather_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, Tensor]:
         # A run that fails after the in-place write leaves rows from `pos` on written: rows past the

@@ -1,0 +1,340 @@
+"""Iteration-level scheduling of many sessions through the pipeline: schedule -> execute -> update.
+
+Each step is one invocation of the protocol over rows of many sessions: decode tokens first, then prompt
+chunks (new sessions, restored ones) under a token budget, first come first served. Up to P steps are in
+flight for P stages, and no session is ever in two at once, so with enough sessions every stage works on a
+different micro-batch at the same time. A step is sized to a P-th of the live sessions for that reason.
+
+KV blocks are counted here exactly as every rank lends them (ceil(tokens / block) per session): a session is
+admitted only when its next rows fit every rank's pool, and when a running session cannot grow, the newest
+other session is preempted (released everywhere, recomputed later from its tokens). A request that could
+never fit alone is refused at once.
+
+Failures keep their per-session guarantees: an ARCH failure rolled every row back on every rank and each of
+the step's sessions is retried alone (so an invalid row can only fail its own session); a COMM failure fences
+the incarnation, the roster is rebuilt, and every session is restored (KV store, else recompute) and
+replayed with the same seeds, so its tokens are exactly those of a fault-free run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from graphmesh import tensors
+from graphmesh.errors import GraphmeshError, ResourceExhausted, Unavailable
+from graphmesh.v1 import stage_pb2
+from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
+
+log = logging.getLogger("graphmesh.coordinator.scheduler")
+
+MAX_RECOVERIES = 3  # in a row, for one session
+MAX_ARCH_RETRIES = 1  # of a session's row alone, after the rollback
+
+
+def blocks_for(tokens: int, block_tokens: int) -> int:
+    return -(-tokens // block_tokens)
+
+
+@dataclass
+class SessionInfo:
+    session_id: str
+    history: list[int] = field(default_factory=list)  # tokens whose KV is committed, in order
+    epoch: int = 0  # the newest epoch issued (epochs are consumed even when they fail)
+    delivered_epoch: int = 0  # the newest epoch whose output reached the client: committed, folded into the next
+    incarnation: int = 0  # the incarnation holding this session's KV; 0 until its first step, or after preemption
+
+    @property
+    def tokens(self) -> int:
+        return len(self.history)
+
+
+@dataclass
+class Output:
+    token: int
+    logits: np.ndarray | None
+    computed_tokens: int  # the tokens this session's rows computed to produce its first output (0 after)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One session as the scheduler sees it; its outputs (or the error that ended it) go to `events`."""
+
+    session: SessionInfo
+    pending: list[int]  # tokens to feed next: the prompt (or what is left of it), then the last token
+    sampling: stage_pb2.SamplingParams
+    output: stage_pb2.OutputKind.ValueType
+    remaining: int  # outputs still to produce
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the session (EOS unless ignored)
+    max_tokens_total: int = 0  # prompt + outputs: what it may grow to
+    events: queue.SimpleQueue[Output | BaseException] = field(default_factory=queue.SimpleQueue)
+    busy: bool = False  # in a step in flight, or being released
+    done: bool = False  # no more steps: finished, failed or cancelled
+    blocks: int = 0  # KV blocks it holds on every rank
+    solo: bool = False  # its last shared step failed ARCH: run it alone
+    arch_retries: int = MAX_ARCH_RETRIES
+    recoveries: int = 0
+    computed: int = 0
+
+
+@dataclass
+class _Row:
+    seq: Sequence
+    row: stage_pb2.StepRow
+    final: bool  # the row consumes the rest of `pending`: its output is real
+
+
+class Scheduler:
+    def __init__(self, mesh: Mesh, max_step_tokens: int = 256, max_step_seqs: int = 64, workers: int = 8) -> None:
+        self.mesh = mesh
+        self.max_step_tokens, self.max_step_seqs = max_step_tokens, max_step_seqs
+        self._cond = threading.Condition()
+        self._seqs: list[Sequence] = []  # arrival order
+        self._in_flight = 0
+        self._used_blocks = 0
+        self._incarnation = 0  # the incarnation the block counts are for
+        self.steps = 0
+        self.preemptions = 0
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="step")
+        self._stopped = False
+        threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
+
+    # -- the sessions' side ------------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        capacity = self.mesh.kv_pool_blocks
+        need = blocks_for(seq.max_tokens_total, self.mesh.kv_block_tokens)
+        if capacity and need > capacity:
+            raise ResourceExhausted(f"the request needs {need} KV blocks of {self.mesh.kv_block_tokens} tokens "
+                                    f"({seq.max_tokens_total} tokens); the smallest stage pool holds {capacity}",
+                                    "KV_CAPACITY_EXCEEDED")
+        with self._cond:
+            self._seqs.append(seq)
+            self._cond.notify_all()
+
+    def finish(self, seq: Sequence) -> None:
+        """The session wants no more outputs (finished, failed or cancelled): its KV is released."""
+        with self._cond:
+            seq.done = True
+            if not seq.busy:
+                self._drop(seq)
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return sum(1 for s in self._seqs if s.blocks and not s.done)
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return sum(1 for s in self._seqs if not s.blocks and not s.done)
+
+    @property
+    def used_blocks(self) -> int:
+        return self._used_blocks
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    # -- schedule ------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                step = None
+                while not self._stopped:
+                    try:
+                        step = self._schedule()
+                    except Exception:  # a bug here must not stop every session: log, back off, go on
+                        log.exception("scheduling failed")
+                    if step:
+                        break
+                    self._cond.wait(0.2)
+                if self._stopped:
+                    return
+                self._in_flight += 1
+            assert step
+            self._workers.submit(self._execute, step)
+
+    def _schedule(self) -> list[_Row] | None:
+        mesh = self.mesh
+        if not mesh.ready or self._in_flight >= max(1, len(mesh.ranks)):
+            return None
+        if mesh.incarnation != self._incarnation:  # a new roster holds no session's KV
+            self._incarnation, self._used_blocks = mesh.incarnation, 0
+            for s in self._seqs:
+                if not s.busy:
+                    s.blocks = 0
+        ready = [s for s in self._seqs if not s.busy and not s.done]
+        if not ready:
+            return None
+        solo = next((s for s in ready if s.solo), None)
+        if solo is not None:
+            ready = [solo]
+        kind = ready[0].output
+        ready = [s for s in ready if s.output == kind]
+        live = sum(1 for s in self._seqs if not s.done)
+        cap = 1 if solo else min(self.max_step_seqs, max(1, math.ceil(live / max(1, len(mesh.ranks)))))
+        decoding = [s for s in ready if len(s.pending) == 1 and s.session.incarnation == mesh.incarnation]
+        others = [s for s in ready if s not in decoding]
+        budget = self.max_step_tokens
+        step: list[_Row] = []
+        for s in decoding + others:
+            if len(step) >= cap or budget <= 0:
+                break
+            row = self._row(s, budget)
+            if row is None:
+                if s in others:
+                    break  # first come first served: a waiting session that does not fit holds back later ones
+                continue
+            step.append(row)
+            budget -= len(row.row.token_ids)
+        for r in step:
+            r.seq.busy = True
+        return step or None
+
+    def _row(self, s: Sequence, budget: int) -> _Row | None:
+        mesh, session, block = self.mesh, s.session, self.mesh.kv_block_tokens
+        capacity = mesh.kv_pool_blocks
+        restore = session.incarnation != mesh.incarnation
+        tokens = session.history + s.pending if restore else s.pending
+        start = 0 if restore else session.tokens
+        n = len(tokens) if len(tokens) == 1 else min(len(tokens), budget)
+        need = blocks_for(start + n, block) - (0 if restore else s.blocks)
+        if self._used_blocks + need > capacity and not self._preempt(s, need):
+            return None
+        if restore:
+            # New, preempted or recovered: seed what the KV store holds, compute the rest (chunked).
+            s.blocks, session.history, session.delivered_epoch = 0, [], 0
+            seeded = mesh.seed_prefix(session.session_id, tokens) if mesh.kvstore is not None else 0
+            session.history, s.pending = tokens[:seeded], tokens[seeded:]
+            session.incarnation, start = mesh.incarnation, seeded
+            n = len(s.pending) if len(s.pending) == 1 else min(len(s.pending), budget)
+            need = blocks_for(start + n, block)
+        self._used_blocks += need
+        s.blocks += need
+        session.epoch += 1
+        row = stage_pb2.StepRow(session_id=session.session_id, epoch=session.epoch,
+                                commit_epoch=session.delivered_epoch, start_position=start,
+                                token_ids=s.pending[:n], sampling=s.sampling)
+        return _Row(s, row, n == len(s.pending))
+
+    def _preempt(self, s: Sequence, need: int) -> bool:
+        """Frees blocks for `s` by releasing the newest session that arrived after it and holds any. Always False:
+        the blocks come back once every rank released them, and `s` waits for them meanwhile."""
+        for victim in reversed(self._seqs):
+            if victim is s:
+                break  # older sessions are never preempted for a newer one
+            if victim.busy or victim.done or not victim.blocks:
+                continue
+            log.info("preempting", extra={"session": victim.session.session_id, "blocks": victim.blocks,
+                                          "for_session": s.session.session_id})
+            self.preemptions += 1
+            victim.session.incarnation = 0  # its KV is gone: the next step recomputes it
+            self._release(victim, keep=True)
+            return False
+        return False
+
+    # -- execute and update ------------------------------------------------------------------------------
+    def _execute(self, step: list[_Row]) -> None:
+        self.steps += 1
+        incarnation = self.mesh.incarnation
+        try:
+            reply = self.mesh.execute_step([r.row for r in step], step[0].seq.output)
+        except InvocationFailed as failure:
+            self._failed(step, failure, incarnation)
+            return
+        except Exception as e:  # not a protocol failure: these sessions end with it, the others go on
+            log.exception("step failed")
+            self._end(step, e)
+            return
+        logits = tensors.from_proto(reply.logits) if reply.HasField("logits") else None
+        with self._cond:
+            for i, r in enumerate(step):
+                s, session = r.seq, r.seq.session
+                session.history += list(r.row.token_ids)
+                session.delivered_epoch = r.row.epoch
+                s.pending = s.pending[len(r.row.token_ids):]
+                s.solo, s.recoveries = False, 0
+                s.computed += len(r.row.token_ids)
+                if r.final and not s.done:
+                    token = int(reply.rows[i].token)
+                    s.events.put(Output(token, None if logits is None else logits[i], s.computed))
+                    s.computed, s.pending, s.remaining = 0, [token], s.remaining - 1
+                    if s.remaining <= 0 or token in s.stop_ids:
+                        s.done = True
+                s.busy = False
+                if s.done:
+                    self._drop(s)
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def _failed(self, step: list[_Row], failure: InvocationFailed, incarnation: int) -> None:
+        ended: list[tuple[Sequence, BaseException]] = []
+        if failure.error_class != "ARCH":
+            try:
+                self.mesh.recover(incarnation)
+            except GraphmeshError as e:
+                self._end(step, e)
+                return
+        with self._cond:
+            for r in step:
+                s = r.seq
+                if failure.error_class == "ARCH":
+                    if len(step) > 1:
+                        s.solo = True  # every rank rolled back: find out alone whether this row is the cause
+                    elif s.arch_retries > 0:
+                        s.arch_retries -= 1
+                    else:
+                        ended.append((s, failure))
+                else:
+                    s.recoveries += 1
+                    if s.recoveries > MAX_RECOVERIES:
+                        ended.append((s, Unavailable(f"session {s.session.session_id} lost the mesh "
+                                                     f"{s.recoveries} times in a row", "TOO_MANY_RECOVERIES")))
+                s.busy = False
+            for s, error in ended:
+                s.done = True
+                s.events.put(error)
+                self._drop(s)
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def _end(self, step: list[_Row], error: BaseException) -> None:
+        with self._cond:
+            for r in step:
+                r.seq.busy, r.seq.done = False, True
+                r.seq.events.put(error)
+                self._drop(r.seq)
+            self._in_flight -= 1
+            self._cond.notify_all()
+
+    def _drop(self, seq: Sequence) -> None:
+        """Removes a finished session (under the lock); its blocks return once every rank released them."""
+        if seq in self._seqs:
+            self._seqs.remove(seq)
+            self._release(seq, keep=False)
+
+    def _release(self, seq: Sequence, keep: bool) -> None:
+        seq.busy = True
+        incarnation, blocks = self._incarnation, seq.blocks
+
+        def release() -> None:
+            self.mesh.release(seq.session.session_id)
+            with self._cond:
+                if self._incarnation == incarnation:  # a new roster already reset the counts
+                    self._used_blocks -= blocks
+                seq.blocks, seq.busy = 0, False
+                self._cond.notify_all()
+        if keep or blocks:
+            self._workers.submit(release)
+        else:
+            seq.busy = False
+

@@ -1,0 +1,64 @@
+"""Paged KV: a stage's pool of fixed-size blocks and one block table per session.
+
+The pool tensors themselves (one K and one V per local layer, [blocks * block_tokens, kv_dim]) are handles of
+the stage's executables; this module only lends their blocks. Block 0 is the scratch block: padded rows of a
+step write their K/V there and padded table entries point at it, so a step's shapes can be bucketed without a
+mask input. The coordinator counts every session's blocks the same way (ceil(tokens / block_tokens)) and
+admits or preempts sessions so that a rank never runs out; running out here is a contract violation reported
+as RESOURCE_EXHAUSTED before any work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphmesh.errors import ResourceExhausted
+
+SCRATCH_BLOCK = 0
+
+
+def blocks_for(tokens: int, block_tokens: int) -> int:
+    return -(-tokens // block_tokens)
+
+
+class KvPool:
+    def __init__(self, blocks: int, block_tokens: int) -> None:
+        if blocks < 2:
+            raise ResourceExhausted(f"a KV pool of {blocks} blocks holds no session (block 0 is scratch)",
+                                    "KV_POOL_TOO_SMALL")
+        self.blocks, self.block_tokens = blocks, block_tokens
+        self._free = list(range(blocks - 1, 0, -1))  # popped from the end: low block ids first
+        self._tables: dict[str, list[int]] = {}
+
+    @property
+    def lendable(self) -> int:
+        return self.blocks - 1
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def table(self, session_id: str) -> list[int]:
+        return self._tables.get(session_id, [])
+
+    def reserve(self, session_id: str, tokens: int) -> None:
+        """Grows the session's table to hold `tokens` rows; all or nothing."""
+        table = self._tables.setdefault(session_id, [])
+        need = blocks_for(tokens, self.block_tokens) - len(table)
+        if need > len(self._free):
+            raise ResourceExhausted(f"session {session_id!r} needs {need} more KV blocks of {self.block_tokens} "
+                                    f"tokens; {len(self._free)} of {self.lendable} are free", "KV_POOL_EXHAUSTED")
+        for _ in range(max(0, need)):
+            table.append(self._free.pop())
+
+    def release(self, session_id: str) -> None:
+        self._free.extend(reversed(self._tables.pop(session_id, [])))
+
+    def clear(self) -> None:
+        self.__init__(self.blocks, self.block_tokens)  # type: ignore[misc]
+
+    def slots(self, session_id: str, start: int, end: int) -> np.ndarray:
+        """Pool rows of positions [start, end) of the session (its table must already hold them)."""
+        positions = np.arange(start, end)
+        table = np.asarray(self._tables[session_id], np.int64)
+        return table[positions // self.block_tokens] * self.block_tokens + positions % self.block_tokens
