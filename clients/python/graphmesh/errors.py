@@ -132,9 +132,12 @@ def _bad_input() -> tuple[tuple[type[Exception], str], ...]:
 
 def to_status(exc: BaseException, method: str = "") -> grpc.Status:
     """The status for any exception a call raised: typed errors keep their code and reason, malformed input is
-    INVALID_ARGUMENT, anything else INTERNAL (and logged with its traceback)."""
+    INVALID_ARGUMENT, running out of memory RESOURCE_EXHAUSTED (the request was too big for this service now,
+    not a bug), anything else INTERNAL (and logged with its traceback)."""
     if isinstance(exc, GraphmeshError):
         err = exc
+    elif isinstance(exc, MemoryError):
+        err = ResourceExhausted(f"out of memory{': ' + str(exc) if str(exc) else ''}", "OUT_OF_MEMORY")
     else:
         reason = next((r for cls, r in _bad_input() if isinstance(exc, cls)), None)
         if reason is None:
