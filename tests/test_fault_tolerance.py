@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from graphmesh import faults
+from graphmesh import faults, security
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import from_rpc_error
 from graphmesh.launcher import LocalMesh
@@ -84,8 +84,9 @@ def _status(mesh: LocalMesh) -> Any:
         return client.status()
 
 
-def _stage(address: str) -> stage_pb2_grpc.StageServiceStub:
-    return stage_pb2_grpc.StageServiceStub(grpc.insecure_channel(address))
+def _stage(mesh: LocalMesh, address: str) -> stage_pb2_grpc.StageServiceStub:
+    """StageService of one of the mesh's executors, called as a mesh member (with its mesh token)."""
+    return stage_pb2_grpc.StageServiceStub(security.channel(address, None, mesh_token=mesh.mesh_token))
 
 
 @pytest.mark.parametrize("victim,how", [(1, "kill"), (2, "kill"), (1, "freeze")])
@@ -120,7 +121,7 @@ def test_a_slow_link_only_slows(mesh: LocalMesh) -> None:
 def test_injected_deterministic_failure_rolls_back_and_stays_active(mesh: LocalMesh) -> None:
     baseline = _run_all(mesh.coordinator_address)
     before = _status(mesh)
-    stub = _stage(mesh.executor_addresses[1])
+    stub = _stage(mesh, mesh.executor_addresses[1])
     stub.InjectFault(stage_pb2.InjectFaultRequest(kind=stage_pb2.FAULT_KIND_ARCH_FAILURE, count=1))
     assert _run_all(mesh.coordinator_address) == baseline
     after = _status(mesh)
@@ -132,7 +133,7 @@ def test_injected_deterministic_failure_rolls_back_and_stays_active(mesh: LocalM
 def test_a_corrupted_boundary_is_refused_and_recovered(mesh: LocalMesh) -> None:
     baseline = _run_all(mesh.coordinator_address)
     before = _status(mesh)
-    _stage(mesh.executor_addresses[0]).InjectFault(
+    _stage(mesh, mesh.executor_addresses[0]).InjectFault(
         stage_pb2.InjectFaultRequest(kind=stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY, count=1))
     assert _run_all(mesh.coordinator_address) == baseline
     after = _status(mesh)
@@ -142,7 +143,7 @@ def test_a_corrupted_boundary_is_refused_and_recovered(mesh: LocalMesh) -> None:
 def test_stale_or_poisoned_messages_are_refused_and_change_nothing(mesh: LocalMesh) -> None:
     _run_all(mesh.coordinator_address)
     k = _status(mesh).incarnation
-    stub = _stage(mesh.executor_addresses[0])
+    stub = _stage(mesh, mesh.executor_addresses[0])
     before = stub.Status(stage_pb2.StageStatusRequest())
     for incarnation, reason in ((k - 1, "STALE_INCARNATION"), (k + 5, "STALE_INCARNATION")):
         request = stage_pb2.ExecuteGroupRequest(
@@ -177,7 +178,7 @@ def test_coordinator_restart_never_reuses_an_incarnation(mesh: LocalMesh) -> Non
     assert k2 > k
     for address in mesh.executor_addresses:  # the old coordinator's incarnation is refused everywhere
         with pytest.raises(grpc.RpcError) as e:
-            _stage(address).ExecuteGroup(stage_pb2.ExecuteGroupRequest(
+            _stage(mesh, address).ExecuteGroup(stage_pb2.ExecuteGroupRequest(
                 header=stage_pb2.FencingHeader(incarnation=k, session_id="old", epoch=1), token_ids=[1]), timeout=10)
         assert from_rpc_error(e.value).reason == "STALE_INCARNATION"
     assert _run_all(mesh.coordinator_address) == baseline

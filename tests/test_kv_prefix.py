@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from graphmesh import security
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.launcher import LocalMesh
@@ -31,7 +32,7 @@ def _generate(mesh: LocalMesh, prompt: list[int]) -> tuple[list[int], int]:
 
 
 def _wait_for_blocks(mesh: LocalMesh, blocks: int) -> None:
-    with KvStoreClient(mesh.kvstore_address) as kv:
+    with KvStoreClient(mesh.kvstore_address, metadata=security.mesh_metadata(mesh.mesh_token)) as kv:
         deadline = time.monotonic() + 30
         while kv.stats().blocks < blocks:
             assert time.monotonic() < deadline, "the write-behind never reached the store"
@@ -53,7 +54,7 @@ def test_a_shared_system_prompt_hits_only_the_shared_blocks(mesh: LocalMesh) -> 
     _wait_for_blocks(mesh, 6)
     other = [*SYSTEM[:40], 999, *SYSTEM[41:], 4, 5]  # one changed token inside block 2 invalidates blocks 2 and on
     cold, _ = _generate(mesh, other)
-    with KvStoreClient(mesh.kvstore_address) as kv:
+    with KvStoreClient(mesh.kvstore_address, metadata=security.mesh_metadata(mesh.mesh_token)) as kv:
         kv.evict()
     _, computed_cold = _generate(mesh, other)  # nothing stored: everything is computed
     assert computed_cold == len(other)
@@ -66,7 +67,7 @@ def test_a_shared_system_prompt_hits_only_the_shared_blocks(mesh: LocalMesh) -> 
 
 def test_prefix_seeding_does_not_change_the_output(mesh: LocalMesh, tmp_path: Path) -> None:
     prompt = [*SYSTEM, 42, 43, 44, 45]
-    with KvStoreClient(mesh.kvstore_address) as kv:
+    with KvStoreClient(mesh.kvstore_address, metadata=security.mesh_metadata(mesh.mesh_token)) as kv:
         kv.evict()
     cold, computed = _generate(mesh, prompt)
     assert computed == len(prompt)

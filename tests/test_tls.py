@@ -1,6 +1,6 @@
 """TLS and mutual TLS on every hop, bearer tokens, peer allow-lists and the plain-text health listener, with
-certificates made here: a CA, one certificate per service (CN = the service, SAN 127.0.0.1 and localhost),
-a client certificate, and a rogue CA whose certificate claims a trusted name."""
+certificates made here: a CA, one certificate per service (CN = its mesh role name, e.g. coordinator.graphmesh;
+SAN 127.0.0.1 and localhost), a client certificate, and a rogue CA whose certificate claims a trusted name."""
 
 from __future__ import annotations
 
@@ -83,7 +83,8 @@ class Pki:
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     d = tmp_path_factory.mktemp("pki")
     ca, ca_cert, ca_key = _issue(d, "graphmesh-test-ca", None)
-    leaves = {cn: _issue(d, cn, (ca_cert, ca_key))[0] for cn in ("coordinator", "kvstore", "executor", "client")}
+    leaves = {cn.split(".")[0]: _issue(d, cn, (ca_cert, ca_key))[0]
+              for cn in ("coordinator.graphmesh", "kvstore.graphmesh", "executor.graphmesh", "client")}
     rogue_dir = d / "rogue"
     rogue_dir.mkdir()
     _, rogue_ca_cert, rogue_ca_key = _issue(rogue_dir, "rogue-ca", None)
@@ -112,7 +113,8 @@ def mtls_mesh(pki: Pki, model: Path, health_port: int) -> Iterator[LocalMesh]:
                    extra_coordinator_args=["--tls-cert", pki.coordinator.cert, "--tls-key", pki.coordinator.key,
                                            "--health-listen", f"127.0.0.1:{health_port}"],
                    extra_kvstore_args=["--tls-cert", pki.kvstore.cert, "--tls-key", pki.kvstore.key],
-                   extra_executor_args=["--allowed-peers", "coordinator,kvstore,executor"]) as mesh:
+                   extra_executor_args=["--allowed-peers",
+                                        "coordinator.graphmesh,kvstore.graphmesh,executor.graphmesh"]) as mesh:
         yield mesh
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 from graphmesh import security
 from graphmesh.coordinator_client import CoordinatorClient
@@ -64,6 +67,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         for rank, address in enumerate(mesh.executor_addresses):
             print(f"executor {rank} {address}", flush=True)
         print(f"logs in {mesh.log_dir}; Ctrl-C to stop", flush=True)
+        print(f"mesh token in {mesh.mesh_token_file} (for calls to executors and the kvstore)", flush=True)
         try:
             while all(p.poll() is None for p in mesh.processes):
                 time.sleep(0.5)
@@ -118,6 +122,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM (kill, systemd, Kubernetes) unwinds the stack as Ctrl-C does, so the `with` of an embedded mesh
+    stops every child process; Python's default would exit at once and leave them running."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="graphmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     _client_args(st)
     args = parser.parse_args(argv)
     try:
-        return {"up": cmd_up, "generate": cmd_generate, "status": cmd_status}[args.command](args)
+        with _sigterm_unwinds():
+            return {"up": cmd_up, "generate": cmd_generate, "status": cmd_status}[args.command](args)
     except GraphmeshError as e:
         print(f"graphmesh: {e.code.name}: {e.message}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 
 from graphmesh import dtypes, errors, tensors
-from graphmesh.security import bearer
+from graphmesh.security import as_mesh_member, bearer
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, stage_pb2
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -26,7 +26,8 @@ def _call(fn: Callable[[], R]) -> R:
 class KvStoreClient:
     """A channel to one KV store. Every call has a deadline of `timeout` seconds. credentials: TLS
     (graphmesh.security.credentials(ca, cert, key)); token: a bearer token sent with every call; interceptors:
-    client interceptors for the channel (the coordinator's trace propagation)."""
+    client interceptors for the channel (the coordinator's trace propagation). Inside a mesh service the calls
+    carry its mesh token; any other caller passes security.mesh_metadata(token) as metadata."""
 
     def __init__(self, address: str, timeout: float = 60.0, *, credentials: grpc.ChannelCredentials | None = None,
                  metadata: Sequence[tuple[str, str]] = (), token: str = "",
@@ -38,7 +39,7 @@ class KvStoreClient:
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         channel = (grpc.secure_channel(address, credentials, options) if credentials is not None
                    else grpc.insecure_channel(address, options))
-        self._channel = grpc.intercept_channel(channel, *interceptors)
+        self._channel = grpc.intercept_channel(as_mesh_member(channel), *interceptors)
         self._stub = kvstore_pb2_grpc.KvStoreServiceStub(self._channel)
 
     def __enter__(self) -> KvStoreClient:

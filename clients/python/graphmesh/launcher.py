@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -78,6 +80,10 @@ class LocalMesh:
     tls_ca: str = ""
     tls_roots: str = ""  # without tls_ca: the CA every process trusts for servers (GRPC_DEFAULT_SSL_ROOTS_FILE_PATH)
     auth_token_file: str = ""  # clients of the coordinator must send this bearer token
+    # Identifies mesh members to each other (--mesh-token-file on every service); empty: start() makes a random
+    # one. Tests and tools that call StageService or KvStoreService themselves send it (security.mesh_metadata).
+    mesh_token: str = ""
+    mesh_token_file: str = field(default="", init=False)  # written by start(), removed by stop()
     metrics: bool = False  # every service serves Prometheus /metrics on a free port (metrics_ports)
     env: dict[str, str] = field(default_factory=dict)  # added to every service's environment (OTEL_* ...)
     extra_executor_args: Sequence[str] = ()
@@ -124,6 +130,8 @@ class LocalMesh:
         for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key), ("--tls-ca", self.tls_ca)):
             if path:
                 args += [flag, path]
+        if self.mesh_token_file:
+            args += ["--mesh-token-file", self.mesh_token_file]
         if name == "coordinator" and self.auth_token_file:
             args += ["--auth-token-file", self.auth_token_file]
         extra = {"kvstore": self.extra_kvstore_args, "coordinator": self.extra_coordinator_args}
@@ -145,7 +153,15 @@ class LocalMesh:
             raise
         return self
 
+    def _write_mesh_token(self) -> None:
+        self.mesh_token = self.mesh_token or secrets.token_urlsafe(32)
+        path = Path(tempfile.mkdtemp(prefix="graphmesh-secrets-")) / "mesh-token"  # the directory is 0700
+        path.write_text(self.mesh_token + "\n")
+        path.chmod(0o600)
+        self.mesh_token_file = str(path)
+
     def _start(self) -> None:
+        self._write_mesh_token()
         if self.kvstore and importlib.util.find_spec("graphmesh_kvstore") is not None:
             self.kvstore_address = f"127.0.0.1:{free_port()}"
             store = self._spawn("kvstore", ["graphmesh_kvstore.server", "--listen", self.kvstore_address])
@@ -198,6 +214,9 @@ class LocalMesh:
         self.processes.clear()
         for proxy in self.proxies:
             proxy.close()
+        if self.mesh_token_file:
+            shutil.rmtree(Path(self.mesh_token_file).parent, ignore_errors=True)
+            self.mesh_token_file = ""
 
     def __enter__(self) -> LocalMesh:
         return self.start()

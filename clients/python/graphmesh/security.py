@@ -1,30 +1,55 @@
-"""TLS, mutual TLS, bearer tokens and peer identities for every gRPC hop of the mesh.
+"""TLS, mutual TLS, bearer tokens, mesh roles and admission control for every gRPC hop of the mesh.
 
 A service gets one certificate (--tls-cert/--tls-key) that it serves with and also presents as its client
 certificate on every channel it opens to another service. With --tls-ca the server requires client
 certificates signed by that CA (mutual TLS) and verifies its peers' servers against it. On top of that:
 --allowed-peers limits which certificate identities (CN or SAN) may call, --auth-token-file makes clients
 send `authorization: Bearer <token>`, and --health-listen serves grpc.health.v1 alone in plain text for
-probes that cannot speak TLS (the kubelet's). Health and reflection are never behind the token or the
-peer list: orchestrators and grpcurl must reach them.
+probes that cannot speak TLS (the kubelet's). Health and reflection are never behind the token, the roles
+or the peer list: orchestrators and grpcurl must reach them.
+
+Roles. Every caller has roles, and POLICY says which roles may call each method:
+- under mutual TLS a peer's roles come from its certificate: a CN or SAN `<role>.graphmesh` or
+  `<role>-<ordinal>.graphmesh` (`coordinator.graphmesh`, `executor-0.graphmesh`, `kvstore.graphmesh`) names a
+  mesh role; a certificate without such a name is a client. Only certificates of mesh services may carry
+  these names: whoever runs the CA must never sign one for a user.
+- without mutual TLS, a caller that sends this mesh's token (--mesh-token-file, metadata
+  `x-graphmesh-mesh-token`) is a mesh member and holds every mesh role; any other caller is a client. The
+  per-method checks between mesh roles (only the coordinator may Fence, ...) therefore hold under mutual
+  TLS only; the token only keeps outsiders out.
+- with neither, the service is unauthenticated: every caller may call everything, and it listens on
+  loopback only unless --allow-insecure-remote is given (the convention of Redis's protected mode).
+A mesh service's own channels (`channel()`) carry its mesh token, so callers inside the mesh do nothing.
+
+Admission. At most --max-concurrent-rpcs calls run at once (default: the service's handler threads);
+beyond that a call gets RESOURCE_EXHAUSTED at once instead of queueing. The thread pool has HEADROOM
+threads more than that limit, so health checks (never counted) and refusals always find a thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import hmac
+import ipaddress
+import logging
+import re
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import grpc
 
-from graphmesh.errors import GraphmeshError, InvalidArgument, PermissionDenied, Unauthenticated
+from graphmesh.errors import GraphmeshError, InvalidArgument, PermissionDenied, ResourceExhausted, Unauthenticated
 
 if TYPE_CHECKING:
     from grpc_health.v1 import health
+
+log = logging.getLogger("graphmesh.security")
 
 Behavior = Callable[[Any, grpc.ServicerContext], Any]
 # (behavior, response_streaming) -> the behavior that runs instead
@@ -34,11 +59,72 @@ _health_listeners: list[grpc.Server] = []
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")
+# Never counted by admission control: a probe must get its answer however loaded the service is. Watch is a
+# stream that lives as long as its client, so it is counted like any other call.
+UNCOUNTED = frozenset({"/grpc.health.v1.Health/Check"})
+HEADROOM = 8  # handler threads beyond the admission limit, for health checks and refusals
+
+MESH_TOKEN_KEY = "x-graphmesh-mesh-token"
 
 
 # strings: grpc's classes are generic only in the type stubs
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Continuation: TypeAlias = "Callable[[grpc.HandlerCallDetails], Handler | None]"
+
+
+class Role(Enum):
+    COORDINATOR = "coordinator"
+    EXECUTOR = "executor"
+    KVSTORE = "kvstore"
+    CLIENT = "client"
+
+
+MESH = frozenset({Role.COORDINATOR, Role.EXECUTOR, Role.KVSTORE})
+ANYONE = frozenset(Role)
+_ROLE_NAME = re.compile(r"(coordinator|executor|kvstore)(-\d+)?\.graphmesh")
+
+
+def role_of(name: str) -> Role | None:
+    """The mesh role a certificate name carries (`executor-0.graphmesh` -> EXECUTOR); None for any other name."""
+    match = _ROLE_NAME.fullmatch(name)
+    return Role(match.group(1)) if match else None
+
+
+def _methods(service: str, roles: frozenset[Role], *names: str) -> dict[str, frozenset[Role]]:
+    return {f"/graphmesh.v1.{service}/{name}": roles for name in names}
+
+
+_COORDINATOR, _KVSTORE_OR_COORDINATOR = frozenset({Role.COORDINATOR}), frozenset({Role.COORDINATOR, Role.KVSTORE})
+_EXECUTOR_OR_COORDINATOR = frozenset({Role.COORDINATOR, Role.EXECUTOR})
+# Method -> the roles that may call it; a key ending in "/" is the default of a whole service. A method found in
+# neither is open to mesh roles only (fail closed). The rationale for each line is in README.md (threat model).
+POLICY: dict[str, frozenset[Role]] = {
+    # the pipeline protocol is the coordinator's alone: whoever drives it decides every user's tokens
+    "/graphmesh.v1.StageService/": _COORDINATOR,
+    **_methods("StageService", _COORDINATOR, "Install", "Fence", "ExecuteStep", "ExecuteGroup", "Commit", "Abort",
+               "ResolveEpoch", "ReleaseSession", "InjectFault"),
+    **_methods("StageService", frozenset({Role.EXECUTOR}), "PushBoundary"),  # the previous stage
+    **_methods("StageService", _KVSTORE_OR_COORDINATOR, "ReadSessionKv", "WriteSessionKv"),  # seeds and copies
+    **_methods("StageService", MESH, "Status"),
+    # KV rows are users' prompts in another form: reading or writing them is for the mesh only
+    "/graphmesh.v1.KvStoreService/": _COORDINATOR,
+    **_methods("KvStoreService", _EXECUTOR_OR_COORDINATOR, "PutBlocks", "Lookup", "GetBlocks"),
+    # the store calls executors with its own identity for these: only the coordinator may name them
+    **_methods("KvStoreService", _COORDINATOR, "SeedExecutor", "CopyRows", "Evict"),
+    **_methods("KvStoreService", MESH, "Stats"),
+    "/graphmesh.v1.ExecutorService/": MESH,  # plus clients with --expose-executor-service
+    "/graphmesh.v1.CoordinatorService/": ANYONE,  # the public APIs; the bearer token guards them
+    "/inference.GRPCInferenceService/": ANYONE,
+}
+
+
+def allowed_roles(method: str, expose_executor_service: bool = False) -> frozenset[Role]:
+    """The roles that may call `method` (a fully-qualified name, "/package.Service/Method")."""
+    service = method[:method.rfind("/") + 1]
+    roles = POLICY.get(method, POLICY.get(service, MESH))
+    if expose_executor_service and service == "/graphmesh.v1.ExecutorService/":
+        roles |= {Role.CLIENT}
+    return roles
 
 
 def wrap_handler(handler: Handler | None, around: Around) -> Handler | None:
@@ -71,19 +157,28 @@ def _is_open(method: str) -> bool:
     return method.startswith(OPEN_SERVICES)
 
 
+def _metadata(pairs: Iterable[tuple[str, str | bytes]] | None, key: str) -> str:
+    value = next((v for k, v in pairs or () if k == key), "")
+    return value if isinstance(value, str) else ""
+
+
+def _same_secret(sent: str, expected: str) -> bool:
+    # compare_digest: the time taken must not reveal how much of a guessed token was right
+    return hmac.compare_digest(sent.encode(), expected.encode())
+
+
 class BearerToken(grpc.ServerInterceptor):
     """Refuses calls without `authorization: Bearer <token>` (UNAUTHENTICATED)."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = f"Bearer {token}"
 
     def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
         handler = continuation(details)
         if _is_open(details.method):
             return handler
-        sent = next((v for k, v in details.invocation_metadata or () if k == "authorization"), "")
-        # compare_digest: the time taken must not reveal how much of a guessed token was right
-        if isinstance(sent, str) and hmac.compare_digest(sent.encode(), self._expected):
+        sent = _metadata(details.invocation_metadata, "authorization")
+        if sent and _same_secret(sent, self._expected):
             return handler
         error = Unauthenticated("this coordinator needs 'authorization: Bearer <token>' metadata" if not sent
                                 else "the bearer token is wrong", "MISSING_TOKEN" if not sent else "BAD_TOKEN")
@@ -118,6 +213,86 @@ class AllowedPeers(grpc.ServerInterceptor):
                                          f"peers {sorted(self.allowed)}", "PEER_NOT_ALLOWED")
                 return _refusal(error, streaming)(request, context)
             return checked
+
+        return wrap_handler(handler, around)
+
+
+class MeshRoles(grpc.ServerInterceptor):
+    """Lets a call through only when its caller holds a role POLICY allows for the method: UNAUTHENTICATED for
+    a caller without credentials (or with a wrong mesh token), PERMISSION_DENIED for a known caller whose role
+    may not call it. Roles come from the certificate under mutual TLS, from the mesh token otherwise."""
+
+    def __init__(self, mutual_tls: bool, mesh_token: str, expose_executor_service: bool = False) -> None:
+        self.mutual_tls, self.mesh_token = mutual_tls, mesh_token
+        self.expose_executor_service = expose_executor_service
+
+    def caller(self, context: grpc.ServicerContext) -> tuple[frozenset[Role], bool]:
+        """The caller's roles, and whether it proved who it is (a certificate or a right token)."""
+        if self.mutual_tls:  # the handshake already proved the certificate
+            roles = frozenset(r for r in map(role_of, peer_names(context)) if r is not None)
+            return roles or frozenset({Role.CLIENT}), True
+        sent = _metadata(context.invocation_metadata(), MESH_TOKEN_KEY)
+        if not sent:
+            return frozenset({Role.CLIENT}), False
+        if not _same_secret(sent, self.mesh_token):
+            raise Unauthenticated("the mesh token is wrong", "BAD_MESH_TOKEN")
+        return MESH, True
+
+    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
+        handler = continuation(details)
+        if _is_open(details.method):
+            return handler
+        allowed = allowed_roles(details.method, self.expose_executor_service)
+
+        def around(behavior: Behavior, streaming: bool) -> Behavior:
+            def checked(request: Any, context: grpc.ServicerContext) -> Any:
+                try:
+                    roles, proven = self.caller(context)
+                except Unauthenticated as e:
+                    return _refusal(e, streaming)(request, context)
+                if roles & allowed:
+                    return behavior(request, context)
+                names = ", ".join(sorted(r.value for r in allowed))
+                error: GraphmeshError = (
+                    PermissionDenied(f"{'/'.join(sorted(r.value for r in roles))} may not call {details.method} "
+                                     f"(allowed: {names})", "ROLE_NOT_ALLOWED") if proven else
+                    Unauthenticated(f"{details.method} is for mesh members ({names}): send the mesh token "
+                                    f"as {MESH_TOKEN_KEY!r} metadata", "MESH_TOKEN_REQUIRED"))
+                return _refusal(error, streaming)(request, context)
+            return checked
+
+        return wrap_handler(handler, around)
+
+
+class Admission(grpc.ServerInterceptor):
+    """At most `limit` calls at once (health checks aside); the next gets RESOURCE_EXHAUSTED at once. A slot is
+    taken when the handler starts and given back when the call ends however it ends (done, failed, cancelled),
+    so an idle stream holds its slot exactly as long as it is open."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise InvalidArgument(f"--max-concurrent-rpcs must be >= 1, got {limit}", "BAD_LIMIT")
+        self.limit = limit
+        self._free = threading.BoundedSemaphore(limit)
+        self.refused = 0  # calls turned away (a metric)
+
+    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
+        handler = continuation(details)
+        if details.method in UNCOUNTED:
+            return handler
+
+        def around(behavior: Behavior, streaming: bool) -> Behavior:
+            def admitted(request: Any, context: grpc.ServicerContext) -> Any:
+                if not self._free.acquire(blocking=False):
+                    self.refused += 1
+                    error = ResourceExhausted(f"this service is running its limit of {self.limit} concurrent calls "
+                                              f"(--max-concurrent-rpcs); retry later", "TOO_MANY_CALLS",
+                                              {"limit": str(self.limit)})
+                    return _refusal(error, streaming)(request, context)
+                if not context.add_callback(self._free.release):  # the call already ended
+                    self._free.release()
+                return behavior(request, context)
+            return admitted
 
         return wrap_handler(handler, around)
 
@@ -158,11 +333,73 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def channel(address: str, tls: Tls | None, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
-    """A channel from one service to another: TLS with this service's certificate when it has one."""
-    if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
-    return grpc.secure_channel(address, tls.channel_credentials(), options=list(options))
+def mesh_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata that identifies a mesh member by the mesh token (none for an empty token)."""
+    return ((MESH_TOKEN_KEY, token),) if token else ()
+
+
+class CallDetails(collections.namedtuple("CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                         "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    """grpc.ClientCallDetails as a value, for client interceptors that change a call's metadata."""
+
+
+class _MeshIdentity(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the mesh token to every call's metadata: `token`, or (None) this process's at the time of the call, so
+    channels opened before the service's server was built carry it too."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+
+    def _call(self, continuation: Callable[[Any, Any], Any], d: grpc.ClientCallDetails, request: Any) -> Any:
+        metadata = mesh_metadata(_process_mesh_token if self.token is None else self.token)
+        if not metadata:
+            return continuation(d, request)
+        return continuation(CallDetails(d.method, d.timeout, [*(d.metadata or ()), *metadata], d.credentials,
+                                        d.wait_for_ready, d.compression), request)
+
+    def intercept_unary_unary(self, continuation: Any, client_call_details: grpc.ClientCallDetails, request: Any) -> Any:
+        return self._call(continuation, client_call_details, request)
+
+    def intercept_unary_stream(self, continuation: Any, client_call_details: grpc.ClientCallDetails, request: Any) -> Any:
+        return self._call(continuation, client_call_details, request)
+
+    def intercept_stream_unary(self, continuation: Any, client_call_details: grpc.ClientCallDetails,
+                               request_iterator: Any) -> Any:
+        return self._call(continuation, client_call_details, request_iterator)
+
+    def intercept_stream_stream(self, continuation: Any, client_call_details: grpc.ClientCallDetails,
+                                request_iterator: Any) -> Any:
+        return self._call(continuation, client_call_details, request_iterator)
+
+
+# The mesh token of the service this process runs (set by ServerSecurity.server): one process is one mesh member,
+# so every channel it opens to the mesh carries the same identity without each caller passing it along.
+_process_mesh_token = ""
+
+
+def as_mesh_member(channel: grpc.Channel, token: str | None = None) -> grpc.Channel:
+    """`channel` with every call carrying the mesh token: `token`, or (None) this process's."""
+    return grpc.intercept_channel(channel, _MeshIdentity(token)) if token != "" else channel
+
+
+def channel(address: str, tls: Tls | None, options: Sequence[tuple[str, Any]] = (),
+            mesh_token: str | None = None) -> grpc.Channel:
+    """A channel from one service to another: TLS with this service's certificate when it has one, and the mesh
+    token (`mesh_token`, or by default this process's) on every call."""
+    raw = (grpc.insecure_channel(address, options=list(options)) if tls is None
+           else grpc.secure_channel(address, tls.channel_credentials(), options=list(options)))
+    return as_mesh_member(raw, mesh_token)
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "" (every interface) or a host name: remote
 
 
 @dataclass(frozen=True)
@@ -171,17 +408,56 @@ class ServerSecurity:
     allowed_peers: frozenset[str] = frozenset()  # empty: any certificate the CA signed
     auth_token: str = ""  # empty: no token needed
     health_listen: str = ""  # HOST:PORT of a plain-text grpc.health.v1-only listener; empty: none
+    mesh_token: str = ""  # identifies mesh members without mutual TLS; empty: none
+    expose_executor_service: bool = False  # clients may call ExecutorService (executors only)
+    allow_insecure_remote: bool = False  # an unauthenticated service may listen beyond loopback
+    max_concurrent_rpcs: int = 0  # admission limit; 0: the service's handler threads
+
+    @property
+    def mutual_tls(self) -> bool:
+        return self.tls is not None and self.tls.ca is not None
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether any caller has to prove anything: mutual TLS, a mesh token or a bearer token."""
+        return self.mutual_tls or bool(self.mesh_token or self.auth_token)
 
     def interceptors(self) -> list[grpc.ServerInterceptor]:
+        """The identity checks, outermost first (admission is added by server())."""
         out: list[grpc.ServerInterceptor] = []
         if self.auth_token:
             out.append(BearerToken(self.auth_token))
         if self.allowed_peers:
             out.append(AllowedPeers(self.allowed_peers))
+        if self.mutual_tls or self.mesh_token:
+            out.append(MeshRoles(self.mutual_tls, self.mesh_token, self.expose_executor_service))
         return out
 
+    def server(self, workers: int, options: Sequence[tuple[str, Any]] = (),
+               interceptors: Sequence[grpc.ServerInterceptor] = (), thread_name_prefix: str = "rpc") -> grpc.Server:
+        """A grpc.Server for this service: `interceptors` (telemetry) outermost, then the identity checks, then
+        admission of at most max_concurrent_rpcs (or `workers`) calls, on HEADROOM threads more than that.
+        It also makes this process's mesh channels (channel()) carry this service's mesh token."""
+        global _process_mesh_token
+        _process_mesh_token = self.mesh_token
+        limit = self.max_concurrent_rpcs or workers
+        pool = futures.ThreadPoolExecutor(max_workers=limit + HEADROOM, thread_name_prefix=thread_name_prefix)
+        return grpc.server(pool, options=list(options),
+                           interceptors=[*interceptors, *self.interceptors(), Admission(limit)])
+
     def add_port(self, server: grpc.Server, listen: str) -> int:
-        """Binds `listen` with TLS when configured; returns the port (fails rather than returning 0)."""
+        """Binds `listen` with TLS when configured; returns the port (fails rather than returning 0). A service
+        that authenticates nobody binds loopback only, unless allow_insecure_remote says otherwise."""
+        host, _, port_text = listen.rpartition(":")
+        if not self.authenticated and not _is_loopback(host):
+            if self.allow_insecure_remote:
+                log.warning("serving without authentication beyond loopback: anyone who reaches this port may "
+                            "drive it", extra={"listen": listen})
+            else:
+                log.warning("no credentials configured (--mesh-token-file, mutual TLS or --auth-token-file): "
+                            "listening on loopback only; --allow-insecure-remote listens as asked",
+                            extra={"listen": listen, "bound": f"127.0.0.1:{port_text}"})
+                listen = f"127.0.0.1:{port_text}"
         port = (server.add_secure_port(listen, self.tls.server_credentials()) if self.tls is not None
                 else server.add_insecure_port(listen))
         if port == 0:
@@ -203,15 +479,34 @@ class ServerSecurity:
         _health_listeners.append(server)
 
 
-def add_arguments(parser: argparse.ArgumentParser, auth_token: bool = False) -> None:
+def add_arguments(parser: argparse.ArgumentParser, auth_token: bool = False, executor_service: bool = False) -> None:
     parser.add_argument("--tls-cert", default="", help="PEM certificate chain this service serves and calls with")
     parser.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     parser.add_argument("--tls-ca", default="", help="PEM CA: callers must present certificates it signed (mutual TLS)")
     parser.add_argument("--allowed-peers", default="",
                         help="comma-separated certificate names (CN or SAN) allowed to call; default: any the CA signed")
     parser.add_argument("--health-listen", default="", help="HOST:PORT serving only grpc.health.v1 in plain text")
+    parser.add_argument("--mesh-token-file", default="",
+                        help="file holding the token that identifies mesh members (without mutual TLS)")
+    parser.add_argument("--allow-insecure-remote", action="store_true",
+                        help="listen beyond loopback even with no credentials configured (anyone may call)")
+    parser.add_argument("--max-concurrent-rpcs", type=int, default=0,
+                        help="calls served at once; more get RESOURCE_EXHAUSTED (default: the handler threads)")
     if auth_token:
         parser.add_argument("--auth-token-file", default="", help="file holding the bearer token clients must send")
+    if executor_service:
+        parser.add_argument("--expose-executor-service", action="store_true",
+                            help="clients (not only mesh members) may call ExecutorService")
+
+
+def read_token(path: str) -> str:
+    """The token in the file at `path` (surrounding whitespace dropped); empty for an empty path."""
+    if not path:
+        return ""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise InvalidArgument(f"{path} holds no token", "EMPTY_TOKEN")
+    return token
 
 
 def from_args(args: argparse.Namespace) -> ServerSecurity:
@@ -221,9 +516,6 @@ def from_args(args: argparse.Namespace) -> ServerSecurity:
     peers = frozenset(p.strip() for p in args.allowed_peers.split(",") if p.strip())
     if peers and (tls is None or tls.ca is None):
         raise InvalidArgument("--allowed-peers needs mutual TLS (--tls-cert, --tls-key and --tls-ca)", "PEERS_WITHOUT_MTLS")
-    token = ""
-    if getattr(args, "auth_token_file", ""):
-        token = Path(args.auth_token_file).read_text().strip()
-        if not token:
-            raise InvalidArgument(f"{args.auth_token_file} holds no token", "EMPTY_TOKEN")
-    return ServerSecurity(tls, peers, token, args.health_listen)
+    return ServerSecurity(tls, peers, read_token(getattr(args, "auth_token_file", "")), args.health_listen,
+                          read_token(args.mesh_token_file), getattr(args, "expose_executor_service", False),
+                          args.allow_insecure_remote, args.max_concurrent_rpcs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -20,6 +21,21 @@ def byte_size(text: str) -> int:
         if text.endswith(suffix):
             return int(text[: -len(suffix)]) * factor
     return int(text)
+
+
+def memory_bytes() -> int:
+    """The machine's physical memory in bytes (0 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def fits_in_memory(cap: int, share: float = 0.5) -> int:
+    """A default size limit that this machine can honour: `cap`, or `share` of its memory when that is less.
+    A limit larger than the memory turns an oversized request into an out-of-memory kill instead of a refusal."""
+    total = memory_bytes()
+    return min(cap, int(total * share)) if total else cap
 
 
 def run_until_signalled(server: grpc.Server, grace_s: float) -> None:

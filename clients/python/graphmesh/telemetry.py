@@ -15,7 +15,6 @@ services' plain objects at scrape time, so the hot path does not update them.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -38,7 +37,7 @@ from prometheus_client import REGISTRY, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from graphmesh.security import OPEN_SERVICES, Behavior, Continuation, Handler, wrap_handler
+from graphmesh.security import OPEN_SERVICES, Behavior, CallDetails, Continuation, Handler, wrap_handler
 
 log = logging.getLogger("graphmesh.telemetry")
 _tracer = trace.get_tracer("graphmesh")
@@ -130,11 +129,6 @@ def end_when_done(span_: Span, future: grpc.Future[Any]) -> None:
 
 
 # -- client side -----------------------------------------------------------------------------------------
-class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
-                                                   "compression")), grpc.ClientCallDetails):
-    pass
-
-
 def _end_client_span(span_: Span, call: Any) -> None:
     code = call.code()
     if code is not None:
@@ -159,7 +153,7 @@ class _ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span_))
         metadata = [*(details.metadata or ()), *carrier.items()]
-        call = continuation(_Details(details.method, details.timeout, metadata, details.credentials,
+        call = continuation(CallDetails(details.method, details.timeout, metadata, details.credentials,
                                      details.wait_for_ready, details.compression), request)
         call.add_done_callback(lambda done: _end_client_span(span_, done))
         return call

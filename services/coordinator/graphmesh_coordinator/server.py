@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
@@ -66,11 +65,10 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
     context = config.max_context_tokens or ckpt.config.max_position
     eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
     generator = Generator(mesh, tokenizer, eos, context)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64),
-                         options=[("grpc.max_send_message_length", 64 << 20),
-                                  ("grpc.max_receive_message_length", 64 << 20)],
-                         interceptors=[*telemetry.server_interceptors(config.metrics_port > 0),
-                                       *config.security.interceptors()])
+    # 64 calls at once (Generate streams hold one each); --max-concurrent-rpcs changes it
+    server = config.security.server(64, [("grpc.max_send_message_length", 64 << 20),
+                                         ("grpc.max_receive_message_length", 64 << 20)],
+                                    telemetry.server_interceptors(config.metrics_port > 0), "coordinator-rpc")
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(generator, mesh, config.model),
                                                                   server)
     kserve_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(generator, mesh, config.model), server)

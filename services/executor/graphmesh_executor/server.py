@@ -13,7 +13,6 @@ import logging
 import os
 import sys
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from graphmesh import logs, security, telemetry
 from graphmesh.security import ServerSecurity
-from graphmesh.serving import byte_size, run_until_signalled
+from graphmesh.serving import byte_size, fits_in_memory, run_until_signalled
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
 from graphmesh_executor.backends import NAMES
 from graphmesh_executor.fencing import AuthorityState
@@ -37,6 +36,8 @@ log = logging.getLogger("graphmesh.executor")
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 STAGE_SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
+# A bigger stream than the machine can hold is refused up front rather than killing the executor half-way.
+DEFAULT_MAX_PARAM_BYTES = fits_in_memory(64 << 30)
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ class ExecutorConfig:
     model_root: Path | None = None
     threads: int | None = None  # compute threads of the backend; None keeps the library default
     max_message_bytes: int = 64 << 20
-    max_param_bytes: int = 1 << 36
-    workers: int = 64  # gRPC handler threads; stage waiters hold one each (the coordinator bounds them)
+    max_param_bytes: int = DEFAULT_MAX_PARAM_BYTES
+    workers: int = 64  # calls served at once; stage waiters hold one each (the coordinator bounds them)
     enable_fault_injection: bool = False  # StageService.InjectFault, for tests and benchmarks only
     standby_weights: bool = False  # read the whole model in the background: fast re-plans after a peer is lost
     metrics_port: int = 0  # Prometheus /metrics; 0: off
@@ -85,9 +86,8 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRe
     registry = ExecutableRegistry(config.backend, config.device)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="executor-rpc"),
-                         options=options, interceptors=[*telemetry.server_interceptors(config.metrics_port > 0),
-                                                        *config.security.interceptors()])
+    server = config.security.server(config.workers, options, telemetry.server_interceptors(config.metrics_port > 0),
+                                    "executor-rpc")
     executor_pb2_grpc.add_ExecutorServiceServicer_to_server(
         ExecutorServicer(registry, model_root=config.model_root, max_message_bytes=config.max_message_bytes,
                          max_param_bytes=config.max_param_bytes), server)
@@ -132,13 +132,14 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--model-root", type=Path, help="directory LoadParams may read checkpoints from")
     p.add_argument("--threads", type=int, help="compute threads of the backend")
     p.add_argument("--max-message-bytes", type=byte_size, default=64 << 20, help="largest gRPC message (e.g. 64Mi)")
-    p.add_argument("--max-param-bytes", type=byte_size, default=1 << 36, help="largest SetParams/BindHandle stream")
-    p.add_argument("--workers", type=int, default=64, help="gRPC handler threads")
+    p.add_argument("--max-param-bytes", type=byte_size, default=DEFAULT_MAX_PARAM_BYTES,
+                   help="largest SetParams/BindHandle stream (default: 64Gi or half the memory, whichever is less)")
+    p.add_argument("--workers", type=int, default=64, help="calls served at once (--max-concurrent-rpcs overrides)")
     p.add_argument("--enable-fault-injection", action="store_true", help="accept StageService.InjectFault (tests)")
     p.add_argument("--standby-weights", action="store_true",
                    help="hold the whole model's weights so a re-plan after losing a peer reads no checkpoint")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
-    security.add_arguments(p)
+    security.add_arguments(p, executor_service=True)
     a = p.parse_args(argv)
     return ExecutorConfig(listen=a.listen, backend=a.backend, device=a.device, model_root=a.model_root,
                           threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,

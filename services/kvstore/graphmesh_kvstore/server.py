@@ -6,7 +6,6 @@ import argparse
 import logging
 import sys
 import time
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,9 +48,8 @@ def build_server(config: KvStoreConfig) -> tuple[grpc.Server, int, Store]:
     mover = Mover(store, config.executor_timeout_s, config.max_message_bytes, config.security.tls)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvstore-rpc"),
-                         options=options, interceptors=[*telemetry.server_interceptors(config.metrics_port > 0),
-                                                        *config.security.interceptors()])
+    server = config.security.server(config.workers, options, telemetry.server_interceptors(config.metrics_port > 0),
+                                    "kvstore-rpc")
     kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(KvStoreServicer(store, mover), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -89,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> KvStoreConfig:
     p.add_argument("--max-put-bytes", type=byte_size, default=DEFAULT_MAX_PUT_BYTES, help="largest PutBlocks")
     p.add_argument("--max-message-bytes", type=byte_size, default=64 << 20, help="largest gRPC message")
     p.add_argument("--executor-timeout", type=float, default=120.0, help="seconds for a seed or copy without deadline")
-    p.add_argument("--workers", type=int, default=16, help="gRPC handler threads")
+    p.add_argument("--workers", type=int, default=16, help="calls served at once (--max-concurrent-rpcs overrides)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
     security.add_arguments(p)
     a = p.parse_args(argv)
