@@ -5,8 +5,6 @@ SAN 127.0.0.1 and localhost), a client certificate, and a rogue CA whose certifi
 from __future__ import annotations
 
 import argparse
-import datetime
-import ipaddress
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,10 +12,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from graphmesh import errors, security
@@ -26,46 +20,10 @@ from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.model_fixtures import make_tiny_llama
+from tests.pki import Pem, issue, issue_mesh
 
 TOKEN = "s3cret-token"
 PROMPT = list(range(100, 140))  # two whole 16-token KV blocks: the second generation seeds them from the store
-
-
-@dataclass(frozen=True)
-class Pem:
-    cert: str
-    key: str
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _issue(directory: Path, cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None) -> tuple[
-        Pem, x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """A CA (issuer None) or a leaf that serves 127.0.0.1/localhost and can also act as a client."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder().subject_name(_name(cn)).public_key(key.public_key())
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1)))
-    if issuer is None:
-        builder = builder.issuer_name(_name(cn)).add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-        cert = builder.sign(key, hashes.SHA256())
-    else:
-        ca_cert, ca_key = issuer
-        builder = (builder.issuer_name(ca_cert.subject)
-                   .add_extension(x509.BasicConstraints(ca=False, path_length=None), True)
-                   .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                               x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                         ExtendedKeyUsageOID.CLIENT_AUTH]), False))
-        cert = builder.sign(ca_key, hashes.SHA256())
-    cert_path, key_path = directory / f"{cn}.crt", directory / f"{cn}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return Pem(str(cert_path), str(key_path)), cert, key
 
 
 @dataclass(frozen=True)
@@ -82,17 +40,13 @@ class Pki:
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     d = tmp_path_factory.mktemp("pki")
-    ca, ca_cert, ca_key = _issue(d, "graphmesh-test-ca", None)
-    leaves = {cn.split(".")[0]: _issue(d, cn, (ca_cert, ca_key))[0]
-              for cn in ("coordinator.graphmesh", "kvstore.graphmesh", "executor.graphmesh", "client")}
+    mesh = issue_mesh(d)
     rogue_dir = d / "rogue"
     rogue_dir.mkdir()
-    _, rogue_ca_cert, rogue_ca_key = _issue(rogue_dir, "rogue-ca", None)
-    rogue = _issue(rogue_dir, "client", (rogue_ca_cert, rogue_ca_key))[0]
+    rogue = issue(rogue_dir, "client", issue(rogue_dir, "rogue-ca"))
     token = d / "token"
     token.write_text(TOKEN + "\n")
-    return Pki(ca.cert, leaves["coordinator"], leaves["kvstore"], leaves["executor"], leaves["client"], rogue,
-               str(token))
+    return Pki(mesh.ca.cert, mesh.coordinator, mesh.kvstore, mesh.executor, mesh.client, rogue, str(token))
 
 
 @pytest.fixture(scope="module")

@@ -101,8 +101,8 @@ _EXECUTOR_OR_COORDINATOR = frozenset({Role.COORDINATOR, Role.EXECUTOR})
 POLICY: dict[str, frozenset[Role]] = {
     # the pipeline protocol is the coordinator's alone: whoever drives it decides every user's tokens
     "/graphmesh.v1.StageService/": _COORDINATOR,
-    **_methods("StageService", _COORDINATOR, "Install", "Fence", "ExecuteStep", "ExecuteGroup", "Commit", "Abort",
-               "ResolveEpoch", "ReleaseSession", "InjectFault"),
+    **_methods("StageService", _COORDINATOR, "Install", "Fence", "ExecuteStep", "AbortStep", "ExecuteGroup", "Commit",
+               "Abort", "ResolveEpoch", "ReleaseSession", "InjectFault"),
     **_methods("StageService", frozenset({Role.EXECUTOR}), "PushBoundary"),  # the previous stage
     **_methods("StageService", _KVSTORE_OR_COORDINATOR, "ReadSessionKv", "WriteSessionKv"),  # seeds and copies
     **_methods("StageService", MESH, "Status"),

@@ -1,0 +1,414 @@
+"""The mesh defends itself: each attack of issue 12 runs against real processes on loopback, with TLS off and a
+mesh token, and with mutual TLS and role certificates. Every attack is refused (UNAUTHENTICATED without
+credentials, PERMISSION_DENIED for a known caller of the wrong role), changes nothing (incarnations, store
+contents), and the mesh keeps generating exactly the tokens of a clean run. Overload is refused with
+RESOURCE_EXHAUSTED while health keeps answering within a second."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from graphmesh import errors, kvkeys, security, tensors
+from graphmesh.coordinator_client import CoordinatorClient
+from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
+from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
+from graphmesh.launcher import LocalMesh, free_port
+from graphmesh.security import MESH, Role, allowed_roles, role_of
+from graphmesh.v1 import (
+    coordinator_pb2,
+    executor_pb2,
+    executor_pb2_grpc,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
+    stage_pb2,
+    stage_pb2_grpc,
+)
+from graphmesh_coordinator.validation import check_finite_sampling
+from tests.conftest import start_process
+from tests.model_fixtures import make_tiny_llama
+from tests.pki import MeshPki, issue_mesh
+
+PROMPT = list(range(100, 140))  # two whole 16-token KV blocks: later generations seed them from the store
+COORDINATOR_LIMIT = 8  # --max-concurrent-rpcs of the token mesh's coordinator (the overload test)
+
+Dial = Callable[[str], grpc.Channel]
+
+
+@dataclass
+class Setup:
+    mode: str  # "token": TLS off + mesh token; "mtls": mutual TLS with role certificates
+    mesh: LocalMesh
+    member: Dial  # a channel as the coordinator would open it
+    outsiders: dict[str, Dial]  # channels of callers outside the mesh, by what they hold
+    refusal: tuple[grpc.StatusCode, str]  # what an outsider's call to an internal RPC gets
+    client_credentials: grpc.ChannelCredentials | None
+    baseline: list[list[int]]
+    executor: Dial | None = None  # mtls: a channel with an executor's own certificate
+
+
+def _generate(setup: Setup) -> list[list[int]]:
+    """A greedy and a sampled completion of PROMPT: the tokens every attack must leave unchanged."""
+    with CoordinatorClient(setup.mesh.coordinator_address, credentials=setup.client_credentials, timeout=120) as c:
+        return [[t for chunk in c.generate(prompt_token_ids=PROMPT, max_tokens=8, ignore_eos=True, temperature=temperature,
+                                           top_p=0.9, seed=7) for t in chunk.token_ids] for temperature in (0.0, 0.8)]
+
+
+def _kv_stats(setup: Setup) -> kvstore_pb2.StatsResponse:
+    with setup.member(setup.mesh.kvstore_address) as channel:
+        return kvstore_pb2_grpc.KvStoreServiceStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=10)
+
+
+def _settled_blocks(setup: Setup) -> int:
+    """The store's block count once the write-behind of the last generation has landed."""
+    blocks, stable_since = -1, time.monotonic()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = _kv_stats(setup).blocks
+        if now != blocks:
+            blocks, stable_since = now, time.monotonic()
+        elif time.monotonic() - stable_since > 1.0:
+            return blocks
+        time.sleep(0.1)
+    raise AssertionError("the kvstore's block count never settled")
+
+
+def _state(setup: Setup) -> dict[str, Any]:
+    """Everything an attack must not move: incarnations, authority states, store contents."""
+    with CoordinatorClient(setup.mesh.coordinator_address, credentials=setup.client_credentials) as c:
+        status = c.status()
+    stages = []
+    for address in setup.mesh.executor_addresses:
+        with setup.member(address) as channel:
+            s = stage_pb2_grpc.StageServiceStub(channel).Status(stage_pb2.StageStatusRequest(), timeout=10)
+        stages.append((s.state, s.incarnation, s.poison_cause))
+    return {"incarnation": status.incarnation, "recoveries": status.recoveries, "stages": stages,
+            "kv_blocks": _kv_stats(setup).blocks}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> MeshPki:
+    return issue_mesh(tmp_path_factory.mktemp("pki"))
+
+
+def _mesh(mode: str, model: Path, pki: MeshPki) -> LocalMesh:
+    if mode == "token":
+        return LocalMesh(2, "numpy", str(model),
+                         extra_coordinator_args=["--max-concurrent-rpcs", str(COORDINATOR_LIMIT)])
+    return LocalMesh(2, "numpy", str(model), tls_cert=pki.executor.cert, tls_key=pki.executor.key, tls_ca=pki.ca.cert,
+                     extra_coordinator_args=["--tls-cert", pki.coordinator.cert, "--tls-key", pki.coordinator.key],
+                     extra_kvstore_args=["--tls-cert", pki.kvstore.cert, "--tls-key", pki.kvstore.key])
+
+
+@pytest.fixture(scope="module", params=["token", "mtls"])
+def setup(request: pytest.FixtureRequest, model: Path, pki: MeshPki) -> Iterator[Setup]:
+    mode: str = request.param
+    with _mesh(mode, model, pki) as mesh:
+        if mode == "token":
+            s = Setup(mode, mesh, lambda a: security.channel(a, None, mesh_token=mesh.mesh_token),
+                      {"nothing": grpc.insecure_channel,
+                       "a guessed token": lambda a: security.channel(a, None, mesh_token="guessed")},
+                      (grpc.StatusCode.UNAUTHENTICATED, "MESH_TOKEN_REQUIRED"), None, [])
+        else:
+            def dial(pem: Any, token: str = "") -> Dial:
+                creds = security.credentials(pki.ca.cert, pem.cert, pem.key)
+                return lambda a: security.as_mesh_member(grpc.secure_channel(a, creds), token)
+
+            # under mutual TLS the certificate decides: even the real mesh token makes no client a mesh member
+            s = Setup(mode, mesh, dial(pki.coordinator),
+                      {"a client certificate": dial(pki.client),
+                       "a client certificate and the mesh token": dial(pki.client, mesh.mesh_token)},
+                      (grpc.StatusCode.PERMISSION_DENIED, "ROLE_NOT_ALLOWED"),
+                      security.credentials(pki.ca.cert, pki.client.cert, pki.client.key), [], dial(pki.executor))
+        s.baseline = _generate(s)
+        assert _generate(s) == s.baseline  # the second run seeds from the store: still the same tokens
+        _settled_blocks(s)
+        yield s
+
+
+def _header(setup: Setup, session: str = "victim", epoch: int = 1) -> stage_pb2.FencingHeader:
+    with CoordinatorClient(setup.mesh.coordinator_address, credentials=setup.client_credentials) as c:
+        incarnation = c.status().incarnation
+    return stage_pb2.FencingHeader(incarnation=incarnation, session_id=session, epoch=epoch)
+
+
+def _stage(channel: grpc.Channel) -> stage_pb2_grpc.StageServiceStub:
+    return stage_pb2_grpc.StageServiceStub(channel)
+
+
+def _kv(channel: grpc.Channel) -> kvstore_pb2_grpc.KvStoreServiceStub:
+    return kvstore_pb2_grpc.KvStoreServiceStub(channel)
+
+
+def _junk_put() -> Iterator[kvstore_pb2.PutBlocksRequest]:
+    """A well-formed PutBlocks of one block of arbitrary rows (under a namespace no stage uses)."""
+    ns = kvkeys.namespace("attacker", 0, 1, 4)
+    rows = np.full((16, 1, 2, 4), 13.0, np.float32)
+    for i, chunk in enumerate(tensors.to_chunks("rows", rows)):
+        yield (kvstore_pb2.PutBlocksRequest(namespace=ns, token_ids=PROMPT[:16], first_block=0, block_count=1,
+                                            rows=chunk) if i == 0 else kvstore_pb2.PutBlocksRequest(rows=chunk))
+
+
+# (name, which service, the call): each is one of the attacks of issue 12 on a mesh-internal RPC
+Attack = Callable[[grpc.Channel, Setup], Any]
+ATTACKS: list[tuple[str, str, Attack]] = [
+    ("Fence(2**64-1)", "executor",
+     lambda ch, s: _stage(ch).Fence(stage_pb2.FenceRequest(incarnation=2**64 - 1, reason="attack"), timeout=10)),
+    ("Fence(current)", "executor",
+     lambda ch, s: _stage(ch).Fence(stage_pb2.FenceRequest(incarnation=_header(s).incarnation, reason="attack"),
+                                    timeout=10)),
+    ("Install(next)", "executor",
+     lambda ch, s: _stage(ch).Install(stage_pb2.InstallRequest(incarnation=_header(s).incarnation + 1, world_size=1),
+                                      timeout=10)),
+    ("ReleaseSession", "executor",
+     lambda ch, s: _stage(ch).ReleaseSession(stage_pb2.ReleaseSessionRequest(header=_header(s)), timeout=10)),
+    ("PushBoundary", "executor",
+     lambda ch, s: _stage(ch).PushBoundary(stage_pb2.PushBoundaryRequest(header=_header(s, epoch=99)), timeout=10)),
+    ("ReadSessionKv", "executor",
+     lambda ch, s: list(_stage(ch).ReadSessionKv(stage_pb2.ReadSessionKvRequest(header=_header(s), to_row=16),
+                                                 timeout=10))),
+    ("StageService.Status", "executor", lambda ch, s: _stage(ch).Status(stage_pb2.StageStatusRequest(), timeout=10)),
+    ("ExecutorService.GetCapabilities", "executor",
+     lambda ch, s: executor_pb2_grpc.ExecutorServiceStub(ch).GetCapabilities(executor_pb2.GetCapabilitiesRequest(),
+                                                                             timeout=10)),
+    ("Evict", "kvstore", lambda ch, s: _kv(ch).Evict(kvstore_pb2.EvictRequest(), timeout=10)),
+    ("PutBlocks", "kvstore", lambda ch, s: _kv(ch).PutBlocks(_junk_put(), timeout=10)),
+    ("CopyRows", "kvstore",
+     lambda ch, s: _kv(ch).CopyRows(kvstore_pb2.CopyRowsRequest(
+         source_address=s.mesh.executor_addresses[0], source_header=_header(s), to_row=16,
+         destination_address=f"127.0.0.1:{free_port()}", destination_header=_header(s, "loot")), timeout=10)),
+    ("GetBlocks", "kvstore",
+     lambda ch, s: list(_kv(ch).GetBlocks(kvstore_pb2.GetBlocksRequest(token_ids=PROMPT), timeout=10))),
+    ("Lookup", "kvstore", lambda ch, s: _kv(ch).Lookup(kvstore_pb2.LookupRequest(token_ids=PROMPT), timeout=10)),
+    ("Stats", "kvstore", lambda ch, s: _kv(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10)),
+]
+
+
+def _address(setup: Setup, service: str) -> str:
+    return setup.mesh.kvstore_address if service == "kvstore" else setup.mesh.executor_addresses[0]
+
+
+@pytest.mark.parametrize("name,service,attack", ATTACKS, ids=[a[0] for a in ATTACKS])
+def test_an_outsider_is_refused_and_changes_nothing(setup: Setup, name: str, service: str, attack: Attack) -> None:
+    before = _state(setup)
+    for holding, dial in setup.outsiders.items():
+        with dial(_address(setup, service)) as channel, pytest.raises(grpc.RpcError) as info:
+            attack(channel, setup)
+        error = errors.from_rpc_error(info.value)
+        if holding == "a guessed token":
+            assert (error.code, error.reason) == (grpc.StatusCode.UNAUTHENTICATED, "BAD_MESH_TOKEN"), name
+        else:
+            assert (error.code, error.reason) == setup.refusal, (name, holding, error.message)
+    assert _state(setup) == before
+    assert _generate(setup) == setup.baseline
+
+
+def test_a_mesh_member_passes_where_the_outsider_was_stopped(setup: Setup) -> None:
+    """The refusals above are about identity: the same calls as a mesh member reach the servicers."""
+    with setup.member(setup.mesh.kvstore_address) as channel:
+        stored = _kv(channel).PutBlocks(_junk_put(), timeout=10)
+        assert stored.stored + stored.already_present == 1
+        assert _kv(channel).Lookup(kvstore_pb2.LookupRequest(namespace=kvkeys.namespace("attacker", 0, 1, 4),
+                                                             token_ids=PROMPT), timeout=10).matched_tokens == 16
+    with setup.member(setup.mesh.executor_addresses[0]) as channel:
+        assert _stage(channel).Status(stage_pb2.StageStatusRequest(), timeout=10).state == \
+            stage_pb2.AUTHORITY_STATE_ACTIVE
+    assert _generate(setup) == setup.baseline
+
+
+def test_health_and_the_public_api_stay_open_to_outsiders(setup: Setup) -> None:
+    for address in (setup.mesh.coordinator_address, setup.mesh.kvstore_address, *setup.mesh.executor_addresses):
+        for dial in setup.outsiders.values():
+            with dial(address) as channel:
+                assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status \
+                    == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_an_executor_certificate_may_not_drive_the_protocol(setup: Setup) -> None:
+    """Under mutual TLS roles are checked per method: an executor pushes boundaries, it never fences, installs
+    or moves KV rows through the store."""
+    if setup.executor is None:
+        pytest.skip("per-method roles need mutual TLS; a mesh token makes every member hold every mesh role")
+    before = _state(setup)
+    for name, service, attack in ATTACKS:
+        if name in ("Fence(2**64-1)", "Install(next)", "ReleaseSession", "ReadSessionKv", "CopyRows", "Evict"):
+            with setup.executor(_address(setup, service)) as channel, pytest.raises(grpc.RpcError) as info:
+                attack(channel, setup)
+            error = errors.from_rpc_error(info.value)
+            assert (error.code, error.reason) == (grpc.StatusCode.PERMISSION_DENIED, "ROLE_NOT_ALLOWED"), name
+            assert "executor may not call" in error.message
+    assert _state(setup) == before
+    assert _generate(setup) == setup.baseline
+
+
+def _idle_stream(channel: grpc.Channel, release: threading.Event) -> Any:
+    """A KServe ModelStreamInfer stream that sends nothing until `release` (tritonclient keeps one open per
+    client): it holds a handler thread and an admission slot for as long as it is open."""
+    def requests() -> Iterator[kserve_pb2.ModelInferRequest]:
+        release.wait()
+        return
+        yield
+    return kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(requests(), timeout=120)
+
+
+def test_overload_is_refused_and_health_answers_throughout(setup: Setup) -> None:
+    if setup.mode != "token":
+        pytest.skip("admission does not depend on TLS: checked once, on the token mesh")
+    address = setup.mesh.coordinator_address
+    stop, latencies = threading.Event(), []
+
+    def probe() -> None:
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not stop.is_set():
+                t0 = time.monotonic()
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.05)
+
+    release = threading.Event()
+    prober = threading.Thread(target=probe)
+    prober.start()
+    channel = grpc.insecure_channel(address)
+    try:
+        streams = [_idle_stream(channel, release) for _ in range(3 * COORDINATOR_LIMIT)]
+        deadline = time.monotonic() + 30
+        while sum(s.done() for s in streams) < 2 * COORDINATOR_LIMIT:
+            assert time.monotonic() < deadline, f"only {sum(s.done() for s in streams)} streams were refused"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        refused = [s for s in streams if s.done()]
+        assert len(refused) == 2 * COORDINATOR_LIMIT  # the admitted ones are still open, idle
+        assert {s.code() for s in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        with pytest.raises(errors.ResourceExhausted) as info:  # the limit is full: a new call is refused at once
+            _generate(setup)
+        assert info.value.reason == "TOO_MANY_CALLS"
+        release.set()  # the idle streams end: their slots come back
+        for s in streams:
+            s.cancel()
+        time.sleep(0.5)
+        assert _generate(setup) == setup.baseline
+
+        def one(_: int) -> list[list[int]] | str:
+            try:
+                return _generate(setup)
+            except errors.ResourceExhausted:
+                return "refused"
+        with ThreadPoolExecutor(3 * COORDINATOR_LIMIT) as pool:
+            results = list(pool.map(one, range(3 * COORDINATOR_LIMIT)))
+        completed = [r for r in results if r != "refused"]
+        assert completed and all(r == setup.baseline for r in completed)  # everything admitted completes, unchanged
+    finally:
+        release.set()
+        stop.set()
+        prober.join()
+        channel.close()
+    assert latencies and max(latencies) < 1.0, f"health took {max(latencies):.2f} s under load"
+
+
+# -- without processes ----------------------------------------------------------------------------------------
+def _methods(pb: Any, service: str) -> list[str]:
+    return [f"/{pb.DESCRIPTOR.services_by_name[service].full_name}/{m.name}"
+            for m in pb.DESCRIPTOR.services_by_name[service].methods]
+
+
+def test_clients_reach_only_the_public_apis() -> None:
+    for method in _methods(stage_pb2, "StageService") + _methods(kvstore_pb2, "KvStoreService"):
+        assert Role.CLIENT not in allowed_roles(method, expose_executor_service=True), method
+        assert allowed_roles(method) & MESH, method  # and some mesh role may call each
+    for method in _methods(executor_pb2, "ExecutorService"):
+        assert allowed_roles(method) == MESH and Role.CLIENT in allowed_roles(method, expose_executor_service=True)
+    for method in _methods(coordinator_pb2, "CoordinatorService") + _methods(kserve_pb2, "GRPCInferenceService"):
+        assert Role.CLIENT in allowed_roles(method), method
+    assert allowed_roles("/graphmesh.v1.StageService/Fence") == {Role.COORDINATOR}
+    assert allowed_roles("/graphmesh.v1.StageService/PushBoundary") == {Role.EXECUTOR}
+    assert allowed_roles("/graphmesh.v1.StageService/SomethingNew") == {Role.COORDINATOR}  # fail closed
+    assert allowed_roles("/unknown.Service/Method") == MESH
+
+
+def test_role_names_in_certificates() -> None:
+    assert role_of("coordinator.graphmesh") is Role.COORDINATOR
+    assert role_of("executor-12.graphmesh") is Role.EXECUTOR
+    assert role_of("kvstore.graphmesh") is Role.KVSTORE
+    for name in ("client", "coordinator", "coordinator.graphmesh.evil.example", "xcoordinator.graphmesh",
+                 "client.graphmesh", "executor-x.graphmesh", "127.0.0.1"):
+        assert role_of(name) is None, name
+
+
+def test_sampling_parameters_must_be_finite() -> None:
+    check_finite_sampling(temperature=0.7, top_p=1.0)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(errors.InvalidArgument) as info:
+            check_finite_sampling(temperature=bad, top_p=0.9)
+        assert info.value.reason == "NON_FINITE_SAMPLING" and "temperature" in info.value.metadata
+
+
+def test_a_service_without_credentials_listens_on_loopback_only(tmp_path: Path) -> None:
+    port = free_port()
+    base = [sys.executable, "-m", "graphmesh_kvstore.server", "--listen", f"0.0.0.0:{port}"]
+    log = tmp_path / "kvstore.log"
+    with start_process(base, f"127.0.0.1:{port}", log_path=log):
+        pass
+    assert "listening on loopback only" in log.read_text()
+    port = free_port()
+    with start_process([*base[:-1], f"0.0.0.0:{port}", "--allow-insecure-remote"], f"127.0.0.1:{port}",
+                       log_path=log):
+        pass
+    assert "serving without authentication beyond loopback" in log.read_text()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads child processes from /proc")
+def test_graphmesh_up_stops_its_children_on_sigterm(model: Path) -> None:
+    up = subprocess.Popen([sys.executable, "-m", "graphmesh.cli", "up", "--executors", "1", "--backend", "numpy",
+                           "--model", str(model), "--listen", f"127.0.0.1:{free_port()}"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    children: list[int] = []
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:
+            if line.startswith("logs in"):
+                break
+        children = _children(up.pid)
+        assert len(children) == 3  # kvstore, executor, coordinator
+        os.kill(up.pid, signal.SIGTERM)
+        assert up.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 15
+        while any(map(_alive, children)):
+            assert time.monotonic() < deadline, "graphmesh up left its children running"
+            time.sleep(0.1)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        for pid in filter(_alive, children):  # a failed run must not leave the mesh behind
+            os.kill(pid, signal.SIGKILL)
