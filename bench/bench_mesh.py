@@ -35,11 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.common import cpu_seconds, machine, median, progress, table, write_results
+from graphmesh import security
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.coordinator_client import CoordinatorClient
@@ -209,7 +208,8 @@ def profile_round(mesh: LocalMesh, prompt: list[int], tokens: int, out: Profile)
     out.client += [b - a for a, b in itertools.pairwise(run.arrivals)]
     with CoordinatorClient(mesh.coordinator_address) as client:
         status = client.status()
-    channels = [grpc.insecure_channel(s.address) for s in sorted(status.stages, key=lambda s: s.rank)]
+    channels = [security.channel(s.address, None, mesh_token=mesh.mesh_token)  # as the coordinator: a mesh member
+                for s in sorted(status.stages, key=lambda s: s.rank)]
     stubs = [stage_pb2_grpc.StageServiceStub(c) for c in channels]
     out.compute = out.compute or [[] for _ in stubs]
     session = f"bench-profile-{uuid.uuid4().hex}"

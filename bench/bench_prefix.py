@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.common import MIB, machine, median, progress, table, write_results
+from graphmesh import security
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.coordinator_client import Chunk, CoordinatorClient
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     lags: list[float] = []
     t0 = time.perf_counter()
     with LocalMesh(EXECUTORS, "torch", MODEL, kvstore=True) as mesh, \
-            CoordinatorClient(mesh.coordinator_address) as client, KvStoreClient(mesh.kvstore_address) as store:
+            CoordinatorClient(mesh.coordinator_address) as client, \
+            KvStoreClient(mesh.kvstore_address, metadata=security.mesh_metadata(mesh.mesh_token)) as store:
         progress(f"mesh ready in {time.perf_counter() - t0:.0f} s (logs in {mesh.log_dir})")
         for r in range(a.rounds + 1):
             # token ids above the special tokens; fresh each round, so an earlier round cannot hit

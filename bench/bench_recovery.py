@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.common import machine, median, progress, table, write_results
-from graphmesh import faults
+from graphmesh import faults, security
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.coordinator_client import CoordinatorClient
@@ -148,7 +148,7 @@ def faulted_run(case: Case, prompt: list[int], a: argparse.Namespace, log_dir: P
             generate(mesh, prompt, a.before + a.after, clean)
             baseline = clean.tokens
         victim = mesh.executor_processes[a.victim]
-        store = KvStoreClient(mesh.kvstore_address) if case.kvstore else None
+        store = KvStoreClient(mesh.kvstore_address, metadata=security.mesh_metadata(mesh.mesh_token)) if case.kvstore else None
         streams = Streams()
         fired: dict[str, float] = {}
         stats: dict[str, kvstore_pb2.StatsResponse] = {}
