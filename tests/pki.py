@@ -53,7 +53,7 @@ def issue(directory: Path, cn: str, issuer: Pem | None = None) -> Pem:
 @dataclass(frozen=True)
 class MeshPki:
     ca: Pem
-    coordinator: Pem  # CN coordinator.graphmesh: the mesh role names of graphmesh.security
+    coordinator: Pem  # CN coordinator.graphmesh.internal: a mesh role name of graphmesh.security
     kvstore: Pem
     executor: Pem
     client: Pem  # CN client: signed by the same CA, no mesh role
@@ -61,5 +61,5 @@ class MeshPki:
 
 def issue_mesh(directory: Path) -> MeshPki:
     ca = issue(directory, "graphmesh-test-ca")
-    return MeshPki(ca, *(issue(directory, cn, ca) for cn in ("coordinator.graphmesh", "kvstore.graphmesh",
-                                                             "executor.graphmesh", "client")))
+    roles = ("coordinator.graphmesh.internal", "kvstore.graphmesh.internal", "executor.graphmesh.internal", "client")
+    return MeshPki(ca, *(issue(directory, cn, ca) for cn in roles))

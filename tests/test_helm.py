@@ -188,7 +188,7 @@ def test_tls_values_mount_the_secret_and_pass_tls_flags(rendered: dict[str, list
         names.add(w["metadata"]["labels"]["app.kubernetes.io/component"])
     assert names == {"coordinator", "executor", "kvstore"}
     coordinator = container(one(docs, "Deployment", "coordinator"))
-    token = next(d for d in docs if d["kind"] == "Secret" and d["type"] == "Opaque")
+    token = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "graphmesh-auth")
     assert base64.b64decode(token["data"]["token"]).decode() == values("tls-values")["auth"]["token"]
     auth_mount = next(m for m in coordinator["volumeMounts"] if m["name"] == "auth")
     assert flag(coordinator["args"], "--auth-token-file") == f"{auth_mount['mountPath']}/token"
@@ -199,7 +199,47 @@ def test_tls_values_mount_the_secret_and_pass_tls_flags(rendered: dict[str, list
     for w in workloads(rendered["default-values"]):
         assert not any(a.startswith("--tls") for a in container(w)["args"])
         assert all(m["mountPath"] != "/tls" for m in container(w)["volumeMounts"])
-    assert not [d for d in rendered["default-values"] if d["kind"] == "Secret"]
+    assert [d["metadata"]["name"] for d in rendered["default-values"] if d["kind"] == "Secret"] == ["graphmesh-mesh-token"]
+
+
+def test_every_service_gets_the_mesh_token(rendered: dict[str, list[Doc]]) -> None:
+    """Without it (and without mutual TLS) an executor or the kvstore would obey anyone who reaches its port."""
+    for name, docs in rendered.items():
+        secret = one([d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "graphmesh-mesh-token"],
+                     "Secret")
+        given = values(name)["meshToken"]["token"]
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        assert token == given if given else len(token) >= 32, name
+        for w in workloads(docs):
+            c = container(w)
+            volume = next(v for v in w["spec"]["template"]["spec"]["volumes"]
+                          if v.get("secret", {}).get("secretName") == secret["metadata"]["name"])
+            mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
+            assert flag(c["args"], "--mesh-token-file") == f"{mount['mountPath']}/token", (name, w["metadata"]["name"])
+
+
+def test_issued_certificates_name_one_role_each(rendered: dict[str, list[Doc]]) -> None:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    docs = rendered["tls-issued-values"]
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secrets["graphmesh-tls-ca"]["data"]["tls.crt"]))
+    for w in workloads(docs):
+        role = w["metadata"]["labels"]["app.kubernetes.io/component"]
+        volume = next(v for v in w["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+        data = secrets[volume["secret"]["secretName"]]["data"]
+        cert = x509.load_pem_x509_certificate(base64.b64decode(data["tls.crt"]))
+        assert cert.issuer == ca.subject and base64.b64decode(data["ca.crt"]) == base64.b64decode(
+            secrets["graphmesh-tls-ca"]["data"]["tls.crt"])
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName)
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == f"{role}.graphmesh.internal"
+        assert [n for n in names if n.endswith(".graphmesh.internal")] == [f"{role}.graphmesh.internal"]  # one role each
+        dialed = {"coordinator": "graphmesh-coordinator", "kvstore": "graphmesh-kvstore",
+                  "executor": "*.graphmesh-executor-headless"}[role]
+        assert dialed in names, (role, names)
+        assert flag(container(w)["args"], "--tls-ca") == "/tls/ca.crt"  # mutual TLS: the roles are checked
 
 
 def test_probes_are_native_grpc_probes(rendered: dict[str, list[Doc]]) -> None:

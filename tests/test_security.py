@@ -346,11 +346,12 @@ def test_clients_reach_only_the_public_apis() -> None:
 
 
 def test_role_names_in_certificates() -> None:
-    assert role_of("coordinator.graphmesh") is Role.COORDINATOR
-    assert role_of("executor-12.graphmesh") is Role.EXECUTOR
-    assert role_of("kvstore.graphmesh") is Role.KVSTORE
-    for name in ("client", "coordinator", "coordinator.graphmesh.evil.example", "xcoordinator.graphmesh",
-                 "client.graphmesh", "executor-x.graphmesh", "127.0.0.1"):
+    assert role_of("coordinator.graphmesh.internal") is Role.COORDINATOR
+    assert role_of("executor-12.graphmesh.internal") is Role.EXECUTOR
+    assert role_of("kvstore.graphmesh.internal") is Role.KVSTORE
+    for name in ("client", "coordinator", "coordinator.graphmesh", "coordinator.graphmesh.internal.evil.example",
+                 "xcoordinator.graphmesh.internal", "client.graphmesh.internal", "executor-x.graphmesh.internal",
+                 "127.0.0.1"):
         assert role_of(name) is None, name
 
 

@@ -1,5 +1,5 @@
 """TLS and mutual TLS on every hop, bearer tokens, peer allow-lists and the plain-text health listener, with
-certificates made here: a CA, one certificate per service (CN = its mesh role name, e.g. coordinator.graphmesh;
+certificates made here: a CA, one certificate per service (CN = its mesh role name, e.g. coordinator.graphmesh.internal;
 SAN 127.0.0.1 and localhost), a client certificate, and a rogue CA whose certificate claims a trusted name."""
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def mtls_mesh(pki: Pki, model: Path, health_port: int) -> Iterator[LocalMesh]:
                    extra_coordinator_args=["--tls-cert", pki.coordinator.cert, "--tls-key", pki.coordinator.key,
                                            "--health-listen", f"127.0.0.1:{health_port}"],
                    extra_kvstore_args=["--tls-cert", pki.kvstore.cert, "--tls-key", pki.kvstore.key],
-                   extra_executor_args=["--allowed-peers",
-                                        "coordinator.graphmesh,kvstore.graphmesh,executor.graphmesh"]) as mesh:
+                   extra_executor_args=["--allowed-peers", ",".join(f"{role}.graphmesh.internal" for role in
+                                                                    ("coordinator", "kvstore", "executor"))]) as mesh:
         yield mesh
 
 

@@ -9,10 +9,12 @@ probes that cannot speak TLS (the kubelet's). Health and reflection are never be
 or the peer list: orchestrators and grpcurl must reach them.
 
 Roles. Every caller has roles, and POLICY says which roles may call each method:
-- under mutual TLS a peer's roles come from its certificate: a CN or SAN `<role>.graphmesh` or
-  `<role>-<ordinal>.graphmesh` (`coordinator.graphmesh`, `executor-0.graphmesh`, `kvstore.graphmesh`) names a
-  mesh role; a certificate without such a name is a client. Only certificates of mesh services may carry
-  these names: whoever runs the CA must never sign one for a user.
+- under mutual TLS a peer's roles come from its certificate: a CN or SAN `<role>.graphmesh.internal` or
+  `<role>-<ordinal>.graphmesh.internal` (`coordinator.graphmesh.internal`, `executor-0.graphmesh.internal`,
+  `kvstore.graphmesh.internal`) names a mesh role; a certificate without such a name is a client. Only
+  certificates of mesh services may carry these names: whoever runs the CA must never sign one for a user.
+  (Not `<role>.graphmesh`: a CA that signs certificates for Kubernetes services by their DNS names would hand
+  `executor.graphmesh` to any service called executor in a namespace called graphmesh.)
 - without mutual TLS, a caller that sends this mesh's token (--mesh-token-file, metadata
   `x-graphmesh-mesh-token`) is a mesh member and holds every mesh role; any other caller is a client. The
   per-method checks between mesh roles (only the coordinator may Fence, ...) therefore hold under mutual
@@ -81,11 +83,11 @@ class Role(Enum):
 
 MESH = frozenset({Role.COORDINATOR, Role.EXECUTOR, Role.KVSTORE})
 ANYONE = frozenset(Role)
-_ROLE_NAME = re.compile(r"(coordinator|executor|kvstore)(-\d+)?\.graphmesh")
+_ROLE_NAME = re.compile(r"(coordinator|executor|kvstore)(-\d+)?\.graphmesh\.internal")
 
 
 def role_of(name: str) -> Role | None:
-    """The mesh role a certificate name carries (`executor-0.graphmesh` -> EXECUTOR); None for any other name."""
+    """The mesh role a certificate name carries (`executor-0.graphmesh.internal` -> EXECUTOR); None for any other name."""
     match = _ROLE_NAME.fullmatch(name)
     return Role(match.group(1)) if match else None
 

@@ -34,6 +34,30 @@
 {{- default (printf "%s-tls" (include "graphmesh.fullname" .)) .Values.tls.existingSecret -}}
 {{- end -}}
 
+{{/* Whether tls.roleSecrets names a secret for every role. */}}
+{{- define "graphmesh.tlsPerRoleSecrets" -}}
+{{- $r := .Values.tls.roleSecrets -}}
+{{- if and $r.coordinator $r.executor $r.kvstore }}true{{ end -}}
+{{- end -}}
+
+{{/* The TLS secret one component serves and calls with; pass (dict "ctx" $ "component" "executor"). A role's own
+     certificate (tls.roleSecrets, or the ones the chart issues with tls.issue) names its mesh role, e.g.
+     executor.graphmesh.internal: with tls.ca every hop is mutual TLS and each RPC is checked against the caller's role. */}}
+{{- define "graphmesh.tlsSecretFor" -}}
+{{- $tls := .ctx.Values.tls -}}
+{{- if index $tls.roleSecrets .component -}}
+{{- index $tls.roleSecrets .component -}}
+{{- else if $tls.issue -}}
+{{- printf "%s-tls-%s" (include "graphmesh.fullname" .ctx) .component -}}
+{{- else -}}
+{{- include "graphmesh.tlsSecret" .ctx -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "graphmesh.meshTokenSecret" -}}
+{{- default (printf "%s-mesh-token" (include "graphmesh.fullname" .)) .Values.meshToken.existingSecret -}}
+{{- end -}}
+
 {{- define "graphmesh.authSecret" -}}
 {{- default (printf "%s-auth" (include "graphmesh.fullname" .)) .Values.auth.existingSecret -}}
 {{- end -}}
@@ -82,6 +106,15 @@ app.kubernetes.io/part-of: graphmesh
 {{- $addrs = append $addrs (printf "%s-%d.%s:%d" $sts $i $headless (int $.Values.executor.port)) -}}
 {{- end -}}
 {{- join "," $addrs -}}
+{{- end -}}
+
+{{/* Every service: the mesh token that identifies the mesh's own services to each other, and TLS when on. */}}
+{{- define "graphmesh.securityArgs" -}}
+- --mesh-token-file
+- /mesh/token
+{{- if .Values.tls.enabled }}
+{{ include "graphmesh.tlsArgs" . }}
+{{- end }}
 {{- end -}}
 
 {{/* Render only when tls.enabled. */}}
@@ -171,14 +204,19 @@ readinessProbe:
   value: "none"
 {{- end -}}
 
-{{/* Volumes every pod has: scratch /tmp and, with TLS, the certificate secret. */}}
+{{/* Volumes every pod has: scratch /tmp, the mesh token and, with TLS, the component's certificate secret;
+     pass (dict "ctx" $ "component" "executor"). */}}
 {{- define "graphmesh.commonVolumes" -}}
 - name: tmp
   emptyDir: {}
-{{- if .Values.tls.enabled }}
+- name: mesh-token
+  secret:
+    secretName: {{ include "graphmesh.meshTokenSecret" .ctx }}
+    defaultMode: 0440
+{{- if .ctx.Values.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ include "graphmesh.tlsSecret" . }}
+    secretName: {{ include "graphmesh.tlsSecretFor" . }}
     defaultMode: 0440
 {{- end }}
 {{- end -}}
@@ -186,6 +224,9 @@ readinessProbe:
 {{- define "graphmesh.commonMounts" -}}
 - name: tmp
   mountPath: /tmp
+- name: mesh-token
+  mountPath: /mesh
+  readOnly: true
 {{- if .Values.tls.enabled }}
 - name: tls
   mountPath: /tls
