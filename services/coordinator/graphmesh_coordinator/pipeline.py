@@ -140,9 +140,14 @@ class Mesh:
             log.info("installed", extra={"incarnation": incarnation, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: stage_pb2.OutputKind.ValueType,
-                     ) -> stage_pb2.ExecuteStepResponse:
-        """Runs one step on every rank and returns the last stage's answer (one result per row, in order)."""
-        ranks, incarnation = self.ranks, self.incarnation
+                     incarnation: int) -> stage_pb2.ExecuteStepResponse:
+        """Runs one step, scheduled for the roster of `incarnation`, on every rank and returns the last stage's
+        answer (one result per row, in order). A step of a roster already replaced fails as COMM at once (its
+        rows are restored and replayed like any other after a recovery)."""
+        ranks = self.ranks
+        if incarnation != self.incarnation:
+            raise InvocationFailed("COMM", -1, Unavailable(f"step scheduled for incarnation {incarnation}, the mesh "
+                                                           f"runs {self.incarnation}", "STALE_INCARNATION"))
         step_id = next(self._step_ids)
         tokens = sum(len(r.token_ids) for r in rows)
         request = stage_pb2.ExecuteStepRequest(

@@ -97,7 +97,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._seqs: list[Sequence] = []  # arrival order
         self._in_flight = 0
-        self._used_blocks = 0
+        self._releasing = 0  # blocks of ended sessions that the ranks are still releasing
         self._incarnation = 0  # the incarnation the block counts are for
         self.steps = 0
         self.preemptions = 0
@@ -136,7 +136,8 @@ class Scheduler:
 
     @property
     def used_blocks(self) -> int:
-        return self._used_blocks
+        """Blocks lent on every rank: derived, never kept as a running sum that could drift."""
+        return sum(s.blocks for s in self._seqs) + self._releasing
 
     def close(self) -> None:
         with self._cond:
@@ -148,7 +149,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                step = None
+                step: list[_Row] | None = None
                 while not self._stopped:
                     try:
                         step = self._schedule()
@@ -161,27 +162,31 @@ class Scheduler:
                     return
                 self._in_flight += 1
             assert step
-            self._workers.submit(self._execute, step)
+            self._workers.submit(self._execute, step, self._incarnation)
 
     def _schedule(self) -> list[_Row] | None:
         mesh = self.mesh
         if not mesh.ready or self._in_flight >= max(1, len(mesh.ranks)):
             return None
         if mesh.incarnation != self._incarnation:  # a new roster holds no session's KV
-            self._incarnation, self._used_blocks = mesh.incarnation, 0
+            self._incarnation, self._releasing = mesh.incarnation, 0
             for s in self._seqs:
-                if not s.busy:
-                    s.blocks = 0
+                s.blocks = 0  # in flight too: a step of the old roster fails (or its session is restored anyway)
         ready = [s for s in self._seqs if not s.busy and not s.done]
         if not ready:
             return None
-        solo = next((s for s in ready if s.solo), None)
-        if solo is not None:
-            ready = [solo]
+        for solo in (s for s in ready if s.solo):  # alone, to learn whether its row caused a shared ARCH failure
+            row = self._row(solo, self.max_step_tokens)
+            if row is not None:
+                solo.busy = True
+                return [row]
+        ready = [s for s in ready if not s.solo]  # those that do not fit yet wait; the others must not
+        if not ready:
+            return None
         kind = ready[0].output
         ready = [s for s in ready if s.output == kind]
         live = sum(1 for s in self._seqs if not s.done)
-        cap = 1 if solo else min(self.max_step_seqs, max(1, math.ceil(live / max(1, len(mesh.ranks)))))
+        cap = min(self.max_step_seqs, max(1, math.ceil(live / max(1, len(mesh.ranks)))))
         decoding = [s for s in ready if len(s.pending) == 1 and s.session.incarnation == mesh.incarnation]
         others = [s for s in ready if s not in decoding]
         budget = self.max_step_tokens
@@ -194,10 +199,9 @@ class Scheduler:
                 if s in others:
                     break  # first come first served: a waiting session that does not fit holds back later ones
                 continue
+            s.busy = True  # at once: a later session of this step must not pick it for preemption
             step.append(row)
             budget -= len(row.row.token_ids)
-        for r in step:
-            r.seq.busy = True
         return step or None
 
     def _row(self, s: Sequence, budget: int) -> _Row | None:
@@ -208,7 +212,7 @@ class Scheduler:
         start = 0 if restore else session.tokens
         n = len(tokens) if len(tokens) == 1 else min(len(tokens), budget)
         need = blocks_for(start + n, block) - (0 if restore else s.blocks)
-        if self._used_blocks + need > capacity and not self._preempt(s, need):
+        if self.used_blocks + need > capacity and not self._preempt(s, need):
             return None
         if restore:
             # New, preempted or recovered: seed what the KV store holds, compute the rest (chunked).
@@ -218,7 +222,6 @@ class Scheduler:
             session.incarnation, start = mesh.incarnation, seeded
             n = len(s.pending) if len(s.pending) == 1 else min(len(s.pending), budget)
             need = blocks_for(start + n, block)
-        self._used_blocks += need
         s.blocks += need
         session.epoch += 1
         row = stage_pb2.StepRow(session_id=session.session_id, epoch=session.epoch,
@@ -238,16 +241,16 @@ class Scheduler:
                                           "for_session": s.session.session_id})
             self.preemptions += 1
             victim.session.incarnation = 0  # its KV is gone: the next step recomputes it
-            self._release(victim, keep=True)
+            self._release(victim)
             return False
         return False
 
     # -- execute and update ------------------------------------------------------------------------------
-    def _execute(self, step: list[_Row]) -> None:
+    def _execute(self, step: list[_Row], incarnation: int) -> None:
+        """Runs a step scheduled under `incarnation` (its rows' start positions hold for that roster only)."""
         self.steps += 1
-        incarnation = self.mesh.incarnation
         try:
-            reply = self.mesh.execute_step([r.row for r in step], step[0].seq.output)
+            reply = self.mesh.execute_step([r.row for r in step], step[0].seq.output, incarnation)
         except InvocationFailed as failure:
             self._failed(step, failure, incarnation)
             return
@@ -317,24 +320,22 @@ class Scheduler:
             self._cond.notify_all()
 
     def _drop(self, seq: Sequence) -> None:
-        """Removes a finished session (under the lock); its blocks return once every rank released them."""
+        """Removes an ended session (under the lock); its blocks count until every rank released them."""
         if seq in self._seqs:
             self._seqs.remove(seq)
-            self._release(seq, keep=False)
+            self._releasing += seq.blocks
+            self._release(seq)
 
-    def _release(self, seq: Sequence, keep: bool) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Releases a session's KV on every rank, off the scheduling thread."""
         seq.busy = True
-        incarnation, blocks = self._incarnation, seq.blocks
+        incarnation, blocks, dropped = self._incarnation, seq.blocks, seq not in self._seqs
 
         def release() -> None:
             self.mesh.release(seq.session.session_id)
             with self._cond:
-                if self._incarnation == incarnation:  # a new roster already reset the counts
-                    self._used_blocks -= blocks
+                if dropped and self._incarnation == incarnation:  # a new roster already reset the counts
+                    self._releasing -= blocks
                 seq.blocks, seq.busy = 0, False
                 self._cond.notify_all()
-        if keep or blocks:
-            self._workers.submit(release)
-        else:
-            seq.busy = False
-
+        self._workers.submit(release)

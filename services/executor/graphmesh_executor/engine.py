@@ -40,8 +40,11 @@ class Engine:
     def post(self, name: str, task: Callable[[], object]) -> None:
         """Queues `task` without waiting for it (its exception, if any, is logged)."""
         future: Future[object] = Future()
-        future.add_done_callback(lambda f: f.exception() and log.warning(
-            "engine task failed", extra={"task": name, "error": repr(f.exception())}))
+
+        def report(done: Future[object]) -> None:
+            if done.exception() is not None:
+                log.warning("engine task failed", extra={"task": name, "error": repr(done.exception())})
+        future.add_done_callback(report)
         self._tasks.put((name, task, future, telemetry.current_context()))
 
     def _loop(self) -> None:

@@ -1,0 +1,261 @@
+"""Property tests of the coordinator's scheduler against a simulated mesh (hypothesis).
+
+The simulated ranks keep what real ones keep per session (committed length, open epoch, blocks lent from a pool
+of fixed size) and refuse what real ones refuse, and each "model" token is a hash of the whole sequence so far,
+as a real model's greedy token is a function of it. Over random workloads, pool sizes, pipeline depths, step
+budgets and injected failures: no session is ever in two steps in flight, no rank ever lends more blocks than
+it has or loses track of one, every admitted session finishes, and every session's tokens are those of a run
+alone without faults (preemption and recovery recompute, they never change a token).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import random
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import cast
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from graphmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from graphmesh.v1 import stage_pb2
+from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
+from graphmesh_coordinator.scheduler import Scheduler, SessionInfo
+from graphmesh_coordinator.scheduler import Sequence as Seq
+
+BLOCK = 4
+VOCAB = 1000
+
+
+def model_token(tokens: Sequence[int]) -> int:
+    return int.from_bytes(hashlib.sha256(repr(list(tokens)).encode()).digest()[:4], "little") % VOCAB
+
+
+def solo(prompt: list[int], max_tokens: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(max_tokens):
+        out.append(model_token(seq))
+        seq.append(out[-1])
+    return out
+
+
+@dataclass
+class FakeRank:
+    blocks: int
+    kv: dict[str, int] = field(default_factory=dict)  # committed length
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # committed tokens
+    open: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)  # session -> (epoch, start, tokens)
+    committed: dict[str, int] = field(default_factory=dict)
+    lent: dict[str, int] = field(default_factory=dict)
+
+    def free(self) -> int:
+        return self.blocks - sum(self.lent.values())
+
+
+class FakeMesh:
+    """What the scheduler uses of pipeline.Mesh, over simulated ranks."""
+
+    kvstore = None
+    kv_block_tokens = BLOCK
+
+    def __init__(self, ranks: int, blocks: int, arch_every: int = 0, comm_at: int = 0) -> None:
+        self.ranks = [object()] * ranks
+        self.kv_pool_blocks = blocks
+        self.incarnation = 1
+        self.ready = True
+        self._ranks = [FakeRank(blocks) for _ in range(ranks)]
+        self._lock = threading.Lock()
+        self._steps = 0
+        self.arch_every, self.comm_at = arch_every, comm_at
+        self.in_flight: set[str] = set()
+        self.violations: list[str] = []
+        self.max_in_flight_steps = 0
+        self._flying = 0
+        self.recoveries = 0
+
+    def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: int,
+                     incarnation: int) -> stage_pb2.ExecuteStepResponse:
+        with self._lock:
+            if incarnation != self.incarnation:  # what real ranks answer to an old incarnation
+                raise InvocationFailed("COMM", -1, Unavailable("stale", "STALE_INCARNATION"))
+            self._steps += 1
+            step = self._steps
+            ids = [r.session_id for r in rows]
+            if set(ids) & self.in_flight or len(set(ids)) != len(ids):
+                self.violations.append(f"step {step}: a session in two steps in flight: {ids}")
+            self.in_flight |= set(ids)
+            self._flying += 1
+            self.max_in_flight_steps = max(self.max_in_flight_steps, self._flying)
+            try:
+                for rank in self._ranks:  # begin: folded commit, start check, block reservation
+                    for r in rows:
+                        self._begin(rank, r)
+            except InvalidArgument as e:
+                self._finish(ids)
+                for rank in self._ranks:
+                    for r in rows:
+                        rank.open.pop(r.session_id, None)
+                raise InvocationFailed("ARCH", 0, e) from e
+        time.sleep(random.random() * 0.002)  # let other steps overlap this one
+        with self._lock:
+            self._finish(ids)
+            if self.arch_every and step % self.arch_every == 0:
+                for rank in self._ranks:
+                    for r in rows:
+                        rank.open.pop(r.session_id, None)  # every rank rolled back
+                raise InvocationFailed("ARCH", 0, InvalidArgument("injected", "INJECTED_FAULT"))
+            if (self.comm_at and step == self.comm_at) or incarnation != self.incarnation:
+                if self.incarnation == incarnation:
+                    self.ready = False
+                raise InvocationFailed("COMM", 1, Unavailable("injected", "EXECUTOR_LOST"))
+            reply = stage_pb2.ExecuteStepResponse()
+            for r in rows:
+                history = self._ranks[0].tokens.get(r.session_id, []) + list(r.token_ids)
+                reply.rows.add(token=model_token(history), kv_length=r.start_position + len(r.token_ids))
+            return reply
+
+    def _finish(self, ids: list[str]) -> None:
+        self.in_flight -= set(ids)
+        self._flying -= 1
+
+    def _begin(self, rank: FakeRank, r: stage_pb2.StepRow) -> None:
+        s = r.session_id
+        if r.commit_epoch:
+            epoch, start, tokens = rank.open.pop(s, (0, 0, []))
+            if epoch == r.commit_epoch:
+                rank.kv[s], rank.committed[s] = start + len(tokens), epoch
+                rank.tokens[s] = rank.tokens.get(s, []) + tokens
+        rank.open.pop(s, None)  # an epoch that failed and was never committed
+        if r.start_position != rank.kv.get(s, 0):
+            self.violations.append(f"{s}: row starts at {r.start_position}, rank holds {rank.kv.get(s, 0)}")
+        need = -(-(r.start_position + len(r.token_ids)) // BLOCK) - rank.lent.get(s, 0)
+        if need > rank.free():
+            self.violations.append(f"{s}: needs {need} blocks, rank has {rank.free()} free")
+            raise InvalidArgument("pool exhausted", "KV_POOL_EXHAUSTED")
+        rank.lent[s] = rank.lent.get(s, 0) + max(0, need)
+        rank.open[s] = (r.epoch, r.start_position, list(r.token_ids))
+
+    def release(self, session_id: str) -> None:
+        with self._lock:
+            for rank in self._ranks:
+                for table in (rank.kv, rank.tokens, rank.open, rank.committed, rank.lent):
+                    table.pop(session_id, None)
+
+    def recover(self, failed: int) -> None:
+        with self._lock:
+            if self.incarnation != failed:
+                return
+            self.incarnation += 1
+            self.recoveries += 1
+            self._ranks = [FakeRank(self.kv_pool_blocks) for _ in self._ranks]
+            self.ready = True
+
+    def seed_prefix(self, session_id: str, tokens: Sequence[int]) -> int:
+        return 0
+
+
+def run(mesh: FakeMesh, jobs: list[tuple[list[int], int]], budget: int) -> list[list[int] | BaseException]:
+    scheduler = Scheduler(cast(Mesh, mesh), max_step_tokens=budget)
+
+    def one(job: tuple[list[int], int]) -> list[int] | BaseException:
+        prompt, n = job
+        seq = Seq(SessionInfo(f"s{id(job)}-{random.random()}"), list(prompt), stage_pb2.SamplingParams(),
+                  stage_pb2.OUTPUT_KIND_TOKEN, n, max_tokens_total=len(prompt) + n)
+        out: list[int] = []
+        try:
+            scheduler.submit(seq)
+            while len(out) < n:
+                try:
+                    event = seq.events.get(timeout=60)
+                except queue.Empty:
+                    raise AssertionError(f"session {seq.session.session_id} got {len(out)} of {n} tokens and then "
+                                         f"nothing for 60 s (busy {seq.busy}, done {seq.done})") from None
+                if isinstance(event, BaseException):
+                    return event
+                out.append(event.token)
+            return out
+        finally:
+            scheduler.finish(seq)
+
+    try:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(one, jobs))
+        deadline = time.monotonic() + 5
+        while scheduler.used_blocks and time.monotonic() < deadline:
+            time.sleep(0.01)  # releases finish on the scheduler's workers
+        assert scheduler.used_blocks == 0, "blocks still counted after every session ended"
+        for rank in mesh._ranks:
+            assert not rank.lent, f"a rank still lends blocks: {rank.lent}"
+        return results
+    finally:
+        scheduler.close()
+
+
+jobs_strategy = st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
+                                   st.integers(1, 12)), min_size=1, max_size=10)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs=jobs_strategy, ranks=st.integers(1, 3), budget=st.sampled_from([1, 3, 8, 64]),
+       slack=st.integers(0, 40))
+def test_every_session_finishes_with_its_solo_tokens(jobs: list[tuple[list[int], int]], ranks: int, budget: int,
+                                                     slack: int) -> None:
+    # The pool always fits the largest session alone; with little slack, sessions wait and get preempted.
+    largest = max(-(-(len(p) + n) // BLOCK) for p, n in jobs)
+    mesh = FakeMesh(ranks, largest + slack)
+    results = run(mesh, jobs, budget)
+    assert not mesh.violations, mesh.violations[:3]
+    assert results == [solo(p, n) for p, n in jobs]
+    assert mesh.max_in_flight_steps <= ranks
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs=jobs_strategy, ranks=st.integers(1, 3), arch_every=st.sampled_from([0, 5, 7]),
+       comm_at=st.sampled_from([0, 3, 10]))
+def test_failures_retry_and_recover_without_changing_a_token(jobs: list[tuple[list[int], int]], ranks: int,
+                                                             arch_every: int, comm_at: int) -> None:
+    largest = max(-(-(len(p) + n) // BLOCK) for p, n in jobs)
+    mesh = FakeMesh(ranks, largest + 8, arch_every, comm_at)
+    results = run(mesh, jobs, 16)
+    assert not mesh.violations, mesh.violations[:3]
+    for (prompt, n), got in zip(jobs, results):
+        if isinstance(got, InvocationFailed):
+            # An injected ARCH failure of every solo retry ends only that session, with its cause.
+            assert got.error_class == "ARCH" and arch_every
+        else:
+            assert got == solo(prompt, n)
+    assert mesh.recoveries <= (1 if comm_at else 0)
+
+
+def test_a_pool_too_small_for_everyone_at_once_preempts_and_still_finishes() -> None:
+    jobs = [([i + 1] * 13, 10) for i in range(8)]  # 6 blocks each; the pool holds 2 sessions
+    mesh = FakeMesh(2, 12)
+    scheduler_results = run(mesh, jobs, 64)
+    assert not mesh.violations
+    assert scheduler_results == [solo(p, n) for p, n in jobs]
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once() -> None:
+    mesh = FakeMesh(2, 4)
+    scheduler = Scheduler(cast(Mesh, mesh))
+    try:
+        seq = Seq(SessionInfo("big"), [1] * 10, stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, 10,
+                  max_tokens_total=20)
+        with pytest.raises(ResourceExhausted, match="KV blocks"):
+            scheduler.submit(seq)
+    finally:
+        scheduler.close()
+
+
+def test_steps_fill_the_pipeline_with_one_micro_batch_per_stage() -> None:
+    mesh = FakeMesh(2, 1000)
+    jobs = [([i + 1, 2, 3], 30) for i in range(8)]
+    assert run(mesh, jobs, 256) == [solo(p, n) for p, n in jobs]
+    assert mesh.max_in_flight_steps == 2  # both stages busy; never a session in both (checked by the mesh)
