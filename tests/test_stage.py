@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -9,8 +11,11 @@ import pytest
 
 from graphmesh.errors import FailedPrecondition
 from graphmesh_executor.fencing import AuthorityState, SessionPhase
-from graphmesh_executor.stage import ProtocolError, Sampling, StageConfig, StageRuntime
+from graphmesh_executor.stage import KvBlocks, ProtocolError, StageConfig, StageRuntime, StepResult, StepRow
 from tests.model_fixtures import make_tiny_llama
+
+KV_CACHE_BYTES = 1 << 20  # 1 MiB: hundreds of blocks for these tiny layers (the default pool would be 512 MiB)
+_step_ids = itertools.count(1)  # never reused, like the coordinator's
 
 
 @pytest.fixture(scope="module")
@@ -21,19 +26,29 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _pipeline(path: Path, split: int, n_layers: int) -> list[StageRuntime]:
     runtimes: list[StageRuntime] = []
 
-    def push(address: str, session_id: str, incarnation: int, epoch: int, hidden: np.ndarray, timeout_s: float) -> None:
-        runtimes[int(address)].accept_boundary(incarnation, session_id, epoch, hidden)
+    def push(address: str, incarnation: int, step_id: int, hidden: np.ndarray, timeout_s: float) -> None:
+        runtimes[int(address)].accept_boundary(incarnation, step_id, hidden)
 
-    runtimes = [StageRuntime("numpy", pusher=push), StageRuntime("numpy", pusher=push)]
+    runtimes = [StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(2)]
     runtimes[0].install(1, 0, 2, StageConfig(str(path), 0, split, True, False, "1"))
     runtimes[1].install(1, 1, 2, StageConfig(str(path), split, n_layers, False, True, ""))
     return runtimes
 
 
-def _invoke(runtimes: list[StageRuntime], session: str, epoch: int, commit: int, start: int, ids: list[int]) -> int:
+def _step(runtimes: list[StageRuntime], rows: list[StepRow], timeout_s: float = 5.0) -> StepResult:
     # rank 1 waits for its boundary, so run rank 0 first in-process: its push lands in rank 1's mailbox
-    runtimes[0].execute(1, session, epoch, commit, start, ids, Sampling(), False, 5.0)
-    return runtimes[1].execute(1, session, epoch, commit, start, ids, Sampling(), False, 5.0).token
+    step_id = next(_step_ids)
+    runtimes[0].execute_step(1, step_id, rows, False, timeout_s)
+    return runtimes[1].execute_step(1, step_id, rows, False, timeout_s)
+
+
+def _invoke(runtimes: list[StageRuntime], session: str, epoch: int, commit: int, start: int, ids: list[int]) -> int:
+    return _step(runtimes, [StepRow(session, epoch, commit, start, ids)]).tokens[0]
+
+
+def _txn(runtime: StageRuntime, session: str) -> tuple[SessionPhase, int, int]:
+    t = dict(runtime.sessions())[session].txn
+    return t.phase, t.epoch, t.kv_length
 
 
 def test_two_stage_greedy_matches_transformers(tiny_llama: Path) -> None:
@@ -45,29 +60,54 @@ def test_two_stage_greedy_matches_transformers(tiny_llama: Path) -> None:
     expected = hf.generate(torch.tensor([prompt]), max_new_tokens=70, do_sample=False, min_new_tokens=70)[0, len(prompt):]
     runtimes = _pipeline(tiny_llama, 1, hf.config.num_hidden_layers)
     tokens, pending, start = [], prompt, 0
-    for epoch in range(1, 71):  # 11 + 70 tokens cross the 64-row KV bucket: a rollover on both ranks
+    for epoch in range(1, 71):  # 11 + 70 tokens fill five KV blocks of 16 on both ranks
         token = _invoke(runtimes, "s", epoch, epoch - 1, start, pending)
         start += len(pending)
         tokens.append(token)
         pending = [token]
     assert tokens == expected.tolist()
-    status = runtimes[1].sessions()[0][1]
-    assert status.capacity == 128 and status.txn.kv_length == len(prompt) + 68  # epoch 70 is still open
+    for runtime in runtimes:
+        # epoch 70 is still open: 79 committed rows, its 80th row written into the fifth block
+        assert _txn(runtime, "s") == (SessionPhase.IN_TXN, 70, len(prompt) + 68)
+        assert len(runtime.pool.table("s")) == 5
 
 
 def test_arch_failure_rolls_back_and_the_session_continues(tiny_llama: Path) -> None:
     runtimes = _pipeline(tiny_llama, 1, 2)
     _invoke(runtimes, "s", 1, 0, 0, [1, 2, 3])
+    step_id = next(_step_ids)
+    rows = [StepRow("s", 2, 1, 3, [10**6])]  # token id outside the vocabulary
     with pytest.raises(ProtocolError) as e:
-        runtimes[0].execute(1, "s", 2, 1, 3, [10**6], Sampling(), False, 1.0)  # token id outside the vocabulary
-    assert e.value.error_class == "ARCH"
-    runtimes[1].abort(1, "s", 2, commit_epoch=1)  # rank 1 never saw the folded commit of epoch 1
-    assert runtimes[0].authority.state is AuthorityState.ACTIVE
-    txn = runtimes[0].sessions()[0][1].txn
-    assert (txn.phase, txn.kv_length) == (SessionPhase.IDLE, 3)
+        runtimes[0].execute_step(1, step_id, rows, False, 1.0)
+    assert e.value.error_class == "ARCH" and e.value.reason == "BAD_TOKEN_ID"
+    for runtime in runtimes:  # what the coordinator does on ARCH: AbortStep on every rank, folded commit first
+        runtime.abort_step(1, step_id, rows)
+    for runtime in runtimes:
+        assert runtime.authority.state is AuthorityState.ACTIVE
+        assert _txn(runtime, "s") == (SessionPhase.IDLE, 2, 3)
     # epoch 1 was committed by the folded commit, epoch 2 aborted everywhere; epoch 3 continues from 3 tokens
     token = _invoke(runtimes, "s", 3, 0, 3, [4])
     assert isinstance(token, int)
+    assert all(_txn(r, "s") == (SessionPhase.IN_TXN, 3, 3) for r in runtimes)
+
+
+def test_a_bad_row_rolls_back_every_row_of_its_step(tiny_llama: Path) -> None:
+    # One invalid row fails the whole step before any row begins; after AbortStep every session is where it was
+    # (with its folded commit applied) and continues with the tokens of a run that never saw the bad row.
+    runtimes, clean = _pipeline(tiny_llama, 1, 2), _pipeline(tiny_llama, 1, 2)
+    a1, b1 = _step(runtimes, [StepRow("a", 1, 0, 0, [5, 6, 7]), StepRow("b", 1, 0, 0, [8, 9])]).tokens
+    step_id = next(_step_ids)
+    rows = [StepRow("a", 2, 1, 3, [a1]), StepRow("b", 2, 1, 2, [10**6])]
+    with pytest.raises(ProtocolError) as e:
+        runtimes[0].execute_step(1, step_id, rows, False, 1.0)
+    assert e.value.error_class == "ARCH"
+    for runtime in runtimes:
+        runtime.abort_step(1, step_id, rows)
+        assert _txn(runtime, "a") == (SessionPhase.IDLE, 2, 3) and _txn(runtime, "b") == (SessionPhase.IDLE, 2, 2)
+    a2, b2 = _step(runtimes, [StepRow("a", 3, 0, 3, [a1]), StepRow("b", 3, 0, 2, [b1])]).tokens
+    for session, prompt, want in (("a", [5, 6, 7], [a1, a2]), ("b", [8, 9], [b1, b2])):
+        first = _invoke(clean, session, 1, 0, 0, prompt)
+        assert [first, _invoke(clean, session, 2, 1, len(prompt), [first])] == want
 
 
 def test_stale_incarnation_changes_nothing(tiny_llama: Path) -> None:
@@ -75,11 +115,11 @@ def test_stale_incarnation_changes_nothing(tiny_llama: Path) -> None:
     _invoke(runtimes, "s", 1, 0, 0, [1, 2, 3])
     before = [(t.phase, t.epoch, t.kv_length) for t in (s.txn for _, s in runtimes[0].sessions())]
     with pytest.raises(FailedPrecondition) as e:
-        runtimes[0].execute(0, "s", 2, 1, 3, [4], Sampling(), False, 1.0)
+        runtimes[0].execute_step(0, next(_step_ids), [StepRow("s", 2, 1, 3, [4])], False, 1.0)
     assert e.value.reason == "STALE_INCARNATION"
     runtimes[0].fence(1, "test", False)
     with pytest.raises(FailedPrecondition) as e:
-        runtimes[0].execute(1, "s", 2, 1, 3, [4], Sampling(), False, 1.0)
+        runtimes[0].execute_step(1, next(_step_ids), [StepRow("s", 2, 1, 3, [4])], False, 1.0)
     assert e.value.reason == "POISONED"
     assert before == [(t.phase, t.epoch, t.kv_length) for t in (s.txn for _, s in runtimes[0].sessions())]
 
@@ -87,6 +127,54 @@ def test_stale_incarnation_changes_nothing(tiny_llama: Path) -> None:
 def test_boundary_timeout_is_a_comm_failure_that_poisons(tiny_llama: Path) -> None:
     runtimes = _pipeline(tiny_llama, 1, 2)
     with pytest.raises(ProtocolError) as e:
-        runtimes[1].execute(1, "s", 1, 0, 0, [1, 2], Sampling(), False, 0.2)
+        runtimes[1].execute_step(1, next(_step_ids), [StepRow("s", 1, 0, 0, [1, 2])], False, 0.2)
     assert e.value.error_class == "COMM"
     assert runtimes[1].authority.state is AuthorityState.POISONED
+
+
+def test_abort_step_wakes_a_rank_waiting_for_its_boundary(tiny_llama: Path) -> None:
+    # The coordinator's answer to an ARCH failure upstream: the waiting rank fails ARCH (not COMM), stays ACTIVE,
+    # and a late push for the aborted step is dropped rather than left for another step to find.
+    runtimes = _pipeline(tiny_llama, 1, 2)
+    step_id, rows = next(_step_ids), [StepRow("s", 1, 0, 0, [1, 2])]
+    errors: list[ProtocolError] = []
+
+    def wait() -> None:
+        try:
+            runtimes[1].execute_step(1, step_id, rows, False, 30.0)
+        except ProtocolError as e:
+            errors.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    while not runtimes[1].sessions():  # the rank has begun the row and waits for the boundary
+        waiter.join(0.01)
+    runtimes[1].abort_step(1, step_id, rows)
+    waiter.join(10.0)
+    assert not waiter.is_alive() and len(errors) == 1
+    assert (errors[0].error_class, errors[0].reason) == ("ARCH", "EPOCH_ABORTED")
+    assert runtimes[1].authority.state is AuthorityState.ACTIVE
+    assert _txn(runtimes[1], "s") == (SessionPhase.IDLE, 1, 0)
+    runtimes[1].accept_boundary(1, step_id, np.zeros((2, 64), np.float32))
+    assert runtimes[1]._mailbox == {}
+
+
+def test_a_commit_folded_into_abort_step_records_its_tokens_and_writes_them_behind(tiny_llama: Path) -> None:
+    # A rank that refuses a step before any row begins (here: another session's bad token) learns of the folded
+    # commit only from AbortStep. That commit must be one like any other: the epoch's tokens recorded (they key the
+    # KV store's blocks) and its whole blocks written behind, or the session's blocks never reach the store.
+    written: list[KvBlocks] = []
+    runtime = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, block_writer=written.append)
+    runtime.install(1, 0, 1, StageConfig(str(tiny_llama), 0, 2, True, True, "", kvstore_address="kvstore:0"))
+    prompt = list(range(100, 120))  # one whole block of 16, and 4 rows of the next
+    token, _ = runtime.execute_step(1, next(_step_ids), [StepRow("a", 1, 0, 0, prompt), StepRow("b", 1, 0, 0, [5])],
+                                    False, 5.0).tokens
+    step_id, rows = next(_step_ids), [StepRow("a", 2, 1, 20, [token]), StepRow("b", 2, 1, 1, [10**6])]
+    with pytest.raises(ProtocolError):
+        runtime.execute_step(1, step_id, rows, False, 5.0)
+    runtime.abort_step(1, step_id, rows)
+    runtime.engine.run("test.drain", lambda: None)  # the write-behind is queued on the engine thread
+    session = dict(runtime.sessions())["a"]
+    assert session.txn.kv_length == 20 and session.tokens == prompt
+    assert [(b.first_block, b.token_ids, b.rows.shape[0], b.epoch) for b in written] == [(0, prompt[:16], 16, 1)]
+    np.testing.assert_array_equal(written[0].rows, runtime.read_kv(1, "a", 0, 16))

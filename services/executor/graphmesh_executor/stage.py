@@ -598,7 +598,7 @@ class StageRuntime:
             if session is None:
                 return 0
             if commit_epoch and session.txn.epoch == commit_epoch:
-                session.txn.commit(commit_epoch)
+                self._commit(incarnation, session_id, session, commit_epoch)  # tokens recorded, blocks written behind
             session.txn.abort(epoch)
             return session.txn.kv_length
 
