@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from graphmesh import faults, security
+from graphmesh import faults, security, tensors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import from_rpc_error
 from graphmesh.launcher import LocalMesh
@@ -39,7 +40,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def mesh(model: Path) -> Iterator[LocalMesh]:
-    with LocalMesh(3, "numpy", str(model), fault_injection=True, proxied=True) as m:
+    # 8 sessions of 131 tokens hold 72 blocks of 16 on every rank; the pool's default size (up to 512 MiB) would only
+    # cost the numpy backend a copy of it on every step
+    with LocalMesh(3, "numpy", str(model), fault_injection=True, proxied=True,
+                   extra_executor_args=("--kv-cache-bytes", "8Mi")) as m:
         yield m
 
 
@@ -87,6 +91,22 @@ def _status(mesh: LocalMesh) -> Any:
 def _stage(mesh: LocalMesh, address: str) -> stage_pb2_grpc.StageServiceStub:
     """StageService of one of the mesh's executors, called as a mesh member (with its mesh token)."""
     return stage_pb2_grpc.StageServiceStub(security.channel(address, None, mesh_token=mesh.mesh_token))
+
+
+def _idle_status(stub: stage_pb2_grpc.StageServiceStub) -> stage_pb2.StageStatusResponse:
+    """The rank's status once the coordinator has released every finished session there (it does so in the
+    background after each stream ends), so that two reads compare equal unless something else changed."""
+    deadline = time.monotonic() + 30
+    while (status := stub.Status(stage_pb2.StageStatusRequest())).sessions:
+        assert time.monotonic() < deadline, [s.session_id for s in status.sessions]
+        time.sleep(0.05)
+    return status
+
+
+def _step(incarnation: int, session: str, token_ids: list[int], step_id: int = 1) -> stage_pb2.ExecuteStepRequest:
+    """A one-row step as an intruder or a coordinator of another incarnation would send it."""
+    return stage_pb2.ExecuteStepRequest(incarnation=incarnation, step_id=step_id, output=stage_pb2.OUTPUT_KIND_TOKEN,
+                                        rows=[stage_pb2.StepRow(session_id=session, epoch=1, token_ids=token_ids)])
 
 
 @pytest.mark.parametrize("victim,how", [(1, "kill"), (2, "kill"), (1, "freeze")])
@@ -143,23 +163,28 @@ def test_a_corrupted_boundary_is_refused_and_recovered(mesh: LocalMesh) -> None:
 def test_stale_or_poisoned_messages_are_refused_and_change_nothing(mesh: LocalMesh) -> None:
     _run_all(mesh.coordinator_address)
     k = _status(mesh).incarnation
-    stub = _stage(mesh, mesh.executor_addresses[0])
-    before = stub.Status(stage_pb2.StageStatusRequest())
-    for incarnation, reason in ((k - 1, "STALE_INCARNATION"), (k + 5, "STALE_INCARNATION")):
-        request = stage_pb2.ExecuteGroupRequest(
-            header=stage_pb2.FencingHeader(incarnation=incarnation, session_id="intruder", epoch=1),
-            token_ids=[1, 2, 3], output=stage_pb2.OUTPUT_KIND_TOKEN)
-        with pytest.raises(grpc.RpcError) as e:
-            stub.ExecuteGroup(request, timeout=10)
-        error = from_rpc_error(e.value)
-        assert error.code == grpc.StatusCode.FAILED_PRECONDITION and error.reason == reason
+    stub = _stage(mesh, mesh.executor_addresses[1])
+    before = _idle_status(stub)
+    boundary = stage_pb2.BoundaryTensor(role=stage_pb2.BOUNDARY_ROLE_ACTIVATION,
+                                        tensor=tensors.to_proto(np.zeros((3, 64), np.float32)))
+    for incarnation in (k - 1, k + 5):
+        calls: list[tuple[Any, Any]] = [
+            (stub.ExecuteStep, _step(incarnation, "intruder", [1, 2, 3])),
+            (stub.AbortStep, stage_pb2.AbortStepRequest(incarnation=incarnation, step_id=1,
+                                                        rows=_step(incarnation, "intruder", [1]).rows)),
+            (stub.PushBoundary, stage_pb2.PushBoundaryRequest(header=stage_pb2.FencingHeader(incarnation=incarnation),
+                                                              route="0->1", step_id=1, tensors=[boundary]))]
+        for method, request in calls:
+            with pytest.raises(grpc.RpcError) as e:
+                method(request, timeout=10)
+            error = from_rpc_error(e.value)
+            assert error.code == grpc.StatusCode.FAILED_PRECONDITION and error.reason == "STALE_INCARNATION"
     assert stub.Status(stage_pb2.StageStatusRequest()) == before
     stub.Fence(stage_pb2.FenceRequest(incarnation=k, reason="test"))
     poisoned = stub.Status(stage_pb2.StageStatusRequest())
     assert poisoned.state == stage_pb2.AUTHORITY_STATE_POISONED and poisoned.poison_cause == "test"
     with pytest.raises(grpc.RpcError) as e:
-        stub.ExecuteGroup(stage_pb2.ExecuteGroupRequest(
-            header=stage_pb2.FencingHeader(incarnation=k, session_id="intruder", epoch=1), token_ids=[1]), timeout=10)
+        stub.ExecuteStep(_step(k, "intruder", [1]), timeout=10)
     assert from_rpc_error(e.value).reason == "POISONED"
     stub.Fence(stage_pb2.FenceRequest(incarnation=k, reason="second cause"))
     assert stub.Status(stage_pb2.StageStatusRequest()) == poisoned  # first cause wins, nothing else moved
@@ -178,7 +203,6 @@ def test_coordinator_restart_never_reuses_an_incarnation(mesh: LocalMesh) -> Non
     assert k2 > k
     for address in mesh.executor_addresses:  # the old coordinator's incarnation is refused everywhere
         with pytest.raises(grpc.RpcError) as e:
-            _stage(mesh, address).ExecuteGroup(stage_pb2.ExecuteGroupRequest(
-                header=stage_pb2.FencingHeader(incarnation=k, session_id="old", epoch=1), token_ids=[1]), timeout=10)
+            _stage(mesh, address).ExecuteStep(_step(k, "old", [1]), timeout=10)
         assert from_rpc_error(e.value).reason == "STALE_INCARNATION"
     assert _run_all(mesh.coordinator_address) == baseline

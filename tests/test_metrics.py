@@ -1,6 +1,6 @@
 """Every service's Prometheus endpoint, scraped before and after generations: the values move by what the
-generations did (tokens streamed, one TTFT per request, one ExecuteGroup per rank per token, blocks written
-behind and then found again)."""
+generations did (tokens streamed, one TTFT per request, one ExecuteStep per rank per step, KV blocks lent and
+given back, blocks written behind and then found again)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.model_fixtures import make_tiny_llama
 
 PROMPT = list(range(200, 240))  # two whole 16-token blocks
 MAX_TOKENS = 5
-EXECUTE_GROUP = "/graphmesh.v1.StageService/ExecuteGroup"
+EXECUTE_STEP = "/graphmesh.v1.StageService/ExecuteStep"
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -26,7 +26,8 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
     path = make_tiny_llama(tmp_path_factory.mktemp("llama"))
-    with LocalMesh(2, "numpy", str(path), metrics=True) as m:
+    # A pool of a few hundred blocks: the default (up to 512 MiB) costs the numpy backend a copy of it every step
+    with LocalMesh(2, "numpy", str(path), metrics=True, extra_executor_args=("--kv-cache-bytes", "4Mi")) as m:
         yield m
 
 
@@ -94,12 +95,22 @@ def test_a_generation_moves_the_counters(mesh: LocalMesh) -> None:
     generate = "/graphmesh.v1.CoordinatorService/Generate"
     assert value(c1, "graphmesh_rpc_server_seconds_count", method=generate, code="OK") - \
         value(c0, "graphmesh_rpc_server_seconds_count", method=generate, code="OK") == 1
-    assert value(c1, "graphmesh_active_sessions") == 0 and value(c1, "graphmesh_queue_depth") == 0
+    assert value(c1, "graphmesh_active_sessions") == 0 and value(c1, "graphmesh_running_sessions") == 0
+    assert value(c1, "graphmesh_waiting_sessions") == 0
+    # A session alone in the mesh, its prompt within one step's token budget: one step per token (the prefill,
+    # then one decode step each), and every step is one ExecuteStep on every rank and one push between them.
+    steps = value(c1, "graphmesh_steps_total") - value(c0, "graphmesh_steps_total")
+    assert steps == streamed
     for rank in (0, 1):
         e0, e1 = before[f"executor-{rank}"], after[f"executor-{rank}"]
-        assert rpc_count(e1, EXECUTE_GROUP) - rpc_count(e0, EXECUTE_GROUP) == streamed  # one invocation per token
+        assert rpc_count(e1, EXECUTE_STEP) - rpc_count(e0, EXECUTE_STEP) == steps
     assert rpc_count(after["executor-1"], "/graphmesh.v1.StageService/PushBoundary") - \
-        rpc_count(before["executor-1"], "/graphmesh.v1.StageService/PushBoundary") == streamed
+        rpc_count(before["executor-1"], "/graphmesh.v1.StageService/PushBoundary") == steps
+    # The session's KV blocks go back to every pool once it ends (released after the stream closes).
+    pools = [_wait(mesh, f"executor-{rank}", lambda s: value(s, "graphmesh_kv_pool_free_blocks") ==
+                   value(s, "graphmesh_kv_pool_blocks") > 0) for rank in (0, 1)]
+    c2 = _wait(mesh, "coordinator", lambda s: value(s, "graphmesh_kv_blocks_used") == 0)
+    assert value(c2, "graphmesh_kv_blocks_total") == min(value(p, "graphmesh_kv_pool_blocks") for p in pools)
     # the prefill's two whole blocks are committed with the second token and written behind, on both stages
     kv = _wait(mesh, "kvstore", lambda s: value(s, "graphmesh_kv_blocks") >= 4)
     assert value(kv, "graphmesh_kv_memory_bytes") > 0

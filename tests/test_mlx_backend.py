@@ -69,6 +69,18 @@ def assert_matches(want: np.ndarray, got: np.ndarray) -> None:
 
 
 S, H, HKV, D = 5, 4, 2, 16
+BLOCK = 4
+TABLE = np.array([[5, 1, 3], [0, 2, 4]])  # two sequences' blocks in a pool of 6 blocks of BLOCK rows
+
+
+def paged(dt: str, decode: bool) -> list[np.ndarray]:
+    """paged_attention inputs: a 3-token prompt chunk of sequence 0 and a decode of sequence 1, or (decode) one
+    query per sequence; q, then the K and V pools, block table, each query's sequence and position."""
+    token_seq, pos = (np.array([0, 1]), np.array([6, 11])) if decode else (np.array([0, 0, 0, 1]), np.array([4, 5, 6, 9]))
+    pools = [rand((6 * BLOCK, HKV, D), dt) for _ in range(2)]
+    return [rand((len(pos), H, D), dt), *pools, TABLE, token_seq, pos]
+
+
 CASES: list[tuple[str, Any, dict[str, Any]]] = [
     *((name, lambda dt: [rand((3, 7), dt)], {}) for name in ("neg", "exp", "tanh", "sigmoid", "relu", "silu")),
     *((name, lambda dt: [rand((3, 7), dt, 0.1, 4.0)], {}) for name in ("log", "sqrt", "rsqrt")),
@@ -104,6 +116,10 @@ CASES: list[tuple[str, Any, dict[str, Any]]] = [
     ("attention", lambda dt: [rand((S, H, D), dt), rand((7, H, D), dt), rand((7, H, D), dt)], {"causal": False}),
     ("kv_write", lambda dt: [rand((8, HKV, D), dt), rand((3, HKV, D), dt), np.array(4)], {}),
     ("kv_write", lambda dt: [rand((8, HKV, D), dt), rand((1, HKV, D), dt), np.array([7], np.int32)], {}),
+    ("kv_scatter", lambda dt: [rand((12, HKV, D), dt), rand((3, HKV, D), dt), np.array([7, 0, 11])], {}),
+    ("kv_scatter", lambda dt: [rand((6, 8), dt), rand((6, 8), dt), np.array([5, 4, 3, 2, 1, 0], np.int32)], {}),
+    ("paged_attention", lambda dt: paged(dt, False), {"block_size": BLOCK}),
+    ("paged_attention", lambda dt: paged(dt, True), {"block_size": BLOCK, "decode": True, "scale": 0.3}),
     ("top_k", lambda dt: [rand((3, 40), dt)], {"k": 5}),
     ("take_along_axis", lambda dt: [rand((3, 8), dt), ints((3, 4), 8)], {"axis": 1}),
     ("grouped_matmul", lambda dt: [rand((7, 12), dt), rand((4, 12, 5), dt), np.array([3, 0, 3, 1, 0, 3, 2])], {}),
@@ -177,6 +193,11 @@ def test_attention_never_reads_cache_rows_past_the_last_query() -> None:
     ("take_along_axis", [rand((2, 3)), np.array([[0], [3]])], {}),
     ("grouped_matmul", [rand((2, 4)), rand((2, 4, 3)), np.array([0, 2])], {}),
     ("kv_write", [rand((4, 2)), rand((2, 2)), np.array(3)], {}),
+    ("kv_scatter", [rand((4, 2)), rand((2, 2)), np.array([0, 4])], {}),
+    ("paged_attention", [rand((1, H, D)), rand((8, HKV, D)), rand((8, HKV, D)), np.array([[0, 2]]), np.array([0]),
+                         np.array([5])], {"block_size": BLOCK}),  # block 2 of a pool of 2
+    ("paged_attention", [rand((1, H, D)), rand((8, HKV, D)), rand((8, HKV, D)), np.array([[0, 1]]), np.array([0]),
+                         np.array([8])], {"block_size": BLOCK, "decode": True}),  # position past the table
 ])
 def test_out_of_range_indices_raise_like_numpy(op: str, inputs: list[np.ndarray], attrs: dict[str, Any]) -> None:
     graph = build(op, inputs, **attrs)
