@@ -36,8 +36,8 @@ TOL: dict[str, tuple[float, float]] = {
     "bf16": (2e-2, 2e-2),
 }
 # Ops that sum many products (or exp then normalise) get this multiple of the table.
-LOOSE: dict[str, float] = {"matmul": 10.0, "attention": 10.0, "grouped_matmul": 10.0, "dequant_matmul": 10.0,
-                           "layer_norm": 3.0, "rms_norm": 3.0, "softmax": 3.0, "sum": 3.0, "mean": 3.0}
+LOOSE: dict[str, float] = {"matmul": 10.0, "attention": 10.0, "paged_attention": 10.0, "grouped_matmul": 10.0,
+                           "dequant_matmul": 10.0, "layer_norm": 3.0, "rms_norm": 3.0, "softmax": 3.0, "sum": 3.0, "mean": 3.0}
 FLOATS = ("f32", "f16", "bf16", "f64")
 INTS = ("i64", "i32")
 
@@ -331,6 +331,61 @@ for dt in ("f32", "f16", "bf16", "f64", "i64"):
         want[start:start + rows.shape[0]] = rows
         case("kv_write", [cache, rows, pos], want)
 
+# kv_scatter: row r goes to pool row slots[r] (any order, any rows of the pool); every other row keeps its value.
+for dt in ("f32", "f16", "bf16", "f64", "i64"):
+    for pshape, slots in (((10, 2, 4), np.array([7, 0, 4])), ((6, 8), np.array([5], np.int32)),
+                          ((8, 3), np.arange(8)[::-1].copy()), ((5, 4), np.zeros(0, np.int64))):
+        pool, rows = rand(pshape, dt, -9, 9), rand((len(slots), *pshape[1:]), dt, -9, 9)
+        want = pool.copy()
+        for r, slot in enumerate(slots):
+            want[slot] = rows[r]
+        case("kv_scatter", [pool, rows, slots], want)
+
+
+def paged_attention_ref(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, table: np.ndarray,
+                        token_seq: np.ndarray, pos: np.ndarray, block: int, scale: float) -> np.ndarray:
+    """Per query and head: softmax over its own sequence's keys 0..pos[i], each found through the block table
+    (logical key j lives at pool row table[seq, j // block] * block + j % block)."""
+    t, hq, d = q.shape
+    group = hq // k_pool.shape[1]
+    scale = scale or 1.0 / math.sqrt(d)
+    out = np.zeros((t, hq, d))
+    for i in range(t):
+        s = int(token_seq[i])
+        keys = [int(table[s, j // block]) * block + j % block for j in range(int(pos[i]) + 1)]
+        for h in range(hq):
+            w = np.array([f64(q[i, h]) @ f64(k_pool[r, h // group]) * scale for r in keys])
+            p = np.exp(w - w.max())
+            p /= p.sum()
+            out[i, h] = sum(pj * f64(v_pool[r, h // group]) for pj, r in zip(p, keys))
+    return out
+
+
+for dt in FLOATS:
+    # (heads, kv heads, head dim, block, pool blocks, block table, (sequence, first position, tokens) chunks,
+    #  decode, scale, index dtype, shuffled). Pool rows no query may see (unwritten block tails, blocks no
+    # sequence owns, the table's padding) hold large finite garbage: a kernel that lets one through is wrong.
+    for hq, hkv, d, block, n_blocks, tbl, chunks, decode, scale, idx_dt, shuffle in (
+        (4, 2, 8, 4, 8, [[3, 1, 6], [0, 5, 7]], [(0, 5, 3), (1, 9, 1)], False, 0.0, "i64", False),
+        (2, 2, 8, 4, 12, [[11, 2, 9], [4, 0, 0], [7, 8, 1]], [(0, 11, 1), (1, 0, 1), (2, 6, 1)], True, 0.5, "i64",
+         False),
+        (4, 1, 4, 2, 9, [[8, 0, 3, 5], [2, 2, 2, 2]], [(0, 0, 6), (1, 1, 1)], False, 0.3, "i32", True),
+    ):
+        table = np.array(tbl).astype(dtypes.to_numpy(idx_dt))
+        token_seq = np.concatenate([np.full(n, s) for s, _, n in chunks]).astype(dtypes.to_numpy(idx_dt))
+        pos = np.concatenate([np.arange(p0, p0 + n) for _, p0, n in chunks]).astype(dtypes.to_numpy(idx_dt))
+        if shuffle:  # token order is free: a kernel must not assume a sequence's tokens are adjacent
+            order = rng.permutation(len(pos))
+            token_seq, pos = token_seq[order], pos[order]
+        k_pool, v_pool = rand((n_blocks * block, hkv, d), "f64", -30, 30), rand((n_blocks * block, hkv, d), "f64", -30, 30)
+        for s in set(token_seq.tolist()):
+            live = [int(table[s, j // block]) * block + j % block for j in range(int(pos[token_seq == s].max()) + 1)]
+            k_pool[live], v_pool[live] = rand((len(live), hkv, d), "f64"), rand((len(live), hkv, d), "f64")
+        q, k_pool, v_pool = rand((len(pos), hq, d), dt), k_pool.astype(dtypes.to_numpy(dt)), v_pool.astype(dtypes.to_numpy(dt))
+        case("paged_attention", [q, k_pool, v_pool, table, token_seq, pos],
+             paged_attention_ref(q, k_pool, v_pool, table, token_seq, pos, block, scale), block_size=block,
+             decode=decode, scale=scale)
+
 
 # -- selection, MoE, sampling ---------------------------------------------------------------------------
 def descending(row: np.ndarray) -> list[int]:
@@ -525,6 +580,15 @@ OOR: list[tuple[str, list[np.ndarray], dict[str, Any]]] = [
     ("grouped_matmul", [rand((2, 4)), rand((3, 4, 2)), np.array([0, 3])], {}),
     ("kv_write", [rand((4, 3)), rand((2, 3)), np.array(3)], {}),
     ("kv_write", [rand((4, 3)), rand((1, 3)), np.array([-1])], {}),
+    ("kv_scatter", [rand((4, 3)), rand((2, 3)), np.array([1, 4])], {}),
+    ("kv_scatter", [rand((4, 3)), rand((1, 3)), np.array([-1], np.int32)], {}),
+    # a pool of 2 blocks of 4 rows: block id 2, position 8 of a 2-block table, sequence 1 of a 1-row table
+    ("paged_attention", [rand((1, 2, 4)), rand((8, 2, 4)), rand((8, 2, 4)), np.array([[0, 2]]), np.array([0]),
+                         np.array([5])], {"block_size": 4}),
+    ("paged_attention", [rand((1, 2, 4)), rand((8, 2, 4)), rand((8, 2, 4)), np.array([[0, 1]]), np.array([0]),
+                         np.array([8])], {"block_size": 4, "decode": True}),
+    ("paged_attention", [rand((1, 2, 4)), rand((8, 2, 4)), rand((8, 2, 4)), np.array([[0, 1]]), np.array([1]),
+                         np.array([3])], {"block_size": 4}),
 ]
 
 
@@ -598,6 +662,24 @@ SPEC_ERRORS: list[tuple[str, list[tuple[tuple[int, ...], str]], dict[str, Any]]]
     ("kv_write", [x_((4, 3)), x_((5, 3)), x_((), "i64")], {}),
     ("kv_write", [x_((4, 3)), x_((1, 2)), x_((), "i64")], {}),
     ("kv_write", [x_((4, 3)), x_((1, 3)), x_((2,), "i64")], {}),
+    ("kv_scatter", [x_((4, 3)), x_((2, 2)), x_((2,), "i64")], {}),
+    ("kv_scatter", [x_((4, 3)), x_((2, 3), "f16"), x_((2,), "i64")], {}),
+    ("kv_scatter", [x_((4, 3)), x_((2, 3)), x_((3,), "i64")], {}),
+    ("kv_scatter", [x_((4, 3)), x_((2, 3)), x_((2,), "f32")], {}),
+    ("paged_attention", [x_((2, 4, 8)), x_((8, 3, 8)), x_((8, 3, 8)), x_((1, 2), "i64"), x_((2,), "i64"),
+                         x_((2,), "i64")], {"block_size": 4}),
+    ("paged_attention", [x_((2, 4, 8)), x_((10, 2, 8)), x_((10, 2, 8)), x_((1, 2), "i64"), x_((2,), "i64"),
+                         x_((2,), "i64")], {"block_size": 4}),
+    ("paged_attention", [x_((2, 4, 8)), x_((8, 2, 8)), x_((8, 2, 8), "f16"), x_((1, 2), "i64"), x_((2,), "i64"),
+                         x_((2,), "i64")], {"block_size": 4}),
+    ("paged_attention", [x_((2, 4, 8)), x_((8, 2, 8)), x_((8, 2, 8)), x_((1, 2), "f32"), x_((2,), "i64"),
+                         x_((2,), "i64")], {"block_size": 4}),
+    ("paged_attention", [x_((2, 4, 8)), x_((8, 2, 8)), x_((8, 2, 8)), x_((1, 2), "i64"), x_((3,), "i64"),
+                         x_((2,), "i64")], {"block_size": 4}),
+    ("paged_attention", [x_((2, 4, 8)), x_((8, 2, 8)), x_((8, 2, 8)), x_((1, 2), "i64"), x_((2,), "i64"),
+                         x_((2,), "i64")], {"block_size": 4, "decode": True}),
+    ("paged_attention", [x_((2, 4, 8)), x_((8, 2, 8)), x_((8, 2, 8)), x_((1, 2), "i64"), x_((2,), "i64"),
+                         x_((2,), "i64")], {}),
     ("top_k", [x_((3, 4))], {"k": 5}),
     ("top_k", [x_((3, 4))], {"k": 0}),
     ("take_along_axis", [x_((3, 4)), x_((2, 2), "i64")], {}),
