@@ -1,0 +1,126 @@
+"""Serving on a GPU through the real mesh: a random-weight Llama of TinyLlama-1.1B's shape, bf16, over 2 torch
+executors on one CUDA device and a coordinator, driven by concurrent CoordinatorClient streams (ignore_eos).
+
+Per concurrency: aggregate tokens/s, TTFT and inter-token latency (p50/p99), and the recoveries the mesh went
+through meanwhile (the incarnation must not move: concurrency must never look like a failure). Each stream's
+greedy tokens are compared with the same prompt decoded alone (bf16 batched GEMMs may round differently from a
+batch of one, so this is reported, not asserted). Writes bench/results/gpu_mesh.json (or --out).
+
+    python bench/bench_gpu_mesh.py                                # on a machine with a GPU
+    python bench/bench_gpu_mesh.py --small --device cpu --concurrency 1,4   # a dry run on a tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
+
+from bench.bench_gpu import SMALL, TINYLLAMA, make_model
+from bench.common import RESULTS_DIR, machine, median, progress, table
+from graphmesh.coordinator_client import CoordinatorClient
+from graphmesh.launcher import LocalMesh
+
+
+def stream(address: str, prompt: list[int], tokens: int) -> dict[str, Any]:
+    with CoordinatorClient(address) as client:
+        t0 = time.perf_counter()
+        stamps, ids = [], []
+        for chunk in client.generate(prompt_token_ids=prompt, max_tokens=tokens, ignore_eos=True):
+            stamps.append(time.perf_counter())
+            ids += list(chunk.token_ids)
+    return {"ttft": stamps[0] - t0, "gaps": np.diff(stamps).tolist(), "ids": ids, "start": t0, "end": stamps[-1]}
+
+
+def run_level(address: str, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    barrier = threading.Barrier(len(prompts))
+
+    def one(prompt: list[int]) -> dict[str, Any]:
+        barrier.wait()
+        return stream(address, prompt, tokens)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        runs = list(pool.map(one, prompts))
+    wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    gaps = [g for r in runs for g in r["gaps"]]
+    ttfts = [r["ttft"] for r in runs]
+    return {"tok_s": sum(len(r["ids"]) for r in runs) / wall, "ttft_p50_ms": 1e3 * float(np.percentile(ttfts, 50)),
+            "ttft_p99_ms": 1e3 * float(np.percentile(ttfts, 99)),
+            "itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)) if gaps else 0.0,
+            "itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)) if gaps else 0.0, "ids": [r["ids"] for r in runs]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--small", action="store_true", help="a tiny model (dry run)")
+    p.add_argument("--concurrency", default="1,4,8,16,32,64")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--executors", type=int, default=2)
+    p.add_argument("--kv-cache-bytes", default="8Gi")
+    p.add_argument("--dtype", default="bf16", help="stage dtype; f32 shows batched == solo tokens without bf16 rounding")
+    p.add_argument("--out", default=str(RESULTS_DIR / "gpu_mesh.json"))
+    a = p.parse_args()
+    levels = [int(x) for x in a.concurrency.split(",")]
+    load = os.getloadavg()
+    shape = SMALL if a.small else TINYLLAMA
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, shape["vocab_size"], a.prompt_tokens).tolist() for _ in range(max(levels))]
+    with tempfile.TemporaryDirectory() as tmp:
+        progress(f"== writing a random {('tiny' if a.small else '1.1B')} Llama (bf16) to {tmp}")
+        make_model(shape, "cpu", Path(tmp))
+        mesh = LocalMesh(a.executors, "torch", tmp, kvstore=False, startup_timeout_s=600,
+                         extra_executor_args=["--device", a.device, "--kv-cache-bytes", a.kv_cache_bytes],
+                         extra_coordinator_args=["--dtype", a.dtype, "--max-step-tokens", "2048"])
+        with mesh:
+            address = mesh.coordinator_address
+            with CoordinatorClient(address) as client:
+                before = client.status().incarnation
+            progress("== warm-up (compiles and captures every batch bucket once)")
+            for n in levels:
+                run_level(address, prompts[:n], 8)
+            solo = [stream(address, prompts[i], a.tokens)["ids"] for i in range(min(4, max(levels)))]
+            rows: list[dict[str, Any]] = []
+            for n in levels:
+                reps = []
+                for r in range(a.repeats):
+                    progress(f"== {n} streams, repeat {r + 1}/{a.repeats}")
+                    reps.append(run_level(address, prompts[:n], a.tokens))
+                same = sum(ids == solo[i] for rep in reps for i, ids in enumerate(rep["ids"][:len(solo)]))
+                row = {"streams": n, **{k: median([x[k] for x in reps]) for k in
+                                        ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")},
+                       "same_as_solo": f"{same}/{sum(min(n, len(solo)) for _ in reps)}"}
+                rows.append(row)
+            with CoordinatorClient(address) as client:
+                after = client.status().incarnation
+    one = rows[0]["tok_s"] if rows and rows[0]["streams"] == 1 else 0.0
+    for row in rows:
+        row["vs_one_stream"] = row["tok_s"] / one if one else 0.0
+    cols = ["streams", "tok_s", "vs_one_stream", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+            "same_as_solo"]
+    print(table(cols, [[row[c] for c in cols] for row in rows]))
+    print(f"recoveries during the run: {after - before} (incarnation {before} -> {after})")
+    result = {"benchmark": "gpu_mesh", "machine": machine(load), "model": "random Llama, TinyLlama-1.1B shape" if not
+              a.small else "tiny", "dtype": a.dtype, "executors": a.executors, "device": a.device,
+              "tokens_per_stream": a.tokens, "prompt_tokens": a.prompt_tokens, "repeats": a.repeats,
+              "recoveries": after - before, "rows": rows,
+              "env": {k: v for k, v in os.environ.items() if k.startswith(("CUDA", "NCCL"))}}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    progress(f"== wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
