@@ -8,7 +8,6 @@ gives the same token.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import uuid
@@ -25,6 +24,7 @@ from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.scheduler import Scheduler, SessionInfo
 from graphmesh_coordinator.scheduler import Sequence as SchedulerSequence
+from graphmesh_coordinator.validation import check_finite_sampling
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TTFT_SECONDS = Histogram("graphmesh_ttft_seconds", "Time from a generation request to its first token",
@@ -86,9 +86,7 @@ def validate(request: GenerationRequest, context_tokens: int, vocab_size: int) -
     bad = next((t for t in request.prompt_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary of {vocab_size}", "BAD_TOKEN_ID")
-    if not all(math.isfinite(x) for x in (request.temperature, request.top_p)):
-        raise InvalidArgument(f"sampling parameters must be finite: temperature {request.temperature}, "
-                              f"top_p {request.top_p}", "BAD_SAMPLING")
+    check_finite_sampling(temperature=request.temperature, top_p=request.top_p)
     if request.temperature < 0 or request.top_k < 0 or not 0.0 <= request.top_p <= 1.0:
         raise InvalidArgument(f"bad sampling: temperature {request.temperature} (>= 0), top_k {request.top_k} (>= 0), "
                               f"top_p {request.top_p} (in [0, 1])", "BAD_SAMPLING")

@@ -23,6 +23,7 @@ from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_coordinator.generation import Generator
 from graphmesh_coordinator.kserve import KServeServicer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
+from graphmesh_coordinator.scheduler import Scheduler
 from graphmesh_coordinator.servicer import CoordinatorServicer
 from graphmesh_coordinator.state import DurableState
 
@@ -43,6 +44,9 @@ class CoordinatorConfig:
     max_context_tokens: int = 0
     metrics_port: int = 0  # Prometheus /metrics; 0: off
     security: ServerSecurity = field(default_factory=ServerSecurity)
+    dtype: str = ""  # stage dtype: f32, bf16, f16; "" is bf16 on CUDA executors, f32 on CPU ones
+    max_step_tokens: int = 256  # tokens per step (decode rows and prompt chunks together)
+    max_step_seqs: int = 64  # sessions per step
 
 
 def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
@@ -60,11 +64,12 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
         tokenizer = None
     state = DurableState(config.state_dir)
     mesh = Mesh(config.model, ckpt.config, config.executors, state, config.split or None, config.weights,
-                config.rpc_timeout_s, max_context_tokens=config.max_context_tokens, kvstore=config.kvstore,
-                tls=config.security.tls)
+                config.rpc_timeout_s, max_context_tokens=config.max_context_tokens, dtype=config.dtype,
+                kvstore=config.kvstore, tls=config.security.tls)
     context = config.max_context_tokens or ckpt.config.max_position
     eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
-    generator = Generator(mesh, tokenizer, eos, context)
+    scheduler = Scheduler(mesh, config.max_step_tokens, config.max_step_seqs)
+    generator = Generator(mesh, tokenizer, eos, context, scheduler)
     # 64 calls at once (Generate streams hold one each); --max-concurrent-rpcs changes it
     server = config.security.server(64, [("grpc.max_send_message_length", 64 << 20),
                                          ("grpc.max_receive_message_length", 64 << 20)],
@@ -88,8 +93,12 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
             ("graphmesh_recoveries", "counter", "Rosters rebuilt after a lost incarnation", lambda: mesh.recoveries),
             ("graphmesh_mesh_ready", "gauge", "1 while the mesh is installed and not recovering", lambda: mesh.ready),
             ("graphmesh_active_sessions", "gauge", "Generation sessions in progress", lambda: len(generator.sessions)),
-            ("graphmesh_queue_depth", "gauge", "Invocations waiting for one of the bounded in-flight slots",
-             lambda: mesh.queued))
+            ("graphmesh_running_sessions", "gauge", "Sessions holding KV blocks", lambda: scheduler.running),
+            ("graphmesh_waiting_sessions", "gauge", "Sessions waiting for admission", lambda: scheduler.waiting),
+            ("graphmesh_kv_blocks_used", "gauge", "KV blocks lent to sessions (every rank)", lambda: scheduler.used_blocks),
+            ("graphmesh_kv_blocks_total", "gauge", "KV blocks of the smallest stage pool", lambda: mesh.kv_pool_blocks),
+            ("graphmesh_steps", "counter", "Steps executed", lambda: scheduler.steps),
+            ("graphmesh_preemptions", "counter", "Sessions preempted for KV blocks", lambda: scheduler.preemptions))
     wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
     if state.incarnation:
         # A restarted coordinator: whatever incarnation its predecessor left is fenced everywhere before a
@@ -114,6 +123,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rpc-timeout", type=float, default=60.0)
     parser.add_argument("--max-context", type=int, default=0, help="cap on tokens per session (0: the model's)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
+    parser.add_argument("--dtype", default="", choices=["", "f32", "bf16", "f16"],
+                        help="stage dtype (default: bf16 on CUDA executors, f32 on CPU ones)")
+    parser.add_argument("--max-step-tokens", type=int, default=256, help="token budget of one step")
+    parser.add_argument("--max-step-seqs", type=int, default=64, help="sessions in one step at most")
     security.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
     logs.configure("coordinator")
@@ -122,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         config = CoordinatorConfig(args.listen, [a for a in args.executors.split(",") if a], args.model, args.state_dir,
                                    args.kvstore, [int(x) for x in args.split.split(",") if x], args.weights,
                                    args.startup_timeout, args.rpc_timeout, args.max_context, args.metrics_port,
-                                   security.from_args(args))
+                                   security.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs)
         telemetry.serve_metrics(config.metrics_port)
         server, port, mesh = build_server(config)
     except Exception as e:

@@ -52,6 +52,7 @@ class ExecutorConfig:
     workers: int = 64  # calls served at once; stage waiters hold one each (the coordinator bounds them)
     enable_fault_injection: bool = False  # StageService.InjectFault, for tests and benchmarks only
     standby_weights: bool = False  # read the whole model in the background: fast re-plans after a peer is lost
+    kv_cache_bytes: int = 0  # the paged KV pool of the stage; 0 sizes it from free memory
     metrics_port: int = 0  # Prometheus /metrics; 0: off
     security: ServerSecurity = field(default_factory=ServerSecurity)
 
@@ -94,7 +95,8 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRe
     block_writer = KvWriteBehind(tls=config.security.tls)
     runtime = StageRuntime(config.backend, config.device, str(config.model_root) if config.model_root else None,
                            pusher=BoundaryPusher(config.security.tls), block_writer=block_writer,
-                           faults_enabled=config.enable_fault_injection, standby_weights=config.standby_weights)
+                           faults_enabled=config.enable_fault_injection, standby_weights=config.standby_weights,
+                           kv_cache_bytes=config.kv_cache_bytes)
     add_stage_service(server, runtime)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -115,6 +117,8 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRe
              lambda: authority.state in (AuthorityState.POISONED, AuthorityState.TERMINAL)),
             ("graphmesh_poisonings", "counter", "Incarnations poisoned on this executor", lambda: authority.poisonings),
             ("graphmesh_stage_sessions", "gauge", "Sessions holding KV on this executor", lambda: len(runtime.sessions())),
+            ("graphmesh_kv_pool_blocks", "gauge", "KV blocks this stage lends to sessions", lambda: runtime.pool.lendable),
+            ("graphmesh_kv_pool_free_blocks", "gauge", "KV blocks free in the pool", lambda: runtime.pool.free),
             ("graphmesh_kv_write_behind_blocks", "counter", "KV blocks written behind to the kvstore",
              lambda: block_writer.written_blocks),
             ("graphmesh_kv_write_behind_failures", "counter", "Failed write-behind puts", lambda: block_writer.failures),
@@ -139,13 +143,15 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--standby-weights", action="store_true",
                    help="hold the whole model's weights so a re-plan after losing a peer reads no checkpoint")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
+    p.add_argument("--kv-cache-bytes", type=byte_size, default=0,
+                   help="size of the stage's paged KV pool (e.g. 2Gi); 0: from free memory")
     security.add_arguments(p, executor_service=True)
     a = p.parse_args(argv)
     return ExecutorConfig(listen=a.listen, backend=a.backend, device=a.device, model_root=a.model_root,
                           threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,
                           workers=a.workers, enable_fault_injection=a.enable_fault_injection,
                           standby_weights=a.standby_weights, metrics_port=a.metrics_port,
-                          security=security.from_args(a))
+                          kv_cache_bytes=a.kv_cache_bytes, security=security.from_args(a))
 
 
 def _preload_blas(backend: str) -> None:

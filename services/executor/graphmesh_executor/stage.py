@@ -187,8 +187,7 @@ class StageRuntime:
     def install(self, incarnation: int, rank: int, world_size: int, spec: StageConfig) -> float:
         """Loads weights and compiles (reusing both when the stage is unchanged), then activates `incarnation`."""
         with self._lock:
-            if incarnation <= self.authority.highest_seen:
-                self.authority.install(incarnation)  # refuses before any work: STALE_INCARNATION
+            self.authority.check_install(incarnation)  # refuses before any work: stale or out of range
         t0 = time.perf_counter()
         if spec != self._loaded_key:
             with telemetry.span("stage.load_weights", model=spec.model, layer_start=spec.layer_start,
