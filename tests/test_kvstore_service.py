@@ -127,12 +127,13 @@ class Stage:
         return stage_pb2.FencingHeader(incarnation=incarnation, session_id=session, epoch=epoch)
 
     def prefill(self, session: str, epoch: int, start: int, token_ids: list[int]) -> int:
-        response = self.stub.ExecuteGroup(stage_pb2.ExecuteGroupRequest(
-            header=self.header(session, epoch), expert_pass=stage_pb2.EXPERT_PASS_PREFILL, start_position=start,
-            token_ids=token_ids, sampling=stage_pb2.SamplingParams(temperature=0), output=stage_pb2.OUTPUT_KIND_TOKEN),
-            timeout=60)
+        row = stage_pb2.StepRow(session_id=session, epoch=epoch, start_position=start, token_ids=token_ids,
+                                sampling=stage_pb2.SamplingParams(temperature=0))
+        response = self.stub.ExecuteStep(stage_pb2.ExecuteStepRequest(
+            incarnation=INCARNATION, step_id=epoch, rows=[row], expert_pass=stage_pb2.EXPERT_PASS_PREFILL,
+            output=stage_pb2.OUTPUT_KIND_TOKEN), timeout=60)
         self.stub.Commit(stage_pb2.CommitRequest(header=self.header(session, epoch)), timeout=10)
-        return int(response.token)
+        return int(response.rows[0].token)
 
     def read(self, session: str, from_row: int, to_row: int) -> np.ndarray:
         chunks = self.stub.ReadSessionKv(stage_pb2.ReadSessionKvRequest(header=self.header(session), from_row=from_row,
