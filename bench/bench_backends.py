@@ -3,22 +3,25 @@
 For each configuration (backend x weights x transport) a worker process measures, in rounds that alternate
 with transformers (so load from other processes hits both alike): greedy decode tokens/s (median step time
 of a session after a short chat prompt) and the prefill time of a 512-token prompt. Transports: in-process
-(StageRuntime install + execute, the code path the mesh runs) and gRPC (an executor process driven through
-StageService.Install / ExecuteGroup, one call per token with the commit folded in, as the coordinator does).
-transformers loads the same GGUF with dtype float32; both sides run with the same torch.set_num_threads
-(--threads; OMP_NUM_THREADS for numpy's and mlx's BLAS).
+(StageRuntime install + execute_step, the code path the mesh runs) and gRPC (an executor process driven through
+StageService.Install / ExecuteStep, one single-row step per token with the commit folded in, as the coordinator
+runs a session alone). Both hold the session's KV in a paged pool of --kv-cache-bytes (the numpy backend copies
+its pool on every step, so a pool far bigger than the run needs only slows it down). transformers loads the same
+GGUF with dtype float32; both sides run with the same torch.set_num_threads (--threads; OMP_NUM_THREADS for
+numpy's and mlx's BLAS).
 
 Weight modes: f32 (dequantized; must give transformers' tokens), packed (GGUF blocks kept packed, f32
 activations: the same dequantized values) and packed-bf16 (bf16 activations into the packed layers:
-torch's int4 kernel; in-process only, StageConfig cannot name it yet), with their agreement with f32.
+torch's int4 kernel; torch only), with their agreement with f32.
 
     .venv/bin/python bench/bench_backends.py [--threads 1] [--runs 3] [--tokens 32] [--backends numpy,torch,mlx]
+        [--kv-cache-bytes 64Mi]
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import itertools
 import json
 import os
 import subprocess
@@ -32,70 +35,50 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.common import free_address, machine, median, progress, table, write_results
-from graphmesh import models
-from graphmesh.models import llama
-from graphmesh_executor.executable import Executable
-from graphmesh_executor.stage import Sampling, StageConfig, StageRuntime
+from graphmesh.serving import byte_size
+from graphmesh_executor.stage import StageConfig, StageRuntime, StepRow
 
 MODEL = "smollm2-135m"
 GOAL = 1.5
-# mode -> (StageConfig.weights, llama.build_stage options)
-MODES: dict[str, tuple[str, dict[str, Any]]] = {"f32": ("f32", {}), "packed": ("packed", {}),
-                                               "packed-bf16": ("packed", {"packed_activations": "bf16"})}
+MODES = ("f32", "packed", "packed-bf16")  # StageConfig.weights / StageSpec.weights
 TEXT = ("The history of astronomy is the story of people looking up and trying to make sense of what they saw. "
         "Early observers tracked the motions of the Sun, the Moon and the planets, built calendars around them, "
         "and argued for centuries about whether the Earth or the Sun sat at the centre of everything. ")
 
 
-class TunedStage(StageRuntime):
-    """StageRuntime whose Llama stage graphs take llama.build_stage options that StageConfig cannot name yet
-    (dtype="bf16" for a GPU stage, packed_activations="bf16"); everything else is the mesh's own path."""
-
-    def __init__(self, *args: Any, graph_options: dict[str, Any], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.graph_options = graph_options
-
-    def _compile(self, *args: Any, **kwargs: Any) -> Executable[Any]:
-        build = models.build_stage
-        models.build_stage = functools.partial(llama.build_stage, **self.graph_options)  # type: ignore[assignment]
-        try:
-            return super()._compile(*args, **kwargs)
-        finally:
-            models.build_stage = build
-
-
 # -- the engines ------------------------------------------------------------------------------------------------
 class InProcess:
-    def __init__(self, backend: str, mode: str) -> None:
-        weights, options = MODES[mode]
-        self.runtime = TunedStage(backend, graph_options=options) if options else StageRuntime(backend)
-        self.runtime.install(1, 0, 1, StageConfig(MODEL, 0, 30, True, True, "", weights=weights))
+    def __init__(self, backend: str, mode: str, kv_cache_bytes: int) -> None:
+        self.runtime = StageRuntime(backend, kv_cache_bytes=kv_cache_bytes)
+        self.runtime.install(1, 0, 1, StageConfig(MODEL, 0, 30, True, True, "", weights=mode))
         self.sessions = 0
+        self.step_ids = itertools.count(1)
 
     def generate(self, prompt: list[int], tokens: int, logits: bool = False) -> tuple[list[int], list[float], Any]:
         """Greedy tokens, the seconds of each decode step, and the prompt's last logits when asked."""
         self.sessions += 1
         session = f"s{self.sessions}"
         began = time.perf_counter()
-        first = self.runtime.execute(1, session, 1, 0, 0, prompt, Sampling(), logits, 60.0)
+        first = self.runtime.execute_step(1, next(self.step_ids), [StepRow(session, 1, 0, 0, prompt)], logits, 60.0)
         times = [time.perf_counter() - began]
-        out = [int(np.argmax(first.logits)) if first.logits is not None else first.token]
+        first_logits = first.logits[0] if first.logits is not None else None
+        out = [int(np.argmax(first_logits)) if first_logits is not None else first.tokens[0]]
         start = len(prompt)
         for epoch in range(2, tokens + 1):
             began = time.perf_counter()
-            out.append(self.runtime.execute(1, session, epoch, epoch - 1, start, [out[-1]], Sampling(), False,
-                                            60.0).token)
+            row = StepRow(session, epoch, epoch - 1, start, [out[-1]])
+            out.append(self.runtime.execute_step(1, next(self.step_ids), [row], False, 60.0).tokens[0])
             times.append(time.perf_counter() - began)
             start += 1
         self.runtime.release(1, session)
-        return out, times, first.logits
+        return out, times, first_logits
 
     def close(self) -> None:
         pass
 
 
 class OverGrpc:
-    def __init__(self, backend: str, mode: str, threads: int) -> None:
+    def __init__(self, backend: str, mode: str, threads: int, kv_cache_bytes: int) -> None:
         import grpc
 
         from graphmesh.launcher import wait_healthy
@@ -105,15 +88,17 @@ class OverGrpc:
         self.address = free_address()
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         self.process = subprocess.Popen([sys.executable, "-m", "graphmesh_executor.server", "--listen", self.address,
-                                         "--backend", backend, "--threads", str(threads)], env=env,
+                                         "--backend", backend, "--threads", str(threads),
+                                         "--kv-cache-bytes", str(kv_cache_bytes)], env=env,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_healthy(self.address, self.process, 120.0, f"{backend} executor")
         self.channel = grpc.insecure_channel(self.address)
         self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
         spec = stage_pb2.StageSpec(model=MODEL, layer_start=0, layer_end=30, first=True, last=True,
-                                   weights=MODES[mode][0])
+                                   weights=mode)
         self.stub.Install(stage_pb2.InstallRequest(incarnation=1, rank=0, world_size=1, stage=spec), timeout=300)
         self.sessions = 0
+        self.step_ids = itertools.count(1)
 
     def generate(self, prompt: list[int], tokens: int, logits: bool = False) -> tuple[list[int], list[float], Any]:
         from graphmesh import tensors
@@ -127,18 +112,19 @@ class OverGrpc:
         pending, start = list(prompt), 0
         for epoch in range(1, tokens + 1):
             kind = pb.OUTPUT_KIND_LOGITS if logits and epoch == 1 else pb.OUTPUT_KIND_TOKEN
-            request = pb.ExecuteGroupRequest(
-                header=pb.FencingHeader(incarnation=1, session_id=session, epoch=epoch),
-                expert_pass=pb.EXPERT_PASS_PREFILL if epoch == 1 else pb.EXPERT_PASS_DECODE,
-                commit_epoch=epoch - 1, start_position=start, token_ids=pending, output=kind, boundary_timeout_ms=30_000)
+            row = pb.StepRow(session_id=session, epoch=epoch, commit_epoch=epoch - 1, start_position=start,
+                             token_ids=pending)
+            request = pb.ExecuteStepRequest(
+                incarnation=1, step_id=next(self.step_ids), rows=[row], output=kind, boundary_timeout_ms=30_000,
+                expert_pass=pb.EXPERT_PASS_PREFILL if epoch == 1 else pb.EXPERT_PASS_DECODE)
             began = time.perf_counter()
-            reply = self.stub.ExecuteGroup(request, timeout=120)
+            reply = self.stub.ExecuteStep(request, timeout=120)
             times.append(time.perf_counter() - began)
             if kind == pb.OUTPUT_KIND_LOGITS:
-                first_logits = tensors.from_proto(reply.logits).reshape(-1)
+                first_logits = tensors.from_proto(reply.logits).reshape(-1)  # [1, vocab]: the step's one row
                 out.append(int(np.argmax(first_logits)))
             else:
-                out.append(int(reply.token))
+                out.append(int(reply.rows[0].token))
             start, pending = start + len(pending), [out[-1]]
         self.stub.ReleaseSession(pb.ReleaseSessionRequest(header=pb.FencingHeader(incarnation=1, session_id=session)),
                                  timeout=30)
@@ -194,15 +180,16 @@ def prompts() -> tuple[list[int], list[int]]:
     return chat, long[:512]
 
 
-def worker(backend: str, mode: str, transport: str, threads: int, runs: int, tokens: int) -> dict[str, Any]:
+def worker(backend: str, mode: str, transport: str, threads: int, runs: int, tokens: int,
+           kv_cache_bytes: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(threads)
     chat, long = prompts()
     hf = Transformers()
     began = time.perf_counter()
-    engine: InProcess | OverGrpc = InProcess(backend, mode) if transport == "in-process" else \
-        OverGrpc(backend, mode, threads)
+    engine: InProcess | OverGrpc = InProcess(backend, mode, kv_cache_bytes) if transport == "in-process" else \
+        OverGrpc(backend, mode, threads, kv_cache_bytes)
     install_s = time.perf_counter() - began
     engine.generate(chat, 4)  # warm-up: compiles the prefill and decode shapes
     hf.generate(chat, 4)
@@ -221,6 +208,7 @@ def worker(backend: str, mode: str, transport: str, threads: int, runs: int, tok
                  f"{hf_prefill[-1] * 1e3:.0f} ms")
     engine.close()
     return {"backend": backend, "weights": mode, "transport": transport, "threads": threads, "install_s": install_s,
+            "kv_cache_bytes": kv_cache_bytes,
             "decode_tokens_per_s": 1 / median(ours_step), "decode_ms_per_token": median(ours_step) * 1e3,
             "prefill_512_ms": median(ours_prefill) * 1e3,
             "transformers_decode_tokens_per_s": 1 / median(hf_step), "transformers_prefill_512_ms": median(hf_prefill) * 1e3,
@@ -251,16 +239,17 @@ def main() -> None:
     p.add_argument("--backends", default="numpy,torch,mlx")
     p.add_argument("--modes", default="f32,packed,packed-bf16")
     p.add_argument("--transports", default="in-process,grpc")
+    p.add_argument("--kv-cache-bytes", default="64Mi", help="the stage's KV pool (64Mi: ~1400 tokens of SmolLM2)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # backend:mode:transport, run in a child process
     p.add_argument("--out", default="backends.json")
     a = p.parse_args()
     if a.worker:
         backend, mode, transport = a.worker.split(":")
-        print(json.dumps(worker(backend, mode, transport, a.threads, a.runs, a.tokens)))
+        print(json.dumps(worker(backend, mode, transport, a.threads, a.runs, a.tokens, byte_size(a.kv_cache_bytes))))
         return
     load = os.getloadavg()
     configs = [(b, m, t) for b in a.backends.split(",") for m in a.modes.split(",") for t in a.transports.split(",")
-               if not (m == "packed-bf16" and (b != "torch" or t != "in-process"))]
+               if m in MODES and not (m == "packed-bf16" and b != "torch")]
     results = []
     for backend, mode, transport in configs:
         progress(f"{backend} / {mode} / {transport} (threads {a.threads})")
@@ -270,7 +259,8 @@ def main() -> None:
 
             env |= {**launch_env(), "GRAPHMESH_BLAS_PRELOADED": "1"}
         child = subprocess.run([sys.executable, __file__, "--worker", f"{backend}:{mode}:{transport}", "--threads",
-                                str(a.threads), "--runs", str(a.runs), "--tokens", str(a.tokens)], env=env,
+                                str(a.threads), "--runs", str(a.runs), "--tokens", str(a.tokens),
+                                "--kv-cache-bytes", a.kv_cache_bytes], env=env,
                                stdout=subprocess.PIPE, text=True)
         if child.returncode:
             progress(f"  failed with status {child.returncode}")
@@ -294,6 +284,7 @@ def main() -> None:
     best = max((r["decode_speedup"] for r in results if r["backend"] == "torch"), default=float("nan"))
     print(f"\nbest torch decode speedup over transformers: {best:.2f}x (goal {GOAL}x); threads {a.threads} on both sides")
     write_results(a.out, {"model": MODEL, "threads_both_sides": a.threads, "runs": a.runs, "tokens": a.tokens,
+                          "kv_cache_bytes": byte_size(a.kv_cache_bytes),
                           "goal_torch_decode_speedup": GOAL, "best_torch_decode_speedup": best,
                           "machine": machine(load), "results": results})
 

@@ -13,6 +13,7 @@ bytes a decode step reads over the measured bandwidth. Writes bench/results/gpu.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -25,15 +26,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
-from bench.bench_backends import TunedStage, same_prefix
+from bench.bench_backends import same_prefix
 from bench.common import RESULTS_DIR, median, progress, table
 from graphmesh_executor.backends.torch_backend import TorchExecutable
-from graphmesh_executor.stage import Sampling, StageConfig
+from graphmesh_executor.kv_pool import blocks_for
+from graphmesh_executor.stage import StageConfig, StageRuntime, StepRow
 
 TINYLLAMA: dict[str, Any] = {"vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32,
              "num_key_value_heads": 4, "intermediate_size": 5632}
 SMALL: dict[str, Any] = {"vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 128}
+BLOCK_TOKENS = 16
+SESSIONS = 3  # the eager run, the CUDA-graph run and the prefill-logits check each keep their KV to the end
+_step_ids = itertools.count(1)
 
 
 def sync(device: str) -> None:
@@ -88,33 +93,46 @@ def weight_bytes_per_token(model: Any) -> tuple[int, int]:
     return total, total - embed.numel() * embed.element_size() + embed.shape[1] * embed.element_size()
 
 
-def decode(stage: TunedStage, session: str, prompt: list[int], tokens: int, device: str) -> tuple[list[int], list[float]]:
-    """Greedy tokens and the wall seconds of each decode step (prefill excluded), one execute per token."""
-    out = [stage.execute(1, session, 1, 0, 0, prompt, Sampling(), False, 60.0).token]
+def kv_cache_bytes(shape: dict[str, Any], tokens: int) -> int:
+    """A bf16 KV pool of exactly the blocks SESSIONS sessions of `tokens` tokens hold, and the scratch block."""
+    kv_dim = shape["num_key_value_heads"] * shape["hidden_size"] // shape["num_attention_heads"]
+    row_bytes = 2 * shape["num_hidden_layers"] * kv_dim * 2  # K and V of every layer, bf16
+    return (SESSIONS * blocks_for(tokens, BLOCK_TOKENS) + 1) * BLOCK_TOKENS * row_bytes
+
+
+def decode(stage: StageRuntime, session: str, prompt: list[int], tokens: int, device: str) -> tuple[list[int], list[float]]:
+    """Greedy tokens and the wall seconds of each decode step (prefill excluded), one single-row step per token."""
+    out = stage.execute_step(1, next(_step_ids), [StepRow(session, 1, 0, 0, prompt)], False, 60.0).tokens
     times, start = [], len(prompt)
     for epoch in range(2, tokens + 1):
         began = time.perf_counter()
-        out.append(stage.execute(1, session, epoch, epoch - 1, start, [out[-1]], Sampling(), False, 60.0).token)
+        row = StepRow(session, epoch, epoch - 1, start, [out[-1]])
+        out += stage.execute_step(1, next(_step_ids), [row], False, 60.0).tokens
         sync(device)
         times.append(time.perf_counter() - began)
         start += 1
     return out, times
 
 
-def replay_ms(stage: TunedStage, device: str, runs: int = 50) -> float:
-    """GPU milliseconds of one replay of the captured decode step (re-running the last step: same row written)."""
-    for exe, _ in stage._executables.values():
-        assert isinstance(exe, TorchExecutable)
-        if exe._captures:
-            captured = next(iter(exe._captures.values()))
-            start, end = event(), event()
-            start.record()
-            for _ in range(runs):
-                captured.graph.replay()
-            end.record()
-            end.synchronize()
-            return float(start.elapsed_time(end)) / runs
-    return float("nan")
+def replay_ms(stage: StageRuntime, device: str, runs: int = 50) -> float:
+    """GPU milliseconds of one replay of the captured decode step (re-running the last step: same row written):
+    the capture of the decode executable that reads the most blocks, the one the last steps ran."""
+    # Keys are (tokens, seqs, blocks, decode, sample); replaying on this thread is safe only because the engine
+    # thread is idle between steps.
+    captured = [(key, exe) for key, exe in stage._executables.items()
+                if key[3] and isinstance(exe, TorchExecutable) and exe._captures]
+    if not captured:
+        return float("nan")
+    exe = max(captured, key=lambda c: c[0][2])[1]
+    assert isinstance(exe, TorchExecutable)
+    graph = next(reversed(exe._captures.values())).graph
+    start, end = event(), event()
+    start.record()
+    for _ in range(runs):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / runs
 
 
 def hf_decode(model: Any, prompt: list[int], tokens: int, device: str, runs: int) -> tuple[list[int], float]:
@@ -138,9 +156,10 @@ def hf_decode(model: Any, prompt: list[int], tokens: int, device: str, runs: int
     return out[0, len(prompt):].tolist(), (median(fulls) - median(firsts)) / (tokens - 1)
 
 
-def prefill_logits_diff(stage: TunedStage, model: Any, prompt: list[int], device: str) -> tuple[float, bool]:
-    ours = stage.execute(1, "logits", 1, 0, 0, prompt, Sampling(), True, 60.0).logits
-    assert ours is not None
+def prefill_logits_diff(stage: StageRuntime, model: Any, prompt: list[int], device: str) -> tuple[float, bool]:
+    logits = stage.execute_step(1, next(_step_ids), [StepRow("logits", 1, 0, 0, prompt)], True, 60.0).logits
+    assert logits is not None
+    ours = logits[0]
     with torch.inference_mode():
         ref = model(torch.tensor([prompt], device=device)).logits[0, -1].float().cpu().numpy()
     return float(np.abs(ours - ref).max()), int(ours.argmax()) == int(ref.argmax())
@@ -172,12 +191,14 @@ def main() -> None:
         total_bytes, step_bytes = weight_bytes_per_token(model)
         progress(f"random model {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B params, "
                  f"{total_bytes / 1e9:.2f} GB bf16, made and saved in {time.perf_counter() - began:.1f} s")
-        capacity = 1 << max(a.prompt + a.tokens, 64).bit_length()  # one KV capacity for the whole run
-        stage = TunedStage("torch", a.device, graph_options={"dtype": "bf16"}, min_kv_rows=capacity)
+        pool_bytes = kv_cache_bytes(shape, a.prompt + max(a.tokens, a.eager_tokens))
+        stage = StageRuntime("torch", a.device, kv_cache_bytes=pool_bytes)
         began = time.perf_counter()
-        stage.install(1, 0, 1, StageConfig(str(tmp), 0, shape["num_hidden_layers"], True, True, ""))
+        stage.install(1, 0, 1, StageConfig(str(tmp), 0, shape["num_hidden_layers"], True, True, "",
+                                           kv_block_tokens=BLOCK_TOKENS, dtype="bf16"))
         install_s = time.perf_counter() - began
-        progress(f"StageRuntime install (load + compile) {install_s:.1f} s; KV capacity {capacity}")
+        progress(f"StageRuntime install (load + compile) {install_s:.1f} s; KV pool of {stage.pool.lendable} "
+                 f"blocks of {BLOCK_TOKENS} tokens ({pool_bytes / 1e6:.1f} MB)")
         prompt = np.random.default_rng(0).integers(3, shape["vocab_size"], a.prompt).tolist()
 
         TorchExecutable.cuda_graphs = False
@@ -200,7 +221,8 @@ def main() -> None:
     result = {
         **info, "model": {"shape": shape, "dtype": "bf16", "init": "transformers LlamaForCausalLM, seed 0",
                           "param_bytes": total_bytes, "bytes_read_per_decode_step": step_bytes},
-        "prompt_tokens": a.prompt, "kv_capacity": capacity, "install_s": install_s,
+        "prompt_tokens": a.prompt, "kv_pool_blocks": stage.pool.lendable, "kv_block_tokens": BLOCK_TOKENS,
+        "kv_cache_bytes": pool_bytes, "install_s": install_s,
         "copy_bandwidth_bytes_per_s": bandwidth, "floor_ms_per_token": floor_s * 1e3,
         "ours_eager": {"tokens": a.eager_tokens, "ms_per_token": eager_s * 1e3, "tokens_per_s": 1 / eager_s},
         "ours_cuda_graph": {"tokens": a.tokens, "ms_per_token": graph_s * 1e3, "tokens_per_s": 1 / graph_s,

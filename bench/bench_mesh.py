@@ -12,9 +12,10 @@ load: a team of 2 threads waits at every barrier for a thread that another proce
 
 The profile, in rounds of its own, drives each mesh's executors directly with the stage protocol (the
 coordinator's own incarnation and ranks) between generations through the coordinator, and reads each rank's
-compute_us: a token's time splits into graph compute, the stage runtime with the protocol RPCs and boundary
-pushes, and the coordinator with the client stream. It also runs the in-process engine from a worker thread, as
-an executor's gRPC handler runs it. Prints tables and writes bench/results/mesh.json.
+compute_us: a token's time splits into graph compute, the stage runtime with the protocol RPCs (one single-row
+ExecuteStep per rank per token) and boundary pushes, and the coordinator (its scheduler) with the client
+stream. It also runs the in-process engine from a worker thread, as an executor's gRPC handler runs it. Prints
+tables and writes bench/results/mesh.json.
 
     .venv/bin/python bench/bench_mesh.py [--tokens 64] [--rounds 3] [--sessions 1,4,8] [--concurrent-tokens 32]
         [--meshes 1,2,3]
@@ -45,12 +46,15 @@ from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
-from graphmesh_executor.stage import Sampling, StageConfig, StageRuntime
+from graphmesh_executor.stage import StageConfig, StageRuntime, StepRow
 
 MODEL = "smollm2-135m"
 QUESTION = "Explain in one paragraph why the sky is blue."
 GOAL_MESH_VS_INPROCESS = 0.9
 GOAL_CONCURRENCY = 1.6
+# Step ids of the profile's directly driven steps: far above the coordinator's own counter (from 1), so that a
+# step of ours never shares an id (an executor's boundary mailbox key) with one of the coordinator's.
+PROFILE_STEP_IDS = itertools.count(1 << 62)
 
 
 @dataclass
@@ -118,7 +122,7 @@ def transformers_engine(path: Path, threads: int) -> Engine:
 
 
 def inprocess_engine(path: Path, threads: int) -> Engine:
-    """The whole model as one stage in this process: StageRuntime.execute per token, no gRPC."""
+    """The whole model as one stage in this process: StageRuntime.execute_step per token, no gRPC."""
     import torch
 
     torch.set_num_threads(threads)
@@ -126,6 +130,7 @@ def inprocess_engine(path: Path, threads: int) -> Engine:
     assert config is not None
     runtime = StageRuntime("torch")
     runtime.install(1, 0, 1, StageConfig(str(path), 0, config.n_layers, True, True, ""))
+    step_ids = itertools.count(1)
 
     def generate(prompt: list[int], tokens: int) -> Run:
         torch.set_num_threads(threads)
@@ -133,12 +138,13 @@ def inprocess_engine(path: Path, threads: int) -> Engine:
         run = Run(time.perf_counter())
         pending, start = list(prompt), 0
         for epoch in range(1, tokens + 1):
-            result = runtime.execute(1, session, epoch, epoch - 1, start, pending, Sampling(), False, 30.0)
+            row = StepRow(session, epoch, epoch - 1, start, pending)
+            result = runtime.execute_step(1, next(step_ids), [row], False, 30.0)
             run.arrivals.append(time.perf_counter())
-            run.tokens.append(result.token)
+            run.tokens.append(result.tokens[0])
             run.compute_us.append(result.compute_us)
             start += len(pending)
-            pending = [result.token]
+            pending = [result.tokens[0]]
         runtime.release(1, session)
         return run
 
@@ -193,8 +199,9 @@ def concurrent(mesh: LocalMesh, prompt: list[int], sessions: int, tokens: int) -
 
 @dataclass
 class Profile:
-    """Per decode token, in seconds: the client's gap between streamed tokens, a decode invocation driven directly
-    (every rank's ExecuteGroup, commit folded in), and each rank's graph time (ExecuteGroupResponse.compute_us)."""
+    """Per decode token, in seconds: the client's gap between streamed tokens, a decode step driven directly
+    (every rank's ExecuteStep of one row, commit folded in), and each rank's graph time
+    (ExecuteStepResponse.compute_us)."""
 
     client: list[float] = field(default_factory=list)
     direct: list[float] = field(default_factory=list)
@@ -215,19 +222,20 @@ def profile_round(mesh: LocalMesh, prompt: list[int], tokens: int, out: Profile)
     session = f"bench-profile-{uuid.uuid4().hex}"
     pending, start, commit = list(prompt), 0, 0
     for epoch in range(1, tokens + 1):
-        request = stage_pb2.ExecuteGroupRequest(
-            header=stage_pb2.FencingHeader(incarnation=status.incarnation, session_id=session, epoch=epoch),
+        row = stage_pb2.StepRow(session_id=session, epoch=epoch, commit_epoch=commit, start_position=start,
+                                token_ids=pending)
+        request = stage_pb2.ExecuteStepRequest(
+            incarnation=status.incarnation, step_id=next(PROFILE_STEP_IDS), rows=[row],
             expert_pass=stage_pb2.EXPERT_PASS_PREFILL if len(pending) > 1 else stage_pb2.EXPERT_PASS_DECODE,
-            commit_epoch=commit, start_position=start, token_ids=pending, output=stage_pb2.OUTPUT_KIND_TOKEN,
-            boundary_timeout_ms=30_000)
+            output=stage_pb2.OUTPUT_KIND_TOKEN, boundary_timeout_ms=30_000)
         t0 = time.perf_counter()
-        calls = [stub.ExecuteGroup.future(request, timeout=60) for stub in reversed(stubs)][::-1]
+        calls = [stub.ExecuteStep.future(request, timeout=60) for stub in reversed(stubs)][::-1]
         replies = [c.result() for c in calls]
         if epoch > 1:  # decode steps only
             out.direct.append(time.perf_counter() - t0)
             for samples, reply in zip(out.compute, replies):
                 samples.append(reply.compute_us / 1e6)
-        start, pending, commit = start + len(pending), [int(replies[-1].token)], epoch
+        start, pending, commit = start + len(pending), [int(replies[-1].rows[0].token)], epoch
     header = stage_pb2.FencingHeader(incarnation=status.incarnation, session_id=session)
     for stub in stubs:
         stub.ReleaseSession(stage_pb2.ReleaseSessionRequest(header=header), timeout=30)
@@ -382,8 +390,8 @@ def report(a: argparse.Namespace, prompt: list[int], threads: int, load: tuple[f
     print("\nwhere a decode token's time goes, in ms (median per token, measured after the table above in rounds of "
           "their own: each engine once, each mesh through the client and then driven directly with the stage "
           "protocol; compute: graph runs summed over the ranks, from compute_us; stage runtime + protocol: a directly "
-          "driven invocation minus compute = the runtime's Python, the ExecuteGroup RPCs and the boundary pushes; "
-          "coordinator + client: the client's gap minus a directly driven invocation; 'worker thread': the in-process "
+          "driven step minus compute = the runtime's Python, the ExecuteStep RPCs and the boundary pushes; "
+          "coordinator + client: the client's gap minus a directly driven step; 'worker thread': the in-process "
           "engine called from a thread that is not the main one, as an executor's gRPC handler is):")
     print(table(["engine", "ms/token", "compute", "stage runtime + protocol", "coordinator + client"], prof_rows))
 
