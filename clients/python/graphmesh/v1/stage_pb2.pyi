@@ -740,7 +740,7 @@ class AbortRequest(_message.Message):
     COMMIT_EPOCH_FIELD_NUMBER: _builtins.int
     commit_epoch: _builtins.int
     """commit_epoch, when non-zero, is an earlier epoch to commit first: the
-    folded commit of an ExecuteGroup that this rank never received.
+    folded commit of an ExecuteStep that this rank never received.
     """
     @_builtins.property
     def header(self) -> Global___FencingHeader: ...
