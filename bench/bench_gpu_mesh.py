@@ -99,15 +99,15 @@ def main() -> None:
                     progress(f"== {n} streams, repeat {r + 1}/{a.repeats}")
                     reps.append(run_level(address, prompts[:n], a.tokens))
                 same = sum(ids == solo[i] for rep in reps for i, ids in enumerate(rep["ids"][:len(solo)]))
-                row = {"streams": n, **{k: median([x[k] for x in reps]) for k in
+                row: dict[str, Any] = {"streams": n, **{k: median([x[k] for x in reps]) for k in
                                         ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")},
                        "same_as_solo": f"{same}/{sum(min(n, len(solo)) for _ in reps)}"}
                 rows.append(row)
             with CoordinatorClient(address) as client:
                 after = client.status().incarnation
-    one = rows[0]["tok_s"] if rows and rows[0]["streams"] == 1 else 0.0
+    one = float(rows[0]["tok_s"]) if rows and rows[0]["streams"] == 1 else 0.0
     for row in rows:
-        row["vs_one_stream"] = row["tok_s"] / one if one else 0.0
+        row["vs_one_stream"] = float(row["tok_s"]) / one if one else 0.0
     cols = ["streams", "tok_s", "vs_one_stream", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
             "same_as_solo"]
     print(table(cols, [[row[c] for c in cols] for row in rows]))

@@ -134,9 +134,6 @@ def _wait_for(what: Callable[[], str], timeout_s: float = 30.0) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.xfail(strict=True, reason="since 301d45a steps run on the coordinator's scheduler threads, which do not "
-                   "carry the sessions' trace context: mesh.step (and the kvstore Lookup of seed_prefix) start traces "
-                   "of their own")
 def test_one_generate_is_one_trace_across_every_service(mesh: LocalMesh, receiver: tuple[Receiver, int]) -> None:
     # A session alone in the mesh: every step carries only its rows, so nothing stops its steps from joining its
     # trace (a step of many sessions belongs to one of them at most; see test_every_step_is_one_trace...).

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphmesh import tensors
+from graphmesh import telemetry, tensors
 from graphmesh.errors import GraphmeshError, ResourceExhausted, Unavailable
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
@@ -81,6 +81,7 @@ class Sequence:
     arch_retries: int = MAX_ARCH_RETRIES
     recoveries: int = 0
     computed: int = 0
+    context: telemetry.Context | None = None  # the trace context of the request (its steps join its trace)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class Scheduler:
             raise ResourceExhausted(f"the request needs {need} KV blocks of {self.mesh.kv_block_tokens} tokens "
                                     f"({seq.max_tokens_total} tokens); the smallest stage pool holds {capacity}",
                                     "KV_CAPACITY_EXCEEDED")
+        seq.context = seq.context or telemetry.current_context()
         with self._cond:
             self._seqs.append(seq)
             self._cond.notify_all()
@@ -217,7 +219,8 @@ class Scheduler:
         if restore:
             # New, preempted or recovered: seed what the KV store holds, compute the rest (chunked).
             s.blocks, session.history, session.delivered_epoch = 0, [], 0
-            seeded = mesh.seed_prefix(session.session_id, tokens) if mesh.kvstore is not None else 0
+            with telemetry.span("scheduler.admit", parent=s.context, session=session.session_id):
+                seeded = mesh.seed_prefix(session.session_id, tokens) if mesh.kvstore is not None else 0
             session.history, s.pending = tokens[:seeded], tokens[seeded:]
             session.incarnation, start = mesh.incarnation, seeded
             n = len(s.pending) if len(s.pending) == 1 else min(len(s.pending), budget)
@@ -250,7 +253,8 @@ class Scheduler:
         """Runs a step scheduled under `incarnation` (its rows' start positions hold for that roster only)."""
         self.steps += 1
         try:
-            reply = self.mesh.execute_step([r.row for r in step], step[0].seq.output, incarnation)
+            with telemetry.span("scheduler.step", parent=step[0].seq.context, rows=len(step)):
+                reply = self.mesh.execute_step([r.row for r in step], step[0].seq.output, incarnation)
         except InvocationFailed as failure:
             self._failed(step, failure, incarnation)
             return

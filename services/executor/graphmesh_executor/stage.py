@@ -46,6 +46,7 @@ log = logging.getLogger("graphmesh.executor.stage")
 
 MIN_PREFILL_ROWS = 16
 DEFAULT_KV_CACHE_BYTES = 512 << 20  # the CPU pool's cap when --kv-cache-bytes is not given
+NUMPY_KV_CACHE_BYTES = 16 << 20
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -225,7 +226,7 @@ class StageRuntime:
         block = spec.kv_block_tokens or 16
         layers = spec.layer_end - spec.layer_start
         row_bytes = 2 * layers * config.kv_dim * (4 if dtype == "f32" else 2)  # K and V of every layer, per token
-        budget = self.kv_cache_bytes or default_kv_cache_bytes(self.device)
+        budget = self.kv_cache_bytes or default_kv_cache_bytes(self.device, self.backend)
         pool = KvPool(max(2, budget // (row_bytes * block)), block)
         previous, self._holder, self.pool, self._pools = self._holder, None, pool, {}
         holder = self._compile(1, 1, 1, True, True, weights=path, reuse=previous)
@@ -648,9 +649,12 @@ class StageRuntime:
 
 
 
-def default_kv_cache_bytes(device: str) -> int:
+def default_kv_cache_bytes(device: str, backend: str = "torch") -> int:
     """The KV pool's size when --kv-cache-bytes is not given: a quarter of the free device memory on CUDA (after
-    the weights), else a tenth of the available host memory up to DEFAULT_KV_CACHE_BYTES."""
+    the weights), else a tenth of the available host memory up to DEFAULT_KV_CACHE_BYTES (NUMPY_KV_CACHE_BYTES for
+    the numpy reference, whose functional kv_scatter copies the pool on every step)."""
+    if backend == "numpy":
+        return NUMPY_KV_CACHE_BYTES
     if device.startswith("cuda"):
         import torch
 
