@@ -24,6 +24,7 @@ from graphmesh.v1 import graph_pb2
 from graphmesh_executor.backends import compile_graph, executable_class
 from graphmesh_executor.executable import Executable, RngOptions, uniform
 from tests.conftest import backend_targets
+from tests.test_paged_ops import paged_ref
 
 BACKENDS = backend_targets()
 
@@ -344,21 +345,9 @@ for dt in ("f32", "f16", "bf16", "f64", "i64"):
 
 def paged_attention_ref(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, table: np.ndarray,
                         token_seq: np.ndarray, pos: np.ndarray, block: int, scale: float) -> np.ndarray:
-    """Per query and head: softmax over its own sequence's keys 0..pos[i], each found through the block table
-    (logical key j lives at pool row table[seq, j // block] * block + j % block)."""
-    t, hq, d = q.shape
-    group = hq // k_pool.shape[1]
-    scale = scale or 1.0 / math.sqrt(d)
-    out = np.zeros((t, hq, d))
-    for i in range(t):
-        s = int(token_seq[i])
-        keys = [int(table[s, j // block]) * block + j % block for j in range(int(pos[i]) + 1)]
-        for h in range(hq):
-            w = np.array([f64(q[i, h]) @ f64(k_pool[r, h // group]) * scale for r in keys])
-            p = np.exp(w - w.max())
-            p /= p.sum()
-            out[i, h] = sum(pj * f64(v_pool[r, h // group]) for pj, r in zip(p, keys))
-    return out
+    """The float64 reference of tests/test_paged_ops.py: per query, softmax over its own sequence's keys 0..pos[i],
+    each found through the block table."""
+    return paged_ref([q, k_pool, v_pool, table, token_seq, pos], block, scale)
 
 
 for dt in FLOATS:
