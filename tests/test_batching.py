@@ -94,6 +94,12 @@ def test_sixteen_seeded_sampled_streams_equal_their_solo_runs(mesh: LocalMesh, p
     assert got != solo["greedy"]  # the sampling really sampled
 
 
+def test_each_stream_names_its_session_once(mesh: LocalMesh, prompts: list[str]) -> None:
+    with CoordinatorClient(mesh.coordinator_address) as client:
+        chunks = list(client.generate(**_job(0, prompts)))
+    assert len(chunks[0].session_id) == 32 and not any(c.session_id for c in chunks[1:])
+
+
 def test_a_bad_request_among_good_ones_fails_alone(mesh: LocalMesh, prompts: list[str],
                                                    solo: dict[str, list[list[int]]]) -> None:
     jobs = [_job(i, prompts) for i in range(4)]

@@ -53,6 +53,7 @@ class Event:
     finish_reason: str = ""  # "", "length", "eos", "stop"
     ttft_ms: float = 0.0
     prefill_computed_tokens: int = 0
+    session_id: str = ""  # on the first event of a session
 
 
 @dataclass
@@ -131,17 +132,18 @@ class Generator:
                     span.set_attribute("completion_tokens", step + 1)
                     ttft_ms = (now - t0) * 1000.0 if step == 0 else 0.0
                     computed = out.computed_tokens if step == 0 else 0
+                    sid = session.session_id if step == 0 else ""
                     if token in self.eos and not request.ignore_eos:
-                        yield Event([token], "", "eos", ttft_ms, computed)
+                        yield Event([token], "", "eos", ttft_ms, computed, sid)
                         return
                     text = detok.push(token)
                     completion += text
                     hit = next((s for s in request.stop if s in completion), None)
                     if hit is not None:
                         overshoot = len(completion) - completion.index(hit)
-                        yield Event([token], text[: max(0, len(text) - overshoot)], "stop", ttft_ms, computed)
+                        yield Event([token], text[: max(0, len(text) - overshoot)], "stop", ttft_ms, computed, sid)
                         return
-                    yield Event([token], text, "length" if step == budget - 1 else "", ttft_ms, computed)
+                    yield Event([token], text, "length" if step == budget - 1 else "", ttft_ms, computed, sid)
         finally:
             self.scheduler.finish(seq)  # also when the client went away: its rows stop, its KV is released
             with self._lock:

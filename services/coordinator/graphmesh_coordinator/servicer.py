@@ -82,7 +82,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         response = coordinator_pb2.GenerateResponse(token_ids=event.token_ids, text=event.text,
                                                     finish_reason=_FINISH.get(event.finish_reason,
                                                                               coordinator_pb2.FINISH_REASON_UNSPECIFIED),
-                                                    ttft_ms=event.ttft_ms,
+                                                    ttft_ms=event.ttft_ms, session_id=event.session_id,
                                                     prefill_computed_tokens=event.prefill_computed_tokens)
         if prompt_ids is not None:
             response.prompt_token_ids.extend(prompt_ids)
