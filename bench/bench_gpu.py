@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 from bench.bench_backends import same_prefix
 from bench.common import RESULTS_DIR, median, progress, table
+from graphmesh.kvkeys import blocks_for
 from graphmesh_executor.backends.torch_backend import TorchExecutable
-from graphmesh_executor.kv_pool import blocks_for
 from graphmesh_executor.stage import StageConfig, StageRuntime, StepRow
 
 TINYLLAMA: dict[str, Any] = {"vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32,

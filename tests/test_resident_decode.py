@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from graphmesh.kvkeys import blocks_for
 from graphmesh.v1 import stage_pb2
 from graphmesh_executor.backends import available
-from graphmesh_executor.kv_pool import blocks_for
 from graphmesh_executor.stage import Sampling, StageConfig, StageRuntime, StepRow
 from graphmesh_executor.stage_servicer import StageServicer
 from tests.model_fixtures import make_tiny_gpt2, make_tiny_llama, smollm2_hf_tokenizer

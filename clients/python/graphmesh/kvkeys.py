@@ -18,6 +18,12 @@ ROW_LAYOUT = "rows[tokens,layers,2,kv_dim]"
 DEFAULT_BLOCK_TOKENS = 16
 
 
+def blocks_for(tokens: int, block_tokens: int) -> int:
+    """Blocks a session of `tokens` tokens holds: the one count that the coordinator's admission and every rank's
+    KV pool must agree on."""
+    return -(-tokens // block_tokens)
+
+
 def namespace(model_identity: str, layer_start: int, layer_end: int, kv_dim: int, dtype: str = "f32",
               block_tokens: int = DEFAULT_BLOCK_TOKENS) -> kvstore_pb2.KvNamespace:
     return kvstore_pb2.KvNamespace(model_identity=model_identity, layout=ROW_LAYOUT, dtype=dtypes.to_proto(dtype),

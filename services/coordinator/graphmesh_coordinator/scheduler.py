@@ -29,6 +29,7 @@ import numpy as np
 
 from graphmesh import telemetry, tensors
 from graphmesh.errors import GraphmeshError, ResourceExhausted, Unavailable
+from graphmesh.kvkeys import blocks_for
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 
@@ -36,10 +37,6 @@ log = logging.getLogger("graphmesh.coordinator.scheduler")
 
 MAX_RECOVERIES = 3  # in a row, for one session
 MAX_ARCH_RETRIES = 1  # of a session's row alone, after the rollback
-
-
-def blocks_for(tokens: int, block_tokens: int) -> int:
-    return -(-tokens // block_tokens)
 
 
 @dataclass

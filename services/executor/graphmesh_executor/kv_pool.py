@@ -13,12 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from graphmesh.errors import ResourceExhausted
+from graphmesh.kvkeys import blocks_for
 
 SCRATCH_BLOCK = 0
-
-
-def blocks_for(tokens: int, block_tokens: int) -> int:
-    return -(-tokens // block_tokens)
 
 
 class KvPool:
@@ -27,8 +24,9 @@ class KvPool:
             raise ResourceExhausted(f"a KV pool of {blocks} blocks holds no session (block 0 is scratch)",
                                     "KV_POOL_TOO_SMALL")
         self.blocks, self.block_tokens = blocks, block_tokens
-        self._free = list(range(blocks - 1, 0, -1))  # popped from the end: low block ids first
+        self._free: list[int] = []
         self._tables: dict[str, list[int]] = {}
+        self.clear()
 
     @property
     def lendable(self) -> int:
@@ -55,7 +53,9 @@ class KvPool:
         self._free.extend(reversed(self._tables.pop(session_id, [])))
 
     def clear(self) -> None:
-        self.__init__(self.blocks, self.block_tokens)  # type: ignore[misc]
+        """Every block free again (a new incarnation trusts no session of the old one)."""
+        self._free = list(range(self.blocks - 1, 0, -1))  # popped from the end: low block ids first
+        self._tables = {}
 
     def slots(self, session_id: str, start: int, end: int) -> np.ndarray:
         """Pool rows of positions [start, end) of the session (its table must already hold them)."""

@@ -34,12 +34,13 @@ from graphmesh.errors import (
     ResourceExhausted,
 )
 from graphmesh.graph import parse
+from graphmesh.kvkeys import blocks_for
 from graphmesh.models.config import ModelConfig
 from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.engine import Engine
 from graphmesh_executor.executable import Executable
 from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionTxn
-from graphmesh_executor.kv_pool import SCRATCH_BLOCK, KvPool, blocks_for
+from graphmesh_executor.kv_pool import SCRATCH_BLOCK, KvPool
 from graphmesh_executor.weights import load_params, resolve_under_root
 
 log = logging.getLogger("graphmesh.executor.stage")
@@ -415,7 +416,8 @@ class StageRuntime:
         seqs = bucket(len(rows), 1)
         tokens = seqs if decode else bucket(total, MIN_PREFILL_ROWS)
         tables = [pool.table(row.session_id) for row in rows]
-        blocks = min(bucket(max(len(t) for t in tables), 1), max(self.max_blocks, max(len(t) for t in tables)))
+        longest = max(len(t) for t in tables)
+        blocks = min(bucket(longest, 1), max(self.max_blocks, longest))  # a rung of the ladder, never past the context
         positions = np.zeros(tokens, np.int64)
         slots = np.full(tokens, SCRATCH_BLOCK * pool.block_tokens, np.int64)
         token_seq = np.arange(tokens, dtype=np.int64) if decode else np.zeros(tokens, np.int64)

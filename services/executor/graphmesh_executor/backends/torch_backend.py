@@ -2,7 +2,7 @@
 
 f16/bf16 run natively (torch has CPU and CUDA kernels for every op used here); rope upcasts
 half inputs on CPU, where each elementwise step would otherwise round. Sampling runs on the
-host in float64 (executable.sample_row) so every backend picks the same token.
+host in float64 (executable.sample_rows) so every backend picks the same token.
 
 A graph runs as a plan of slots (one list index per value, freed after its last reader), not
 through the base class's dict interpreter: decode of a 30-layer model is ~800 kernel calls, and
