@@ -18,6 +18,7 @@ from graphmesh.errors import GraphmeshError
 from graphmesh.launcher import LocalMesh, fastest_backend
 
 DEFAULT_COORDINATOR = "127.0.0.1:50050"
+DEFAULT_HTTP = "127.0.0.1:8000"
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
@@ -41,12 +42,12 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="f32", choices=["f32", "packed", "packed-bf16"])
 
 
-def _mesh(args: argparse.Namespace, listen: str = "") -> LocalMesh:
+def _mesh(args: argparse.Namespace, listen: str = "", http_listen: str = "") -> LocalMesh:
     backends = [b for b in args.backend.split(",") if b]
     backend: str | list[str] = backends if len(backends) > 1 else (backends[0] if backends else fastest_backend())
     count = len(backends) if len(backends) > 1 else args.executors
     return LocalMesh(count, backend, args.model, [int(x) for x in args.split.split(",") if x], args.weights,
-                     coordinator_listen=listen)
+                     coordinator_listen=listen, http_listen=http_listen)
 
 
 @contextmanager
@@ -60,8 +61,10 @@ def _coordinator(args: argparse.Namespace) -> Iterator[str]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    with _mesh(args, args.listen) as mesh:
+    with _mesh(args, args.listen, args.http_listen) as mesh:
         print(f"coordinator {mesh.coordinator_address}", flush=True)
+        if mesh.http_url:
+            print(f"OpenAI API {mesh.http_url} (model {mesh.model!r})", flush=True)
         if mesh.kvstore_address:
             print(f"kvstore {mesh.kvstore_address}", flush=True)
         for rank, address in enumerate(mesh.executor_addresses):
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     _mesh_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--coordinator", default="", help="address of a running coordinator (default: embedded mesh)")
+    up.add_argument("--http-listen", default=DEFAULT_HTTP,
+                    help="address of the coordinator's OpenAI-compatible HTTP API ('' turns it off)")
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)

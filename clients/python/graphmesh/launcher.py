@@ -69,6 +69,7 @@ class LocalMesh:
     extra_coordinator_args: Sequence[str] = ()
     startup_timeout_s: float = 300.0
     coordinator_listen: str = ""
+    http_listen: str = ""  # HOST:PORT of the coordinator's OpenAI HTTP API; "": off
     kvstore: bool = True  # start a KV store (when graphmesh-kvstore is installed) and write KV behind to it
     fault_injection: bool = False  # executors accept StageService.InjectFault
     proxied: bool = False  # the coordinator and the boundary pushes reach executors through fault proxies
@@ -192,8 +193,19 @@ class LocalMesh:
             args += ["--split", ",".join(str(n) for n in self.split)]
         if self.kvstore_address:
             args += ["--kvstore", self.kvstore_address]
+        if self.http_listen:
+            args += ["--http-listen", self.http_listen]
         self._coordinator_args = args
         self.start_coordinator()
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI API's base URL (what an OpenAI client takes as base_url); "" when it is off."""
+        if not self.http_listen:
+            return ""
+        host, _, port = self.http_listen.rpartition(":")
+        scheme = "https" if self.tls_cert else "http"
+        return f"{scheme}://{'127.0.0.1' if host in ('', '0.0.0.0') else host}:{port}/v1"
 
     def start_coordinator(self) -> None:
         """(Re)starts the coordinator on the same address and state dir."""

@@ -116,6 +116,19 @@ def start_span(name: str, **attributes: AttributeValue) -> Span:
     return _tracer.start_span(name, attributes=attributes)
 
 
+def start_server_span(name: str, parent: Context | None, attributes: dict[str, AttributeValue]) -> Span:
+    """A SERVER span that the caller ends: the entry of a request that did not come through gRPC (the HTTP API),
+    a child of `parent` (extract()ed from its headers) so it joins the caller's trace."""
+    if _provider is None:
+        return trace.INVALID_SPAN
+    return _tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+
+
+def extract(headers: dict[str, str]) -> Context:
+    """The trace context a request's W3C traceparent (and tracestate) headers carry; empty without them."""
+    return propagate.extract(headers)
+
+
 def use(span_: Span) -> AbstractContextManager[Span]:
     """Makes `span_` current inside the block without ending it there."""
     if _provider is None:

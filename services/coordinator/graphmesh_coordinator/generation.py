@@ -8,10 +8,11 @@ gives the same token.
 
 from __future__ import annotations
 
+import collections.abc
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +45,18 @@ class GenerationRequest:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False  # each token's log-probability, computed on the last stage
+    top_logprobs: int = 0  # and the most likely alternatives at its position (with logprobs)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's natural-log probability under the model (before temperature, top-k and top-p), and the
+    `top` most likely tokens at its position as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -54,6 +67,7 @@ class Event:
     ttft_ms: float = 0.0
     prefill_computed_tokens: int = 0
     session_id: str = ""  # on the first event of a session
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when the request asked
 
 
 @dataclass
@@ -103,7 +117,7 @@ class Generator:
         self.sessions: dict[str, SessionInfo] = {}
         self._lock = threading.Lock()
 
-    def generate(self, request: GenerationRequest, session_id: str = "") -> Iterator[Event]:
+    def generate(self, request: GenerationRequest, session_id: str = "") -> collections.abc.Generator[Event, None, None]:
         validate(request, self.context_tokens, self.mesh.config.vocab_size)
         session = SessionInfo(session_id or uuid.uuid4().hex)
         budget = min(request.max_tokens, self.context_tokens - len(request.prompt_ids))

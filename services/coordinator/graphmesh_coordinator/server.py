@@ -22,6 +22,7 @@ from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_coordinator.generation import Generator
 from graphmesh_coordinator.kserve import KServeServicer
+from graphmesh_coordinator.openai_api import OpenAIServer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
 from graphmesh_coordinator.scheduler import Scheduler
 from graphmesh_coordinator.servicer import CoordinatorServicer
@@ -47,10 +48,33 @@ class CoordinatorConfig:
     dtype: str = ""  # stage dtype: f32, bf16, f16; "" is bf16 on CUDA executors, f32 on CPU ones
     max_step_tokens: int = 256  # tokens per step (decode rows and prompt chunks together)
     max_step_seqs: int = 64  # sessions per step
+    http_listen: str = ""  # HOST:PORT of the OpenAI HTTP API; "": off
+    http_ready_wait_s: float = 10.0  # how long an HTTP request waits out a recovery before its 503
 
 
-def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
-    """Starts serving health at once (NOT_SERVING), installs the mesh, then turns SERVING."""
+@dataclass
+class Coordinator:
+    server: grpc.Server
+    port: int
+    mesh: Mesh
+    http: OpenAIServer | None = None
+
+
+def _http_listen(config: CoordinatorConfig) -> str:
+    """The HTTP API's address under the gRPC port's rule: a coordinator that authenticates nobody serves loopback
+    only unless --allow-insecure-remote says otherwise."""
+    host, _, port = config.http_listen.rpartition(":")
+    sec = config.security
+    if sec.authenticated or sec.allow_insecure_remote or security._is_loopback(host):
+        return config.http_listen
+    log.warning("no credentials configured: the HTTP API listens on loopback only; --allow-insecure-remote "
+                "listens as asked", extra={"http_listen": config.http_listen})
+    return f"127.0.0.1:{port}"
+
+
+def build_server(config: CoordinatorConfig) -> Coordinator:
+    """Starts serving health at once (NOT_SERVING; the HTTP API's /health says 503), installs the mesh, then turns
+    SERVING."""
     if not config.executors:
         raise InvalidArgument("--executors lists no executor", "NO_EXECUTORS")
     path = resolve_model(config.model)
@@ -87,7 +111,13 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
     health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     server.start()
     config.security.serve_health(health_servicer)
-    if config.metrics_port:
+    http = None
+    if config.http_listen:
+        http = OpenAIServer(generator, mesh, config.model, config.security.auth_token,
+                            config.security.max_concurrent_rpcs or 64, config.http_ready_wait_s)
+        http.start(_http_listen(config), config.security.tls)
+        log.info("HTTP API", extra={"http_listen": config.http_listen, "port": http.port})
+    if config.metrics_port or http is not None:  # the HTTP API serves /metrics too
         telemetry.expose(
             ("graphmesh_incarnation", "gauge", "The incarnation the mesh runs under", lambda: mesh.incarnation),
             ("graphmesh_recoveries", "counter", "Rosters rebuilt after a lost incarnation", lambda: mesh.recoveries),
@@ -97,6 +127,8 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
             ("graphmesh_waiting_sessions", "gauge", "Sessions waiting for admission", lambda: scheduler.waiting),
             ("graphmesh_kv_blocks_used", "gauge", "KV blocks lent to sessions (every rank)", lambda: scheduler.used_blocks),
             ("graphmesh_kv_blocks_total", "gauge", "KV blocks of the smallest stage pool", lambda: mesh.kv_pool_blocks),
+            ("graphmesh_kv_cache_usage_ratio", "gauge", "Share of the KV blocks lent to sessions (0 to 1)",
+             lambda: scheduler.used_blocks / mesh.kv_pool_blocks if mesh.kv_pool_blocks else 0.0),
             ("graphmesh_steps", "counter", "Steps executed", lambda: scheduler.steps),
             ("graphmesh_preemptions", "counter", "Sessions preempted for KV blocks", lambda: scheduler.preemptions))
     wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
@@ -107,7 +139,7 @@ def build_server(config: CoordinatorConfig) -> tuple[grpc.Server, int, Mesh]:
     mesh.install()
     mesh.watch()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server, port, mesh
+    return Coordinator(server, port, mesh, http)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,6 +159,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="stage dtype (default: bf16 on CUDA executors, f32 on CPU ones)")
     parser.add_argument("--max-step-tokens", type=int, default=256, help="token budget of one step")
     parser.add_argument("--max-step-seqs", type=int, default=64, help="sessions in one step at most")
+    parser.add_argument("--http-listen", default="", help="HOST:PORT of the OpenAI-compatible HTTP API (default: off)")
+    parser.add_argument("--http-ready-wait", type=float, default=10.0,
+                        help="seconds an HTTP request waits for a recovering mesh before a 503")
     security.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
     logs.configure("coordinator")
@@ -135,17 +170,20 @@ def main(argv: list[str] | None = None) -> None:
         config = CoordinatorConfig(args.listen, [a for a in args.executors.split(",") if a], args.model, args.state_dir,
                                    args.kvstore, [int(x) for x in args.split.split(",") if x], args.weights,
                                    args.startup_timeout, args.rpc_timeout, args.max_context, args.metrics_port,
-                                   security.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs)
+                                   security.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs,
+                                   args.http_listen, args.http_ready_wait)
         telemetry.serve_metrics(config.metrics_port)
-        server, port, mesh = build_server(config)
+        running = build_server(config)
     except Exception as e:
         log.error("coordinator failed to start", extra={"error": str(e)})
         raise SystemExit(f"graphmesh-coordinator: {e}") from e
-    log.info("serving", extra={"listen": config.listen, "port": port, "incarnation": mesh.incarnation})
+    log.info("serving", extra={"listen": config.listen, "port": running.port, "incarnation": running.mesh.incarnation})
     try:
-        run_until_signalled(server, grace_s=2.0)
+        run_until_signalled(running.server, grace_s=2.0)
     finally:
-        mesh.close()
+        if running.http is not None:
+            running.http.stop()
+        running.mesh.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,683 @@
+"""The OpenAI HTTP API (`--http-listen`) on the coordinator's Generator, beside gRPC, in the same process.
+
+POST /v1/chat/completions and /v1/completions (streamed as Server-Sent Events ending in `data: [DONE]`, or not),
+GET /v1/models, /health (200 only while the mesh can serve) and /metrics (every Prometheus metric of the process).
+Requests are checked the way Generate checks them (generation.validate); errors come back in OpenAI's JSON shape,
+with the status a client library retries on (429, 503) or does not (400, 401, 404).
+
+FastAPI serves on uvicorn's event loop in a thread of its own. The Generator blocks (each session waits on its
+scheduler queue), so every choice of a request generates on a thread of its own and hands its events to the loop;
+when a client goes away the choice's thread closes its session at the next token, which releases its KV.
+Extensions to OpenAI's parameters, as vLLM names them: top_k and ignore_eos.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import socket
+import ssl
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import anyio.to_thread
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from opentelemetry.trace import Span
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from graphmesh import telemetry
+from graphmesh.errors import (
+    GraphmeshError,
+    Internal,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from graphmesh.security import Tls
+from graphmesh_coordinator import genai
+from graphmesh_coordinator.generation import Event, GenerationRequest, Generator, TokenLogprob, validate
+from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
+from graphmesh_coordinator.servicer import prompt_token_ids
+
+log = logging.getLogger("graphmesh.coordinator.http")
+
+MAX_CHOICES = 16  # n (times the prompts of a batch): each choice is a session of its own
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+MAX_STOP = 16  # stop strings
+MAX_TOP_LOGPROBS = 20  # as OpenAI (chat); the legacy completions API allows 5, vLLM 20
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_SEED_MASK = (1 << 64) - 1
+_DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
+
+# gRPC code name -> (HTTP status, OpenAI error type). RESOURCE_EXHAUSTED is 429 (retry later) except for a request
+# that could never fit (KV_CAPACITY_EXCEEDED): no retry helps, so it is a bad request, as a too-long prompt is.
+_STATUS = {"INVALID_ARGUMENT": (400, "invalid_request_error"), "OUT_OF_RANGE": (400, "invalid_request_error"),
+           "FAILED_PRECONDITION": (400, "invalid_request_error"), "NOT_FOUND": (404, "not_found_error"),
+           "UNAUTHENTICATED": (401, "authentication_error"), "PERMISSION_DENIED": (403, "permission_error"),
+           "RESOURCE_EXHAUSTED": (429, "rate_limit_error"), "UNAVAILABLE": (503, "service_unavailable_error"),
+           "DEADLINE_EXCEEDED": (503, "service_unavailable_error"), "CANCELLED": (499, "cancelled")}
+_NEVER_FITS = {"KV_CAPACITY_EXCEEDED"}
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+# -- requests ------------------------------------------------------------------------------------------------
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do: clients send many (user, metadata, store, ...).
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Generation(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None  # OpenAI's default is 1
+    top_p: float | None = None
+    top_k: int | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted at their neutral values only: a client that asks for a penalty must not silently get none.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Any] | None = None
+
+
+class CompletionRequest(_Generation):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class APIError(Exception):
+    """An error as OpenAI sends it: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status, headers=self.headers)
+
+
+def api_error(error: BaseException) -> APIError:
+    """The HTTP form of whatever a request raised: typed errors keep their meaning, anything else is a 500 (logged)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, InvocationFailed):
+        error = error.cause if error.error_class == "ARCH" else \
+            Unavailable(f"the mesh lost an executor: {error}", "MESH_FENCED")
+    if not isinstance(error, GraphmeshError):
+        log.error("request failed", exc_info=error)
+        error = Internal(f"{type(error).__name__}: {error}")
+    status, type_ = _STATUS.get(error.code.name, (500, "internal_error"))
+    if error.reason in _NEVER_FITS:
+        status, type_ = 400, "invalid_request_error"
+    headers = {"Retry-After": "1"} if status in (429, 503) else {}
+    return APIError(status, error.message, type_, error.reason.lower(), error.metadata.get("parameter"), headers)
+
+
+def _bad(message: str, param: str, code: str = "invalid_parameter") -> APIError:
+    return APIError(400, message, "invalid_request_error", code, param)
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(strings) > MAX_STOP:
+        raise _bad(f"at most {MAX_STOP} stop strings, got {len(strings)}", "stop")
+    if any(not s for s in strings):
+        raise _bad("a stop string must not be empty (it would end every completion at once)", "stop")
+    return tuple(strings)
+
+
+def _check_unsupported(body: _Generation) -> None:
+    for name in ("frequency_penalty", "presence_penalty"):
+        if getattr(body, name):
+            raise _bad(f"{name} is not supported (only 0)", name, "unsupported_parameter")
+    if body.logit_bias:
+        raise _bad("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+    if isinstance(body, ChatCompletionRequest) and body.tools:
+        raise _bad("tools are not supported", "tools", "unsupported_parameter")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise _bad("echo is not supported", "echo", "unsupported_parameter")
+        if body.best_of not in (None, 1, body.n):
+            raise _bad("best_of is not supported", "best_of", "unsupported_parameter")
+        if body.suffix:
+            raise _bad("suffix is not supported", "suffix", "unsupported_parameter")
+
+
+def _message_text(message: ChatMessage, index: int) -> tuple[str, str]:
+    if message.role not in ROLES:
+        raise _bad(f"messages[{index}].role {message.role!r} is not one of {', '.join(ROLES)}", f"messages[{index}].role")
+    content = message.content
+    if isinstance(content, list):
+        bad = next((p.type for p in content if p.type != "text"), None)
+        if bad is not None:
+            raise _bad(f"messages[{index}] has a {bad!r} part; only text is supported", f"messages[{index}].content")
+        content = "".join(p.text or "" for p in content)
+    role = "system" if message.role == "developer" else message.role  # OpenAI's newer name for a system message
+    return role, content or ""
+
+
+@dataclass
+class _Call:
+    """One parsed request: a prompt per entry of `prompts`, each generated `n` times."""
+
+    operation: Literal["chat", "text_completion"]
+    body: ChatCompletionRequest | CompletionRequest
+    prompts: list[list[int]]
+    requests: list[GenerationRequest]  # prompt-major: choice index = prompt * n + i
+    logprobs: bool
+    top_logprobs: int
+    max_tokens: int | None  # as asked (None: up to the context)
+
+    @property
+    def stream(self) -> bool:
+        return self.body.stream
+
+    @property
+    def include_usage(self) -> bool:
+        return self.body.stream and self.body.stream_options is not None and self.body.stream_options.include_usage
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_tokens: int
+    text: str = ""
+    tokens: int = 0
+    finish_reason: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_at: float = 0.0
+    done: bool = False
+
+
+class _Sessions:
+    """The sessions of one request, each generated on a thread of its own (the Generator blocks); their events
+    come to the event loop through one queue as (choice index, Event | the error that ended it | None at the end).
+    `on_done` runs when the last thread has ended: the request's admission slot is held exactly that long, even when
+    a stream's body is never iterated (a client gone before the first byte) and so never cancels them."""
+
+    def __init__(self, generator: Generator, requests: Sequence[GenerationRequest], span: Span,
+                 on_done: Callable[[], None]) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self.generator, self.span, self._on_done = generator, span, on_done
+        self._live, self._lock = len(requests), threading.Lock()
+        for index, request in enumerate(requests):
+            threading.Thread(target=self._run, args=(index, request), name=f"http-session-{index}", daemon=True).start()
+
+    def _run(self, index: int, request: GenerationRequest) -> None:
+        try:
+            with telemetry.use(self.span):  # the Generator's spans and the steps join the request's trace
+                events = self.generator.generate(request)
+                try:
+                    for event in events:
+                        self._put(index, event)
+                        if self.cancelled.is_set():
+                            return  # closing the generator (below) ends the session: its rows stop, its KV is released
+                    self._put(index, None)
+                except Exception as e:
+                    self._put(index, e)
+                finally:
+                    events.close()
+        finally:
+            with self._lock:
+                self._live -= 1
+                last = self._live == 0
+            if last:
+                self._on_done()
+
+    def _put(self, index: int, item: Event | BaseException | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, item))
+        except RuntimeError:  # the loop is closed: the server is stopping, nobody reads this any more
+            self.cancelled.set()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+# -- the server ----------------------------------------------------------------------------------------------
+class OpenAIServer:
+    def __init__(self, generator: Generator, mesh: Mesh, model_name: str, auth_token: str = "",
+                 max_concurrent: int = 64, ready_wait_s: float = 10.0) -> None:
+        self.generator, self.mesh, self.model_name = generator, mesh, model_name
+        self._expected = f"Bearer {auth_token}" if auth_token else ""
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self.max_concurrent = max_concurrent
+        self.ready_wait_s = ready_wait_s
+        self.created = int(time.time())
+        self.address, self.port = "", 0
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._tls_dir: tempfile.TemporaryDirectory[str] | None = None
+        self.app = self._app()
+
+    # -- FastAPI app --
+    def _app(self) -> FastAPI:
+        app = FastAPI(title="graphmesh", docs_url=None, redoc_url=None, openapi_url=None)
+        authorized = [Depends(self._authorize)]
+        app.post("/v1/chat/completions", dependencies=authorized)(self.chat_completions)
+        app.post("/v1/completions", dependencies=authorized)(self.completions)
+        app.get("/v1/models", dependencies=authorized)(self.models)
+        app.get("/v1/models/{model:path}", dependencies=authorized)(self.model)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.metrics)
+        app.exception_handler(APIError)(self._api_error)
+        app.exception_handler(RequestValidationError)(self._validation_error)
+        app.exception_handler(StarletteHTTPException)(self._http_error)
+        app.exception_handler(GraphmeshError)(self._graphmesh_error)
+        return app
+
+    async def _api_error(self, request: Request, error: Exception) -> Response:
+        return api_error(error).response()
+
+    async def _graphmesh_error(self, request: Request, error: Exception) -> Response:
+        return api_error(error).response()
+
+    async def _validation_error(self, request: Request, error: Exception) -> Response:
+        """FastAPI answers a body that does not parse with 422; OpenAI (and its clients) expect 400."""
+        assert isinstance(error, RequestValidationError)
+        errors = error.errors()
+        first = errors[0] if errors else {}
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg', '')}"
+                            for e in errors[:5])
+        return _bad(message or "the request body is not valid", ".".join(where) or "body").response()
+
+    async def _http_error(self, request: Request, error: Exception) -> Response:
+        assert isinstance(error, StarletteHTTPException)
+        type_ = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return APIError(error.status_code, str(error.detail), type_).response()
+
+    async def _authorize(self, request: Request) -> None:
+        if not self._expected:
+            return
+        sent = request.headers.get("authorization", "")
+        # compare_digest: the time taken must not reveal how much of a guessed token was right
+        if not sent or not hmac.compare_digest(sent.encode(), self._expected.encode()):
+            raise api_error(Unauthenticated("this API needs 'Authorization: Bearer <token>'" if not sent
+                                            else "the bearer token is wrong", "MISSING_TOKEN" if not sent
+                                            else "BAD_TOKEN"))
+
+    async def health(self) -> Response:
+        if self.mesh.ready:
+            return PlainTextResponse("ok")
+        return PlainTextResponse("the mesh is not ready (starting or recovering)", 503, headers={"Retry-After": "1"})
+
+    async def metrics(self) -> Response:
+        return Response(generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "graphmesh",
+                "max_model_len": self.generator.context_tokens}
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model: str) -> dict[str, Any]:
+        self._check_model(model)
+        return self._model_card()
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise api_error(NotFound(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                                     "MODEL_NOT_FOUND", {"parameter": "model"}))
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return await self._serve("chat", body, request)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        return await self._serve("text_completion", body, request)
+
+    # -- requests --
+    def _parse(self, operation: Literal["chat", "text_completion"], body: ChatCompletionRequest | CompletionRequest) -> _Call:
+        """The request's prompts as token ids and its sessions, checked as Generate checks them. Runs on a worker
+        thread: tokenizing a long prompt must not hold up every other stream on the event loop."""
+        self._check_model(body.model)
+        _check_unsupported(body)
+        tokenizer, model = self.generator.tokenizer, self.model_name
+        if isinstance(body, ChatCompletionRequest):
+            if not body.messages:
+                raise _bad("messages must not be empty", "messages")
+            chat = [_message_text(m, i) for i, m in enumerate(body.messages)]
+            prompts = [prompt_token_ids(tokenizer, model, messages=chat)]
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            logprobs, top = body.logprobs, body.top_logprobs or 0
+            if top and not logprobs:
+                raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+        else:
+            prompt = body.prompt
+            if isinstance(prompt, str):
+                prompts = [prompt_token_ids(tokenizer, model, prompt=prompt, raw=True)]
+            elif prompt and all(isinstance(p, int) for p in prompt):
+                prompts = [[int(t) for t in prompt]]  # type: ignore[arg-type]
+            else:
+                if not prompt:
+                    raise _bad("the prompt is empty", "prompt", "empty_prompt")
+                if len(prompt) > MAX_PROMPTS:
+                    raise _bad(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", "prompt")
+                prompts = [prompt_token_ids(tokenizer, model, prompt=p, raw=True) if isinstance(p, str)
+                           else [int(t) for t in p] if isinstance(p, list) else [p] for p in prompt]
+            max_tokens = body.max_tokens
+            logprobs, top = body.logprobs is not None, body.logprobs or 0
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise _bad(f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices", "n")
+        stop = _stop_strings(body.stop)
+        temperature = 1.0 if body.temperature is None else body.temperature
+        top_p = 1.0 if body.top_p is None else body.top_p
+        requests = []
+        for ids in prompts:
+            for i in range(body.n):
+                # A seed makes a request reproducible; its choices differ from each other because each draws with
+                # its own. Without one, every choice draws with a fresh random seed (OpenAI's behaviour).
+                seed = (body.seed + i) & _SEED_MASK if body.seed is not None else secrets.randbits(63)
+                budget = max_tokens if max_tokens is not None else self._room(len(ids))
+                request = GenerationRequest(ids, budget, temperature, body.top_k or 0, top_p, seed, stop,
+                                            body.ignore_eos, logprobs, top)
+                validate(request, self.generator.context_tokens, self.mesh.config.vocab_size)
+                requests.append(request)
+        return _Call(operation, body, prompts, requests, logprobs, top, max_tokens)
+
+    def _room(self, prompt_tokens: int) -> int:
+        """The default max_tokens: up to the context, or what one session may hold of the KV pool when that is
+        less (the default must never be a request that is refused for not fitting)."""
+        limit = self.generator.context_tokens
+        if self.mesh.kv_pool_blocks:
+            limit = min(limit, self.mesh.kv_pool_blocks * self.mesh.kv_block_tokens)
+        return max(1, limit - prompt_tokens)
+
+    async def _serve(self, operation: Literal["chat", "text_completion"], body: ChatCompletionRequest | CompletionRequest,
+                     request: Request) -> Response:
+        t0 = time.perf_counter()
+        if not self._slots.acquire(blocking=False):
+            raise api_error(ResourceExhausted(f"{self.max_concurrent} requests are in progress; retry later",
+                                              "TOO_MANY_REQUESTS"))
+        owns_slot = True  # until the request's sessions take it over
+        response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + uuid.uuid4().hex
+        usage = genai.Usage()
+        span = telemetry.start_server_span(genai.span_name(operation, body.model),
+                                           telemetry.extract(dict(request.headers)),
+                                           self._request_attributes(operation, body, request))
+        try:
+            call = await anyio.to_thread.run_sync(self._parse, operation, body)
+            if not await anyio.to_thread.run_sync(self.mesh.wait_ready, self.ready_wait_s):
+                raise api_error(Unavailable(f"the mesh has not been ready for {self.ready_wait_s:.0f} s "
+                                            "(starting or recovering)", "MESH_NOT_READY"))
+            usage.input_tokens = sum(len(p) for p in call.prompts)
+            sessions = _Sessions(self.generator, call.requests, span, self._slots.release)
+            owns_slot = False
+            choices = [_Choice(i, len(call.prompts[i // body.n])) for i in range(len(call.requests))]
+            try:
+                first = await sessions.queue.get()  # an error before the first token is an HTTP status, not an event
+                if isinstance(first[1], BaseException):
+                    raise first[1]
+                if call.stream:
+                    stream = self._stream(call, sessions, choices, first, response_id, usage, span, t0)
+                    return StreamingResponse(stream, media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                await self._collect(call, sessions, choices, first, request, t0)
+            except BaseException:
+                sessions.cancel()
+                raise
+            self._done(call, choices, usage, response_id, span, t0)
+            return JSONResponse(self._full_response(call, choices, response_id, usage))
+        except Exception as e:
+            error = api_error(e)
+            self._failed(operation, usage, response_id, span, t0, error.code or error.type)
+            raise error from None
+        except asyncio.CancelledError:
+            self._failed(operation, usage, response_id, span, t0, "cancelled")
+            raise
+        finally:
+            if owns_slot:
+                self._slots.release()
+
+    def _failed(self, operation: str, usage: genai.Usage, response_id: str, span: Span, t0: float,
+                error_type: str) -> None:
+        # Labelled with the served model even when the request named another: a label taken from requests would
+        # let any client add time series without bound.
+        genai.record(operation, self.model_name, usage, time.perf_counter() - t0, error_type)
+        genai.finish_span(span, response_id, self.model_name, usage, error_type)
+
+    def _request_attributes(self, operation: str, body: _Generation, request: Request) -> dict[str, Any]:
+        max_tokens = body.max_completion_tokens if isinstance(body, ChatCompletionRequest) and \
+            body.max_completion_tokens is not None else body.max_tokens
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        return genai.request_attributes(operation, body.model, max_tokens=max_tokens,
+                                        temperature=1.0 if body.temperature is None else body.temperature,
+                                        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+                                        seed=body.seed, stop=stop, choices=body.n,
+                                        server_address=request.url.hostname or "", server_port=request.url.port or 0)
+
+    def _apply(self, call: _Call, choice: _Choice, event: Event, t0: float) -> None:
+        """One event of a choice: its text, tokens and logprobs, and the time-to-first-token metric."""
+        now = time.perf_counter()
+        if not choice.tokens and event.token_ids:
+            choice.first_token_at = now
+            genai.TIME_TO_FIRST_TOKEN.labels(call.operation, self.model_name).observe(now - t0)
+        choice.tokens += len(event.token_ids)
+        choice.text += event.text
+        choice.logprobs += event.logprobs
+        if event.finish_reason:
+            choice.finish_reason = _FINISH.get(event.finish_reason, "stop")
+
+    def _end(self, call: _Call, choice: _Choice) -> None:
+        choice.done = True
+        if choice.tokens > 1:
+            per_token = (time.perf_counter() - choice.first_token_at) / (choice.tokens - 1)
+            genai.TIME_PER_OUTPUT_TOKEN.labels(call.operation, self.model_name).observe(per_token)
+
+    async def _collect(self, call: _Call, sessions: _Sessions, choices: list[_Choice],
+                       first: tuple[int, Event | BaseException | None], request: Request, t0: float) -> None:
+        item: tuple[int, Event | BaseException | None] | None = first
+        while not all(c.done for c in choices):
+            if item is None:
+                try:
+                    item = await asyncio.wait_for(sessions.queue.get(), _DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():  # nobody will read the answer: stop generating
+                        raise APIError(499, "the client closed the connection", "cancelled", "client_disconnected") \
+                            from None
+                    continue
+            index, event = item
+            item = None
+            if isinstance(event, BaseException):
+                raise event
+            if event is None:
+                self._end(call, choices[index])
+            else:
+                self._apply(call, choices[index], event, t0)
+
+    def _done(self, call: _Call, choices: list[_Choice], usage: genai.Usage, response_id: str, span: Span,
+              t0: float) -> None:
+        usage.output_tokens = sum(c.tokens for c in choices)
+        usage.finish_reasons = [c.finish_reason for c in choices]
+        genai.record(call.operation, self.model_name, usage, time.perf_counter() - t0)
+        genai.finish_span(span, response_id, self.model_name, usage)
+
+    @staticmethod
+    def _usage(usage: genai.Usage) -> dict[str, int]:
+        return {"prompt_tokens": usage.input_tokens, "completion_tokens": usage.output_tokens,
+                "total_tokens": usage.input_tokens + usage.output_tokens}
+
+    # -- responses --
+    def _logprobs(self, call: _Call, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not call.logprobs:
+            return None
+        text = self._token_text
+        if call.operation == "chat":
+            return {"content": [{"token": text(e.token_id), "logprob": e.logprob, "bytes": list(text(e.token_id).encode()),
+                                 "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}
+                                                  for t, lp in e.top]} for e in entries]}
+        return {"tokens": [text(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries] if call.top_logprobs else None,
+                "text_offset": []}
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.generator.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+    def _full_response(self, call: _Call, choices: list[_Choice], response_id: str, usage: genai.Usage) -> dict[str, Any]:
+        out: list[dict[str, Any]] = []
+        for c in choices:
+            if call.operation == "chat":
+                out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": self._logprobs(call, c.logprobs), "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": c.index, "text": c.text, "logprobs": self._logprobs(call, c.logprobs),
+                            "finish_reason": c.finish_reason})
+        return {"id": response_id, "object": "chat.completion" if call.operation == "chat" else "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": out, "usage": self._usage(usage),
+                "system_fingerprint": None}
+
+    def _chunk(self, call: _Call, response_id: str, created: int, choices: list[dict[str, Any]],
+               usage: dict[str, int] | None = None) -> bytes:
+        chunk: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk" if call.operation == "chat"
+                                 else "text_completion", "created": created, "model": self.model_name, "choices": choices}
+        if call.include_usage:
+            chunk["usage"] = usage
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+    def _delta(self, call: _Call, index: int, text: str, logprobs: list[TokenLogprob], finish: str | None,
+               role: bool = False) -> dict[str, Any]:
+        if call.operation == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text} if text \
+                else {}
+            return {"index": index, "delta": delta, "logprobs": self._logprobs(call, logprobs) if logprobs else None,
+                    "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": self._logprobs(call, logprobs) if logprobs else None,
+                "finish_reason": finish}
+
+    async def _stream(self, call: _Call, sessions: _Sessions, choices: list[_Choice],
+                      first: tuple[int, Event | BaseException | None], response_id: str, usage: genai.Usage, span: Span,
+                      t0: float) -> AsyncIterator[bytes]:
+        """The SSE body. Starlette cancels it when the client disconnects; `finally` then ends the sessions."""
+        created, error, recorded = int(time.time()), "cancelled", False  # "cancelled" until it ends otherwise
+        try:
+            if call.operation == "chat":  # OpenAI opens every choice with the assistant's role
+                yield self._chunk(call, response_id, created, [self._delta(call, c.index, "", [], None, role=True)
+                                                               for c in choices])
+            item: tuple[int, Event | BaseException | None] | None = first
+            while not all(c.done for c in choices):
+                index, event = item if item is not None else await sessions.queue.get()
+                item = None
+                choice = choices[index]
+                if isinstance(event, BaseException):  # a choice failed after the 200 was sent: an error event
+                    failure = api_error(event)
+                    error = failure.code or failure.type
+                    yield b"data: " + json.dumps(failure.body()).encode() + b"\n\n"
+                    yield b"data: [DONE]\n\n"
+                    return
+                if event is None:
+                    self._end(call, choice)
+                    continue
+                self._apply(call, choice, event, t0)
+                if event.text or event.finish_reason or (call.logprobs and event.logprobs):
+                    finish = _FINISH.get(event.finish_reason, "stop") if event.finish_reason else None
+                    yield self._chunk(call, response_id, created,
+                                      [self._delta(call, index, event.text, event.logprobs, finish)])
+            self._done(call, choices, usage, response_id, span, t0)
+            recorded = True
+            if call.include_usage:
+                yield self._chunk(call, response_id, created, [], self._usage(usage))
+            yield b"data: [DONE]\n\n"
+        finally:
+            sessions.cancel()
+            if not recorded:
+                usage.output_tokens = sum(c.tokens for c in choices)
+                self._failed(call.operation, usage, response_id, span, t0, error)
+
+    # -- lifecycle --
+    def start(self, listen: str, tls: Tls | None = None) -> int:
+        """Binds `listen` (HOST:PORT; port 0 picks one) and serves in a thread; returns the port. With TLS the
+        API serves the coordinator's certificate and, under mutual TLS, requires a client certificate of its CA."""
+        host, _, port_text = listen.rpartition(":")
+        host = host.strip("[]") or "0.0.0.0"
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, int(port_text)))  # here, so a port in use fails the coordinator's start, not a thread
+        sock.listen(2048)
+        tls_args = self._tls_args(tls) if tls is not None else {}
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=2, **tls_args)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30.0
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"the HTTP API did not start on {listen}")
+            time.sleep(0.01)
+        self.address, self.port = host, int(sock.getsockname()[1])
+        return self.port
+
+    def _tls_args(self, tls: Tls) -> dict[str, Any]:
+        """uvicorn reads certificates from files: the PEMs go to a private temporary directory."""
+        self._tls_dir = tempfile.TemporaryDirectory(prefix="graphmesh-http-tls-")
+        root = Path(self._tls_dir.name)
+        files = {"cert.pem": tls.cert, "key.pem": tls.key, **({"ca.pem": tls.ca} if tls.ca else {})}
+        for name, data in files.items():
+            (root / name).write_bytes(data)
+            (root / name).chmod(0o600)
+        args: dict[str, Any] = {"ssl_certfile": str(root / "cert.pem"), "ssl_keyfile": str(root / "key.pem")}
+        if tls.ca:
+            args.update(ssl_ca_certs=str(root / "ca.pem"), ssl_cert_reqs=ssl.CERT_REQUIRED)
+        return args
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self._tls_dir is not None:
+            self._tls_dir.cleanup()
