@@ -14,9 +14,9 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test test-fast proto proto-check lint bench helm clean
+.PHONY: install demo test test-fast proto proto-check lint bench helm clean redis-server
 
-install: $(STAMP)
+install: $(STAMP) redis-server
 
 $(VENV)/bin/python:
 	$(PY_SYS) -m venv $(VENV)
@@ -35,6 +35,18 @@ $(STAMP): $(VENV)/bin/python requirements-dev.txt $(PYPROJECTS)
 	  echo "note: BLIS/OpenBLAS not installed; the mlx backend runs on its slow bundled BLAS"; fi
 	touch $(STAMP)
 
+# The kvstore's shared tier is tested against a real server (tests/test_kvstore_redis.py starts one on a free port):
+# valkey-server where the distribution has it, else redis-server (one protocol). Only installed when neither is.
+redis-server:
+	@if ! command -v valkey-server >/dev/null && ! command -v redis-server >/dev/null; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "== installing a Redis-protocol server (valkey-server or redis-server) for the kvstore's shared tier"; \
+	    (apt-get install -y -q valkey-server >/dev/null 2>&1 || apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null 2>&1 && (apt-get install -y -q valkey-server >/dev/null 2>&1 || \
+	      apt-get install -y -q redis-server >/dev/null 2>&1))) || \
+	    echo "note: neither valkey-server nor redis-server could be installed; the shared-tier tests will fail in CI"; \
+	  else echo "note: install valkey-server or redis-server for the kvstore's shared-tier tests"; fi; fi
+
 proto: $(VENV)/bin/python
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=clients/python --grpc_python_out=clients/python \
 	  --mypy_out=clients/python --mypy_grpc_out=clients/python $(PROTOS)
@@ -52,10 +64,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check clients services tests bench
 	$(VENV)/bin/mypy clients/python/graphmesh services tests bench
 
-test: $(STAMP) proto-check lint
+test: $(STAMP) redis-server proto-check lint
 	$(PY) -m pytest -q -x --durations=15 tests
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) redis-server
 	$(PY) -m pytest -q -x -m "not slow" tests
 
 demo: $(STAMP)

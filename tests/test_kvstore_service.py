@@ -56,7 +56,7 @@ def test_blocks_through_the_client(kvstore: str) -> None:
         assert s.lookups >= 5 and s.hit_tokens >= 32 + 16 + 32 + 16 and s.miss_tokens >= 8
         other = kvkeys.namespace("sha256:other", 0, LAYERS, KV_DIM)
         client.put_blocks(other, tokens, 0, rows)
-        assert client.evict(other) == 2
+        assert client.evict(other) == 2 * LAYERS  # entries: one per block and layer
         assert (client.lookup(other, tokens), client.lookup(NS, tokens)) == (0, 32)
 
 
@@ -106,7 +106,7 @@ def test_a_restarted_store_keeps_its_blocks(tmp_path: Path) -> None:
         assert client.put_blocks(NS, tokens, 0, rows) == (4, 0)
     with start_process(args, address, log_path=tmp_path / "second.log"), KvStoreClient(address) as client:
         s = client.stats()
-        assert (s.blocks, s.memory_bytes) == (4, 0)
+        assert (s.blocks, s.memory_bytes) == (4 * LAYERS, 0)  # an entry per block and layer
         assert client.lookup(NS, tokens) == 64
         np.testing.assert_array_equal(client.get_blocks(NS, tokens), rows)
 

@@ -1,12 +1,16 @@
-"""KV block keys: a SHA-256 chain over fixed-size token blocks, rooted in what the rows mean.
+"""KV block keys: a SHA-256 chain over fixed-size token blocks, rooted in what the rows mean, one key per layer.
 
-h_0 = SHA-256(namespace), h_i = SHA-256(h_{i-1} || tokens of block i as little-endian int64). Never
-Python's hash(): keys must be equal across processes, restarts and machines.
+h_0 = SHA-256(model identity | layout | dtype | kv_dim | block size), h_i = SHA-256(h_{i-1} || tokens of block i
+as little-endian int64), and the entry of layer l for block i is SHA-256(h_i || "layer" || l as little-endian
+uint32). The root leaves out which layers a stage holds: a layer's rows depend only on the model and the
+tokens, so keying them per layer lets a stage of any later layer split (after a re-plan) find the rows that
+stages of the old split wrote. Never Python's hash(): keys must be equal across processes, restarts and machines.
 """
 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,8 +36,8 @@ def namespace(model_identity: str, layer_start: int, layer_end: int, kv_dim: int
 
 
 def root(ns: kvstore_pb2.KvNamespace) -> bytes:
-    fields = (ns.model_identity, ns.layout, dtypes.from_proto(ns.dtype), ns.layer_start, ns.layer_end, ns.kv_dim,
-              ns.block_tokens)
+    """The chain's root: everything the rows' meaning depends on except the layer range (see the module doc)."""
+    fields = (ns.model_identity, ns.layout, dtypes.from_proto(ns.dtype), ns.kv_dim, ns.block_tokens)
     return hashlib.sha256("|".join(str(f) for f in fields).encode()).digest()
 
 
@@ -46,3 +50,14 @@ def chain(ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int]) -> list[bytes]:
         h = hashlib.sha256(h + tokens[start:start + block].tobytes()).digest()
         keys.append(h)
     return keys
+
+
+def layer_key(link: bytes, layer: int) -> bytes:
+    """The key of layer `layer`'s entry for the block whose chain link is `link`."""
+    return hashlib.sha256(link + b"layer" + struct.pack("<I", layer)).digest()
+
+
+def layer_keys(ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int]) -> list[list[bytes]]:
+    """Per whole block of `token_ids`, the keys of the namespace's layers [layer_start, layer_end), in order."""
+    layers = range(ns.layer_start, ns.layer_end)
+    return [[layer_key(h, layer) for layer in layers] for h in chain(ns, token_ids)]

@@ -1,4 +1,8 @@
-"""The KV store process: `graphmesh-kvstore --listen HOST:PORT [--capacity-bytes N] [--dir DIR] [--block-tokens 16]`."""
+"""The KV store process: `graphmesh-kvstore --listen HOST:PORT [--capacity-bytes N] [--dir DIR] [--block-tokens 16]
+[--redis-url redis://HOST:PORT/DB [--redis-password-file F] [--redis-ttl S]]`.
+
+With --redis-url, blocks live in Redis or Valkey behind this process's memory tier, so several replicas on one
+Redis share them; the memory (and disk) tiers then cache the shared one."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from graphmesh.serving import byte_size, run_until_signalled
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from graphmesh_kvstore.mover import Mover
 from graphmesh_kvstore.servicer import KvStoreServicer
+from graphmesh_kvstore.shared import SharedTier
 from graphmesh_kvstore.store import DEFAULT_MAX_PUT_BYTES, Store
 
 log = logging.getLogger("graphmesh.kvstore")
@@ -38,13 +43,19 @@ class KvStoreConfig:
     executor_timeout_s: float = 120.0  # for seeds and copies whose caller set no deadline
     workers: int = 16
     metrics_port: int = 0  # Prometheus /metrics; 0: off
+    redis_url: str = ""  # the shared tier; "": none
+    redis_password_file: Path | None = None
+    redis_ttl_s: float = 0.0  # 0: entries live until Redis's maxmemory policy evicts them
+    redis_timeout_s: float = 0.25  # per call: a slow Redis turns into misses, never into slow generations
     security: ServerSecurity = field(default_factory=ServerSecurity)
 
 
 def build_server(config: KvStoreConfig) -> tuple[grpc.Server, int, Store]:
     """Creates, binds and starts the server; health turns SERVING once it accepts calls."""
+    shared = SharedTier(config.redis_url, password_file=config.redis_password_file, ttl_s=config.redis_ttl_s,
+                        timeout_s=config.redis_timeout_s) if config.redis_url else None
     store = Store(config.capacity_bytes, config.directory, config.disk_capacity_bytes, config.block_tokens,
-                  config.max_put_bytes)
+                  config.max_put_bytes, shared)
     mover = Mover(store, config.executor_timeout_s, config.max_message_bytes, config.security.tls)
     options = [("grpc.max_receive_message_length", config.max_message_bytes),
                ("grpc.max_send_message_length", config.max_message_bytes)]
@@ -72,7 +83,13 @@ def build_server(config: KvStoreConfig) -> tuple[grpc.Server, int, Store]:
             ("graphmesh_kv_miss_tokens", "counter", "Looked-up tokens not stored", lambda: store.stats().miss_tokens),
             ("graphmesh_kv_evictions", "counter", "Blocks evicted", lambda: store.stats().evictions),
             ("graphmesh_kv_corrupt_blocks", "counter", "Blocks dropped for a bad checksum",
-             lambda: store.stats().corrupt_blocks))
+             lambda: store.stats().corrupt_blocks),
+            ("graphmesh_kv_shared_up", "gauge", "1 while the shared tier (Redis/Valkey) answers",
+             lambda: int(store.stats().shared_up)),
+            ("graphmesh_kv_shared_hit_blocks", "counter", "Entries served from the shared tier",
+             lambda: store.stats().shared_hit_blocks),
+            ("graphmesh_kv_shared_errors", "counter", "Failed calls to the shared tier (served as misses)",
+             lambda: store.stats().shared_errors))
     return server, port, store
 
 
@@ -89,13 +106,18 @@ def parse_args(argv: list[str] | None = None) -> KvStoreConfig:
     p.add_argument("--executor-timeout", type=float, default=120.0, help="seconds for a seed or copy without deadline")
     p.add_argument("--workers", type=int, default=16, help="calls served at once (--max-concurrent-rpcs overrides)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
+    p.add_argument("--redis-url", default="", help="shared tier: redis://HOST:PORT/DB (Redis or Valkey; rediss:// for TLS)")
+    p.add_argument("--redis-password-file", type=Path, help="file holding the shared tier's password")
+    p.add_argument("--redis-ttl", type=float, default=0.0, help="seconds an entry lives in the shared tier; 0: until evicted")
+    p.add_argument("--redis-timeout", type=float, default=0.25, help="seconds per shared-tier call before it is a miss")
     security.add_arguments(p)
     a = p.parse_args(argv)
     return KvStoreConfig(listen=a.listen, capacity_bytes=a.capacity_bytes, directory=a.dir,
                          disk_capacity_bytes=a.disk_capacity_bytes, block_tokens=a.block_tokens,
                          max_put_bytes=a.max_put_bytes, max_message_bytes=a.max_message_bytes,
                          executor_timeout_s=a.executor_timeout, workers=a.workers, metrics_port=a.metrics_port,
-                         security=security.from_args(a))
+                         redis_url=a.redis_url, redis_password_file=a.redis_password_file, redis_ttl_s=a.redis_ttl,
+                         redis_timeout_s=a.redis_timeout, security=security.from_args(a))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -110,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("serving", extra={"listen": f"{host}:{port}", "capacity_bytes": config.capacity_bytes,
                                "dir": str(config.directory or ""), "disk_capacity_bytes": config.disk_capacity_bytes,
                                "block_tokens": config.block_tokens, "blocks": s.blocks, "disk_bytes": s.disk_bytes,
+                               "shared": bool(config.redis_url),
                                "startup_ms": round((time.monotonic() - started) * 1e3, 1)})
     print(f"graphmesh-kvstore listening on {host}:{port}", file=sys.stderr, flush=True)
     run_until_signalled(server, grace_s=5.0)

@@ -90,4 +90,5 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
             blocks=s.blocks, memory_bytes=s.memory_bytes, disk_bytes=s.disk_bytes, capacity_bytes=s.capacity_bytes,
             lookups=s.lookups, hit_tokens=s.hit_tokens, miss_tokens=s.miss_tokens, hit_ratio=s.hit_ratio,
             evictions=s.evictions, corrupt_blocks=s.corrupt_blocks, seed_bytes_per_s=s.seed_bytes_per_s,
-            copy_bytes_per_s=s.copy_bytes_per_s)
+            copy_bytes_per_s=s.copy_bytes_per_s, shared_configured=s.shared_configured, shared_up=s.shared_up,
+            shared_hit_blocks=s.shared_hit_blocks, shared_errors=s.shared_errors)

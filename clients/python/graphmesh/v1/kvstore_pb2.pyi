@@ -39,7 +39,9 @@ class KvNamespace(_message.Message):
     """layout names the row layout, e.g. "rows[tokens,layers,2,kv_dim]"."""
     dtype: _tensor_pb2.DType.ValueType
     layer_start: _builtins.int
-    """layer_start and layer_end are the stage's layers [layer_start, layer_end)."""
+    """layer_start and layer_end are the stage's layers [layer_start, layer_end):
+    which layers' entries a call reads or writes (not part of the keys).
+    """
     layer_end: _builtins.int
     kv_dim: _builtins.int
     """kv_dim is the row width per layer in elements (kv heads * head dim)."""
@@ -362,6 +364,7 @@ class EvictResponse(_message.Message):
 
     EVICTED_BLOCKS_FIELD_NUMBER: _builtins.int
     evicted_blocks: _builtins.int
+    """evicted_blocks counts entries (one block of one layer) this replica held."""
     def __init__(
         self,
         *,
@@ -406,7 +409,14 @@ class StatsResponse(_message.Message):
     CORRUPT_BLOCKS_FIELD_NUMBER: _builtins.int
     SEED_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     COPY_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    SHARED_CONFIGURED_FIELD_NUMBER: _builtins.int
+    SHARED_UP_FIELD_NUMBER: _builtins.int
+    SHARED_HIT_BLOCKS_FIELD_NUMBER: _builtins.int
+    SHARED_ERRORS_FIELD_NUMBER: _builtins.int
     blocks: _builtins.int
+    """blocks counts entries (one block of one layer) in the memory and disk
+    tiers of this replica.
+    """
     memory_bytes: _builtins.int
     disk_bytes: _builtins.int
     capacity_bytes: _builtins.int
@@ -417,10 +427,21 @@ class StatsResponse(_message.Message):
     hit_ratio: _builtins.float
     evictions: _builtins.int
     corrupt_blocks: _builtins.int
-    """corrupt_blocks counts disk blocks dropped because their checksum failed."""
+    """corrupt_blocks counts entries of the disk or shared tier dropped because
+    their checksum or header failed (each one served as a miss).
+    """
     seed_bytes_per_s: _builtins.float
     """seed_bytes_per_s and copy_bytes_per_s are the mean throughputs so far."""
     copy_bytes_per_s: _builtins.float
+    shared_configured: _builtins.bool
+    """shared_configured: a shared tier (Redis or Valkey, --redis-url) is in use;
+    shared_up: its last call succeeded (while down it is skipped: misses).
+    """
+    shared_up: _builtins.bool
+    shared_hit_blocks: _builtins.int
+    """shared_hit_blocks counts entries served from the shared tier."""
+    shared_errors: _builtins.int
+    """shared_errors counts calls to the shared tier that failed."""
     def __init__(
         self,
         *,
@@ -436,10 +457,14 @@ class StatsResponse(_message.Message):
         corrupt_blocks: _builtins.int = ...,
         seed_bytes_per_s: _builtins.float = ...,
         copy_bytes_per_s: _builtins.float = ...,
+        shared_configured: _builtins.bool = ...,
+        shared_up: _builtins.bool = ...,
+        shared_hit_blocks: _builtins.int = ...,
+        shared_errors: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "capacity_bytes", b"capacity_bytes", "copy_bytes_per_s", b"copy_bytes_per_s", "corrupt_blocks", b"corrupt_blocks", "disk_bytes", b"disk_bytes", "evictions", b"evictions", "hit_ratio", b"hit_ratio", "hit_tokens", b"hit_tokens", "lookups", b"lookups", "memory_bytes", b"memory_bytes", "miss_tokens", b"miss_tokens", "seed_bytes_per_s", b"seed_bytes_per_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "capacity_bytes", b"capacity_bytes", "copy_bytes_per_s", b"copy_bytes_per_s", "corrupt_blocks", b"corrupt_blocks", "disk_bytes", b"disk_bytes", "evictions", b"evictions", "hit_ratio", b"hit_ratio", "hit_tokens", b"hit_tokens", "lookups", b"lookups", "memory_bytes", b"memory_bytes", "miss_tokens", b"miss_tokens", "seed_bytes_per_s", b"seed_bytes_per_s", "shared_configured", b"shared_configured", "shared_errors", b"shared_errors", "shared_hit_blocks", b"shared_hit_blocks", "shared_up", b"shared_up"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -30,12 +30,15 @@ GRPC_VERSION: str
 class KvStoreServiceStub:
     """KvStoreService stores committed KV blocks keyed by their token prefix and
     moves KV rows into and between executors. A block holds the K and V rows of
-    every layer of one stage for `block_tokens` consecutive tokens.
+    every layer of one stage for `block_tokens` consecutive tokens; the store
+    keeps it as one entry per layer and assembles any layer range from them.
 
-    Keys: h_0 = SHA-256(namespace), h_i = SHA-256(h_{i-1} || tokens of block
-    i as little-endian int64). The namespace (model identity, layout, dtype,
-    layer range, kv_dim, block size) roots the chain, so different models,
-    stages or dtypes never alias.
+    Keys: h_0 = SHA-256(model identity | layout | dtype | kv_dim | block size),
+    h_i = SHA-256(h_{i-1} || tokens of block i as little-endian int64), and the
+    entry of layer l is SHA-256(h_i || "layer" || l as little-endian uint32).
+    Different models, dtypes or layers never alias, and the layer range is not
+    part of a key: rows written under one layer split (stages of a plan) are
+    found by the stages of any other, as after a re-plan.
     """
 
     @_typing.overload
@@ -65,12 +68,15 @@ class KvStoreServiceStub:
 class KvStoreServiceAsyncStub(KvStoreServiceStub):
     """KvStoreService stores committed KV blocks keyed by their token prefix and
     moves KV rows into and between executors. A block holds the K and V rows of
-    every layer of one stage for `block_tokens` consecutive tokens.
+    every layer of one stage for `block_tokens` consecutive tokens; the store
+    keeps it as one entry per layer and assembles any layer range from them.
 
-    Keys: h_0 = SHA-256(namespace), h_i = SHA-256(h_{i-1} || tokens of block
-    i as little-endian int64). The namespace (model identity, layout, dtype,
-    layer range, kv_dim, block size) roots the chain, so different models,
-    stages or dtypes never alias.
+    Keys: h_0 = SHA-256(model identity | layout | dtype | kv_dim | block size),
+    h_i = SHA-256(h_{i-1} || tokens of block i as little-endian int64), and the
+    entry of layer l is SHA-256(h_i || "layer" || l as little-endian uint32).
+    Different models, dtypes or layers never alias, and the layer range is not
+    part of a key: rows written under one layer split (stages of a plan) are
+    found by the stages of any other, as after a re-plan.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -96,12 +102,15 @@ class KvStoreServiceAsyncStub(KvStoreServiceStub):
 class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
     """KvStoreService stores committed KV blocks keyed by their token prefix and
     moves KV rows into and between executors. A block holds the K and V rows of
-    every layer of one stage for `block_tokens` consecutive tokens.
+    every layer of one stage for `block_tokens` consecutive tokens; the store
+    keeps it as one entry per layer and assembles any layer range from them.
 
-    Keys: h_0 = SHA-256(namespace), h_i = SHA-256(h_{i-1} || tokens of block
-    i as little-endian int64). The namespace (model identity, layout, dtype,
-    layer range, kv_dim, block size) roots the chain, so different models,
-    stages or dtypes never alias.
+    Keys: h_0 = SHA-256(model identity | layout | dtype | kv_dim | block size),
+    h_i = SHA-256(h_{i-1} || tokens of block i as little-endian int64), and the
+    entry of layer l is SHA-256(h_i || "layer" || l as little-endian uint32).
+    Different models, dtypes or layers never alias, and the layer range is not
+    part of a key: rows written under one layer split (stages of a plan) are
+    found by the stages of any other, as after a re-plan.
     """
 
     @_abc_1.abstractmethod
