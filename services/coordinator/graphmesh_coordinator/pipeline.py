@@ -191,15 +191,14 @@ class Mesh:
                     self.fence(incarnation, f"{classify(error)} on rank {rank.plan.rank}: {error.message}")
         with self._lock:
             self._in_flight.difference_update(calls)
-        for row in request.rows:
-            if row.commit_epoch:
-                self.state.record(Decision(row.session_id, row.commit_epoch, "COMMITTED"))  # its token was delivered
+        # every folded commit's token was delivered: one group commit for the step
+        self.state.record(*(Decision(row.session_id, row.commit_epoch, "COMMITTED") for row in request.rows
+                            if row.commit_epoch))
         if not failures:
             return replies[-1]
         first = min(failures, key=lambda f: (f.error_class == "ARCH", f.rank))  # COMM outranks ARCH
         if first.error_class == "ARCH":
-            for row in request.rows:
-                self.state.record(Decision(row.session_id, row.epoch, "ABORTED"))
+            self.state.record(*(Decision(row.session_id, row.epoch, "ABORTED") for row in request.rows))
         elif failures[0].error_class == "ARCH":
             self.fence(incarnation, f"{first.error_class} on rank {first.rank}: {first.cause.message}")
         raise first

@@ -47,12 +47,18 @@ class DurableState:
             self.incarnation = int(json.loads(self._incarnation_path.read_text())["incarnation"])
         self.decisions: dict[tuple[str, int], str] = {}
         if self._log_path.exists():
-            for line in self._log_path.read_text().splitlines():
+            data, valid = self._log_path.read_bytes(), 0
+            for line in data.splitlines(keepends=True):
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     break  # a torn last line from a crash: everything before it was fsynced
+                if not line.endswith(b"\n"):
+                    break
                 self.decisions[(record["session_id"], int(record["epoch"]))] = record["outcome"]
+                valid += len(line)
+            if valid < len(data):
+                os.truncate(self._log_path, valid)  # or the next append would join the torn line and be unreadable
         self._log = open(self._log_path, "a")
 
     def next_incarnation(self) -> int:
@@ -63,11 +69,16 @@ class DurableState:
             self.incarnation = issued
             return issued
 
-    def record(self, decision: Decision) -> None:
+    def record(self, *decisions: Decision) -> None:
+        """Appends decisions durably. A step's decisions are one group commit: one write and one fsync for all of
+        its rows (an fsync costs 2-3 ms on this machine's disk: one per row made a 16-row step pay ~40 ms)."""
+        if not decisions:
+            return
         with self._lock:
-            self.decisions[(decision.session_id, decision.epoch)] = decision.outcome
-            self._log.write(json.dumps({"session_id": decision.session_id, "epoch": decision.epoch,
-                                        "outcome": decision.outcome}) + "\n")
+            for d in decisions:
+                self.decisions[(d.session_id, d.epoch)] = d.outcome
+            self._log.write("".join(json.dumps({"session_id": d.session_id, "epoch": d.epoch, "outcome": d.outcome})
+                                    + "\n" for d in decisions))
             self._log.flush()
             if self._fsync_decisions:
                 os.fsync(self._log.fileno())
