@@ -416,6 +416,12 @@ class OpenAIServer:
         top_p = 1.0 if body.top_p is None else body.top_p
         requests = []
         for ids in prompts:
+            context = self.generator.context_tokens
+            if max_tokens is not None and len(ids) < context < len(ids) + max_tokens:
+                # Generate quietly stops at the context; an OpenAI client expects to be told, as OpenAI and vLLM do.
+                raise APIError(400, f"the context holds {context} tokens: {len(ids)} in the prompt and "
+                               f"{max_tokens} to generate do not fit", "invalid_request_error",
+                               "context_length_exceeded", "max_tokens")
             for i in range(body.n):
                 # A seed makes a request reproducible; its choices differ from each other because each draws with
                 # its own. Without one, every choice draws with a fresh random seed (OpenAI's behaviour).
