@@ -186,6 +186,8 @@ def measure(a: argparse.Namespace, addresses: dict[str, str], rows: np.ndarray,
     relay: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channels["relay"].unary_unary("/bench.Bare/Relay")
     copies = [0]
     with KvStoreClient(addresses["kvstore"], timeout=600) as client:
+        client.register_executors([addresses["a"], addresses["b"]])  # as a coordinator does at install
+
         def copy_rows() -> None:
             session = f"copy-{copies[0]}"
             copies[0] += 1

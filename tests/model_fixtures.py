@@ -4,6 +4,7 @@ by transformers as the reference for the real-model tests."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,27 @@ def smollm2_hf() -> Any:
 def smollm2_hf_tokenizer() -> Any:
     path = smollm2_path()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def write_tiny_tokenizer(path: Path) -> Path:
+    """A byte-level tokenizer that fits a tiny model's vocabulary (256 byte tokens, no merges, then
+    <|im_start|> 256 and <|im_end|> 257 as special tokens) and a ChatML chat template, in `path` beside a
+    checkpoint: the coordinator then serves text prompts on a random-weight model."""
+    from tokenizers import AddedToken, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import BPE
+
+    from graphmesh.tokenizer import _byte_alphabet
+
+    vocab = {char: i for i, char in sorted((b, c) for b, c in _byte_alphabet().items())}
+    tok = HFTokenizer(BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<|im_start|>", "<|im_end|>")])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    return path

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from graphmesh import kvkeys, tensors
-from graphmesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from graphmesh.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_pb2
 from tests.conftest import executor_args, free_port, start_process
@@ -163,6 +163,8 @@ def executors(tmp_path_factory: pytest.TempPathFactory, kvstore: str) -> Iterato
                                                                    stage=spec), timeout=60)
             identities.add(response.model_identity)
         assert len(identities) == 1
+        with KvStoreClient(kvstore) as client:  # the coordinator's part: the store moves rows only between these
+            client.register_executors(addresses)
         yield stages[0], stages[1], identities.pop()
         for stage in stages:
             stage.channel.close()
@@ -215,8 +217,15 @@ def test_executor_failures_name_the_executor(kvstore: str, executors: tuple[Stag
         # the failed copies left nothing behind: a good copy into the same session starts at row 0
         assert client.copy_rows(a.address, "f", INCARNATION, b.address, "f-copy", INCARNATION, 0, 20)[0] > 0
         gone = f"127.0.0.1:{free_port()}"
-        with pytest.raises(Unavailable, match=f"executor {gone} failed WriteSessionKv"):
+        with pytest.raises(PermissionDenied, match=f"{gone} is not a registered executor") as denied:
             client.copy_rows(a.address, "f", INCARNATION, gone, "x", INCARNATION, 0, 20)
+        assert denied.value.reason == "UNREGISTERED_EXECUTOR"
+        client.register_executors([a.address, b.address, gone])
+        try:
+            with pytest.raises(Unavailable, match=f"executor {gone} failed WriteSessionKv"):
+                client.copy_rows(a.address, "f", INCARNATION, gone, "x", INCARNATION, 0, 20)
+        finally:
+            client.register_executors([a.address, b.address])
         ns = kvkeys.namespace(identity, 0, 2, 32)
         wait_for_blocks(client, ns, PROMPT, 16)
         # seeding writes at row 0: a session that already has rows refuses it

@@ -110,7 +110,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    with _client(args, args.coordinator or DEFAULT_COORDINATOR) as client:
+    client = _client(args, args.coordinator or DEFAULT_COORDINATOR)
+    # session ids are shown to mesh members only: an operator proves it with the mesh token
+    client.metadata = (*client.metadata, *security.mesh_metadata(security.read_token(args.mesh_token_file)))
+    with client:
         s = client.status()
     if args.json:
         from google.protobuf import json_format
@@ -120,6 +123,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for st in s.stages:
         print(f"  rank {st.rank} {st.address:21s} layers [{st.layer_start}, {st.layer_end})  {st.backend}/{st.device}"
               f"  {st.param_bytes / 2**20:.0f} MiB  {'healthy' if st.healthy else 'UNHEALTHY'}")
+    print(f"  {s.active_sessions} session(s) in progress")
     for sess in s.sessions:
         print(f"  session {sess.session_id} tokens {sess.tokens} epoch {sess.epoch}")
     return 0
@@ -149,12 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start kvstore, coordinator and executors on loopback (foreground)")
     _mesh_args(up)
     up.add_argument("--listen", default=DEFAULT_COORDINATOR, help="coordinator address")
+    up.add_argument("--http-listen", default=DEFAULT_HTTP,
+                    help="address of the coordinator's OpenAI-compatible HTTP API ('' turns it off)")
     gen = sub.add_parser("generate", help="generate text")
     _mesh_args(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--coordinator", default="", help="address of a running coordinator (default: embedded mesh)")
-    up.add_argument("--http-listen", default=DEFAULT_HTTP,
-                    help="address of the coordinator's OpenAI-compatible HTTP API ('' turns it off)")
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="show the plan, executors, incarnation and sessions")
     st.add_argument("--coordinator", default="")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--mesh-token-file", default="", help="the mesh token: list the session ids too (operators)")
     _client_args(st)
     args = parser.parse_args(argv)
     try:

@@ -113,6 +113,8 @@ POLICY: dict[str, frozenset[Role]] = {
     **_methods("KvStoreService", _EXECUTOR_OR_COORDINATOR, "PutBlocks", "Lookup", "GetBlocks"),
     # the store calls executors with its own identity for these: only the coordinator may name them
     **_methods("KvStoreService", _COORDINATOR, "SeedExecutor", "CopyRows", "Evict"),
+    # the roster is what SeedExecutor and CopyRows may name: whoever sets it picks where KV rows go
+    **_methods("KvStoreService", _COORDINATOR, "RegisterExecutors"),
     **_methods("KvStoreService", MESH, "Stats"),
     "/graphmesh.v1.ExecutorService/": MESH,  # plus clients with --expose-executor-service
     "/graphmesh.v1.CoordinatorService/": ANYONE,  # the public APIs; the bearer token guards them
@@ -299,6 +301,58 @@ class Admission(grpc.ServerInterceptor):
         return wrap_handler(handler, around)
 
 
+class _Undecodable:
+    """What a request that is not a valid message of its type deserializes to (see UndecodableRequests)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class UndecodableRequests(grpc.ServerInterceptor):
+    """Bytes that do not parse as the method's request message get INVALID_ARGUMENT (reason BAD_REQUEST),
+    not the INTERNAL grpc answers when a deserializer raises: garbage is the caller's mistake, not a bug of
+    the service. Innermost of the interceptors, so identity and admission still decide first."""
+
+    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as e:  # DecodeError, or whatever a custom deserializer raises
+                return _Undecodable(e)
+
+        def error(bad: _Undecodable) -> InvalidArgument:
+            return InvalidArgument(f"the request is not a valid {details.method} message: {bad.error}", "BAD_REQUEST")
+
+        def checked_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            for request in requests:
+                if isinstance(request, _Undecodable):
+                    context.abort_with_status(error(request).to_status())  # raises: the handler stops here
+                yield request
+
+        def around(behavior: Behavior, streaming: bool) -> Behavior:
+            def checked(request: Any, context: grpc.ServicerContext) -> Any:
+                if handler.request_streaming:
+                    return behavior(checked_stream(request, context), context)
+                if isinstance(request, _Undecodable):
+                    return _refusal(error(request), streaming)(request, context)
+                return behavior(request, context)
+            return checked
+
+        wrapped = wrap_handler(handler, around)
+        assert wrapped is not None
+        kinds = {(True, True): grpc.stream_stream_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+                 (False, True): grpc.unary_stream_rpc_method_handler, (False, False): grpc.unary_unary_rpc_method_handler}
+        behavior = next(b for b in (wrapped.stream_stream, wrapped.stream_unary, wrapped.unary_stream,
+                                    wrapped.unary_unary) if b is not None)
+        return kinds[(handler.request_streaming, handler.response_streaming)](
+            behavior, deserialize, handler.response_serializer)
+
+
 @dataclass(frozen=True)
 class Tls:
     """A service's certificate chain and key (PEM), and the CA its peers must be signed by (None: no mTLS)."""
@@ -424,6 +478,18 @@ class ServerSecurity:
         """Whether any caller has to prove anything: mutual TLS, a mesh token or a bearer token."""
         return self.mutual_tls or bool(self.mesh_token or self.auth_token)
 
+    def caller_roles(self, context: grpc.ServicerContext) -> frozenset[Role]:
+        """The roles of the caller of a call in progress, for servicers whose answer depends on who asks (the
+        coordinator's Status lists session ids to mesh members only). A service that authenticates nobody
+        obeys everyone, so every caller holds every role there; with only a bearer token, every caller is a
+        client. A wrong mesh token was refused before the servicer ran, and counts as a client here."""
+        if not self.mutual_tls and not self.mesh_token:
+            return ANYONE if not self.authenticated else frozenset({Role.CLIENT})
+        try:
+            return MeshRoles(self.mutual_tls, self.mesh_token).caller(context)[0]
+        except Unauthenticated:
+            return frozenset({Role.CLIENT})
+
     def interceptors(self) -> list[grpc.ServerInterceptor]:
         """The identity checks, outermost first (admission is added by server())."""
         out: list[grpc.ServerInterceptor] = []
@@ -445,7 +511,8 @@ class ServerSecurity:
         limit = self.max_concurrent_rpcs or workers
         pool = futures.ThreadPoolExecutor(max_workers=limit + HEADROOM, thread_name_prefix=thread_name_prefix)
         return grpc.server(pool, options=list(options),
-                           interceptors=[*interceptors, *self.interceptors(), Admission(limit)])
+                           interceptors=[*interceptors, *self.interceptors(), Admission(limit),
+                                         UndecodableRequests()])
 
     def add_port(self, server: grpc.Server, listen: str) -> int:
         """Binds `listen` with TLS when configured; returns the port (fails rather than returning 0). A service

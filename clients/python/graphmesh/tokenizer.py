@@ -8,6 +8,7 @@ vocabulary respelling, merges, special tokens and pre-tokenizer choice. No trans
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import cache
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import AddedToken, Encoding, Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
@@ -87,6 +88,13 @@ class Tokenizer:
         bos = special.get("bos_token")
         self.bos_token_id = tokenizer.token_to_id(bos) if bos else None
         self.add_bos = add_bos and self.bos_token_id is not None
+        # The same tokenizer with special tokens matched as plain text, for what users typed: a second
+        # instance rather than a flag flipped per call, because requests are tokenized concurrently.
+        self.literal = HFTokenizer.from_str(tokenizer.to_str())
+        self.literal.encode_special_tokens = True
+        specials = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)  # longest first, as the tokenizer matches them
+        self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> Tokenizer:
@@ -122,6 +130,55 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self.backend.encode(text).ids
+        return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """User text: special-token spellings in it ("<|im_start|>") are text, never control tokens."""
+        return self._encode_pieces([(text, True)])
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    parse_special: bool = False) -> list[int]:
+        """A conversation through the chat template. Unless parse_special, the control tokens come from the
+        template alone: the messages' contents are tokenized as text (the same ids as encode() would give
+        when they hold no special-token spelling), and a role that spells one is refused."""
+        if parse_special:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        for m in messages:
+            if self._special_text is not None and self._special_text.search(str(m.get("role", ""))):
+                raise InvalidArgument(f"message role {m.get('role')!r} contains a special token", "BAD_ROLE")
+        # Each content is rendered as a marker the template cannot produce by itself, so that the rendered
+        # text can be split into what the template wrote and what the user wrote.
+        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+        rendered = self.apply_chat_template(marked, add_generation_prompt)
+        parts = re.split("\ue000(\\d+)\ue001", rendered)
+        if any("\ue000" in p or "\ue001" in p for p in parts[::2]):  # a marker the template took apart
+            raise InvalidArgument("the chat template rewrites the messages' contents; send parse_special_tokens "
+                                  "or prompt token ids", "UNSUPPORTED_CHAT_TEMPLATE")
+        pieces = [(part, False) if j % 2 == 0 else (str(messages[int(part)].get("content", "")), True)
+                  for j, part in enumerate(parts)]
+        return self._encode_pieces(pieces)
+
+    def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """Ids of the concatenated pieces, with special tokens recognised only in pieces not marked literal.
+        The text between two recognised special tokens is tokenized as one string, exactly as encode()
+        splits at special tokens, so pre-tokenization never sees a piece boundary that encode() would not."""
+        text, cuts = "", []  # (start, end) of each special token to keep
+        for piece, literal in pieces:
+            if not literal and self._special_text is not None:
+                for m in self._special_text.finditer(piece):
+                    cuts.append((len(text) + m.start(), len(text) + m.end()))
+            text += piece
+        encodings: list[Encoding] = []
+        at = 0
+        for start, end in cuts:
+            if start > at:
+                encodings.append(self.literal.encode(text[at:start], add_special_tokens=False))
+            encodings.append(self.backend.encode(text[start:end], add_special_tokens=False))
+            at = end
+        if at < len(text) or not encodings:
+            encodings.append(self.literal.encode(text[at:], add_special_tokens=False))
+        # the post-processor (a Hugging Face tokenizer's BOS template) applies once, to the whole
+        ids: list[int] = self.backend.post_process(Encoding.merge(encodings, growing_offsets=True)).ids
         return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

@@ -210,7 +210,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _generation(self, request: pb.ModelInferRequest, text: str) -> GenerationRequest:
         p = dict(request.parameters)
-        ids = prompt_token_ids(self.generator.tokenizer, self.model_name, prompt=text, raw=_bool(p, "raw"))
+        ids = prompt_token_ids(self.generator.tokenizer, self.model_name, prompt=text, raw=_bool(p, "raw"),
+                               parse_special=_bool(p, "parse_special_tokens"))
         # top_p 0 means "unset" as in Generate, where it is a proto3 default.
         return GenerationRequest(ids, _int(p, "max_tokens", DEFAULT_MAX_TOKENS, 1, _INT32_MAX),
                                  _float(p, "temperature", 0.0), _int(p, "top_k", 0, 0, _INT32_MAX),

@@ -27,13 +27,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from graphmesh import kvkeys, security, telemetry
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
-from graphmesh.kvstore_client import KvStoreClient
+from graphmesh.kvstore_client import CircuitBreaker, KvStoreClient
 from graphmesh.models.config import ModelConfig
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator.planner import StagePlan, plan
 from graphmesh_coordinator.state import Decision, DurableState
 
 log = logging.getLogger("graphmesh.coordinator")
+
+# Deadlines of the calls a new session makes to the KV store before its prefill (a cache: when it does not
+# answer quickly, computing the prompt is the better answer), and of registering the roster there.
+KV_LOOKUP_TIMEOUT_S = 1.0
+KV_SEED_TIMEOUT_S = 5.0
+KV_REGISTER_TIMEOUT_S = 5.0
+REJOIN_CHECKS = 4  # health checks in a row an executor outside the roster must pass before the mesh re-plans
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 _COMM_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -86,6 +93,7 @@ class Mesh:
         self.weights, self.max_context_tokens, self.dtype = weights, max_context_tokens, dtype
         self.kvstore = KvStoreClient(kvstore, credentials=tls.channel_credentials() if tls else None,
                                      interceptors=telemetry.client_interceptors()) if kvstore else None
+        self.kv_breaker = CircuitBreaker(f"kvstore {kvstore}")
         self.kvstore_address, self.kv_block_tokens = kvstore, kv_block_tokens
         self.rpc_timeout_s, self.install_timeout_s = rpc_timeout_s, install_timeout_s
         self.channels = {a: telemetry.traced(security.channel(a, tls, _CHANNEL_OPTIONS)) for a in self.addresses}
@@ -136,6 +144,7 @@ class Mesh:
                 rank.model_identity, rank.kv_pool_blocks = reply.model_identity, reply.kv_pool_blocks
             self.ranks, self.incarnation = ranks, incarnation
             self.kv_pool_blocks = min(r.kv_pool_blocks for r in ranks)
+            self.register_with_kvstore()
             self._ready.set()
             log.info("installed", extra={"incarnation": incarnation, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
 
@@ -211,29 +220,50 @@ class Mesh:
         """Waits out a recovery: a request that arrives meanwhile is delayed, not refused."""
         return self._ready.wait(timeout_s)
 
+    def register_with_kvstore(self) -> None:
+        """Tells the KV store which executors it may seed and copy between: every configured executor (a
+        later re-plan may use any of them). A store that does not answer gets it again at the next install, or
+        when it refuses a seed for an unregistered executor (it restarted)."""
+        if self.kvstore is None or not self.kv_breaker.allow():
+            return
+        try:
+            self.kvstore.register_executors(self.addresses, timeout=KV_REGISTER_TIMEOUT_S)
+        except GraphmeshError as e:
+            self.kv_breaker.failed(e)
+            log.warning("could not register the executors with the kvstore", extra={"error": e.message})
+        else:
+            self.kv_breaker.succeeded()
+
     def seed_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
         """Seeds a new session's KV on every rank from the longest prefix all of them have stored, leaving at
         least one token to compute; returns the rows seeded (0 when there is no store or no common hit). A store
-        that fails is a cache miss, never a failed request."""
+        that fails is a cache miss, never a failed request; one that does not answer is skipped for a while
+        (the circuit breaker) instead of making every new session wait out a deadline."""
         if self.kvstore is None:
             return 0
         block = self.kv_block_tokens
         limit = (len(token_ids) - 1) // block * block
-        if limit <= 0:
+        if limit <= 0 or not self.kv_breaker.allow():  # allow() last: a probe it lets through must be made
             return 0
         ranks, incarnation = self.ranks, self.incarnation
         spaces = [kvkeys.namespace(r.model_identity, r.plan.layer_start, r.plan.layer_end, self.config.kv_dim,
                                    block_tokens=block) for r in ranks]
         try:
-            matched = min(self.kvstore.lookup(ns, token_ids[:limit]) for ns in spaces)
+            matched = min(self.kvstore.lookup(ns, token_ids[:limit], timeout=KV_LOOKUP_TIMEOUT_S) for ns in spaces)
             if matched == 0:
+                self.kv_breaker.succeeded()
                 return 0
             seeded = [self.kvstore.seed_executor(ns, token_ids[:matched], r.plan.address, incarnation, session_id,
-                                                 max_tokens=matched)[0] for ns, r in zip(spaces, ranks)]
+                                                 max_tokens=matched, timeout=KV_SEED_TIMEOUT_S)[0]
+                      for ns, r in zip(spaces, ranks)]
         except GraphmeshError as e:
-            log.warning("kv seed failed; computing the whole prompt", extra={"error": e.message})
+            self.kv_breaker.failed(e)
+            log.warning("kv seed failed; computing the whole prompt", extra={"error": e.message, "reason": e.reason})
             self.release(session_id)
+            if e.reason == "UNREGISTERED_EXECUTOR":  # the store restarted and forgot the roster
+                self.register_with_kvstore()
             return 0
+        self.kv_breaker.succeeded()
         if any(n != matched for n in seeded):  # a block was evicted between lookup and seed
             self.release(session_id)
             return 0
@@ -269,6 +299,7 @@ class Mesh:
         """Health watching: an executor that misses `misses` checks in a row (dead, frozen, cut off) cancels
         the in-flight invocations, which then fail as COMM and trigger recovery — long before any deadline."""
         missed = dict.fromkeys(self.addresses, 0)
+        back = dict.fromkeys(self.addresses, 0)  # checks passed in a row by executors outside the roster
 
         def loop() -> None:
             while not self._watch_stop.wait(interval_s):
@@ -282,8 +313,30 @@ class Mesh:
                             lost, self._in_flight = list(self._in_flight), set()
                         for call in lost:
                             call.cancel()
+                # An executor left out of the roster (it froze, or was down when the roster was rebuilt) that
+                # answers again is taken back: the mesh re-plans over every healthy executor, as a recovery
+                # does, so its layers and KV pool are used again instead of idling until the next failure.
+                roster = {r.plan.address for r in self.ranks}
+                for address in self.addresses:
+                    if address in roster or not self.ready:
+                        back[address] = 0
+                        continue
+                    back[address] = back[address] + 1 if _healthy(self.channels[address], timeout_s) else 0
+                    if back[address] == REJOIN_CHECKS:
+                        log.warning("executor answers again: re-planning to take it back into the roster",
+                                    extra={"address": address, "incarnation": self.incarnation})
+                        threading.Thread(target=self._rejoin, args=(self.incarnation,), name="rejoin",
+                                         daemon=True).start()
 
         threading.Thread(target=loop, name="health-watch", daemon=True).start()
+
+    def _rejoin(self, incarnation: int) -> None:
+        """Rebuilds the roster of `incarnation` over every healthy executor. Steps in flight fail as fenced and
+        their sessions are restored and replayed, exactly as after a loss, so no token changes."""
+        try:
+            self.recover(incarnation)
+        except GraphmeshError as e:
+            log.warning("re-plan to take an executor back failed", extra={"error": e.message})
 
     def _abort_step(self, ranks: Sequence[Rank], step: stage_pb2.ExecuteStepRequest) -> None:
         request = stage_pb2.AbortStepRequest(incarnation=step.incarnation, step_id=step.step_id, rows=step.rows)

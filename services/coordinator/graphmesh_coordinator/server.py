@@ -98,8 +98,8 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     server = config.security.server(64, [("grpc.max_send_message_length", 64 << 20),
                                          ("grpc.max_receive_message_length", 64 << 20)],
                                     telemetry.server_interceptors(config.metrics_port > 0), "coordinator-rpc")
-    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(CoordinatorServicer(generator, mesh, config.model),
-                                                                  server)
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
+        CoordinatorServicer(generator, mesh, config.model, config.security), server)
     kserve_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(generator, mesh, config.model), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -9,6 +9,7 @@ import grpc
 
 from graphmesh import tensors
 from graphmesh.errors import FailedPrecondition, GraphmeshError, Internal, InvalidArgument, NotFound, Unavailable
+from graphmesh.security import MESH, ServerSecurity
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
@@ -34,25 +35,30 @@ def as_status(error: Exception) -> grpc.Status:
 
 
 def prompt_token_ids(tokenizer: Tokenizer | None, model_name: str, *, prompt: str = "", raw: bool = False,
-                     messages: Sequence[tuple[str, str]] = (), token_ids: Sequence[int] = ()) -> list[int]:
+                     messages: Sequence[tuple[str, str]] = (), token_ids: Sequence[int] = (),
+                     parse_special: bool = False) -> list[int]:
     """A request's prompt as token ids, shared by every API: token ids win over text, a chat (role, content)
-    wins over a prompt, and a prompt is one user message of the chat template unless it is raw."""
+    wins over a prompt, and a prompt is one user message of the chat template unless it is raw. What the user
+    typed is text: "<|im_start|>" in it becomes control tokens only when the request sets parse_special (else
+    a user could forge turns of the conversation, a system prompt among them)."""
     if token_ids:
         return list(token_ids)
     if tokenizer is None:
         raise FailedPrecondition(f"model {model_name!r} has no tokenizer: send prompt_token_ids", "NO_TOKENIZER")
     if messages:
-        return tokenizer.encode(tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages]))
+        return tokenizer.encode_chat([{"role": r, "content": c} for r, c in messages], parse_special=parse_special)
     if not prompt:
         raise InvalidArgument("the prompt is empty", "EMPTY_PROMPT")
     if raw:
-        return tokenizer.encode(prompt)
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+        return tokenizer.encode(prompt) if parse_special else tokenizer.encode_text(prompt)
+    return tokenizer.encode_chat([{"role": "user", "content": prompt}], parse_special=parse_special)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    def __init__(self, generator: Generator, mesh: Mesh, model_name: str) -> None:
+    def __init__(self, generator: Generator, mesh: Mesh, model_name: str,
+                 security: ServerSecurity | None = None) -> None:
         self.generator, self.mesh, self.model_name = generator, mesh, model_name
+        self.security = security or ServerSecurity()
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model_name:
@@ -66,7 +72,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._check_model(request.model)
             prompt_ids = prompt_token_ids(self.generator.tokenizer, self.model_name, prompt=request.prompt,
                                           raw=request.raw, messages=[(m.role, m.content) for m in request.messages],
-                                          token_ids=request.prompt_token_ids)
+                                          token_ids=request.prompt_token_ids,
+                                          parse_special=request.parse_special_tokens)
             s = request.sampling
             gen = GenerationRequest(prompt_ids, request.max_tokens, s.temperature, s.top_k, s.top_p or 1.0, s.seed,
                                     tuple(request.stop), request.ignore_eos)
@@ -108,6 +115,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             response.stages.add(rank=p.rank, address=p.address, layer_start=p.layer_start, layer_end=p.layer_end,
                                 backend=rank.backend, device=rank.device, healthy=rank.healthy,
                                 param_bytes=rank.param_bytes)
-        for info in list(self.generator.sessions.values()):
-            response.sessions.add(session_id=info.session_id, tokens=info.tokens, epoch=info.epoch)
+        sessions = list(self.generator.sessions.values())
+        response.active_sessions = len(sessions)
+        # Session ids are other users' business: a client sees how many there are, a mesh member (an operator
+        # with the mesh token or a role certificate) sees which.
+        if self.security.caller_roles(context) & MESH:
+            for info in sessions:
+                response.sessions.add(session_id=info.session_id, tokens=info.tokens, epoch=info.epoch)
         return response

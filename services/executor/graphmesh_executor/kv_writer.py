@@ -11,10 +11,13 @@ import grpc
 import numpy as np
 
 from graphmesh import kvkeys, security, telemetry, tensors
+from graphmesh.errors import from_rpc_error
+from graphmesh.kvstore_client import CircuitBreaker
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from graphmesh_executor.stage import KvBlocks
 
 log = logging.getLogger("graphmesh.executor.kv")
+PUT_TIMEOUT_S = 10.0  # a put of a few blocks takes milliseconds; a store that takes longer is not answering
 _FLUSH = KvBlocks("", "", 0, 0, 0, 0, [], -1, np.zeros((0, 0, 2, 0), np.float32), 0, 0)  # a marker, never written
 
 
@@ -29,6 +32,9 @@ class KvWriteBehind:
         self.failures = 0
         self.dropped = 0
         self.written_blocks = 0
+        # A frozen store must not hold every put for its whole deadline: after a failure, puts are dropped
+        # (counted) for the back-off, then one probes the store again.
+        self.breaker = CircuitBreaker("kvstore (write-behind)")
         self._flushed = threading.Event()
         threading.Thread(target=self._run, name="kv-write-behind", daemon=True).start()
 
@@ -51,6 +57,9 @@ class KvWriteBehind:
             if blocks is _FLUSH:
                 self._flushed.set()
                 continue
+            if not self.breaker.allow():
+                self.dropped += 1
+                continue
             try:
                 with telemetry.span("stage.kv_write_behind", parent=ctx, first_block=blocks.first_block,
                                     incarnation=blocks.incarnation, epoch=blocks.epoch,
@@ -58,8 +67,11 @@ class KvWriteBehind:
                     self._put(blocks)
             except grpc.RpcError as e:
                 self.failures += 1
+                self.breaker.failed(from_rpc_error(e))
                 log.warning("kv write-behind failed", extra={"address": blocks.address, "code": e.code().name,
                                                              "failures": self.failures})
+            else:
+                self.breaker.succeeded()
 
     def _put(self, blocks: KvBlocks) -> None:
         if blocks.address not in self._stubs:
@@ -78,6 +90,6 @@ class KvWriteBehind:
                 else:
                     yield kvstore_pb2.PutBlocksRequest(rows=chunk)
 
-        self._stubs[blocks.address].PutBlocks(requests(), timeout=30.0)
+        self._stubs[blocks.address].PutBlocks(requests(), timeout=PUT_TIMEOUT_S)
         self.written_blocks += count
 

@@ -141,20 +141,34 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     @rpc
     def WriteSessionKv(self, request_iterator: Iterator[stage_pb2.WriteSessionKvRequest],
                        context: grpc.ServicerContext) -> stage_pb2.WriteSessionKvResponse:
-        assembler = tensors.ChunkAssembler()
+        assembler: tensors.ChunkAssembler | None = None
         first: stage_pb2.WriteSessionKvRequest | None = None
         rows = None
         for message in request_iterator:
-            first = first or message
+            if assembler is None:
+                first, assembler = message, self._kv_assembler(message)
             done = assembler.feed(message.rows)
             if done is not None:
                 rows = done[1]
-        assembler.close()
-        if first is None or rows is None:
+        if assembler is None or first is None or rows is None:
             raise InvalidArgument("WriteSessionKv carried no rows", "EMPTY_STREAM")
+        assembler.close()
         h = first.header
         length = self.runtime.write_kv(h.incarnation, h.session_id, first.start_row, rows, list(first.token_ids))
         return stage_pb2.WriteSessionKvResponse(kv_length=length)
+
+    def _kv_assembler(self, first: stage_pb2.WriteSessionKvRequest) -> tensors.ChunkAssembler:
+        """The buffer for a WriteSessionKv stream, refused before anything is allocated when the stream's
+        incarnation is not the current one, and sized to at most the rows the session's context can still
+        take: a header announcing 64 GiB of rows must not make the executor allocate them."""
+        rt = self.runtime
+        rt.authority.check(first.header.incarnation)  # again in write_kv, under the lock, before any row is used
+        spec = rt.spec
+        if spec is None:  # installed, then torn down since the check
+            raise InvalidArgument("this executor holds no stage", "NOT_INSTALLED")
+        limit = spec.max_context_tokens or (rt.config.max_position if rt.config else 0)
+        row_bytes = (spec.layer_end - spec.layer_start) * 2 * rt.kv_dim * 4  # f32 K and V of every layer
+        return tensors.ChunkAssembler(max_bytes=max(0, limit - first.start_row) * row_bytes)
 
     @rpc
     def Fence(self, request: stage_pb2.FenceRequest, context: grpc.ServicerContext) -> stage_pb2.FenceResponse:

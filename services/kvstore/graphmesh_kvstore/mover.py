@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 
 from graphmesh import dtypes, errors, security, telemetry, tensors
-from graphmesh.errors import GraphmeshError, InvalidArgument
+from graphmesh.errors import GraphmeshError, InvalidArgument, PermissionDenied
 from graphmesh.v1 import kvstore_pb2, stage_pb2, tensor_pb2
 from graphmesh_kvstore.store import Store
 
@@ -75,11 +75,28 @@ class Mover:
         self.tls = tls  # the store's own certificate, presented to executors (mutual TLS)
         self._stages: dict[str, _Stage] = {}
         self._lock = threading.Lock()
+        # The executors the coordinator registered: the only addresses the store reads rows from or writes
+        # them to. It calls them with its own identity, so an address taken from a request unchecked would
+        # make it stream users' KV rows to whoever asked (a confused deputy), or write theirs into a session.
+        self.executors: frozenset[str] = frozenset()
+
+    def register(self, addresses: Sequence[str]) -> None:
+        """Replaces the registered executors; channels to executors no longer registered are closed."""
+        if any(not a for a in addresses):
+            raise InvalidArgument("an executor address is empty", "BAD_ADDRESS")
+        with self._lock:
+            self.executors = frozenset(addresses)
+            for address in [a for a in self._stages if a not in self.executors]:
+                self._stages.pop(address).channel.close()
 
     def _stage(self, address: str) -> _Stage:
         if not address:
             raise InvalidArgument("executor address is empty", "BAD_ADDRESS")
         with self._lock:
+            if address not in self.executors:
+                raise PermissionDenied(f"{address} is not a registered executor: the store seeds and copies only "
+                                       f"between the executors the coordinator registered ({len(self.executors)})",
+                                       "UNREGISTERED_EXECUTOR", {"executor": address})
             if address not in self._stages:
                 self._stages[address] = _Stage(address, self.max_message_bytes, self.tls)
             return self._stages[address]
@@ -91,12 +108,12 @@ class Mover:
         with telemetry.span("kv.seed", session=header.session_id, incarnation=header.incarnation,
                             executor=address, max_tokens=max_tokens) as span:
             started = time.perf_counter()
+            stage = self._stage(address)  # first: an unregistered address is refused whatever the store holds
             rows = self.store.get_blocks(ns, token_ids, max_tokens)  # f32 [tokens, layers, 2, kv_dim]
             n = rows.shape[0]
             span.set_attributes({"tokens": n, "bytes": rows.nbytes})
             if n == 0:
                 return 0, 0, time.perf_counter() - started
-            stage = self._stage(address)
             first = stage_pb2.WriteSessionKvRequest(header=header, start_row=0, token_ids=token_ids[:n])
             requests = (_write_request(first if i == 0 else None, c.SerializeToString())
                         for i, c in enumerate(tensors.to_chunks("kv", rows)))

@@ -79,6 +79,13 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         return kvstore_pb2.CopyRowsResponse(bytes=nbytes, elapsed_ms=seconds * 1e3)
 
     @rpc
+    def RegisterExecutors(self, request: kvstore_pb2.RegisterExecutorsRequest,
+                          context: grpc.ServicerContext) -> kvstore_pb2.RegisterExecutorsResponse:
+        self.mover.register(list(request.addresses))
+        log.info("executors registered", extra={"executors": list(request.addresses)})
+        return kvstore_pb2.RegisterExecutorsResponse()
+
+    @rpc
     def Evict(self, request: kvstore_pb2.EvictRequest, context: grpc.ServicerContext) -> kvstore_pb2.EvictResponse:
         ns = request.namespace if request.HasField("namespace") else None
         return kvstore_pb2.EvictResponse(evicted_blocks=self.store.evict(ns))

@@ -77,6 +77,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """model names the model; empty uses the coordinator's model."""
     prompt: _builtins.str
@@ -89,6 +90,11 @@ class GenerateRequest(_message.Message):
     """max_tokens is the number of tokens to generate, >= 1."""
     ignore_eos: _builtins.bool
     """ignore_eos keeps generating past end-of-sequence tokens."""
+    parse_special_tokens: _builtins.bool
+    """parse_special_tokens lets special-token text in prompt and messages
+    (e.g. "<|im_start|>") become control tokens. false (the default): user
+    text is tokenized as text, and only the chat template adds control tokens.
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """messages, when given instead of prompt, is a whole chat."""
@@ -115,10 +121,11 @@ class GenerateRequest(_message.Message):
         sampling: _stage_pb2.SamplingParams | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         ignore_eos: _builtins.bool = ...,
+        parse_special_tokens: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -311,15 +318,22 @@ class StatusResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _builtins.int
     RECOVERIES_FIELD_NUMBER: _builtins.int
     READY_FIELD_NUMBER: _builtins.int
+    ACTIVE_SESSIONS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     incarnation: _builtins.int
     recoveries: _builtins.int
     """recoveries counts roster rebuilds since start."""
     ready: _builtins.bool
+    active_sessions: _builtins.int
+    """active_sessions is the number of sessions in progress (for every caller)."""
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageAssignment]: ...
     @_builtins.property
-    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionSummary]: ...
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionSummary]:
+        """sessions lists the sessions in progress, for mesh members only (their
+        ids are other users' business); empty for clients.
+        """
+
     def __init__(
         self,
         *,
@@ -329,10 +343,11 @@ class StatusResponse(_message.Message):
         sessions: _abc.Iterable[Global___SessionSummary] | None = ...,
         recoveries: _builtins.int = ...,
         ready: _builtins.bool = ...,
+        active_sessions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "model", b"model", "ready", b"ready", "recoveries", b"recoveries", "sessions", b"sessions", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "incarnation", b"incarnation", "model", b"model", "ready", b"ready", "recoveries", b"recoveries", "sessions", b"sessions", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -75,7 +75,8 @@ class CoordinatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Status(self, request, context):
-        """Status shows the plan, the executors, the incarnation and the sessions.
+        """Status shows the plan, the executors, the incarnation and the sessions
+        (their ids to mesh members only: a client sees how many there are).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

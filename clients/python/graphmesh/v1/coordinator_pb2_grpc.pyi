@@ -44,7 +44,9 @@ class CoordinatorServiceStub:
     logits of the last position.
     """
     Status: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]
-    """Status shows the plan, the executors, the incarnation and the sessions."""
+    """Status shows the plan, the executors, the incarnation and the sessions
+    (their ids to mesh members only: a client sees how many there are).
+    """
 
 @_typing.type_check_only
 class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
@@ -62,7 +64,9 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     logits of the last position.
     """
     Status: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.StatusRequest, _coordinator_pb2.StatusResponse]  # type: ignore[assignment]
-    """Status shows the plan, the executors, the incarnation and the sessions."""
+    """Status shows the plan, the executors, the incarnation and the sessions
+    (their ids to mesh members only: a client sees how many there are).
+    """
 
 class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
     """CoordinatorService is the client-facing API: generation over the mesh."""
@@ -95,6 +99,8 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _coordinator_pb2.StatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.StatusResponse, _abc.Awaitable[_coordinator_pb2.StatusResponse]]:
-        """Status shows the plan, the executors, the incarnation and the sessions."""
+        """Status shows the plan, the executors, the incarnation and the sessions
+        (their ids to mesh members only: a client sees how many there are).
+        """
 
 def add_CoordinatorServiceServicer_to_server(servicer: CoordinatorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -337,6 +337,45 @@ class CopyRowsResponse(_message.Message):
 Global___CopyRowsResponse: _TypeAlias = CopyRowsResponse  # noqa: Y015
 
 @_typing.final
+class RegisterExecutorsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESSES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """addresses are the executors' StageService addresses, exactly as the
+        coordinator and the stages name them (HOST:PORT).
+        """
+
+    def __init__(
+        self,
+        *,
+        addresses: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterExecutorsRequest: _TypeAlias = RegisterExecutorsRequest  # noqa: Y015
+
+@_typing.final
+class RegisterExecutorsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterExecutorsResponse: _TypeAlias = RegisterExecutorsResponse  # noqa: Y015
+
+@_typing.final
 class EvictRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -71,6 +71,11 @@ class KvStoreServiceStub:
                 request_serializer=graphmesh_dot_v1_dot_kvstore__pb2.CopyRowsRequest.SerializeToString,
                 response_deserializer=graphmesh_dot_v1_dot_kvstore__pb2.CopyRowsResponse.FromString,
                 _registered_method=True)
+        self.RegisterExecutors = channel.unary_unary(
+                '/graphmesh.v1.KvStoreService/RegisterExecutors',
+                request_serializer=graphmesh_dot_v1_dot_kvstore__pb2.RegisterExecutorsRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_kvstore__pb2.RegisterExecutorsResponse.FromString,
+                _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/graphmesh.v1.KvStoreService/Evict',
                 request_serializer=graphmesh_dot_v1_dot_kvstore__pb2.EvictRequest.SerializeToString,
@@ -121,6 +126,8 @@ class KvStoreServiceServicer:
     def SeedExecutor(self, request, context):
         """SeedExecutor writes the longest stored prefix (up to max_tokens) straight
         into a session's KV on an executor (StageService.WriteSessionKv).
+        PERMISSION_DENIED (UNREGISTERED_EXECUTOR): the address is not an executor
+        registered by the coordinator (RegisterExecutors).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -128,7 +135,18 @@ class KvStoreServiceServicer:
 
     def CopyRows(self, request, context):
         """CopyRows copies rows [from_row, to_row) of a session's KV from one
-        executor to another (StageService.ReadSessionKv -> WriteSessionKv).
+        executor to another (StageService.ReadSessionKv -> WriteSessionKv). Both
+        addresses must be registered executors (else PERMISSION_DENIED,
+        UNREGISTERED_EXECUTOR): the store reads and writes with its own identity,
+        so it never streams rows to, or takes them from, an address it was handed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterExecutors(self, request, context):
+        """RegisterExecutors replaces the executors the store may seed and copy
+        between: the coordinator's roster, sent at every install.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,6 +193,11 @@ def add_KvStoreServiceServicer_to_server(servicer, server):
                     servicer.CopyRows,
                     request_deserializer=graphmesh_dot_v1_dot_kvstore__pb2.CopyRowsRequest.FromString,
                     response_serializer=graphmesh_dot_v1_dot_kvstore__pb2.CopyRowsResponse.SerializeToString,
+            ),
+            'RegisterExecutors': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterExecutors,
+                    request_deserializer=graphmesh_dot_v1_dot_kvstore__pb2.RegisterExecutorsRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_kvstore__pb2.RegisterExecutorsResponse.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
@@ -333,6 +356,33 @@ class KvStoreService:
             '/graphmesh.v1.KvStoreService/CopyRows',
             graphmesh_dot_v1_dot_kvstore__pb2.CopyRowsRequest.SerializeToString,
             graphmesh_dot_v1_dot_kvstore__pb2.CopyRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterExecutors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graphmesh.v1.KvStoreService/RegisterExecutors',
+            graphmesh_dot_v1_dot_kvstore__pb2.RegisterExecutorsRequest.SerializeToString,
+            graphmesh_dot_v1_dot_kvstore__pb2.RegisterExecutorsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,10 +54,19 @@ class KvStoreServiceStub:
     SeedExecutor: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.SeedExecutorRequest, _kvstore_pb2.SeedExecutorResponse]
     """SeedExecutor writes the longest stored prefix (up to max_tokens) straight
     into a session's KV on an executor (StageService.WriteSessionKv).
+    PERMISSION_DENIED (UNREGISTERED_EXECUTOR): the address is not an executor
+    registered by the coordinator (RegisterExecutors).
     """
     CopyRows: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.CopyRowsRequest, _kvstore_pb2.CopyRowsResponse]
     """CopyRows copies rows [from_row, to_row) of a session's KV from one
-    executor to another (StageService.ReadSessionKv -> WriteSessionKv).
+    executor to another (StageService.ReadSessionKv -> WriteSessionKv). Both
+    addresses must be registered executors (else PERMISSION_DENIED,
+    UNREGISTERED_EXECUTOR): the store reads and writes with its own identity,
+    so it never streams rows to, or takes them from, an address it was handed.
+    """
+    RegisterExecutors: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.RegisterExecutorsRequest, _kvstore_pb2.RegisterExecutorsResponse]
+    """RegisterExecutors replaces the executors the store may seed and copy
+    between: the coordinator's roster, sent at every install.
     """
     Evict: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.EvictRequest, _kvstore_pb2.EvictResponse]
     """Evict drops blocks: all of a namespace, or everything."""
@@ -89,10 +98,19 @@ class KvStoreServiceAsyncStub(KvStoreServiceStub):
     SeedExecutor: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.SeedExecutorRequest, _kvstore_pb2.SeedExecutorResponse]  # type: ignore[assignment]
     """SeedExecutor writes the longest stored prefix (up to max_tokens) straight
     into a session's KV on an executor (StageService.WriteSessionKv).
+    PERMISSION_DENIED (UNREGISTERED_EXECUTOR): the address is not an executor
+    registered by the coordinator (RegisterExecutors).
     """
     CopyRows: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.CopyRowsRequest, _kvstore_pb2.CopyRowsResponse]  # type: ignore[assignment]
     """CopyRows copies rows [from_row, to_row) of a session's KV from one
-    executor to another (StageService.ReadSessionKv -> WriteSessionKv).
+    executor to another (StageService.ReadSessionKv -> WriteSessionKv). Both
+    addresses must be registered executors (else PERMISSION_DENIED,
+    UNREGISTERED_EXECUTOR): the store reads and writes with its own identity,
+    so it never streams rows to, or takes them from, an address it was handed.
+    """
+    RegisterExecutors: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.RegisterExecutorsRequest, _kvstore_pb2.RegisterExecutorsResponse]  # type: ignore[assignment]
+    """RegisterExecutors replaces the executors the store may seed and copy
+    between: the coordinator's roster, sent at every install.
     """
     Evict: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.EvictRequest, _kvstore_pb2.EvictResponse]  # type: ignore[assignment]
     """Evict drops blocks: all of a namespace, or everything."""
@@ -145,6 +163,8 @@ class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_kvstore_pb2.SeedExecutorResponse, _abc.Awaitable[_kvstore_pb2.SeedExecutorResponse]]:
         """SeedExecutor writes the longest stored prefix (up to max_tokens) straight
         into a session's KV on an executor (StageService.WriteSessionKv).
+        PERMISSION_DENIED (UNREGISTERED_EXECUTOR): the address is not an executor
+        registered by the coordinator (RegisterExecutors).
         """
 
     @_abc_1.abstractmethod
@@ -154,7 +174,20 @@ class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kvstore_pb2.CopyRowsResponse, _abc.Awaitable[_kvstore_pb2.CopyRowsResponse]]:
         """CopyRows copies rows [from_row, to_row) of a session's KV from one
-        executor to another (StageService.ReadSessionKv -> WriteSessionKv).
+        executor to another (StageService.ReadSessionKv -> WriteSessionKv). Both
+        addresses must be registered executors (else PERMISSION_DENIED,
+        UNREGISTERED_EXECUTOR): the store reads and writes with its own identity,
+        so it never streams rows to, or takes them from, an address it was handed.
+        """
+
+    @_abc_1.abstractmethod
+    def RegisterExecutors(
+        self,
+        request: _kvstore_pb2.RegisterExecutorsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvstore_pb2.RegisterExecutorsResponse, _abc.Awaitable[_kvstore_pb2.RegisterExecutorsResponse]]:
+        """RegisterExecutors replaces the executors the store may seed and copy
+        between: the coordinator's roster, sent at every install.
         """
 
     @_abc_1.abstractmethod
