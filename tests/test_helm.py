@@ -87,8 +87,13 @@ def one(docs: list[Doc], kind: str, component: str | None = None) -> Doc:
     return found[0]
 
 
+MESH = ("coordinator", "executor", "kvstore")
+
+
 def workloads(docs: list[Doc]) -> Iterator[Doc]:
-    return (d for d in docs if d["kind"] in ("Deployment", "StatefulSet"))
+    """The mesh's own workloads (the chart's Valkey, which runs no graphmesh code, is checked on its own)."""
+    return (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")
+            and d["metadata"]["labels"].get("app.kubernetes.io/component") in MESH)
 
 
 def container(workload: Doc) -> Doc:
@@ -289,7 +294,7 @@ def test_optional_objects(rendered: dict[str, list[Doc]]) -> None:
         monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
         assert len(monitors) == (1 if values(name)["serviceMonitor"]["enabled"] else 0), name
         pdb = one(docs, "PodDisruptionBudget")
-        assert pdb["spec"]["selector"]["matchLabels"] == one(docs, "StatefulSet")["spec"]["selector"]["matchLabels"]
+        assert pdb["spec"]["selector"]["matchLabels"] == one(docs, "StatefulSet", "executor")["spec"]["selector"]["matchLabels"]
         kv = container(one(docs, "Deployment", "kvstore"))
         assert flag(kv["args"], "--capacity-bytes") == str(values(name)["kvstore"]["capacityBytes"])
         assert ("--dir" in kv["args"]) == values(name)["kvstore"]["persistence"]["enabled"]
@@ -339,3 +344,67 @@ def test_dockerfiles_match_the_chart(service: str) -> None:
     pyproject = ROOT / "services" / service / "pyproject.toml"
     if pyproject.exists():
         assert f"graphmesh-{service}" in tomllib.loads(pyproject.read_text())["project"]["scripts"]
+
+
+def test_kvstore_replicas_share_the_charts_valkey(rendered: dict[str, list[Doc]]) -> None:
+    docs = rendered["shared-store-values"]
+    kv = one(docs, "Deployment", "kvstore")
+    assert kv["spec"]["replicas"] == values("shared-store-values")["kvstore"]["replicas"] == 3
+    c = container(kv)
+    assert flag(c["args"], "--redis-url") == "redis://graphmesh-valkey:6379/0"
+    assert flag(c["args"], "--redis-timeout") == "0.25" and "--redis-ttl" not in c["args"]
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/redis")
+    assert flag(c["args"], "--redis-password-file") == "/redis/password" and mount["readOnly"] is True
+    volume = next(v for v in kv["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"] == {"secretName": "graphmesh-valkey", "defaultMode": 0o440,
+                                "items": [{"key": "password", "path": "password"}]}
+    secret = one(docs, "Secret", "valkey")
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    assert len(password) >= 32
+    assert base64.b64decode(secret["data"]["valkey.conf"]).decode() == f"requirepass {password}\n"
+    sts = one(docs, "StatefulSet", "valkey")
+    assert sts["spec"]["replicas"] == 1 and sts["spec"]["serviceName"] == "graphmesh-valkey"
+    assert one(docs, "Service", "valkey")["spec"]["clusterIP"] == "None"
+    pod = sts["spec"]["template"]["spec"]
+    v = container(sts)
+    assert password not in " ".join(v["args"])  # the password is in the config file only
+    assert v["args"][0] == "/config/valkey.conf" and flag(v["args"], "--maxmemory") == "2gb"
+    assert flag(v["args"], "--maxmemory-policy") == "allkeys-lru" and flag(v["args"], "--save") == ""
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
+    assert v["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {m["mountPath"] for m in v["volumeMounts"]} >= {"/tmp", "/data", "/config"}
+    for name in ("default-values", "tls-values"):  # a single store by default, no shared tier
+        kv = one(rendered[name], "Deployment", "kvstore")
+        assert kv["spec"]["replicas"] == 1 and "--redis-url" not in container(kv)["args"]
+        assert not [d for d in rendered[name] if d["metadata"]["labels"].get("app.kubernetes.io/component") == "valkey"]
+
+
+def test_kvstore_replicas_on_an_external_redis_with_a_password_secret(helm_template: Template) -> None:
+    proc = helm_template("--set", "kvstore.replicas=2", "--set", "kvstore.redis.url=rediss://cache.infra:6380/2",
+                         "--set", "kvstore.redis.existingSecret=cache-auth", "--set", "kvstore.redis.passwordKey=pw",
+                         "--set", "kvstore.redis.ttlSeconds=3600", "--set", "kvstore.valkey.enabled=true")
+    assert proc.returncode == 0, proc.stderr
+    docs = load(proc.stdout)
+    kv = one(docs, "Deployment", "kvstore")
+    c = container(kv)
+    assert kv["spec"]["replicas"] == 2
+    assert flag(c["args"], "--redis-url") == "rediss://cache.infra:6380/2" and flag(c["args"], "--redis-ttl") == "3600"
+    volume = next(v for v in kv["spec"]["template"]["spec"]["volumes"] if v["name"] == "redis-password")
+    assert volume["secret"]["secretName"] == "cache-auth" and volume["secret"]["items"] == [{"key": "pw", "path": "password"}]
+    # an external URL wins: the chart deploys no Valkey of its own
+    assert not [d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component") == "valkey"]
+    proc = helm_template("--set", "kvstore.redis.url=redis://cache:6379/0")  # no password: none mounted
+    assert proc.returncode == 0, proc.stderr
+    c = container(one(load(proc.stdout), "Deployment", "kvstore"))
+    assert "--redis-password-file" not in c["args"] and all(m["mountPath"] != "/redis" for m in c["volumeMounts"])
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("--set", "kvstore.replicas=2"), "needs the shared tier"),
+    (("--set", "kvstore.replicas=2", "--set", "kvstore.valkey.enabled=true", "--set", "kvstore.persistence.enabled=true"),
+     "holds a single replica"),
+    (("--set", "kvstore.redis.url=localhost:6379"), "url"),
+])
+def test_kvstore_settings_that_cannot_work_are_refused(helm_template: Template, args: tuple[str, ...], words: str) -> None:
+    proc = helm_template(*args)
+    assert proc.returncode != 0 and words in proc.stderr, proc.stderr

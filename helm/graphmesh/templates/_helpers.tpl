@@ -20,6 +20,7 @@
 {{- define "graphmesh.executor" -}}{{ include "graphmesh.fullname" . | trunc 45 }}-executor{{- end -}}
 {{- define "graphmesh.executorHeadless" -}}{{ include "graphmesh.executor" . }}-headless{{- end -}}
 {{- define "graphmesh.kvstore" -}}{{ include "graphmesh.fullname" . | trunc 55 }}-kvstore{{- end -}}
+{{- define "graphmesh.valkey" -}}{{ include "graphmesh.fullname" . | trunc 56 }}-valkey{{- end -}}
 {{- define "graphmesh.config" -}}{{ include "graphmesh.fullname" . | trunc 56 }}-config{{- end -}}
 
 {{- define "graphmesh.serviceAccountName" -}}
@@ -237,4 +238,27 @@ readinessProbe:
 {{- define "graphmesh.modelVolume" -}}
 - name: models
   {{- toYaml (default (dict "emptyDir" dict) .Values.model.volume) | nindent 2 }}
+{{- end -}}
+
+{{/* The kvstore's shared tier: its URL ("" for none) and the Secret with its password ("" for none). */}}
+{{- define "graphmesh.redisUrl" -}}
+{{- $k := .Values.kvstore -}}
+{{- if $k.redis.url -}}
+{{- $k.redis.url -}}
+{{- else if $k.valkey.enabled -}}
+{{- printf "redis://%s:%d/0" (include "graphmesh.valkey" .) (int $k.valkey.port) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "graphmesh.redisSecret" -}}
+{{- $k := .Values.kvstore -}}
+{{- if $k.redis.url -}}
+{{- $k.redis.existingSecret -}}
+{{- else if $k.valkey.enabled -}}
+{{- include "graphmesh.valkey" . -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "graphmesh.redisPasswordKey" -}}
+{{- if .Values.kvstore.redis.url -}}{{ .Values.kvstore.redis.passwordKey }}{{- else -}}password{{- end -}}
 {{- end -}}
