@@ -191,6 +191,12 @@ def test_copy_rows_and_seed_between_executors(kvstore: str, executors: tuple[Sta
         np.testing.assert_array_equal(b.read("copied", 8, 24), rows_a[8:24])
 
         ns = kvkeys.namespace(identity, 0, 2, 32)
+        # The copy went executor -> executor with the token ids: the migrated session goes on writing its blocks
+        # behind, including block 2, whose rows 32..40 were copied and 40..48 computed on B.
+        more = [(5 * i + 1) % 1000 for i in range(24)]
+        b.prefill("copied", 1, len(PROMPT), more)
+        wait_for_blocks(client, ns, PROMPT + more, 64)
+        np.testing.assert_array_equal(client.get_blocks(ns, PROMPT + more)[32:], b.read("copied", 32, 64))
         wait_for_blocks(client, ns, PROMPT, 32)
         seeded, nbytes, ms = client.seed_executor(ns, PROMPT, b.address, INCARNATION, "seeded")
         assert (seeded, nbytes) == (32, rows_a[:32].nbytes)
@@ -209,7 +215,7 @@ def test_executor_failures_name_the_executor(kvstore: str, executors: tuple[Stag
     a, b, identity = executors
     a.prefill("f", 1, 0, PROMPT[:20])
     with KvStoreClient(kvstore) as client:
-        with pytest.raises(FailedPrecondition, match=f"executor {a.address} failed ReadSessionKv") as e:
+        with pytest.raises(FailedPrecondition, match=f"executor {a.address} failed PushSessionKv") as e:
             client.copy_rows(a.address, "f", INCARNATION + 5, b.address, "f-copy", INCARNATION, 0, 20)
         assert e.value.reason == "STALE_INCARNATION" and e.value.metadata["executor"] == a.address
         with pytest.raises(FailedPrecondition, match=f"executor {b.address} failed WriteSessionKv"):

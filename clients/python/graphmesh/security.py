@@ -106,7 +106,10 @@ POLICY: dict[str, frozenset[Role]] = {
     **_methods("StageService", _COORDINATOR, "Install", "Fence", "ExecuteStep", "AbortStep", "ExecuteGroup", "Commit",
                "Abort", "ResolveEpoch", "ReleaseSession", "InjectFault"),
     **_methods("StageService", frozenset({Role.EXECUTOR}), "PushBoundary"),  # the previous stage
-    **_methods("StageService", _KVSTORE_OR_COORDINATOR, "ReadSessionKv", "WriteSessionKv"),  # seeds and copies
+    **_methods("StageService", _KVSTORE_OR_COORDINATOR, "ReadSessionKv", "PushSessionKv"),  # seeds and copies
+    # a copy's source executor writes the rows into the destination itself (one hop); an executor already sees,
+    # and could alter, every session's activations that pass through its stage, so this grants it nothing new
+    **_methods("StageService", _KVSTORE_OR_COORDINATOR | {Role.EXECUTOR}, "WriteSessionKv"),
     **_methods("StageService", MESH, "Status"),
     # KV rows are users' prompts in another form: reading or writing them is for the mesh only
     "/graphmesh.v1.KvStoreService/": _COORDINATOR,

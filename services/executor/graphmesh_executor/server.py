@@ -26,6 +26,7 @@ from graphmesh.serving import byte_size, fits_in_memory, run_until_signalled
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
 from graphmesh_executor.backends import NAMES
 from graphmesh_executor.fencing import AuthorityState
+from graphmesh_executor.kv_push import KvPusher
 from graphmesh_executor.kv_writer import KvWriteBehind
 from graphmesh_executor.registry import ExecutableRegistry
 from graphmesh_executor.servicer import ExecutorServicer
@@ -97,7 +98,7 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRe
                            pusher=BoundaryPusher(config.security.tls), block_writer=block_writer,
                            faults_enabled=config.enable_fault_injection, standby_weights=config.standby_weights,
                            kv_cache_bytes=config.kv_cache_bytes)
-    add_stage_service(server, runtime)
+    add_stage_service(server, runtime, KvPusher(config.security.tls, config.max_message_bytes))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -104,6 +104,9 @@ class StageSession:
     tokens: list[int] = field(default_factory=list)  # committed tokens, for KV store keys
     pending_tokens: list[int] = field(default_factory=list)  # tokens of the open epoch
     stored_tokens: int = 0  # tokens already written behind to the KV store
+    # Rows were written without their token ids (or out of line with them): `tokens` no longer says which token
+    # each row holds, so this session never keys blocks with them (write-behind) nor hands them on (copies).
+    untokened: bool = False
 
 
 @dataclass
@@ -511,7 +514,7 @@ class StageRuntime:
             return
         block = spec.kv_block_tokens or 16
         whole = session.txn.kv_length // block * block
-        if whole <= session.stored_tokens or len(session.tokens) < whole:
+        if whole <= session.stored_tokens or len(session.tokens) < whole or session.untokened:
             return
         # Read on the engine thread after the step that wrote the rows, without holding up this commit (the caller
         # holds the lock): the slots are taken now, so a release and reuse of the blocks later cannot race it.
@@ -546,6 +549,16 @@ class StageRuntime:
             slots = self.pool.slots(session_id, from_row, to_row)
         return self.engine.run("stage.read_kv", lambda: self._take(slots))
 
+    def committed_tokens(self, incarnation: int, session_id: str, from_row: int, to_row: int) -> list[int]:
+        """The token ids of committed rows [from_row, to_row), or [] when this rank does not know them all (rows
+        that came without their tokens): a copy then carries none rather than wrong ones."""
+        with self._lock:
+            self.authority.check(incarnation)
+            session = self._session_or_404(session_id)
+            if session.untokened or to_row > len(session.tokens):
+                return []
+            return session.tokens[from_row:to_row]
+
     def write_kv(self, incarnation: int, session_id: str, start: int, rows: np.ndarray, token_ids: list[int]) -> int:
         """Appends committed rows to an idle session (a seeded prefix or a migration); returns the KV length."""
         assert self.spec is not None
@@ -574,10 +587,15 @@ class StageRuntime:
         with self._lock:
             self.authority.check(incarnation)
             session.txn.append_committed(start, rows.shape[0])
-            if token_ids:
+            if not token_ids or len(session.tokens) != start:
+                session.untokened = True  # the tokens would no longer line up with the rows they key
+            elif not session.untokened:
                 session.tokens += token_ids
                 if session.stored_tokens == start:
-                    session.stored_tokens = session.txn.kv_length  # these rows came from the store or a peer
+                    # These rows came from the store or a peer: their whole blocks are not written behind again. A
+                    # partial last block is, once the session completes it (its rows are all here by then).
+                    block = self.spec.kv_block_tokens or 16
+                    session.stored_tokens = session.txn.kv_length // block * block
             return session.txn.kv_length
 
     def abort_step(self, incarnation: int, step_id: int, rows: list[StepRow]) -> None:

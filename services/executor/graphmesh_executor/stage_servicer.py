@@ -14,6 +14,7 @@ from graphmesh import security, telemetry, tensors
 from graphmesh.errors import InvalidArgument, from_rpc_error, rpc
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
+from graphmesh_executor.kv_push import KvPusher
 from graphmesh_executor.stage import Sampling, StageConfig, StageRuntime, StepRow
 
 log = logging.getLogger("graphmesh.executor.stage")
@@ -56,8 +57,9 @@ class BoundaryPusher:
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
-    def __init__(self, runtime: StageRuntime) -> None:
+    def __init__(self, runtime: StageRuntime, kv_pusher: KvPusher | None = None) -> None:
         self.runtime = runtime
+        self.kv_pusher = kv_pusher or KvPusher()
 
     @rpc
     def Install(self, request: stage_pb2.InstallRequest, context: grpc.ServicerContext) -> stage_pb2.InstallResponse:
@@ -157,6 +159,20 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         length = self.runtime.write_kv(h.incarnation, h.session_id, first.start_row, rows, list(first.token_ids))
         return stage_pb2.WriteSessionKvResponse(kv_length=length)
 
+    @rpc
+    def PushSessionKv(self, request: stage_pb2.PushSessionKvRequest,
+                      context: grpc.ServicerContext) -> stage_pb2.PushSessionKvResponse:
+        h = request.header
+        with telemetry.span("stage.push_kv", session=h.session_id, destination=request.destination_address,
+                            from_row=request.from_row, to_row=request.to_row):
+            rows = self.runtime.read_kv(h.incarnation, h.session_id, request.from_row, request.to_row)
+            tokens = self.runtime.committed_tokens(h.incarnation, h.session_id, request.from_row, request.to_row)
+            remaining = context.time_remaining()
+            timeout = remaining if remaining is not None and remaining < 1e9 else 120.0
+            length = self.kv_pusher.push(request.destination_address, request.destination_header, request.from_row,
+                                         rows, tokens, timeout)
+        return stage_pb2.PushSessionKvResponse(bytes=rows.nbytes, kv_length=length, token_ids=len(tokens))
+
     def _kv_assembler(self, first: stage_pb2.WriteSessionKvRequest) -> tensors.ChunkAssembler:
         """The buffer for a WriteSessionKv stream, refused before anything is allocated when the stream's
         incarnation is not the current one, and sized to at most the rows the session's context can still
@@ -211,7 +227,7 @@ def step_rows(rows: Iterable[stage_pb2.StepRow]) -> list[StepRow]:
 _FAULTS = {stage_pb2.FAULT_KIND_ARCH_FAILURE: "arch", stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY: "corrupt"}
 
 
-def add_stage_service(server: grpc.Server, runtime: StageRuntime) -> StageServicer:
-    servicer = StageServicer(runtime)
+def add_stage_service(server: grpc.Server, runtime: StageRuntime, kv_pusher: KvPusher | None = None) -> StageServicer:
+    servicer = StageServicer(runtime, kv_pusher)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
     return servicer

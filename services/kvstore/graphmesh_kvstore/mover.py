@@ -1,21 +1,21 @@
 """Moves KV rows into executors: a stored prefix into a session (seed), a session's rows to another executor (copy).
 
-Both use the executors' StageService: ReadSessionKv streams a session's rows, WriteSessionKv appends rows to
-an idle session. A copy relays the chunks as raw bytes, forwarded as they arrive, so the source and the
-destination stream at the same time and no chunk is parsed or re-encoded on the way.
+Both use the executors' StageService: a seed streams stored rows into WriteSessionKv, which appends rows to an
+idle session; a copy asks the source executor to push its rows, with their token ids, straight into the
+destination (PushSessionKv), so the rows cross the network once and never pass through this process.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import grpc
 
-from graphmesh import dtypes, errors, security, telemetry, tensors
+from graphmesh import errors, security, telemetry, tensors
 from graphmesh.errors import GraphmeshError, InvalidArgument, PermissionDenied
-from graphmesh.v1 import kvstore_pb2, stage_pb2, tensor_pb2
+from graphmesh.v1 import kvstore_pb2, stage_pb2
 from graphmesh_kvstore.store import Store
 
 _SERVICE = "/" + stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
@@ -52,18 +52,19 @@ def executor_error(error: grpc.RpcError, address: str, method: str) -> Graphmesh
 
 
 class _Stage:
-    """The two StageService methods the store calls, on one channel, with raw-bytes chunk framing."""
+    """The two StageService methods the store calls (WriteSessionKv with raw-bytes chunk framing, PushSessionKv) on one
+    channel."""
 
     def __init__(self, address: str, max_message_bytes: int, tls: security.Tls | None = None) -> None:
         self.channel = telemetry.traced(security.channel(
             address, tls, [("grpc.max_send_message_length", max_message_bytes),
                            ("grpc.max_receive_message_length", max_message_bytes)]))
-        self.read = self.channel.unary_stream(
-            f"{_SERVICE}/ReadSessionKv", request_serializer=stage_pb2.ReadSessionKvRequest.SerializeToString,
-            response_deserializer=_raw)
         self.write = self.channel.stream_unary(
             f"{_SERVICE}/WriteSessionKv", request_serializer=_raw,
             response_deserializer=stage_pb2.WriteSessionKvResponse.FromString)
+        self.push = self.channel.unary_unary(
+            f"{_SERVICE}/PushSessionKv", request_serializer=stage_pb2.PushSessionKvRequest.SerializeToString,
+            response_deserializer=stage_pb2.PushSessionKvResponse.FromString)
 
 
 class Mover:
@@ -135,35 +136,22 @@ class Mover:
         with telemetry.span("kv.copy_rows", source=source, destination=destination, from_row=from_row, to_row=to_row,
                             session=destination_header.session_id, incarnation=destination_header.incarnation):
             started = time.perf_counter()
-            timeout = timeout_s or self.timeout_s
-            src, dst = self._stage(source), self._stage(destination)
-            read = src.read(stage_pb2.ReadSessionKvRequest(header=source_header, from_row=from_row, to_row=to_row),
-                            timeout=timeout)
-            first = stage_pb2.WriteSessionKvRequest(header=destination_header, start_row=from_row)
-            source_failed: list[grpc.RpcError] = []
-            payload = [0]
-
-            def requests() -> Iterator[bytes]:
-                try:
-                    for i, chunk in enumerate(read):
-                        if i == 0:
-                            head = tensor_pb2.TensorChunk.FromString(chunk)
-                            payload[0] = tensors.nbytes(dtypes.from_proto(head.dtype), tuple(head.shape))
-                        yield _write_request(first if i == 0 else None, chunk)
-                except grpc.RpcError as e:
-                    source_failed.append(e)
-                    raise  # cancels the write: the destination never commits a partial copy
-
+            src, _ = self._stage(source), self._stage(destination)  # both must be registered executors
+            # The source streams the rows, with their token ids, into the destination itself: one hop instead of
+            # two through this process, and the destination keeps writing the session's blocks behind.
+            request = stage_pb2.PushSessionKvRequest(header=source_header, from_row=from_row, to_row=to_row,
+                                                     destination_address=destination,
+                                                     destination_header=destination_header)
             try:
-                dst.write(requests(), timeout=timeout)
+                reply = src.push(request, timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as e:
-                if source_failed:  # set before the write was cancelled, so it is the first cause
-                    raise executor_error(source_failed[0], source, "ReadSessionKv") from None
-                read.cancel()  # after the check: cancelling makes the read fail too
-                raise executor_error(e, destination, "WriteSessionKv") from None
+                error = errors.from_rpc_error(e)
+                if error.metadata.get("executor") == destination:
+                    raise error from None  # the destination's own failure, named by the source
+                raise executor_error(e, source, "PushSessionKv") from None
             seconds = time.perf_counter() - started
-            self.store.record_transfer("copy", payload[0], seconds)
-            return payload[0], seconds
+            self.store.record_transfer("copy", reply.bytes, seconds)
+            return reply.bytes, seconds
 
     def close(self) -> None:
         with self._lock:

@@ -944,6 +944,79 @@ class WriteSessionKvResponse(_message.Message):
 Global___WriteSessionKvResponse: _TypeAlias = WriteSessionKvResponse  # noqa: Y015
 
 @_typing.final
+class PushSessionKvRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    FROM_ROW_FIELD_NUMBER: _builtins.int
+    TO_ROW_FIELD_NUMBER: _builtins.int
+    DESTINATION_ADDRESS_FIELD_NUMBER: _builtins.int
+    DESTINATION_HEADER_FIELD_NUMBER: _builtins.int
+    from_row: _builtins.int
+    """from_row and to_row select rows [from_row, to_row) of its committed KV;
+    they land at the same rows of the destination (K rows carry their rotary
+    position), so from_row must equal the destination's committed length.
+    """
+    to_row: _builtins.int
+    destination_address: _builtins.str
+    """destination_address is the destination executor's StageService address."""
+    @_builtins.property
+    def header(self) -> Global___FencingHeader:
+        """header names the source session on this executor."""
+
+    @_builtins.property
+    def destination_header(self) -> Global___FencingHeader:
+        """destination_header names the destination session and its incarnation."""
+
+    def __init__(
+        self,
+        *,
+        header: Global___FencingHeader | None = ...,
+        from_row: _builtins.int = ...,
+        to_row: _builtins.int = ...,
+        destination_address: _builtins.str = ...,
+        destination_header: Global___FencingHeader | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["destination_header", b"destination_header", "header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination_address", b"destination_address", "destination_header", b"destination_header", "from_row", b"from_row", "header", b"header", "to_row", b"to_row"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushSessionKvRequest: _TypeAlias = PushSessionKvRequest  # noqa: Y015
+
+@_typing.final
+class PushSessionKvResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_FIELD_NUMBER: _builtins.int
+    KV_LENGTH_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    bytes: _builtins.int
+    """bytes is the size of the rows pushed (f32 payload)."""
+    kv_length: _builtins.int
+    """kv_length is the destination session's committed KV length afterwards."""
+    token_ids: _builtins.int
+    """token_ids is the number of token ids that went with the rows: to_row -
+    from_row, or 0 when this executor did not hold them (then the destination
+    cannot write those blocks behind).
+    """
+    def __init__(
+        self,
+        *,
+        bytes: _builtins.int = ...,
+        kv_length: _builtins.int = ...,
+        token_ids: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "kv_length", b"kv_length", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushSessionKvResponse: _TypeAlias = PushSessionKvResponse  # noqa: Y015
+
+@_typing.final
 class InjectFaultRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -91,6 +91,11 @@ class StageServiceStub:
                 request_serializer=graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvRequest.SerializeToString,
                 response_deserializer=graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvResponse.FromString,
                 _registered_method=True)
+        self.PushSessionKv = channel.unary_unary(
+                '/graphmesh.v1.StageService/PushSessionKv',
+                request_serializer=graphmesh_dot_v1_dot_stage__pb2.PushSessionKvRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_stage__pb2.PushSessionKvResponse.FromString,
+                _registered_method=True)
         self.Fence = channel.unary_unary(
                 '/graphmesh.v1.StageService/Fence',
                 request_serializer=graphmesh_dot_v1_dot_stage__pb2.FenceRequest.SerializeToString,
@@ -202,6 +207,18 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushSessionKv(self, request, context):
+        """PushSessionKv streams rows [from_row, to_row) of a session's committed KV,
+        with their token ids, straight into another executor's session
+        (WriteSessionKv there, one hop: the rows never pass through the caller).
+        The destination keeps the token ids, so it goes on writing its blocks
+        behind to the KV store. A failure of the destination is reported with its
+        own code and the ErrorInfo metadata executor = destination_address.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Fence(self, request, context):
         """Fence poisons incarnation `incarnation` on this executor (first cause
         wins; never cleared). A later Install(k+1) makes the executor ACTIVE.
@@ -277,6 +294,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.WriteSessionKv,
                     request_deserializer=graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvRequest.FromString,
                     response_serializer=graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvResponse.SerializeToString,
+            ),
+            'PushSessionKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushSessionKv,
+                    request_deserializer=graphmesh_dot_v1_dot_stage__pb2.PushSessionKvRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_stage__pb2.PushSessionKvResponse.SerializeToString,
             ),
             'Fence': grpc.unary_unary_rpc_method_handler(
                     servicer.Fence,
@@ -570,6 +592,33 @@ class StageService:
             '/graphmesh.v1.StageService/WriteSessionKv',
             graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvRequest.SerializeToString,
             graphmesh_dot_v1_dot_stage__pb2.WriteSessionKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushSessionKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graphmesh.v1.StageService/PushSessionKv',
+            graphmesh_dot_v1_dot_stage__pb2.PushSessionKvRequest.SerializeToString,
+            graphmesh_dot_v1_dot_stage__pb2.PushSessionKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

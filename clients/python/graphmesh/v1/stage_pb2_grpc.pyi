@@ -83,6 +83,14 @@ class StageServiceStub:
     committed length (creating the session when it is new) and commits them:
     how the KV store seeds a prefix and how rows migrate between executors.
     """
+    PushSessionKv: _grpc.UnaryUnaryMultiCallable[_stage_pb2.PushSessionKvRequest, _stage_pb2.PushSessionKvResponse]
+    """PushSessionKv streams rows [from_row, to_row) of a session's committed KV,
+    with their token ids, straight into another executor's session
+    (WriteSessionKv there, one hop: the rows never pass through the caller).
+    The destination keeps the token ids, so it goes on writing its blocks
+    behind to the KV store. A failure of the destination is reported with its
+    own code and the ErrorInfo metadata executor = destination_address.
+    """
     Fence: _grpc.UnaryUnaryMultiCallable[_stage_pb2.FenceRequest, _stage_pb2.FenceResponse]
     """Fence poisons incarnation `incarnation` on this executor (first cause
     wins; never cleared). A later Install(k+1) makes the executor ACTIVE.
@@ -147,6 +155,14 @@ class StageServiceAsyncStub(StageServiceStub):
     """WriteSessionKv writes rows into an idle session's KV starting at its
     committed length (creating the session when it is new) and commits them:
     how the KV store seeds a prefix and how rows migrate between executors.
+    """
+    PushSessionKv: _aio.UnaryUnaryMultiCallable[_stage_pb2.PushSessionKvRequest, _stage_pb2.PushSessionKvResponse]  # type: ignore[assignment]
+    """PushSessionKv streams rows [from_row, to_row) of a session's committed KV,
+    with their token ids, straight into another executor's session
+    (WriteSessionKv there, one hop: the rows never pass through the caller).
+    The destination keeps the token ids, so it goes on writing its blocks
+    behind to the KV store. A failure of the destination is reported with its
+    own code and the ErrorInfo metadata executor = destination_address.
     """
     Fence: _aio.UnaryUnaryMultiCallable[_stage_pb2.FenceRequest, _stage_pb2.FenceResponse]  # type: ignore[assignment]
     """Fence poisons incarnation `incarnation` on this executor (first cause
@@ -269,6 +285,20 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         """WriteSessionKv writes rows into an idle session's KV starting at its
         committed length (creating the session when it is new) and commits them:
         how the KV store seeds a prefix and how rows migrate between executors.
+        """
+
+    @_abc_1.abstractmethod
+    def PushSessionKv(
+        self,
+        request: _stage_pb2.PushSessionKvRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.PushSessionKvResponse, _abc.Awaitable[_stage_pb2.PushSessionKvResponse]]:
+        """PushSessionKv streams rows [from_row, to_row) of a session's committed KV,
+        with their token ids, straight into another executor's session
+        (WriteSessionKv there, one hop: the rows never pass through the caller).
+        The destination keeps the token ids, so it goes on writing its blocks
+        behind to the KV store. A failure of the destination is reported with its
+        own code and the ErrorInfo metadata executor = destination_address.
         """
 
     @_abc_1.abstractmethod
