@@ -3,8 +3,10 @@ export OTLP (configured only by OTEL_* variables) to a TraceService receiver ins
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from graphmesh.coordinator_client import CoordinatorClient
-from graphmesh.launcher import LocalMesh
+from graphmesh.launcher import LocalMesh, free_port
 from tests.model_fixtures import make_tiny_llama
 
 PROMPT = list(range(300, 340))  # longer than a KV block: the coordinator asks the kvstore for a stored prefix
@@ -72,7 +74,8 @@ def mesh(receiver: tuple[Receiver, int], tmp_path_factory: pytest.TempPathFactor
     env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver[1]}",
            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": "", "OTEL_TRACES_SAMPLER": "always_on"}
     # a pool of a few hundred blocks: the default (up to 512 MiB) costs the numpy backend a copy of it every step
-    with LocalMesh(2, "numpy", str(path), env=env, extra_executor_args=("--kv-cache-bytes", "4Mi")) as m:
+    with LocalMesh(2, "numpy", str(path), env=env, extra_executor_args=("--kv-cache-bytes", "4Mi"),
+                   http_listen=f"127.0.0.1:{free_port()}") as m:
         yield m
 
 
@@ -230,3 +233,57 @@ def test_write_behind_joins_the_trace_of_the_commit(mesh: LocalMesh, receiver: t
         assert "stage.kv_write_behind" in names and "stage.commit" in names[names.index("stage.kv_write_behind"):], names
         steps |= {e.span.span_id for e in chain if e.span.name == "mesh.step"}
     assert len(steps) == 1, steps  # one step's commit, on both stages
+
+
+def _value(value: Any) -> Any:
+    """An OTLP AnyValue as Python (the kinds GenAI attributes use)."""
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind else None
+
+
+def test_an_http_completion_has_genai_attributes_and_joins_the_callers_trace(
+        mesh: LocalMesh, receiver: tuple[Receiver, int]) -> None:
+    spans = receiver[0]
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    prompt = [9, *PROMPT]
+    body = {"model": mesh.model, "prompt": prompt, "max_tokens": 3, "temperature": 0, "seed": 5, "stop": ["zz"],
+            "ignore_eos": True}
+    request = urllib.request.Request(mesh.http_url + "/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", "traceparent": f"00-{trace_id}-{parent}-01"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        reply = json.loads(r.read())
+    assert reply["usage"]["completion_tokens"] == 3
+    name = f"text_completion {mesh.model}"
+    trace: list[Exported] = []
+
+    def why() -> str:
+        nonlocal trace
+        trace = spans.trace(bytes.fromhex(trace_id))
+        mine = [e for e in trace if e.span.name == name]
+        if len(mine) != 1:
+            return f"{len(mine)} {name!r} spans"
+        # The caller's span is not exported here: one span (the HTTP server span, FastAPI's or ours) hangs below
+        # it, and every other span of the trace below that one.
+        ids = {e.span.span_id for e in trace}
+        tops = [(e.service, e.span.name) for e in trace if e.span.parent_span_id not in ids]
+        if len(tops) != 1 or not any(e.span.parent_span_id == bytes.fromhex(parent) for e in trace):
+            return f"spans not under the caller's: {tops}"
+        return _covers(trace, EVERY_SERVICE, 4)
+
+    _wait_for(why)
+    top = next(e.span for e in trace if e.span.name == name)
+    http = top
+    while http.parent_span_id != bytes.fromhex(parent):  # up through FastAPI's spans, where it traces requests
+        http = next(e.span for e in trace if e.span.span_id == http.parent_span_id)
+    assert http.kind == trace_pb2.Span.SPAN_KIND_SERVER  # the request's entry: FastAPI's HTTP span, or ours
+    attrs = {a.key: _value(a.value) for a in top.attributes}
+    assert attrs["gen_ai.operation.name"] == "text_completion" and attrs["gen_ai.request.model"] == mesh.model
+    assert attrs["gen_ai.request.max_tokens"] == 3 and attrs["gen_ai.request.temperature"] == 0.0
+    assert attrs["gen_ai.request.seed"] == 5 and attrs["gen_ai.request.stop_sequences"] == ["zz"]
+    assert attrs["gen_ai.usage.input_tokens"] == len(prompt) and attrs["gen_ai.usage.output_tokens"] == 3
+    assert attrs["gen_ai.response.finish_reasons"] == ["length"] and attrs["gen_ai.response.id"] == reply["id"]
+    assert attrs["gen_ai.provider.name"] == "graphmesh"
+    names = {e.span.name for e in trace}
+    assert {"generate", "mesh.step", "stage.execute"} <= names, names

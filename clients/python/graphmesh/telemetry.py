@@ -116,17 +116,16 @@ def start_span(name: str, **attributes: AttributeValue) -> Span:
     return _tracer.start_span(name, attributes=attributes)
 
 
-def start_server_span(name: str, parent: Context | None, attributes: dict[str, AttributeValue]) -> Span:
-    """A SERVER span that the caller ends: the entry of a request that did not come through gRPC (the HTTP API),
-    a child of `parent` (extract()ed from its headers) so it joins the caller's trace."""
+def start_request_span(name: str, headers: dict[str, str], attributes: dict[str, AttributeValue]) -> Span:
+    """A span that the caller ends, around a request that did not come through gRPC (the HTTP API): a child of
+    the current span where the web framework traces requests itself (FastAPI's HTTP server span, which took the
+    caller's W3C traceparent), else a SERVER span under the traceparent in `headers`; either way it joins the
+    caller's trace."""
     if _provider is None:
         return trace.INVALID_SPAN
-    return _tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
-
-
-def extract(headers: dict[str, str]) -> Context:
-    """The trace context a request's W3C traceparent (and tracestate) headers carry; empty without them."""
-    return propagate.extract(headers)
+    if trace.get_current_span().get_span_context().is_valid:
+        return _tracer.start_span(name, attributes=attributes)
+    return _tracer.start_span(name, context=propagate.extract(headers), kind=SpanKind.SERVER, attributes=attributes)
 
 
 def use(span_: Span) -> AbstractContextManager[Span]:

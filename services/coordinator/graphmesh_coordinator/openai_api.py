@@ -450,9 +450,8 @@ class OpenAIServer:
         owns_slot = True  # until the request's sessions take it over
         response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + uuid.uuid4().hex
         usage = genai.Usage()
-        span = telemetry.start_server_span(genai.span_name(operation, body.model),
-                                           telemetry.extract(dict(request.headers)),
-                                           self._request_attributes(operation, body, request))
+        span = telemetry.start_request_span(genai.span_name(operation, body.model), dict(request.headers),
+                                            self._request_attributes(operation, body, request))
         try:
             call = await anyio.to_thread.run_sync(self._parse, operation, body)
             if not await anyio.to_thread.run_sync(self.mesh.wait_ready, self.ready_wait_s):

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                                    args.kvstore, [int(x) for x in args.split.split(",") if x], args.weights,
                                    args.startup_timeout, args.rpc_timeout, args.max_context, args.metrics_port,
                                    security.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs,
-                                   args.http_listen, args.http_ready_wait)
+                                   http_listen=args.http_listen, http_ready_wait_s=args.http_ready_wait)
         telemetry.serve_metrics(config.metrics_port)
         running = build_server(config)
     except Exception as e:
