@@ -32,5 +32,5 @@ WORKDIR /tmp
 ENV HOME=/tmp
 
 # gRPC, Prometheus metrics.
-EXPOSE 50050 9090
+EXPOSE 50050 8000 9090
 ENTRYPOINT ["tini", "--", "graphmesh-coordinator"]

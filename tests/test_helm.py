@@ -408,3 +408,21 @@ def test_kvstore_replicas_on_an_external_redis_with_a_password_secret(helm_templ
 def test_kvstore_settings_that_cannot_work_are_refused(helm_template: Template, args: tuple[str, ...], words: str) -> None:
     proc = helm_template(*args)
     assert proc.returncode != 0 and words in proc.stderr, proc.stderr
+
+
+def test_the_openai_api_is_a_named_service_port_behind_the_same_auth(rendered: dict[str, list[Doc]],
+                                                                     helm_template: Template) -> None:
+    for name, docs in rendered.items():
+        v = values(name)
+        c = container(one(docs, "Deployment", "coordinator"))
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert flag(c["args"], "--http-listen") == f"0.0.0.0:{ports['http']}" == f"0.0.0.0:{v['coordinator']['http']['port']}"
+        service = one(docs, "Service", "coordinator")
+        http = next(p for p in service["spec"]["ports"] if p["name"] == "http")
+        assert http["targetPort"] == "http" and http["port"] == ports["http"]
+        assert http["appProtocol"] == ("https" if v["tls"]["enabled"] else "http"), name
+        assert ("--auth-token-file" in c["args"]) == v["auth"]["enabled"], name  # the one token guards gRPC and HTTP
+    off = load(helm_template("--set", "coordinator.http.enabled=false").stdout)
+    c = container(one(off, "Deployment", "coordinator"))
+    assert "--http-listen" not in c["args"] and "http" not in {p["name"] for p in c["ports"]}
+    assert "http" not in {p["name"] for p in one(off, "Service", "coordinator")["spec"]["ports"]}
