@@ -207,6 +207,18 @@ def test_copy_rows_and_seed_between_executors(kvstore: str, executors: tuple[Sta
 
         seeded, _, _ = client.seed_executor(ns, PROMPT, b.address, INCARNATION, "capped", max_tokens=20)
         assert seeded == 16
+
+        # every stage of a session in one call, written in parallel, to the prefix all of them have
+        seeded, nbytes, ms = client.seed_stages([(ns, a.address), (ns, b.address)], PROMPT, INCARNATION, "both")
+        assert (seeded, nbytes) == (32, 2 * rows_a[:32].nbytes) and ms > 0
+        for stage in (a, b):
+            np.testing.assert_array_equal(stage.read("both", 0, 32), rows_a[:32])
+        unknown = kvkeys.namespace("sha256:nothing-stored", 0, 2, 32)
+        assert client.seed_stages([(ns, a.address), (unknown, b.address)], PROMPT, INCARNATION, "none")[0] == 0
+        for stage in (a, b):  # nothing was written anywhere
+            with pytest.raises(grpc.RpcError) as missing:
+                stage.read("none", 0, 16)
+            assert missing.value.code() == grpc.StatusCode.NOT_FOUND
         s = client.stats()
         assert s.copy_bytes_per_s > 0 and s.seed_bytes_per_s > 0
 

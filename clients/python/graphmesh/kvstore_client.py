@@ -161,6 +161,18 @@ class KvStoreClient:
         r = _call(lambda: self._stub.SeedExecutor(request, timeout=timeout or self.timeout, metadata=self.metadata))
         return r.seeded_tokens, r.bytes, r.elapsed_ms
 
+    def seed_stages(self, stages: Sequence[tuple[kvstore_pb2.KvNamespace, str]], token_ids: Sequence[int],
+                    incarnation: int, session_id: str, max_tokens: int = 0,
+                    timeout: float | None = None) -> tuple[int, int, float]:
+        """Seeds a new session on every (namespace, executor address) stage at once, with the longest prefix all
+        of them have stored; returns (seeded tokens, bytes of all stages, ms)."""
+        request = kvstore_pb2.SeedStagesRequest(
+            token_ids=token_ids, max_tokens=max_tokens,
+            stages=[kvstore_pb2.StageSeed(namespace=ns, executor_address=a) for ns, a in stages],
+            header=stage_pb2.FencingHeader(incarnation=incarnation, session_id=session_id))
+        r = _call(lambda: self._stub.SeedStages(request, timeout=timeout or self.timeout, metadata=self.metadata))
+        return r.seeded_tokens, r.bytes, r.elapsed_ms
+
     def copy_rows(self, source_address: str, source_session: str, source_incarnation: int, destination_address: str,
                   destination_session: str, destination_incarnation: int, from_row: int, to_row: int) -> tuple[int, float]:
         """Copies rows [from_row, to_row) of a session between executors; returns (bytes, ms)."""

@@ -37,7 +37,6 @@ log = logging.getLogger("graphmesh.coordinator")
 
 # Deadlines of the calls a new session makes to the KV store before its prefill (a cache: when it does not
 # answer quickly, computing the prompt is the better answer), and of registering the roster there.
-KV_LOOKUP_TIMEOUT_S = 1.0
 KV_SEED_TIMEOUT_S = 5.0
 KV_REGISTER_TIMEOUT_S = 5.0
 REJOIN_CHECKS = 4  # health checks in a row an executor outside the roster must pass before the mesh re-plans
@@ -249,13 +248,11 @@ class Mesh:
         spaces = [kvkeys.namespace(r.model_identity, r.plan.layer_start, r.plan.layer_end, self.config.kv_dim,
                                    block_tokens=block) for r in ranks]
         try:
-            matched = min(self.kvstore.lookup(ns, token_ids[:limit], timeout=KV_LOOKUP_TIMEOUT_S) for ns in spaces)
-            if matched == 0:
-                self.kv_breaker.succeeded()
-                return 0
-            seeded = [self.kvstore.seed_executor(ns, token_ids[:matched], r.plan.address, incarnation, session_id,
-                                                 max_tokens=matched, timeout=KV_SEED_TIMEOUT_S)[0]
-                      for ns, r in zip(spaces, ranks)]
+            # One call: the store finds the prefix every stage has and writes all the stages in parallel (it was
+            # a lookup per stage, then a seed per stage, one after another)
+            matched = self.kvstore.seed_stages([(ns, r.plan.address) for ns, r in zip(spaces, ranks)],
+                                               token_ids[:limit], incarnation, session_id, max_tokens=limit,
+                                               timeout=KV_SEED_TIMEOUT_S)[0]
         except GraphmeshError as e:
             self.kv_breaker.failed(e)
             log.warning("kv seed failed; computing the whole prompt", extra={"error": e.message, "reason": e.reason})
@@ -264,9 +261,6 @@ class Mesh:
                 self.register_with_kvstore()
             return 0
         self.kv_breaker.succeeded()
-        if any(n != matched for n in seeded):  # a block was evicted between lookup and seed
-            self.release(session_id)
-            return 0
         return matched
 
     def recover(self, failed_incarnation: int, deadline_s: float = 120.0) -> None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from concurrent import futures
 
 import grpc
+import numpy as np
 
 from graphmesh import errors, security, telemetry, tensors
 from graphmesh.errors import GraphmeshError, InvalidArgument, PermissionDenied
@@ -76,6 +78,8 @@ class Mover:
         self.tls = tls  # the store's own certificate, presented to executors (mutual TLS)
         self._stages: dict[str, _Stage] = {}
         self._lock = threading.Lock()
+        # SeedStages writes every stage of a session at once: one thread per stage of the call at a time
+        self._writers = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kv-seed")
         # The executors the coordinator registered: the only addresses the store reads rows from or writes
         # them to. It calls them with its own identity, so an address taken from a request unchecked would
         # make it stream users' KV rows to whoever asked (a confused deputy), or write theirs into a session.
@@ -126,6 +130,50 @@ class Mover:
             self.store.record_transfer("seed", rows.nbytes, seconds)
             return n, rows.nbytes, seconds
 
+    def seed_stages(self, stages: Sequence[tuple[kvstore_pb2.KvNamespace, str]], token_ids: Sequence[int],
+                    max_tokens: int, header: stage_pb2.FencingHeader,
+                    timeout_s: float | None = None) -> tuple[int, int, float]:
+        """Seeds a new session on every (namespace, executor address) stage with the longest prefix that all of
+        them have stored (up to max_tokens), writing the stages in parallel; returns (seeded tokens, bytes of all
+        stages, seconds). Nothing common stored: nothing is sent. A failure of any write is raised (the caller
+        releases the session everywhere)."""
+        if not stages:
+            raise InvalidArgument("SeedStages names no stage", "NO_STAGES")
+        with telemetry.span("kv.seed_stages", session=header.session_id, incarnation=header.incarnation,
+                            stages=len(stages), max_tokens=max_tokens) as span:
+            started = time.perf_counter()
+            targets = [self._stage(address) for _, address in stages]  # first: every address must be registered
+            rows, cap = [], max_tokens
+            for ns, _ in stages:
+                # each stage's prefix can only be as long as the shortest so far: cap the next read by it
+                got = self.store.get_blocks(ns, token_ids, cap)
+                rows.append(got)
+                cap = got.shape[0]
+                if cap == 0:
+                    break
+            n = min(r.shape[0] for r in rows)
+            span.set_attribute("tokens", n)
+            if n == 0:
+                return 0, 0, time.perf_counter() - started
+            first = stage_pb2.WriteSessionKvRequest(header=header, start_row=0, token_ids=token_ids[:n])
+            timeout = timeout_s or self.timeout_s
+
+            def write(stage: _Stage, r: np.ndarray) -> None:
+                stage.write((_write_request(first if i == 0 else None, c.SerializeToString())
+                             for i, c in enumerate(tensors.to_chunks("kv", r[:n]))), timeout=timeout)
+
+            calls = [self._writers.submit(write, t, r) for t, r in zip(targets, rows)]
+            nbytes = sum(r[:n].nbytes for r in rows)
+            for (_, address), call in zip(stages, calls):
+                try:
+                    call.result()
+                except grpc.RpcError as e:
+                    raise executor_error(e, address, "WriteSessionKv") from None
+            seconds = time.perf_counter() - started
+            span.set_attribute("bytes", nbytes)
+            self.store.record_transfer("seed", nbytes, seconds)
+            return n, nbytes, seconds
+
     def copy_rows(self, source: str, source_header: stage_pb2.FencingHeader, destination: str,
                   destination_header: stage_pb2.FencingHeader, from_row: int, to_row: int,
                   timeout_s: float | None = None) -> tuple[int, float]:
@@ -154,6 +202,7 @@ class Mover:
             return reply.bytes, seconds
 
     def close(self) -> None:
+        self._writers.shutdown(wait=False)
         with self._lock:
             for stage in self._stages.values():
                 stage.channel.close()

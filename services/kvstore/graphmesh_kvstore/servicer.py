@@ -71,6 +71,14 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
         return kvstore_pb2.SeedExecutorResponse(seeded_tokens=tokens, bytes=nbytes, elapsed_ms=seconds * 1e3)
 
     @rpc
+    def SeedStages(self, request: kvstore_pb2.SeedStagesRequest,
+                   context: grpc.ServicerContext) -> kvstore_pb2.SeedStagesResponse:
+        stages = [(s.namespace, s.executor_address) for s in request.stages]
+        tokens, nbytes, seconds = self.mover.seed_stages(stages, request.token_ids, request.max_tokens,
+                                                         request.header, _deadline(context))
+        return kvstore_pb2.SeedStagesResponse(seeded_tokens=tokens, bytes=nbytes, elapsed_ms=seconds * 1e3)
+
+    @rpc
     def CopyRows(self, request: kvstore_pb2.CopyRowsRequest,
                  context: grpc.ServicerContext) -> kvstore_pb2.CopyRowsResponse:
         nbytes, seconds = self.mover.copy_rows(request.source_address, request.source_header,

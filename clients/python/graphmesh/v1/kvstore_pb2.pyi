@@ -278,6 +278,100 @@ class SeedExecutorResponse(_message.Message):
 Global___SeedExecutorResponse: _TypeAlias = SeedExecutorResponse  # noqa: Y015
 
 @_typing.final
+class StageSeed(_message.Message):
+    """StageSeed is one stage of a SeedStages call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    EXECUTOR_ADDRESS_FIELD_NUMBER: _builtins.int
+    executor_address: _builtins.str
+    """executor_address is the stage's executor (StageService address)."""
+    @_builtins.property
+    def namespace(self) -> Global___KvNamespace:
+        """namespace names the stage's layers (layer_start, layer_end)."""
+
+    def __init__(
+        self,
+        *,
+        namespace: Global___KvNamespace | None = ...,
+        executor_address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["executor_address", b"executor_address", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageSeed: _TypeAlias = StageSeed  # noqa: Y015
+
+@_typing.final
+class SeedStagesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    STAGES_FIELD_NUMBER: _builtins.int
+    HEADER_FIELD_NUMBER: _builtins.int
+    max_tokens: _builtins.int
+    """max_tokens caps the rows seeded; 0 means no cap."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageSeed]: ...
+    @_builtins.property
+    def header(self) -> _stage_pb2.FencingHeader:
+        """header names the session and the incarnation to write under, on every
+        stage.
+        """
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        max_tokens: _builtins.int = ...,
+        stages: _abc.Iterable[Global___StageSeed] | None = ...,
+        header: _stage_pb2.FencingHeader | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "max_tokens", b"max_tokens", "stages", b"stages", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SeedStagesRequest: _TypeAlias = SeedStagesRequest  # noqa: Y015
+
+@_typing.final
+class SeedStagesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEEDED_TOKENS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    ELAPSED_MS_FIELD_NUMBER: _builtins.int
+    seeded_tokens: _builtins.int
+    """seeded_tokens is the number of rows written on every stage, a multiple
+    of block_tokens; 0: no common prefix was stored and nothing was written.
+    """
+    bytes: _builtins.int
+    """bytes counts the rows written on all stages together."""
+    elapsed_ms: _builtins.float
+    """elapsed_ms is the time of the whole call in milliseconds."""
+    def __init__(
+        self,
+        *,
+        seeded_tokens: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        elapsed_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "elapsed_ms", b"elapsed_ms", "seeded_tokens", b"seeded_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SeedStagesResponse: _TypeAlias = SeedStagesResponse  # noqa: Y015
+
+@_typing.final
 class CopyRowsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

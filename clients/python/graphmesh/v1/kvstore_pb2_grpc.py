@@ -66,6 +66,11 @@ class KvStoreServiceStub:
                 request_serializer=graphmesh_dot_v1_dot_kvstore__pb2.SeedExecutorRequest.SerializeToString,
                 response_deserializer=graphmesh_dot_v1_dot_kvstore__pb2.SeedExecutorResponse.FromString,
                 _registered_method=True)
+        self.SeedStages = channel.unary_unary(
+                '/graphmesh.v1.KvStoreService/SeedStages',
+                request_serializer=graphmesh_dot_v1_dot_kvstore__pb2.SeedStagesRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_kvstore__pb2.SeedStagesResponse.FromString,
+                _registered_method=True)
         self.CopyRows = channel.unary_unary(
                 '/graphmesh.v1.KvStoreService/CopyRows',
                 request_serializer=graphmesh_dot_v1_dot_kvstore__pb2.CopyRowsRequest.SerializeToString,
@@ -133,9 +138,22 @@ class KvStoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SeedStages(self, request, context):
+        """SeedStages seeds one new session on every stage of a plan in one call:
+        the store assembles, for each stage, its layers of the longest prefix that
+        every stage has stored (up to max_tokens, in whole blocks) and writes them
+        into all the executors at once (WriteSessionKv, in parallel). Every stage
+        gets the same rows count, or the call fails (the caller then releases the
+        session). PERMISSION_DENIED (UNREGISTERED_EXECUTOR) as SeedExecutor.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CopyRows(self, request, context):
         """CopyRows copies rows [from_row, to_row) of a session's KV from one
-        executor to another (StageService.ReadSessionKv -> WriteSessionKv). Both
+        executor to another: the source pushes them, with their token ids,
+        straight into the destination (StageService.PushSessionKv). Both
         addresses must be registered executors (else PERMISSION_DENIED,
         UNREGISTERED_EXECUTOR): the store reads and writes with its own identity,
         so it never streams rows to, or takes them from, an address it was handed.
@@ -188,6 +206,11 @@ def add_KvStoreServiceServicer_to_server(servicer, server):
                     servicer.SeedExecutor,
                     request_deserializer=graphmesh_dot_v1_dot_kvstore__pb2.SeedExecutorRequest.FromString,
                     response_serializer=graphmesh_dot_v1_dot_kvstore__pb2.SeedExecutorResponse.SerializeToString,
+            ),
+            'SeedStages': grpc.unary_unary_rpc_method_handler(
+                    servicer.SeedStages,
+                    request_deserializer=graphmesh_dot_v1_dot_kvstore__pb2.SeedStagesRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_kvstore__pb2.SeedStagesResponse.SerializeToString,
             ),
             'CopyRows': grpc.unary_unary_rpc_method_handler(
                     servicer.CopyRows,
@@ -329,6 +352,33 @@ class KvStoreService:
             '/graphmesh.v1.KvStoreService/SeedExecutor',
             graphmesh_dot_v1_dot_kvstore__pb2.SeedExecutorRequest.SerializeToString,
             graphmesh_dot_v1_dot_kvstore__pb2.SeedExecutorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SeedStages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graphmesh.v1.KvStoreService/SeedStages',
+            graphmesh_dot_v1_dot_kvstore__pb2.SeedStagesRequest.SerializeToString,
+            graphmesh_dot_v1_dot_kvstore__pb2.SeedStagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

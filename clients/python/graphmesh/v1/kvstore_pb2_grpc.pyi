@@ -57,9 +57,18 @@ class KvStoreServiceStub:
     PERMISSION_DENIED (UNREGISTERED_EXECUTOR): the address is not an executor
     registered by the coordinator (RegisterExecutors).
     """
+    SeedStages: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.SeedStagesRequest, _kvstore_pb2.SeedStagesResponse]
+    """SeedStages seeds one new session on every stage of a plan in one call:
+    the store assembles, for each stage, its layers of the longest prefix that
+    every stage has stored (up to max_tokens, in whole blocks) and writes them
+    into all the executors at once (WriteSessionKv, in parallel). Every stage
+    gets the same rows count, or the call fails (the caller then releases the
+    session). PERMISSION_DENIED (UNREGISTERED_EXECUTOR) as SeedExecutor.
+    """
     CopyRows: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.CopyRowsRequest, _kvstore_pb2.CopyRowsResponse]
     """CopyRows copies rows [from_row, to_row) of a session's KV from one
-    executor to another (StageService.ReadSessionKv -> WriteSessionKv). Both
+    executor to another: the source pushes them, with their token ids,
+    straight into the destination (StageService.PushSessionKv). Both
     addresses must be registered executors (else PERMISSION_DENIED,
     UNREGISTERED_EXECUTOR): the store reads and writes with its own identity,
     so it never streams rows to, or takes them from, an address it was handed.
@@ -101,9 +110,18 @@ class KvStoreServiceAsyncStub(KvStoreServiceStub):
     PERMISSION_DENIED (UNREGISTERED_EXECUTOR): the address is not an executor
     registered by the coordinator (RegisterExecutors).
     """
+    SeedStages: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.SeedStagesRequest, _kvstore_pb2.SeedStagesResponse]  # type: ignore[assignment]
+    """SeedStages seeds one new session on every stage of a plan in one call:
+    the store assembles, for each stage, its layers of the longest prefix that
+    every stage has stored (up to max_tokens, in whole blocks) and writes them
+    into all the executors at once (WriteSessionKv, in parallel). Every stage
+    gets the same rows count, or the call fails (the caller then releases the
+    session). PERMISSION_DENIED (UNREGISTERED_EXECUTOR) as SeedExecutor.
+    """
     CopyRows: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.CopyRowsRequest, _kvstore_pb2.CopyRowsResponse]  # type: ignore[assignment]
     """CopyRows copies rows [from_row, to_row) of a session's KV from one
-    executor to another (StageService.ReadSessionKv -> WriteSessionKv). Both
+    executor to another: the source pushes them, with their token ids,
+    straight into the destination (StageService.PushSessionKv). Both
     addresses must be registered executors (else PERMISSION_DENIED,
     UNREGISTERED_EXECUTOR): the store reads and writes with its own identity,
     so it never streams rows to, or takes them from, an address it was handed.
@@ -168,13 +186,28 @@ class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         """
 
     @_abc_1.abstractmethod
+    def SeedStages(
+        self,
+        request: _kvstore_pb2.SeedStagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvstore_pb2.SeedStagesResponse, _abc.Awaitable[_kvstore_pb2.SeedStagesResponse]]:
+        """SeedStages seeds one new session on every stage of a plan in one call:
+        the store assembles, for each stage, its layers of the longest prefix that
+        every stage has stored (up to max_tokens, in whole blocks) and writes them
+        into all the executors at once (WriteSessionKv, in parallel). Every stage
+        gets the same rows count, or the call fails (the caller then releases the
+        session). PERMISSION_DENIED (UNREGISTERED_EXECUTOR) as SeedExecutor.
+        """
+
+    @_abc_1.abstractmethod
     def CopyRows(
         self,
         request: _kvstore_pb2.CopyRowsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvstore_pb2.CopyRowsResponse, _abc.Awaitable[_kvstore_pb2.CopyRowsResponse]]:
         """CopyRows copies rows [from_row, to_row) of a session's KV from one
-        executor to another (StageService.ReadSessionKv -> WriteSessionKv). Both
+        executor to another: the source pushes them, with their token ids,
+        straight into the destination (StageService.PushSessionKv). Both
         addresses must be registered executors (else PERMISSION_DENIED,
         UNREGISTERED_EXECUTOR): the store reads and writes with its own identity,
         so it never streams rows to, or takes them from, an address it was handed.
