@@ -236,7 +236,10 @@ class StageRuntime:
         holder = self._compile(1, 1, 1, True, True, weights=path, reuse=previous)
         self._holder = holder
         self._pools = {name: holder.zeros_like_input(name) for name in self._pool_names()}
-        self.model_identity = ckpt.identity()
+        # What KV keys are rooted in: the checkpoint and how this stage computes with it, since rows computed in
+        # bf16 or from packed weights differ from f32 ones for the same tokens, and a shared store must never hand
+        # one to the other (a wrong hit changes tokens).
+        self.model_identity = f"{ckpt.identity()}|weights={spec.weights}|dtype={dtype}"
         self.param_bytes = sum(int(np.prod(t.shape)) * (1 if t.dtype == "u8" else 4) for t in holder.graph.params.values())
         self._loaded_key = spec
         log.info("stage loaded", extra={"layers": f"{spec.layer_start}-{spec.layer_end}", "dtype": dtype,

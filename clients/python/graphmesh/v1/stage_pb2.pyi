@@ -356,7 +356,10 @@ class InstallResponse(_message.Message):
     load_ms: _builtins.float
     """load_ms is the weight loading and compile time in milliseconds."""
     model_identity: _builtins.str
-    """model_identity is the checkpoint's identity hash (KV keys are rooted in it)."""
+    """model_identity is the checkpoint's identity hash with the weights mode and
+    compute dtype: what the stage's KV rows depend on (KV keys are rooted in
+    it, so rows computed in bf16 or from packed weights never serve f32).
+    """
     kv_pool_blocks: _builtins.int
     """kv_pool_blocks is the number of KV blocks of kv_block_tokens tokens this
     rank can lend to sessions (its --kv-cache-bytes); the coordinator admits
@@ -1174,7 +1177,7 @@ class StageStatusResponse(_message.Message):
     backend: _builtins.str
     device: _builtins.str
     model_identity: _builtins.str
-    """model_identity is the checkpoint identity of the installed stage."""
+    """model_identity is the installed stage's identity (InstallResponse)."""
     kv_dim: _builtins.int
     """kv_dim is the KV row width per layer, in elements."""
     @_builtins.property
