@@ -160,6 +160,23 @@ def _refusal(error: GraphmeshError, response_streaming: bool) -> Behavior:
     return refuse_stream if response_streaming else refuse
 
 
+def _checked(handler: Handler | None, details: grpc.HandlerCallDetails,
+             refusal: Callable[[grpc.HandlerCallDetails, Any], GraphmeshError | None]) -> Handler | None:
+    """`handler` behind a check that needs the call's context: refused with refusal()'s error, if any."""
+    if handler is None or _is_open(details.method):
+        return handler
+
+    def around(behavior: Behavior, streaming: bool) -> Behavior:
+        def checked(request: Any, context: grpc.ServicerContext) -> Any:
+            error = refusal(details, context)
+            if error is None:
+                return behavior(request, context)
+            return _refusal(error, streaming)(request, context)
+        return checked
+
+    return wrap_handler(handler, around)
+
+
 def _is_open(method: str) -> bool:
     return method.startswith(OPEN_SERVICES)
 
@@ -180,15 +197,21 @@ class BearerToken(grpc.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}"
 
-    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
-        handler = continuation(details)
+    def refusal(self, details: grpc.HandlerCallDetails, context: Any = None) -> GraphmeshError | None:
+        """Why the call must be refused, or None (the metadata is in `details`: no context needed)."""
         if _is_open(details.method):
-            return handler
+            return None
         sent = _metadata(details.invocation_metadata, "authorization")
         if sent and _same_secret(sent, self._expected):
+            return None
+        return Unauthenticated("this coordinator needs 'authorization: Bearer <token>' metadata" if not sent
+                               else "the bearer token is wrong", "MISSING_TOKEN" if not sent else "BAD_TOKEN")
+
+    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
+        handler = continuation(details)
+        error = self.refusal(details)
+        if error is None:
             return handler
-        error = Unauthenticated("this coordinator needs 'authorization: Bearer <token>' metadata" if not sent
-                                else "the bearer token is wrong", "MISSING_TOKEN" if not sent else "BAD_TOKEN")
         return wrap_handler(handler, lambda _, streaming: _refusal(error, streaming))
 
 
@@ -205,23 +228,18 @@ class AllowedPeers(grpc.ServerInterceptor):
     def __init__(self, allowed: Iterable[str]) -> None:
         self.allowed = frozenset(allowed)
 
-    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
-        handler = continuation(details)
+    def refusal(self, details: grpc.HandlerCallDetails, context: Any) -> GraphmeshError | None:
         if _is_open(details.method):
-            return handler
+            return None
+        names = peer_names(context)
+        if names & self.allowed:
+            return None
+        return PermissionDenied(f"peer {sorted(names) or 'without a certificate'} is not among the allowed "
+                                f"peers {sorted(self.allowed)}", "PEER_NOT_ALLOWED")
 
-        def around(behavior: Behavior, streaming: bool) -> Behavior:
-            # The certificate is only known to the call's context, so the check runs inside the handler.
-            def checked(request: Any, context: grpc.ServicerContext) -> Any:
-                names = peer_names(context)
-                if names & self.allowed:
-                    return behavior(request, context)
-                error = PermissionDenied(f"peer {sorted(names) or 'without a certificate'} is not among the allowed "
-                                         f"peers {sorted(self.allowed)}", "PEER_NOT_ALLOWED")
-                return _refusal(error, streaming)(request, context)
-            return checked
-
-        return wrap_handler(handler, around)
+    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
+        # The certificate is only known to the call's context, so the check runs inside the handler.
+        return _checked(continuation(details), details, self.refusal)
 
 
 class MeshRoles(grpc.ServerInterceptor):
@@ -245,30 +263,25 @@ class MeshRoles(grpc.ServerInterceptor):
             raise Unauthenticated("the mesh token is wrong", "BAD_MESH_TOKEN")
         return MESH, True
 
-    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
-        handler = continuation(details)
+    def refusal(self, details: grpc.HandlerCallDetails, context: Any) -> GraphmeshError | None:
         if _is_open(details.method):
-            return handler
+            return None
         allowed = allowed_roles(details.method, self.expose_executor_service)
+        try:
+            roles, proven = self.caller(context)
+        except Unauthenticated as e:
+            return e
+        if roles & allowed:
+            return None
+        names = ", ".join(sorted(r.value for r in allowed))
+        if proven:
+            return PermissionDenied(f"{'/'.join(sorted(r.value for r in roles))} may not call {details.method} "
+                                    f"(allowed: {names})", "ROLE_NOT_ALLOWED")
+        return Unauthenticated(f"{details.method} is for mesh members ({names}): send the mesh token "
+                               f"as {MESH_TOKEN_KEY!r} metadata", "MESH_TOKEN_REQUIRED")
 
-        def around(behavior: Behavior, streaming: bool) -> Behavior:
-            def checked(request: Any, context: grpc.ServicerContext) -> Any:
-                try:
-                    roles, proven = self.caller(context)
-                except Unauthenticated as e:
-                    return _refusal(e, streaming)(request, context)
-                if roles & allowed:
-                    return behavior(request, context)
-                names = ", ".join(sorted(r.value for r in allowed))
-                error: GraphmeshError = (
-                    PermissionDenied(f"{'/'.join(sorted(r.value for r in roles))} may not call {details.method} "
-                                     f"(allowed: {names})", "ROLE_NOT_ALLOWED") if proven else
-                    Unauthenticated(f"{details.method} is for mesh members ({names}): send the mesh token "
-                                    f"as {MESH_TOKEN_KEY!r} metadata", "MESH_TOKEN_REQUIRED"))
-                return _refusal(error, streaming)(request, context)
-            return checked
-
-        return wrap_handler(handler, around)
+    def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
+        return _checked(continuation(details), details, self.refusal)
 
 
 class Admission(grpc.ServerInterceptor):
@@ -283,6 +296,21 @@ class Admission(grpc.ServerInterceptor):
         self._free = threading.BoundedSemaphore(limit)
         self.refused = 0  # calls turned away (a metric)
 
+    def enter(self) -> bool:
+        """Takes a slot for one unit of work (a call, or one request of a stream that admits per request); False,
+        counted as refused, when every slot is taken. The caller gives it back with leave()."""
+        if self._free.acquire(blocking=False):
+            return True
+        self.refused += 1
+        return False
+
+    def leave(self) -> None:
+        self._free.release()
+
+    def error(self) -> ResourceExhausted:
+        return ResourceExhausted(f"this service is running its limit of {self.limit} concurrent calls "
+                                 f"(--max-concurrent-rpcs); retry later", "TOO_MANY_CALLS", {"limit": str(self.limit)})
+
     def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
         handler = continuation(details)
         if details.method in UNCOUNTED:
@@ -290,14 +318,10 @@ class Admission(grpc.ServerInterceptor):
 
         def around(behavior: Behavior, streaming: bool) -> Behavior:
             def admitted(request: Any, context: grpc.ServicerContext) -> Any:
-                if not self._free.acquire(blocking=False):
-                    self.refused += 1
-                    error = ResourceExhausted(f"this service is running its limit of {self.limit} concurrent calls "
-                                              f"(--max-concurrent-rpcs); retry later", "TOO_MANY_CALLS",
-                                              {"limit": str(self.limit)})
-                    return _refusal(error, streaming)(request, context)
-                if not context.add_callback(self._free.release):  # the call already ended
-                    self._free.release()
+                if not self.enter():
+                    return _refusal(self.error(), streaming)(request, context)
+                if not context.add_callback(self.leave):  # the call already ended
+                    self.leave()
                 return behavior(request, context)
             return admitted
 
@@ -505,14 +529,27 @@ class ServerSecurity:
         return out
 
     def server(self, workers: int, options: Sequence[tuple[str, Any]] = (),
-               interceptors: Sequence[grpc.ServerInterceptor] = (), thread_name_prefix: str = "rpc") -> grpc.Server:
+               interceptors: Sequence[grpc.ServerInterceptor] = (), thread_name_prefix: str = "rpc",
+               asynchronous: bool = False) -> grpc.Server:
         """A grpc.Server for this service: `interceptors` (telemetry) outermost, then the identity checks, then
         admission of at most max_concurrent_rpcs (or `workers`) calls, on HEADROOM threads more than that.
-        It also makes this process's mesh channels (channel()) carry this service's mesh token."""
+        It also makes this process's mesh channels (channel()) carry this service's mesh token.
+
+        asynchronous: a graphmesh.aio_serving.AioServer instead, for a service whose callers hold streams open
+        (the coordinator): its calls live on an event loop, the synchronous servicers run on the same pool only
+        while their code runs, async ones (health, streams that admit per request: its `admission`) on the loop."""
         global _process_mesh_token
         _process_mesh_token = self.mesh_token
         limit = self.max_concurrent_rpcs or workers
         pool = futures.ThreadPoolExecutor(max_workers=limit + HEADROOM, thread_name_prefix=thread_name_prefix)
+        if asynchronous:
+            from graphmesh.aio_serving import AioServer
+
+            identity, admission = self.interceptors(), Admission(limit)
+            gates = [cast(Any, i).refusal for i in identity]  # each identity check has refusal(details, context)
+            return AioServer(pool, [*interceptors, *identity, admission, UndecodableRequests()], gates, options,
+                             admission, garbage=lambda method, e: InvalidArgument(
+                                 f"the request is not a valid {method} message: {e}", "BAD_REQUEST").to_status())
         return grpc.server(pool, options=list(options),
                            interceptors=[*interceptors, *self.interceptors(), Admission(limit),
                                          UndecodableRequests()])

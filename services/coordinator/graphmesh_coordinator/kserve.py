@@ -10,20 +10,21 @@ response carries the bool parameter triton_final_response, true on the last one 
 
 from __future__ import annotations
 
-import queue
+import asyncio
 import struct
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from importlib import metadata
 
 import grpc
+import grpc.aio
 import numpy as np
 
 from graphmesh.errors import GraphmeshError, InvalidArgument, NotFound, Unavailable
 from graphmesh.kserve import grpc_service_pb2 as pb
 from graphmesh.kserve import grpc_service_pb2_grpc as pb_grpc
+from graphmesh.security import Admission
 from graphmesh_coordinator.generation import GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.servicer import RECOVERY_WAIT_S, as_status, prompt_token_ids
@@ -102,8 +103,9 @@ def _message(error: Exception) -> str:
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, generator: Generator, mesh: Mesh, model_name: str) -> None:
+    def __init__(self, generator: Generator, mesh: Mesh, model_name: str, admission: Admission | None = None) -> None:
         self.generator, self.mesh, self.model_name = generator, mesh, model_name
+        self.admission = admission  # the server's: ModelStreamInfer counts each request it runs against it
         self._pool = futures.ThreadPoolExecutor(STREAM_WORKERS, thread_name_prefix="kserve-stream")
 
     def _check_model(self, name: str, version: str) -> None:
@@ -247,13 +249,13 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             context.abort_with_status(as_status(e))
             raise
 
-    def _stream(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> Iterator[pb.ModelInferResponse]:
+    def _stream(self, request: pb.ModelInferRequest, active: Callable[[], bool]) -> Iterator[pb.ModelInferResponse]:
         call = self._parse(request)
         if not isinstance(call, GenerationRequest):
             yield self._response(request, self._logits(call), {FINAL: pb.InferParameter(bool_param=True)})
             return
         for event in self.generator.generate(call):
-            if not context.is_active():
+            if not active():
                 return  # the client left: closing the generator ends the session
             final = bool(event.finish_reason)
             if event.text or final:
@@ -262,31 +264,53 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                     parameters["finish_reason"] = pb.InferParameter(string_param=event.finish_reason)
                 yield self._response(request, self._text_output(event.text), parameters)
 
-    def ModelStreamInfer(self, request_iterator: Iterator[pb.ModelInferRequest],
-                         context: grpc.ServicerContext) -> Iterator[pb.ModelStreamInferResponse]:
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
+                               context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelStreamInferResponse],
+                               ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Requests of one stream run concurrently (decoupled: responses of different requests interleave, each
-        carrying its request's id); a failed request is answered in-band and the stream goes on."""
-        out: queue.SimpleQueue[pb.ModelStreamInferResponse | None] = queue.SimpleQueue()
+        carrying its request's id); a failed request is answered in-band and the stream goes on.
+
+        Async, on the server's event loop: an open stream that sends nothing holds no thread and no admission
+        slot (tritonclient keeps one open per client, so counting open streams would let idle clients lock the
+        others out). Each request is admitted on its own, or refused in-band with RESOURCE_EXHAUSTED, and holds a
+        slot and a thread only while it runs."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+
+        def put(response: pb.ModelStreamInferResponse) -> None:  # from the pool's threads
+            loop.call_soon_threadsafe(out.put_nowait, response)
+
+        def failed(request: pb.ModelInferRequest, error: Exception) -> pb.ModelStreamInferResponse:
+            return pb.ModelStreamInferResponse(error_message=_message(error),
+                                               infer_response=pb.ModelInferResponse(id=request.id))
 
         def serve(request: pb.ModelInferRequest) -> None:
             try:
-                for response in self._stream(request, context):
-                    out.put(pb.ModelStreamInferResponse(infer_response=response))
+                for response in self._stream(request, lambda: not context.done()):
+                    put(pb.ModelStreamInferResponse(infer_response=response))
             except Exception as e:
-                out.put(pb.ModelStreamInferResponse(error_message=_message(e),
-                                                    infer_response=pb.ModelInferResponse(id=request.id)))
-
-        def read() -> None:
-            running = []
-            try:
-                for request in request_iterator:
-                    running.append(self._pool.submit(serve, request))
-            except grpc.RpcError:
-                pass  # the client cancelled the stream: nothing more to read, the running requests see it and stop
+                put(failed(request, e))
             finally:
-                futures.wait(running)
-                out.put(None)
+                if self.admission is not None:
+                    self.admission.leave()
 
-        threading.Thread(target=read, name="kserve-stream-reader", daemon=True).start()
-        while (response := out.get()) is not None:
-            yield response
+        async def read() -> None:
+            running: list[asyncio.Future[None]] = []
+            try:
+                async for request in request_iterator:
+                    if self.admission is not None and not self.admission.enter():
+                        out.put_nowait(failed(request, self.admission.error()))
+                        continue
+                    running.append(loop.run_in_executor(self._pool, serve, request))
+            finally:
+                # the client may have cancelled the stream: the running requests see it and stop
+                await asyncio.gather(*running, return_exceptions=True)
+                out.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await out.get()) is not None:
+                yield response
+        finally:
+            if not reader.done():
+                reader.cancel()

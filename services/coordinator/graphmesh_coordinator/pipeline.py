@@ -300,8 +300,11 @@ class Mesh:
                 for rank in list(self.ranks):
                     address = rank.plan.address
                     missed[address] = 0 if _healthy(self.channels[address], timeout_s) else missed[address] + 1
-                    if missed[address] == misses and self.ready:
-                        log.warning("executor lost", extra={"address": address, "rank": rank.plan.rank})
+                    # >=, not ==: a rank that froze while no step was in flight must also fail the steps sent
+                    # to it later at once (they recover the mesh), not after their whole deadline
+                    if missed[address] >= misses and self.ready:
+                        if missed[address] == misses:
+                            log.warning("executor lost", extra={"address": address, "rank": rank.plan.rank})
                         rank.healthy = False
                         with self._lock:
                             lost, self._in_flight = list(self._in_flight), set()

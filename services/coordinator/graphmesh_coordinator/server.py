@@ -7,10 +7,11 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from graphmesh import logs, security, telemetry
+from graphmesh.aio_serving import AioServer, MirroredHealth
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import InvalidArgument, NotFound
@@ -94,15 +95,18 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
     scheduler = Scheduler(mesh, config.max_step_tokens, config.max_step_seqs)
     generator = Generator(mesh, tokenizer, eos, context, scheduler)
-    # 64 calls at once (Generate streams hold one each); --max-concurrent-rpcs changes it
+    # 64 calls at once (Generate streams hold one each); --max-concurrent-rpcs changes it. Asynchronous: streams
+    # that hold no work (an idle ModelStreamInfer) hold no thread, and health is answered on the event loop.
     server = config.security.server(64, [("grpc.max_send_message_length", 64 << 20),
                                          ("grpc.max_receive_message_length", 64 << 20)],
-                                    telemetry.server_interceptors(config.metrics_port > 0), "coordinator-rpc")
+                                    telemetry.server_interceptors(config.metrics_port > 0), "coordinator-rpc",
+                                    asynchronous=True)
+    assert isinstance(server, AioServer)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
         CoordinatorServicer(generator, mesh, config.model, config.security), server)
-    kserve_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(generator, mesh, config.model), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    kserve_grpc.add_GRPCInferenceServiceServicer_to_server(
+        KServeServicer(generator, mesh, config.model, server.admission), server)
+    health_servicer = MirroredHealth(server)
     names = (coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,
              kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)

@@ -1,0 +1,370 @@
+"""A grpc.aio server driven through grpc.Server's synchronous interface, for services whose callers hold streams open.
+
+Why: a synchronous grpc.Server gives every call a thread for its whole life, so streams that hold no work (a
+KServe ModelStreamInfer that tritonclient keeps open per client, a client that stopped reading) use up the
+threads that health checks and new calls need. Here every call lives on one event loop: async handlers (health,
+ModelStreamInfer) hold no thread while they wait, and the synchronous servicers run on a bounded thread pool, a
+thread taken only while a call's code runs (a Generate waiting for its next token does hold one: that is work).
+
+The synchronous servicers and interceptors of the mesh (grpc.ServerInterceptor, `context.abort_with_status`,
+`context.add_callback`...) run unchanged: `_Bridge` applies the interceptors and runs each synchronous behavior
+in the pool with a `SyncContext` that gives the grpc.ServicerContext interface over the call's aio context.
+Async behaviors get the identity checks (`gates`) on the loop and count against admission themselves, per unit
+of work (ModelStreamInfer admits each request it reads, not the stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import _async as aio_health
+from grpc_health.v1 import health
+
+from graphmesh.errors import GraphmeshError
+
+T = TypeVar("T")
+_END = object()  # the end of a response iterator, as next(iterator, _END) returns it
+
+# (method, context) -> a refusal or None: the identity checks an async behavior is subject to
+Gate = Callable[[grpc.HandlerCallDetails, Any], "GraphmeshError | None"]
+# (method, the parse error) -> the status of a request message that does not parse
+Garbage = Callable[[str, Exception], grpc.Status]
+
+
+class _Undecodable:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class _Aborted(Exception):
+    """Raised in a pool thread by SyncContext.abort; the loop side sends the status (aio's abort is a coroutine)."""
+
+
+class SyncContext:
+    """grpc.ServicerContext for a synchronous behavior running in a pool thread, over the aio context of its call.
+
+    Getters read the aio context directly; what would change the call (abort, codes, trailing metadata) is
+    recorded here and applied by the loop side when the behavior returns or raises."""
+
+    def __init__(self, context: grpc.aio.ServicerContext[Any, Any], loop: asyncio.AbstractEventLoop) -> None:
+        self._context, self._loop = context, loop
+        self._callbacks: list[Callable[[], None]] = []
+        self._ended = False
+        self.aborted: tuple[grpc.StatusCode, str, Any] | None = None
+        self._code: grpc.StatusCode | None = None
+        self._details = ""
+        self._trailing: Any = ()
+
+    # -- what the call is
+    def invocation_metadata(self) -> Any:
+        return self._context.invocation_metadata()
+
+    def auth_context(self) -> Any:
+        return self._context.auth_context()
+
+    def peer(self) -> str:
+        return self._context.peer()
+
+    def peer_identities(self) -> Any:
+        return self._context.peer_identities()
+
+    def peer_identity_key(self) -> Any:
+        return self._context.peer_identity_key()
+
+    def time_remaining(self) -> float | None:
+        return self._context.time_remaining()
+
+    def is_active(self) -> bool:
+        """False once the call ended, the client's cancellation and deadline included."""
+        return not self._ended and not self._context.done()
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        """Runs `callback` when the call ends, however it ends; False (not registered) if it already ended."""
+        if self._ended:
+            return False
+        self._callbacks.append(callback)
+        return True
+
+    # -- ending the call
+    def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        self.aborted = (code, details, trailing_metadata or self._trailing)
+        raise _Aborted(details)
+
+    def abort_with_status(self, status: grpc.Status) -> None:
+        self.abort(status.code, status.details, status.trailing_metadata)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def set_trailing_metadata(self, trailing_metadata: Any) -> None:
+        self._trailing = trailing_metadata
+
+    def code(self) -> grpc.StatusCode | None:
+        return self.aborted[0] if self.aborted else self._code
+
+    def details(self) -> str:
+        return self.aborted[1] if self.aborted else self._details
+
+    def trailing_metadata(self) -> Any:
+        return self._trailing
+
+    def send_initial_metadata(self, metadata: Any) -> None:
+        asyncio.run_coroutine_threadsafe(self._context.send_initial_metadata(metadata), self._loop).result()
+
+    def set_compression(self, compression: grpc.Compression) -> None:
+        self._context.set_compression(compression)
+
+    def disable_next_message_compression(self) -> None:
+        self._context.disable_next_message_compression()
+
+    # -- the loop side
+    async def finish(self) -> None:
+        """Applies what the behavior recorded, and runs the end-of-call callbacks (once)."""
+        if self._ended:
+            return
+        self._ended = True
+        if self._trailing:
+            self._context.set_trailing_metadata(self._trailing)
+        if self._code is not None and self.aborted is None:
+            self._context.set_code(self._code)
+            self._context.set_details(self._details)
+        for callback in self._callbacks:
+            callback()
+
+    async def send_abort(self) -> None:
+        assert self.aborted is not None
+        code, details, trailing = self.aborted
+        await self._context.abort(code, details, trailing)
+
+
+def _behavior(handler: grpc.RpcMethodHandler[Any, Any]) -> Any:
+    return next(b for b in (handler.unary_unary, handler.unary_stream, handler.stream_unary, handler.stream_stream)
+                if b is not None)
+
+
+def _returning(handler: Any) -> Callable[[grpc.HandlerCallDetails], Any]:
+    """A continuation for a synchronous interceptor: the handler the inner ones made."""
+    return lambda _: handler
+
+
+def _is_async(behavior: Any) -> bool:
+    return inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
+
+
+_MAKE = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+         (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+class _Bridge(grpc.aio.ServerInterceptor):
+    """Runs the synchronous interceptors and behaviors on the pool, the async ones on the loop (see the module)."""
+
+    def __init__(self, interceptors: Sequence[grpc.ServerInterceptor], gates: Sequence[Gate],
+                 pool: futures.ThreadPoolExecutor, garbage: Garbage | None = None) -> None:
+        self.interceptors, self.gates, self.pool, self.garbage = list(interceptors), list(gates), pool, garbage
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if _is_async(_behavior(handler)):
+            return self._gated(handler, details)
+        for interceptor in reversed(self.interceptors):  # the first is outermost, as in grpc.server(interceptors=)
+            handler = interceptor.intercept_service(_returning(handler), details)
+            if handler is None:
+                return None
+        return self._pooled(handler)
+
+    def _gated(self, handler: Any, details: grpc.HandlerCallDetails) -> Any:
+        behavior, parse, garbage = _behavior(handler), handler.request_deserializer, self.garbage
+
+        def deserialize(data: bytes) -> Any:  # a message that does not parse is the caller's error, not INTERNAL
+            try:
+                return parse(data)
+            except Exception as e:
+                return _Undecodable(e)
+
+        async def abort_garbage(context: grpc.aio.ServicerContext[Any, Any], bad: _Undecodable) -> None:
+            status = garbage(details.method, bad.error) if garbage else grpc.Status()
+            await context.abort(status.code, status.details, status.trailing_metadata)
+
+        async def parsed(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            async for request in requests:
+                if isinstance(request, _Undecodable):
+                    await abort_garbage(context, request)
+                yield request
+
+        def checked_request(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            return parsed(request, context) if handler.request_streaming else request
+
+        async def refused(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+            for gate in self.gates:
+                error = gate(details, context)
+                if error is not None:
+                    status = error.to_status()
+                    await context.abort(status.code, status.details, status.trailing_metadata)
+                    return True
+            return False
+
+        if inspect.isasyncgenfunction(behavior):
+            async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+                if await refused(context):
+                    return
+                if isinstance(request, _Undecodable):
+                    await abort_garbage(context, request)
+                async for response in behavior(checked_request(request, context), context):
+                    yield response
+            checked: Any = stream
+        else:
+            async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                if await refused(context):
+                    return None
+                if isinstance(request, _Undecodable):
+                    await abort_garbage(context, request)
+                return await behavior(checked_request(request, context), context)
+            checked = unary
+        return _MAKE[(handler.request_streaming, handler.response_streaming)](
+            checked, deserialize if parse is not None and garbage is not None else parse, handler.response_serializer)
+
+    def _pooled(self, handler: Any) -> Any:
+        behavior, pool = _behavior(handler), self.pool
+
+        def sync_requests(requests: AsyncIterator[Any], loop: asyncio.AbstractEventLoop) -> Iterator[Any]:
+            """The aio request stream as the iterator a synchronous behavior reads, from its pool thread."""
+            it = requests.__aiter__()
+            while True:
+                try:
+                    yield asyncio.run_coroutine_threadsafe(_next(it), loop).result()
+                except StopAsyncIteration:
+                    return
+
+        def prepare(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> tuple[Any, SyncContext]:
+            loop = asyncio.get_running_loop()
+            sync = SyncContext(context, loop)
+            return (sync_requests(request, loop) if handler.request_streaming else request), sync
+
+        if handler.response_streaming:
+            async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+                loop = asyncio.get_running_loop()
+                request, sync = prepare(request, context)
+                responses: Iterator[Any] | None = None
+                try:
+                    responses = iter(await loop.run_in_executor(pool, behavior, request, sync))
+                    while (item := await loop.run_in_executor(pool, next, responses, _END)) is not _END:
+                        yield item
+                except _Aborted:
+                    await sync.finish()
+                    await sync.send_abort()
+                finally:
+                    close = getattr(responses, "close", None)
+                    if close is not None:  # the generator's finally blocks (a session's end) run now, in the pool
+                        await loop.run_in_executor(pool, close)
+                    await sync.finish()
+            pooled: Any = stream
+        else:
+            async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                loop = asyncio.get_running_loop()
+                request, sync = prepare(request, context)
+                try:
+                    return await loop.run_in_executor(pool, behavior, request, sync)
+                except _Aborted:
+                    await sync.finish()
+                    await sync.send_abort()
+                    return None
+                finally:
+                    await sync.finish()
+            pooled = unary
+        return _MAKE[(handler.request_streaming, handler.response_streaming)](
+            pooled, handler.request_deserializer, handler.response_serializer)
+
+
+async def _next(it: AsyncIterator[T]) -> T:
+    return await it.__anext__()
+
+
+class AioServer(grpc.Server):
+    """A grpc.aio server on an event loop thread of its own, with grpc.Server's synchronous methods, so that
+    servicers, `add_*Servicer_to_server`, reflection and run_until_signalled use it as any server."""
+
+    def __init__(self, pool: futures.ThreadPoolExecutor, interceptors: Sequence[grpc.ServerInterceptor] = (),
+                 gates: Sequence[Gate] = (), options: Sequence[tuple[str, Any]] = (), admission: Any = None,
+                 garbage: Garbage | None = None) -> None:
+        self.pool, self.admission = pool, admission  # admission: what async behaviors count their work against
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self._thread.start()
+        bridge = _Bridge(interceptors, gates, pool, garbage)
+
+        async def create() -> grpc.aio.Server:
+            return grpc.aio.server(migration_thread_pool=pool, interceptors=[bridge], options=list(options))
+        self._server = self.run(create())
+        self._stopped = threading.Event()
+
+    def run(self, coroutine: Awaitable[T]) -> T:
+        """Runs `coroutine` on the server's loop and returns its result (from any other thread)."""
+        async def wrapped() -> T:
+            return await coroutine
+        return asyncio.run_coroutine_threadsafe(wrapped(), self.loop).result()
+
+    def _on_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        async def call() -> T:
+            return fn(*args)
+        return self.run(call())
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers: Any) -> None:
+        self._on_loop(self._server.add_generic_rpc_handlers, generic_rpc_handlers)
+
+    def add_registered_method_handlers(self, service_name: str, method_handlers: Any) -> None:
+        self._on_loop(self._server.add_registered_method_handlers, service_name, method_handlers)
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._on_loop(self._server.add_insecure_port, address)
+
+    def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
+        return self._on_loop(self._server.add_secure_port, address, server_credentials)
+
+    def start(self) -> None:
+        self.run(self._server.start())
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stops serving (calls in progress get `grace` seconds); the event is set once every call ended."""
+        async def stop() -> None:
+            await self._server.stop(grace)
+            self._stopped.set()
+        asyncio.run_coroutine_threadsafe(stop(), self.loop)
+        return self._stopped
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+
+class MirroredHealth(health.HealthServicer):  # type: ignore[misc]  # grpc_health ships no type hints
+    """grpc.health.v1 answered on the server's loop (never behind the pool, however busy it is), with the
+    synchronous HealthServicer's interface: set() from any thread. Being one, it also serves a plain-text
+    health listener (ServerSecurity.serve_health) with the same states."""
+
+    def __init__(self, server: AioServer) -> None:
+        super().__init__()
+        from grpc_health.v1 import health_pb2_grpc
+
+        self._server = server
+        self._async = aio_health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._async, server)
+
+    def set(self, service: str, status: Any) -> None:
+        super().set(service, status)
+        self._server.run(self._async.set(service, status))
+
+    def enter_graceful_shutdown(self) -> None:
+        super().enter_graceful_shutdown()
+        self._server.run(self._async.enter_graceful_shutdown())

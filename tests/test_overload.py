@@ -1,0 +1,140 @@
+"""Overload of the coordinator, against real processes: 256 idle ModelStreamInfer streams (tritonclient keeps one
+open per client) and 200 concurrent Generate calls at once. Health answers within a second throughout, the idle
+streams hold neither a handler thread nor an admission slot, calls beyond --max-concurrent-rpcs get
+RESOURCE_EXHAUSTED at once, and every admitted call completes with the tokens of a solo run."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import grpc.aio
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from graphmesh.coordinator_client import CoordinatorClient
+from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
+from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
+from graphmesh.launcher import LocalMesh
+from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from tests.model_fixtures import make_tiny_llama
+
+LIMIT = 32  # the coordinator's --max-concurrent-rpcs
+IDLE_STREAMS = 256
+GENERATES = 200
+MAX_TOKENS = 4
+PROMPTS = [[100 + 13 * i + j for j in range(12)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
+    model = make_tiny_llama(tmp_path_factory.mktemp("llama"))
+    with LocalMesh(1, "numpy", str(model), kvstore=False,
+                   extra_coordinator_args=["--max-concurrent-rpcs", str(LIMIT)]) as m:
+        yield m
+
+
+def _threads(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no thread count in /proc")
+
+
+def _solo(mesh: LocalMesh, prompt: list[int]) -> list[int]:
+    with CoordinatorClient(mesh.coordinator_address, timeout=60) as c:
+        return [t for chunk in c.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True)
+                for t in chunk.token_ids]
+
+
+async def _burst(address: str, pid: int, model: str) -> tuple[list[list[int] | str], int, int]:
+    """Opens the idle streams, then fires the Generate calls at once. Returns each call's tokens (or the
+    status code's name), and the coordinator's thread counts before and after the streams opened."""
+    channels = [grpc.aio.insecure_channel(address) for _ in range(8)]
+    release = asyncio.Event()
+
+    async def idle(late: bool) -> AsyncIterator[kserve_pb2.ModelInferRequest]:
+        """Sends nothing until released; the `late` one then sends one prefill: a stream that idled through
+        the burst still serves."""
+        await release.wait()
+        if late:
+            ids = kserve_pb2.ModelInferRequest.InferInputTensor(
+                name="input_ids", datatype="INT64", shape=[1, len(PROMPTS[0])],
+                contents=kserve_pb2.InferTensorContents(int64_contents=PROMPTS[0]))
+            yield kserve_pb2.ModelInferRequest(model_name=model, id="late", inputs=[ids])
+
+    try:
+        before = _threads(pid)
+        streams = [kserve_grpc.GRPCInferenceServiceStub(channels[i % len(channels)]).ModelStreamInfer(idle(i == 0))
+                   for i in range(IDLE_STREAMS)]
+        await asyncio.sleep(2.0)  # every stream reached the server
+        assert not any(s.done() for s in streams), "an idle stream was refused or ended"
+        after = _threads(pid)
+
+        async def generate(i: int) -> list[int] | str:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channels[i % len(channels)])
+            request = coordinator_pb2.GenerateRequest(prompt_token_ids=PROMPTS[i % len(PROMPTS)], max_tokens=MAX_TOKENS,
+                                                      ignore_eos=True, sampling=stage_pb2.SamplingParams())
+            try:
+                return [t async for r in stub.Generate(request, timeout=50) for t in r.token_ids]
+            except grpc.aio.AioRpcError as e:
+                return e.code().name
+
+        results = await asyncio.gather(*(generate(i) for i in range(GENERATES)))
+        assert not any(s.done() for s in streams), "an idle stream ended during the burst"
+        release.set()
+        late = [r async for r in streams[0]]
+        assert len(late) == 1 and not late[0].error_message, late
+        assert late[0].infer_response.id == "late" and late[0].infer_response.outputs[0].name == "logits"
+        for s in streams[1:]:
+            s.cancel()
+        return list(results), before, after
+    finally:
+        release.set()
+        for channel in channels:
+            await channel.close()
+
+
+def test_idle_streams_and_a_burst_leave_health_answering(mesh: LocalMesh) -> None:
+    started = time.monotonic()
+    solo = [_solo(mesh, p) for p in PROMPTS]
+    pid = mesh.coordinator_process.pid if mesh.coordinator_process else 0
+    stop, latencies, failures = threading.Event(), [], []
+
+    def probe() -> None:
+        with grpc.insecure_channel(mesh.coordinator_address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                    if status != health_pb2.HealthCheckResponse.SERVING:
+                        failures.append(f"status {status}")
+                except grpc.RpcError as e:
+                    failures.append(e.code().name)
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.05)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        results, before, after = asyncio.run(_burst(mesh.coordinator_address, pid, mesh.model))
+    finally:
+        stop.set()
+        prober.join()
+    # the idle streams hold no handler thread each (a few for the connections at most)
+    assert after - before < 16, f"{IDLE_STREAMS} idle streams took {after - before} threads"
+    refused = [r for r in results if isinstance(r, str)]
+    completed = [(i, r) for i, r in enumerate(results) if not isinstance(r, str)]
+    assert set(refused) <= {"RESOURCE_EXHAUSTED"}, set(refused)
+    assert refused, "the burst never exceeded the limit: the test proves nothing"
+    assert len(completed) >= LIMIT  # at least one full round of the limit was admitted while the streams idled
+    assert all(r == solo[i % len(PROMPTS)] for i, r in completed)  # every admitted call completed, unchanged
+    assert not failures, failures[:5]
+    assert latencies and max(latencies) < 1.0, f"health took {max(latencies):.2f} s under load"
+    assert _solo(mesh, PROMPTS[0]) == solo[0]  # and the coordinator serves on
+    assert time.monotonic() - started < 60
