@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 
@@ -166,6 +167,44 @@ def test_stop_strings_end_the_text_before_them(client: openai.OpenAI) -> None:
     assert stop not in (whole.choices[0].message.content or "")
 
 
+def test_logprobs_come_from_the_last_stage_and_leave_the_tokens_alone(client: openai.OpenAI,
+                                                                      grpc_client: CoordinatorClient) -> None:
+    messages: Any = [{"role": "user", "content": QUESTION}]
+    sampled: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0.9, "seed": 3}
+    plain = client.chat.completions.create(**sampled)
+    scored = client.chat.completions.create(logprobs=True, top_logprobs=3, **sampled)
+    assert scored.choices[0].message.content == plain.choices[0].message.content  # the same draws either way
+    assert scored.choices[0].logprobs is not None and scored.usage is not None
+    content = scored.choices[0].logprobs.content or []
+    assert len(content) == scored.usage.completion_tokens == 6
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and entry.logprob <= 0
+        assert sum(np.exp(tops)) <= 1 + 1e-6 and entry.bytes == list(entry.token.encode())
+    streamed = list(client.chat.completions.create(logprobs=True, top_logprobs=3, stream=True, **sampled))
+    assert [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []] \
+        == content
+
+    # greedy: the token is the most likely one, with the logprob of the whole distribution's maximum
+    greedy = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                            logprobs=True, top_logprobs=2)
+    assert greedy.choices[0].logprobs is not None
+    entries = greedy.choices[0].logprobs.content or []
+    assert "".join(e.token for e in entries) == greedy.choices[0].message.content
+    assert all(e.token == e.top_logprobs[0].token and e.logprob == e.top_logprobs[0].logprob for e in entries)
+    prompt_ids = next(iter(grpc_client.generate(QUESTION, max_tokens=1))).prompt_token_ids
+    logits = grpc_client.compute_logits(prompt_ids).astype(np.float64)
+    reference = np.sort(logits - logits.max() - np.log(np.exp(logits - logits.max()).sum()))[::-1]
+    assert [t.logprob for t in entries[0].top_logprobs] == pytest.approx(reference[:2], abs=1e-4)
+
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert "".join(lp.tokens) == text.choices[0].text and len(lp.token_logprobs) == 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    assert all(max(top.values()) == chosen for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+
+
 def test_bad_requests_are_refused_with_their_status_and_the_server_goes_on(mesh: LocalMesh,
                                                                           client: openai.OpenAI) -> None:
     user: Any = [{"role": "user", "content": QUESTION}]
@@ -174,7 +213,7 @@ def test_bad_requests_are_refused_with_their_status_and_the_server_goes_on(mesh:
         {"max_tokens": 10**9}, {"stop": [""]}, {"top_logprobs": 3}, {"frequency_penalty": 0.5},
         {"messages": []}, {"messages": [{"role": "wizard", "content": "hi"}]}, {"messages": "hi"},
         {"temperature": "hot"}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-        {"seed": "x"}, {"stream_options": 3}]
+        {"seed": "x"}, {"stream_options": 3}, {"logprobs": True, "top_logprobs": 21}]
     for extra in bad:
         status, body = post(mesh.http_url + "/chat/completions", {"model": MODEL, "messages": user, **extra})
         assert status == 400, (extra, body)

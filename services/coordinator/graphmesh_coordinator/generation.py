@@ -33,6 +33,7 @@ TTFT_SECONDS = Histogram("graphmesh_ttft_seconds", "Time from a generation reque
 INTER_TOKEN_SECONDS = Histogram("graphmesh_inter_token_seconds", "Time between consecutive tokens of a stream",
                                 buckets=_LATENCY_BUCKETS)
 TOKENS_GENERATED = Counter("graphmesh_tokens_generated", "Tokens generated and streamed to clients")
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,13 @@ def validate(request: GenerationRequest, context_tokens: int, vocab_size: int) -
     if request.temperature < 0 or request.top_k < 0 or not 0.0 <= request.top_p <= 1.0:
         raise InvalidArgument(f"bad sampling: temperature {request.temperature} (>= 0), top_k {request.top_k} (>= 0), "
                               f"top_p {request.top_p} (in [0, 1])", "BAD_SAMPLING")
+    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}",
+                              "BAD_LOGPROBS", {"parameter": "top_logprobs"})
+
+
+def _logprob(token: int, row: stage_pb2.StepRowResult) -> TokenLogprob:
+    return TokenLogprob(token, row.logprob, tuple((t.token_id, t.logprob) for t in row.top_logprobs))
 
 
 class Generator:
@@ -122,7 +130,8 @@ class Generator:
         session = SessionInfo(session_id or uuid.uuid4().hex)
         budget = min(request.max_tokens, self.context_tokens - len(request.prompt_ids))
         sampling = stage_pb2.SamplingParams(temperature=request.temperature, top_k=request.top_k,
-                                            top_p=request.top_p, seed=request.seed)
+                                            top_p=request.top_p, seed=request.seed, logprobs=request.logprobs,
+                                            top_logprobs=request.top_logprobs if request.logprobs else 0)
         seq = SchedulerSequence(session, list(request.prompt_ids), sampling, stage_pb2.OUTPUT_KIND_TOKEN, budget,
                                 frozenset() if request.ignore_eos else self.eos, len(request.prompt_ids) + budget)
         detok = Detokenizer(self.tokenizer)
@@ -147,17 +156,18 @@ class Generator:
                     ttft_ms = (now - t0) * 1000.0 if step == 0 else 0.0
                     computed = out.computed_tokens if step == 0 else 0
                     sid = session.session_id if step == 0 else ""
+                    lp = [_logprob(token, out.row)] if request.logprobs and out.row is not None else []
                     if token in self.eos and not request.ignore_eos:
-                        yield Event([token], "", "eos", ttft_ms, computed, sid)
+                        yield Event([token], "", "eos", ttft_ms, computed, sid, lp)
                         return
                     text = detok.push(token)
                     completion += text
                     hit = next((s for s in request.stop if s in completion), None)
                     if hit is not None:
                         overshoot = len(completion) - completion.index(hit)
-                        yield Event([token], text[: max(0, len(text) - overshoot)], "stop", ttft_ms, computed, sid)
+                        yield Event([token], text[: max(0, len(text) - overshoot)], "stop", ttft_ms, computed, sid, lp)
                         return
-                    yield Event([token], text, "length" if step == budget - 1 else "", ttft_ms, computed, sid)
+                    yield Event([token], text, "length" if step == budget - 1 else "", ttft_ms, computed, sid, lp)
         finally:
             self.scheduler.finish(seq)  # also when the client went away: its rows stop, its KV is released
             with self._lock:

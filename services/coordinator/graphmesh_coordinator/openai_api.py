@@ -50,7 +50,14 @@ from graphmesh.errors import (
 )
 from graphmesh.security import Tls
 from graphmesh_coordinator import genai
-from graphmesh_coordinator.generation import Event, GenerationRequest, Generator, TokenLogprob, validate
+from graphmesh_coordinator.generation import (
+    MAX_TOP_LOGPROBS,
+    Event,
+    GenerationRequest,
+    Generator,
+    TokenLogprob,
+    validate,
+)
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_coordinator.servicer import prompt_token_ids
 
@@ -59,7 +66,6 @@ log = logging.getLogger("graphmesh.coordinator.http")
 MAX_CHOICES = 16  # n (times the prompts of a batch): each choice is a session of its own
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_STOP = 16  # stop strings
-MAX_TOP_LOGPROBS = 20  # as OpenAI (chat); the legacy completions API allows 5, vLLM 20
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _SEED_MASK = (1 << 64) - 1
 _DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
@@ -563,9 +569,11 @@ class OpenAIServer:
             return {"content": [{"token": text(e.token_id), "logprob": e.logprob, "bytes": list(text(e.token_id).encode()),
                                  "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}
                                                   for t, lp in e.top]} for e in entries]}
-        return {"tokens": [text(e.token_id) for e in entries], "token_logprobs": [e.logprob for e in entries],
+        tokens = [text(e.token_id) for e in entries]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]  # into this piece of text
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries] if call.top_logprobs else None,
-                "text_offset": []}
+                "text_offset": offsets}
 
     def _token_text(self, token_id: int) -> str:
         tokenizer = self.generator.tokenizer

@@ -57,6 +57,7 @@ class Output:
     token: int
     logits: np.ndarray | None
     computed_tokens: int  # the tokens this session's rows computed to produce its first output (0 after)
+    row: stage_pb2.StepRowResult | None = None  # the last stage's result (logprobs, when the sampling asked)
 
 
 @dataclass(eq=False)
@@ -182,8 +183,10 @@ class Scheduler:
         ready = [s for s in ready if not s.solo]  # those that do not fit yet wait; the others must not
         if not ready:
             return None
-        kind = ready[0].output
-        ready = [s for s in ready if s.output == kind]
+        # Rows with logprobs are sampled on the last stage's host, from the logits graph: they share steps only
+        # with each other, so no other session's tokens ever come from a different graph.
+        kind = (ready[0].output, ready[0].sampling.logprobs)
+        ready = [s for s in ready if (s.output, s.sampling.logprobs) == kind]
         live = sum(1 for s in self._seqs if not s.done)
         cap = min(self.max_step_seqs, max(1, math.ceil(live / max(1, len(mesh.ranks)))))
         decoding = [s for s in ready if len(s.pending) == 1 and s.session.incarnation == mesh.incarnation]
@@ -270,7 +273,7 @@ class Scheduler:
                 s.computed += len(r.row.token_ids)
                 if r.final and not s.done:
                     token = int(reply.rows[i].token)
-                    s.events.put(Output(token, None if logits is None else logits[i], s.computed))
+                    s.events.put(Output(token, None if logits is None else logits[i], s.computed, reply.rows[i]))
                     s.computed, s.pending, s.remaining = 0, [token], s.remaining - 1
                     if s.remaining <= 0 or token in s.stop_ids:
                         s.done = True

@@ -38,9 +38,10 @@ from graphmesh.kvkeys import blocks_for
 from graphmesh.models.config import ModelConfig
 from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.engine import Engine
-from graphmesh_executor.executable import Executable
+from graphmesh_executor.executable import Executable, RngOptions
 from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionTxn
 from graphmesh_executor.kv_pool import SCRATCH_BLOCK, KvPool
+from graphmesh_executor.logprobs import RowLogprobs, RowSampling, sample_with_logprobs
 from graphmesh_executor.weights import load_params, resolve_under_root
 
 log = logging.getLogger("graphmesh.executor.stage")
@@ -84,6 +85,8 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    logprobs: bool = False  # the last stage samples on the host and returns the token's logprob (logprobs.py)
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class StageSession:
 class StepResult:
     tokens: list[int] = field(default_factory=list)  # per row (last stage, sampling)
     logits: np.ndarray | None = None  # f32 [rows, vocab] (last stage, logits)
+    logprobs: list[RowLogprobs | None] = field(default_factory=list)  # per row (last stage, rows that asked)
     kv_lengths: list[int] = field(default_factory=list)
     compute_us: float = 0.0
     computed_tokens: int = 0
@@ -392,9 +396,11 @@ class StageRuntime:
                 raise ProtocolError("CONTRACT", InvalidArgument(
                     f"boundary of shape {list(hidden.shape)}, expected [{total}, {self.config.hidden_size}]",
                     "SCHEMA_MISMATCH"))
+        # Rows that want logprobs get the logits graph; their tokens are sampled from its output on the host.
+        host = spec.last and not want_logits and any(r.sampling.logprobs for r in rows)
         t0 = time.perf_counter()
         try:
-            out = self.engine.run("stage.compute", lambda: self._compute(rows, hidden, not want_logits))
+            out = self.engine.run("stage.compute", lambda: self._compute(rows, hidden, not want_logits and not host))
         except (InvalidArgument, OutOfRange, NotFound, FailedPrecondition, ResourceExhausted) as e:
             raise ProtocolError("ARCH", e) from e
         result = StepResult(compute_us=(time.perf_counter() - t0) * 1e6, computed_tokens=total)
@@ -408,6 +414,12 @@ class StageRuntime:
                 raise ProtocolError("COMM", e) from e
         elif want_logits:
             result.logits = out[: len(rows)].astype(np.float32)
+        elif host:
+            # Stage executables draw with the default RngOptions (they never set_rng), as sample_with_logprobs does.
+            result.tokens, result.logprobs = sample_with_logprobs(RngOptions(), out[: len(rows)], [
+                RowSampling(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p,
+                            seed_for(r.sampling.seed, r.start + len(r.token_ids)), r.sampling.logprobs,
+                            r.sampling.top_logprobs) for r in rows])
         else:
             result.tokens = [int(t) for t in out[: len(rows)]]
         return result

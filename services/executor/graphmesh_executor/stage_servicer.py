@@ -83,7 +83,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                                                request.output == stage_pb2.OUTPUT_KIND_LOGITS, timeout_s)
         response = stage_pb2.ExecuteStepResponse(compute_us=result.compute_us, computed_tokens=result.computed_tokens)
         for i, length in enumerate(result.kv_lengths):
-            response.rows.add(token=result.tokens[i] if result.tokens else 0, kv_length=length)
+            row = response.rows.add(token=result.tokens[i] if result.tokens else 0, kv_length=length)
+            lp = result.logprobs[i] if result.logprobs else None
+            if lp is not None:
+                row.logprob = lp.logprob
+                row.top_logprobs.extend(stage_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top)
         if result.logits is not None:
             response.logits.CopyFrom(tensors.to_proto(result.logits))
         return response
@@ -221,7 +225,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
 def step_rows(rows: Iterable[stage_pb2.StepRow]) -> list[StepRow]:
     return [StepRow(r.session_id, r.epoch, r.commit_epoch, r.start_position, list(r.token_ids),
-                    Sampling(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.seed)) for r in rows]
+                    Sampling(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.seed,
+                             r.sampling.logprobs, r.sampling.top_logprobs)) for r in rows]
 
 
 _FAULTS = {stage_pb2.FAULT_KIND_ARCH_FAILURE: "arch", stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY: "corrupt"}

@@ -396,6 +396,8 @@ class SamplingParams(_message.Message):
     TOP_K_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """temperature <= 0 is greedy."""
     top_k: _builtins.int
@@ -406,6 +408,18 @@ class SamplingParams(_message.Message):
     """seed of the session; the draw at each position is derived from it, so a
     replay gives the same tokens.
     """
+    logprobs: _builtins.bool
+    """logprobs asks the last stage for each sampled token's log-probability
+    (StepRowResult.logprob), computed there from the logits it already has,
+    so no vocabulary row crosses the wire. The row's token is then sampled
+    on the host from the same logits, by the same function as in-graph
+    sampling; a step carries only rows that agree on this flag. The
+    coordinator's HTTP API sets it; Generate does not.
+    """
+    top_logprobs: _builtins.int
+    """top_logprobs is how many of the most likely tokens at each position come
+    back with their log-probabilities (with logprobs), at most 20; 0: none.
+    """
     def __init__(
         self,
         *,
@@ -413,10 +427,12 @@ class SamplingParams(_message.Message):
         top_k: _builtins.int = ...,
         top_p: _builtins.float = ...,
         seed: _builtins.int = ...,
+        logprobs: _builtins.bool = ...,
+        top_logprobs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -515,24 +531,63 @@ class ExecuteStepRequest(_message.Message):
 Global___ExecuteStepRequest: _TypeAlias = ExecuteStepRequest  # noqa: Y015
 
 @_typing.final
+class TokenLogprob(_message.Message):
+    """TokenLogprob is a token and its natural-log probability."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    logprob: _builtins.float
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
 class StepRowResult(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TOKEN_FIELD_NUMBER: _builtins.int
     KV_LENGTH_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     token: _builtins.int
     """token is the row's sampled token (last stage, OUTPUT_KIND_TOKEN)."""
     kv_length: _builtins.int
     """kv_length is the session's KV length on this rank after the step."""
+    logprob: _builtins.float
+    """logprob is the log-probability of `token` under the model's distribution
+    at that position (log-softmax of the logits, before temperature, top_k
+    and top_p); 0 unless the row's sampling asked for logprobs (last stage).
+    """
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """top_logprobs are the sampling's top_logprobs most likely tokens at that
+        position, most likely first (ties: the lower id first).
+        """
+
     def __init__(
         self,
         *,
         token: _builtins.int = ...,
         kv_length: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        top_logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_length", b"kv_length", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_length", b"kv_length", "logprob", b"logprob", "token", b"token", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
