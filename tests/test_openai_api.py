@@ -4,6 +4,8 @@ same mesh (SmolLM2-135M over 2 torch executors, f32: token-exact), and its refus
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -11,6 +13,8 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
+from http.client import HTTPException
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ import pytest
 
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh, free_port
+from tests import pki
 
 MODEL = "smollm2-135m"
 TOKEN = "test-openai-token"
@@ -47,20 +52,21 @@ def grpc_client(mesh: LocalMesh) -> Iterator[CoordinatorClient]:
         yield c
 
 
-def post(url: str, body: bytes | dict[str, Any], token: str | None = TOKEN) -> tuple[int, dict[str, Any]]:
+def post(url: str, body: bytes | dict[str, Any], token: str | None = TOKEN,
+         context: ssl.SSLContext | None = None) -> tuple[int, dict[str, Any]]:
     """A raw POST: for bodies the openai client would refuse to send. Returns (status, parsed JSON body)."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=120) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=120, context=context) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
 
 
-def get(url: str) -> tuple[int, str]:
+def get(url: str, context: ssl.SSLContext | None = None) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=30) as r:
+        with urllib.request.urlopen(url, timeout=30, context=context) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -274,35 +280,55 @@ def test_genai_metrics_are_exported(mesh: LocalMesh) -> None:
     assert "graphmesh_kv_cache_usage_ratio" in samples and "graphmesh_waiting_sessions" in samples
 
 
-def test_a_mesh_that_cannot_serve_answers_503_and_a_full_one_429(tmp_path: Path) -> None:
-    """A coordinator whose executor never comes: the HTTP API is up, the mesh is not (as during a recovery)."""
+@contextmanager
+def coordinator_without_a_mesh(tmp_path: Path, *extra: str) -> Iterator[str]:
+    """A coordinator whose executor never comes: its HTTP API is up, its mesh is not (as during a recovery).
+    Yields the API's HOST:PORT once it answers; cheap, since no model is installed anywhere."""
     http = f"127.0.0.1:{free_port()}"
     args = [sys.executable, "-m", "graphmesh_coordinator.server", "--listen", f"127.0.0.1:{free_port()}",
             "--executors", f"127.0.0.1:{free_port()}", "--model", MODEL, "--state-dir", str(tmp_path / "state"),
-            "--http-listen", http, "--http-ready-wait", "3", "--max-concurrent-rpcs", "1", "--startup-timeout", "120"]
+            "--http-listen", http, "--startup-timeout", "120", *extra]
     with open(tmp_path / "coordinator.log", "wb") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while True:
             try:
-                status, _ = get(f"http://{http}/health")
-                break
-            except urllib.error.URLError:
+                host, port = http.split(":")
+                with socket.create_connection((host, int(port)), timeout=1):
+                    break
+            except OSError:
                 assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "coordinator.log").read_text()
                 time.sleep(0.2)
-        assert status == 503
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        waiting: list[tuple[int, dict[str, Any]]] = []
-        first = threading.Thread(target=lambda: waiting.append(post(f"http://{http}/v1/chat/completions", body)))
-        first.start()
-        time.sleep(1.0)  # the first request now holds the one slot, waiting for the mesh
-        status, refused = post(f"http://{http}/v1/chat/completions", body)
-        assert status == 429 and refused["error"]["type"] == "rate_limit_error", refused
-        first.join(30)
-        assert waiting and waiting[0][0] == 503, waiting
-        assert waiting[0][1]["error"]["code"] == "mesh_not_ready"
+        yield http
     finally:
         process.terminate()
         process.wait(10)
 
+
+def test_a_mesh_that_cannot_serve_answers_503_a_full_one_429_and_tls_wants_a_client_certificate(
+        tmp_path: Path) -> None:
+    # One coordinator for all three: starting one costs seconds. Under mutual TLS the API is HTTPS and wants a
+    # client certificate of the CA, as the gRPC port does.
+    ca = pki.issue(tmp_path, "test-ca")
+    server, client = pki.issue(tmp_path, "coordinator.graphmesh.internal", ca), pki.issue(tmp_path, "client", ca)
+    tls = ("--tls-cert", server.cert, "--tls-key", server.key, "--tls-ca", ca.cert)
+    context = ssl.create_default_context(cafile=ca.cert)
+    context.load_cert_chain(client.cert, client.key)
+    with coordinator_without_a_mesh(tmp_path, *tls, "--http-ready-wait", "2", "--max-concurrent-rpcs", "1") as http:
+        url = f"https://{http}/v1/chat/completions"
+        assert get(f"https://{http}/health", context)[0] == 503
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        waiting: list[tuple[int, dict[str, Any]]] = []
+        first = threading.Thread(target=lambda: waiting.append(post(url, body, None, context)))
+        first.start()
+        time.sleep(0.7)  # the first request now holds the one slot, waiting for the mesh
+        status, refused = post(url, body, None, context)
+        assert status == 429 and refused["error"]["type"] == "rate_limit_error", refused
+        first.join(30)
+        assert waiting and waiting[0][0] == 503, waiting
+        assert waiting[0][1]["error"]["code"] == "mesh_not_ready"
+        with pytest.raises((OSError, HTTPException)):  # no client certificate: the handshake or first read fails
+            get(f"https://{http}/health", ssl.create_default_context(cafile=ca.cert))
+        with pytest.raises((OSError, HTTPException)):  # plain text to a TLS port
+            get(f"http://{http}/health")
