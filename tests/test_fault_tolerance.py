@@ -160,6 +160,17 @@ def test_a_corrupted_boundary_is_refused_and_recovered(mesh: LocalMesh) -> None:
     assert after.incarnation > before.incarnation and len(after.stages) == 3  # CONTRACT: fenced and rebuilt
 
 
+def test_a_device_failure_is_fenced_rebuilt_and_changes_no_token(mesh: LocalMesh) -> None:
+    baseline = _run_all(mesh.coordinator_address)
+    before = _status(mesh)
+    _stage(mesh, mesh.executor_addresses[1]).InjectFault(
+        stage_pb2.InjectFaultRequest(kind=stage_pb2.FAULT_KIND_DEVICE_FAILURE, count=1))
+    assert _run_all(mesh.coordinator_address) == baseline
+    after = _status(mesh)
+    assert after.incarnation > before.incarnation and after.recoveries > before.recoveries
+    assert "DEVICE_FAILURE" in (Path(mesh.log_dir or "") / "coordinator.log").read_text()  # its own reason, logged
+
+
 def test_stale_or_poisoned_messages_are_refused_and_change_nothing(mesh: LocalMesh) -> None:
     _run_all(mesh.coordinator_address)
     k = _status(mesh).incarnation

@@ -124,6 +124,18 @@ def test_stale_incarnation_changes_nothing(tiny_llama: Path) -> None:
     assert before == [(t.phase, t.epoch, t.kv_length) for t in (s.txn for _, s in runtimes[0].sessions())]
 
 
+def test_a_device_failure_has_its_own_reason_and_poisons(tiny_llama: Path) -> None:
+    runtimes = _pipeline(tiny_llama, 1, 2)
+    runtimes[0].faults_enabled = True
+    runtimes[0].inject_fault("device", 1)
+    with pytest.raises(ProtocolError) as e:
+        runtimes[0].execute_step(1, next(_step_ids), [StepRow("s", 1, 0, 0, [1, 2])], False, 1.0)
+    # COMM: the rank's device state is unknown, so the incarnation is fenced and rebuilt; but it is not the link
+    assert e.value.error_class == "COMM" and e.value.reason == "DEVICE_FAILURE"
+    assert runtimes[0].authority.state is AuthorityState.POISONED
+    assert runtimes[0].authority.cause.startswith("COMM: device cpu failed: RuntimeError: CUDA error")
+
+
 def test_boundary_timeout_is_a_comm_failure_that_poisons(tiny_llama: Path) -> None:
     runtimes = _pipeline(tiny_llama, 1, 2)
     with pytest.raises(ProtocolError) as e:

@@ -196,7 +196,7 @@ class Mesh:
                 if classify(error) == "ARCH":
                     self._abort_step(ranks, request)  # roll back, stay ACTIVE
                 else:
-                    self.fence(incarnation, f"{classify(error)} on rank {rank.plan.rank}: {error.message}")
+                    self.fence(incarnation, f"{classify(error)} on rank {rank.plan.rank} ({error.reason}): {error.message}")
         with self._lock:
             self._in_flight.difference_update(calls)
         # every folded commit's token was delivered: one group commit for the step
@@ -208,7 +208,7 @@ class Mesh:
         if first.error_class == "ARCH":
             self.state.record(*(Decision(row.session_id, row.epoch, "ABORTED") for row in request.rows))
         elif failures[0].error_class == "ARCH":
-            self.fence(incarnation, f"{first.error_class} on rank {first.rank}: {first.cause.message}")
+            self.fence(incarnation, f"{first.error_class} on rank {first.rank} ({first.cause.reason}): {first.cause.message}")
         raise first
 
     @property

@@ -403,6 +403,10 @@ class StageRuntime:
             out = self.engine.run("stage.compute", lambda: self._compute(rows, hidden, not want_logits and not host))
         except (InvalidArgument, OutOfRange, NotFound, FailedPrecondition, ResourceExhausted) as e:
             raise ProtocolError("ARCH", e) from e
+        except GraphmeshError:
+            raise
+        except Exception as e:
+            raise self._device_failure(e) from e
         result = StepResult(compute_us=(time.perf_counter() - t0) * 1e6, computed_tokens=total)
         if not spec.last:
             assert self._pusher is not None
@@ -424,10 +428,23 @@ class StageRuntime:
             result.tokens = [int(t) for t in out[: len(rows)]]
         return result
 
+    def _device_failure(self, e: Exception) -> ProtocolError:
+        """What a compute that raised something other than a graphmesh error means: the device ran out of
+        memory (ARCH: the rows are retried alone, this rank stays usable) or failed (a CUDA error: COMM, so the
+        incarnation is fenced and rebuilt, with its own reason: the link did nothing wrong)."""
+        what = f"{type(e).__name__}: {e}"
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError
+            return ProtocolError("ARCH", ResourceExhausted(f"device {self.device} out of memory: {what}",
+                                                           "DEVICE_OUT_OF_MEMORY"))
+        log.error("device failure", extra={"device": self.device, "error": what})
+        return ProtocolError("COMM", Internal(f"device {self.device} failed: {what}", "DEVICE_FAILURE"))
+
     def _compute(self, rows: list[StepRow], hidden: np.ndarray | None, sample: bool) -> np.ndarray:
         """One run over every row, on the engine thread. Shapes are bucketed (powers of two) so a handful of
         executables serve every step: padded token rows write the scratch block, padded sequences read it."""
         assert self.spec is not None and self.config is not None
+        if self._take_fault("device"):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
         spec, config, pool = self.spec, self.config, self.pool
         counts = [len(row.token_ids) for row in rows]
         total, decode = sum(counts), all(n == 1 for n in counts)
@@ -659,7 +676,7 @@ class StageRuntime:
         if not self.faults_enabled:
             raise FailedPrecondition("fault injection is off; start the executor with --enable-fault-injection",
                                      "FAULT_INJECTION_DISABLED")
-        if count < 1 or kind not in ("arch", "corrupt"):
+        if count < 1 or kind not in ("arch", "corrupt", "device"):
             raise InvalidArgument(f"bad fault {kind!r} x {count}", "BAD_FAULT")
         with self._lock:
             self._faults[kind] = self._faults.get(kind, 0) + count

@@ -229,7 +229,8 @@ def step_rows(rows: Iterable[stage_pb2.StepRow]) -> list[StepRow]:
                              r.sampling.logprobs, r.sampling.top_logprobs)) for r in rows]
 
 
-_FAULTS = {stage_pb2.FAULT_KIND_ARCH_FAILURE: "arch", stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY: "corrupt"}
+_FAULTS = {stage_pb2.FAULT_KIND_ARCH_FAILURE: "arch", stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY: "corrupt",
+           stage_pb2.FAULT_KIND_DEVICE_FAILURE: "device"}
 
 
 def add_stage_service(server: grpc.Server, runtime: StageRuntime, kv_pusher: KvPusher | None = None) -> StageServicer:

@@ -151,6 +151,10 @@ class _FaultKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FaultKind.V
     """FAULT_KIND_CORRUPT_BOUNDARY corrupts the next boundary bundle this rank
     pushes (one activation column dropped): the receiver must refuse it.
     """
+    FAULT_KIND_DEVICE_FAILURE: _FaultKind.ValueType  # 3
+    """FAULT_KIND_DEVICE_FAILURE makes the next compute fail on the device (as a
+    CUDA error would): reported as DEVICE_FAILURE, a COMM-class failure.
+    """
 
 class FaultKind(_FaultKind, metaclass=_FaultKindEnumTypeWrapper):
     """FaultKind is an injectable failure."""
@@ -163,6 +167,10 @@ before any payload leaves the rank.
 FAULT_KIND_CORRUPT_BOUNDARY: FaultKind.ValueType  # 2
 """FAULT_KIND_CORRUPT_BOUNDARY corrupts the next boundary bundle this rank
 pushes (one activation column dropped): the receiver must refuse it.
+"""
+FAULT_KIND_DEVICE_FAILURE: FaultKind.ValueType  # 3
+"""FAULT_KIND_DEVICE_FAILURE makes the next compute fail on the device (as a
+CUDA error would): reported as DEVICE_FAILURE, a COMM-class failure.
 """
 Global___FaultKind: _TypeAlias = FaultKind  # noqa: Y015
 
