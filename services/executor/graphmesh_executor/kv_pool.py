@@ -59,6 +59,9 @@ class KvPool:
 
     def slots(self, session_id: str, start: int, end: int) -> np.ndarray:
         """Pool rows of positions [start, end) of the session (its table must already hold them)."""
+        if end - start == 1:  # a decode row: no array of the whole table (this runs for every row of every step)
+            return np.array([self._tables[session_id][start // self.block_tokens] * self.block_tokens
+                             + start % self.block_tokens], np.int64)
         positions = np.arange(start, end)
         table = np.asarray(self._tables[session_id], np.int64)
         return table[positions // self.block_tokens] * self.block_tokens + positions % self.block_tokens
