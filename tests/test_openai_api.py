@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.client import HTTPException
+from http.client import HTTPConnection, HTTPException
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +233,16 @@ def test_bad_requests_are_refused_with_their_status_and_the_server_goes_on(mesh:
     for prompt in prompts:
         status, body = post(mesh.http_url + "/completions", {"model": MODEL, "prompt": prompt})
         assert status == 400, (prompt, body)
+
+    host, port = mesh.http_url.removeprefix("http://").removesuffix("/v1").split(":")
+    connection = HTTPConnection(host, int(port), timeout=30)  # a huge body is refused before it is read
+    connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(1 << 40))
+    connection.endheaders()
+    reply = connection.getresponse()
+    assert reply.status == 413 and json.loads(reply.read())["error"]["code"] == "body_too_large"
+    connection.close()
 
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4o", messages=user, max_tokens=1)

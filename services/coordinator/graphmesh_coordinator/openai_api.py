@@ -69,6 +69,7 @@ MAX_STOP = 16  # stop strings
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _SEED_MASK = (1 << 64) - 1
 _DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
+MAX_BODY_BYTES = 64 << 20  # FastAPI reads a whole body before anything checks it: bigger ones are refused first
 
 # gRPC code name -> (HTTP status, OpenAI error type). RESOURCE_EXHAUSTED is 429 (retry later) except for a request
 # that could never fit (KV_CAPACITY_EXCEEDED): no retry helps, so it is a bad request, as a too-long prompt is.
@@ -133,6 +134,37 @@ class CompletionRequest(_Generation):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+
+class _BodyLimit:
+    """Refuses a request body over `limit` bytes (413) before it is read into memory: by its Content-Length, or,
+    for a chunked body, as soon as the bytes received pass the limit (FastAPI then answers the unreadable body
+    with a 400)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Any], send: Callable[[Any], Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            error = APIError(413, f"the request body must be at most {self.limit} bytes with a valid Content-Length",
+                             "invalid_request_error", "body_too_large")
+            await error.response()(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Any:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise ValueError(f"the request body passed {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
 
 
 class APIError(Exception):
@@ -310,6 +342,7 @@ class OpenAIServer:
     # -- FastAPI app --
     def _app(self) -> FastAPI:
         app = FastAPI(title="graphmesh", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
         authorized = [Depends(self._authorize)]
         app.post("/v1/chat/completions", dependencies=authorized)(self.chat_completions)
         app.post("/v1/completions", dependencies=authorized)(self.completions)
