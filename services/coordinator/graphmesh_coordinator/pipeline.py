@@ -106,6 +106,8 @@ class Mesh:
         self._in_flight: set[grpc.Future[stage_pb2.ExecuteStepResponse]] = set()
         self._step_ids = itertools.count(1)
         self._watch_stop = threading.Event()
+        # Executors the health watch found not answering: recovery and fencing do not wait for them again
+        self._lost: frozenset[str] = frozenset()
 
     def install(self, addresses: Sequence[str] | None = None) -> None:
         """Issues a new incarnation and installs the plan on the executors (they load their own weights)."""
@@ -273,7 +275,7 @@ class Mesh:
             t0 = time.monotonic()
             self.fence(failed_incarnation, "recovery")
             while True:
-                healthy = [a for a in self.addresses if _healthy(self.channels[a], 1.0)]
+                healthy = self._answering(self.addresses, 1.0)
                 if healthy:
                     try:
                         self.install(healthy)
@@ -289,22 +291,60 @@ class Mesh:
                                             "executors": len(self.ranks),
                                             "ms": round((time.monotonic() - t0) * 1e3, 1)})
 
-    def watch(self, interval_s: float = 0.25, misses: int = 2, timeout_s: float = 0.75) -> None:
-        """Health watching: an executor that misses `misses` checks in a row (dead, frozen, cut off) cancels
-        the in-flight invocations, which then fail as COMM and trigger recovery — long before any deadline."""
-        missed = dict.fromkeys(self.addresses, 0)
-        back = dict.fromkeys(self.addresses, 0)  # checks passed in a row by executors outside the roster
+    def watch(self, interval_s: float = 0.1, window_s: float = 0.4) -> None:
+        """Health watching: every executor is probed every `interval_s`, probes overlapping (so one slow or frozen
+        executor holds up nobody's probes), and an executor of the roster that has answered no probe sent in the
+        last `window_s` (dead, frozen, cut off) is lost: the in-flight invocations are cancelled, fail as COMM and
+        trigger recovery, within about window_s + interval_s of the failure. A probe's answer counts from when it
+        was sent, so a slow link that still answers within the window is never taken for a lost executor."""
+        lock = threading.Lock()
+        last_ok = dict.fromkeys(self.addresses, 0.0)  # when the latest answered probe was sent (monotonic)
+        back = dict.fromkeys(self.addresses, 0)  # rounds in a row an executor outside the roster answered
+        request = health_pb2.HealthCheckRequest()
+
+        def probe(address: str) -> None:
+            sent = time.monotonic()
+
+            def done(call: grpc.Future[health_pb2.HealthCheckResponse]) -> None:
+                try:
+                    ok = call.result().status == health_pb2.HealthCheckResponse.SERVING
+                except (grpc.RpcError, grpc.FutureCancelledError):
+                    ok = False
+                if ok:
+                    with lock:
+                        last_ok[address] = max(last_ok[address], sent)
+
+            health_pb2_grpc.HealthStub(self.channels[address]).Check.future(request, timeout=window_s) \
+                .add_done_callback(done)
 
         def loop() -> None:
+            was_ready = False
             while not self._watch_stop.wait(interval_s):
-                for rank in list(self.ranks):
+                now = time.monotonic()
+                # ready first: install sets the ranks before it sets ready, so these ranks are the ready roster's
+                ready = self.ready
+                ranks = list(self.ranks)
+                if ready and not was_ready:
+                    # a roster just installed: its ranks start with a clean slate (they may have been too busy
+                    # loading their layers to answer while the mesh was not ready)
+                    with lock:
+                        for rank in ranks:
+                            last_ok[rank.plan.address] = max(last_ok[rank.plan.address], now)
+                was_ready = ready
+                for address in self.addresses:
+                    probe(address)
+                with lock:
+                    silent = {a for a in self.addresses if now - last_ok[a] > window_s}
+                    fresh = {a for a in self.addresses if now - last_ok[a] <= 2 * interval_s + 0.05}
+                self._lost = frozenset(silent)
+                for rank in ranks:
                     address = rank.plan.address
-                    missed[address] = 0 if _healthy(self.channels[address], timeout_s) else missed[address] + 1
-                    # >=, not ==: a rank that froze while no step was in flight must also fail the steps sent
-                    # to it later at once (they recover the mesh), not after their whole deadline
-                    if missed[address] >= misses and self.ready:
-                        if missed[address] == misses:
-                            log.warning("executor lost", extra={"address": address, "rank": rank.plan.rank})
+                    # every round, not once: a rank that froze while no step was in flight must also fail the
+                    # steps sent to it later at once (they recover the mesh), not after their whole deadline
+                    if address in silent and ready:
+                        if rank.healthy:
+                            log.warning("executor lost", extra={"address": address, "rank": rank.plan.rank,
+                                                                "silent_ms": round((now - last_ok[address]) * 1e3)})
                         rank.healthy = False
                         with self._lock:
                             lost, self._in_flight = list(self._in_flight), set()
@@ -313,12 +353,12 @@ class Mesh:
                 # An executor left out of the roster (it froze, or was down when the roster was rebuilt) that
                 # answers again is taken back: the mesh re-plans over every healthy executor, as a recovery
                 # does, so its layers and KV pool are used again instead of idling until the next failure.
-                roster = {r.plan.address for r in self.ranks}
+                current = {r.plan.address for r in ranks}
                 for address in self.addresses:
-                    if address in roster or not self.ready:
+                    if address in current or not ready:
                         back[address] = 0
                         continue
-                    back[address] = back[address] + 1 if _healthy(self.channels[address], timeout_s) else 0
+                    back[address] = back[address] + 1 if address in fresh else 0
                     if back[address] == REJOIN_CHECKS:
                         log.warning("executor answers again: re-planning to take it back into the roster",
                                     extra={"address": address, "incarnation": self.incarnation})
@@ -326,6 +366,29 @@ class Mesh:
                                          daemon=True).start()
 
         threading.Thread(target=loop, name="health-watch", daemon=True).start()
+
+    def _answering(self, addresses: Sequence[str], timeout_s: float) -> list[str]:
+        """The addresses that answer a health check, all probed at once. One the health watch found lost is not
+        waited for: it counts only if it has answered by the time the others did (an executor restarted at the
+        same address), so a frozen executor costs recovery no timeout."""
+        request = health_pb2.HealthCheckRequest()
+        calls = {a: health_pb2_grpc.HealthStub(self.channels[a]).Check.future(request, timeout=timeout_s)
+                 for a in addresses}
+        lost = self._lost
+        for address, call in calls.items():
+            if address not in lost:
+                call.exception()  # waits for it (an RPC error is an answer too: not healthy)
+        answering = []
+        for address, call in calls.items():
+            if address in lost and not call.done():
+                call.cancel()
+                continue
+            try:
+                if call.result().status == health_pb2.HealthCheckResponse.SERVING:
+                    answering.append(address)
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                pass
+        return answering
 
     def _rejoin(self, incarnation: int) -> None:
         """Rebuilds the roster of `incarnation` over every healthy executor. Steps in flight fail as fenced and
@@ -354,7 +417,10 @@ class Mesh:
             calls = [(a, stage_pb2_grpc.StageServiceStub(ch).Fence.future(
                 stage_pb2.FenceRequest(incarnation=incarnation, reason=reason), timeout=0.5))
                 for a, ch in self.channels.items()]
+            lost = self._lost
             for address, call in calls:
+                if address in lost:
+                    continue  # not waited for: it did not answer the health watch, and Install supersedes it anyway
                 try:
                     call.result()
                 except grpc.RpcError:
