@@ -16,6 +16,7 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from graphmesh import errors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
@@ -138,3 +139,47 @@ def test_idle_streams_and_a_burst_leave_health_answering(mesh: LocalMesh) -> Non
     assert latencies and max(latencies) < 1.0, f"health took {max(latencies):.2f} s under load"
     assert _solo(mesh, PROMPTS[0]) == solo[0]  # and the coordinator serves on
     assert time.monotonic() - started < 60
+
+
+def test_clients_that_leave_mid_stream_give_their_slots_and_sessions_back(mesh: LocalMesh) -> None:
+    """LIMIT Generate streams, each cancelled after its first token: their sessions end and their admission
+    slots come back (a cancelled call's slot waits for its handler thread, it is never lent twice), so a second
+    round of LIMIT calls is admitted in full."""
+    async def leave_early() -> None:
+        async with grpc.aio.insecure_channel(mesh.coordinator_address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            calls = [stub.Generate(coordinator_pb2.GenerateRequest(prompt_token_ids=PROMPTS[0], max_tokens=200,
+                                                                   ignore_eos=True), timeout=50)
+                     for _ in range(LIMIT)]
+            for call in calls:
+                await call.read()  # its first token: the session runs
+            for call in calls:
+                call.cancel()
+
+    asyncio.run(leave_early())
+    deadline = time.monotonic() + 20
+    with CoordinatorClient(mesh.coordinator_address, timeout=60) as c:
+        while True:  # Status counts too: refused while the slots are still coming back
+            try:
+                if not c.status().active_sessions:
+                    break
+            except errors.ResourceExhausted:
+                pass
+            assert time.monotonic() < deadline, "the sessions of the clients that left never ended"
+            time.sleep(0.1)
+
+    async def full_round() -> list[list[int] | str]:
+        async with grpc.aio.insecure_channel(mesh.coordinator_address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+
+            async def one() -> list[int] | str:
+                request = coordinator_pb2.GenerateRequest(prompt_token_ids=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                                          ignore_eos=True)
+                try:
+                    return [t async for r in stub.Generate(request, timeout=50) for t in r.token_ids]
+                except grpc.aio.AioRpcError as e:
+                    return e.code().name
+            return list(await asyncio.gather(*(one() for _ in range(LIMIT))))
+
+    expected = _solo(mesh, PROMPTS[1])
+    assert asyncio.run(full_round()) == [expected] * LIMIT

@@ -128,8 +128,8 @@ class SyncContext:
         self._context.disable_next_message_compression()
 
     # -- the loop side
-    async def finish(self) -> None:
-        """Applies what the behavior recorded, and runs the end-of-call callbacks (once)."""
+    def finish(self) -> None:
+        """Applies what the behavior recorded, and runs the end-of-call callbacks (once; on the loop's thread)."""
         if self._ended:
             return
         self._ended = True
@@ -253,36 +253,56 @@ class _Bridge(grpc.aio.ServerInterceptor):
             sync = SyncContext(context, loop)
             return (sync_requests(request, loop) if handler.request_streaming else request), sync
 
+        def after(work: futures.Future[Any] | None, then: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
+            """Runs `then` once `work` (a pool call) is over. A cancelled call's coroutine ends at once, but its
+            pool thread runs on until the behavior returns: the call's end (its admission slot, closing its
+            response generator) must wait for that thread, or the slot would be lent twice and close() would
+            find the generator still running."""
+            if work is None or work.done():
+                then()
+            else:
+                work.add_done_callback(lambda _: loop.call_soon_threadsafe(then))
+
         if handler.response_streaming:
             async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
                 loop = asyncio.get_running_loop()
                 request, sync = prepare(request, context)
                 responses: Iterator[Any] | None = None
+                work: futures.Future[Any] | None = None
                 try:
-                    responses = iter(await loop.run_in_executor(pool, behavior, request, sync))
-                    while (item := await loop.run_in_executor(pool, next, responses, _END)) is not _END:
+                    work = pool.submit(behavior, request, sync)
+                    responses = iter(await asyncio.wrap_future(work))
+                    while True:
+                        work = pool.submit(next, responses, _END)
+                        item = await asyncio.wrap_future(work)
+                        if item is _END:
+                            break
                         yield item
                 except _Aborted:
-                    await sync.finish()
+                    sync.finish()
                     await sync.send_abort()
                 finally:
-                    close = getattr(responses, "close", None)
-                    if close is not None:  # the generator's finally blocks (a session's end) run now, in the pool
-                        await loop.run_in_executor(pool, close)
-                    await sync.finish()
+                    def end() -> None:
+                        close = getattr(responses, "close", None)
+                        if close is None:  # not a generator, or the behavior never returned one
+                            sync.finish()
+                        else:  # the generator's finally blocks (a session's end) run in the pool, then the call ends
+                            pool.submit(close).add_done_callback(lambda _: loop.call_soon_threadsafe(sync.finish))
+                    after(work, end, loop)
             pooled: Any = stream
         else:
             async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 loop = asyncio.get_running_loop()
                 request, sync = prepare(request, context)
+                work = pool.submit(behavior, request, sync)
                 try:
-                    return await loop.run_in_executor(pool, behavior, request, sync)
+                    return await asyncio.wrap_future(work)
                 except _Aborted:
-                    await sync.finish()
+                    sync.finish()
                     await sync.send_abort()
                     return None
                 finally:
-                    await sync.finish()
+                    after(work, sync.finish, loop)
             pooled = unary
         return _MAKE[(handler.request_streaming, handler.response_streaming)](
             pooled, handler.request_deserializer, handler.response_serializer)
