@@ -161,8 +161,9 @@ class FakeMesh:
         return 0
 
 
-def run(mesh: FakeMesh, jobs: list[tuple[list[int], int]], budget: int) -> list[list[int] | BaseException]:
-    scheduler = Scheduler(cast(Mesh, mesh), max_step_tokens=budget)
+def run(mesh: FakeMesh, jobs: list[tuple[list[int], int]], budget: int,
+        steps_in_flight: int = 0) -> list[list[int] | BaseException]:
+    scheduler = Scheduler(cast(Mesh, mesh), max_step_tokens=budget, steps_in_flight=steps_in_flight)
 
     def one(job: tuple[list[int], int]) -> list[int] | BaseException:
         prompt, n = job
@@ -259,3 +260,11 @@ def test_steps_fill_the_pipeline_with_one_micro_batch_per_stage() -> None:
     jobs = [([i + 1, 2, 3], 30) for i in range(8)]
     assert run(mesh, jobs, 256) == [solo(p, n) for p, n in jobs]
     assert mesh.max_in_flight_steps == 2  # both stages busy; never a session in both (checked by the mesh)
+
+
+@pytest.mark.parametrize("steps_in_flight", [1, 4])
+def test_steps_in_flight_bounds_the_micro_batches_and_changes_no_token(steps_in_flight: int) -> None:
+    mesh = FakeMesh(2, 1000)
+    jobs = [([i + 1, 2, 3], 30) for i in range(8)]
+    assert run(mesh, jobs, 256, steps_in_flight) == [solo(p, n) for p, n in jobs]
+    assert mesh.max_in_flight_steps == steps_in_flight  # reached with 8 sessions, never passed

@@ -431,8 +431,9 @@ def _seeded_again(mesh: LocalMesh, prompt: list[int], expected: list[int], timeo
 
 
 def test_a_frozen_kvstore_costs_new_sessions_no_deadline(spare: LocalMesh) -> None:
-    """SIGSTOP of the kvstore: the first new session waits out a 1 s lookup deadline, the breaker opens (one log
-    line) and every later session skips the store and computes its whole prompt, with the same tokens; once
+    """SIGSTOP of the kvstore: the first new session waits out its seed's deadline (about a second), the breaker
+    opens (one log line) and every later session skips the store and computes its whole prompt, with the same
+    tokens; once
     the store runs again, a probe after the back-off finds it and prompts are seeded again."""
     prompts = [[200 + 7 * i + j for j in range(40)] for i in range(4)]  # two whole blocks each
     expected = [_run(spare, p)[0] for p in [PROMPT, *prompts]]
@@ -441,13 +442,13 @@ def test_a_frozen_kvstore_costs_new_sessions_no_deadline(spare: LocalMesh) -> No
     assert "graphmesh_kvstore.server" in " ".join(str(a) for a in cast(list[Any], store.args))
     os.kill(store.pid, signal.SIGSTOP)
     try:
-        started = time.monotonic()
-        for prompt, tokens in zip([PROMPT, *prompts], expected):
+        for i, (prompt, tokens) in enumerate(zip([PROMPT, *prompts], expected)):
             t0 = time.monotonic()
             assert _run(spare, prompt) == (tokens, len(prompt))  # recomputed, unchanged
-            assert time.monotonic() - t0 < 8.0, "a session waited for the frozen store"
-        assert time.monotonic() - started < 15.0
-        assert "is not answering" in _log(spare, "coordinator")
+            # the first pays the seed's deadline (about a second for these rows), the others skip the store
+            assert time.monotonic() - t0 < (5.0 if i == 0 else 3.0), f"session {i} waited for the frozen store"
+        # one line when the breaker opened (two if a probe after the 5 s back-off failed too), not one a session
+        assert 1 <= _log(spare, "coordinator").count("is not answering") <= 2
     finally:
         os.kill(store.pid, signal.SIGCONT)
     _seeded_again(spare, PROMPT, expected[0])

@@ -36,8 +36,12 @@ from graphmesh_coordinator.state import Decision, DurableState
 log = logging.getLogger("graphmesh.coordinator")
 
 # Deadlines of the calls a new session makes to the KV store before its prefill (a cache: when it does not
-# answer quickly, computing the prompt is the better answer), and of registering the roster there.
-KV_SEED_TIMEOUT_S = 5.0
+# answer quickly, computing the prompt is the better answer), and of registering the roster there. A seed's
+# deadline fits its work: a fixed second plus its rows at a rate any working store beats (loopback copies run at
+# 300+ MiB/s), so a frozen store costs a session about a second, not the deadline of the largest seed. (The
+# scheduler seeds under its lock, so this is also how long a frozen store can hold up everyone, once per back-off.)
+KV_SEED_BASE_S = 1.0
+KV_SEED_MIN_BYTES_PER_S = 100 << 20
 KV_REGISTER_TIMEOUT_S = 5.0
 REJOIN_CHECKS = 4  # health checks in a row an executor outside the roster must pass before the mesh re-plans
 
@@ -235,6 +239,11 @@ class Mesh:
         else:
             self.kv_breaker.succeeded()
 
+    def _seed_timeout(self, tokens: int) -> float:
+        """The deadline of seeding up to `tokens` rows on every stage (f32 K and V of every layer)."""
+        row_bytes = self.config.n_layers * 2 * self.config.kv_dim * 4
+        return KV_SEED_BASE_S + tokens * row_bytes / KV_SEED_MIN_BYTES_PER_S
+
     def seed_prefix(self, session_id: str, token_ids: Sequence[int]) -> int:
         """Seeds a new session's KV on every rank from the longest prefix all of them have stored, leaving at
         least one token to compute; returns the rows seeded (0 when there is no store or no common hit). A store
@@ -254,7 +263,7 @@ class Mesh:
             # a lookup per stage, then a seed per stage, one after another)
             matched = self.kvstore.seed_stages([(ns, r.plan.address) for ns, r in zip(spaces, ranks)],
                                                token_ids[:limit], incarnation, session_id, max_tokens=limit,
-                                               timeout=KV_SEED_TIMEOUT_S)[0]
+                                               timeout=self._seed_timeout(limit))[0]
         except GraphmeshError as e:
             self.kv_breaker.failed(e)
             log.warning("kv seed failed; computing the whole prompt", extra={"error": e.message, "reason": e.reason})

@@ -90,8 +90,10 @@ class _Row:
 
 
 class Scheduler:
-    def __init__(self, mesh: Mesh, max_step_tokens: int = 256, max_step_seqs: int = 64, workers: int = 8) -> None:
+    def __init__(self, mesh: Mesh, max_step_tokens: int = 256, max_step_seqs: int = 64, workers: int = 8,
+                 steps_in_flight: int = 0) -> None:
         self.mesh = mesh
+        self.steps_in_flight = steps_in_flight  # 0: one per stage
         self.max_step_tokens, self.max_step_seqs = max_step_tokens, max_step_seqs
         self._cond = threading.Condition()
         self._seqs: list[Sequence] = []  # arrival order
@@ -100,7 +102,7 @@ class Scheduler:
         self._incarnation = 0  # the incarnation the block counts are for
         self.steps = 0
         self.preemptions = 0
-        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="step")
+        self._workers = ThreadPoolExecutor(max(workers, steps_in_flight + 4), thread_name_prefix="step")
         self._stopped = False
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
@@ -166,7 +168,8 @@ class Scheduler:
 
     def _schedule(self) -> list[_Row] | None:
         mesh = self.mesh
-        if not mesh.ready or self._in_flight >= max(1, len(mesh.ranks)):
+        in_flight = self.steps_in_flight or max(1, len(mesh.ranks))
+        if not mesh.ready or self._in_flight >= in_flight:
             return None
         if mesh.incarnation != self._incarnation:  # a new roster holds no session's KV
             self._incarnation, self._releasing = mesh.incarnation, 0
@@ -188,7 +191,7 @@ class Scheduler:
         kind = (ready[0].output, ready[0].sampling.logprobs)
         ready = [s for s in ready if (s.output, s.sampling.logprobs) == kind]
         live = sum(1 for s in self._seqs if not s.done)
-        cap = min(self.max_step_seqs, max(1, math.ceil(live / max(1, len(mesh.ranks)))))
+        cap = min(self.max_step_seqs, max(1, math.ceil(live / in_flight)))
         decoding = [s for s in ready if len(s.pending) == 1 and s.session.incarnation == mesh.incarnation]
         others = [s for s in ready if s not in decoding]
         budget = self.max_step_tokens

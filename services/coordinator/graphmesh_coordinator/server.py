@@ -51,6 +51,7 @@ class CoordinatorConfig:
     max_step_seqs: int = 64  # sessions per step
     http_listen: str = ""  # HOST:PORT of the OpenAI HTTP API; "": off
     http_ready_wait_s: float = 10.0  # how long an HTTP request waits out a recovery before its 503
+    steps_in_flight: int = 0  # steps in flight at most; 0: one per stage
 
 
 @dataclass
@@ -93,7 +94,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
                 kvstore=config.kvstore, tls=config.security.tls)
     context = config.max_context_tokens or ckpt.config.max_position
     eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
-    scheduler = Scheduler(mesh, config.max_step_tokens, config.max_step_seqs)
+    scheduler = Scheduler(mesh, config.max_step_tokens, config.max_step_seqs, steps_in_flight=config.steps_in_flight)
     generator = Generator(mesh, tokenizer, eos, context, scheduler)
     # 64 calls at once (Generate streams hold one each); --max-concurrent-rpcs changes it. Asynchronous: streams
     # that hold no work (an idle ModelStreamInfer) hold no thread, and health is answered on the event loop.
@@ -163,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="stage dtype (default: bf16 on CUDA executors, f32 on CPU ones)")
     parser.add_argument("--max-step-tokens", type=int, default=256, help="token budget of one step")
     parser.add_argument("--max-step-seqs", type=int, default=64, help="sessions in one step at most")
+    parser.add_argument("--steps-in-flight", type=int, default=0,
+                        help="steps in flight at most (default 0: one per stage); more hides the RPC round trip "
+                             "when a step's compute is short (a GPU), fewer makes bigger steps (a CPU)")
     parser.add_argument("--http-listen", default="", help="HOST:PORT of the OpenAI-compatible HTTP API (default: off)")
     parser.add_argument("--http-ready-wait", type=float, default=10.0,
                         help="seconds an HTTP request waits for a recovering mesh before a 503")
@@ -175,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
                                    args.kvstore, [int(x) for x in args.split.split(",") if x], args.weights,
                                    args.startup_timeout, args.rpc_timeout, args.max_context, args.metrics_port,
                                    security.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs,
-                                   http_listen=args.http_listen, http_ready_wait_s=args.http_ready_wait)
+                                   http_listen=args.http_listen, http_ready_wait_s=args.http_ready_wait,
+                                   steps_in_flight=args.steps_in_flight)
         telemetry.serve_metrics(config.metrics_port)
         running = build_server(config)
     except Exception as e:
