@@ -35,7 +35,7 @@ def mesh(tmp_path: Path) -> Iterator[tuple[Mesh, list[subprocess.Popen[bytes]]]]
         assert config is not None
         m = Mesh("tiny-llama", config, addresses, DurableState(tmp_path / "state"))
         m.install()
-        m.watch()
+        m.watch(window_s=0.4)  # the goal; the coordinator's default window is 1 s
         try:
             yield m, [a, b]
         finally:

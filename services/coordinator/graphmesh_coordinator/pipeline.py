@@ -300,12 +300,14 @@ class Mesh:
                                             "executors": len(self.ranks),
                                             "ms": round((time.monotonic() - t0) * 1e3, 1)})
 
-    def watch(self, interval_s: float = 0.1, window_s: float = 0.4) -> None:
+    def watch(self, interval_s: float = 0.1, window_s: float = 1.0) -> None:
         """Health watching: every executor is probed every `interval_s`, probes overlapping (so one slow or frozen
         executor holds up nobody's probes), and an executor of the roster that has answered no probe sent in the
         last `window_s` (dead, frozen, cut off) is lost: the in-flight invocations are cancelled, fail as COMM and
         trigger recovery, within about window_s + interval_s of the failure. A probe's answer counts from when it
-        was sent, so a slow link that still answers within the window is never taken for a lost executor."""
+        was sent, so a slow link that still answers within the window is never taken for a lost executor.
+        The window is a trade: 0.4 s finds a frozen executor in ~0.5 s, but a 2-core machine under load (a test
+        suite, a compile) leaves a healthy executor silent that long often enough to cost needless re-plans."""
         lock = threading.Lock()
         last_ok = dict.fromkeys(self.addresses, 0.0)  # when the latest answered probe was sent (monotonic)
         back = dict.fromkeys(self.addresses, 0)  # rounds in a row an executor outside the roster answered

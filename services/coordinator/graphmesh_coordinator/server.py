@@ -52,6 +52,7 @@ class CoordinatorConfig:
     http_listen: str = ""  # HOST:PORT of the OpenAI HTTP API; "": off
     http_ready_wait_s: float = 10.0  # how long an HTTP request waits out a recovery before its 503
     steps_in_flight: int = 0  # steps in flight at most; 0: one per stage
+    health_window_s: float = 1.0  # an executor that answers no health probe for this long is lost
 
 
 @dataclass
@@ -142,7 +143,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
         # new one is issued, so an executor never obeys the old coordinator again.
         mesh.fence(state.incarnation, "coordinator restarted")
     mesh.install()
-    mesh.watch()
+    mesh.watch(window_s=config.health_window_s)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return Coordinator(server, port, mesh, http)
 
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="stage dtype (default: bf16 on CUDA executors, f32 on CPU ones)")
     parser.add_argument("--max-step-tokens", type=int, default=256, help="token budget of one step")
     parser.add_argument("--max-step-seqs", type=int, default=64, help="sessions in one step at most")
+    parser.add_argument("--health-window", type=float, default=1.0,
+                        help="seconds without an answered health probe after which an executor is lost (detection "
+                             "takes about this plus 0.1 s; below ~0.5 s a loaded machine gets needless re-plans)")
     parser.add_argument("--steps-in-flight", type=int, default=0,
                         help="steps in flight at most (default 0: one per stage); more hides the RPC round trip "
                              "when a step's compute is short (a GPU), fewer makes bigger steps (a CPU)")
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                                    args.startup_timeout, args.rpc_timeout, args.max_context, args.metrics_port,
                                    security.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs,
                                    http_listen=args.http_listen, http_ready_wait_s=args.http_ready_wait,
-                                   steps_in_flight=args.steps_in_flight)
+                                   steps_in_flight=args.steps_in_flight, health_window_s=args.health_window)
         telemetry.serve_metrics(config.metrics_port)
         running = build_server(config)
     except Exception as e:
