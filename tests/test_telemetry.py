@@ -155,7 +155,7 @@ def test_one_generate_is_one_trace_across_every_service(mesh: LocalMesh, receive
     _wait_for(why)
     names = {(e.service, e.span.name) for e in trace}
     for service, name in [("graphmesh-coordinator", "generate"), *STEP_PHASES, ("graphmesh-executor", "stage.commit"),
-                          ("graphmesh-kvstore", "/graphmesh.v1.KvStoreService/Lookup")]:
+                          ("graphmesh-kvstore", "/graphmesh.v1.KvStoreService/SeedStages")]:
         assert (service, name) in names, (service, name)
     assert len([e for e in trace if e.span.name == "mesh.step"]) == 3  # the prefill and two decode steps
 
