@@ -28,6 +28,7 @@ from graphmesh import errors, kvkeys, security, tensors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
+from graphmesh.kvstore_client import CircuitBreaker
 from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.security import MESH, Role, allowed_roles, role_of
 from graphmesh.v1 import (
@@ -564,6 +565,32 @@ def test_clients_reach_only_the_public_apis() -> None:
     assert allowed_roles("/graphmesh.v1.StageService/PushBoundary") == {Role.EXECUTOR}
     assert allowed_roles("/graphmesh.v1.StageService/SomethingNew") == {Role.COORDINATOR}  # fail closed
     assert allowed_roles("/unknown.Service/Method") == MESH
+
+
+def test_the_kvstore_breaker_backs_off_and_probes_one_call_at_a_time() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker("kvstore test", backoff_s=5.0, max_backoff_s=12.0, clock=lambda: now[0])
+    frozen = errors.Unavailable("deadline", "DEADLINE")
+    assert breaker.allow() and not breaker.open
+    breaker.failed(errors.PermissionDenied("refused", "UNREGISTERED_EXECUTOR"))  # the store answered: still closed
+    assert breaker.allow() and not breaker.open
+    breaker.failed(frozen)
+    assert breaker.open and not breaker.allow()
+    now[0] = 5.0
+    assert breaker.allow() and not breaker.allow()  # one probe, the others still skip
+    breaker.failed(frozen)  # the probe failed: twice the back-off
+    now[0] = 14.9
+    assert not breaker.allow()
+    now[0] = 15.0
+    assert breaker.allow()
+    breaker.failed(frozen)
+    now[0] = 26.9  # capped at 12 s
+    assert not breaker.allow()
+    now[0] = 27.0
+    assert breaker.allow()
+    breaker.succeeded()
+    assert not breaker.open and breaker.allow() and breaker.allow()
+    assert breaker.opened == 3 and breaker.skipped == 4
 
 
 def test_role_names_in_certificates() -> None:
