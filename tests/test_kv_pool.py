@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphmesh.errors import ResourceExhausted
+from graphmesh.errors import FailedPrecondition, ResourceExhausted
 from graphmesh_executor.kv_pool import SCRATCH_BLOCK, KvPool
 
 
@@ -36,3 +36,25 @@ def test_slots_of_one_position_match_the_slots_of_a_range() -> None:
     for position in range(130):
         assert pool.slots("a", position, position + 1).tolist() == [every[position]]
     assert pool.slots("a", 33, 45).tolist() == every[33:45].tolist()
+
+
+def test_shared_blocks_are_free_again_only_when_the_last_holder_lets_go() -> None:
+    pool = KvPool(16, 16)
+    pool.reserve("donor", 16 * 3 + 5)  # 4 blocks, the last one partial
+    pool.share("a", "donor", 3)
+    pool.share("b", "donor", 2)
+    assert pool.table("a") == pool.table("donor")[:3] and pool.table("b") == pool.table("donor")[:2]
+    assert pool.free == 15 - 4
+    pool.reserve("a", 16 * 3 + 1)  # a grows into a block of its own, past the shared ones
+    assert pool.table("a")[3] not in pool.table("donor") and pool.free == 10
+    pool.release("donor")  # blocks 0-2 still held: only the donor's last block comes back
+    assert pool.free == 11
+    pool.release("a")  # the third shared block and a's own one
+    assert pool.free == 13
+    pool.release("b")
+    assert pool.free == 15 and pool.lendable == 15
+    with pytest.raises(FailedPrecondition):
+        pool.share("c", "nobody", 1)
+    pool.reserve("d", 1)
+    with pytest.raises(FailedPrecondition):
+        pool.share("d", "d", 1)  # only a new session starts from a shared prefix

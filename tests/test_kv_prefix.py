@@ -1,5 +1,6 @@
-"""Prefix caching through the mesh: committed KV is written behind to the KV store and a new session seeds
-its longest stored prefix on every stage, computing only the rest (counted by the executors)."""
+"""Prefix caching through the mesh: a new session shares the whole prompt blocks a live session holds on every
+stage (the local tier); committed KV is also written behind to the KV store, and a new session seeds its longest
+stored prefix on every stage (the second tier), computing only the rest (counted by the executors)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,19 @@ def test_prefix_seeding_does_not_change_the_output(mesh: LocalMesh, tmp_path: Pa
     _wait_for_blocks(mesh, 6)
     warm, computed = _generate(mesh, prompt)
     assert computed < len(prompt) and warm == cold
+
+
+def test_a_live_sessions_prompt_blocks_are_shared_not_recomputed(mesh: LocalMesh) -> None:
+    with CoordinatorClient(mesh.coordinator_address) as client:
+        first = client.generate(prompt_token_ids=[*SYSTEM, 1, 2, 3], max_tokens=80, ignore_eos=True)
+        next(first), next(first), next(first)  # its prompt is committed on both stages now
+        with KvStoreClient(mesh.kvstore_address, metadata=security.mesh_metadata(mesh.mesh_token)) as kv:
+            kv.evict()  # so the KV store cannot be where the prefix comes from
+        prompt = [*SYSTEM, 4, 5]
+        shared, computed = _generate(mesh, prompt)
+        assert computed == len(prompt) - 48  # SYSTEM's three whole blocks came from the live session
+        list(first)  # the donor finishes
+    with KvStoreClient(mesh.kvstore_address, metadata=security.mesh_metadata(mesh.mesh_token)) as kv:
+        kv.evict()
+    alone, computed = _generate(mesh, prompt)  # nobody alive to share with, nothing stored
+    assert computed == len(prompt) and alone == shared

@@ -79,6 +79,7 @@ class FakeMesh:
         self.max_in_flight_steps = 0
         self._flying = 0
         self.recoveries = 0
+        self.shared_tokens = self.share_refusals = 0
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: int,
                      incarnation: int) -> stage_pb2.ExecuteStepResponse:
@@ -159,6 +160,26 @@ class FakeMesh:
 
     def seed_prefix(self, session_id: str, tokens: Sequence[int]) -> int:
         return 0
+
+    def share_prefix(self, session_id: str, donor_id: str, token_ids: Sequence[int]) -> int:
+        """What ShareSessionKv does on every rank: only a committed prefix of exactly these tokens is shared
+        (a rank that refuses makes the mesh release the session and answer 0). Blocks are counted once per
+        holder, as the scheduler counts them."""
+        with self._lock:
+            n = len(token_ids)
+            held = all(rank.kv.get(donor_id, 0) >= n and rank.tokens.get(donor_id, [])[:n] == list(token_ids)
+                       for rank in self._ranks)
+            if not held or n % BLOCK or any(session_id in rank.kv for rank in self._ranks):
+                self.share_refusals += 1
+                return 0
+            for rank in self._ranks:
+                need = n // BLOCK
+                if need > rank.free():
+                    self.violations.append(f"{session_id}: shares {need} blocks, rank has {rank.free()} free")
+                rank.kv[session_id], rank.tokens[session_id] = n, list(token_ids)
+                rank.lent[session_id] = need
+            self.shared_tokens += n
+            return n
 
 
 def run(mesh: FakeMesh, jobs: list[tuple[list[int], int]], budget: int,
@@ -268,3 +289,38 @@ def test_steps_in_flight_bounds_the_micro_batches_and_changes_no_token(steps_in_
     jobs = [([i + 1, 2, 3], 30) for i in range(8)]
     assert run(mesh, jobs, 256, steps_in_flight) == [solo(p, n) for p, n in jobs]
     assert mesh.max_in_flight_steps == steps_in_flight  # reached with 8 sessions, never passed
+
+
+def test_sessions_with_a_common_prompt_prefix_share_its_blocks_and_keep_their_solo_tokens() -> None:
+    mesh = FakeMesh(2, 1000)
+    scheduler = Scheduler(cast(Mesh, mesh))
+    prefix = [(5 * i + 1) % VOCAB for i in range(10)]  # two whole blocks of 4, and two tokens more
+    prompts = [[*prefix, 900 + i] for i in range(6)]
+
+    def start(prompt: list[int], n: int) -> Seq:
+        seq = Seq(SessionInfo(f"s{len(prompt)}-{random.random()}"), list(prompt), stage_pb2.SamplingParams(),
+                  stage_pb2.OUTPUT_KIND_TOKEN, n, max_tokens_total=len(prompt) + n)
+        scheduler.submit(seq)
+        return seq
+
+    def tokens(seq: Seq, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            event = seq.events.get(timeout=60)
+            assert not isinstance(event, BaseException), event
+            out.append(event.token)
+        return out
+
+    try:
+        first = start(prompts[0], 40)
+        head = tokens(first, 3)  # its prompt's blocks are committed on every rank by now
+        later = [start(p, 12) for p in prompts[1:]]
+        assert [tokens(seq, 12) for seq in later] == [solo(p, 12) for p in prompts[1:]]
+        assert head + tokens(first, 37) == solo(prompts[0], 40)
+        for seq in [first, *later]:
+            scheduler.finish(seq)
+        assert not mesh.violations, mesh.violations[:3]
+        # every later session took the prefix's two whole blocks (8 tokens) from a live one, none was refused
+        assert mesh.shared_tokens == scheduler.shared_tokens == 8 * len(later) and mesh.share_refusals == 0
+    finally:
+        scheduler.close()

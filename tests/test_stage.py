@@ -190,3 +190,27 @@ def test_a_commit_folded_into_abort_step_records_its_tokens_and_writes_them_behi
     assert session.txn.kv_length == 20 and session.tokens == prompt
     assert [(b.first_block, b.token_ids, b.rows.shape[0], b.epoch) for b in written] == [(0, prompt[:16], 16, 1)]
     np.testing.assert_array_equal(written[0].rows, runtime.read_kv(1, "a", 0, 16))
+
+
+def test_a_new_session_shares_a_prefix_another_holds_and_computes_the_same_tokens(tiny_llama: Path) -> None:
+    runtimes, clean = _pipeline(tiny_llama, 1, 2), _pipeline(tiny_llama, 1, 2)
+    prefix = [(7 * i + 3) % 500 for i in range(32)]  # two whole blocks of 16
+    donor_first = _invoke(runtimes, "donor", 1, 0, 0, [*prefix, 9, 9, 9])
+    _invoke(runtimes, "donor", 2, 1, 35, [donor_first])  # folds the commit of the prompt
+    free = runtimes[0].pool.free
+    for runtime in runtimes:
+        assert runtime.share_kv(1, "b", "donor", prefix) == 32
+    assert runtimes[0].pool.free == free  # shared, not copied
+    # b computes only its suffix, and its tokens are those of a session that computed everything
+    tokens = [_invoke(runtimes, "b", 1, 0, 32, [5, 6])]
+    tokens.append(_invoke(runtimes, "b", 2, 1, 34, [tokens[0]]))
+    want = [_invoke(clean, "b", 1, 0, 0, [*prefix, 5, 6])]
+    want.append(_invoke(clean, "b", 2, 1, 34, [want[0]]))
+    assert tokens == want
+    # the donor goes on, and its shared blocks outlive it while b holds them
+    for runtime in runtimes:
+        runtime.release(1, "donor")
+    assert _invoke(runtimes, "b", 3, 2, 35, [tokens[1]]) == _invoke(clean, "b", 3, 2, 35, [want[1]])
+    with pytest.raises(FailedPrecondition) as e:
+        runtimes[0].share_kv(1, "c", "b", [1] * 32)  # b's prefix is not these tokens
+    assert e.value.reason == "PREFIX_NOT_HELD"

@@ -41,13 +41,17 @@ def root(ns: kvstore_pb2.KvNamespace) -> bytes:
     return hashlib.sha256("|".join(str(f) for f in fields).encode()).digest()
 
 
+def link(previous: bytes, block_token_ids: Sequence[int]) -> bytes:
+    """h_i from h_{i-1} and the tokens of block i."""
+    return hashlib.sha256(previous + np.asarray(block_token_ids, dtype="<i8").tobytes()).digest()
+
+
 def chain(ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int]) -> list[bytes]:
     """The key of every whole block of `token_ids`, in order."""
     block = ns.block_tokens or DEFAULT_BLOCK_TOKENS
-    tokens = np.asarray(token_ids, dtype="<i8")
     keys, h = [], root(ns)
-    for start in range(0, len(tokens) - block + 1, block):
-        h = hashlib.sha256(h + tokens[start:start + block].tobytes()).digest()
+    for start in range(0, len(token_ids) - block + 1, block):
+        h = link(h, token_ids[start:start + block])
         keys.append(h)
     return keys
 

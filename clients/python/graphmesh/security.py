@@ -104,7 +104,7 @@ POLICY: dict[str, frozenset[Role]] = {
     # the pipeline protocol is the coordinator's alone: whoever drives it decides every user's tokens
     "/graphmesh.v1.StageService/": _COORDINATOR,
     **_methods("StageService", _COORDINATOR, "Install", "Fence", "ExecuteStep", "AbortStep", "ExecuteGroup", "Commit",
-               "Abort", "ResolveEpoch", "ReleaseSession", "InjectFault"),
+               "Abort", "ResolveEpoch", "ReleaseSession", "ShareSessionKv", "InjectFault"),
     **_methods("StageService", frozenset({Role.EXECUTOR}), "PushBoundary"),  # the previous stage
     **_methods("StageService", _KVSTORE_OR_COORDINATOR, "ReadSessionKv", "PushSessionKv"),  # seeds and copies
     # a copy's source executor writes the rows into the destination itself (one hop); an executor already sees,

@@ -43,6 +43,7 @@ log = logging.getLogger("graphmesh.coordinator")
 KV_SEED_BASE_S = 1.0
 KV_SEED_MIN_BYTES_PER_S = 100 << 20
 KV_REGISTER_TIMEOUT_S = 5.0
+SHARE_TIMEOUT_S = 2.0  # ShareSessionKv on every rank: bookkeeping, awaited under the scheduler's lock
 REJOIN_CHECKS = 4  # health checks in a row an executor outside the roster must pass before the mesh re-plans
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -446,6 +447,23 @@ class Mesh:
                                                                timeout=self.rpc_timeout_s))
         except grpc.RpcError:
             pass  # a fenced or dead rank has dropped the session already
+
+    def share_prefix(self, session_id: str, donor_id: str, token_ids: Sequence[int]) -> int:
+        """Starts a new session on every rank with the KV blocks of a prefix its donor holds there (shared, not
+        copied: ShareSessionKv); returns the rows shared, or 0, the session released everywhere, if any rank
+        refused (the donor's epoch is not committed there yet, it was just released...): then it is computed."""
+        header = stage_pb2.FencingHeader(incarnation=self.incarnation, session_id=session_id)
+        request = stage_pb2.ShareSessionKvRequest(header=header, donor_session_id=donor_id, token_ids=token_ids)
+        calls = [r.stub.ShareSessionKv.future(request, timeout=SHARE_TIMEOUT_S) for r in self.ranks]
+        errors = [call.exception() for call in calls]  # every answer first: a late share must not outlive a release
+        refused = next((e for e in errors if e is not None), None)
+        if refused is not None:
+            error = from_rpc_error(refused) if isinstance(refused, grpc.RpcError) else refused
+            log.info("prefix not shared; computing it", extra={"session": session_id, "donor": donor_id,
+                                                                "error": str(error)})
+            self.release(session_id)
+            return 0
+        return len(token_ids)
 
     def _each(self, send: Callable[[Rank], grpc.Future[Any]]) -> None:
         calls = [send(r) for r in self.ranks]

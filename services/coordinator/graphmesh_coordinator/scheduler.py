@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphmesh import telemetry, tensors
+from graphmesh import kvkeys, telemetry, tensors
 from graphmesh.errors import GraphmeshError, ResourceExhausted, Unavailable
 from graphmesh.kvkeys import blocks_for
 from graphmesh.v1 import stage_pb2
@@ -80,6 +80,7 @@ class Sequence:
     recoveries: int = 0
     computed: int = 0
     context: telemetry.Context | None = None  # the trace context of the request (its steps join its trace)
+    links: list[bytes] = field(default_factory=list)  # chain links of its whole blocks committed on every rank
 
 
 @dataclass
@@ -102,6 +103,11 @@ class Scheduler:
         self._incarnation = 0  # the incarnation the block counts are for
         self.steps = 0
         self.preemptions = 0
+        self.shared_tokens = 0  # prompt tokens a new session took from another's KV blocks instead of computing
+        # Whole committed blocks on every rank, by SHA-256 chain link (kvkeys.link): the local prefix cache. A new
+        # session whose prompt starts with a live session's blocks shares them (Mesh.share_prefix), the KV store
+        # being the second tier behind it.
+        self._prefixes: dict[bytes, Sequence] = {}
         self._workers = ThreadPoolExecutor(max(workers, steps_in_flight + 4), thread_name_prefix="step")
         self._stopped = False
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
@@ -173,6 +179,7 @@ class Scheduler:
             return None
         if mesh.incarnation != self._incarnation:  # a new roster holds no session's KV
             self._incarnation, self._releasing = mesh.incarnation, 0
+            self._prefixes = {}
             for s in self._seqs:
                 s.blocks = 0  # in flight too: a step of the old roster fails (or its session is restored anyway)
         ready = [s for s in self._seqs if not s.busy and not s.done]
@@ -216,14 +223,23 @@ class Scheduler:
         tokens = session.history + s.pending if restore else s.pending
         start = 0 if restore else session.tokens
         n = len(tokens) if len(tokens) == 1 else min(len(tokens), budget)
-        need = blocks_for(start + n, block) - (0 if restore else s.blocks)
+        donor, shareable = self._shareable(s, tokens) if restore else (None, 0)
+        if restore and mesh.kvstore is not None:
+            need = blocks_for(len(tokens), block)  # whatever the store seeds, it and the chunk after it fit in this
+        elif donor is not None:
+            need = blocks_for(shareable + min(len(tokens) - shareable, budget), block)  # the shared blocks count too
+        else:
+            need = blocks_for(start + n, block) - (0 if restore else s.blocks)
         if self.used_blocks + need > capacity and not self._preempt(s, need):
             return None
         if restore:
-            # New, preempted or recovered: seed what the KV store holds, compute the rest (chunked).
+            # New, preempted or recovered: share what a live session holds, else seed what the KV store holds,
+            # and compute the rest (chunked).
             s.blocks, session.history, session.delivered_epoch = 0, [], 0
             with telemetry.span("scheduler.admit", parent=s.context, session=session.session_id):
-                seeded = mesh.seed_prefix(session.session_id, tokens) if mesh.kvstore is not None else 0
+                seeded = self._share(s, donor, tokens[:shareable]) if donor is not None else 0
+                if not seeded and mesh.kvstore is not None:
+                    seeded = mesh.seed_prefix(session.session_id, tokens)
             session.history, s.pending = tokens[:seeded], tokens[seeded:]
             session.incarnation, start = mesh.incarnation, seeded
             n = len(s.pending) if len(s.pending) == 1 else min(len(s.pending), budget)
@@ -247,9 +263,46 @@ class Scheduler:
                                           "for_session": s.session.session_id})
             self.preemptions += 1
             victim.session.incarnation = 0  # its KV is gone: the next step recomputes it
+            self._forget(victim)
             self._release(victim)
             return False
         return False
+
+    # -- the local prefix cache --------------------------------------------------------------------------
+    def _shareable(self, s: Sequence, tokens: list[int]) -> tuple[Sequence | None, int]:
+        """The live session holding the longest run of whole blocks that `tokens` starts with on every rank, and
+        that run's length in tokens (one token is always left to compute)."""
+        block, donor, n, link = self.mesh.kv_block_tokens, None, 0, b""
+        while n + block < len(tokens):
+            link = kvkeys.link(link, tokens[n:n + block])
+            holder = self._prefixes.get(link)
+            if holder is None or holder is s or holder.done or holder.session.incarnation != self.mesh.incarnation:
+                break
+            donor, n = holder, n + block  # a link names the whole prefix: its holder holds every block before it
+        return donor, n
+
+    def _share(self, s: Sequence, donor: Sequence, prefix: list[int]) -> int:
+        """Starts `s` on every rank from `donor`'s blocks of `prefix` (0: a rank refused; then it is computed)."""
+        shared = self.mesh.share_prefix(s.session.session_id, donor.session.session_id, prefix)
+        self.shared_tokens += shared
+        return shared
+
+    def _register(self, s: Sequence) -> None:
+        """Indexes the whole blocks of `s` that every rank has committed (its history before the row now done)."""
+        block, history = self.mesh.kv_block_tokens, s.session.history
+        while (len(s.links) + 1) * block <= len(history):
+            i = len(s.links)
+            s.links.append(kvkeys.link(s.links[-1] if s.links else b"", history[i * block:(i + 1) * block]))
+            holder = self._prefixes.get(s.links[-1])
+            if holder is None or holder.done or holder.session.incarnation != self.mesh.incarnation:
+                self._prefixes[s.links[-1]] = s
+
+    def _forget(self, s: Sequence) -> None:
+        """`s` holds no blocks any more (ended or preempted): nobody may share them from it."""
+        for link in s.links:
+            if self._prefixes.get(link) is s:
+                del self._prefixes[link]
+        s.links = []
 
     # -- execute and update ------------------------------------------------------------------------------
     def _execute(self, step: list[_Row], incarnation: int) -> None:
@@ -269,6 +322,7 @@ class Scheduler:
         with self._cond:
             for i, r in enumerate(step):
                 s, session = r.seq, r.seq.session
+                self._register(s)  # what the ranks committed: everything before this row (its commit was folded)
                 session.history += list(r.row.token_ids)
                 session.delivered_epoch = r.row.epoch
                 s.pending = s.pending[len(r.row.token_ids):]
@@ -330,6 +384,7 @@ class Scheduler:
         """Removes an ended session (under the lock); its blocks count until every rank released them."""
         if seq in self._seqs:
             self._seqs.remove(seq)
+            self._forget(seq)
             self._releasing += seq.blocks
             self._release(seq)
 

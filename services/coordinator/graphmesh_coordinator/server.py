@@ -136,7 +136,9 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
             ("graphmesh_kv_cache_usage_ratio", "gauge", "Share of the KV blocks lent to sessions (0 to 1)",
              lambda: scheduler.used_blocks / mesh.kv_pool_blocks if mesh.kv_pool_blocks else 0.0),
             ("graphmesh_steps", "counter", "Steps executed", lambda: scheduler.steps),
-            ("graphmesh_preemptions", "counter", "Sessions preempted for KV blocks", lambda: scheduler.preemptions))
+            ("graphmesh_preemptions", "counter", "Sessions preempted for KV blocks", lambda: scheduler.preemptions),
+            ("graphmesh_prefix_shared_tokens", "counter", "Prompt tokens shared from a live session's KV blocks",
+             lambda: scheduler.shared_tokens))
     wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
     if state.incarnation:
         # A restarted coordinator: whatever incarnation its predecessor left is fenced everywhere before a

@@ -6,13 +6,18 @@ step write their K/V there and padded table entries point at it, so a step's sha
 mask input. The coordinator counts every session's blocks the same way (ceil(tokens / block_tokens)) and
 admits or preempts sessions so that a rank never runs out; running out here is a contract violation reported
 as RESOURCE_EXHAUSTED before any work.
+
+Whole blocks of a common prompt prefix are shared: a new session's table can start with another session's
+first blocks (share), each block counted by the sessions holding it and free again when the last lets go.
+Only whole committed blocks are ever shared, and a session only writes past its committed rows, so a shared
+block is never written again. (The coordinator still counts a shared block once per session: conservative.)
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from graphmesh.errors import ResourceExhausted
+from graphmesh.errors import FailedPrecondition, ResourceExhausted
 from graphmesh.kvkeys import blocks_for
 
 SCRATCH_BLOCK = 0
@@ -26,6 +31,7 @@ class KvPool:
         self.blocks, self.block_tokens = blocks, block_tokens
         self._free: list[int] = []
         self._tables: dict[str, list[int]] = {}
+        self._holders: dict[int, int] = {}  # block -> sessions holding it, for shared blocks only (absent: one)
         self.clear()
 
     @property
@@ -49,13 +55,30 @@ class KvPool:
         for _ in range(max(0, need)):
             table.append(self._free.pop())
 
+    def share(self, session_id: str, donor_id: str, blocks: int) -> None:
+        """Starts a new session's table with the donor's first `blocks` blocks (whole, committed ones)."""
+        if self._tables.get(session_id):
+            raise FailedPrecondition(f"session {session_id!r} already holds KV blocks", "SESSION_NOT_NEW")
+        donor = self._tables.get(donor_id, [])
+        if blocks > len(donor):
+            raise FailedPrecondition(f"session {donor_id!r} holds {len(donor)} KV blocks, not {blocks}",
+                                     "DONOR_TOO_SHORT")
+        for b in donor[:blocks]:
+            self._holders[b] = self._holders.get(b, 1) + 1
+        self._tables[session_id] = donor[:blocks]
+
     def release(self, session_id: str) -> None:
-        self._free.extend(reversed(self._tables.pop(session_id, [])))
+        for b in reversed(self._tables.pop(session_id, [])):
+            holders = self._holders.pop(b, 1) - 1
+            if holders:
+                self._holders[b] = holders  # still in another session's table
+            else:
+                self._free.append(b)
 
     def clear(self) -> None:
         """Every block free again (a new incarnation trusts no session of the old one)."""
         self._free = list(range(self.blocks - 1, 0, -1))  # popped from the end: low block ids first
-        self._tables = {}
+        self._tables, self._holders = {}, {}
 
     def slots(self, session_id: str, start: int, end: int) -> np.ndarray:
         """Pool rows of positions [start, end) of the session (its table must already hold them)."""

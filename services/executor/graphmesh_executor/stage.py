@@ -630,6 +630,30 @@ class StageRuntime:
                     session.stored_tokens = session.txn.kv_length // block * block
             return session.txn.kv_length
 
+    def share_kv(self, incarnation: int, session_id: str, donor_id: str, token_ids: list[int]) -> int:
+        """Starts a new session with the KV of a prompt prefix that `donor_id` holds here: its first whole blocks,
+        shared (kv_pool.KvPool.share), committed at once. Refused unless the donor's committed tokens begin with
+        exactly `token_ids`: a shared block must hold what the new session would have computed itself."""
+        block = self.pool.block_tokens
+        n = len(token_ids)
+        if n == 0 or n % block:
+            raise InvalidArgument(f"a shared prefix is whole blocks of {block} tokens, not {n} tokens",
+                                  "BAD_SHARED_PREFIX")
+        with self._lock:
+            self.authority.check(incarnation)
+            donor = self._sessions.get(donor_id)
+            if donor is None or donor.untokened or donor.txn.kv_length < n or donor.tokens[:n] != token_ids:
+                raise FailedPrecondition(f"session {donor_id!r} holds no committed prefix of these {n} tokens here",
+                                         "PREFIX_NOT_HELD")
+            if session_id in self._sessions:
+                raise FailedPrecondition(f"session {session_id!r} already exists here", "SESSION_NOT_NEW")
+            self.pool.share(session_id, donor_id, n // block)
+            session = self._session(session_id)
+            session.txn.append_committed(0, n)
+            # the donor wrote (or writes) these blocks behind: this session starts past them
+            session.tokens, session.stored_tokens = list(token_ids), n
+            return n
+
     def abort_step(self, incarnation: int, step_id: int, rows: list[StepRow]) -> None:
         """Rolls back every row of a step and wakes a wait for its boundary; allowed under poison."""
         with self._lock:

@@ -138,6 +138,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.ReleaseSessionResponse(released=self.runtime.release(h.incarnation, h.session_id))
 
     @rpc
+    def ShareSessionKv(self, request: stage_pb2.ShareSessionKvRequest,
+                       context: grpc.ServicerContext) -> stage_pb2.ShareSessionKvResponse:
+        h = request.header
+        return stage_pb2.ShareSessionKvResponse(kv_length=self.runtime.share_kv(
+            h.incarnation, h.session_id, request.donor_session_id, list(request.token_ids)))
+
+    @rpc
     def ReadSessionKv(self, request: stage_pb2.ReadSessionKvRequest,
                       context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
         h = request.header

@@ -925,6 +925,60 @@ class ReleaseSessionResponse(_message.Message):
 Global___ReleaseSessionResponse: _TypeAlias = ReleaseSessionResponse  # noqa: Y015
 
 @_typing.final
+class ShareSessionKvRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    DONOR_SESSION_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    donor_session_id: _builtins.str
+    """donor_session_id holds the prefix, committed."""
+    @_builtins.property
+    def header(self) -> Global___FencingHeader:
+        """header.session_id is the new session (it must hold nothing here yet)."""
+
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """token_ids is the prefix, whole KV blocks of it: the donor's committed
+        tokens must begin with exactly these, or nothing is shared.
+        """
+
+    def __init__(
+        self,
+        *,
+        header: Global___FencingHeader | None = ...,
+        donor_session_id: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["donor_session_id", b"donor_session_id", "header", b"header", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShareSessionKvRequest: _TypeAlias = ShareSessionKvRequest  # noqa: Y015
+
+@_typing.final
+class ShareSessionKvResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KV_LENGTH_FIELD_NUMBER: _builtins.int
+    kv_length: _builtins.int
+    """kv_length is the new session's committed rows (the prefix), in tokens."""
+    def __init__(
+        self,
+        *,
+        kv_length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_length", b"kv_length"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShareSessionKvResponse: _TypeAlias = ShareSessionKvResponse  # noqa: Y015
+
+@_typing.final
 class ReadSessionKvRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

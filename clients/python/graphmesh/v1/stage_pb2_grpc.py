@@ -81,6 +81,11 @@ class StageServiceStub:
                 request_serializer=graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionRequest.SerializeToString,
                 response_deserializer=graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionResponse.FromString,
                 _registered_method=True)
+        self.ShareSessionKv = channel.unary_unary(
+                '/graphmesh.v1.StageService/ShareSessionKv',
+                request_serializer=graphmesh_dot_v1_dot_stage__pb2.ShareSessionKvRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_stage__pb2.ShareSessionKvResponse.FromString,
+                _registered_method=True)
         self.ReadSessionKv = channel.unary_stream(
                 '/graphmesh.v1.StageService/ReadSessionKv',
                 request_serializer=graphmesh_dot_v1_dot_stage__pb2.ReadSessionKvRequest.SerializeToString,
@@ -190,6 +195,15 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShareSessionKv(self, request, context):
+        """ShareSessionKv starts a new session with the KV of a prompt prefix that
+        another session on this rank holds: its whole committed blocks are shared
+        (reference-counted), not copied, and the prefix is committed at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadSessionKv(self, request, context):
         """ReadSessionKv streams rows [from_row, to_row) of a session's committed KV
         as one tensor "kv" f32 [rows, layers, 2, kv_dim].
@@ -284,6 +298,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.ReleaseSession,
                     request_deserializer=graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionRequest.FromString,
                     response_serializer=graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionResponse.SerializeToString,
+            ),
+            'ShareSessionKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShareSessionKv,
+                    request_deserializer=graphmesh_dot_v1_dot_stage__pb2.ShareSessionKvRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_stage__pb2.ShareSessionKvResponse.SerializeToString,
             ),
             'ReadSessionKv': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadSessionKv,
@@ -538,6 +557,33 @@ class StageService:
             '/graphmesh.v1.StageService/ReleaseSession',
             graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionRequest.SerializeToString,
             graphmesh_dot_v1_dot_stage__pb2.ReleaseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShareSessionKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graphmesh.v1.StageService/ShareSessionKv',
+            graphmesh_dot_v1_dot_stage__pb2.ShareSessionKvRequest.SerializeToString,
+            graphmesh_dot_v1_dot_stage__pb2.ShareSessionKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

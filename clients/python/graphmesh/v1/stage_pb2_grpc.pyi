@@ -74,6 +74,11 @@ class StageServiceStub:
     """
     ReleaseSession: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ReleaseSessionRequest, _stage_pb2.ReleaseSessionResponse]
     """ReleaseSession frees a session's KV rows on this rank."""
+    ShareSessionKv: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ShareSessionKvRequest, _stage_pb2.ShareSessionKvResponse]
+    """ShareSessionKv starts a new session with the KV of a prompt prefix that
+    another session on this rank holds: its whole committed blocks are shared
+    (reference-counted), not copied, and the prefix is committed at once.
+    """
     ReadSessionKv: _grpc.UnaryStreamMultiCallable[_stage_pb2.ReadSessionKvRequest, _tensor_pb2.TensorChunk]
     """ReadSessionKv streams rows [from_row, to_row) of a session's committed KV
     as one tensor "kv" f32 [rows, layers, 2, kv_dim].
@@ -147,6 +152,11 @@ class StageServiceAsyncStub(StageServiceStub):
     """
     ReleaseSession: _aio.UnaryUnaryMultiCallable[_stage_pb2.ReleaseSessionRequest, _stage_pb2.ReleaseSessionResponse]  # type: ignore[assignment]
     """ReleaseSession frees a session's KV rows on this rank."""
+    ShareSessionKv: _aio.UnaryUnaryMultiCallable[_stage_pb2.ShareSessionKvRequest, _stage_pb2.ShareSessionKvResponse]  # type: ignore[assignment]
+    """ShareSessionKv starts a new session with the KV of a prompt prefix that
+    another session on this rank holds: its whole committed blocks are shared
+    (reference-counted), not copied, and the prefix is committed at once.
+    """
     ReadSessionKv: _aio.UnaryStreamMultiCallable[_stage_pb2.ReadSessionKvRequest, _tensor_pb2.TensorChunk]  # type: ignore[assignment]
     """ReadSessionKv streams rows [from_row, to_row) of a session's committed KV
     as one tensor "kv" f32 [rows, layers, 2, kv_dim].
@@ -265,6 +275,17 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.ReleaseSessionResponse, _abc.Awaitable[_stage_pb2.ReleaseSessionResponse]]:
         """ReleaseSession frees a session's KV rows on this rank."""
+
+    @_abc_1.abstractmethod
+    def ShareSessionKv(
+        self,
+        request: _stage_pb2.ShareSessionKvRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.ShareSessionKvResponse, _abc.Awaitable[_stage_pb2.ShareSessionKvResponse]]:
+        """ShareSessionKv starts a new session with the KV of a prompt prefix that
+        another session on this rank holds: its whole committed blocks are shared
+        (reference-counted), not copied, and the prefix is committed at once.
+        """
 
     @_abc_1.abstractmethod
     def ReadSessionKv(
