@@ -127,8 +127,8 @@ def test_a_repeated_prompt_raises_the_hit_ratio(mesh: LocalMesh) -> None:
     assert value(after, "graphmesh_kv_hit_tokens_total") - value(before, "graphmesh_kv_hit_tokens_total") >= 2 * 32
     assert value(after, "graphmesh_kv_miss_tokens_total") == value(before, "graphmesh_kv_miss_tokens_total")
     assert value(after, "graphmesh_kv_hit_ratio") >= value(before, "graphmesh_kv_hit_ratio") > 0
-    assert rpc_count(after, "/graphmesh.v1.KvStoreService/SeedExecutor") - \
-        rpc_count(before, "/graphmesh.v1.KvStoreService/SeedExecutor") == 2  # one per stage
+    assert rpc_count(after, "/graphmesh.v1.KvStoreService/SeedStages") - \
+        rpc_count(before, "/graphmesh.v1.KvStoreService/SeedStages") == 1  # one call seeds every stage
 
 
 def test_a_refused_request_is_counted_with_its_status(mesh: LocalMesh) -> None:
