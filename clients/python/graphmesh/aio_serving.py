@@ -57,6 +57,7 @@ class SyncContext:
         self._context, self._loop = context, loop
         self._callbacks: list[Callable[[], None]] = []
         self._ended = False
+        self._left = False  # the loop side stopped waiting for the behavior (it returned, or the client left)
         self.aborted: tuple[grpc.StatusCode, str, Any] | None = None
         self._code: grpc.StatusCode | None = None
         self._details = ""
@@ -82,8 +83,13 @@ class SyncContext:
         return self._context.time_remaining()
 
     def is_active(self) -> bool:
-        """False once the call ended, the client's cancellation and deadline included."""
-        return not self._ended and not self._context.done()
+        """False once the call ended, the client's cancellation and deadline included (aio's done() stays False
+        while a cancelled handler's pool thread still runs: the loop side marks it when it stops waiting)."""
+        return not self._ended and not self._left and not self._context.done()
+
+    def left(self) -> None:
+        """The loop side will take no more from the behavior: a behavior still running should stop."""
+        self._left = True
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
         """Runs `callback` when the call ends, however it ends; False (not registered) if it already ended."""
@@ -282,6 +288,8 @@ class _Bridge(grpc.aio.ServerInterceptor):
                     sync.finish()
                     await sync.send_abort()
                 finally:
+                    sync.left()  # a cancelled call: the behavior sees is_active() False from now on
+
                     def end() -> None:
                         close = getattr(responses, "close", None)
                         if close is None:  # not a generator, or the behavior never returned one

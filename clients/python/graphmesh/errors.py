@@ -87,6 +87,11 @@ class DeadlineExceeded(GraphmeshError):
     default_reason = "DEADLINE_EXCEEDED"
 
 
+class Cancelled(GraphmeshError):
+    code = grpc.StatusCode.CANCELLED
+    default_reason = "CANCELLED"
+
+
 class Internal(GraphmeshError):
     pass
 
@@ -94,7 +99,7 @@ class Internal(GraphmeshError):
 _BY_CODE: dict[grpc.StatusCode, type[GraphmeshError]] = {
     cls.code: cls
     for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, OutOfRange, PermissionDenied,
-                ResourceExhausted, Unauthenticated, Unavailable, DeadlineExceeded, Internal)
+                ResourceExhausted, Unauthenticated, Unavailable, DeadlineExceeded, Cancelled, Internal)
 }
 
 

@@ -9,21 +9,22 @@ gives the same token.
 from __future__ import annotations
 
 import collections.abc
+import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from prometheus_client import Counter, Histogram
 
 from graphmesh import telemetry
-from graphmesh.errors import InvalidArgument
+from graphmesh.errors import Cancelled, InvalidArgument
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import Mesh
-from graphmesh_coordinator.scheduler import Scheduler, SessionInfo
+from graphmesh_coordinator.scheduler import Output, Scheduler, SessionInfo
 from graphmesh_coordinator.scheduler import Sequence as SchedulerSequence
 from graphmesh_coordinator.validation import check_finite_sampling
 
@@ -115,6 +116,18 @@ def _logprob(token: int, row: stage_pb2.StepRowResult) -> TokenLogprob:
     return TokenLogprob(token, row.logprob, tuple((t.token_id, t.logprob) for t in row.top_logprobs))
 
 
+CLIENT_POLL_S = 0.2  # how often a session waiting for its next token checks that its client is still there
+
+
+def _next_event(seq: SchedulerSequence, alive: Callable[[], bool] | None) -> Output | BaseException:
+    while True:
+        try:
+            return seq.events.get(timeout=None if alive is None else CLIENT_POLL_S)
+        except queue.Empty:
+            if alive is not None and not alive():
+                raise Cancelled(f"the client of session {seq.session.session_id} went away", "CLIENT_GONE") from None
+
+
 class Generator:
     def __init__(self, mesh: Mesh, tokenizer: Tokenizer | None, eos_token_ids: Sequence[int], context_tokens: int,
                  scheduler: Scheduler | None = None) -> None:
@@ -125,7 +138,11 @@ class Generator:
         self.sessions: dict[str, SessionInfo] = {}
         self._lock = threading.Lock()
 
-    def generate(self, request: GenerationRequest, session_id: str = "") -> collections.abc.Generator[Event, None, None]:
+    def generate(self, request: GenerationRequest, session_id: str = "",
+                 alive: Callable[[], bool] | None = None) -> collections.abc.Generator[Event, None, None]:
+        """The session's events. `alive` (the call's is_active): a client that leaves while no token comes (a long
+        prefill, a wait for admission) ends its session within CLIENT_POLL_S, its chunks unscheduled on every
+        stage, instead of when the next token would have come."""
         validate(request, self.context_tokens, self.mesh.config.vocab_size)
         session = SessionInfo(session_id or uuid.uuid4().hex)
         budget = min(request.max_tokens, self.context_tokens - len(request.prompt_ids))
@@ -144,7 +161,7 @@ class Generator:
                                 max_tokens=request.max_tokens) as span:
                 self.scheduler.submit(seq)
                 for step in range(budget):
-                    out = seq.events.get()
+                    out = _next_event(seq, alive)
                     if isinstance(out, BaseException):
                         raise out
                     token = out.token

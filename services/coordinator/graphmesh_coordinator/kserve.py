@@ -241,7 +241,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
             if not isinstance(call, GenerationRequest):
                 return self._response(request, self._logits(call), {})
             text, finish = "", ""
-            for event in self.generator.generate(call):
+            for event in self.generator.generate(call, alive=context.is_active):
                 text, finish = text + event.text, event.finish_reason or finish
             return self._response(request, self._text_output(text),
                                   {"finish_reason": pb.InferParameter(string_param=finish)})
@@ -254,7 +254,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         if not isinstance(call, GenerationRequest):
             yield self._response(request, self._logits(call), {FINAL: pb.InferParameter(bool_param=True)})
             return
-        for event in self.generator.generate(call):
+        for event in self.generator.generate(call, alive=active):
             if not active():
                 return  # the client left: closing the generator ends the session
             final = bool(event.finish_reason)

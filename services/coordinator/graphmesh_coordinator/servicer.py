@@ -78,7 +78,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             gen = GenerationRequest(prompt_ids, request.max_tokens, s.temperature, s.top_k, s.top_p or 1.0, s.seed,
                                     tuple(request.stop), request.ignore_eos)
             first = True
-            for event in self.generator.generate(gen):
+            for event in self.generator.generate(gen, alive=context.is_active):
                 yield self._response(event, prompt_ids if first else None)
                 first = False
         except Exception as e:
