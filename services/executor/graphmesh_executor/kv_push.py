@@ -6,41 +6,17 @@ the KV store crossed the network twice and was parsed on the way, at half the ba
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import grpc
 import numpy as np
 
-from graphmesh import errors, security, telemetry, tensors
-from graphmesh.errors import GraphmeshError, InvalidArgument
+from graphmesh import security, telemetry
+from graphmesh.errors import InvalidArgument
+from graphmesh.session_kv import WRITE_SESSION_KV, executor_error, raw, write_requests
 from graphmesh.v1 import stage_pb2
 
-_SERVICE = "/" + stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
-_ROWS_TAG = bytes([stage_pb2.WriteSessionKvRequest.DESCRIPTOR.fields_by_name["rows"].number << 3 | 2])
 MAX_MESSAGE_BYTES = 64 << 20
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def write_requests(first: stage_pb2.WriteSessionKvRequest, rows: np.ndarray) -> Iterator[bytes]:
-    """Serialized WriteSessionKvRequests: `first` (header, start row, token ids) with the first chunk of `rows`,
-    then one per chunk. Each chunk is serialized once and framed as the `rows` field (protobuf merges
-    concatenated fields), never copied into a request message."""
-    head = first.SerializeToString()
-    for i, chunk in enumerate(tensors.to_chunks("kv", rows)):
-        data = chunk.SerializeToString()
-        yield b"".join((head if i == 0 else b"", _ROWS_TAG, _varint(len(data)), data))
-
-
-def _raw(data: bytes) -> bytes:
-    return data
 
 
 class KvPusher:
@@ -60,7 +36,7 @@ class KvPusher:
                     address, self.tls, [("grpc.max_send_message_length", self.max_message_bytes),
                                         ("grpc.max_receive_message_length", self.max_message_bytes)]))
                 self._writes[address] = channel.stream_unary(
-                    f"{_SERVICE}/WriteSessionKv", request_serializer=_raw,
+                    WRITE_SESSION_KV, request_serializer=raw,
                     response_deserializer=stage_pb2.WriteSessionKvResponse.FromString)
             return self._writes[address]
 
@@ -75,13 +51,6 @@ class KvPusher:
         try:
             reply = self._write(address)(write_requests(first, rows), timeout=timeout_s)
         except grpc.RpcError as e:
-            raise destination_error(e, address) from None
+            raise executor_error(e, address, "WriteSessionKv") from None
         return int(reply.kv_length)
 
-
-def destination_error(error: grpc.RpcError, address: str) -> GraphmeshError:
-    e = errors.from_rpc_error(error)
-    e.message = f"executor {address} failed WriteSessionKv: {e.message}"
-    e.args = (e.message,)
-    e.metadata = {**e.metadata, "executor": address}
-    return e

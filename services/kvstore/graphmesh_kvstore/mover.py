@@ -15,42 +15,11 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from graphmesh import errors, security, telemetry, tensors
-from graphmesh.errors import GraphmeshError, InvalidArgument, PermissionDenied
+from graphmesh import errors, security, telemetry
+from graphmesh.errors import InvalidArgument, PermissionDenied
+from graphmesh.session_kv import STAGE_SERVICE, WRITE_SESSION_KV, executor_error, raw, write_requests
 from graphmesh.v1 import kvstore_pb2, stage_pb2
 from graphmesh_kvstore.store import Store
-
-_SERVICE = "/" + stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
-_ROWS_TAG = bytes([stage_pb2.WriteSessionKvRequest.DESCRIPTOR.fields_by_name["rows"].number << 3 | 2])
-
-
-def _raw(data: bytes) -> bytes:
-    return data
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _write_request(first: stage_pb2.WriteSessionKvRequest | None, chunk: bytes) -> bytes:
-    """A serialized WriteSessionKvRequest whose `rows` is the serialized TensorChunk `chunk`: protobuf
-    merges concatenated fields, so the chunk is framed, never decoded."""
-    head = first.SerializeToString() if first is not None else b""
-    return b"".join((head, _ROWS_TAG, _varint(len(chunk)), chunk))
-
-
-def executor_error(error: grpc.RpcError, address: str, method: str) -> GraphmeshError:
-    """The executor's own status code and reason, with a message that says which executor failed."""
-    e = errors.from_rpc_error(error)
-    e.message = f"executor {address} failed {method}: {e.message}"
-    e.args = (e.message,)
-    e.metadata = {**e.metadata, "executor": address}
-    return e
 
 
 class _Stage:
@@ -62,10 +31,10 @@ class _Stage:
             address, tls, [("grpc.max_send_message_length", max_message_bytes),
                            ("grpc.max_receive_message_length", max_message_bytes)]))
         self.write = self.channel.stream_unary(
-            f"{_SERVICE}/WriteSessionKv", request_serializer=_raw,
+            WRITE_SESSION_KV, request_serializer=raw,
             response_deserializer=stage_pb2.WriteSessionKvResponse.FromString)
         self.push = self.channel.unary_unary(
-            f"{_SERVICE}/PushSessionKv", request_serializer=stage_pb2.PushSessionKvRequest.SerializeToString,
+            f"{STAGE_SERVICE}/PushSessionKv", request_serializer=stage_pb2.PushSessionKvRequest.SerializeToString,
             response_deserializer=stage_pb2.PushSessionKvResponse.FromString)
 
 
@@ -120,10 +89,8 @@ class Mover:
             if n == 0:
                 return 0, 0, time.perf_counter() - started
             first = stage_pb2.WriteSessionKvRequest(header=header, start_row=0, token_ids=token_ids[:n])
-            requests = (_write_request(first if i == 0 else None, c.SerializeToString())
-                        for i, c in enumerate(tensors.to_chunks("kv", rows)))
             try:
-                stage.write(requests, timeout=timeout_s or self.timeout_s)
+                stage.write(write_requests(first, rows), timeout=timeout_s or self.timeout_s)
             except grpc.RpcError as e:
                 raise executor_error(e, address, "WriteSessionKv") from None
             seconds = time.perf_counter() - started
@@ -159,8 +126,7 @@ class Mover:
             timeout = timeout_s or self.timeout_s
 
             def write(stage: _Stage, r: np.ndarray) -> None:
-                stage.write((_write_request(first if i == 0 else None, c.SerializeToString())
-                             for i, c in enumerate(tensors.to_chunks("kv", r[:n]))), timeout=timeout)
+                stage.write(write_requests(first, r[:n]), timeout=timeout)
 
             calls = [self._writers.submit(write, t, r) for t, r in zip(targets, rows)]
             nbytes = sum(r[:n].nbytes for r in rows)
