@@ -236,6 +236,7 @@ class Scheduler:
             # New, preempted or recovered: share what a live session holds, else seed what the KV store holds,
             # and compute the rest (chunked).
             s.blocks, session.history, session.delivered_epoch = 0, [], 0
+            self._forget(s)  # after a recovery its old links name nothing: they are indexed again as it commits
             with telemetry.span("scheduler.admit", parent=s.context, session=session.session_id):
                 seeded = self._share(s, donor, tokens[:shareable]) if donor is not None else 0
                 if not seeded and mesh.kvstore is not None:
