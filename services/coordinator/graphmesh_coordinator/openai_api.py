@@ -295,12 +295,13 @@ class _Sessions:
     def _run(self, index: int, request: GenerationRequest) -> None:
         try:
             with telemetry.use(self.span):  # the Generator's spans and the steps join the request's trace
-                events = self.generator.generate(request)
+                events = self.generator.generate(request, alive=lambda: not self.cancelled.is_set())
                 try:
                     for event in events:
                         self._put(index, event)
                         if self.cancelled.is_set():
                             return  # closing the generator (below) ends the session: its rows stop, its KV is released
+                        # (while no token comes, a long prefill, the Generator polls `alive` and ends it itself)
                     self._put(index, None)
                 except Exception as e:
                     self._put(index, e)
