@@ -276,11 +276,18 @@ class Scheduler:
         block, donor, n, link = self.mesh.kv_block_tokens, None, 0, b""
         while n + block < len(tokens):
             link = kvkeys.link(link, tokens[n:n + block])
-            holder = self._prefixes.get(link)
-            if holder is None or holder is s or holder.done or holder.session.incarnation != self.mesh.incarnation:
+            holder = self._holder(link)
+            if holder is None or holder is s:
                 break
             donor, n = holder, n + block  # a link names the whole prefix: its holder holds every block before it
         return donor, n
+
+    def _holder(self, link: bytes) -> Sequence | None:
+        """The live session of this roster indexed as holding the block `link` names, if any."""
+        holder = self._prefixes.get(link)
+        if holder is None or holder.done or holder.session.incarnation != self.mesh.incarnation:
+            return None
+        return holder
 
     def _share(self, s: Sequence, donor: Sequence, prefix: list[int]) -> int:
         """Starts `s` on every rank from `donor`'s blocks of `prefix` (0: a rank refused; then it is computed)."""
@@ -294,8 +301,7 @@ class Scheduler:
         while (len(s.links) + 1) * block <= len(history):
             i = len(s.links)
             s.links.append(kvkeys.link(s.links[-1] if s.links else b"", history[i * block:(i + 1) * block]))
-            holder = self._prefixes.get(s.links[-1])
-            if holder is None or holder.done or holder.session.incarnation != self.mesh.incarnation:
+            if self._holder(s.links[-1]) is None:
                 self._prefixes[s.links[-1]] = s
 
     def _forget(self, s: Sequence) -> None:
