@@ -14,9 +14,9 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test test-fast proto proto-check lint bench helm clean redis-server
+.PHONY: install demo test test-fast proto proto-check lint bench helm clean redis-server etcd-server
 
-install: $(STAMP) redis-server
+install: $(STAMP) redis-server etcd-server
 
 $(VENV)/bin/python:
 	$(PY_SYS) -m venv $(VENV)
@@ -47,6 +47,17 @@ redis-server:
 	    echo "note: neither valkey-server nor redis-server could be installed; the shared-tier tests will fail in CI"; \
 	  else echo "note: install valkey-server or redis-server for the kvstore's shared-tier tests"; fi; fi
 
+# Coordinator election is tested against real etcd (tests/test_election.py starts members on free loopback ports):
+# Debian's etcd-server. Only installed when no etcd is on PATH.
+etcd-server:
+	@if ! command -v etcd >/dev/null; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "== installing etcd-server for the coordinator election tests"; \
+	    (apt-get install -y -q etcd-server >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q etcd-server >/dev/null 2>&1)) || \
+	    echo "note: etcd-server could not be installed; the election tests will fail in CI"; \
+	  else echo "note: install etcd-server (etcd on PATH) for the coordinator election tests"; fi; fi
+
 proto: $(VENV)/bin/python
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=clients/python --grpc_python_out=clients/python \
 	  --mypy_out=clients/python --mypy_grpc_out=clients/python $(PROTOS)
@@ -64,10 +75,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check clients services tests bench
 	$(VENV)/bin/mypy clients/python/graphmesh services tests bench
 
-test: $(STAMP) redis-server proto-check lint
+test: $(STAMP) redis-server etcd-server proto-check lint
 	$(PY) -m pytest -q -x --durations=15 tests
 
-test-fast: $(STAMP) redis-server
+test-fast: $(STAMP) redis-server etcd-server
 	$(PY) -m pytest -q -x -m "not slow" tests
 
 demo: $(STAMP)
