@@ -214,3 +214,46 @@ def test_a_new_session_shares_a_prefix_another_holds_and_computes_the_same_token
     with pytest.raises(FailedPrecondition) as e:
         runtimes[0].share_kv(1, "c", "b", [1] * 32)  # b's prefix is not these tokens
     assert e.value.reason == "PREFIX_NOT_HELD"
+
+
+def test_replan_takes_standby_weights_and_compiles_the_recent_shapes(tiny_llama: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that held the rest of the model in standby takes a re-plan's new layers without reading the
+    checkpoint, compiles the shapes it ran before up front, and computes what a fresh load of those layers does."""
+    from graphmesh.checkpoints import Checkpoint
+
+    def run_alone(runtime: StageRuntime, incarnation: int) -> list[int]:
+        tokens, pending, start = [], [5, 17, 99, 3, 250, 42, 7], 0
+        for epoch in range(1, 6):
+            tokens += runtime.execute_step(incarnation, next(_step_ids),
+                                           [StepRow("s", epoch, epoch - 1, start, pending)], False, 5.0).tokens
+            start += len(pending)
+            pending = tokens[-1:]
+        return tokens
+
+    whole = StageConfig(str(tiny_llama), 0, 2, True, True, "")
+    fresh = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, standby_weights=False)
+    fresh.install(1, 0, 1, whole)
+    expected = run_alone(fresh, 1)
+
+    def push(address: str, incarnation: int, step_id: int, hidden: np.ndarray, timeout_s: float) -> None:
+        pass
+
+    runtime = StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES, standby_weights=True)
+    runtime.install(1, 0, 2, StageConfig(str(tiny_llama), 0, 1, True, False, "1"))
+    runtime.execute_step(1, next(_step_ids), [StepRow("a", 1, 0, 0, [5, 17, 99])], False, 5.0)
+    runtime.execute_step(1, next(_step_ids), [StepRow("a", 2, 1, 3, [1])], False, 5.0)
+    ran = list(runtime._executables)
+    assert runtime.standby_ready.wait(30)  # read in the background after install
+    reads: list[str] = []
+    original = Checkpoint.tensor
+
+    def tensor(self: Checkpoint, name: str, dtype: str = "f32") -> np.ndarray:
+        reads.append(name)
+        return original(self, name, dtype)
+
+    monkeypatch.setattr(Checkpoint, "tensor", tensor)
+    runtime.install(2, 0, 1, whole)  # its peer is lost: this rank now holds every layer
+    assert reads == []
+    assert list(runtime._executables) == ran  # compiled by the install, before any step of the new plan
+    assert run_alone(runtime, 2) == expected

@@ -73,7 +73,7 @@ class LocalMesh:
     kvstore: bool = True  # start a KV store (when graphmesh-kvstore is installed) and write KV behind to it
     fault_injection: bool = False  # executors accept StageService.InjectFault
     proxied: bool = False  # the coordinator and the boundary pushes reach executors through fault proxies
-    standby_weights: bool = False  # executors hold the whole model: re-plans after a loss read no checkpoint
+    standby_weights: bool | None = None  # executors hold the whole model (None: their default, where it fits)
     # TLS for every service (PEM files): each serves with tls_cert and presents it to the others; with tls_ca
     # every hop is mutual TLS. The certificate must name 127.0.0.1.
     tls_cert: str = ""
@@ -175,7 +175,7 @@ class LocalMesh:
             env = {"OMP_NUM_THREADS": str(threads)}
             args = ["graphmesh_executor.server", "--listen", address, "--backend", backend, "--threads", str(threads)]
             args += ["--enable-fault-injection"] if self.fault_injection else []
-            args += ["--standby-weights"] if self.standby_weights else []
+            args += [] if self.standby_weights is None else ["--standby-weights", "on" if self.standby_weights else "off"]
             process = self._spawn(f"executor-{rank}", args, env)
             spawned.append((address, process, rank))
             self.executor_processes.append(process)

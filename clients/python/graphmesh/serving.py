@@ -31,6 +31,15 @@ def memory_bytes() -> int:
         return 0
 
 
+def available_memory_bytes() -> int | None:
+    """Memory the host can still give without swapping (Linux MemAvailable), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def fits_in_memory(cap: int, share: float = 0.5) -> int:
     """A default size limit that this machine can honour: `cap`, or `share` of its memory when that is less.
     A limit larger than the memory turns an oversized request into an out-of-memory kill instead of a refusal."""

@@ -394,8 +394,9 @@ class Executable(Generic[T]):
         previous, self._handles = self._handles, handles
         return previous
 
-    def zeros_like_input(self, name: str) -> T:
-        return self._zeros(self._handle_type(name))
+    def zeros_like_inputs(self, names: Sequence[str]) -> list[T]:
+        """Zero-filled buffers shaped like these handles (a stage's KV pool, one per layer and kind)."""
+        return [self._zeros(self._handle_type(name)) for name in names]
 
     def has_handle(self, name: str) -> tuple[bool, bool]:
         return name in self._handles, name in self._resident

@@ -39,6 +39,7 @@ SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"].full_
 STAGE_SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
 # A bigger stream than the machine can hold is refused up front rather than killing the executor half-way.
 DEFAULT_MAX_PARAM_BYTES = fits_in_memory(64 << 30)
+STANDBY_WEIGHTS = {"auto": None, "on": True, "off": False}  # --standby-weights -> ExecutorConfig.standby_weights
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ class ExecutorConfig:
     max_param_bytes: int = DEFAULT_MAX_PARAM_BYTES
     workers: int = 64  # calls served at once; stage waiters hold one each (the coordinator bounds them)
     enable_fault_injection: bool = False  # StageService.InjectFault, for tests and benchmarks only
-    standby_weights: bool = False  # read the whole model in the background: fast re-plans after a peer is lost
+    # Read the whole model in the background, so a re-plan after a peer is lost reads no checkpoint. None: on when
+    # the model's f32 weights take at most a quarter of the available memory.
+    standby_weights: bool | None = None
     kv_cache_bytes: int = 0  # the paged KV pool of the stage; 0 sizes it from free memory
     metrics_port: int = 0  # Prometheus /metrics; 0: off
     security: ServerSecurity = field(default_factory=ServerSecurity)
@@ -141,8 +144,9 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
                    help="largest SetParams/BindHandle stream (default: 64Gi or half the memory, whichever is less)")
     p.add_argument("--workers", type=int, default=64, help="calls served at once (--max-concurrent-rpcs overrides)")
     p.add_argument("--enable-fault-injection", action="store_true", help="accept StageService.InjectFault (tests)")
-    p.add_argument("--standby-weights", action="store_true",
-                   help="hold the whole model's weights so a re-plan after losing a peer reads no checkpoint")
+    p.add_argument("--standby-weights", choices=["auto", "on", "off"], default="auto",
+                   help="hold the whole model's weights so a re-plan after losing a peer reads no checkpoint "
+                        "(auto: when they take at most a quarter of the available memory)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
     p.add_argument("--kv-cache-bytes", type=byte_size, default=0,
                    help="size of the stage's paged KV pool (e.g. 2Gi); 0: from free memory")
@@ -151,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     return ExecutorConfig(listen=a.listen, backend=a.backend, device=a.device, model_root=a.model_root,
                           threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,
                           workers=a.workers, enable_fault_injection=a.enable_fault_injection,
-                          standby_weights=a.standby_weights, metrics_port=a.metrics_port,
+                          standby_weights=STANDBY_WEIGHTS[a.standby_weights], metrics_port=a.metrics_port,
                           kv_cache_bytes=a.kv_cache_bytes, security=security.from_args(a))
 
 

@@ -11,6 +11,7 @@ boundaries and push them.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from graphmesh.errors import (
 from graphmesh.graph import parse
 from graphmesh.kvkeys import blocks_for
 from graphmesh.models.config import ModelConfig
+from graphmesh.serving import available_memory_bytes
 from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.engine import Engine
 from graphmesh_executor.executable import Executable, RngOptions
@@ -49,6 +51,7 @@ log = logging.getLogger("graphmesh.executor.stage")
 MIN_PREFILL_ROWS = 16
 DEFAULT_KV_CACHE_BYTES = 512 << 20  # the CPU pool's cap when --kv-cache-bytes is not given
 NUMPY_KV_CACHE_BYTES = 16 << 20
+WARM_SHAPES = 4  # executables a re-plan compiles up front: the old stage's most recently used shapes
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -158,7 +161,7 @@ class KvBlocks:
 class StageRuntime:
     def __init__(self, backend: str, device: str = "cpu", model_root: str | None = None,
                  pusher: Pusher | None = None, block_writer: BlockWriter | None = None,
-                 faults_enabled: bool = False, kv_cache_bytes: int = 0, standby_weights: bool = False) -> None:
+                 faults_enabled: bool = False, kv_cache_bytes: int = 0, standby_weights: bool | None = None) -> None:
         self.backend = backend
         self.device = device
         self.model_root = model_root
@@ -175,9 +178,11 @@ class StageRuntime:
         self.faults_enabled = faults_enabled
         self.kv_cache_bytes = kv_cache_bytes  # 0: default_kv_cache_bytes()
         # Standby weights: after install, the rest of the model is read in the background, so that a re-plan
-        # after losing a peer (which hands this rank new layers) costs no checkpoint reads. Memory for speed.
+        # after losing a peer (which hands this rank new layers) costs no checkpoint reads. Memory for speed;
+        # None: on when the whole model's f32 weights take at most a quarter of the available memory.
         self.standby_weights = standby_weights
         self._standby: dict[str, np.ndarray] = {}
+        self.standby_ready = threading.Event()  # set once the whole model is held
         self._faults: dict[str, int] = {}
         self._lock = threading.Condition()
         self._sessions: dict[str, StageSession] = {}
@@ -230,6 +235,7 @@ class StageRuntime:
             raise InvalidArgument(f"dtype must be 'f32', 'bf16' or 'f16', got {dtype!r}", "BAD_DTYPE")
         self.config, self.spec, self.dtype = config, spec, dtype
         self._packed_schemes = ckpt.packed_schemes()
+        recent = list(self._executables)[-WARM_SHAPES:]  # most recently used last
         self._executables.clear()
         block = spec.kv_block_tokens or 16
         layers = spec.layer_end - spec.layer_start
@@ -239,18 +245,31 @@ class StageRuntime:
         previous, self._holder, self.pool, self._pools = self._holder, None, pool, {}
         holder = self._compile(1, 1, 1, True, True, weights=path, reuse=previous)
         self._holder = holder
-        self._pools = {name: holder.zeros_like_input(name) for name in self._pool_names()}
+        self._pools = dict(zip(self._pool_names(), holder.zeros_like_inputs(self._pool_names())))
         # What KV keys are rooted in: the checkpoint and how this stage computes with it, since rows computed in
         # bf16 or from packed weights differ from f32 ones for the same tokens, and a shared store must never hand
         # one to the other (a wrong hit changes tokens).
         self.model_identity = f"{ckpt.identity()}|weights={spec.weights}|dtype={dtype}"
         self.param_bytes = sum(int(np.prod(t.shape)) * (1 if t.dtype == "u8" else 4) for t in holder.graph.params.values())
         self._loaded_key = spec
+        # A re-plan (recovery) compiles the shapes the old stage ran most recently now, on every rank at once:
+        # left to the restore's first steps they would be compiled one rank after another, on its critical path.
+        for key in recent:
+            self._executable(*key)
         log.info("stage loaded", extra={"layers": f"{spec.layer_start}-{spec.layer_end}", "dtype": dtype,
-                                        "kv_pool_blocks": pool.lendable, "kv_block_tokens": block})
-        if self.standby_weights and spec.weights == "f32":
+                                        "kv_pool_blocks": pool.lendable, "kv_block_tokens": block,
+                                        "warmed_shapes": len(recent)})
+        if spec.weights == "f32" and not self.standby_ready.is_set() and self._wants_standby(config):
             threading.Thread(target=self._read_standby, args=(path, config, set(holder.graph.params)), daemon=True,
                              name="standby-weights").start()
+
+    def _wants_standby(self, config: ModelConfig) -> bool:
+        if self.standby_weights is not None:
+            return self.standby_weights
+        every = models.stage_params(config, range(0, config.n_layers), first=True, last=True)
+        model_bytes = 4 * sum(math.prod(t.shape) for t in every.values())
+        available = available_memory_bytes()
+        return available is not None and model_bytes <= available // 4
 
     def _read_standby(self, path: Path, config: ModelConfig, held: set[str]) -> None:
         ckpt = open_checkpoint(path)
@@ -258,6 +277,7 @@ class StageRuntime:
         for name, t in every.items():
             if name not in held and name not in self._standby:
                 self._standby[name] = ckpt.tensor(name, t.dtype)
+        self.standby_ready.set()
         log.info("standby weights read", extra={"params": len(self._standby)})
 
     def _model_path(self, model: str) -> Path:
@@ -307,9 +327,10 @@ class StageRuntime:
 
     def _executable(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool) -> Executable[Any]:
         key = (tokens, seqs, blocks, decode, sample)
-        if key not in self._executables:
-            self._executables[key] = self._compile(*key)
-        return self._executables[key]
+        exe = self._executables.pop(key, None)
+        # (Re)inserted last: the dict is in order of use, for a re-plan's warm-up.
+        self._executables[key] = exe = exe if exe is not None else self._compile(*key)
+        return exe
 
     # -- protocol --------------------------------------------------------------------------------------
     def _session(self, session_id: str) -> StageSession:
@@ -736,9 +757,6 @@ def default_kv_cache_bytes(device: str, backend: str = "torch") -> int:
 
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return int(free // 4)
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return DEFAULT_KV_CACHE_BYTES
-    return min(DEFAULT_KV_CACHE_BYTES, available // 10)
+    available = available_memory_bytes()
+    return DEFAULT_KV_CACHE_BYTES if available is None else min(DEFAULT_KV_CACHE_BYTES, available // 10)
+
