@@ -62,10 +62,14 @@ class FakeRank:
 class FakeMesh:
     """What the scheduler uses of pipeline.Mesh, over simulated ranks."""
 
-    kvstore = None
     kv_block_tokens = BLOCK
 
-    def __init__(self, ranks: int, blocks: int, arch_every: int = 0, comm_at: int = 0) -> None:
+    def __init__(self, ranks: int, blocks: int, arch_every: int = 0, comm_at: int = 0, store: bool = False) -> None:
+        # With a store: every committed whole block is written behind to it, and seed_prefix starts a session on
+        # every rank from the longest stored prefix, as SeedStages does.
+        self.kvstore: object | None = object() if store else None
+        self.stored: set[tuple[int, ...]] = set()
+        self.seeded_tokens = 0
         self.ranks = [object()] * ranks
         self.kv_pool_blocks = blocks
         self.incarnation = 1
@@ -133,6 +137,9 @@ class FakeMesh:
             if epoch == r.commit_epoch:
                 rank.kv[s], rank.committed[s] = start + len(tokens), epoch
                 rank.tokens[s] = rank.tokens.get(s, []) + tokens
+                if self.kvstore is not None:
+                    held = rank.tokens[s]
+                    self.stored |= {tuple(held[:n]) for n in range(BLOCK, len(held) + 1, BLOCK)}
         rank.open.pop(s, None)  # an epoch that failed and was never committed
         if r.start_position != rank.kv.get(s, 0):
             self.violations.append(f"{s}: row starts at {r.start_position}, rank holds {rank.kv.get(s, 0)}")
@@ -159,7 +166,23 @@ class FakeMesh:
             self.ready = True
 
     def seed_prefix(self, session_id: str, tokens: Sequence[int]) -> int:
-        return 0
+        if self.kvstore is None:
+            return 0
+        with self._lock:
+            n = (len(tokens) - 1) // BLOCK * BLOCK  # at least one token is left to compute
+            while n and tuple(tokens[:n]) not in self.stored:
+                n -= BLOCK
+            if not n:
+                return 0
+            for rank in self._ranks:
+                if session_id in rank.kv or session_id in rank.lent:
+                    self.violations.append(f"{session_id}: seeded while a rank still holds it")
+                if n // BLOCK > rank.free():
+                    self.violations.append(f"{session_id}: seeds {n // BLOCK} blocks, rank has {rank.free()} free")
+                rank.kv[session_id], rank.tokens[session_id] = n, list(tokens[:n])
+                rank.lent[session_id] = n // BLOCK
+            self.seeded_tokens += n
+            return n
 
     def share_prefix(self, session_id: str, donor_id: str, token_ids: Sequence[int]) -> int:
         """What ShareSessionKv does on every rank: only a committed prefix of exactly these tokens is shared
@@ -226,12 +249,13 @@ jobs_strategy = st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=jobs_strategy, ranks=st.integers(1, 3), budget=st.sampled_from([1, 3, 8, 64]),
-       slack=st.integers(0, 40))
+       slack=st.integers(0, 40), store=st.booleans())
 def test_every_session_finishes_with_its_solo_tokens(jobs: list[tuple[list[int], int]], ranks: int, budget: int,
-                                                     slack: int) -> None:
-    # The pool always fits the largest session alone; with little slack, sessions wait and get preempted.
+                                                     slack: int, store: bool) -> None:
+    # The pool always fits the largest session alone; with little slack, sessions wait and get preempted (and
+    # with a store, preempted ones come back seeded from it).
     largest = max(-(-(len(p) + n) // BLOCK) for p, n in jobs)
-    mesh = FakeMesh(ranks, largest + slack)
+    mesh = FakeMesh(ranks, largest + slack, store=store)
     results = run(mesh, jobs, budget)
     assert not mesh.violations, mesh.violations[:3]
     assert results == [solo(p, n) for p, n in jobs]
@@ -240,11 +264,11 @@ def test_every_session_finishes_with_its_solo_tokens(jobs: list[tuple[list[int],
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=jobs_strategy, ranks=st.integers(1, 3), arch_every=st.sampled_from([0, 5, 7]),
-       comm_at=st.sampled_from([0, 3, 10]))
+       comm_at=st.sampled_from([0, 3, 10]), store=st.booleans())
 def test_failures_retry_and_recover_without_changing_a_token(jobs: list[tuple[list[int], int]], ranks: int,
-                                                             arch_every: int, comm_at: int) -> None:
+                                                             arch_every: int, comm_at: int, store: bool) -> None:
     largest = max(-(-(len(p) + n) // BLOCK) for p, n in jobs)
-    mesh = FakeMesh(ranks, largest + 8, arch_every, comm_at)
+    mesh = FakeMesh(ranks, largest + 8, arch_every, comm_at, store)
     results = run(mesh, jobs, 16)
     assert not mesh.violations, mesh.violations[:3]
     for (prompt, n), got in zip(jobs, results):
@@ -328,3 +352,14 @@ def test_sessions_with_a_common_prompt_prefix_share_its_blocks_and_keep_their_so
             assert mesh.recoveries == 1
     finally:
         scheduler.close()
+
+
+def test_after_a_recovery_every_session_is_restored_from_the_store_and_keeps_its_solo_tokens() -> None:
+    # 8 sessions of 3 whole blocks of prompt; the re-plan comes once all of them have committed their prompts (2
+    # steps of 4 prompts), long before any ends (each decodes 30 tokens, 4 sessions a step)
+    mesh = FakeMesh(2, 1000, comm_at=20, store=True)
+    jobs = [([i + 1] * 13, 30) for i in range(8)]
+    assert run(mesh, jobs, 256) == [solo(p, n) for p, n in jobs]
+    assert not mesh.violations, mesh.violations[:3]
+    assert mesh.recoveries == 1
+    assert mesh.seeded_tokens >= 8 * 12  # each came back with at least its prompt's whole blocks

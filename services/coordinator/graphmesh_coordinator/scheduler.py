@@ -109,6 +109,8 @@ class Scheduler:
         # being the second tier behind it.
         self._prefixes: dict[bytes, Sequence] = {}
         self._workers = ThreadPoolExecutor(max(workers, steps_in_flight + 4), thread_name_prefix="step")
+        # Its own threads: the scheduler waits for these holding the lock that step workers need.
+        self._seeders = ThreadPoolExecutor(8, thread_name_prefix="seed")
         self._stopped = False
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
@@ -152,6 +154,7 @@ class Scheduler:
             self._stopped = True
             self._cond.notify_all()
         self._workers.shutdown(wait=False, cancel_futures=True)
+        self._seeders.shutdown(wait=False, cancel_futures=True)
 
     # -- schedule ------------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -193,6 +196,7 @@ class Scheduler:
         ready = [s for s in ready if not s.solo]  # those that do not fit yet wait; the others must not
         if not ready:
             return None
+        self._seed_waiting(ready)
         # Rows with logprobs are sampled on the last stage's host, from the logits graph: they share steps only
         # with each other, so no other session's tokens ever come from a different graph.
         kind = (ready[0].output, ready[0].sampling.logprobs)
@@ -235,22 +239,56 @@ class Scheduler:
         if restore:
             # New, preempted or recovered: share what a live session holds, else seed what the KV store holds,
             # and compute the rest (chunked).
-            s.blocks, session.history, session.delivered_epoch = 0, [], 0
-            self._forget(s)  # after a recovery its old links name nothing: they are indexed again as it commits
             with telemetry.span("scheduler.admit", parent=s.context, session=session.session_id):
                 seeded = self._share(s, donor, tokens[:shareable]) if donor is not None else 0
                 if not seeded and mesh.kvstore is not None:
                     seeded = mesh.seed_prefix(session.session_id, tokens)
-            session.history, s.pending = tokens[:seeded], tokens[seeded:]
-            session.incarnation, start = mesh.incarnation, seeded
+            self._start(s, tokens, seeded)
+            start = seeded
             n = len(s.pending) if len(s.pending) == 1 else min(len(s.pending), budget)
-            need = blocks_for(start + n, block)
+            need = blocks_for(start + n, block) - s.blocks
         s.blocks += need
         session.epoch += 1
         row = stage_pb2.StepRow(session_id=session.session_id, epoch=session.epoch,
                                 commit_epoch=session.delivered_epoch, start_position=start,
                                 token_ids=s.pending[:n], sampling=s.sampling)
         return _Row(s, row, n == len(s.pending))
+
+    def _start(self, s: Sequence, tokens: list[int], seeded: int) -> None:
+        """`s` starts on this roster with its first `seeded` tokens already in every rank's KV (shared or seeded)."""
+        session = s.session
+        self._forget(s)  # after a recovery its old links name nothing: they are indexed again as it commits
+        session.history, s.pending, session.delivered_epoch = tokens[:seeded], tokens[seeded:], 0
+        session.incarnation, s.blocks = self.mesh.incarnation, blocks_for(seeded, self.mesh.kv_block_tokens)
+
+    def _seed_waiting(self, ready: list[Sequence]) -> None:
+        """Seeds from the KV store, all at once, the sessions waiting to start (new, preempted, or every session a
+        re-plan lost) that fit, in arrival order. One by one, each seed waited for the steps in flight on every
+        rank's engine, and a recovery's restores queued behind each other's compute."""
+        mesh, block = self.mesh, self.mesh.kv_block_tokens
+        if mesh.kvstore is None:
+            return
+        starting: list[tuple[Sequence, list[int]]] = []
+        used = self.used_blocks
+        for s in ready:
+            if s.session.incarnation == mesh.incarnation:
+                continue
+            tokens = s.session.history + s.pending
+            need = blocks_for(len(tokens), block)
+            if used + need > mesh.kv_pool_blocks:
+                break  # first come first served: _row preempts for it, or it waits
+            if len(tokens) > block and self._shareable(s, tokens)[0] is None:  # a live session's blocks come first
+                starting.append((s, tokens))
+                used += need
+        if len(starting) < 2:
+            return  # _row seeds a single one itself
+
+        def seed(s: Sequence, tokens: list[int]) -> int:
+            with telemetry.span("scheduler.admit", parent=s.context, session=s.session.session_id):
+                return mesh.seed_prefix(s.session.session_id, tokens)
+
+        for (s, tokens), seeded in zip(starting, list(self._seeders.map(seed, *zip(*starting)))):
+            self._start(s, tokens, seeded)
 
     def _preempt(self, s: Sequence, need: int) -> bool:
         """Frees blocks for `s` by releasing the newest session that arrived after it and holds any. Always False:
