@@ -158,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate text")
     _mesh_args(gen)
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--coordinator", default="", help="address of a running coordinator (default: embedded mesh)")
+    gen.add_argument("--coordinator", default="",
+                     help="address of a running coordinator, or comma-separated addresses of a cluster's coordinators: "
+                          "a stream that breaks resumes on the leader, token-identical (default: embedded mesh)")
     gen.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true")
     _client_args(gen)
     st = sub.add_parser("status", help="show the plan, executors, incarnation and sessions")
-    st.add_argument("--coordinator", default="")
+    st.add_argument("--coordinator", default="", help="a coordinator's address (several: the first that answers)")
     st.add_argument("--json", action="store_true")
     st.add_argument("--mesh-token-file", default="", help="the mesh token: list the session ids too (operators)")
     _client_args(st)

@@ -1,7 +1,14 @@
-"""Client of CoordinatorService: generation streams, logits, status."""
+"""Client of CoordinatorService: generation streams, logits, status.
+
+Given several coordinators (`a,b`: the replicas of one cluster, of which one leads), a stream that breaks with
+UNAVAILABLE (the leader died, stepped down, or a standby answered) is resumed on the leader: the same request
+again, carrying the tokens already delivered (resume_token_ids), so the new leader continues at the same positions
+with the same seed and the caller sees one unbroken, token-identical completion.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -10,7 +17,7 @@ import grpc
 import numpy as np
 
 from graphmesh import tensors
-from graphmesh.errors import from_rpc_error
+from graphmesh.errors import GraphmeshError, from_rpc_error
 from graphmesh.security import bearer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
@@ -31,16 +38,46 @@ class Chunk:
     prefill_computed_tokens: int = 0
 
 
-class CoordinatorClient:
-    """credentials: TLS (graphmesh.security.credentials(ca, cert, key)); token: the coordinator's bearer token."""
+RESUME_BACKOFF_S = (0.05, 0.1, 0.2, 0.4)  # waits between attempts to find the leader, the last one repeated
+KEEPALIVE_S = 1  # a resuming client pings every second and gives a silent coordinator one second to answer
 
-    def __init__(self, address: str, *, timeout: float = 600.0, credentials: grpc.ChannelCredentials | None = None,
-                 metadata: Sequence[tuple[str, str]] = (), token: str = "") -> None:
-        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-        self._channel = (grpc.secure_channel(address, credentials, options) if credentials
-                         else grpc.insecure_channel(address, options))
-        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+
+def _addresses(address: str | Sequence[str]) -> list[str]:
+    found = [a.strip() for a in (address.split(",") if isinstance(address, str) else address) if a.strip()]
+    if not found:
+        raise ValueError("no coordinator address given")
+    return found
+
+
+class CoordinatorClient:
+    """address: one coordinator, or several ("a,b" or a list) of one cluster. credentials: TLS
+    (graphmesh.security.credentials(ca, cert, key)); token: the coordinator's bearer token. resume_timeout_s: how
+    long a broken stream looks for a leader before its error is raised (per break; 0 never resumes; default: 30 s
+    with several addresses, 0 with one)."""
+
+    def __init__(self, address: str | Sequence[str], *, timeout: float = 600.0,
+                 credentials: grpc.ChannelCredentials | None = None, metadata: Sequence[tuple[str, str]] = (),
+                 token: str = "", resume_timeout_s: float | None = None) -> None:
+        options: list[tuple[str, int]] = [("grpc.max_send_message_length", 64 << 20),
+                                          ("grpc.max_receive_message_length", 64 << 20)]
+        self.addresses = _addresses(address)
+        self.resume_timeout_s = (30.0 if len(self.addresses) > 1 else 0.0) if resume_timeout_s is None \
+            else resume_timeout_s
+        if self.resume_timeout_s > 0:
+            # A frozen (SIGSTOPped, partitioned) leader keeps its TCP connections open and sends nothing: only a
+            # ping that goes unanswered breaks such a stream, so that it resumes on the new leader.
+            options += [("grpc.keepalive_time_ms", KEEPALIVE_S * 1000), ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
+                        ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+        self._channels = [grpc.secure_channel(a, credentials, options) if credentials
+                          else grpc.insecure_channel(a, options) for a in self.addresses]
+        self._stubs = [coordinator_pb2_grpc.CoordinatorServiceStub(c) for c in self._channels]
+        self._current = 0  # the coordinator that answered last: the leader, as far as this client knows
         self.timeout, self.metadata = timeout, (*metadata, *bearer(token))
+        self.resumes = 0  # streams continued on another (or the same, restarted) coordinator
+
+    @property
+    def _stub(self) -> coordinator_pb2_grpc.CoordinatorServiceStub:
+        return self._stubs[self._current]
 
     def __enter__(self) -> CoordinatorClient:
         return self
@@ -49,7 +86,14 @@ class CoordinatorClient:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
+
+    def _next_leader(self, error: GraphmeshError) -> None:
+        """Where to try next: the leader a standby named, when it is one of ours, else the next address."""
+        named = error.metadata.get("leader", "")
+        self._current = self.addresses.index(named) if named in self.addresses else \
+            (self._current + 1) % len(self.addresses)
 
     def generate(self, prompt: str = "", *, max_tokens: int = 64, raw: bool = False, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] = (),
@@ -63,12 +107,32 @@ class CoordinatorClient:
             prompt_token_ids=list(prompt_token_ids),
             messages=[coordinator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
             sampling=stage_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
-        try:
-            for r in self._stub.Generate(request, timeout=self.timeout, metadata=self.metadata):
-                yield Chunk(list(r.token_ids), r.text, _FINISH.get(r.finish_reason, ""), r.session_id,
-                            list(r.prompt_token_ids), r.ttft_ms, r.prefill_computed_tokens)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from e
+        delivered: list[int] = []  # every token yielded so far: what a resumed request carries
+        attempts, broke_at = 0, 0.0
+        while True:
+            del request.resume_token_ids[:]
+            request.resume_token_ids.extend(delivered)
+            try:
+                for r in self._stub.Generate(request, timeout=self.timeout, metadata=self.metadata):
+                    if attempts and delivered:
+                        self.resumes += 1
+                    attempts = 0  # progress: a later break gets the whole resume timeout again
+                    first = not delivered  # the prompt is echoed once, however many coordinators served the stream
+                    delivered += r.token_ids
+                    yield Chunk(list(r.token_ids), r.text, _FINISH.get(r.finish_reason, ""), r.session_id,
+                                list(r.prompt_token_ids) if first else [], r.ttft_ms, r.prefill_computed_tokens)
+                return
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+                if e.code() != grpc.StatusCode.UNAVAILABLE or self.resume_timeout_s <= 0:
+                    raise error from e
+                now = time.monotonic()
+                broke_at = now if attempts == 0 else broke_at
+                if now - broke_at > self.resume_timeout_s:
+                    raise error from e
+                self._next_leader(error)
+                time.sleep(RESUME_BACKOFF_S[min(attempts, len(RESUME_BACKOFF_S) - 1)])
+                attempts += 1
 
     def compute_logits(self, token_ids: Sequence[int], model: str = "") -> np.ndarray:
         try:
@@ -79,7 +143,12 @@ class CoordinatorClient:
         return tensors.from_proto(reply.logits)
 
     def status(self) -> coordinator_pb2.StatusResponse:
-        try:
-            return self._stub.Status(coordinator_pb2.StatusRequest(), timeout=30.0, metadata=self.metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from e
+        """The status of the first coordinator that answers (with several, a standby answers too: ready false)."""
+        for i in range(len(self.addresses)):
+            stub = self._stubs[(self._current + i) % len(self.addresses)]
+            try:
+                return stub.Status(coordinator_pb2.StatusRequest(), timeout=30.0, metadata=self.metadata)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or i == len(self.addresses) - 1:
+                    raise from_rpc_error(e) from e
+        raise AssertionError("unreachable")

@@ -49,6 +49,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: bool = False  # each token's log-probability, computed on the last stage
     top_logprobs: int = 0  # and the most likely alternatives at its position (with logprobs)
+    # Tokens a broken stream of this same request already delivered: they continue the history at their own
+    # positions (so seeded sampling gives the rest exactly) and count against max_tokens; only new ones stream.
+    resume_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,15 @@ def validate(request: GenerationRequest, context_tokens: int, vocab_size: int) -
     bad = next((t for t in request.prompt_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary of {vocab_size}", "BAD_TOKEN_ID")
+    bad = next((t for t in request.resume_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"resume token id {bad} is outside the vocabulary of {vocab_size}", "BAD_TOKEN_ID",
+                              {"parameter": "resume_token_ids"})
+    budget = min(request.max_tokens, context_tokens - len(request.prompt_ids))
+    if len(request.resume_ids) >= budget:
+        raise InvalidArgument(f"resume_token_ids holds {len(request.resume_ids)} tokens: the completion of "
+                              f"{budget} tokens has nothing left to generate", "RESUME_COMPLETE",
+                              {"parameter": "resume_token_ids"})
     check_finite_sampling(temperature=request.temperature, top_p=request.top_p)
     if request.temperature < 0 or request.top_k < 0 or not 0.0 <= request.top_p <= 1.0:
         raise InvalidArgument(f"bad sampling: temperature {request.temperature} (>= 0), top_k {request.top_k} (>= 0), "
@@ -145,15 +157,22 @@ class Generator:
         stage, instead of when the next token would have come."""
         validate(request, self.context_tokens, self.mesh.config.vocab_size)
         session = SessionInfo(session_id or uuid.uuid4().hex)
-        budget = min(request.max_tokens, self.context_tokens - len(request.prompt_ids))
+        resumed = list(request.resume_ids)
+        total = min(request.max_tokens, self.context_tokens - len(request.prompt_ids))
+        budget = total - len(resumed)  # validate() left at least one
         sampling = stage_pb2.SamplingParams(temperature=request.temperature, top_k=request.top_k,
                                             top_p=request.top_p, seed=request.seed, logprobs=request.logprobs,
                                             top_logprobs=request.top_logprobs if request.logprobs else 0)
-        seq = SchedulerSequence(session, list(request.prompt_ids), sampling, stage_pb2.OUTPUT_KIND_TOKEN, budget,
-                                frozenset() if request.ignore_eos else self.eos, len(request.prompt_ids) + budget)
+        # A resumed session is a new one whose prompt is the original prompt and the tokens already delivered: every
+        # position, hence every seeded draw, is the one the broken stream would have made.
+        seq = SchedulerSequence(session, list(request.prompt_ids) + resumed, sampling, stage_pb2.OUTPUT_KIND_TOKEN,
+                                budget, frozenset() if request.ignore_eos else self.eos,
+                                len(request.prompt_ids) + total)
         detok = Detokenizer(self.tokenizer)
+        for token in resumed:  # the text already delivered: stop strings and UTF-8 boundaries span the break
+            detok.push(token)
         t0 = last = time.perf_counter()
-        completion = ""
+        completion = detok.emitted
         with self._lock:
             self.sessions[session.session_id] = session
         try:

@@ -1,9 +1,14 @@
-"""graphmesh-coordinator: plans the partition, installs it, serves generation."""
+"""graphmesh-coordinator: plans the partition, installs it, serves generation.
+
+With --etcd, several coordinators of one --cluster-name elect a leader (graphmesh_coordinator.election): only the
+leader installs and drives the executors and reports SERVING; the others have loaded the tokenizer and config and
+wait as hot standbys, answering UNAVAILABLE (NOT_LEADER) until they win."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import grpc
@@ -14,13 +19,14 @@ from graphmesh import logs, security, telemetry
 from graphmesh.aio_serving import AioServer, MirroredHealth
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
-from graphmesh.errors import InvalidArgument, NotFound
+from graphmesh.errors import InvalidArgument, NotFound, Unavailable
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.security import ServerSecurity
 from graphmesh.serving import run_until_signalled
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from graphmesh_coordinator.election import Election, EtcdClient, EtcdState, LeaderMesh, not_leader
 from graphmesh_coordinator.generation import Generator
 from graphmesh_coordinator.kserve import KServeServicer
 from graphmesh_coordinator.openai_api import OpenAIServer
@@ -53,6 +59,10 @@ class CoordinatorConfig:
     http_ready_wait_s: float = 10.0  # how long an HTTP request waits out a recovery before its 503
     steps_in_flight: int = 0  # steps in flight at most; 0: one per stage
     health_window_s: float = 1.0  # an executor that answers no health probe for this long is lost
+    etcd: list[str] = field(default_factory=list)  # etcd client URLs: elect a leader there; empty: file state
+    cluster_name: str = "graphmesh"  # the election's and the incarnation counter's key prefix in etcd
+    lease_ttl_s: float = 2.0  # the leader's etcd lease in seconds (etcd rounds it to whole seconds, >= its minimum)
+    advertise: str = ""  # the address clients reach this coordinator at, stored in etcd by the leader; "": listen
 
 
 @dataclass
@@ -61,6 +71,7 @@ class Coordinator:
     port: int
     mesh: Mesh
     http: OpenAIServer | None = None
+    election: Election | None = None
 
 
 def _http_listen(config: CoordinatorConfig) -> str:
@@ -89,23 +100,41 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     except NotFound as e:
         log.warning("no tokenizer: only token-id requests will be served", extra={"reason": e.message})
         tokenizer = None
-    state = DurableState(config.state_dir)
-    mesh = Mesh(config.model, ckpt.config, config.executors, state, config.split or None, config.weights,
-                config.rpc_timeout_s, max_context_tokens=config.max_context_tokens, dtype=config.dtype,
-                kvstore=config.kvstore, tls=config.security.tls)
+    election = None
+    if config.etcd:
+        election = Election(EtcdClient(config.etcd), config.cluster_name, config.advertise or config.listen,
+                            config.lease_ttl_s)
+        state: DurableState = EtcdState(election, config.state_dir)
+        mesh: Mesh = LeaderMesh(election, config.model, ckpt.config, config.executors, state, config.split or None,
+                                config.weights, config.rpc_timeout_s, max_context_tokens=config.max_context_tokens,
+                                dtype=config.dtype, kvstore=config.kvstore, tls=config.security.tls)
+    else:
+        state = DurableState(config.state_dir)
+        mesh = Mesh(config.model, ckpt.config, config.executors, state, config.split or None, config.weights,
+                    config.rpc_timeout_s, max_context_tokens=config.max_context_tokens, dtype=config.dtype,
+                    kvstore=config.kvstore, tls=config.security.tls)
     context = config.max_context_tokens or ckpt.config.max_position
     eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
     scheduler = Scheduler(mesh, config.max_step_tokens, config.max_step_seqs, steps_in_flight=config.steps_in_flight)
     generator = Generator(mesh, tokenizer, eos, context, scheduler)
     # 64 calls at once (Generate streams hold one each); --max-concurrent-rpcs changes it. Asynchronous: streams
     # that hold no work (an idle ModelStreamInfer) hold no thread, and health is answered on the event loop.
+    # Clients that can resume on another coordinator ping their streams (CoordinatorClient: every second) to find a
+    # frozen leader, whose connections stay open; without these a server answers such pings with GOAWAY.
     server = config.security.server(64, [("grpc.max_send_message_length", 64 << 20),
-                                         ("grpc.max_receive_message_length", 64 << 20)],
+                                         ("grpc.max_receive_message_length", 64 << 20),
+                                         ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+                                         ("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_permit_without_calls", 1)],
                                     telemetry.server_interceptors(config.metrics_port > 0), "coordinator-rpc",
                                     asynchronous=True)
     assert isinstance(server, AioServer)
+    gate = None
+    if election is not None:
+        def gate() -> None:
+            if not election.is_leader():
+                raise not_leader(election)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
-        CoordinatorServicer(generator, mesh, config.model, config.security), server)
+        CoordinatorServicer(generator, mesh, config.model, config.security, gate), server)
     kserve_grpc.add_GRPCInferenceServiceServicer_to_server(
         KServeServicer(generator, mesh, config.model, server.admission), server)
     health_servicer = MirroredHealth(server)
@@ -139,21 +168,62 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
             ("graphmesh_preemptions", "counter", "Sessions preempted for KV blocks", lambda: scheduler.preemptions),
             ("graphmesh_prefix_shared_tokens", "counter", "Prompt tokens shared from a live session's KV blocks",
              lambda: scheduler.shared_tokens))
-    wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
-    if state.incarnation:
-        # A restarted coordinator: whatever incarnation its predecessor left is fenced everywhere before a
-        # new one is issued, so an executor never obeys the old coordinator again.
-        mesh.fence(state.incarnation, "coordinator restarted")
+    if election is None:
+        wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
+        _take_over(config, mesh, state.incarnation, health_servicer)
+    else:
+        assert isinstance(state, EtcdState)
+        threading.Thread(target=_lead, args=(config, election, mesh, state, health_servicer), name="election",
+                         daemon=True).start()
+    return Coordinator(server, port, mesh, http, election)
+
+
+def _take_over(config: CoordinatorConfig, mesh: Mesh, predecessor: int, health: MirroredHealth) -> None:
+    if predecessor:
+        # A restarted coordinator, or a standby that won the election: whatever incarnation its predecessor left
+        # is fenced everywhere before a new one is issued, so an executor never obeys the old coordinator again.
+        mesh.fence(predecessor, "coordinator restarted" if not config.etcd else "a new leader was elected")
     mesh.install()
     mesh.watch(window_s=config.health_window_s)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return Coordinator(server, port, mesh, http)
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+
+def _lead(config: CoordinatorConfig, election: Election, mesh: Mesh, state: EtcdState, health: MirroredHealth) -> None:
+    """The standby's life: campaign, then take the mesh over; on losing the lease, stop serving for good (the
+    process stays up answering NOT_LEADER; restarting it makes it a standby again)."""
+    election.on_lost(lambda why: health.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
+    while True:  # executors first: a leader that must wait for them would hold the lease with nothing to serve
+        try:
+            wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
+            break
+        except Unavailable as e:
+            log.warning("standby: waiting for the executors before campaigning", extra={"error": e.message})
+    log.info("standby: campaigning", extra={"cluster": config.cluster_name, "etcd": config.etcd})
+    election.campaign()
+    try:
+        predecessor = state.refresh()
+        log.info("leader: taking the mesh over", extra={"cluster": config.cluster_name, "fencing": predecessor})
+        _take_over(config, mesh, predecessor, health)
+    except Exception as e:  # let another coordinator try rather than hold the lease with no mesh
+        log.error("leader could not install the mesh; stepping down", extra={"error": str(e)})
+        election.step_down(f"install failed: {e}")
+        return
+    log.info("leader serving", extra={"cluster": config.cluster_name, "incarnation": mesh.incarnation})
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="graphmesh-coordinator", description=__doc__)
     parser.add_argument("--listen", default="127.0.0.1:50050")
     parser.add_argument("--executors", required=True, help="comma-separated executor addresses, in pipeline order")
+    parser.add_argument("--etcd", default="", help="comma-separated etcd client URLs (http://HOST:PORT): elect one "
+                                                   "leader among the coordinators of --cluster-name (default: this "
+                                                   "coordinator alone, its incarnation in --state-dir)")
+    parser.add_argument("--cluster-name", default="graphmesh", help="the coordinators that elect one leader in etcd")
+    parser.add_argument("--lease-ttl", type=float, default=2.0,
+                        help="seconds the leader's etcd lease lasts without a renewal: how long a dead leader holds "
+                             "up failover (whole seconds in etcd, at least its minimum)")
+    parser.add_argument("--advertise", default="", help="the address clients reach this coordinator at (default: "
+                                                        "--listen); etcd names it to clients of a standby")
     parser.add_argument("--model", default="smollm2-135m", help="bundled model name or checkpoint path")
     parser.add_argument("--state-dir", default="./coordinator-state")
     parser.add_argument("--kvstore", default="")
@@ -186,7 +256,9 @@ def main(argv: list[str] | None = None) -> None:
                                    args.startup_timeout, args.rpc_timeout, args.max_context, args.metrics_port,
                                    security.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs,
                                    http_listen=args.http_listen, http_ready_wait_s=args.http_ready_wait,
-                                   steps_in_flight=args.steps_in_flight, health_window_s=args.health_window)
+                                   steps_in_flight=args.steps_in_flight, health_window_s=args.health_window,
+                                   etcd=[u for u in args.etcd.split(",") if u], cluster_name=args.cluster_name,
+                                   lease_ttl_s=args.lease_ttl, advertise=args.advertise)
         telemetry.serve_metrics(config.metrics_port)
         running = build_server(config)
     except Exception as e:
@@ -196,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_until_signalled(running.server, grace_s=2.0)
     finally:
+        if running.election is not None:
+            running.election.close()  # resign: a standby takes over now, not after the lease's TTL
         if running.http is not None:
             running.http.stop()
         running.mesh.close()

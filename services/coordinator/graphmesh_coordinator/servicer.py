@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
@@ -56,11 +56,16 @@ def prompt_token_ids(tokenizer: Tokenizer | None, model_name: str, *, prompt: st
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(self, generator: Generator, mesh: Mesh, model_name: str,
-                 security: ServerSecurity | None = None) -> None:
+                 security: ServerSecurity | None = None, leader_gate: Callable[[], None] | None = None) -> None:
+        """leader_gate raises (UNAVAILABLE, NOT_LEADER) unless this coordinator leads its cluster: a standby or a
+        leader that stepped down refuses at once rather than waiting for a mesh it will never drive."""
         self.generator, self.mesh, self.model_name = generator, mesh, model_name
         self.security = security or ServerSecurity()
+        self.leader_gate = leader_gate
 
     def _check_model(self, model: str) -> None:
+        if self.leader_gate is not None:
+            self.leader_gate()
         if model and model != self.model_name:
             raise NotFound(f"unknown model {model!r}; this coordinator serves {self.model_name!r}", "UNKNOWN_MODEL")
         if not self.mesh.wait_ready(RECOVERY_WAIT_S):
@@ -76,7 +81,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                           parse_special=request.parse_special_tokens)
             s = request.sampling
             gen = GenerationRequest(prompt_ids, request.max_tokens, s.temperature, s.top_k, s.top_p or 1.0, s.seed,
-                                    tuple(request.stop), request.ignore_eos)
+                                    tuple(request.stop), request.ignore_eos, resume_ids=tuple(request.resume_token_ids))
             first = True
             for event in self.generator.generate(gen, alive=context.is_active):
                 yield self._response(event, prompt_ids if first else None)

@@ -78,6 +78,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """model names the model; empty uses the coordinator's model."""
     prompt: _builtins.str
@@ -109,6 +110,17 @@ class GenerateRequest(_message.Message):
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """stop lists strings that end the completion (not included in it)."""
 
+    @_builtins.property
+    def resume_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """resume_token_ids continues a generation whose stream broke: the tokens
+        (ids, in order) already delivered to the client for this same request.
+        They are appended to the prompt's history at their original positions;
+        with the same sampling (seed) the continuation is exactly the tokens a
+        stream that never broke would have sent. max_tokens still counts them:
+        the coordinator generates max_tokens - len(resume_token_ids) more. Only
+        the new tokens are streamed; prompt_token_ids echoes the prompt alone.
+        """
+
     def __init__(
         self,
         *,
@@ -122,10 +134,11 @@ class GenerateRequest(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         ignore_eos: _builtins.bool = ...,
         parse_special_tokens: _builtins.bool = ...,
+        resume_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
