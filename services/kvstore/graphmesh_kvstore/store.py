@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import threading
@@ -363,7 +364,7 @@ class Store:
             if value is None:
                 continue
             try:
-                block = _decode(value, slot.key, ns, slot.layer, slot.block)
+                block = _decode(value, slot.key, ns, space, slot.layer, slot.block)
             except ValueError as e:
                 log.warning("corrupt shared KV entry dropped", extra={"key": name, "error": str(e)})
                 corrupt.append(name)
@@ -444,7 +445,7 @@ class Store:
         """The entry from disk, or None (and the file deleted, counted) when it fails its checks."""
         assert self._dir is not None
         try:
-            return _decode((self._dir / key.hex()).read_bytes(), key, ns, layer, index)
+            return _decode((self._dir / key.hex()).read_bytes(), key, ns, kvkeys.root(ns), layer, index)
         except (OSError, ValueError) as e:
             self._corrupt_file(key, str(e))
             return None
@@ -503,9 +504,10 @@ class Store:
 # -- the encoding of one entry, on disk and in the shared tier ------------------------------------------------
 
 
-def _header(key: bytes, ns: kvstore_pb2.KvNamespace, layer: int, tokens: int) -> dict[str, Any]:
-    """What an entry must say about itself to be served for (key, ns, layer, tokens)."""
-    return {"key": key.hex(), "space": kvkeys.root(ns).hex(), "model_identity": ns.model_identity,
+def _header(key: bytes, ns: kvstore_pb2.KvNamespace, space: bytes, layer: int, tokens: int) -> dict[str, Any]:
+    """What an entry must say about itself to be served for (key, ns, layer, tokens); space: kvkeys.root(ns),
+    passed in because a seed checks hundreds of entries of one namespace."""
+    return {"key": key.hex(), "space": space.hex(), "model_identity": ns.model_identity,
             "layout": ns.layout, "dtype": "f32", "layer": layer, "kv_dim": ns.kv_dim,
             "block_tokens": ns.block_tokens, "tokens": tokens}
 
@@ -513,13 +515,13 @@ def _header(key: bytes, ns: kvstore_pb2.KvNamespace, layer: int, tokens: int) ->
 def _encode(key: bytes, ns: kvstore_pb2.KvNamespace, layer: int, tokens: int, block: Block) -> bytes:
     """MAGIC | sha256(header + payload) | header length | header | payload. tokens: of the prefix through this
     block."""
-    header = json.dumps({**_header(key, ns, layer, tokens), "shape": list(block.rows.shape),
+    header = json.dumps({**_header(key, ns, block.space, layer, tokens), "shape": list(block.rows.shape),
                          "incarnation": block.incarnation, "epoch": block.epoch}).encode()
     payload = block.rows.astype("<f4", copy=False).tobytes()
     return _PREAMBLE.pack(MAGIC, hashlib.sha256(header + payload).digest(), len(header)) + header + payload
 
 
-def _decode(data: bytes, key: bytes, ns: kvstore_pb2.KvNamespace, layer: int, index: int) -> Block:
+def _decode(data: bytes, key: bytes, ns: kvstore_pb2.KvNamespace, space: bytes, layer: int, index: int) -> Block:
     """The entry of block `index` of layer `layer` of ns under `key`; raises ValueError when the bytes are torn,
     fail their checksum, or describe anything else than what was asked for."""
     if len(data) < _PREAMBLE.size:
@@ -532,7 +534,7 @@ def _decode(data: bytes, key: bytes, ns: kvstore_pb2.KvNamespace, layer: int, in
         raise ValueError("checksum mismatch")
     try:
         header = json.loads(bytes(body[:header_len]))
-        expected = _header(key, ns, layer, (index + 1) * ns.block_tokens)
+        expected = _header(key, ns, space, layer, (index + 1) * ns.block_tokens)
         wrong = [f for f, v in expected.items() if header.get(f) != v]
         if wrong:
             raise ValueError(f"entry header differs in {', '.join(wrong)}")
@@ -540,7 +542,7 @@ def _decode(data: bytes, key: bytes, ns: kvstore_pb2.KvNamespace, layer: int, in
         if tuple(header["shape"]) != shape:
             raise ValueError(f"entry shape {header['shape']} is not {list(shape)}")
         payload = body[header_len:]
-        if len(payload) != 4 * int(np.prod(shape)):
+        if len(payload) != 4 * math.prod(shape):
             raise ValueError(f"payload of {len(payload)} bytes does not match f32{list(shape)}")
         rows = np.frombuffer(payload, dtype="<f4").reshape(shape)  # read-only: bytes are immutable
         return Block(bytes.fromhex(header["space"]), layer, rows, int(header["incarnation"]), int(header["epoch"]))
