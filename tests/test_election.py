@@ -223,6 +223,7 @@ def _old_step_refused(executors: list[str], incarnation: int) -> None:
 def test_a_standby_refuses_until_it_leads(coordinators: list[Coordinator]) -> None:
     leader, standby = coordinators
     assert _health(standby.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert health_status(standby.address, "liveness") == health_pb2.HealthCheckResponse.SERVING  # not restarted
     with CoordinatorClient(standby.address) as client, pytest.raises(Unavailable) as e:
         list(client.generate(prompt_token_ids=PROMPT, max_tokens=2))
     assert e.value.reason == "NOT_LEADER" and leader.address in e.value.message, e.value.message
@@ -275,6 +276,10 @@ def test_a_leader_paused_past_its_lease_is_refused_and_steps_down(coordinators: 
         assert time.monotonic() < deadline, leader.log()[-3000:]
         time.sleep(0.05)
     assert "stepping down" in leader.log()
+    assert _health(standby.address) == health_pb2.HealthCheckResponse.SERVING
+    # alive for a supervisor while it waited as a standby; not any more: a restart makes it a standby again
+    assert health_status(standby.address, "liveness") == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(leader.address, "liveness") == health_pb2.HealthCheckResponse.NOT_SERVING
     with CoordinatorClient(leader.address) as client, pytest.raises(Unavailable) as e:
         list(client.generate(prompt_token_ids=PROMPT, max_tokens=2))
     assert e.value.reason == "NOT_LEADER" and "stepped down" in e.value.message, e.value.message

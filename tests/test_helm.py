@@ -115,7 +115,9 @@ def expanded_args(docs: list[Doc], workload: Doc) -> list[str]:
         ref = source["configMapRef"]["name"]
         env |= next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == ref)["data"]
     env |= {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
-    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+    fields = {e["name"] for e in c.get("env", []) if "valueFrom" in e}  # the pod's own (POD_IP): known when it runs
+    return [re.sub(r"\$\((\w+)\)", lambda m: m.group(0) if m.group(1) in fields else env[m.group(1)], a)
+            for a in c["args"]]
 
 
 def executor_addresses(docs: list[Doc]) -> list[str]:
@@ -255,7 +257,9 @@ def test_probes_are_native_grpc_probes(rendered: dict[str, list[Doc]]) -> None:
             ports = {p["name"]: p["containerPort"] for p in c["ports"]}
             for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
                 assert set(c[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, (name, probe)
-                assert c[probe]["grpc"]["service"] == ""
+                # elected coordinators: a standby is alive (service "liveness") but not ready ("")
+                elected = probe != "readinessProbe" and "--etcd" in c["args"]
+                assert c[probe]["grpc"]["service"] == ("liveness" if elected else "")
                 assert c[probe]["grpc"]["port"] == ports["health" if tls_on else "grpc"], (name, w["metadata"]["name"])
             assert flag(c["args"], "--listen") == f"0.0.0.0:{ports['grpc']}"
             assert flag(c["args"], "--metrics-port") == str(ports["metrics"])
@@ -275,6 +279,8 @@ def test_pods_run_non_root_with_read_only_root(rendered: dict[str, list[Doc]]) -
 
 def test_coordinator_state_is_durable_and_single(rendered: dict[str, list[Doc]]) -> None:
     for name, docs in rendered.items():
+        if values(name)["etcd"]["enabled"] or values(name)["etcd"]["url"]:
+            continue  # elected coordinators: test_coordinators_elect_a_leader_on_the_charts_etcd
         dep = one(docs, "Deployment", "coordinator")
         assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
         c = container(dep)
@@ -289,11 +295,40 @@ def test_coordinator_state_is_durable_and_single(rendered: dict[str, list[Doc]])
             assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
+def test_coordinators_elect_a_leader_on_the_charts_etcd(rendered: dict[str, list[Doc]],
+                                                        helm_template: Template) -> None:
+    docs = rendered["ha-values"]
+    dep = one(docs, "Deployment", "coordinator")
+    assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    c = container(dep)
+    etcd = one(docs, "StatefulSet", "etcd")
+    headless = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == etcd["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and etcd["spec"]["podManagementPolicy"] == "Parallel"
+    members = [f"{etcd['metadata']['name']}-{i}" for i in range(etcd["spec"]["replicas"])]
+    assert flag(c["args"], "--etcd").split(",") == [f"http://{m}.{headless['metadata']['name']}:2379" for m in members]
+    assert len(members) == 3 and flag(c["args"], "--lease-ttl") == "2"
+    assert flag(c["args"], "--advertise") == f"$(POD_IP):{values('ha-values')['coordinator']['port']}"
+    initial = next(a for a in container(etcd)["args"] if a.startswith("--initial-cluster="))
+    assert [p.split("=")[0] for p in initial.split("=", 1)[1].split(",")] == members
+    # the incarnation is etcd's: no state volume to share between the replicas, a PDB that keeps a standby
+    state = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "state")
+    assert "emptyDir" in state and not [d for d in docs if d["kind"] == "PersistentVolumeClaim"
+                                        and d["metadata"]["name"].endswith("-state")]
+    assert one(docs, "PodDisruptionBudget", "coordinator")["spec"]["maxUnavailable"] == 1
+    # an external etcd instead of the chart's
+    proc = helm_template("--set", "coordinator.replicas=2", "--set-string", r"etcd.url=http://etcd-a:2379\,http://etcd-b:2379")
+    assert proc.returncode == 0, proc.stderr
+    external = load(proc.stdout)
+    assert flag(container(one(external, "Deployment", "coordinator"))["args"], "--etcd") == \
+        "http://etcd-a:2379,http://etcd-b:2379"
+    assert not [d for d in external if d["metadata"]["labels"].get("app.kubernetes.io/component") == "etcd"]
+
+
 def test_optional_objects(rendered: dict[str, list[Doc]]) -> None:
     for name, docs in rendered.items():
         monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
         assert len(monitors) == (1 if values(name)["serviceMonitor"]["enabled"] else 0), name
-        pdb = one(docs, "PodDisruptionBudget")
+        pdb = one(docs, "PodDisruptionBudget", "executor")
         assert pdb["spec"]["selector"]["matchLabels"] == one(docs, "StatefulSet", "executor")["spec"]["selector"]["matchLabels"]
         kv = container(one(docs, "Deployment", "kvstore"))
         assert flag(kv["args"], "--capacity-bytes") == str(values(name)["kvstore"]["capacityBytes"])
@@ -322,6 +357,8 @@ def test_model_and_plan_reach_the_coordinator_from_the_configmap(rendered: dict[
         (["--set", "executor.replicas=0"], "replicas"),
         (["--set-json", "plan.split=[10,10,10]"], "plan.split lists 3 stages but executor.replicas is 2"),
         (["--set", "model.weights=q8"], "f32"),
+        (["--set", "coordinator.replicas=2"], "coordinator.replicas > 1 needs etcd"),
+        (["--set", "etcd.enabled=true", "--set", "etcd.replicas=2"], "replicas"),
     ],
 )
 def test_bad_values_are_refused(helm_template: Template, args: list[str], message: str) -> None:

@@ -21,6 +21,7 @@
 {{- define "graphmesh.executorHeadless" -}}{{ include "graphmesh.executor" . }}-headless{{- end -}}
 {{- define "graphmesh.kvstore" -}}{{ include "graphmesh.fullname" . | trunc 55 }}-kvstore{{- end -}}
 {{- define "graphmesh.valkey" -}}{{ include "graphmesh.fullname" . | trunc 56 }}-valkey{{- end -}}
+{{- define "graphmesh.etcd" -}}{{ include "graphmesh.fullname" . | trunc 58 }}-etcd{{- end -}}
 {{- define "graphmesh.config" -}}{{ include "graphmesh.fullname" . | trunc 56 }}-config{{- end -}}
 
 {{- define "graphmesh.serviceAccountName" -}}
@@ -109,6 +110,21 @@ app.kubernetes.io/part-of: graphmesh
 {{- join "," $addrs -}}
 {{- end -}}
 
+{{/* The coordinators' --etcd: etcd.url as given, else one client URL per member of the chart's etcd; "" without. */}}
+{{- define "graphmesh.etcdUrls" -}}
+{{- $e := .Values.etcd -}}
+{{- if $e.url -}}
+{{- $e.url -}}
+{{- else if $e.enabled -}}
+{{- $name := include "graphmesh.etcd" . -}}
+{{- $urls := list -}}
+{{- range $i := until (int $e.replicas) -}}
+{{- $urls = append $urls (printf "http://%s-%d.%s:%d" $name $i $name (int $e.clientPort)) -}}
+{{- end -}}
+{{- join "," $urls -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Every service: the mesh token that identifies the mesh's own services to each other, and TLS when on. */}}
 {{- define "graphmesh.securityArgs" -}}
 - --mesh-token-file
@@ -134,16 +150,17 @@ app.kubernetes.io/part-of: graphmesh
 {{- define "graphmesh.probes" -}}
 {{- $p := .ctx.Values.probes -}}
 {{- $port := ternary (int .ctx.Values.tls.healthPort) (int .port) .ctx.Values.tls.enabled -}}
+{{- $live := default "" .liveService -}}
 startupProbe:
   grpc:
     port: {{ $port }}
-    service: ""
+    service: {{ $live | quote }}
   periodSeconds: {{ $p.startup.periodSeconds }}
   failureThreshold: {{ $p.startup.failureThreshold }}
 livenessProbe:
   grpc:
     port: {{ $port }}
-    service: ""
+    service: {{ $live | quote }}
   periodSeconds: {{ $p.liveness.periodSeconds }}
   timeoutSeconds: {{ $p.liveness.timeoutSeconds }}
   failureThreshold: {{ $p.liveness.failureThreshold }}

@@ -36,6 +36,10 @@ from graphmesh_coordinator.servicer import CoordinatorServicer
 from graphmesh_coordinator.state import DurableState
 
 log = logging.getLogger("graphmesh.coordinator")
+# grpc.health.v1 service name that is SERVING while this process is worth keeping: a standby too (it waits to lead),
+# not a leader that stepped down (a restart makes it a standby again). "" is SERVING only on the leader, with its
+# mesh installed: the readiness a Kubernetes Service routes by.
+LIVENESS_SERVICE = "liveness"
 
 
 @dataclass
@@ -144,6 +148,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     reflection.enable_server_reflection(names, server)
     port = config.security.add_port(server, config.listen)
     health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     server.start()
     config.security.serve_health(health_servicer)
     http = None
@@ -190,8 +195,13 @@ def _take_over(config: CoordinatorConfig, mesh: Mesh, predecessor: int, health: 
 
 def _lead(config: CoordinatorConfig, election: Election, mesh: Mesh, state: EtcdState, health: MirroredHealth) -> None:
     """The standby's life: campaign, then take the mesh over; on losing the lease, stop serving for good (the
-    process stays up answering NOT_LEADER; restarting it makes it a standby again)."""
-    election.on_lost(lambda why: health.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
+    process stays up answering NOT_LEADER and reports itself not live, so that a supervisor restarts it as a
+    standby)."""
+    def stepped_down(why: str) -> None:
+        health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    election.on_lost(stepped_down)
     while True:  # executors first: a leader that must wait for them would hold the lease with nothing to serve
         try:
             wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
