@@ -324,3 +324,29 @@ def test_etcd_losing_a_member_changes_nothing_and_losing_all_only_pauses_the_str
     assert results == baseline
     assert resumed >= 1
     assert _wait_serving([standby]) is standby and _incarnation(standby.address) > k
+
+
+def test_a_new_cluster_counter_starts_past_what_the_executors_hold(etcd: EtcdCluster, model: Path,
+                                                                   executors: list[str], tmp_path: Path) -> None:
+    """A coordinator that takes over executors installed before its cluster's counter existed (their previous
+    coordinator ran on its file state, or under another cluster name) issues a newer incarnation, not 1."""
+    address = f"127.0.0.1:{free_port()}"
+    base = [sys.executable, "-m", "graphmesh_coordinator.server", "--listen", address, "--executors", ",".join(executors),
+            "--model", str(model)]
+    if max(_stage_incarnation(a) for a in executors) == 0:  # run alone: a coordinator on its file state installs first
+        with start_process([*base, "--state-dir", str(tmp_path / "file-state")], address,
+                           log_path=tmp_path / "file-coordinator.log", env={"OMP_NUM_THREADS": "1"}):
+            pass
+    held = max(_stage_incarnation(a) for a in executors)
+    assert held > 0
+    with start_process([*base, "--state-dir", str(tmp_path / "state"), "--etcd", ",".join(etcd.urls),
+                        "--cluster-name", "another-cluster"], address, log_path=tmp_path / "coordinator.log",
+                       env={"OMP_NUM_THREADS": "1"}):
+        assert _incarnation(address) > held
+        tokens = [t for c in CoordinatorClient(address).generate(prompt_token_ids=PROMPT, max_tokens=3) for t in c.token_ids]
+        assert len(tokens) == 3
+
+
+def _stage_incarnation(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return int(stage_pb2_grpc.StageServiceStub(channel).Status(stage_pb2.StageStatusRequest(), timeout=10).incarnation)

@@ -285,6 +285,27 @@ class Election:
             # the counter moved under us while we still lead (only a previous leader's late write): read it again
         raise Unavailable("could not advance the incarnation in etcd after 10 attempts", "ETCD_CONTENDED")
 
+    def advance_to(self, floor: int) -> None:
+        """Raises the cluster's counter to at least `floor` (an incarnation executors already hold, issued before
+        this cluster's counter existed: a coordinator that ran on its file state, or a counter deleted in etcd),
+        so that the next one issued is newer than anything an executor has seen. Leader only, as next_incarnation."""
+        for _ in range(10):
+            if not self.is_leader():
+                raise NotLeader("this coordinator is not the leader: it does not move the incarnation counter")
+            current = self.etcd.get(self.incarnation_key)
+            value, revision = (int(current.value), current.mod_revision) if current else (0, 0)
+            if value >= floor:
+                return
+            ok, _ = self.etcd.txn(
+                [{"key": _b64(self.incarnation_key), "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)},
+                 {"key": _b64(self.leader_key), "target": "VALUE", "result": "EQUAL", "value": _b64(self.value)}],
+                [{"request_put": {"key": _b64(self.incarnation_key), "value": _b64(str(floor))}}], [])
+            if ok:
+                log.warning("incarnation counter raised to what the executors hold",
+                            extra={"cluster": self.cluster, "from": value, "to": floor})
+                return
+        raise Unavailable("could not raise the incarnation counter in etcd after 10 attempts", "ETCD_CONTENDED")
+
     def current_incarnation(self) -> int:
         kv = self.etcd.get(self.incarnation_key)
         return int(kv.value) if kv else 0

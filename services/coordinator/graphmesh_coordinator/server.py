@@ -25,7 +25,7 @@ from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.security import ServerSecurity
 from graphmesh.serving import run_until_signalled
 from graphmesh.tokenizer import Tokenizer
-from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator.election import Election, EtcdClient, EtcdState, LeaderMesh, not_leader
 from graphmesh_coordinator.generation import Generator
 from graphmesh_coordinator.kserve import KServeServicer
@@ -193,6 +193,19 @@ def _take_over(config: CoordinatorConfig, mesh: Mesh, predecessor: int, health: 
     health.set("", health_pb2.HealthCheckResponse.SERVING)
 
 
+def _executors_incarnation(mesh: Mesh) -> int:
+    """The newest incarnation any executor answers with (0 for those that do not answer)."""
+    calls = [stage_pb2_grpc.StageServiceStub(channel).Status.future(stage_pb2.StageStatusRequest(), timeout=5.0)
+             for channel in mesh.channels.values()]
+    newest = 0
+    for call in calls:
+        try:
+            newest = max(newest, int(call.result().incarnation))
+        except grpc.RpcError:
+            pass  # fenced or installed later, by this leader, with a newer one anyway
+    return newest
+
+
 def _lead(config: CoordinatorConfig, election: Election, mesh: Mesh, state: EtcdState, health: MirroredHealth) -> None:
     """The standby's life: campaign, then take the mesh over; on losing the lease, stop serving for good (the
     process stays up answering NOT_LEADER and reports itself not live, so that a supervisor restarts it as a
@@ -211,6 +224,9 @@ def _lead(config: CoordinatorConfig, election: Election, mesh: Mesh, state: Etcd
     log.info("standby: campaigning", extra={"cluster": config.cluster_name, "etcd": config.etcd})
     election.campaign()
     try:
+        # The executors may hold a newer incarnation than the cluster's counter (they ran under a coordinator on
+        # its file state before): the counter moves past it, or every Install would be refused as stale.
+        election.advance_to(_executors_incarnation(mesh))
         predecessor = state.refresh()
         log.info("leader: taking the mesh over", extra={"cluster": config.cluster_name, "fencing": predecessor})
         _take_over(config, mesh, predecessor, health)
