@@ -108,7 +108,7 @@ class CoordinatorClient:
             messages=[coordinator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
             sampling=stage_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         delivered: list[int] = []  # every token yielded so far: what a resumed request carries
-        attempts, broke_at = 0, 0.0
+        attempts, broke_at, finished = 0, 0.0, False
         while True:
             del request.resume_token_ids[:]
             request.resume_token_ids.extend(delivered)
@@ -119,6 +119,7 @@ class CoordinatorClient:
                     attempts = 0  # progress: a later break gets the whole resume timeout again
                     first = not delivered  # the prompt is echoed once, however many coordinators served the stream
                     delivered += r.token_ids
+                    finished = finished or r.finish_reason != coordinator_pb2.FINISH_REASON_UNSPECIFIED
                     yield Chunk(list(r.token_ids), r.text, _FINISH.get(r.finish_reason, ""), r.session_id,
                                 list(r.prompt_token_ids) if first else [], r.ttft_ms, r.prefill_computed_tokens)
                 return
@@ -126,6 +127,8 @@ class CoordinatorClient:
                 error = from_rpc_error(e)
                 if e.code() != grpc.StatusCode.UNAVAILABLE or self.resume_timeout_s <= 0:
                     raise error from e
+                if finished:
+                    return  # broke after its last message: the completion is whole, and a resume would be refused
                 now = time.monotonic()
                 broke_at = now if attempts == 0 else broke_at
                 if now - broke_at > self.resume_timeout_s:
