@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=4000, help="rows of the copied session")
     p.add_argument("--runs", type=int, default=5, help="runs of each measurement (median)")
-    p.add_argument("--backend", default="numpy", help="the executors' backend (the rows live in its KV handles)")
+    p.add_argument("--backend", default="torch", help="the executors' backend (the rows live in its KV pool)")
     p.add_argument("--bare-server", metavar="ADDRESS", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.bare_server:
@@ -129,7 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         addresses = {name: free_address() for name in ("a", "b", "kvstore", "source", "relay", "sink")}
         progress(f"starting 2 executors, the kvstore and 3 bare grpcio servers; load average {load}")
         processes = {n: spawn([sys.executable, "-m", "graphmesh_executor.server", "--listen", addresses[n], "--backend",
-                               a.backend, "--model-root", str(root)], addresses[n]) for n in ("a", "b")}
+                               a.backend, "--model-root", str(root), "--kv-cache-bytes", str(3 * rows.nbytes),
+                               # as LocalMesh starts them: executors sharing a machine must not oversubscribe it
+                               "--threads", str(max(1, (os.cpu_count() or 2) // 2))],
+                              addresses[n]) for n in ("a", "b")}
         processes["kvstore"] = spawn([sys.executable, "-m", "graphmesh_kvstore.server", "--listen", addresses["kvstore"]],
                                      addresses["kvstore"])
         processes |= {n: spawn([sys.executable, __file__, "--bare-server", addresses[n]], addresses[n])

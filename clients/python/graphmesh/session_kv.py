@@ -1,9 +1,9 @@
 """StageService.WriteSessionKv on the wire, for the two callers that stream KV rows into an executor's session: the
 KV store (seeds) and a source executor (row copies, PushSessionKv).
 
-Requests are sent as bytes: each TensorChunk of the rows is serialized once and framed as the request's `rows`
-field after the first message's header (protobuf merges concatenated fields), never copied into a request
-message, so rows pass through the caller at the speed of a bare stream.
+Requests are sent as bytes: each TensorChunk of the rows is framed by hand as the request's `rows` field after the
+first message's header (protobuf merges concatenated fields), its data joined straight from the rows array, never
+copied into a message first, so rows pass through the caller at the speed of a bare stream.
 """
 
 from __future__ import annotations
@@ -27,26 +27,13 @@ def raw(data: bytes) -> bytes:
     return data
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _write_request(first: stage_pb2.WriteSessionKvRequest | None, chunk: bytes) -> bytes:
-    """A serialized WriteSessionKvRequest: `first` (header, start row, token ids; None after the first message)
-    with `rows` = the serialized TensorChunk `chunk`."""
-    head = first.SerializeToString() if first is not None else b""
-    return b"".join((head, _ROWS_TAG, _varint(len(chunk)), chunk))
-
-
 def write_requests(first: stage_pb2.WriteSessionKvRequest, rows: np.ndarray) -> Iterator[bytes]:
-    """The whole call's requests for `rows`: `first` with the first chunk, then one message per chunk."""
-    for i, chunk in enumerate(tensors.to_chunks("kv", rows)):
-        yield _write_request(first if i == 0 else None, chunk.SerializeToString())
+    """The whole call's requests for `rows` as bytes: `first` (header, start row, token ids) with the first chunk,
+    then one message per chunk; each chunk's rows are copied once, into its message."""
+    for i, (head, data) in enumerate(tensors.chunk_fields("kv", rows)):
+        chunk = tensors.serialized_chunk(head, data)
+        size = sum(len(piece) for piece in chunk)
+        yield b"".join([first.SerializeToString() if i == 0 else b"", _ROWS_TAG, tensors.varint(size), *chunk])
 
 
 def executor_error(error: grpc.RpcError, address: str, method: str) -> GraphmeshError:

@@ -58,8 +58,10 @@ def from_proto(tensor: tensor_pb2.Tensor) -> np.ndarray:
     return from_bytes(dtypes.from_proto(tensor.dtype), tensor.shape, tensor.data)
 
 
-def to_chunks(name: str, array: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
-    """Yields the tensor as chunks; the first one carries name, dtype and shape."""
+def chunk_fields(name: str, array: np.ndarray,
+                 chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[tensor_pb2.TensorChunk, memoryview]]:
+    """The tensor's chunks, each as (every field but `data`, the data as a view of the array): to_chunks fills the
+    data in; a caller that frames requests as bytes (serialized_chunk) copies the tensor's bytes once."""
     dtype = dtypes.from_numpy(array.dtype)
     view = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).reshape(-1).view(np.uint8)
     total = len(view)
@@ -67,14 +69,39 @@ def to_chunks(name: str, array: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> I
     while True:
         end = min(offset + chunk_bytes, total)
         if offset == 0:
-            yield tensor_pb2.TensorChunk(
-                name=name, dtype=dtypes.to_proto(dtype), shape=array.shape, offset_bytes=0, data=view[0:end].tobytes()
-            )
+            head = tensor_pb2.TensorChunk(name=name, dtype=dtypes.to_proto(dtype), shape=array.shape, offset_bytes=0)
         else:
-            yield tensor_pb2.TensorChunk(offset_bytes=offset, data=view[offset:end].tobytes())
+            head = tensor_pb2.TensorChunk(offset_bytes=offset)
+        yield head, view[offset:end].data
         offset = end
         if offset >= total:
             return
+
+
+def to_chunks(name: str, array: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tensor_pb2.TensorChunk]:
+    """Yields the tensor as chunks; the first one carries name, dtype and shape."""
+    for head, data in chunk_fields(name, array, chunk_bytes):
+        head.data = bytes(data)
+        yield head
+
+
+_CHUNK_DATA_TAG = bytes([tensor_pb2.TensorChunk.DESCRIPTOR.fields_by_name["data"].number << 3 | 2])
+
+
+def varint(n: int) -> bytes:
+    """n (>= 0) as a protobuf base-128 varint."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def serialized_chunk(head: tensor_pb2.TensorChunk, data: memoryview) -> list[bytes | memoryview]:
+    """The pieces of a serialized TensorChunk (head's fields, then `data`): protobuf reads a field appended to a
+    message's bytes as set, so joining these once (with whatever frames them) is the only copy of the data."""
+    return [head.SerializeToString(), _CHUNK_DATA_TAG, varint(len(data)), data]
 
 
 class ChunkAssembler:

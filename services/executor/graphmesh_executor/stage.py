@@ -634,8 +634,7 @@ class StageRuntime:
         def write() -> None:
             assert self._holder is not None
             for j, name in enumerate(self._pool_names()):
-                self._pools[name] = self._holder._put_rows(self._pools[name], slots,
-                                                           np.ascontiguousarray(rows[:, j // 2, j % 2]))
+                self._pools[name] = self._holder._put_rows(self._pools[name], slots, rows[:, j // 2, j % 2])
         self.engine.run("stage.write_kv", write)  # outside the lock: the engine may be busy with another step
         with self._lock:
             self.authority.check(incarnation)

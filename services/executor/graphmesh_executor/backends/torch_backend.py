@@ -740,12 +740,18 @@ class TorchExecutable(Executable[Tensor]):
 
     @torch.inference_mode()
     def _take_rows(self, value: Tensor, rows: np.ndarray) -> np.ndarray:
-        return self._to_host(value.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(value.device)))
+        taken = value.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(value.device))
+        if taken.device.type == "cpu" and taken.dtype != torch.bfloat16:
+            return taken.numpy()  # index_select made a new tensor: nothing else holds it, no second copy
+        return self._to_host(taken)
 
     @torch.inference_mode()
     def _put_rows(self, value: Tensor, rows: np.ndarray, data: np.ndarray) -> Tensor:
         idx = torch.from_numpy(np.asarray(rows, np.int64)).to(value.device)
-        value.index_copy_(0, idx, self._from_host(data).to(value.dtype))
+        # A view of the caller's array, strided or not: index_copy_ is the copy (the rows of a seed or a migration
+        # were copied twice more before it).
+        src = torch.from_numpy(data) if data.dtype != _BF16 else self._from_host(data)
+        value.index_copy_(0, idx, src.to(value.device, value.dtype))
         value.__dict__.pop(_MEMO, None)
         return value
 
