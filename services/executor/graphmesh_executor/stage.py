@@ -328,8 +328,13 @@ class StageRuntime:
     def _executable(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool) -> Executable[Any]:
         key = (tokens, seqs, blocks, decode, sample)
         exe = self._executables.pop(key, None)
-        # (Re)inserted last: the dict is in order of use, for a re-plan's warm-up.
-        self._executables[key] = exe = exe if exe is not None else self._compile(*key)
+        if exe is None:
+            t0 = time.perf_counter()
+            exe = self._compile(*key)
+            # a step that waits for this is slower by that much: a shape bucket worth knowing about
+            log.info("stage executable compiled", extra={"tokens": tokens, "seqs": seqs, "blocks": blocks,
+                                                         "decode": decode, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+        self._executables[key] = exe  # (re)inserted last: the dict is in order of use, for a re-plan's warm-up
         return exe
 
     # -- protocol --------------------------------------------------------------------------------------
