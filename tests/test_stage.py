@@ -257,3 +257,22 @@ def test_replan_takes_standby_weights_and_compiles_the_recent_shapes(tiny_llama:
     assert reads == []
     assert list(runtime._executables) == ran  # compiled by the install, before any step of the new plan
     assert run_alone(runtime, 2) == expected
+
+
+def test_standby_weights_of_one_model_never_serve_another(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two checkpoints with the same param names: after the first is held in standby, installing the second
+    computes what a fresh load of the second does (the standby set belongs to one checkpoint)."""
+    other = make_tiny_llama(tmp_path / "other", seed=7)
+    prompt = [5, 17, 99, 3, 250, 42, 7]
+
+    def first_token(runtime: StageRuntime, incarnation: int) -> int:
+        return runtime.execute_step(incarnation, next(_step_ids), [StepRow("s", 1, 0, 0, prompt)], False, 5.0).tokens[0]
+
+    fresh = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, standby_weights=False)
+    fresh.install(1, 0, 1, StageConfig(str(other), 0, 2, True, True, ""))
+    expected = first_token(fresh, 1)
+    runtime = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, standby_weights=True)
+    runtime.install(1, 0, 1, StageConfig(str(tiny_llama), 0, 1, True, False, "1"))
+    assert runtime.standby_ready.wait(30)
+    runtime.install(2, 0, 1, StageConfig(str(other), 0, 2, True, True, ""))
+    assert first_token(runtime, 2) == expected

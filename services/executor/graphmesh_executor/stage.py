@@ -182,6 +182,7 @@ class StageRuntime:
         # None: on when the whole model's f32 weights take at most a quarter of the available memory.
         self.standby_weights = standby_weights
         self._standby: dict[str, np.ndarray] = {}
+        self._weights_path: Path | None = None  # the checkpoint the loaded stage and _standby hold weights of
         self.standby_ready = threading.Event()  # set once the whole model is held
         self._faults: dict[str, int] = {}
         self._lock = threading.Condition()
@@ -220,6 +221,10 @@ class StageRuntime:
 
     def _load(self, spec: StageConfig) -> None:
         path = self._model_path(spec.model)
+        same_model = path == self._weights_path
+        if not same_model:  # another model: its params may have the same names, never the same values
+            self._standby, self._weights_path = {}, path
+            self.standby_ready.clear()
         ckpt = open_checkpoint(path)
         if ckpt.config is None:
             raise InvalidArgument(f"{path} has no model config", "NO_MODEL_CONFIG")
@@ -243,7 +248,7 @@ class StageRuntime:
         budget = self.kv_cache_bytes or default_kv_cache_bytes(self.device, self.backend)
         pool = KvPool(max(2, budget // (row_bytes * block)), block)
         previous, self._holder, self.pool, self._pools = self._holder, None, pool, {}
-        holder = self._compile(1, 1, 1, True, True, weights=path, reuse=previous)
+        holder = self._compile(1, 1, 1, True, True, weights=path, reuse=previous if same_model else None)
         self._holder = holder
         self._pools = dict(zip(self._pool_names(), holder.zeros_like_inputs(self._pool_names())))
         # What KV keys are rooted in: the checkpoint and how this stage computes with it, since rows computed in
@@ -274,10 +279,14 @@ class StageRuntime:
     def _read_standby(self, path: Path, config: ModelConfig, held: set[str]) -> None:
         ckpt = open_checkpoint(path)
         every = models.stage_params(config, range(0, config.n_layers), first=True, last=True)
+        standby = self._standby
         for name, t in every.items():
-            if name not in held and name not in self._standby:
-                self._standby[name] = ckpt.tensor(name, t.dtype)
-        self.standby_ready.set()
+            if self._standby is not standby:
+                return  # another model was installed meanwhile
+            if name not in held and name not in standby:
+                standby[name] = ckpt.tensor(name, t.dtype)
+        if self._standby is standby:
+            self.standby_ready.set()
         log.info("standby weights read", extra={"params": len(self._standby)})
 
     def _model_path(self, model: str) -> Path:
