@@ -91,6 +91,38 @@ def test_session_commit_abort_and_indeterminate() -> None:
         t.abort(3)  # committed epochs cannot be rolled back
 
 
+def test_a_later_epoch_that_does_not_decide_a_voted_one_makes_it_indeterminate_until_resolved() -> None:
+    t = SessionTxn()
+    t.begin(1)
+    with pytest.raises(FailedPrecondition) as e:
+        t.begin(2)  # epoch 1 has not run here yet: an ordinary refusal, nothing marked
+    assert (e.value.reason, t.phase) == ("EPOCH_OPEN", SessionPhase.IN_TXN)
+    t.advance(1, 10)  # ran and answered: only its decision is missing
+    for _ in range(2):  # marked by the first refusal, and refused until resolved
+        with pytest.raises(FailedPrecondition) as e:
+            t.begin(2)
+        assert e.value.reason == "SESSION_INDETERMINATE" and e.value.metadata["epoch"] == "1"
+        assert (t.phase, t.epoch, t.kv_length, t.pending_length) == (SessionPhase.INDETERMINATE, 1, 0, 10)
+    t.abort(2)  # the refused epoch never began here: aborting it leaves epoch 1 waiting
+    assert t.phase is SessionPhase.INDETERMINATE
+    with pytest.raises(FailedPrecondition) as e:
+        t.resolve(2, Outcome.ABORTED)
+    assert e.value.reason == "NOT_INDETERMINATE"
+    t.resolve(1, Outcome.ABORTED)
+    assert (t.phase, t.kv_length, t.pending_length, t.last_outcome) == (SessionPhase.IDLE, 0, 0, Outcome.ABORTED)
+    t.begin(3)
+    t.advance(3, 4)
+    with pytest.raises(FailedPrecondition):
+        t.begin(4)
+    t.commit(3)  # a late decision is a decision: the commit resolves it
+    assert (t.phase, t.kv_length, t.committed_epoch) == (SessionPhase.IDLE, 4, 3)
+    t.begin(5)
+    t.advance(5, 6)
+    t.mark_indeterminate(5)
+    t.abort(5)  # and so is a late abort
+    assert (t.phase, t.kv_length, t.last_outcome) == (SessionPhase.IDLE, 4, Outcome.ABORTED)
+
+
 authority_events = st.lists(st.tuples(st.sampled_from(["install", "check", "poison", "terminal"]),
                                       st.integers(min_value=0, max_value=6)), max_size=40)
 
@@ -137,6 +169,7 @@ def test_no_sequence_loses_a_committed_kv_row(events: list[tuple[str, int, int]]
     committed = 0
     for kind, epoch, length in events:
         before = (t.phase, t.epoch, t.kv_length, t.pending_length, t.last_outcome)
+        undecided = t.phase is SessionPhase.IN_TXN and t.voted and epoch > t.epoch
         try:
             if kind == "begin":
                 t.begin(epoch)
@@ -150,7 +183,12 @@ def test_no_sequence_loses_a_committed_kv_row(events: list[tuple[str, int, int]]
                 t.mark_indeterminate(epoch)
             else:
                 t.resolve(epoch, Outcome.COMMITTED if kind == "resolve_c" else Outcome.ABORTED)
-        except FailedPrecondition:
-            assert before == (t.phase, t.epoch, t.kv_length, t.pending_length, t.last_outcome)  # refusals change nothing
+        except FailedPrecondition as e:
+            after = (t.phase, t.epoch, t.kv_length, t.pending_length, t.last_outcome)
+            if kind == "begin" and undecided:  # the one refusal that records something: the epoch is undecided
+                assert e.reason == "SESSION_INDETERMINATE"
+                assert after == (SessionPhase.INDETERMINATE, *before[1:4], Outcome.INDETERMINATE)
+            else:
+                assert before == after  # refusals change nothing
         assert t.kv_length >= committed  # committed rows are never lost
         committed = t.kv_length

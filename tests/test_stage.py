@@ -117,7 +117,12 @@ def test_stale_incarnation_changes_nothing(tiny_llama: Path) -> None:
     with pytest.raises(FailedPrecondition) as e:
         runtimes[0].execute_step(0, next(_step_ids), [StepRow("s", 2, 1, 3, [4])], False, 1.0)
     assert e.value.reason == "STALE_INCARNATION"
+    assert before == [(t.phase, t.epoch, t.kv_length) for t in (s.txn for _, s in runtimes[0].sessions())]
     runtimes[0].fence(1, "test", False)
+    # The fence itself does change one thing: epoch 1 ran here and waits for a decision that no step of the
+    # fenced incarnation can bring any more, so it is undecided (kept, not rolled back) until resolved.
+    before = [(t.phase, t.epoch, t.kv_length) for t in (s.txn for _, s in runtimes[0].sessions())]
+    assert before == [(SessionPhase.INDETERMINATE, 1, 0)]
     with pytest.raises(FailedPrecondition) as e:
         runtimes[0].execute_step(1, next(_step_ids), [StepRow("s", 2, 1, 3, [4])], False, 1.0)
     assert e.value.reason == "POISONED"

@@ -2,12 +2,21 @@
 
 Authority:  NONE --install(k)--> ACTIVE(k) --poison(k, cause) | fence(k)--> POISONED(k, first cause)
             POISONED(k) --fence(k, terminal)--> TERMINAL(k);  any --install(k' > every k seen)--> ACTIVE(k')
-Session:    IDLE --begin(e)--> IN_TXN(e) --commit(e)--> IDLE(last=COMMITTED)
+Session:    IDLE --begin(e)--> IN_TXN(e) --advance(e)--> IN_TXN(e, voted) --commit(e)--> IDLE(last=COMMITTED)
             IN_TXN(e) --abort(e)--> IDLE(last=ABORTED, KV length restored)
-            IN_TXN(e) --indeterminate(e)--> INDETERMINATE(e) --resolve(e, outcome)--> IDLE
+            IN_TXN(e, voted) --begin(e' > e) | poisoned--> INDETERMINATE(e) --resolve(e, outcome) | abort(e)--> IDLE
+
+A voted epoch ran here and its rows were answered (pushed on, or returned to the coordinator): the rank has done
+its part and waits for the decision, which the coordinator folds into the session's next row. A request that
+begins a later epoch without committing e (its folded commit is not e), or the loss of the authority that would
+have sent the decision, leaves the rank unable to know whether e committed: the session turns INDETERMINATE,
+keeps e's rows uncommitted but not rolled back, and refuses everything (SESSION_INDETERMINATE) until the
+coordinator resolves e from its durable decision log (the seeds' Indeterminate{epoch, phase}: no rollback,
+external recovery).
 
 Both are plain classes, tested without gRPC; the caller holds a lock around them. Every refusal is a
-FailedPrecondition with a machine-readable reason and changes nothing.
+FailedPrecondition with a machine-readable reason and changes nothing, but for the one that finds a voted epoch
+undecided: it records INDETERMINATE first, so that every later request is refused too.
 
 An incarnation more than MAX_INCARNATION_STEP beyond the highest seen (0 on a fresh executor) is refused
 (INCARNATION_OUT_OF_RANGE), by install and by fence alike: one Fence(2**64 - 1) would otherwise make this
@@ -107,32 +116,52 @@ class SessionTxn:
     kv_length: int = 0  # committed rows
     pending_length: int = 0  # rows written by the open epoch, committed on commit
     committed_epoch: int = 0  # the newest committed epoch
+    voted: bool = False  # the open epoch ran here and was answered: only its decision is missing
 
-    def begin(self, epoch: int) -> None:
+    def check_decided(self, epoch: int) -> None:
+        """Refuses to begin `epoch` while an earlier epoch's decision is unknown here (SESSION_INDETERMINATE)."""
+        if self.phase is SessionPhase.IN_TXN and self.voted and epoch > self.epoch:
+            # The caller applied the request's folded commit first: a later epoch that does not commit this one
+            # means the decision for it was lost on the way (an abort that never arrived). Guessing either way
+            # could keep rows the other ranks dropped, or drop rows they kept.
+            self.mark_indeterminate(self.epoch)
         if self.phase is SessionPhase.INDETERMINATE:
             raise FailedPrecondition(f"epoch {self.epoch} is indeterminate; waiting for ResolveEpoch",
-                                     "SESSION_INDETERMINATE")
+                                     "SESSION_INDETERMINATE", {"epoch": str(self.epoch), "error_class": "INDETERMINATE"})
+
+    def begin(self, epoch: int) -> None:
+        self.check_decided(epoch)
         if self.phase is SessionPhase.IN_TXN:
             raise FailedPrecondition(f"epoch {self.epoch} is still open; commit or abort it before epoch {epoch}",
                                      "EPOCH_OPEN")
         if epoch <= self.epoch:
             raise FailedPrecondition(f"epoch {epoch} is not after the last epoch {self.epoch}", "STALE_EPOCH")
-        self.phase, self.epoch, self.pending_length = SessionPhase.IN_TXN, epoch, self.kv_length
+        self.phase, self.epoch, self.pending_length, self.voted = SessionPhase.IN_TXN, epoch, self.kv_length, False
 
     def advance(self, epoch: int, length: int) -> None:
+        """This rank's part of `epoch` is done and answered: it votes commit and waits for the decision."""
         self._require_open(epoch)
-        self.pending_length = length
+        self.pending_length, self.voted = length, True
 
     def commit(self, epoch: int) -> None:
         if epoch <= self.committed_epoch:
             return  # a retried or folded-twice commit
+        if self.phase is SessionPhase.INDETERMINATE and epoch == self.epoch:
+            self.resolve(epoch, Outcome.COMMITTED)  # the lost decision arrived after all
+            return
         self._require_open(epoch)
         self.phase, self.last_outcome, self.kv_length = SessionPhase.IDLE, Outcome.COMMITTED, self.pending_length
-        self.committed_epoch = epoch
+        self.committed_epoch, self.voted = epoch, False
 
     def abort(self, epoch: int) -> None:
         if epoch <= self.committed_epoch:
             raise FailedPrecondition(f"epoch {epoch} is already committed", "ALREADY_COMMITTED")
+        if self.phase is SessionPhase.INDETERMINATE:
+            if epoch == self.epoch:
+                self.resolve(epoch, Outcome.ABORTED)  # the lost decision arrived after all
+            # A later epoch never began here (its begin was refused): aborting it changes nothing, and the
+            # indeterminate epoch still waits for its own decision.
+            return
         if self.phase is SessionPhase.IDLE and self.epoch == epoch:
             return
         if self.phase is SessionPhase.IDLE and epoch > self.epoch:
@@ -140,6 +169,7 @@ class SessionTxn:
             return
         self._require_open(epoch)
         self.phase, self.last_outcome, self.pending_length = SessionPhase.IDLE, Outcome.ABORTED, self.kv_length
+        self.voted = False
 
     def append_committed(self, start: int, rows: int) -> None:
         """Rows written from outside an invocation (a seeded prefix, a migration) extend the committed KV."""
@@ -152,6 +182,7 @@ class SessionTxn:
         self.kv_length = self.pending_length = start + rows
 
     def mark_indeterminate(self, epoch: int) -> None:
+        """The decision for voted `epoch` can no longer be observed: its rows stay as they are, uncommitted."""
         self._require_open(epoch)
         self.phase, self.last_outcome = SessionPhase.INDETERMINATE, Outcome.INDETERMINATE
 
@@ -162,7 +193,7 @@ class SessionTxn:
             self.kv_length, self.committed_epoch = self.pending_length, epoch
         else:
             self.pending_length = self.kv_length
-        self.phase, self.last_outcome = SessionPhase.IDLE, outcome
+        self.phase, self.last_outcome, self.voted = SessionPhase.IDLE, outcome, False
 
     def _require_open(self, epoch: int) -> None:
         if self.phase is not SessionPhase.IN_TXN or self.epoch != epoch:

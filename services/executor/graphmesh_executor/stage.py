@@ -41,7 +41,7 @@ from graphmesh.serving import available_memory_bytes
 from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.engine import Engine
 from graphmesh_executor.executable import Executable, RngOptions
-from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionTxn
+from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionPhase, SessionTxn
 from graphmesh_executor.kv_pool import SCRATCH_BLOCK, KvPool
 from graphmesh_executor.logprobs import RowLogprobs, RowSampling, sample_with_logprobs
 from graphmesh_executor.weights import load_params, resolve_under_root
@@ -363,6 +363,7 @@ class StageRuntime:
             with self._lock:
                 if e.error_class != "ARCH":
                     self.authority.poison(incarnation, f"{e.error_class}: {e}")
+                    self._mark_undecided()
                 for row in rows:
                     session = self._sessions.get(row.session_id)
                     if session is not None and session.txn.epoch == row.epoch:
@@ -371,8 +372,18 @@ class StageRuntime:
         with self._lock:
             for row in rows:
                 self._sessions[row.session_id].txn.advance(row.epoch, row.start + len(row.token_ids))
+            if self.authority.state is not AuthorityState.ACTIVE:
+                self._mark_undecided()  # fenced while this step ran: its decision can no longer come
             result.kv_lengths = [row.start + len(row.token_ids) for row in rows]
         return result
+
+    def _mark_undecided(self) -> None:
+        """The authority is lost (under the lock): no step of its incarnation will run again, so no folded commit
+        can reach an epoch that voted here and waits for its decision. Those turn INDETERMINATE: the coordinator
+        (restarted, its log read back) resolves them before it fences and replaces the incarnation."""
+        for session in self._sessions.values():
+            if session.txn.phase is SessionPhase.IN_TXN and session.txn.voted:
+                session.txn.mark_indeterminate(session.txn.epoch)
 
     def _check_rows(self, rows: list[StepRow]) -> None:
         """What makes a step impossible, refused before any row begins (ARCH: nothing changed anywhere)."""
@@ -405,6 +416,11 @@ class StageRuntime:
                 session = self._session(row.session_id)
                 if row.commit_epoch:
                     self._commit(incarnation, row.session_id, session, row.commit_epoch)
+                try:
+                    # before the length check: an undecided epoch explains a mismatch, and is what to resolve
+                    session.txn.check_decided(row.epoch)
+                except FailedPrecondition as e:
+                    raise FailedPrecondition(e.message, e.reason, {**e.metadata, "session_id": row.session_id}) from e
                 if row.start != session.txn.kv_length:
                     raise FailedPrecondition(f"session {row.session_id!r} has {session.txn.kv_length} committed "
                                              f"tokens here, the row starts at {row.start}", "KV_LENGTH_MISMATCH")
@@ -552,6 +568,7 @@ class StageRuntime:
             if hidden.dtype != np.float32 or hidden.ndim != 2 or hidden.shape[1] != self.config.hidden_size:
                 cause = f"boundary {hidden.dtype}{list(hidden.shape)} breaks schema f32[*, {self.config.hidden_size}]"
                 self.authority.poison(incarnation, f"CONTRACT: {cause}")
+                self._mark_undecided()
                 raise InvalidArgument(cause, "SCHEMA_MISMATCH", {"error_class": "CONTRACT"})
             if step_id in self._aborted:
                 return  # a late push for a step already rolled back
@@ -571,9 +588,13 @@ class StageRuntime:
             return
         with telemetry.span("stage.commit", session=session_id, epoch=epoch, incarnation=incarnation):
             session.txn.commit(epoch)
-            session.tokens += session.pending_tokens
-            session.pending_tokens = []
-            self._write_behind(incarnation, session_id, session, epoch)
+            self._committed(incarnation, session_id, session, epoch)
+
+    def _committed(self, incarnation: int, session_id: str, session: StageSession, epoch: int) -> None:
+        """What follows a commit of `epoch` (folded, or resolved): its tokens are recorded, its blocks written behind."""
+        session.tokens += session.pending_tokens
+        session.pending_tokens = []
+        self._write_behind(incarnation, session_id, session, epoch)
 
     def _write_behind(self, incarnation: int, session_id: str, session: StageSession, epoch: int) -> None:
         spec = self.spec
@@ -713,10 +734,18 @@ class StageRuntime:
             return session.txn.kv_length
 
     def resolve(self, incarnation: int, session_id: str, epoch: int, outcome: Outcome) -> int:
+        """Settles an INDETERMINATE epoch with the coordinator's logged decision. Allowed under poison (not for an
+        older incarnation), as a rollback is: a restarted coordinator resolves its predecessor's epochs after
+        fencing it, so that a committed epoch's blocks are still written behind."""
         with self._lock:
-            self.authority.check(incarnation)
+            if incarnation != self.authority.incarnation:
+                self.authority.check(incarnation)
             session = self._session_or_404(session_id)
-            session.txn.resolve(epoch, outcome)
+            with telemetry.span("stage.resolve", session=session_id, epoch=epoch, outcome=outcome.name):
+                session.txn.resolve(epoch, outcome)
+                if outcome is Outcome.COMMITTED:
+                    self._committed(incarnation, session_id, session, epoch)
+            log.info("epoch resolved", extra={"session": session_id, "epoch": epoch, "outcome": outcome.name})
             return session.txn.kv_length
 
     def release(self, incarnation: int, session_id: str) -> bool:
@@ -728,6 +757,8 @@ class StageRuntime:
     def fence(self, incarnation: int, reason: str, terminal: bool) -> None:
         with self._lock:
             self.authority.poison(incarnation, reason or "fenced by the coordinator", terminal)
+            if self.authority.state is not AuthorityState.ACTIVE:
+                self._mark_undecided()
             self._lock.notify_all()
 
     def inject_fault(self, kind: str, count: int) -> None:
