@@ -8,7 +8,10 @@ returns each row's sampled token or logits. One step costs one round trip from t
 per stage boundary, whatever the number of sessions in it.
 
 Failures are classified where they happen: ARCH (deterministic, nothing left the rank) rolls every
-rank back and is raised to the caller; COMM / CONTRACT fence the incarnation on every rank.
+rank back and is raised to the caller; COMM / CONTRACT fence the incarnation on every rank. INDETERMINATE (a
+rank refused a row because it never learned how the session's previous epoch ended) rolls the step back like
+ARCH, and the rank is sent that epoch's outcome from the durable decision log (ResolveEpoch); the rows are then
+retried, the roster untouched.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ class InvocationFailed(Exception):
 _FENCED_REASONS = {"STALE_INCARNATION", "POISONED", "NOT_INSTALLED"}
 _CONTRACT_REASONS = {"KV_LENGTH_MISMATCH", "EPOCH_NOT_OPEN", "EPOCH_OPEN", "STALE_EPOCH", "UNKNOWN_SESSION",
                      "SESSION_INDETERMINATE", "ALREADY_COMMITTED"}
+
+
+ROLLBACK_CLASSES = {"ARCH", "INDETERMINATE"}  # a failure of these leaves the incarnation usable: the step is aborted
 
 
 def classify(error: GraphmeshError) -> str:
@@ -148,6 +154,7 @@ class Mesh:
                                       f"{error.message}", "INSTALL_FAILED") from e
                 rank.backend, rank.device, rank.param_bytes = reply.backend, reply.device, reply.param_bytes
                 rank.model_identity, rank.kv_pool_blocks = reply.model_identity, reply.kv_pool_blocks
+            self.state.retire()  # before any step of the new roster records: no decision of the old one is needed
             self.ranks, self.incarnation = ranks, incarnation
             self.kv_pool_blocks = min(r.kv_pool_blocks for r in ranks)
             self.register_with_kvstore()
@@ -174,6 +181,10 @@ class Mesh:
 
     def _execute(self, ranks: Sequence[Rank], incarnation: int,
                  request: stage_pb2.ExecuteStepRequest) -> stage_pb2.ExecuteStepResponse:
+        # Write-ahead: the step's folded commits are durable before any rank can apply one, so an epoch the log does
+        # not hold committed was committed nowhere (a resolution presumes it aborted). One group commit a step.
+        self.state.record(*(Decision(row.session_id, row.commit_epoch, "COMMITTED") for row in request.rows
+                            if row.commit_epoch))
         calls = []
         for r in reversed(ranks):
             span = telemetry.start_span("mesh.execute_step", rank=r.plan.rank, address=r.plan.address,
@@ -200,23 +211,82 @@ class Mesh:
                 if aborted:
                     continue
                 aborted = True  # wake the ranks still waiting for a boundary that will never come:
-                if classify(error) == "ARCH":
+                if classify(error) in ROLLBACK_CLASSES:
                     self._abort_step(ranks, request)  # roll back, stay ACTIVE
                 else:
                     self.fence(incarnation, f"{classify(error)} on rank {rank.plan.rank} ({error.reason}): {error.message}")
         with self._lock:
             self._in_flight.difference_update(calls)
-        # every folded commit's token was delivered: one group commit for the step
-        self.state.record(*(Decision(row.session_id, row.commit_epoch, "COMMITTED") for row in request.rows
-                            if row.commit_epoch))
         if not failures:
             return replies[-1]
-        first = min(failures, key=lambda f: (f.error_class == "ARCH", f.rank))  # COMM outranks ARCH
-        if first.error_class == "ARCH":
+        # What the step failed of: COMM outranks ARCH outranks INDETERMINATE, and a rank woken by the step's abort
+        # (EPOCH_ABORTED) only reports the failure of another.
+        causes = [f for f in failures if f.cause.reason != "EPOCH_ABORTED"] or failures
+        first = min(causes, key=lambda f: (f.error_class in ROLLBACK_CLASSES, f.error_class == "INDETERMINATE", f.rank))
+        if first.error_class in ROLLBACK_CLASSES:
             self.state.record(*(Decision(row.session_id, row.epoch, "ABORTED") for row in request.rows))
-        elif failures[0].error_class == "ARCH":
+            for f in failures:
+                if f.error_class == "INDETERMINATE":
+                    self._resolve(ranks, incarnation, f)
+        elif failures[0].error_class in ROLLBACK_CLASSES:
             self.fence(incarnation, f"{first.error_class} on rank {first.rank} ({first.cause.reason}): {first.cause.message}")
         raise first
+
+    def _resolve(self, ranks: Sequence[Rank], incarnation: int, refusal: InvocationFailed) -> None:
+        """Answers a SESSION_INDETERMINATE refusal: the named epoch's outcome from the decision log, sent to the rank
+        that refused. One that cannot be resolved (the log no longer knows the epoch, the rank does not answer) is
+        fenced and rebuilt like a COMM failure: the session is restored from its delivered tokens either way."""
+        session_id, epoch = refusal.cause.metadata.get("session_id", ""), int(refusal.cause.metadata.get("epoch", "0"))
+        outcome = self.state.outcome(session_id, epoch) if session_id and epoch else None
+        rank = next(r for r in ranks if r.plan.rank == refusal.rank)
+        log.warning("resolving an indeterminate epoch", extra={"session": session_id, "epoch": epoch,
+                                                               "rank": refusal.rank, "outcome": outcome})
+        error: GraphmeshError | None = None
+        if outcome is None:
+            error = Unavailable(f"the decision log does not know epoch {epoch} of session {session_id!r}",
+                                "UNRESOLVABLE_EPOCH")
+        else:
+            try:
+                rank.stub.ResolveEpoch(_resolve_request(incarnation, session_id, epoch, outcome),
+                                       timeout=self.rpc_timeout_s)
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+        if error is not None:
+            self.fence(incarnation, f"could not resolve epoch {epoch} of session {session_id!r} on rank "
+                                    f"{refusal.rank}: {error.message}")
+            raise InvocationFailed("COMM", refusal.rank, error)
+
+    def resolve_indeterminate(self, incarnation: int) -> int:
+        """Resolves, from the decision log, every epoch the executors hold INDETERMINATE under `incarnation`: what a
+        restarted coordinator does with its predecessor's incarnation (its own log, read back from disk) after
+        fencing it, which leaves every epoch that waited for its decision there INDETERMINATE. A committed epoch is
+        then committed on every rank (its blocks written behind to the KV store, for the restored session to seed),
+        an uncommitted one rolled back, before a new install drops them. Returns the epochs resolved."""
+        stubs = {a: stage_pb2_grpc.StageServiceStub(ch) for a, ch in self.channels.items()}
+        calls = [(a, stub.Status.future(stage_pb2.StageStatusRequest(), timeout=2.0)) for a, stub in stubs.items()]
+        resolved = 0
+        for address, call in calls:
+            try:
+                status = call.result()
+            except grpc.RpcError:
+                continue  # dead or frozen: the install goes on without it
+            if status.incarnation != incarnation:
+                continue
+            for s in status.sessions:
+                outcome = self.state.outcome(s.session_id, s.epoch)
+                if s.phase != stage_pb2.SESSION_PHASE_INDETERMINATE or outcome is None:
+                    continue
+                try:
+                    stubs[address].ResolveEpoch(_resolve_request(incarnation, s.session_id, s.epoch, outcome),
+                                                timeout=2.0)
+                    resolved += 1
+                except grpc.RpcError as e:
+                    log.warning("could not resolve an epoch", extra={"address": address, "session": s.session_id,
+                                                                     "error": from_rpc_error(e).message})
+        if resolved:
+            log.warning("resolved indeterminate epochs from the decision log",
+                        extra={"incarnation": incarnation, "epochs": resolved})
+        return resolved
 
     @property
     def ready(self) -> bool:
@@ -447,6 +517,7 @@ class Mesh:
                                                                timeout=self.rpc_timeout_s))
         except grpc.RpcError:
             pass  # a fenced or dead rank has dropped the session already
+        self.state.forget(session_id)  # no rank holds it: none will ask how its epochs ended
 
     def share_prefix(self, session_id: str, donor_id: str, token_ids: Sequence[int]) -> int:
         """Starts a new session on every rank with the KV blocks of a prefix its donor holds there (shared, not
@@ -485,6 +556,14 @@ class Mesh:
             self.kvstore.close()
         for channel in self.channels.values():
             channel.close()
+
+
+_OUTCOME_PB = {"COMMITTED": stage_pb2.EPOCH_OUTCOME_COMMITTED, "ABORTED": stage_pb2.EPOCH_OUTCOME_ABORTED}
+
+
+def _resolve_request(incarnation: int, session_id: str, epoch: int, outcome: str) -> stage_pb2.ResolveEpochRequest:
+    return stage_pb2.ResolveEpochRequest(header=stage_pb2.FencingHeader(incarnation=incarnation, session_id=session_id,
+                                                                        epoch=epoch), outcome=_OUTCOME_PB[outcome])
 
 
 def _healthy(channel: grpc.Channel, timeout_s: float) -> bool:

@@ -13,7 +13,9 @@ never fit alone is refused at once.
 Failures keep their per-session guarantees: an ARCH failure rolled every row back on every rank and each of
 the step's sessions is retried alone (so an invalid row can only fail its own session); a COMM failure fences
 the incarnation, the roster is rebuilt, and every session is restored (KV store, else recompute) and
-replayed with the same seeds, so its tokens are exactly those of a fault-free run.
+replayed with the same seeds, so its tokens are exactly those of a fault-free run. An INDETERMINATE failure
+(a rank that never learned how a session's previous epoch ended, now told from the decision log) rolled the
+step back everywhere: its rows are scheduled again as they were, with new epochs.
 """
 
 from __future__ import annotations
@@ -387,7 +389,7 @@ class Scheduler:
 
     def _failed(self, step: list[_Row], failure: InvocationFailed, incarnation: int) -> None:
         ended: list[tuple[Sequence, BaseException]] = []
-        if failure.error_class != "ARCH":
+        if failure.error_class not in ("ARCH", "INDETERMINATE"):
             try:
                 self.mesh.recover(incarnation)
             except GraphmeshError as e:
@@ -404,10 +406,12 @@ class Scheduler:
                     else:
                         ended.append((s, failure))
                 else:
+                    # a resolution counts as a recovery: a session that keeps failing either way must end
                     s.recoveries += 1
                     if s.recoveries > MAX_RECOVERIES:
                         ended.append((s, Unavailable(f"session {s.session.session_id} lost the mesh "
-                                                     f"{s.recoveries} times in a row", "TOO_MANY_RECOVERIES")))
+                                                     f"{s.recoveries} times in a row ({failure.cause.reason})",
+                                                     "TOO_MANY_RECOVERIES")))
                 s.busy = False
             for s, error in ended:
                 s.done = True

@@ -188,6 +188,10 @@ def _take_over(config: CoordinatorConfig, mesh: Mesh, predecessor: int, health: 
         # A restarted coordinator, or a standby that won the election: whatever incarnation its predecessor left
         # is fenced everywhere before a new one is issued, so an executor never obeys the old coordinator again.
         mesh.fence(predecessor, "coordinator restarted" if not config.etcd else "a new leader was elected")
+        if not config.etcd:
+            # The predecessor was this coordinator, its decision log read back from the state dir: the epochs the
+            # fence left undecided are resolved from it (an elected leader's log is not its predecessor's).
+            mesh.resolve_indeterminate(predecessor)
     mesh.install()
     mesh.watch(window_s=config.health_window_s)
     health.set("", health_pb2.HealthCheckResponse.SERVING)
