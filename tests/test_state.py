@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from graphmesh_coordinator import state as state_module
-from graphmesh_coordinator.state import COMPACT_MIN_LINES, Decision, DurableState
+from graphmesh_coordinator.state import COMPACT_MIN_LINES, Decision, DurableState, default_state_dir
 
 
 def test_a_step_of_decisions_is_one_group_commit_read_back_after_a_restart(tmp_path: Path) -> None:
@@ -107,3 +107,12 @@ def test_a_log_written_before_it_was_bounded_is_compacted_at_start(tmp_path: Pat
     state.close()
     again = DurableState(tmp_path)
     assert again.log_lines == 1 and again.outcome("old", 2 * COMPACT_MIN_LINES - 1) == "COMMITTED"
+
+
+def test_the_default_state_dir_is_per_user(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert default_state_dir() == tmp_path / "xdg" / "graphmesh" / "coordinator"
+    monkeypatch.setenv("XDG_STATE_HOME", "relative/dir")  # the spec says to ignore a relative path
+    assert default_state_dir() == Path.home() / ".local" / "state" / "graphmesh" / "coordinator"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    assert default_state_dir() == Path.home() / ".local" / "state" / "graphmesh" / "coordinator"

@@ -33,7 +33,7 @@ from graphmesh_coordinator.openai_api import OpenAIServer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
 from graphmesh_coordinator.scheduler import Scheduler
 from graphmesh_coordinator.servicer import CoordinatorServicer
-from graphmesh_coordinator.state import DurableState
+from graphmesh_coordinator.state import DurableState, default_state_dir
 
 log = logging.getLogger("graphmesh.coordinator")
 # grpc.health.v1 service name that is SERVING while this process is worth keeping: a standby too (it waits to lead),
@@ -47,7 +47,7 @@ class CoordinatorConfig:
     listen: str
     executors: list[str]
     model: str = "smollm2-135m"
-    state_dir: str = "./coordinator-state"
+    state_dir: str = field(default_factory=lambda: str(default_state_dir()))
     kvstore: str = ""
     split: list[int] = field(default_factory=list)
     weights: str = "f32"
@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--advertise", default="", help="the address clients reach this coordinator at (default: "
                                                         "--listen); etcd names it to clients of a standby")
     parser.add_argument("--model", default="smollm2-135m", help="bundled model name or checkpoint path")
-    parser.add_argument("--state-dir", default="./coordinator-state")
+    parser.add_argument("--state-dir", default=str(default_state_dir()),
+                        help="the incarnation and the epoch decision log (default: $XDG_STATE_HOME/graphmesh/"
+                             "coordinator, else ~/.local/state/graphmesh/coordinator)")
     parser.add_argument("--kvstore", default="")
     parser.add_argument("--split", default="", help="layers per executor, e.g. 15,15 (default: balanced)")
     parser.add_argument("--weights", default="f32", choices=["f32", "packed", "packed-bf16"])

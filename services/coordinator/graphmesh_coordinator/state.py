@@ -33,6 +33,15 @@ class Decision:
     outcome: str  # "COMMITTED" | "ABORTED"
 
 
+def default_state_dir() -> Path:
+    """Where a coordinator keeps its state unless told (--state-dir): the user's state directory of the XDG Base
+    Directory spec, $XDG_STATE_HOME/graphmesh/coordinator, else ~/.local/state/graphmesh/coordinator. Not the
+    directory it was started from: a restart from another one would lose the incarnation and the decision log."""
+    xdg = os.environ.get("XDG_STATE_HOME", "")
+    root = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state"  # the spec ignores relative ones
+    return root / "graphmesh" / "coordinator"
+
+
 def _fsync_dir(path: Path) -> None:
     dir_fd = os.open(path, os.O_RDONLY)
     try:
