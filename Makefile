@@ -14,9 +14,9 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test test-fast proto proto-check lint bench helm clean redis-server etcd-server
+.PHONY: install demo test test-fast proto proto-check lint bench helm clean redis-server etcd-server cc
 
-install: $(STAMP) redis-server etcd-server
+install: $(STAMP) redis-server etcd-server cc
 
 $(VENV)/bin/python:
 	$(PY_SYS) -m venv $(VENV)
@@ -58,6 +58,17 @@ etcd-server:
 	    echo "note: etcd-server could not be installed; the election tests will fail in CI"; \
 	  else echo "note: install etcd-server (etcd on PATH) for the coordinator election tests"; fi; fi
 
+# The torch executor compiles its small-M matmul kernel (backends/cpu_gemm.c) with the system's C compiler at first
+# use; without one it runs MKL's slower product. Only installed when no cc is on PATH.
+cc:
+	@if ! command -v cc >/dev/null; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "== installing gcc for the torch executor's CPU matmul kernel"; \
+	    (apt-get install -y -q gcc libc6-dev >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q gcc libc6-dev >/dev/null 2>&1)) || \
+	    echo "note: gcc could not be installed; the torch executor falls back to MKL and tests/test_cpu_gemm.py skips"; \
+	  else echo "note: install a C compiler (cc) for the torch executor's CPU matmul kernel"; fi; fi
+
 proto: $(VENV)/bin/python
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=clients/python --grpc_python_out=clients/python \
 	  --mypy_out=clients/python --mypy_grpc_out=clients/python $(PROTOS)
@@ -75,7 +86,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check clients services tests bench
 	$(VENV)/bin/mypy clients/python/graphmesh services tests bench
 
-test: $(STAMP) redis-server etcd-server proto-check lint
+test: $(STAMP) redis-server etcd-server cc proto-check lint
 	$(PY) -m pytest -q -x --durations=15 tests
 
 test-fast: $(STAMP) redis-server etcd-server

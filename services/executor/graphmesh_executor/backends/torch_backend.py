@@ -31,6 +31,7 @@ from graphmesh import dtypes
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph, Node
 from graphmesh.ops import QUANT_BLOCKS, TensorType
+from graphmesh_executor.backends import cpu_gemm
 from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, conform, sample_rows
 
 Tensor = torch.Tensor
@@ -95,10 +96,14 @@ def _div(x: Tensor, y: Tensor) -> Tensor:
 
 def _matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, w = xs
-    if a["transpose_b"] and not a["transpose_a"] and x.dim() == 2 and x.shape[0] > 1:
-        rows = w.__dict__.get(_CONVERTED, {}).get("rows")  # a big weight's form for several rows (see _lay_out)
-        if rows is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), rows, None, "none", [], "")
+    if a["transpose_b"] and not a["transpose_a"] and x.dim() == 2:
+        forms = w.__dict__.get(_CONVERTED, {})  # the other layouts of a weight (see TorchExecutable._lay_out)
+        if x.shape[0] == 1 and "one_row" in forms:
+            return torch.matmul(x, forms["one_row"])
+        if cpu_gemm.usable(x, w):
+            return cpu_gemm.matmul_xwt(x, w)
+        if x.shape[0] > 1 and "rows" in forms:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), forms["rows"], None, "none", [], "")
     return torch.matmul(x.mT if a["transpose_a"] else x, w.mT if a["transpose_b"] else w)
 
 
@@ -660,18 +665,32 @@ class TorchExecutable(Executable[Tensor]):
         """Captured graphs read params by address: any param change drops them."""
         self._captures, self._seen = {}, {}
 
+    def _weight_order(self, name: str) -> Literal["C", "F"]:
+        """The host layout of a weight read as W in x @ W.T: [n, k] rows for cpu_gemm's kernel where it runs
+        (it reads them at memory speed for up to 32 rows), else [k, n] for MKL's one-row product."""
+        if name not in self._transposed or self._param_type(name).dtype != "f32":
+            return "C"
+        return "C" if cpu_gemm.library() is not None else "F"
+
     def _lay_out(self, name: str) -> None:
         if name in self._transposed:
             weight = self._params[name]
-            if not weight.mT.is_contiguous():
-                self._params[name] = weight.mT.contiguous().mT
-            if weight.numel() >= _BOTH_LAYOUTS:
-                # The [k, n] layout that makes MKL's one-row product fast makes a batch of rows slow (SmolLM2's
-                # 49152x576 head, 1 core: 8.6 vs 17.6 ms for 1 row, but 73 vs 51 ms for 16): a big weight keeps
-                # a second form for several rows (see _rows_form).
-                rows = _rows_form(weight)
-                if rows is not None:
-                    self._params[name].__dict__[_CONVERTED] = {"rows": rows}
+            if self._weight_order(name) == "C":
+                weight = self._params[name] = weight.contiguous()
+                if weight.numel() >= _BOTH_LAYOUTS:
+                    # MKL's one-row product over the [k, n] layout beats the kernel on a head this big (SmolLM2's
+                    # 49152x576, 1 core: 7.1 vs 12.7 ms): one row of a big weight reads a second form.
+                    weight.__dict__[_CONVERTED] = {"one_row": weight.mT.contiguous()}
+            else:
+                if not weight.mT.is_contiguous():
+                    weight = self._params[name] = weight.mT.contiguous().mT
+                if weight.numel() >= _BOTH_LAYOUTS:
+                    # The [k, n] layout that makes MKL's one-row product fast makes a batch of rows slow (SmolLM2's
+                    # 49152x576 head, 1 core: 8.6 vs 17.6 ms for 1 row, but 73 vs 51 ms for 16): a big weight keeps
+                    # a second form for several rows (see _rows_form).
+                    rows = _rows_form(weight)
+                    if rows is not None:
+                        weight.__dict__[_CONVERTED] = {"rows": rows}
         self._forget_captures()
 
     def set_param(self, name: str, data: np.ndarray) -> None:
@@ -681,7 +700,7 @@ class TorchExecutable(Executable[Tensor]):
     def set_param_typed(self, name: str, data: np.ndarray) -> None:
         # Straight into the column-major form _lay_out wants on the host: one copy instead of two. A re-plan sets
         # every new layer's weights from standby ones this way (~0.1 s for 19 of SmolLM2's layers).
-        order: Literal["C", "F"] = "F" if name in self._transposed and self._device.type == "cpu" else "C"
+        order = self._weight_order(name) if self._device.type == "cpu" else "C"
         self._params[name] = self._from_host(conform(data, self._param_type(name), f"param {name!r}"), order)
         self._lay_out(name)
 

@@ -1,0 +1,71 @@
+/* out[m, n] = sum_k x[m, k] * w[n, k] for a few rows x and a weight w stored [n, k] row-major (f32, AVX2 + FMA).
+ *
+ * Decode multiplies a handful of rows by weights far bigger than the cache: the cost is reading w once from
+ * memory, and MKL's small-M gemm on this machine (Zen 3) reads it at half the speed of its one-row product.
+ * Here each tile of 6 weight rows is read from memory once and kept in L1 while every pair of x rows takes
+ * its 12 dot products from it. Every out[m, n] is summed in the same order whatever M is and wherever row m
+ * sits in the batch (8 lanes over k, then a fixed horizontal sum), so a session's numbers never depend on
+ * which other sessions share its step. cpu_gemm.py compiles this at first use. */
+#include <immintrin.h>
+#include <stddef.h>
+
+#define NT 6 /* weight rows per tile */
+#define MT 2 /* x rows per tile: 12 accumulators + 6 weight vectors + 1 x vector fit the 16 ymm registers */
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* An mt x nt tile of out (mt <= MT, nt <= NT); the compiler unrolls it for each constant pair below. */
+static inline __attribute__((always_inline)) void tile(int mt, int nt, const float *x, size_t ldx,
+                                                       const float *w, size_t ldw, float *out, size_t ldo,
+                                                       size_t k8, size_t k) {
+    __m256 acc[MT][NT];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nt; j++) acc[i][j] = _mm256_setzero_ps();
+    for (size_t p = 0; p < k8; p += 8) {
+        __m256 wv[NT];
+        for (int j = 0; j < nt; j++) wv[j] = _mm256_loadu_ps(w + j * ldw + p);
+        for (int i = 0; i < mt; i++) {
+            __m256 xv = _mm256_loadu_ps(x + i * ldx + p);
+            for (int j = 0; j < nt; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < nt; j++) {
+            float s = hsum(acc[i][j]);
+            for (size_t p = k8; p < k; p++) s += x[i * ldx + p] * w[j * ldw + p];
+            out[i * ldo + j] = s;
+        }
+}
+
+static void tile_2_6(const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, size_t k8,
+                     size_t k) { tile(2, 6, x, ldx, w, ldw, out, ldo, k8, k); }
+static void tile_1_6(const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, size_t k8,
+                     size_t k) { tile(1, 6, x, ldx, w, ldw, out, ldo, k8, k); }
+static void tile_2_1(const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, size_t k8,
+                     size_t k) { tile(2, 1, x, ldx, w, ldw, out, ldo, k8, k); }
+static void tile_1_1(const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, size_t k8,
+                     size_t k) { tile(1, 1, x, ldx, w, ldw, out, ldo, k8, k); }
+
+/* Rows [n0, n1) of the output's columns: callers split n across threads. Strides are in elements. */
+void gemm_xwt(int m, int k, const float *x, int ldx, const float *w, int ldw, float *out, int ldo, int n0, int n1) {
+    size_t k8 = (size_t)k & ~(size_t)7;
+    int n = n0;
+    for (; n + NT <= n1; n += NT) {
+        int i = 0;
+        for (; i + MT <= m; i += MT)
+            tile_2_6(x + (size_t)i * ldx, ldx, w + (size_t)n * ldw, ldw, out + (size_t)i * ldo + n, ldo, k8, k);
+        for (; i < m; i++)
+            tile_1_6(x + (size_t)i * ldx, ldx, w + (size_t)n * ldw, ldw, out + (size_t)i * ldo + n, ldo, k8, k);
+    }
+    for (; n < n1; n++) {
+        int i = 0;
+        for (; i + MT <= m; i += MT)
+            tile_2_1(x + (size_t)i * ldx, ldx, w + (size_t)n * ldw, ldw, out + (size_t)i * ldo + n, ldo, k8, k);
+        for (; i < m; i++)
+            tile_1_1(x + (size_t)i * ldx, ldx, w + (size_t)n * ldw, ldw, out + (size_t)i * ldo + n, ldo, k8, k);
+    }
+}
