@@ -58,7 +58,7 @@ etcd-server:
 	    echo "note: etcd-server could not be installed; the election tests will fail in CI"; \
 	  else echo "note: install etcd-server (etcd on PATH) for the coordinator election tests"; fi; fi
 
-# The torch executor compiles its small-M matmul kernel (backends/cpu_gemm.c) with the system's C compiler at first
+# The torch executor compiles its small-M matmul kernel (backends/cpu_kernels.c) with the system's C compiler at first
 # use; without one it runs MKL's slower product. Only installed when no cc is on PATH.
 cc:
 	@if ! command -v cc >/dev/null; then \
@@ -66,7 +66,7 @@ cc:
 	    echo "== installing gcc for the torch executor's CPU matmul kernel"; \
 	    (apt-get install -y -q gcc libc6-dev >/dev/null 2>&1 || \
 	     (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q gcc libc6-dev >/dev/null 2>&1)) || \
-	    echo "note: gcc could not be installed; the torch executor falls back to MKL and tests/test_cpu_gemm.py skips"; \
+	    echo "note: gcc could not be installed; the torch executor falls back to MKL and tests/test_cpu_kernels.py skips"; \
 	  else echo "note: install a C compiler (cc) for the torch executor's CPU matmul kernel"; fi; fi
 
 proto: $(VENV)/bin/python

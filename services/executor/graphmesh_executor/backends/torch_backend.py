@@ -31,7 +31,7 @@ from graphmesh import dtypes
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph, Node
 from graphmesh.ops import QUANT_BLOCKS, TensorType
-from graphmesh_executor.backends import cpu_gemm
+from graphmesh_executor.backends import cpu_kernels
 from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, conform, sample_rows
 
 Tensor = torch.Tensor
@@ -100,8 +100,8 @@ def _matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
         forms = w.__dict__.get(_CONVERTED, {})  # the other layouts of a weight (see TorchExecutable._lay_out)
         if x.shape[0] == 1 and "one_row" in forms:
             return torch.matmul(x, forms["one_row"])
-        if cpu_gemm.usable(x, w):
-            return cpu_gemm.matmul_xwt(x, w)
+        if cpu_kernels.usable(x, w):
+            return cpu_kernels.matmul_xwt(x, w)
         if x.shape[0] > 1 and "rows" in forms:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), forms["rows"], None, "none", [], "")
     return torch.matmul(x.mT if a["transpose_a"] else x, w.mT if a["transpose_b"] else w)
@@ -253,6 +253,8 @@ def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
     _check_indices(ctx, token_seq, table.shape[0], "token_seq sequence")
     _check_indices(ctx, pos, table.shape[1] * block, "q_positions position")
     k_blocks, v_blocks = k_pool.view(-1, block, hkv, d), v_pool.view(-1, block, hkv, d)
+    if a["decode"] and not _static(ctx) and cpu_kernels.attention_usable(q, k_pool, v_pool):
+        return cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, block, scale)  # in place, no copies
     if a["decode"]:
         # One query per sequence: gather every sequence's blocks (whole-block copies) and run one batched
         # attention with keys past each query masked. Static runs read every block of the table (no host read).
@@ -666,11 +668,11 @@ class TorchExecutable(Executable[Tensor]):
         self._captures, self._seen = {}, {}
 
     def _weight_order(self, name: str) -> Literal["C", "F"]:
-        """The host layout of a weight read as W in x @ W.T: [n, k] rows for cpu_gemm's kernel where it runs
+        """The host layout of a weight read as W in x @ W.T: [n, k] rows for cpu_kernels's kernel where it runs
         (it reads them at memory speed for up to 32 rows), else [k, n] for MKL's one-row product."""
         if name not in self._transposed or self._param_type(name).dtype != "f32":
             return "C"
-        return "C" if cpu_gemm.library() is not None else "F"
+        return "C" if cpu_kernels.library() is not None else "F"
 
     def _lay_out(self, name: str) -> None:
         if name in self._transposed:

@@ -1,4 +1,5 @@
-"""x @ w.T for a few f32 rows on x86-64 CPUs with AVX2 + FMA: cpu_gemm.c, compiled at first use.
+"""The torch backend's CPU kernels for decode on x86-64 with AVX2 + FMA (cpu_kernels.c, compiled at first use):
+x @ w.T for a few f32 rows, and paged attention of one query row per sequence.
 
 A decode step multiplies a handful of rows (one per session) by every weight of its layers. That is the cost
 of a step on CPU, and MKL's small-M product reads the weights at half the speed of its one-row product: on
@@ -6,7 +7,7 @@ SmolLM2's 30 layers, one core, 8 rows take 98 ms against 70 ms here, 2 rows 90 a
 shows what that does to serving). Like tinygrad's CPU backend, the C source ships with the package and is built
 by the system's C compiler into a per-user cache; without a compiler or the instructions, callers use torch.
 
-    python -m graphmesh_executor.backends.cpu_gemm   # builds it now (an image build), prints where or why not
+    python -m graphmesh_executor.backends.cpu_kernels   # builds it now (an image build), prints where or why not
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("graphmesh.executor.cpu_gemm")
+log = logging.getLogger("graphmesh.executor.cpu_kernels")
 
 MAX_ROWS = 32  # past this MKL's blocked gemm is as fast (equal at 32 rows, faster for prompt chunks)
-_SOURCE = Path(__file__).with_name("cpu_gemm.c")
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
-_TILE_ROWS = 6  # weight rows per tile in cpu_gemm.c: a thread's share of n is a multiple of it
+_LIBS = ["-lm"]
+_TILE_ROWS = 6  # weight rows per tile in cpu_kernels.c: a thread's share of n is a multiple of it
 
 
 def _cpu_flags() -> set[str]:
@@ -65,12 +67,12 @@ def library() -> ctypes.CDLL | None:
     elif compiler is None:
         why = "no C compiler (cc) on PATH"
     if why:
-        log.info("cpu gemm kernel unavailable: torch's matmul serves every product", extra={"reason": why})
+        log.info("cpu kernels unavailable: torch serves every matmul and attention", extra={"reason": why})
         return None
     assert compiler is not None
     source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"cpu_gemm-{digest}.so"
+    digest = hashlib.sha256(source + " ".join(_FLAGS + _LIBS).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"cpu_kernels-{digest}.so"
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,20 +80,22 @@ def library() -> ctypes.CDLL | None:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
             os.close(fd)
             try:
-                subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+                subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, *_LIBS], check=True, capture_output=True, timeout=120)
                 os.replace(tmp, path)
             finally:
                 Path(tmp).unlink(missing_ok=True)
-            log.info("cpu gemm kernel compiled", extra={"path": str(path), "compiler": compiler})
+            log.info("cpu kernels compiled", extra={"path": str(path), "compiler": compiler})
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else str(e)
-        log.warning("cpu gemm kernel failed to build or load: torch's matmul serves every product",
+        log.warning("cpu kernels failed to build or load: torch serves every matmul and attention",
                     extra={"error": detail})
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.gemm_xwt.argtypes = [i, i, p, i, p, i, p, i, i, i]
     lib.gemm_xwt.restype = None
+    lib.paged_decode_attention.argtypes = [i, i, i, i, i, i, p, p, p, p, p, ctypes.c_float, p, p]
+    lib.paged_decode_attention.restype = None
     return lib
 
 
@@ -109,7 +113,7 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def matmul_xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T (x [m, k], w [n, k] contiguous, f32, m <= MAX_ROWS), split over torch's intra-op threads.
-    Every output element is summed in one order whatever m and the split are (cpu_gemm.c)."""
+    Every output element is summed in one order whatever m and the split are (cpu_kernels.c)."""
     lib = library()
     assert lib is not None
     x = x.contiguous()
@@ -130,6 +134,32 @@ def matmul_xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
+
+
+def attention_usable(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether paged_decode_attention serves this decode: f32 on the host, pools [slots, kv heads, head dim]."""
+    return (q.dtype == k_pool.dtype == v_pool.dtype == torch.float32 and q.device.type == "cpu"
+            and k_pool.device.type == v_pool.device.type == "cpu" and k_pool.dim() == v_pool.dim() == 3
+            and k_pool.is_contiguous() and v_pool.is_contiguous() and q.shape[1] % k_pool.shape[1] == 0
+            and library() is not None)
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                           pos: torch.Tensor, block: int, scale: float) -> torch.Tensor:
+    """Row s of q [t, hq, d] attends to keys 0..pos[s] of sequence s, whose blocks are table[s] (pool block ids).
+    The caller has checked every table entry and position against the pools' bounds."""
+    lib = library()
+    assert lib is not None
+    (t, hq, d), hkv = q.shape, k_pool.shape[1]
+    q, table, pos = q.contiguous(), table.contiguous().long(), pos.contiguous().long()
+    out = torch.empty(t, hq, d, dtype=torch.float32)
+    scores = torch.empty(table.shape[1] * block, dtype=torch.float32)
+    lib.paged_decode_attention(t, hq, hkv, d, block, table.shape[1], q.data_ptr(), k_pool.data_ptr(),
+                               v_pool.data_ptr(), table.data_ptr(), pos.data_ptr(), scale, out.data_ptr(),
+                               scores.data_ptr())
+    return out
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    print(f"cpu gemm kernel: {library() or 'unavailable (see the log line above)'}")
+    print(f"cpu kernels: {library() or 'unavailable (see the log line above)'}")

@@ -1,13 +1,17 @@
-/* out[m, n] = sum_k x[m, k] * w[n, k] for a few rows x and a weight w stored [n, k] row-major (f32, AVX2 + FMA).
+/* The torch backend's hand-written CPU kernels (f32, AVX2 + FMA), for what a decode step of a few rows spends
+ * its time on: x @ w.T (gemm_xwt) and paged attention (paged_decode_attention). cpu_kernels.py builds them.
  *
+ * gemm_xwt: out[m, n] = sum_k x[m, k] * w[n, k] for a few rows x and a weight w stored [n, k] row-major.
  * Decode multiplies a handful of rows by weights far bigger than the cache: the cost is reading w once from
  * memory, and MKL's small-M gemm on this machine (Zen 3) reads it at half the speed of its one-row product.
  * Here each tile of 6 weight rows is read from memory once and kept in L1 while every pair of x rows takes
  * its 12 dot products from it, and the next tile is prefetched meanwhile so its memory reads overlap this
- * tile's arithmetic (8 rows: 75 -> 55-62 ms for SmolLM2's layers; past 16 rows it costs more than it saves). Every out[m, n] is summed in the same order whatever M is and wherever row m
- * sits in the batch (8 lanes over k, then a fixed horizontal sum), so a session's numbers never depend on
- * which other sessions share its step. cpu_gemm.py compiles this at first use. */
+ * tile's arithmetic (8 rows: 75 -> 55-62 ms for SmolLM2's layers; past 16 rows it costs more than it saves).
+ * Every out[m, n] is summed in the same order whatever M is and wherever row m sits in the batch (8 lanes
+ * over k, then a fixed horizontal sum), so a session's numbers never depend on which other sessions share its
+ * step. */
 #include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
 
 #define NT 6 /* weight rows per tile */
@@ -72,5 +76,55 @@ void gemm_xwt(int m, int k, const float *x, int ldx, const float *w, int ldw, fl
             tile_2_1(x + (size_t)i * ldx, ldx, w + (size_t)n * ldw, ldw, out + (size_t)i * ldo + n, ldo, k8, k, 0);
         for (; i < m; i++)
             tile_1_1(x + (size_t)i * ldx, ldx, w + (size_t)n * ldw, ldw, out + (size_t)i * ldo + n, ldo, k8, k, 0);
+    }
+}
+
+/* Paged attention for decode, one query row per sequence (f32): out[s, h] = softmax(q[s, h] . K[s]^T * scale) V[s]
+ * over the keys 0..pos[s] of sequence s, read in place from the pools through its block table. torch's version
+ * gathers every block, permutes it for a batched matmul and masks the padding: two copies of the sequences' K
+ * and V per layer, which cost SmolLM2 a sixth of a 16-row decode step. Scores and the weighted sum run in key
+ * order and depend on this sequence's rows alone. */
+
+static inline float dot(const float *a, const float *b, int d) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* q, out [t, hq, d]; k_pool, v_pool [slots, hkv, d]; table [t, blocks] pool block ids; pos [t]; scores: a
+ * caller's buffer of blocks * block floats. A key's slot is table[s, j / block] * block + j % block. */
+void paged_decode_attention(int t, int hq, int hkv, int d, int block, int blocks, const float *q,
+                            const float *k_pool, const float *v_pool, const long long *table, const long long *pos,
+                            float scale, float *out, float *scores) {
+    int group = hq / hkv;
+    for (int s = 0; s < t; s++) {
+        int keys = (int)pos[s] + 1;
+        const long long *row = table + (size_t)s * blocks;
+        for (int h = 0; h < hq; h++) {
+            const float *qh = q + ((size_t)s * hq + h) * d;
+            size_t head = (size_t)(h / group) * d;
+            float top = -INFINITY;
+            for (int j = 0; j < keys; j++) {
+                size_t slot = (size_t)row[j / block] * block + j % block;
+                scores[j] = dot(qh, k_pool + slot * hkv * d + head, d) * scale;
+                top = scores[j] > top ? scores[j] : top;
+            }
+            float total = 0.0f;
+            for (int j = 0; j < keys; j++) total += scores[j] = expf(scores[j] - top);
+            float *o = out + ((size_t)s * hq + h) * d;
+            for (int i = 0; i < d; i++) o[i] = 0.0f;
+            for (int j = 0; j < keys; j++) {
+                size_t slot = (size_t)row[j / block] * block + j % block;
+                const float *v = v_pool + slot * hkv * d + head;
+                float p = scores[j] / total;
+                int i = 0;
+                for (; i + 8 <= d; i += 8)
+                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+                for (; i < d; i++) o[i] += p * v[i];
+            }
+        }
     }
 }

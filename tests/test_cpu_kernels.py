@@ -1,0 +1,105 @@
+"""cpu_kernels: the torch backend's x86-64 decode kernels (small-M x @ w.T, paged decode attention) against float64.
+
+Besides the numbers, it must be batch-invariant: a row's outputs are bit-identical whatever other rows share
+the product and however its columns are split over threads, which is what keeps a session's tokens the same
+in a step of one and a step of sixteen.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from graphmesh.graph import GraphBuilder, parse
+from graphmesh_executor.backends import compile_graph, cpu_kernels
+from tests.test_paged_ops import paged_ref
+
+RUNNABLE = (platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_kernels._cpu_flags()
+            and shutil.which("cc") is not None)
+pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs an x86-64 CPU with AVX2 + FMA and a C compiler")
+SHAPES = [(1, 576, 576), (2, 7, 5), (3, 13, 13), (5, 576, 1536), (16, 1536, 576), (32, 100, 49), (7, 8, 6)]
+
+
+def _rand(*shape: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
+
+
+def test_the_kernel_builds_on_a_host_that_can_run_it() -> None:
+    assert cpu_kernels.library() is not None  # a compile or load failure here would silently fall back to MKL
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_matches_the_float64_product(m: int, k: int, n: int) -> None:
+    x, w = _rand(m, k, seed=m), _rand(n, k, seed=n + 1)
+    out = cpu_kernels.matmul_xwt(x, w)
+    ref = x.double() @ w.double().T
+    # f32 sums of k products: error grows like sqrt(k) times the products' size
+    np.testing.assert_allclose(out.double().numpy(), ref.numpy(), rtol=1e-5, atol=1e-6 * k ** 0.5 * 4)
+
+
+@pytest.mark.parametrize("m,k,n", [(16, 576, 1536), (9, 13, 13), (32, 1536, 576)])
+def test_a_row_gets_the_same_bits_in_any_batch_and_any_split(m: int, k: int, n: int) -> None:
+    x, w = _rand(m, k, seed=3), _rand(n, k, seed=4)
+    whole = cpu_kernels.matmul_xwt(x, w)
+    for i in range(m):
+        assert torch.equal(cpu_kernels.matmul_xwt(x[i:i + 1], w)[0], whole[i])
+    flipped = cpu_kernels.matmul_xwt(x.flip(0), w).flip(0)  # every row in another place of its tiles
+    assert torch.equal(flipped, whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(cpu_kernels.matmul_xwt(x, w), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_usable_only_for_what_it_computes() -> None:
+    x, w = _rand(4, 8, seed=1), _rand(6, 8, seed=2)
+    assert cpu_kernels.usable(x, w)
+    assert not cpu_kernels.usable(_rand(cpu_kernels.MAX_ROWS + 1, 8, seed=1), w)  # prompt chunks: MKL's blocked gemm
+    assert not cpu_kernels.usable(x, w.T.contiguous().T)  # column-major weight
+    assert not cpu_kernels.usable(x.double(), w.double())
+    assert not cpu_kernels.usable(x, _rand(6, 9, seed=2))
+
+
+def test_the_torch_backend_runs_its_weights_through_the_kernel() -> None:
+    g = GraphBuilder("proj")
+    g.output(g.matmul(g.input("x", (4, 576)), g.param("w", (1536, 576)), transpose_b=True))
+    exe = compile_graph(parse(g.build()), "torch", "cpu")
+    w, x = _rand(1536, 576, seed=5), _rand(4, 576, seed=6)
+    exe.set_param("w", w.numpy())
+    out = exe.run({"x": x.numpy()})[0]
+    assert np.array_equal(out, cpu_kernels.matmul_xwt(x, w).numpy())  # the kernel's exact bits, not MKL's
+
+
+def _decode_case(t: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """t sequences of ragged lengths over a pool of 16-token blocks; sequences 0 and 1 share their first block."""
+    rng = np.random.default_rng(seed)
+    hq, hkv, d, block, blocks = 9, 3, 64, 16, 5
+    table = rng.permutation(40)[: t * blocks].reshape(t, blocks).astype(np.int64)
+    table[1, 0] = table[0, 0]
+    pos = rng.integers(0, blocks * block, t).astype(np.int64)
+    pos[0] = 0  # a sequence of one key
+    pools = [torch.from_numpy(rng.standard_normal((40 * block, hkv, d), dtype=np.float32)) for _ in range(2)]
+    q = torch.from_numpy(rng.standard_normal((t, hq, d), dtype=np.float32))
+    return q, pools[0], pools[1], torch.from_numpy(table), torch.from_numpy(pos)
+
+
+def test_paged_decode_attention_matches_the_float64_reference() -> None:
+    q, k_pool, v_pool, table, pos = _decode_case(6, seed=7)
+    assert cpu_kernels.attention_usable(q, k_pool, v_pool)
+    out = cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, 16, 0.125)
+    ref = paged_ref([a.numpy() for a in (q, k_pool, v_pool, table, torch.arange(6), pos)], 16, 0.125)
+    np.testing.assert_allclose(out.double().numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_of_a_row_is_the_same_alone() -> None:
+    q, k_pool, v_pool, table, pos = _decode_case(6, seed=8)
+    whole = cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, 16, 0.125)
+    for i in range(6):
+        alone = cpu_kernels.paged_decode_attention(q[i:i + 1], k_pool, v_pool, table[i:i + 1], pos[i:i + 1], 16, 0.125)
+        assert torch.equal(alone[0], whole[i])
