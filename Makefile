@@ -58,16 +58,16 @@ etcd-server:
 	    echo "note: etcd-server could not be installed; the election tests will fail in CI"; \
 	  else echo "note: install etcd-server (etcd on PATH) for the coordinator election tests"; fi; fi
 
-# The torch executor compiles its small-M matmul kernel (backends/cpu_kernels.c) with the system's C compiler at first
-# use; without one it runs MKL's slower product. Only installed when no cc is on PATH.
+# The torch executor compiles its CPU decode kernels (backends/cpu_kernels.c) with the system's C compiler at first
+# use; without one it runs torch's slower matmul and attention. Only installed when no cc is on PATH.
 cc:
 	@if ! command -v cc >/dev/null; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	    echo "== installing gcc for the torch executor's CPU matmul kernel"; \
+	    echo "== installing gcc for the torch executor's CPU kernels"; \
 	    (apt-get install -y -q gcc libc6-dev >/dev/null 2>&1 || \
 	     (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q gcc libc6-dev >/dev/null 2>&1)) || \
 	    echo "note: gcc could not be installed; the torch executor falls back to MKL and tests/test_cpu_kernels.py skips"; \
-	  else echo "note: install a C compiler (cc) for the torch executor's CPU matmul kernel"; fi; fi
+	  else echo "note: install a C compiler (cc) for the torch executor's CPU kernels"; fi; fi
 
 proto: $(VENV)/bin/python
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=clients/python --grpc_python_out=clients/python \

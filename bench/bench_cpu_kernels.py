@@ -1,7 +1,7 @@
 """The torch backend's CPU kernels (backends/cpu_kernels.c) against torch's own matmul and attention (MKL), on a
 SmolLM2 stage in-process: the time of one decode step of N rows, one core.
 
-Two runtimes hold the same stage in one process, one built with the kernels and one with GRAPHMESH_CPU_GEMM=0
+Two runtimes hold the same stage in one process, one built with the kernels and one with GRAPHMESH_CPU_KERNELS=0
 (torch's matmul and attention, the weights in the layout MKL prefers), and their steps alternate, so load from
 other processes hits both alike. Each step's rows are N sessions after a 40-token prompt; both must produce the
 same tokens. Prints a table and writes bench/results/cpu_kernels.json.
@@ -33,7 +33,7 @@ PROMPT = list(range(100, 140))
 
 def use_kernels(on: bool) -> None:
     """Whether the backend finds the kernels: set before each engine's step (and before its weights are laid out)."""
-    os.environ["GRAPHMESH_CPU_GEMM"] = "1" if on else "0"
+    os.environ["GRAPHMESH_CPU_KERNELS"] = "1" if on else "0"
     cpu_kernels.library.cache_clear()
 
 

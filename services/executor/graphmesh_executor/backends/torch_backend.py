@@ -668,11 +668,11 @@ class TorchExecutable(Executable[Tensor]):
         self._captures, self._seen = {}, {}
 
     def _weight_order(self, name: str) -> Literal["C", "F"]:
-        """The host layout of a weight read as W in x @ W.T: [n, k] rows for cpu_kernels's kernel where it runs
+        """The host layout of a weight read as W in x @ W.T: [n, k] rows for cpu_kernels' f32 product where it runs
         (it reads them at memory speed for up to 32 rows), else [k, n] for MKL's one-row product."""
-        if name not in self._transposed or self._param_type(name).dtype != "f32":
+        if name not in self._transposed:
             return "C"
-        return "C" if cpu_kernels.library() is not None else "F"
+        return "C" if self._param_type(name).dtype == "f32" and cpu_kernels.library() is not None else "F"
 
     def _lay_out(self, name: str) -> None:
         if name in self._transposed:
