@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from graphmesh.graph import GraphBuilder, parse
+from graphmesh.serving import cpu_flags
 from graphmesh_executor.backends import compile_graph, cpu_kernels
 from tests.test_paged_ops import paged_ref
 
-RUNNABLE = (platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_kernels._cpu_flags()
+RUNNABLE = (platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_flags()
             and shutil.which("cc") is not None)
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs an x86-64 CPU with AVX2 + FMA and a C compiler")
 SHAPES = [(1, 576, 576), (2, 7, 5), (3, 13, 13), (5, 576, 1536), (16, 1536, 576), (32, 100, 49), (7, 8, 6)]

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 
 import grpc
 
@@ -21,6 +22,22 @@ def byte_size(text: str) -> int:
         if text.endswith(suffix):
             return int(text[: -len(suffix)]) * factor
     return int(text)
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags as Linux lists them (avx2, fma, ...); empty where the file is missing."""
+    try:
+        with open(cpuinfo) as f:
+            return set(next((line for line in f if line.startswith("flags")), "").partition(":")[2].split())
+    except OSError:
+        return set()
+
+
+def user_dir(variable: str, fallback: str) -> Path:
+    """A per-user base directory of the XDG Base Directory spec: $variable where it is absolute (the spec ignores
+    relative ones), else ~/fallback (XDG_STATE_HOME: .local/state; XDG_CACHE_HOME: .cache)."""
+    xdg = os.environ.get(variable, "")
+    return Path(xdg) if os.path.isabs(xdg) else Path.home() / fallback
 
 
 def memory_bytes() -> int:

@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from graphmesh.serving import user_dir
+
 COMPACT_MIN_LINES = 1024  # the log is rewritten once it holds this many lines and twice what it needs
 
 
@@ -37,9 +39,7 @@ def default_state_dir() -> Path:
     """Where a coordinator keeps its state unless told (--state-dir): the user's state directory of the XDG Base
     Directory spec, $XDG_STATE_HOME/graphmesh/coordinator, else ~/.local/state/graphmesh/coordinator. Not the
     directory it was started from: a restart from another one would lose the incarnation and the decision log."""
-    xdg = os.environ.get("XDG_STATE_HOME", "")
-    root = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "state"  # the spec ignores relative ones
-    return root / "graphmesh" / "coordinator"
+    return user_dir("XDG_STATE_HOME", ".local/state") / "graphmesh" / "coordinator"
 
 
 def _fsync_dir(path: Path) -> None:

@@ -362,8 +362,7 @@ class StageRuntime:
         except ProtocolError as e:
             with self._lock:
                 if e.error_class != "ARCH":
-                    self.authority.poison(incarnation, f"{e.error_class}: {e}")
-                    self._mark_undecided()
+                    self._poison(incarnation, f"{e.error_class}: {e}")
                 for row in rows:
                     session = self._sessions.get(row.session_id)
                     if session is not None and session.txn.epoch == row.epoch:
@@ -376,6 +375,13 @@ class StageRuntime:
                 self._mark_undecided()  # fenced while this step ran: its decision can no longer come
             result.kv_lengths = [row.start + len(row.token_ids) for row in rows]
         return result
+
+    def _poison(self, incarnation: int, reason: str, terminal: bool = False) -> None:
+        """Poisons `incarnation` here (under the lock) and, if that lost the authority, marks the voted epochs
+        undecided: every loss of the authority goes through this."""
+        self.authority.poison(incarnation, reason, terminal)
+        if self.authority.state is not AuthorityState.ACTIVE:
+            self._mark_undecided()
 
     def _mark_undecided(self) -> None:
         """The authority is lost (under the lock): no step of its incarnation will run again, so no folded commit
@@ -567,8 +573,7 @@ class StageRuntime:
             assert self.config is not None
             if hidden.dtype != np.float32 or hidden.ndim != 2 or hidden.shape[1] != self.config.hidden_size:
                 cause = f"boundary {hidden.dtype}{list(hidden.shape)} breaks schema f32[*, {self.config.hidden_size}]"
-                self.authority.poison(incarnation, f"CONTRACT: {cause}")
-                self._mark_undecided()
+                self._poison(incarnation, f"CONTRACT: {cause}")
                 raise InvalidArgument(cause, "SCHEMA_MISMATCH", {"error_class": "CONTRACT"})
             if step_id in self._aborted:
                 return  # a late push for a step already rolled back
@@ -756,9 +761,7 @@ class StageRuntime:
 
     def fence(self, incarnation: int, reason: str, terminal: bool) -> None:
         with self._lock:
-            self.authority.poison(incarnation, reason or "fenced by the coordinator", terminal)
-            if self.authority.state is not AuthorityState.ACTIVE:
-                self._mark_undecided()
+            self._poison(incarnation, reason or "fenced by the coordinator", terminal)
             self._lock.notify_all()
 
     def inject_fault(self, kind: str, count: int) -> None:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from graphmesh.serving import cpu_flags, user_dir
+
 log = logging.getLogger("graphmesh.executor.cpu_kernels")
 
 MAX_ROWS = 32  # past this MKL's blocked gemm is as fast (equal at 32 rows, faster for prompt chunks)
@@ -35,22 +37,12 @@ _LIBS = ["-lm"]
 _TILE_ROWS = 6  # weight rows per tile in cpu_kernels.c: a thread's share of n is a multiple of it
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _cache_dir() -> Path:
     """GRAPHMESH_KERNEL_CACHE (an image builds the kernel there, see docker/executor.Dockerfile), else the user's
     cache directory."""
     if os.environ.get("GRAPHMESH_KERNEL_CACHE"):
         return Path(os.environ["GRAPHMESH_KERNEL_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "graphmesh" / "kernels"
+    return user_dir("XDG_CACHE_HOME", ".cache") / "graphmesh" / "kernels"
 
 
 @functools.cache
@@ -62,7 +54,7 @@ def library() -> ctypes.CDLL | None:
         why = "off (GRAPHMESH_CPU_KERNELS=0)"
     elif platform.machine().lower() not in ("x86_64", "amd64"):
         why = f"not an x86-64 CPU ({platform.machine()})"
-    elif not {"avx2", "fma"} <= _cpu_flags():
+    elif not {"avx2", "fma"} <= cpu_flags():
         why = "the CPU has no AVX2 + FMA"
     elif compiler is None:
         why = "no C compiler (cc) on PATH"

@@ -37,6 +37,7 @@ from graphmesh import dtypes
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph
 from graphmesh.ops import QUANT_BLOCKS, TensorType
+from graphmesh.serving import cpu_flags
 from graphmesh_executor.backends.numpy_backend import KERNELS as NUMPY_KERNELS
 from graphmesh_executor.backends.numpy_backend import paged_rows
 from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_rows
@@ -54,11 +55,7 @@ def launch_env(cpuinfo: str = "/proc/cpuinfo", blis: str = BLIS, openblas: str =
     Both libraries fail to identify this VM's CPU ("Intel Xeon Processor": OpenBLAS falls back to Prescott code,
     BLIS to haswell), so the kernels are named from the CPU flags.
     """
-    try:
-        with open(cpuinfo) as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        flags = set()
+    flags = cpu_flags(cpuinfo)
     if os.path.exists(blis):
         return {"LD_PRELOAD": blis, **({"BLIS_ARCH_TYPE": "skx"} if _AVX512 <= flags else {})}
     if os.path.exists(openblas):
