@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 from bench.common import machine, median, progress, write_results
 from graphmesh_executor.backends import cpu_kernels
-from graphmesh_executor.stage import StageConfig, StageRuntime, StepRow
+from graphmesh_executor.stage import Boundary, StageConfig, StageRuntime, StepRow
 
 PROMPT = list(range(100, 140))
 
@@ -69,14 +69,15 @@ def main(argv: list[str] | None = None) -> None:
             use_kernels(name == "kernels")
             step = next(step_ids)
             if layers[0] != 0:
-                rt.accept_boundary(1, step, np.random.default_rng(0).standard_normal((n * len(PROMPT), 576), np.float32))
+                rt.accept_boundary(1, Boundary(step, hidden=np.random.default_rng(0).standard_normal(
+                    (n * len(PROMPT), 576), np.float32)))
             rt.execute_step(1, step, [StepRow(f"{name}-{n}-{i}", 1, 0, 0, PROMPT) for i in range(n)], False, 60.0)
         for k in range(a.steps + 3):
             for name, rt in engines.items():
                 use_kernels(name == "kernels")
                 step = next(step_ids)
                 if layers[0] != 0:
-                    rt.accept_boundary(1, step, np.random.default_rng(k).standard_normal((n, 576), np.float32))
+                    rt.accept_boundary(1, Boundary(step, hidden=np.random.default_rng(k).standard_normal((n, 576), np.float32)))
                 t0 = time.perf_counter()
                 out = rt.execute_step(1, step, [StepRow(f"{name}-{n}-{i}", k + 2, k + 1, len(PROMPT) + k, [7 + k])
                                                 for i in range(n)], False, 60.0)

@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--kv-cache-bytes", default="8Gi")
     p.add_argument("--dtype", default="bf16", help="stage dtype; f32 shows batched == solo tokens without bf16 rounding")
     p.add_argument("--steps-in-flight", type=int, default=0, help="the coordinator's --steps-in-flight (0: one per stage)")
+    p.add_argument("--decode-steps", type=int, default=1, help="the coordinator's --decode-steps (longest decode run)")
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu_mesh.json"))
     a = p.parse_args()
     levels = [int(x) for x in a.concurrency.split(",")]
@@ -85,7 +86,8 @@ def main() -> None:
         mesh = LocalMesh(a.executors, "torch", tmp, kvstore=False, startup_timeout_s=600,
                          extra_executor_args=["--device", a.device, "--kv-cache-bytes", a.kv_cache_bytes],
                          extra_coordinator_args=["--dtype", a.dtype, "--max-step-tokens", "2048",
-                                                 "--steps-in-flight", str(a.steps_in_flight)])
+                                                 "--steps-in-flight", str(a.steps_in_flight),
+                                                 "--decode-steps", str(a.decode_steps)])
         with mesh:
             address = mesh.coordinator_address
             with CoordinatorClient(address) as client:
@@ -117,7 +119,8 @@ def main() -> None:
     result = {"benchmark": "gpu_mesh", "machine": machine(load), "model": "random Llama, TinyLlama-1.1B shape" if not
               a.small else "tiny", "dtype": a.dtype, "executors": a.executors, "device": a.device,
               "tokens_per_stream": a.tokens, "prompt_tokens": a.prompt_tokens, "repeats": a.repeats,
-              "steps_in_flight": a.steps_in_flight or a.executors, "recoveries": after - before, "rows": rows,
+              "steps_in_flight": a.steps_in_flight or a.executors, "decode_steps": a.decode_steps,
+              "recoveries": after - before, "rows": rows,
               "env": {k: v for k, v in os.environ.items() if k.startswith(("CUDA", "NCCL"))}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -3,8 +3,9 @@ real gRPC), many sessions per step.
 
 Every session's tokens in a busy mesh are exactly its tokens alone: 16 concurrent greedy streams of different
 prompts and lengths, seeded sampled streams, a pool too small for all sessions at once (so the scheduler makes
-them wait and preempts), and a kill -9 of a stage while 16 sessions generate. A request that could never fit the
-KV pool is refused at once, and one bad request among good ones fails alone.
+them wait and preempts), decode runs (several tokens a row per step, fed back stage to stage), and a kill -9 of a
+stage while 16 sessions generate. A request that could never fit the KV pool is refused at once, and one bad
+request among good ones fails alone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from graphmesh import faults
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import InvalidArgument, ResourceExhausted
 from graphmesh.launcher import LocalMesh
+from tests.test_metrics import scrape, value
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
              "Name three prime numbers.", "Say good morning in Spanish.", "What is 12 times 7?",
@@ -120,17 +122,23 @@ def test_a_bad_request_among_good_ones_fails_alone(mesh: LocalMesh, prompts: lis
     assert len(errors) == 1 and "vocabulary" in str(errors[0])
 
 
-def test_kill_9_of_a_stage_while_sixteen_sessions_generate(prompts: list[str],
-                                                           solo: dict[str, list[list[int]]]) -> None:
+def test_decode_runs_and_a_kill_9_of_a_stage_while_sixteen_sessions_generate(
+        prompts: list[str], solo: dict[str, list[list[int]]]) -> None:
+    # --decode-steps 4: a step of decodes alone decodes up to 4 tokens a row on the executors, the last stage
+    # feeding each token back to the first; the reference ran one token a step on 2 executors.
     jobs = [_job(i, prompts) for i in range(STREAMS)]
-    with LocalMesh(3, "torch", "smollm2-135m", kvstore=False) as m:
+    with LocalMesh(3, "torch", "smollm2-135m", kvstore=False, metrics=True,
+                   extra_coordinator_args=("--decode-steps", "4")) as m:
+        sampled = _concurrently(m.coordinator_address, [_job(i, prompts, sampled=True) for i in range(STREAMS)])
+        assert sampled == solo["sampled"]
+        assert value(scrape(m.metrics_ports["coordinator"]), "graphmesh_decode_run_tokens_total") > STREAMS
         progress = [0] * STREAMS
         fired = threading.Event()
 
         def kill() -> None:
             while min(progress) < 3:
                 time.sleep(0.01)
-            faults.kill9(m.executor_processes[1])
+            faults.kill9(m.executor_processes[2])  # the last stage: the one feeding tokens back
             fired.set()
         threading.Thread(target=kill, daemon=True).start()
         before = _incarnation(m)

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import grpc
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -18,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from graphmesh.kvkeys import blocks_for
 from graphmesh.v1 import stage_pb2
 from graphmesh_executor.backends import available
-from graphmesh_executor.stage import Sampling, StageConfig, StageRuntime, StepRow
+from graphmesh_executor.stage import Boundary, Sampling, StageConfig, StageRuntime, StepRow
 from graphmesh_executor.stage_servicer import StageServicer
 from tests.model_fixtures import make_tiny_gpt2, make_tiny_llama, smollm2_hf_tokenizer
 
@@ -31,8 +30,8 @@ _step_ids = itertools.count(1)  # never reused, like the coordinator's
 def _pipeline(path: Path, backend: str, n_layers: int) -> list[StageRuntime]:
     runtimes: list[StageRuntime] = []
 
-    def push(address: str, incarnation: int, step_id: int, hidden: np.ndarray, timeout_s: float) -> None:
-        runtimes[int(address)].accept_boundary(incarnation, step_id, hidden)
+    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
+        runtimes[int(address)].accept_boundary(incarnation, boundary)
 
     runtimes = [StageRuntime(backend, pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(2)]
     runtimes[0].install(1, 0, 2, StageConfig(str(path), 0, 1, True, False, "1", kv_block_tokens=BLOCK))

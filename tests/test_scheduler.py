@@ -84,9 +84,10 @@ class FakeMesh:
         self._flying = 0
         self.recoveries = 0
         self.shared_tokens = self.share_refusals = 0
+        self.decode_run_steps = 0
 
-    def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: int,
-                     incarnation: int) -> stage_pb2.ExecuteStepResponse:
+    def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: int, incarnation: int,
+                     decode_steps: int = 1) -> stage_pb2.ExecuteStepResponse:
         with self._lock:
             if incarnation != self.incarnation:  # what real ranks answer to an old incarnation
                 raise InvocationFailed("COMM", -1, Unavailable("stale", "STALE_INCARNATION"))
@@ -98,10 +99,13 @@ class FakeMesh:
             self.in_flight |= set(ids)
             self._flying += 1
             self.max_in_flight_steps = max(self.max_in_flight_steps, self._flying)
+            if decode_steps > 1 and any(len(r.token_ids) != 1 for r in rows):
+                self.violations.append(f"step {step}: a decode run of rows that are not one token each")
+            self.decode_run_steps += decode_steps > 1
             try:
                 for rank in self._ranks:  # begin: folded commit, start check, block reservation
                     for r in rows:
-                        self._begin(rank, r)
+                        self._begin(rank, r, decode_steps)
             except InvalidArgument as e:
                 self._finish(ids)
                 for rank in self._ranks:
@@ -121,16 +125,24 @@ class FakeMesh:
                     self.ready = False
                 raise InvocationFailed("COMM", 1, Unavailable("injected", "EXECUTOR_LOST"))
             reply = stage_pb2.ExecuteStepResponse()
-            for r in rows:
+            for r in rows:  # a decode run feeds each token it samples back in, as the last stage does
                 history = self._ranks[0].tokens.get(r.session_id, []) + list(r.token_ids)
-                reply.rows.add(token=model_token(history), kv_length=r.start_position + len(r.token_ids))
+                sampled = []
+                for _ in range(decode_steps):
+                    sampled.append(model_token(history))
+                    history.append(sampled[-1])
+                for rank in self._ranks:
+                    epoch, start, _ = rank.open[r.session_id]
+                    rank.open[r.session_id] = (epoch, start, list(r.token_ids) + sampled[:-1])
+                reply.rows.add(token=sampled[0], kv_length=r.start_position + len(r.token_ids) + decode_steps - 1,
+                               tokens=sampled if decode_steps > 1 else [])
             return reply
 
     def _finish(self, ids: list[str]) -> None:
         self.in_flight -= set(ids)
         self._flying -= 1
 
-    def _begin(self, rank: FakeRank, r: stage_pb2.StepRow) -> None:
+    def _begin(self, rank: FakeRank, r: stage_pb2.StepRow, decode_steps: int) -> None:
         s = r.session_id
         if r.commit_epoch:
             epoch, start, tokens = rank.open.pop(s, (0, 0, []))
@@ -143,7 +155,7 @@ class FakeMesh:
         rank.open.pop(s, None)  # an epoch that failed and was never committed
         if r.start_position != rank.kv.get(s, 0):
             self.violations.append(f"{s}: row starts at {r.start_position}, rank holds {rank.kv.get(s, 0)}")
-        need = -(-(r.start_position + len(r.token_ids)) // BLOCK) - rank.lent.get(s, 0)
+        need = -(-(r.start_position + len(r.token_ids) + decode_steps - 1) // BLOCK) - rank.lent.get(s, 0)
         if need > rank.free():
             self.violations.append(f"{s}: needs {need} blocks, rank has {rank.free()} free")
             raise InvalidArgument("pool exhausted", "KV_POOL_EXHAUSTED")
@@ -205,9 +217,10 @@ class FakeMesh:
             return n
 
 
-def run(mesh: FakeMesh, jobs: list[tuple[list[int], int]], budget: int,
-        steps_in_flight: int = 0) -> list[list[int] | BaseException]:
-    scheduler = Scheduler(cast(Mesh, mesh), max_step_tokens=budget, steps_in_flight=steps_in_flight)
+def run(mesh: FakeMesh, jobs: list[tuple[list[int], int]], budget: int, steps_in_flight: int = 0,
+        decode_steps: int = 1) -> list[list[int] | BaseException]:
+    scheduler = Scheduler(cast(Mesh, mesh), max_step_tokens=budget, steps_in_flight=steps_in_flight,
+                          decode_steps=decode_steps)
 
     def one(job: tuple[list[int], int]) -> list[int] | BaseException:
         prompt, n = job
@@ -249,14 +262,14 @@ jobs_strategy = st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=jobs_strategy, ranks=st.integers(1, 3), budget=st.sampled_from([1, 3, 8, 64]),
-       slack=st.integers(0, 40), store=st.booleans())
+       slack=st.integers(0, 40), store=st.booleans(), decode_steps=st.sampled_from([1, 1, 3, 8]))
 def test_every_session_finishes_with_its_solo_tokens(jobs: list[tuple[list[int], int]], ranks: int, budget: int,
-                                                     slack: int, store: bool) -> None:
+                                                     slack: int, store: bool, decode_steps: int) -> None:
     # The pool always fits the largest session alone; with little slack, sessions wait and get preempted (and
-    # with a store, preempted ones come back seeded from it).
+    # with a store, preempted ones come back seeded from it). Decode runs never outgrow a session's budget.
     largest = max(-(-(len(p) + n) // BLOCK) for p, n in jobs)
     mesh = FakeMesh(ranks, largest + slack, store=store)
-    results = run(mesh, jobs, budget)
+    results = run(mesh, jobs, budget, decode_steps=decode_steps)
     assert not mesh.violations, mesh.violations[:3]
     assert results == [solo(p, n) for p, n in jobs]
     assert mesh.max_in_flight_steps <= ranks
@@ -264,12 +277,13 @@ def test_every_session_finishes_with_its_solo_tokens(jobs: list[tuple[list[int],
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(jobs=jobs_strategy, ranks=st.integers(1, 3), arch_every=st.sampled_from([0, 5, 7]),
-       comm_at=st.sampled_from([0, 3, 10]), store=st.booleans())
+       comm_at=st.sampled_from([0, 3, 10]), store=st.booleans(), decode_steps=st.sampled_from([1, 4]))
 def test_failures_retry_and_recover_without_changing_a_token(jobs: list[tuple[list[int], int]], ranks: int,
-                                                             arch_every: int, comm_at: int, store: bool) -> None:
+                                                             arch_every: int, comm_at: int, store: bool,
+                                                             decode_steps: int) -> None:
     largest = max(-(-(len(p) + n) // BLOCK) for p, n in jobs)
     mesh = FakeMesh(ranks, largest + 8, arch_every, comm_at, store)
-    results = run(mesh, jobs, 16)
+    results = run(mesh, jobs, 16, decode_steps=decode_steps)
     assert not mesh.violations, mesh.violations[:3]
     for (prompt, n), got in zip(jobs, results):
         if isinstance(got, InvocationFailed):
@@ -363,3 +377,11 @@ def test_after_a_recovery_every_session_is_restored_from_the_store_and_keeps_its
     assert not mesh.violations, mesh.violations[:3]
     assert mesh.recoveries == 1
     assert mesh.seeded_tokens >= 8 * 12  # each came back with at least its prompt's whole blocks
+
+
+def test_steps_of_decodes_alone_are_decode_runs_and_change_no_token() -> None:
+    jobs = [([i + 1] * (3 + i), 9 + i) for i in range(6)]
+    mesh = FakeMesh(2, 200)
+    assert run(mesh, jobs, 64, decode_steps=4) == [solo(p, n) for p, n in jobs]
+    assert not mesh.violations and mesh.decode_run_steps > 0
+    assert mesh._steps < sum(n for _, n in jobs) // 2  # most steps took several tokens of each of their rows

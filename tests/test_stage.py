@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,16 @@ import pytest
 
 from graphmesh.errors import FailedPrecondition
 from graphmesh_executor.fencing import AuthorityState, SessionPhase
-from graphmesh_executor.stage import KvBlocks, ProtocolError, StageConfig, StageRuntime, StepResult, StepRow
+from graphmesh_executor.stage import (
+    Boundary,
+    KvBlocks,
+    ProtocolError,
+    Sampling,
+    StageConfig,
+    StageRuntime,
+    StepResult,
+    StepRow,
+)
 from tests.model_fixtures import make_tiny_llama
 
 KV_CACHE_BYTES = 1 << 20  # 1 MiB: hundreds of blocks for these tiny layers (the default pool would be 512 MiB)
@@ -26,8 +36,8 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _pipeline(path: Path, split: int, n_layers: int) -> list[StageRuntime]:
     runtimes: list[StageRuntime] = []
 
-    def push(address: str, incarnation: int, step_id: int, hidden: np.ndarray, timeout_s: float) -> None:
-        runtimes[int(address)].accept_boundary(incarnation, step_id, hidden)
+    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
+        runtimes[int(address)].accept_boundary(incarnation, boundary)
 
     runtimes = [StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(2)]
     runtimes[0].install(1, 0, 2, StageConfig(str(path), 0, split, True, False, "1"))
@@ -70,6 +80,95 @@ def test_two_stage_greedy_matches_transformers(tiny_llama: Path) -> None:
         # epoch 70 is still open: 79 committed rows, its 80th row written into the fifth block
         assert _txn(runtime, "s") == (SessionPhase.IN_TXN, 70, len(prompt) + 68)
         assert len(runtime.pool.table("s")) == 5
+
+
+def _run_pipeline(path: Path, ranks: int, abort_at: int = 0) -> list[StageRuntime]:
+    """`ranks` stages over the tiny model's 2 layers, wired so the last can feed a decode run's tokens to the first.
+    `abort_at` > 0: instead of feeding back the tokens of that iteration, the first run is aborted on every rank."""
+    runtimes: list[StageRuntime] = []
+    aborts = [abort_at] if abort_at else []
+
+    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
+        if boundary.hidden is None and boundary.iteration in aborts:
+            aborts.clear()
+            for r in runtimes:
+                r.abort_step(incarnation, boundary.step_id, [])
+            return
+        runtimes[int(address)].accept_boundary(incarnation, boundary)
+
+    runtimes = [StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(ranks)]
+    if ranks == 1:
+        runtimes[0].install(1, 0, 1, StageConfig(str(path), 0, 2, True, True, ""))
+    else:
+        runtimes[0].install(1, 0, 2, StageConfig(str(path), 0, 1, True, False, "1"))
+        runtimes[1].install(1, 1, 2, StageConfig(str(path), 1, 2, False, True, "", first_address="0"))
+    return runtimes
+
+
+def _run(runtimes: list[StageRuntime], rows: list[StepRow], steps: int, timeout_s: float = 5.0) -> StepResult:
+    """One step on every rank at once (a decode run's first rank waits for what the last one feeds back)."""
+    step_id = next(_step_ids)
+    with ThreadPoolExecutor(len(runtimes)) as pool:
+        calls = [pool.submit(r.execute_step, 1, step_id, rows, False, timeout_s, steps) for r in runtimes]
+        return [c.result() for c in calls][-1]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_decode_run_samples_what_single_steps_do_and_commits_or_rolls_back_whole(tiny_llama: Path,
+                                                                                   ranks: int) -> None:
+    sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    prompts = {"a": [5, 17, 99], "b": [8, 9]}
+    reference = _pipeline(tiny_llama, 1, 2)
+    want: dict[str, list[int]] = {}
+    for sid, prompt in prompts.items():  # one token a step: the tokens a run must sample
+        sampling = sampled if sid == "b" else Sampling()
+        tokens = [_step(reference, [StepRow(sid, 1, 0, 0, prompt, sampling)]).tokens[0]]
+        for epoch in range(2, 8):
+            tokens += _step(reference, [StepRow(sid, epoch, epoch - 1, len(prompt) + epoch - 2, [tokens[-1]],
+                                                sampling)]).tokens
+        want[sid] = tokens
+    runtimes = _run_pipeline(tiny_llama, ranks)
+    first = _run(runtimes, [StepRow("a", 1, 0, 0, prompts["a"]), StepRow("b", 1, 0, 0, prompts["b"], sampled)], 1)
+    rows = [StepRow("a", 2, 1, 3, [first.tokens[0]]), StepRow("b", 2, 1, 2, [first.tokens[1]], sampled)]
+    run = _run(runtimes, rows, 5)
+    assert [[t, *r] for t, r in zip(first.tokens, run.run_tokens)] == [want["a"][:6], want["b"][:6]]
+    assert run.tokens == [r[0] for r in run.run_tokens] and run.kv_lengths == [3 + 5, 2 + 5]
+    for r in runtimes:  # one epoch over the whole run: open until the next step folds its commit
+        assert _txn(r, "a") == (SessionPhase.IN_TXN, 2, 3)
+    after = _run(runtimes, [StepRow("a", 3, 2, 8, [run.run_tokens[0][-1]]),
+                            StepRow("b", 3, 2, 7, [run.run_tokens[1][-1]], sampled)], 1)
+    assert after.tokens == [want["a"][6], want["b"][6]]
+    for r in runtimes:
+        assert _txn(r, "a") == (SessionPhase.IN_TXN, 3, 8) and _txn(r, "b") == (SessionPhase.IN_TXN, 3, 7)
+        assert dict(r.sessions())["a"].tokens == prompts["a"] + want["a"][:5]  # every rank knows the run's tokens
+
+
+def test_a_decode_run_rolled_back_part_way_leaves_every_rank_where_it_was(tiny_llama: Path) -> None:
+    runtimes = _run_pipeline(tiny_llama, 2, abort_at=2)  # aborted once two of its four tokens were computed
+    first = _run(runtimes, [StepRow("a", 1, 0, 0, [5, 17, 99])], 1).tokens[0]
+    with pytest.raises(ProtocolError) as e:
+        _run(runtimes, [StepRow("a", 2, 1, 3, [first])], 4)
+    assert (e.value.error_class, e.value.reason) == ("ARCH", "EPOCH_ABORTED")
+    for r in runtimes:
+        assert _txn(r, "a") == (SessionPhase.IDLE, 2, 3) and r.authority.state is AuthorityState.ACTIVE
+        assert not r._mailbox
+    clean = _run_pipeline(tiny_llama, 2)
+    _run(clean, [StepRow("a", 1, 0, 0, [5, 17, 99])], 1)
+    want = _run(clean, [StepRow("a", 2, 1, 3, [first])], 4).run_tokens
+    assert _run(runtimes, [StepRow("a", 3, 0, 3, [first])], 4).run_tokens == want  # replayed: the same tokens
+
+
+def test_a_decode_run_refuses_what_it_cannot_run(tiny_llama: Path) -> None:
+    runtimes = _run_pipeline(tiny_llama, 2)
+    for rows, logits in (([StepRow("s", 1, 0, 0, [1, 2])], False), ([StepRow("s", 1, 0, 0, [1])], True),
+                         ([StepRow("s", 1, 0, 0, [1], Sampling(logprobs=True))], False)):
+        with pytest.raises(ProtocolError) as e:
+            runtimes[0].execute_step(1, next(_step_ids), rows, logits, 1.0, 4)
+        assert (e.value.error_class, e.value.reason) == ("ARCH", "BAD_DECODE_RUN")
+    with pytest.raises(ProtocolError) as e:  # a run past the context is refused before it begins
+        runtimes[0].execute_step(1, next(_step_ids), [StepRow("s", 1, 0, 0, [1])], False, 1.0, 10**6)
+    assert e.value.reason == "CONTEXT_EXCEEDED"
+    assert runtimes[0].authority.state is AuthorityState.ACTIVE and not runtimes[0].sessions()
 
 
 def test_arch_failure_rolls_back_and_the_session_continues(tiny_llama: Path) -> None:
@@ -172,7 +271,7 @@ def test_abort_step_wakes_a_rank_waiting_for_its_boundary(tiny_llama: Path) -> N
     assert (errors[0].error_class, errors[0].reason) == ("ARCH", "EPOCH_ABORTED")
     assert runtimes[1].authority.state is AuthorityState.ACTIVE
     assert _txn(runtimes[1], "s") == (SessionPhase.IDLE, 1, 0)
-    runtimes[1].accept_boundary(1, step_id, np.zeros((2, 64), np.float32))
+    runtimes[1].accept_boundary(1, Boundary(step_id, hidden=np.zeros((2, 64), np.float32)))
     assert runtimes[1]._mailbox == {}
 
 
@@ -241,7 +340,7 @@ def test_replan_takes_standby_weights_and_compiles_the_recent_shapes(tiny_llama:
     fresh.install(1, 0, 1, whole)
     expected = run_alone(fresh, 1)
 
-    def push(address: str, incarnation: int, step_id: int, hidden: np.ndarray, timeout_s: float) -> None:
+    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
         pass
 
     runtime = StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES, standby_weights=True)

@@ -141,7 +141,8 @@ class Mesh:
                                            next_address=stages[p.rank + 1].address if p.rank + 1 < len(ranks) else "",
                                            weights=self.weights, max_context_tokens=self.max_context_tokens,
                                            kvstore_address=self.kvstore_address,
-                                           kv_block_tokens=self.kv_block_tokens, dtype=self.dtype)
+                                           kv_block_tokens=self.kv_block_tokens, dtype=self.dtype,
+                                           first_address=stages[0].address if len(ranks) > 1 else "")
                 request = stage_pb2.InstallRequest(incarnation=incarnation, rank=p.rank, world_size=len(ranks), stage=spec)
                 calls.append(rank.stub.Install.future(request, timeout=self.install_timeout_s))
             for rank, call in zip(ranks, calls):
@@ -162,10 +163,11 @@ class Mesh:
             log.info("installed", extra={"incarnation": incarnation, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: stage_pb2.OutputKind.ValueType,
-                     incarnation: int) -> stage_pb2.ExecuteStepResponse:
+                     incarnation: int, decode_steps: int = 1) -> stage_pb2.ExecuteStepResponse:
         """Runs one step, scheduled for the roster of `incarnation`, on every rank and returns the last stage's
-        answer (one result per row, in order). A step of a roster already replaced fails as COMM at once (its
-        rows are restored and replayed like any other after a recovery)."""
+        answer (one result per row, in order). `decode_steps` > 1: a decode run of that many tokens per row. A
+        step of a roster already replaced fails as COMM at once (its rows are restored and replayed like any
+        other after a recovery)."""
         ranks = self.ranks
         if incarnation != self.incarnation:
             raise InvocationFailed("COMM", -1, Unavailable(f"step scheduled for incarnation {incarnation}, the mesh "
@@ -174,9 +176,10 @@ class Mesh:
         tokens = sum(len(r.token_ids) for r in rows)
         request = stage_pb2.ExecuteStepRequest(
             incarnation=incarnation, step_id=step_id, rows=rows, output=output,
-            boundary_timeout_ms=int(self.rpc_timeout_s * 1000),
+            boundary_timeout_ms=int(self.rpc_timeout_s * 1000), decode_steps=decode_steps,
             expert_pass=stage_pb2.EXPERT_PASS_PREFILL if tokens > len(rows) else stage_pb2.EXPERT_PASS_DECODE)
-        with telemetry.span("mesh.step", step=step_id, incarnation=incarnation, rows=len(rows), tokens=tokens):
+        with telemetry.span("mesh.step", step=step_id, incarnation=incarnation, rows=len(rows), tokens=tokens,
+                            decode_steps=decode_steps):
             return self._execute(ranks, incarnation, request)
 
     def _execute(self, ranks: Sequence[Rank], incarnation: int,
@@ -190,7 +193,7 @@ class Mesh:
             span = telemetry.start_span("mesh.execute_step", rank=r.plan.rank, address=r.plan.address,
                                         last=r.plan.rank == len(ranks) - 1)
             with telemetry.use(span):
-                call = r.stub.ExecuteStep.future(request, timeout=self.rpc_timeout_s + 5.0)
+                call = r.stub.ExecuteStep.future(request, timeout=self.rpc_timeout_s * max(1, request.decode_steps) + 5.0)
             telemetry.end_when_done(span, call)
             calls.append(call)
         calls.reverse()

@@ -94,9 +94,10 @@ class _Row:
 
 class Scheduler:
     def __init__(self, mesh: Mesh, max_step_tokens: int = 256, max_step_seqs: int = 64, workers: int = 8,
-                 steps_in_flight: int = 0) -> None:
+                 steps_in_flight: int = 0, decode_steps: int = 1) -> None:
         self.mesh = mesh
         self.steps_in_flight = steps_in_flight  # 0: one per stage
+        self.decode_steps = max(1, decode_steps)  # the longest decode run: tokens per row of a step without prompts
         self.max_step_tokens, self.max_step_seqs = max_step_tokens, max_step_seqs
         self._cond = threading.Condition()
         self._seqs: list[Sequence] = []  # arrival order
@@ -104,6 +105,7 @@ class Scheduler:
         self._releasing = 0  # blocks of ended sessions that the ranks are still releasing
         self._incarnation = 0  # the incarnation the block counts are for
         self.steps = 0
+        self.run_tokens = 0  # tokens decode runs produced past each row's first: no step of their own
         self.preemptions = 0
         self.shared_tokens = 0  # prompt tokens a new session took from another's KV blocks instead of computing
         # Whole committed blocks on every rank, by SHA-256 chain link (kvkeys.link): the local prefix cache. A new
@@ -162,7 +164,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                step: list[_Row] | None = None
+                step: tuple[list[_Row], int] | None = None
                 while not self._stopped:
                     try:
                         step = self._schedule()
@@ -175,9 +177,10 @@ class Scheduler:
                     return
                 self._in_flight += 1
             assert step
-            self._workers.submit(self._execute, step, self._incarnation)
+            self._workers.submit(self._execute, *step, self._incarnation)
 
-    def _schedule(self) -> list[_Row] | None:
+    def _schedule(self) -> tuple[list[_Row], int] | None:
+        """The next step's rows and its decode run's length (1: one token per row)."""
         mesh = self.mesh
         in_flight = self.steps_in_flight or max(1, len(mesh.ranks))
         if not mesh.ready or self._in_flight >= in_flight:
@@ -194,7 +197,7 @@ class Scheduler:
             row = self._row(solo, self.max_step_tokens)
             if row is not None:
                 solo.busy = True
-                return [row]
+                return [row], 1
         ready = [s for s in ready if not s.solo]  # those that do not fit yet wait; the others must not
         if not ready:
             return None
@@ -207,12 +210,17 @@ class Scheduler:
         cap = min(self.max_step_seqs, max(1, math.ceil(live / in_flight)))
         decoding = [s for s in ready if len(s.pending) == 1 and s.session.incarnation == mesh.incarnation]
         others = [s for s in ready if s not in decoding]
+        # A step of decodes alone, with no prompt waiting to join, is a decode run: its rows take several tokens
+        # in a row without a round trip here between them (none longer than any row may still grow).
+        steps = 1
+        if decoding and not others and kind == (stage_pb2.OUTPUT_KIND_TOKEN, False):
+            steps = min(self.decode_steps, *(s.remaining for s in decoding[:cap]))
         budget = self.max_step_tokens
         step: list[_Row] = []
         for s in decoding + others:
             if len(step) >= cap or budget <= 0:
                 break
-            row = self._row(s, budget)
+            row = self._row(s, budget, steps)
             if row is None:
                 if s in others:
                     break  # first come first served: a waiting session that does not fit holds back later ones
@@ -220,9 +228,11 @@ class Scheduler:
             s.busy = True  # at once: a later session of this step must not pick it for preemption
             step.append(row)
             budget -= len(row.row.token_ids)
-        return step or None
+        return (step, steps) if step else None
 
-    def _row(self, s: Sequence, budget: int) -> _Row | None:
+    def _row(self, s: Sequence, budget: int, steps: int = 1) -> _Row | None:
+        """The row of `s` for the next step (a decode run of `steps` tokens when `s` is decoding), its KV blocks
+        lent; None when they cannot be had now."""
         mesh, session, block = self.mesh, s.session, self.mesh.kv_block_tokens
         capacity = mesh.kv_pool_blocks
         restore = session.incarnation != mesh.incarnation
@@ -235,7 +245,7 @@ class Scheduler:
         elif donor is not None:
             need = blocks_for(shareable + min(len(tokens) - shareable, budget), block)  # the shared blocks count too
         else:
-            need = blocks_for(start + n, block) - (0 if restore else s.blocks)
+            need = blocks_for(start + n + (0 if restore else steps - 1), block) - (0 if restore else s.blocks)
         if self.used_blocks + need > capacity and not self._preempt(s, need):
             return None
         if restore:
@@ -352,12 +362,12 @@ class Scheduler:
         s.links = []
 
     # -- execute and update ------------------------------------------------------------------------------
-    def _execute(self, step: list[_Row], incarnation: int) -> None:
+    def _execute(self, step: list[_Row], decode_steps: int, incarnation: int) -> None:
         """Runs a step scheduled under `incarnation` (its rows' start positions hold for that roster only)."""
         self.steps += 1
         try:
-            with telemetry.span("scheduler.step", parent=step[0].seq.context, rows=len(step)):
-                reply = self.mesh.execute_step([r.row for r in step], step[0].seq.output, incarnation)
+            with telemetry.span("scheduler.step", parent=step[0].seq.context, rows=len(step), decode_steps=decode_steps):
+                reply = self.mesh.execute_step([r.row for r in step], step[0].seq.output, incarnation, decode_steps)
         except InvocationFailed as failure:
             self._failed(step, failure, incarnation)
             return
@@ -366,21 +376,24 @@ class Scheduler:
             self._end(step, e)
             return
         logits = tensors.from_proto(reply.logits) if reply.HasField("logits") else None
+        self.run_tokens += (decode_steps - 1) * len(step)
         with self._cond:
             for i, r in enumerate(step):
-                s, session = r.seq, r.seq.session
+                s, session, result = r.seq, r.seq.session, reply.rows[i]
                 self._register(s)  # what the ranks committed: everything before this row (its commit was folded)
-                session.history += list(r.row.token_ids)
+                sampled = [int(t) for t in result.tokens] or [int(result.token)]  # a decode run's, or the one
+                session.history += list(r.row.token_ids) + sampled[:-1]  # the KV rows the ranks now hold
                 session.delivered_epoch = r.row.epoch
                 s.pending = s.pending[len(r.row.token_ids):]
                 s.solo, s.recoveries = False, 0
                 s.computed += len(r.row.token_ids)
                 if r.final and not s.done:
-                    token = int(reply.rows[i].token)
-                    s.events.put(Output(token, None if logits is None else logits[i], s.computed, reply.rows[i]))
-                    s.computed, s.pending, s.remaining = 0, [token], s.remaining - 1
-                    if s.remaining <= 0 or token in s.stop_ids:
-                        s.done = True
+                    for token in sampled:
+                        s.events.put(Output(token, None if logits is None else logits[i], s.computed, result))
+                        s.computed, s.pending, s.remaining = 0, [token], s.remaining - 1
+                        if s.remaining <= 0 or token in s.stop_ids:
+                            s.done = True
+                            break
                 s.busy = False
                 if s.done:
                     self._drop(s)

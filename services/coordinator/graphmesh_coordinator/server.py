@@ -62,6 +62,7 @@ class CoordinatorConfig:
     http_listen: str = ""  # HOST:PORT of the OpenAI HTTP API; "": off
     http_ready_wait_s: float = 10.0  # how long an HTTP request waits out a recovery before its 503
     steps_in_flight: int = 0  # steps in flight at most; 0: one per stage
+    decode_steps: int = 1  # the longest decode run (tokens per row of a step of decodes alone)
     health_window_s: float = 1.0  # an executor that answers no health probe for this long is lost
     etcd: list[str] = field(default_factory=list)  # etcd client URLs: elect a leader there; empty: file state
     cluster_name: str = "graphmesh"  # the election's and the incarnation counter's key prefix in etcd
@@ -119,7 +120,8 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
                     kvstore=config.kvstore, tls=config.security.tls)
     context = config.max_context_tokens or ckpt.config.max_position
     eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
-    scheduler = Scheduler(mesh, config.max_step_tokens, config.max_step_seqs, steps_in_flight=config.steps_in_flight)
+    scheduler = Scheduler(mesh, config.max_step_tokens, config.max_step_seqs, steps_in_flight=config.steps_in_flight,
+                          decode_steps=config.decode_steps)
     generator = Generator(mesh, tokenizer, eos, context, scheduler)
     # 64 calls at once (Generate streams hold one each); --max-concurrent-rpcs changes it. Asynchronous: streams
     # that hold no work (an idle ModelStreamInfer) hold no thread, and health is answered on the event loop.
@@ -170,6 +172,8 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
             ("graphmesh_kv_cache_usage_ratio", "gauge", "Share of the KV blocks lent to sessions (0 to 1)",
              lambda: scheduler.used_blocks / mesh.kv_pool_blocks if mesh.kv_pool_blocks else 0.0),
             ("graphmesh_steps", "counter", "Steps executed", lambda: scheduler.steps),
+            ("graphmesh_decode_run_tokens", "counter", "Tokens decode runs produced past each row's first",
+             lambda: scheduler.run_tokens),
             ("graphmesh_preemptions", "counter", "Sessions preempted for KV blocks", lambda: scheduler.preemptions),
             ("graphmesh_prefix_shared_tokens", "counter", "Prompt tokens shared from a live session's KV blocks",
              lambda: scheduler.shared_tokens))
@@ -275,6 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps-in-flight", type=int, default=0,
                         help="steps in flight at most (default 0: one per stage); more hides the RPC round trip "
                              "when a step's compute is short (a GPU), fewer makes bigger steps (a CPU)")
+    parser.add_argument("--decode-steps", type=int, default=1,
+                        help="the longest decode run: a step of decodes alone (no prompt waiting) decodes up to this "
+                             "many tokens per session on the executors, the last stage feeding each token back to "
+                             "the first, with no round trip here between them; tokens then reach clients in bursts "
+                             "of that many (default 1: every token is its own step)")
     parser.add_argument("--http-listen", default="", help="HOST:PORT of the OpenAI-compatible HTTP API (default: off)")
     parser.add_argument("--http-ready-wait", type=float, default=10.0,
                         help="seconds an HTTP request waits for a recovering mesh before a 503")
@@ -288,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
                                    args.startup_timeout, args.rpc_timeout, args.max_context, args.metrics_port,
                                    security.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs,
                                    http_listen=args.http_listen, http_ready_wait_s=args.http_ready_wait,
-                                   steps_in_flight=args.steps_in_flight, health_window_s=args.health_window,
+                                   steps_in_flight=args.steps_in_flight, decode_steps=args.decode_steps,
+                                   health_window_s=args.health_window,
                                    etcd=[u for u in args.etcd.split(",") if u], cluster_name=args.cluster_name,
                                    lease_ttl_s=args.lease_ttl, advertise=args.advertise)
         telemetry.serve_metrics(config.metrics_port)

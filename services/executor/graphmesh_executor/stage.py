@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,7 @@ class StageConfig:
     kvstore_address: str = ""
     kv_block_tokens: int = 16
     dtype: str = ""  # "" resolves to bf16 on CUDA, f32 on CPU
+    first_address: str = ""  # the first stage's executor: where the last one feeds a decode run's tokens back
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ class StageSession:
 
 @dataclass
 class StepResult:
-    tokens: list[int] = field(default_factory=list)  # per row (last stage, sampling)
+    tokens: list[int] = field(default_factory=list)  # per row (last stage, sampling): a decode run's first
+    run_tokens: list[list[int]] = field(default_factory=list)  # per row, every token a decode run sampled (last stage)
     logits: np.ndarray | None = None  # f32 [rows, vocab] (last stage, logits)
     logprobs: list[RowLogprobs | None] = field(default_factory=list)  # per row (last stage, rows that asked)
     kv_lengths: list[int] = field(default_factory=list)
@@ -137,7 +139,17 @@ class ProtocolError(GraphmeshError):
         self.cause = cause
 
 
-Pusher = Callable[[str, int, int, np.ndarray, float], None]  # (address, incarnation, step_id, hidden, timeout_s)
+@dataclass(frozen=True)
+class Boundary:
+    """What a stage hands on for a step, or for one iteration of a decode run (stage.proto PushBoundaryRequest)."""
+
+    step_id: int
+    iteration: int = 0  # the decode run's iteration this is the input of
+    hidden: np.ndarray | None = None  # f32 [tokens, hidden]; None in the tokens the last stage feeds back to the first
+    tokens: np.ndarray | None = None  # int64 [rows]: the iteration's input tokens (decode runs, iteration > 0)
+
+
+Pusher = Callable[[str, int, Boundary, float], None]  # (address, incarnation, boundary, timeout_s)
 BlockWriter = Callable[["KvBlocks"], None]  # hands committed blocks to the write-behind (kv_writer.KvWriteBehind)
 
 
@@ -187,7 +199,7 @@ class StageRuntime:
         self._faults: dict[str, int] = {}
         self._lock = threading.Condition()
         self._sessions: dict[str, StageSession] = {}
-        self._mailbox: dict[int, np.ndarray] = {}  # step id -> the boundary pushed for it
+        self._mailbox: dict[tuple[int, int], Boundary] = {}  # (step id, iteration) -> the boundary pushed for it
         self._aborted: set[int] = set()
         self.engine = Engine(f"engine-{backend}")
         # Everything below is touched on the engine thread only.
@@ -351,16 +363,20 @@ class StageRuntime:
         return self._sessions.setdefault(session_id, StageSession())
 
     def execute_step(self, incarnation: int, step_id: int, rows: list[StepRow], logits: bool,
-                     timeout_s: float) -> StepResult:
-        """Begin every row (after its folded commit), run this rank's group for all of them, push or finish."""
+                     timeout_s: float, decode_steps: int = 1) -> StepResult:
+        """Begin every row (after its folded commit), run this rank's group for all of them, push or finish. A
+        decode run (`decode_steps` > 1) runs the group that many times, each row's epoch spanning every token."""
+        decode_steps = max(1, decode_steps)
         with self._lock:
             self.authority.check(incarnation)
-            self._check_rows(rows)
-            self._begin(incarnation, rows)
+            self._check_rows(rows, logits, decode_steps)
+            self._begin(incarnation, rows, decode_steps)
+        ends = [row.start + len(row.token_ids) + decode_steps - 1 for row in rows]
         try:
-            result = self._run_step(incarnation, step_id, rows, logits, timeout_s)
+            result = self._run_step(incarnation, step_id, rows, logits, timeout_s, decode_steps)
         except ProtocolError as e:
             with self._lock:
+                self._forget_step(step_id)
                 if e.error_class != "ARCH":
                     self._poison(incarnation, f"{e.error_class}: {e}")
                 for row in rows:
@@ -369,11 +385,11 @@ class StageRuntime:
                         session.txn.abort(row.epoch)
             raise
         with self._lock:
-            for row in rows:
-                self._sessions[row.session_id].txn.advance(row.epoch, row.start + len(row.token_ids))
+            for row, end in zip(rows, ends):
+                self._sessions[row.session_id].txn.advance(row.epoch, end)
             if self.authority.state is not AuthorityState.ACTIVE:
                 self._mark_undecided()  # fenced while this step ran: its decision can no longer come
-            result.kv_lengths = [row.start + len(row.token_ids) for row in rows]
+            result.kv_lengths = ends
         return result
 
     def _poison(self, incarnation: int, reason: str, terminal: bool = False) -> None:
@@ -391,7 +407,7 @@ class StageRuntime:
             if session.txn.phase is SessionPhase.IN_TXN and session.txn.voted:
                 session.txn.mark_indeterminate(session.txn.epoch)
 
-    def _check_rows(self, rows: list[StepRow]) -> None:
+    def _check_rows(self, rows: list[StepRow], logits: bool, decode_steps: int) -> None:
         """What makes a step impossible, refused before any row begins (ARCH: nothing changed anywhere)."""
         assert self.spec is not None and self.config is not None
         limit = self.spec.max_context_tokens or self.config.max_position
@@ -399,11 +415,16 @@ class StageRuntime:
             raise ProtocolError("ARCH", InvalidArgument("a step needs at least one row", "EMPTY_STEP"))
         if len({row.session_id for row in rows}) != len(rows):
             raise ProtocolError("ARCH", InvalidArgument("a session appears twice in one step", "DUPLICATE_SESSION"))
+        if decode_steps > 1 and (logits or any(len(r.token_ids) != 1 or r.sampling.logprobs for r in rows)):
+            raise ProtocolError("ARCH", InvalidArgument(
+                "a decode run takes rows of one token each, sampled in the graph (no logits, no logprobs)",
+                "BAD_DECODE_RUN"))
         for row in rows:
             n = len(row.token_ids)
             if n == 0:
                 raise ProtocolError("ARCH", InvalidArgument(f"row of session {row.session_id!r} has no tokens",
                                                             "EMPTY_INPUT"))
+            n += decode_steps - 1  # the KV rows the step writes
             if row.start + n > limit:
                 raise ProtocolError("ARCH", OutOfRange(f"{row.start + n} tokens exceed the context of {limit}",
                                                        "CONTEXT_EXCEEDED"))
@@ -413,7 +434,7 @@ class StageRuntime:
         if self._take_fault("arch"):
             raise ProtocolError("ARCH", InvalidArgument("injected deterministic failure", "INJECTED_FAULT"))
 
-    def _begin(self, incarnation: int, rows: list[StepRow]) -> None:
+    def _begin(self, incarnation: int, rows: list[StepRow], decode_steps: int) -> None:
         """Commits each row's folded epoch and begins its epoch with its KV blocks reserved; a row that cannot
         begin rolls back the rows already begun, so the step changes nothing but the folded commits."""
         begun: list[tuple[StageSession, int]] = []
@@ -434,7 +455,7 @@ class StageRuntime:
                 begun.append((session, row.epoch))
                 session.pending_tokens = list(row.token_ids)
                 try:
-                    self.pool.reserve(row.session_id, row.start + len(row.token_ids))
+                    self.pool.reserve(row.session_id, row.start + len(row.token_ids) + decode_steps - 1)
                 except ResourceExhausted as e:
                     raise ProtocolError("ARCH", e) from e
         except Exception:
@@ -443,16 +464,55 @@ class StageRuntime:
             raise
 
     def _run_step(self, incarnation: int, step_id: int, rows: list[StepRow], want_logits: bool,
-                  timeout_s: float) -> StepResult:
+                  timeout_s: float, decode_steps: int) -> StepResult:
+        """This rank's part of a step: one iteration, or `decode_steps` of a decode run. Iteration i > 0 of a run
+        feeds each row the token iteration i - 1 sampled: the last stage pushes those back to the first, and every
+        stage hands them on beside its activation, so each rank knows the tokens its KV rows hold."""
+        assert self.spec is not None and self.config is not None
+        spec, run = self.spec, decode_steps > 1
+        result = StepResult()
+        sampled: list[list[int]] = [[] for _ in rows]
+        for i in range(decode_steps):
+            boundary = None
+            if not spec.first or (i and not spec.last):
+                boundary = self._await_boundary(step_id, i, timeout_s)
+            if i:
+                fed = boundary.tokens if boundary is not None else np.array([t[-1] for t in sampled], np.int64)
+                if fed is None or fed.shape != (len(rows),):
+                    raise ProtocolError("CONTRACT", InvalidArgument(
+                        f"iteration {i} of decode run {step_id} came without its {len(rows)} tokens", "SCHEMA_MISMATCH"))
+                rows = [replace(r, start=r.start + 1, token_ids=[int(t)]) for r, t in zip(rows, fed)]
+                with self._lock:
+                    for r in rows:
+                        session = self._sessions.get(r.session_id)
+                        if session is not None:
+                            session.pending_tokens += r.token_ids
+            out = self._iteration(incarnation, step_id, i, rows, boundary, want_logits, timeout_s, result)
+            if run and spec.last:
+                for t, token in zip(sampled, out):
+                    t.append(int(token))
+                if i + 1 < decode_steps and not spec.first:
+                    self._push(spec.first_address, incarnation, Boundary(
+                        step_id, i + 1, tokens=np.asarray([t[-1] for t in sampled], np.int64)), timeout_s)
+        if run and spec.last:
+            result.tokens, result.run_tokens = [t[0] for t in sampled], sampled
+        return result
+
+    def _iteration(self, incarnation: int, step_id: int, iteration: int, rows: list[StepRow],
+                   boundary: Boundary | None, want_logits: bool, timeout_s: float, result: StepResult) -> np.ndarray:
+        """Runs the group once over `rows` and pushes its boundary on (with the rows' tokens after a decode run's
+        first iteration: the next ranks know those from the request), or, on the last stage, fills `result`;
+        returns the group's output."""
         assert self.spec is not None and self.config is not None
         spec, hidden = self.spec, None
         total = sum(len(row.token_ids) for row in rows)
         if not spec.first:
-            hidden = self._await_boundary(step_id, timeout_s)
-            if hidden.shape != (total, self.config.hidden_size):
+            assert boundary is not None
+            hidden = boundary.hidden
+            if hidden is None or hidden.shape != (total, self.config.hidden_size):
+                shape = None if hidden is None else list(hidden.shape)
                 raise ProtocolError("CONTRACT", InvalidArgument(
-                    f"boundary of shape {list(hidden.shape)}, expected [{total}, {self.config.hidden_size}]",
-                    "SCHEMA_MISMATCH"))
+                    f"boundary of shape {shape}, expected [{total}, {self.config.hidden_size}]", "SCHEMA_MISMATCH"))
         # Rows that want logprobs get the logits graph; their tokens are sampled from its output on the host.
         host = spec.last and not want_logits and any(r.sampling.logprobs for r in rows)
         t0 = time.perf_counter()
@@ -464,15 +524,13 @@ class StageRuntime:
             raise
         except Exception as e:
             raise self._device_failure(e) from e
-        result = StepResult(compute_us=(time.perf_counter() - t0) * 1e6, computed_tokens=total)
+        result.compute_us += (time.perf_counter() - t0) * 1e6
+        result.computed_tokens += total
         if not spec.last:
-            assert self._pusher is not None
             bundle = out[:total, :-1] if self._take_fault("corrupt") else out[:total]
-            try:
-                with telemetry.span("stage.push_boundary", step=step_id, rows=len(rows), tokens=total):
-                    self._pusher(spec.next_address, incarnation, step_id, bundle, timeout_s)
-            except Exception as e:  # any failure to deliver leaves the order unprovable
-                raise ProtocolError("COMM", e) from e
+            tokens = np.asarray([r.token_ids[0] for r in rows], np.int64) if iteration else None
+            with telemetry.span("stage.push_boundary", step=step_id, iteration=iteration, rows=len(rows), tokens=total):
+                self._push(spec.next_address, incarnation, Boundary(step_id, iteration, bundle, tokens), timeout_s)
         elif want_logits:
             result.logits = out[: len(rows)].astype(np.float32)
         elif host:
@@ -483,7 +541,14 @@ class StageRuntime:
                             r.sampling.top_logprobs) for r in rows])
         else:
             result.tokens = [int(t) for t in out[: len(rows)]]
-        return result
+        return out
+
+    def _push(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
+        assert self._pusher is not None
+        try:
+            self._pusher(address, incarnation, boundary, timeout_s)
+        except Exception as e:  # any failure to deliver leaves the order unprovable
+            raise ProtocolError("COMM", e) from e
 
     def _device_failure(self, e: Exception) -> ProtocolError:
         """What a compute that raised something other than a graphmesh error means: the device ran out of
@@ -552,9 +617,10 @@ class StageRuntime:
             finally:
                 self._pools = exe.swap_handles(own)
 
-    def _await_boundary(self, step_id: int, timeout_s: float) -> np.ndarray:
+    def _await_boundary(self, step_id: int, iteration: int, timeout_s: float) -> Boundary:
+        key = (step_id, iteration)
         with self._lock:
-            ready = self._lock.wait_for(lambda: step_id in self._mailbox or step_id in self._aborted or
+            ready = self._lock.wait_for(lambda: key in self._mailbox or step_id in self._aborted or
                                         self.authority.state is not AuthorityState.ACTIVE, timeout=timeout_s)
             if self.authority.state is not AuthorityState.ACTIVE:
                 raise ProtocolError("COMM", FailedPrecondition(f"fenced while waiting for a boundary: "
@@ -563,21 +629,34 @@ class StageRuntime:
                 raise ProtocolError("ARCH", FailedPrecondition(f"step {step_id} was aborted", "EPOCH_ABORTED"))
             if not ready:
                 raise ProtocolError("COMM", DeadlineExceeded(
-                    f"no boundary for step {step_id} within {timeout_s:.1f} s", "BOUNDARY_TIMEOUT"))
-            return self._mailbox.pop(step_id)
+                    f"no boundary for step {step_id} (iteration {iteration}) within {timeout_s:.1f} s",
+                    "BOUNDARY_TIMEOUT"))
+            return self._mailbox.pop(key)
 
-    def accept_boundary(self, incarnation: int, step_id: int, hidden: np.ndarray) -> None:
+    def _forget_step(self, step_id: int) -> None:
+        """Drops what was pushed for `step_id` and not taken (under the lock): a run that failed part-way."""
+        for key in [k for k in self._mailbox if k[0] == step_id]:
+            del self._mailbox[key]
+
+    def accept_boundary(self, incarnation: int, boundary: Boundary) -> None:
         """Validates a pushed bundle before accepting it; a bad bundle poisons (it breaks the contract)."""
         with self._lock:
             self.authority.check(incarnation)
             assert self.config is not None
-            if hidden.dtype != np.float32 or hidden.ndim != 2 or hidden.shape[1] != self.config.hidden_size:
+            hidden, tokens, cause = boundary.hidden, boundary.tokens, ""
+            if hidden is not None and (hidden.dtype != np.float32 or hidden.ndim != 2 or
+                                       hidden.shape[1] != self.config.hidden_size):
                 cause = f"boundary {hidden.dtype}{list(hidden.shape)} breaks schema f32[*, {self.config.hidden_size}]"
+            elif tokens is not None and (tokens.dtype != np.int64 or tokens.ndim != 1):
+                cause = f"boundary tokens {tokens.dtype}{list(tokens.shape)} break schema i64[rows]"
+            elif hidden is None and tokens is None:
+                cause = "boundary holds neither an activation nor tokens"
+            if cause:
                 self._poison(incarnation, f"CONTRACT: {cause}")
                 raise InvalidArgument(cause, "SCHEMA_MISMATCH", {"error_class": "CONTRACT"})
-            if step_id in self._aborted:
+            if boundary.step_id in self._aborted:
                 return  # a late push for a step already rolled back
-            self._mailbox[step_id] = hidden
+            self._mailbox[(boundary.step_id, boundary.iteration)] = boundary
             self._lock.notify_all()
 
     def commit(self, incarnation: int, session_id: str, epoch: int) -> int:
@@ -720,7 +799,7 @@ class StageRuntime:
             if incarnation != self.authority.incarnation:
                 self.authority.check(incarnation)
             self._aborted.add(step_id)
-            self._mailbox.pop(step_id, None)
+            self._forget_step(step_id)
             self._lock.notify_all()
         for row in rows:
             self.abort(incarnation, row.session_id, row.epoch, row.commit_epoch)

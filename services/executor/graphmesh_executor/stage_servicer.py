@@ -15,7 +15,7 @@ from graphmesh.errors import InvalidArgument, from_rpc_error, rpc
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
 from graphmesh_executor.kv_push import KvPusher
-from graphmesh_executor.stage import Sampling, StageConfig, StageRuntime, StepRow
+from graphmesh_executor.stage import Boundary, Sampling, StageConfig, StageRuntime, StepRow
 
 log = logging.getLogger("graphmesh.executor.stage")
 R = TypeVar("R")
@@ -40,16 +40,19 @@ class BoundaryPusher:
         self._lock = threading.Lock()
         self.tls = tls
 
-    def __call__(self, address: str, incarnation: int, step_id: int, hidden: np.ndarray, timeout_s: float) -> None:
+    def __call__(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
         with self._lock:
             if address not in self._stubs:
                 channel = security.channel(address, self.tls, [("grpc.max_send_message_length", 64 << 20),
                                                                ("grpc.max_receive_message_length", 64 << 20)])
                 self._stubs[address] = stage_pb2_grpc.StageServiceStub(telemetry.traced(channel))
             stub = self._stubs[address]
-        request = stage_pb2.PushBoundaryRequest(
-            header=stage_pb2.FencingHeader(incarnation=incarnation), step_id=step_id,
-            tensors=[stage_pb2.BoundaryTensor(role=stage_pb2.BOUNDARY_ROLE_ACTIVATION, tensor=tensors.to_proto(hidden))])
+        request = stage_pb2.PushBoundaryRequest(header=stage_pb2.FencingHeader(incarnation=incarnation),
+                                                step_id=boundary.step_id, iteration=boundary.iteration)
+        for role, value in ((stage_pb2.BOUNDARY_ROLE_ACTIVATION, boundary.hidden),
+                            (stage_pb2.BOUNDARY_ROLE_TOKENS, boundary.tokens)):
+            if value is not None:
+                request.tensors.add(role=role, tensor=tensors.to_proto(value))
         try:
             stub.PushBoundary(request, timeout=timeout_s)
         except grpc.RpcError as e:
@@ -65,7 +68,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def Install(self, request: stage_pb2.InstallRequest, context: grpc.ServicerContext) -> stage_pb2.InstallResponse:
         s = request.stage
         spec = StageConfig(s.model, s.layer_start, s.layer_end, s.first, s.last, s.next_address, s.weights or "f32",
-                           s.max_context_tokens, s.kvstore_address, s.kv_block_tokens or 16, s.dtype)
+                           s.max_context_tokens, s.kvstore_address, s.kv_block_tokens or 16, s.dtype, s.first_address)
         load_ms = self.runtime.install(request.incarnation, request.rank, request.world_size, spec)
         return stage_pb2.InstallResponse(backend=self.runtime.backend, device=self.runtime.device,
                                          param_bytes=self.runtime.param_bytes, load_ms=load_ms,
@@ -80,10 +83,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         with telemetry.span("stage.execute", step=request.step_id, incarnation=request.incarnation,
                             rank=self.runtime.rank, rows=len(rows), tokens=sum(len(r.token_ids) for r in rows)):
             result = self.runtime.execute_step(request.incarnation, request.step_id, rows,
-                                               request.output == stage_pb2.OUTPUT_KIND_LOGITS, timeout_s)
+                                               request.output == stage_pb2.OUTPUT_KIND_LOGITS, timeout_s,
+                                               request.decode_steps)
         response = stage_pb2.ExecuteStepResponse(compute_us=result.compute_us, computed_tokens=result.computed_tokens)
         for i, length in enumerate(result.kv_lengths):
-            row = response.rows.add(token=result.tokens[i] if result.tokens else 0, kv_length=length)
+            row = response.rows.add(token=result.tokens[i] if result.tokens else 0, kv_length=length,
+                                    tokens=result.run_tokens[i] if result.run_tokens else ())
             lp = result.logprobs[i] if result.logprobs else None
             if lp is not None:
                 row.logprob = lp.logprob
@@ -102,12 +107,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def PushBoundary(self, request: stage_pb2.PushBoundaryRequest,
                      context: grpc.ServicerContext) -> stage_pb2.PushBoundaryResponse:
         h = request.header
-        activations = [t for t in request.tensors if t.role == stage_pb2.BOUNDARY_ROLE_ACTIVATION]
-        if len(activations) != 1 or len(request.tensors) != 1:
-            hidden = np.zeros((0,), np.float64)  # fails the schema check below, poisoning like any bad bundle
-        else:
-            hidden = tensors.from_proto(activations[0].tensor)
-        self.runtime.accept_boundary(h.incarnation, request.step_id, hidden)
+        by_role = {t.role: t.tensor for t in request.tensors}
+        hidden: np.ndarray | None = np.zeros((0,), np.float64)  # fails the schema check, poisoning like any bad bundle
+        tokens: np.ndarray | None = None
+        if len(by_role) == len(request.tensors) and set(by_role) <= set(_BOUNDARY_ROLES):
+            hidden, tokens = (tensors.from_proto(by_role[role]) if role in by_role else None for role in _BOUNDARY_ROLES)
+        self.runtime.accept_boundary(h.incarnation, Boundary(request.step_id, request.iteration, hidden, tokens))
         return stage_pb2.PushBoundaryResponse()
 
     @rpc
@@ -236,6 +241,7 @@ def step_rows(rows: Iterable[stage_pb2.StepRow]) -> list[StepRow]:
                              r.sampling.logprobs, r.sampling.top_logprobs)) for r in rows]
 
 
+_BOUNDARY_ROLES = (stage_pb2.BOUNDARY_ROLE_ACTIVATION, stage_pb2.BOUNDARY_ROLE_TOKENS)  # in Boundary's order
 _FAULTS = {stage_pb2.FAULT_KIND_ARCH_FAILURE: "arch", stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY: "corrupt",
            stage_pb2.FAULT_KIND_DEVICE_FAILURE: "device"}
 

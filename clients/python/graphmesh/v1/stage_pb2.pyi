@@ -107,6 +107,11 @@ class _BoundaryRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Boundary
     BOUNDARY_ROLE_UNSPECIFIED: _BoundaryRole.ValueType  # 0
     BOUNDARY_ROLE_ACTIVATION: _BoundaryRole.ValueType  # 1
     """BOUNDARY_ROLE_ACTIVATION is the hidden state [tokens, hidden]."""
+    BOUNDARY_ROLE_TOKENS: _BoundaryRole.ValueType  # 2
+    """BOUNDARY_ROLE_TOKENS is int64 [rows]: the input tokens of an iteration of
+    a decode run, beside its activation, or alone from the last stage to the
+    first (the tokens the previous iteration sampled).
+    """
 
 class BoundaryRole(_BoundaryRole, metaclass=_BoundaryRoleEnumTypeWrapper):
     """BoundaryRole is what a boundary tensor means."""
@@ -114,6 +119,11 @@ class BoundaryRole(_BoundaryRole, metaclass=_BoundaryRoleEnumTypeWrapper):
 BOUNDARY_ROLE_UNSPECIFIED: BoundaryRole.ValueType  # 0
 BOUNDARY_ROLE_ACTIVATION: BoundaryRole.ValueType  # 1
 """BOUNDARY_ROLE_ACTIVATION is the hidden state [tokens, hidden]."""
+BOUNDARY_ROLE_TOKENS: BoundaryRole.ValueType  # 2
+"""BOUNDARY_ROLE_TOKENS is int64 [rows]: the input tokens of an iteration of
+a decode run, beside its activation, or alone from the last stage to the
+first (the tokens the previous iteration sampled).
+"""
 Global___BoundaryRole: _TypeAlias = BoundaryRole  # noqa: Y015
 
 class _EpochOutcome:
@@ -262,6 +272,7 @@ class StageSpec(_message.Message):
     KVSTORE_ADDRESS_FIELD_NUMBER: _builtins.int
     KV_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
+    FIRST_ADDRESS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """model is a bundled model name ("smollm2-135m") or a checkpoint path the
     executor can read (under its --model-root when one is set).
@@ -293,6 +304,11 @@ class StageSpec(_message.Message):
     """dtype is the stage graphs' compute and KV dtype: "f32", "bf16" or "f16";
     empty picks bf16 on CUDA and f32 on CPU.
     """
+    first_address: _builtins.str
+    """first_address is the first stage's executor: where the last stage of a
+    roster of several pushes the tokens each iteration of a decode run
+    sampled (ExecuteStepRequest.decode_steps); empty on a single stage.
+    """
     def __init__(
         self,
         *,
@@ -307,10 +323,11 @@ class StageSpec(_message.Message):
         kvstore_address: _builtins.str = ...,
         kv_block_tokens: _builtins.int = ...,
         dtype: _builtins.str = ...,
+        first_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "first", b"first", "kv_block_tokens", b"kv_block_tokens", "kvstore_address", b"kvstore_address", "last", b"last", "layer_end", b"layer_end", "layer_start", b"layer_start", "max_context_tokens", b"max_context_tokens", "model", b"model", "next_address", b"next_address", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "first", b"first", "first_address", b"first_address", "kv_block_tokens", b"kv_block_tokens", "kvstore_address", b"kvstore_address", "last", b"last", "layer_end", b"layer_end", "layer_start", b"layer_start", "max_context_tokens", b"max_context_tokens", "model", b"model", "next_address", b"next_address", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -505,6 +522,7 @@ class ExecuteStepRequest(_message.Message):
     OUTPUT_FIELD_NUMBER: _builtins.int
     BOUNDARY_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     EXPERT_PASS_FIELD_NUMBER: _builtins.int
+    DECODE_STEPS_FIELD_NUMBER: _builtins.int
     incarnation: _builtins.int
     """incarnation is the coordinator's fencing token for the roster."""
     step_id: _builtins.int
@@ -516,6 +534,14 @@ class ExecuteStepRequest(_message.Message):
     boundary_timeout_ms: _builtins.int
     """boundary_timeout_ms bounds the wait for the previous stage's bundle."""
     expert_pass: Global___ExpertPass.ValueType
+    decode_steps: _builtins.int
+    """decode_steps > 1 makes the step a decode run: every row (one token each,
+    OUTPUT_KIND_TOKEN) decodes this many tokens in a row on the ranks, the
+    last stage feeding each sampled token back to the first stage, with no
+    round trip to the coordinator between them. Each row's run is one epoch
+    over all of its tokens: it commits or rolls back as a whole. 0 or 1: one
+    token per row.
+    """
     @_builtins.property
     def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepRow]:
         """rows are at most one per session, in the order of the boundary bundle."""
@@ -529,10 +555,11 @@ class ExecuteStepRequest(_message.Message):
         output: Global___OutputKind.ValueType = ...,
         boundary_timeout_ms: _builtins.int = ...,
         expert_pass: Global___ExpertPass.ValueType = ...,
+        decode_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_timeout_ms", b"boundary_timeout_ms", "expert_pass", b"expert_pass", "incarnation", b"incarnation", "output", b"output", "rows", b"rows", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_timeout_ms", b"boundary_timeout_ms", "decode_steps", b"decode_steps", "expert_pass", b"expert_pass", "incarnation", b"incarnation", "output", b"output", "rows", b"rows", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -570,6 +597,7 @@ class StepRowResult(_message.Message):
     KV_LENGTH_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
     token: _builtins.int
     """token is the row's sampled token (last stage, OUTPUT_KIND_TOKEN)."""
     kv_length: _builtins.int
@@ -585,6 +613,12 @@ class StepRowResult(_message.Message):
         position, most likely first (ties: the lower id first).
         """
 
+    @_builtins.property
+    def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """tokens are the tokens a decode run sampled for the row, in order
+        (decode_steps of them; `token` is the first). Empty for a single step.
+        """
+
     def __init__(
         self,
         *,
@@ -592,10 +626,11 @@ class StepRowResult(_message.Message):
         kv_length: _builtins.int = ...,
         logprob: _builtins.float = ...,
         top_logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_length", b"kv_length", "logprob", b"logprob", "token", b"token", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_length", b"kv_length", "logprob", b"logprob", "token", b"token", "tokens", b"tokens", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -714,10 +749,15 @@ class PushBoundaryRequest(_message.Message):
     ROUTE_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
     STEP_ID_FIELD_NUMBER: _builtins.int
+    ITERATION_FIELD_NUMBER: _builtins.int
     route: _builtins.str
     """route is "<src_rank>-><dst_rank>"."""
     step_id: _builtins.int
     """step_id is the step the bundle belongs to."""
+    iteration: _builtins.int
+    """iteration is the decode run's iteration the bundle is the input of (0
+    for a single step).
+    """
     @_builtins.property
     def header(self) -> Global___FencingHeader:
         """header carries the incarnation (session_id and epoch are unset: a bundle
@@ -726,7 +766,9 @@ class PushBoundaryRequest(_message.Message):
 
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BoundaryTensor]:
-        """tensors hold the step's rows in order: the hidden state [tokens, hidden]."""
+        """tensors hold the step's rows in order: the hidden state [tokens, hidden]
+        (ACTIVATION), and in a decode run the input tokens [rows] (TOKENS).
+        """
 
     def __init__(
         self,
@@ -735,10 +777,11 @@ class PushBoundaryRequest(_message.Message):
         route: _builtins.str = ...,
         tensors: _abc.Iterable[Global___BoundaryTensor] | None = ...,
         step_id: _builtins.int = ...,
+        iteration: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "route", b"route", "step_id", b"step_id", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "iteration", b"iteration", "route", b"route", "step_id", b"step_id", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
