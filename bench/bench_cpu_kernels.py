@@ -40,7 +40,7 @@ def use_kernels(on: bool) -> None:
 def runtime(kernels: bool, layers: tuple[int, int]) -> StageRuntime:
     """A stage whose weights were laid out with the kernels on or off (the choice is made as they are set)."""
     use_kernels(kernels)
-    rt = StageRuntime("torch", kv_cache_bytes=128 << 20, pusher=lambda *a: None, standby_weights=False)
+    rt = StageRuntime("torch", kv_cache_bytes=128 << 20, pusher=lambda *a: a[-1](None), standby_weights=False)
     first, last = layers[0] == 0, layers[1] == 30
     rt.install(1, 0, 1, StageConfig("smollm2-135m", layers[0], layers[1], first, last, "" if last else "next"))
     return rt

@@ -205,8 +205,9 @@ def run_load(target: Target, prompt: list[int], streams: int, tokens: int) -> Lo
 
 
 # -- the benchmark ----------------------------------------------------------------------------------------------
-def mesh_name(n: int) -> str:
-    return f"graphmesh, {n} executor{'s' if n > 1 else ''}"
+def mesh_name(n: int, decode_steps: int = 1) -> str:
+    runs = f", runs of {decode_steps}" if decode_steps > 1 else ""
+    return f"graphmesh, {n} executor{'s' if n > 1 else ''}{runs}"
 
 
 def ints(text: str) -> list[int]:
@@ -219,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="runs of each (engine, concurrency), interleaved; median (default 3)")
     p.add_argument("--concurrency", default=None, help=f"concurrent stream counts (default {CONCURRENCY})")
     p.add_argument("--meshes", default="1,2,3", help="executor counts of the graphmesh meshes")
+    p.add_argument("--decode-steps", default="1", help="the meshes' --decode-steps (the coordinator's longest decode "
+                   "run); several values: a mesh of each size for each")
     p.add_argument("--tokens", type=int, default=None, help="tokens generated per stream (default 64)")
     p.add_argument("--quick", action="store_true", help=f"smoke test: 1 repeat, concurrency {QUICK_CONCURRENCY}, "
                    f"{QUICK_TOKENS} tokens (flags given explicitly still win)")
@@ -257,12 +260,13 @@ def main(argv: list[str] | None = None) -> None:
             server = VllmServer(ensure_hf_model(path), threads_bind=bind,
                                 extra_args=["--no-enable-prefix-caching"]).start()
             targets[PEER], threads[PEER] = vllm_target(server), f"bound to {bind}"
-        for n in sizes:
+        for n, d in itertools.product(sizes, ints(a.decode_steps)):
             t0 = time.perf_counter()
-            meshes.append(LocalMesh(n, "torch", MODEL, kvstore=False).start())
-            targets[mesh_name(n)] = mesh_target(meshes[-1])
-            threads[mesh_name(n)] = "+".join([str(max(1, cpus // n))] * n)  # LocalMesh's split of the cores
-            progress(f"{mesh_name(n)} ready in {time.perf_counter() - t0:.0f} s (logs in {meshes[-1].log_dir})")
+            meshes.append(LocalMesh(n, "torch", MODEL, kvstore=False,
+                                    extra_coordinator_args=("--decode-steps", str(d))).start())
+            targets[mesh_name(n, d)] = mesh_target(meshes[-1])
+            threads[mesh_name(n, d)] = "+".join([str(max(1, cpus // n))] * n)  # LocalMesh's split of the cores
+            progress(f"{mesh_name(n, d)} ready in {time.perf_counter() - t0:.0f} s (logs in {meshes[-1].log_dir})")
 
         for name, target in targets.items():
             # every batch shape the runs will use is compiled or traced once before any run counts

@@ -133,7 +133,9 @@ def test_a_lost_abort_is_resolved_without_a_rebuild_and_changes_no_token(
     monkeypatch.setattr(state_module, "COMPACT_MIN_LINES", 8)
     mesh = _mesh(cluster)
     mesh.install()
-    scheduler = Scheduler(mesh)
+    # One token a step: in a decode run, a rank whose abort is lost waits for its next iteration's input instead of
+    # voting, and fails COMM at the boundary timeout (the roster is rebuilt): the path of a lost abort is this one.
+    scheduler = Scheduler(mesh, decode_steps=1)
     try:
         reference = _generate(scheduler, PROMPT, 12)
         k = mesh.incarnation

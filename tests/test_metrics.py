@@ -97,15 +97,18 @@ def test_a_generation_moves_the_counters(mesh: LocalMesh) -> None:
         value(c0, "graphmesh_rpc_server_seconds_count", method=generate, code="OK") == 1
     assert value(c1, "graphmesh_active_sessions") == 0 and value(c1, "graphmesh_running_sessions") == 0
     assert value(c1, "graphmesh_waiting_sessions") == 0
-    # A session alone in the mesh, its prompt within one step's token budget: one step per token (the prefill,
-    # then one decode step each), and every step is one ExecuteStep on every rank and one push between them.
+    # A session alone in the mesh, its prompt within one step's token budget: its prefill, then decode runs (up to
+    # 4 tokens a step on CPU executors). Every step is one ExecuteStep on every rank, every token one push forward,
+    # and every token a run decodes past its first one push of the tokens fed back to the first rank.
     steps = value(c1, "graphmesh_steps_total") - value(c0, "graphmesh_steps_total")
-    assert steps == streamed
+    fed_back = value(c1, "graphmesh_decode_run_tokens_total") - value(c0, "graphmesh_decode_run_tokens_total")
+    assert steps + fed_back == streamed and steps < streamed
     for rank in (0, 1):
         e0, e1 = before[f"executor-{rank}"], after[f"executor-{rank}"]
         assert rpc_count(e1, EXECUTE_STEP) - rpc_count(e0, EXECUTE_STEP) == steps
-    assert rpc_count(after["executor-1"], "/graphmesh.v1.StageService/PushBoundary") - \
-        rpc_count(before["executor-1"], "/graphmesh.v1.StageService/PushBoundary") == steps
+    for rank, pushes in ((1, streamed), (0, fed_back)):
+        assert rpc_count(after[f"executor-{rank}"], "/graphmesh.v1.StageService/PushBoundary") - \
+            rpc_count(before[f"executor-{rank}"], "/graphmesh.v1.StageService/PushBoundary") == pushes
     # The session's KV blocks go back to every pool once it ends (released after the stream closes).
     pools = [_wait(mesh, f"executor-{rank}", lambda s: value(s, "graphmesh_kv_pool_free_blocks") ==
                    value(s, "graphmesh_kv_pool_blocks") > 0) for rank in (0, 1)]

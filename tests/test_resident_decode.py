@@ -5,6 +5,7 @@ steps that carry rows of many sessions at once, each of which must give the toke
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -30,8 +31,10 @@ _step_ids = itertools.count(1)  # never reused, like the coordinator's
 def _pipeline(path: Path, backend: str, n_layers: int) -> list[StageRuntime]:
     runtimes: list[StageRuntime] = []
 
-    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
+    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float,
+             delivered: Callable[[Exception | None], None]) -> None:
         runtimes[int(address)].accept_boundary(incarnation, boundary)
+        delivered(None)
 
     runtimes = [StageRuntime(backend, pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(2)]
     runtimes[0].install(1, 0, 2, StageConfig(str(path), 0, 1, True, False, "1", kv_block_tokens=BLOCK))

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import cast
 
 import pytest
@@ -70,7 +71,7 @@ class FakeMesh:
         self.kvstore: object | None = object() if store else None
         self.stored: set[tuple[int, ...]] = set()
         self.seeded_tokens = 0
-        self.ranks = [object()] * ranks
+        self.ranks = [SimpleNamespace(device="cpu")] * ranks  # what the scheduler reads of a rank
         self.kv_pool_blocks = blocks
         self.incarnation = 1
         self.ready = True

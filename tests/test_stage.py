@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,8 +37,10 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _pipeline(path: Path, split: int, n_layers: int) -> list[StageRuntime]:
     runtimes: list[StageRuntime] = []
 
-    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
+    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float,
+             delivered: Callable[[Exception | None], None]) -> None:
         runtimes[int(address)].accept_boundary(incarnation, boundary)
+        delivered(None)
 
     runtimes = [StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(2)]
     runtimes[0].install(1, 0, 2, StageConfig(str(path), 0, split, True, False, "1"))
@@ -88,13 +91,15 @@ def _run_pipeline(path: Path, ranks: int, abort_at: int = 0) -> list[StageRuntim
     runtimes: list[StageRuntime] = []
     aborts = [abort_at] if abort_at else []
 
-    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
+    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float,
+             delivered: Callable[[Exception | None], None]) -> None:
         if boundary.hidden is None and boundary.iteration in aborts:
             aborts.clear()
             for r in runtimes:
                 r.abort_step(incarnation, boundary.step_id, [])
-            return
-        runtimes[int(address)].accept_boundary(incarnation, boundary)
+        else:
+            runtimes[int(address)].accept_boundary(incarnation, boundary)
+        delivered(None)
 
     runtimes = [StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(ranks)]
     if ranks == 1:
@@ -340,8 +345,9 @@ def test_replan_takes_standby_weights_and_compiles_the_recent_shapes(tiny_llama:
     fresh.install(1, 0, 1, whole)
     expected = run_alone(fresh, 1)
 
-    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
-        pass
+    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float,
+             delivered: Callable[[Exception | None], None]) -> None:
+        delivered(None)
 
     runtime = StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES, standby_weights=True)
     runtime.install(1, 0, 2, StageConfig(str(tiny_llama), 0, 1, True, False, "1"))

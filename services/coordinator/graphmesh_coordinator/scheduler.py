@@ -38,6 +38,9 @@ from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 log = logging.getLogger("graphmesh.coordinator.scheduler")
 
 MAX_RECOVERIES = 3  # in a row, for one session
+# The longest decode run when none is set: on GPUs a step's compute is ~1 ms and its round trips several, so longer
+# runs pay; on CPUs compute dominates and a run's tokens reach the client in one burst, so shorter ones.
+DECODE_STEPS_CUDA, DECODE_STEPS_CPU = 8, 4
 MAX_ARCH_RETRIES = 1  # of a session's row alone, after the rollback
 
 
@@ -94,10 +97,11 @@ class _Row:
 
 class Scheduler:
     def __init__(self, mesh: Mesh, max_step_tokens: int = 256, max_step_seqs: int = 64, workers: int = 8,
-                 steps_in_flight: int = 0, decode_steps: int = 1) -> None:
+                 steps_in_flight: int = 0, decode_steps: int = 0) -> None:
         self.mesh = mesh
         self.steps_in_flight = steps_in_flight  # 0: one per stage
-        self.decode_steps = max(1, decode_steps)  # the longest decode run: tokens per row of a step without prompts
+        # The longest decode run (tokens per row of a step without prompts); 0: by the roster's devices
+        self.decode_steps = decode_steps
         self.max_step_tokens, self.max_step_seqs = max_step_tokens, max_step_seqs
         self._cond = threading.Condition()
         self._seqs: list[Sequence] = []  # arrival order
@@ -214,7 +218,7 @@ class Scheduler:
         # in a row without a round trip here between them (none longer than any row may still grow).
         steps = 1
         if decoding and not others and kind == (stage_pb2.OUTPUT_KIND_TOKEN, False):
-            steps = min(self.decode_steps, *(s.remaining for s in decoding[:cap]))
+            steps = min(self._longest_run(), *(s.remaining for s in decoding[:cap]))
         budget = self.max_step_tokens
         step: list[_Row] = []
         for s in decoding + others:
@@ -229,6 +233,12 @@ class Scheduler:
             step.append(row)
             budget -= len(row.row.token_ids)
         return (step, steps) if step else None
+
+    def _longest_run(self) -> int:
+        if self.decode_steps:
+            return self.decode_steps
+        ranks = self.mesh.ranks
+        return DECODE_STEPS_CUDA if ranks and all(r.device.startswith("cuda") for r in ranks) else DECODE_STEPS_CPU
 
     def _row(self, s: Sequence, budget: int, steps: int = 1) -> _Row | None:
         """The row of `s` for the next step (a decode run of `steps` tokens when `s` is decoding), its KV blocks

@@ -62,7 +62,7 @@ class CoordinatorConfig:
     http_listen: str = ""  # HOST:PORT of the OpenAI HTTP API; "": off
     http_ready_wait_s: float = 10.0  # how long an HTTP request waits out a recovery before its 503
     steps_in_flight: int = 0  # steps in flight at most; 0: one per stage
-    decode_steps: int = 1  # the longest decode run (tokens per row of a step of decodes alone)
+    decode_steps: int = 0  # the longest decode run (tokens per row of a step of decodes alone); 0: by the devices
     health_window_s: float = 1.0  # an executor that answers no health probe for this long is lost
     etcd: list[str] = field(default_factory=list)  # etcd client URLs: elect a leader there; empty: file state
     cluster_name: str = "graphmesh"  # the election's and the incarnation counter's key prefix in etcd
@@ -279,16 +279,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps-in-flight", type=int, default=0,
                         help="steps in flight at most (default 0: one per stage); more hides the RPC round trip "
                              "when a step's compute is short (a GPU), fewer makes bigger steps (a CPU)")
-    parser.add_argument("--decode-steps", type=int, default=1,
+    parser.add_argument("--decode-steps", type=int, default=0,
                         help="the longest decode run: a step of decodes alone (no prompt waiting) decodes up to this "
                              "many tokens per session on the executors, the last stage feeding each token back to "
                              "the first, with no round trip here between them; tokens then reach clients in bursts "
-                             "of that many (default 1: every token is its own step)")
+                             "of that many. 1: every token is its own step. Default 0: 8 when every executor is on "
+                             "CUDA, else 4")
     parser.add_argument("--http-listen", default="", help="HOST:PORT of the OpenAI-compatible HTTP API (default: off)")
     parser.add_argument("--http-ready-wait", type=float, default=10.0,
                         help="seconds an HTTP request waits for a recovering mesh before a 503")
     security.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
+    if args.decode_steps < 0:
+        parser.error(f"--decode-steps must be >= 0 (0: by the executors' devices), not {args.decode_steps}")
     logs.configure("coordinator")
     telemetry.setup("graphmesh-coordinator")
     try:

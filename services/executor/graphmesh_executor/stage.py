@@ -15,6 +15,8 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -149,7 +151,31 @@ class Boundary:
     tokens: np.ndarray | None = None  # int64 [rows]: the iteration's input tokens (decode runs, iteration > 0)
 
 
-Pusher = Callable[[str, int, Boundary, float], None]  # (address, incarnation, boundary, timeout_s)
+# (address, incarnation, boundary, timeout_s, delivered): may return before delivery; calls delivered(None) once the
+# next rank took the bundle, or delivered(error) once it cannot (exactly once, from any thread).
+Pusher = Callable[[str, int, Boundary, float, Callable[[Exception | None], None]], None]
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A step in flight on this rank. Each iteration is an engine task posted by whoever brings its input: the
+    step's handler (the first stage's first iteration), the PushBoundary handler that delivered its boundary, or
+    the engine itself (a stage feeding itself). No handler thread sits between an input arriving and its compute,
+    and pushes go out without waiting: the step is done once every iteration ran and every push was taken."""
+
+    incarnation: int
+    step_id: int
+    rows: list[StepRow]  # the rows of the iteration running or next to run
+    want_logits: bool
+    steps: int  # iterations: a decode run's length, else 1
+    timeout_s: float  # how long it may wait for an input
+    result: StepResult = field(default_factory=StepResult)
+    sampled: list[list[int]] = field(default_factory=list)  # per row, the tokens a decode run sampled (last stage)
+    iteration: int = 0  # the iteration running or next to run
+    waiting_since: float | None = None  # monotonic time it began waiting for its next input; None while not
+    pushes: int = 0  # pushes sent and not yet taken
+    computed: bool = False  # every iteration ran
+    done: Future[StepResult] = field(default_factory=Future)
 BlockWriter = Callable[["KvBlocks"], None]  # hands committed blocks to the write-behind (kv_writer.KvWriteBehind)
 
 
@@ -200,6 +226,7 @@ class StageRuntime:
         self._lock = threading.Condition()
         self._sessions: dict[str, StageSession] = {}
         self._mailbox: dict[tuple[int, int], Boundary] = {}  # (step id, iteration) -> the boundary pushed for it
+        self._in_flight: dict[int, _InFlight] = {}  # step id -> the step, while its handler waits for it
         self._aborted: set[int] = set()
         self.engine = Engine(f"engine-{backend}")
         # Everything below is touched on the engine thread only.
@@ -227,6 +254,9 @@ class StageRuntime:
             self._sessions.clear()
             self._mailbox.clear()
             self._aborted.clear()
+            for step in self._in_flight.values():  # of an older incarnation: it must not go on under the new one
+                self._fail(step, ProtocolError("COMM", FailedPrecondition("a new incarnation was installed",
+                                                                          "POISONED")))
             self.pool.clear()
             self._lock.notify_all()
         return (time.perf_counter() - t0) * 1000.0
@@ -398,6 +428,9 @@ class StageRuntime:
         self.authority.poison(incarnation, reason, terminal)
         if self.authority.state is not AuthorityState.ACTIVE:
             self._mark_undecided()
+            for step in self._in_flight.values():
+                if step.waiting_since is not None:
+                    self._fail(step, self._fenced())
 
     def _mark_undecided(self) -> None:
         """The authority is lost (under the lock): no step of its incarnation will run again, so no folded commit
@@ -468,43 +501,106 @@ class StageRuntime:
         """This rank's part of a step: one iteration, or `decode_steps` of a decode run. Iteration i > 0 of a run
         feeds each row the token iteration i - 1 sampled: the last stage pushes those back to the first, and every
         stage hands them on beside its activation, so each rank knows the tokens its KV rows hold."""
-        assert self.spec is not None and self.config is not None
-        spec, run = self.spec, decode_steps > 1
-        result = StepResult()
-        sampled: list[list[int]] = [[] for _ in rows]
-        for i in range(decode_steps):
-            boundary = None
-            if not spec.first or (i and not spec.last):
-                boundary = self._await_boundary(step_id, i, timeout_s)
+        step = _InFlight(incarnation, step_id, rows, want_logits, decode_steps, timeout_s,
+                         sampled=[[] for _ in rows])
+        with self._lock:
+            self._in_flight[step_id] = step
+            self._next_input(step)
+        try:
+            while True:
+                try:
+                    return step.done.result(timeout=min(timeout_s, 1.0))
+                except FutureTimeout:
+                    with self._lock:
+                        since = step.waiting_since
+                        if since is not None and time.monotonic() - since >= timeout_s:
+                            self._fail(step, ProtocolError("COMM", DeadlineExceeded(
+                                f"no boundary for step {step_id} (iteration {step.iteration}) within {timeout_s:.1f} s",
+                                "BOUNDARY_TIMEOUT")))
+        finally:
+            with self._lock:
+                del self._in_flight[step_id]
+
+    def _next_input(self, step: _InFlight) -> None:
+        """Posts the step's next iteration when its input is here (or it needs none), else leaves it waiting for
+        its boundary (under the lock)."""
+        assert self.spec is not None
+        spec, i = self.spec, step.iteration
+        if self.authority.state is not AuthorityState.ACTIVE:
+            self._fail(step, self._fenced())
+            return
+        if step.step_id in self._aborted:
+            self._fail(step, ProtocolError("ARCH", FailedPrecondition(f"step {step.step_id} was aborted",
+                                                                      "EPOCH_ABORTED")))
+            return
+        boundary = None
+        if not spec.first or (i and not spec.last):  # a stage that feeds itself needs nothing from anyone
+            boundary = self._mailbox.pop((step.step_id, i), None)
+            if boundary is None:
+                step.waiting_since = time.monotonic()
+                return
+        step.waiting_since = None
+        self.engine.post("stage.iteration", lambda: self._advance(step, boundary))
+
+    def _fenced(self) -> ProtocolError:
+        return ProtocolError("COMM", FailedPrecondition(f"fenced while waiting for a boundary: {self.authority.cause}",
+                                                        "POISONED"))
+
+    def _fail(self, step: _InFlight, error: ProtocolError) -> None:
+        if not step.done.done():
+            step.done.set_exception(error)
+
+    def _finish(self, step: _InFlight) -> None:
+        """Completes the step once every iteration ran and every push was taken (under the lock)."""
+        if step.computed and not step.pushes and not step.done.done():
+            step.done.set_result(step.result)
+
+    def _advance(self, step: _InFlight, boundary: Boundary | None) -> None:
+        """Runs the step's next iteration (engine thread), then posts or awaits the one after it."""
+        assert self.spec is not None
+        spec, i = self.spec, step.iteration
+        if step.done.done():
+            return  # aborted or fenced while it was queued
+        try:
             if i:
-                fed = boundary.tokens if boundary is not None else np.array([t[-1] for t in sampled], np.int64)
-                if fed is None or fed.shape != (len(rows),):
+                fed = boundary.tokens if boundary is not None else np.array([t[-1] for t in step.sampled], np.int64)
+                if fed is None or fed.shape != (len(step.rows),):
                     raise ProtocolError("CONTRACT", InvalidArgument(
-                        f"iteration {i} of decode run {step_id} came without its {len(rows)} tokens", "SCHEMA_MISMATCH"))
-                rows = [replace(r, start=r.start + 1, token_ids=[int(t)]) for r, t in zip(rows, fed)]
+                        f"iteration {i} of decode run {step.step_id} came without its {len(step.rows)} tokens",
+                        "SCHEMA_MISMATCH"))
+                step.rows = [replace(r, start=r.start + 1, token_ids=[int(t)]) for r, t in zip(step.rows, fed)]
                 with self._lock:
-                    for r in rows:
+                    for r in step.rows:
                         session = self._sessions.get(r.session_id)
                         if session is not None:
                             session.pending_tokens += r.token_ids
-            out = self._iteration(incarnation, step_id, i, rows, boundary, want_logits, timeout_s, result)
-            if run and spec.last:
-                for t, token in zip(sampled, out):
+            out = self._iteration(step, boundary)
+            if step.steps > 1 and spec.last:
+                for t, token in zip(step.sampled, out):
                     t.append(int(token))
-                if i + 1 < decode_steps and not spec.first:
-                    self._push(spec.first_address, incarnation, Boundary(
-                        step_id, i + 1, tokens=np.asarray([t[-1] for t in sampled], np.int64)), timeout_s)
-        if run and spec.last:
-            result.tokens, result.run_tokens = [t[0] for t in sampled], sampled
-        return result
+                if i + 1 < step.steps and not spec.first:
+                    self._push(step, spec.first_address, Boundary(
+                        step.step_id, i + 1, tokens=np.asarray([t[-1] for t in step.sampled], np.int64)))
+        except Exception as e:
+            with self._lock:
+                self._fail(step, e if isinstance(e, ProtocolError) else ProtocolError("COMM", e))
+            return
+        with self._lock:
+            step.iteration += 1
+            if step.iteration < step.steps:
+                self._next_input(step)
+                return
+            if step.steps > 1 and spec.last:
+                step.result.tokens, step.result.run_tokens = [t[0] for t in step.sampled], step.sampled
+            step.computed = True
+            self._finish(step)
 
-    def _iteration(self, incarnation: int, step_id: int, iteration: int, rows: list[StepRow],
-                   boundary: Boundary | None, want_logits: bool, timeout_s: float, result: StepResult) -> np.ndarray:
-        """Runs the group once over `rows` and pushes its boundary on (with the rows' tokens after a decode run's
-        first iteration: the next ranks know those from the request), or, on the last stage, fills `result`;
-        returns the group's output."""
+    def _iteration(self, step: _InFlight, boundary: Boundary | None) -> np.ndarray:
+        """Runs the group once over the step's rows (engine thread) and pushes its boundary on (with the rows'
+        tokens after a decode run's first iteration: the next ranks know those from the request), or, on the last
+        stage, fills the step's result; returns the group's output."""
         assert self.spec is not None and self.config is not None
-        spec, hidden = self.spec, None
+        spec, hidden, rows, result = self.spec, None, step.rows, step.result
         total = sum(len(row.token_ids) for row in rows)
         if not spec.first:
             assert boundary is not None
@@ -514,10 +610,11 @@ class StageRuntime:
                 raise ProtocolError("CONTRACT", InvalidArgument(
                     f"boundary of shape {shape}, expected [{total}, {self.config.hidden_size}]", "SCHEMA_MISMATCH"))
         # Rows that want logprobs get the logits graph; their tokens are sampled from its output on the host.
-        host = spec.last and not want_logits and any(r.sampling.logprobs for r in rows)
+        host = spec.last and not step.want_logits and any(r.sampling.logprobs for r in rows)
         t0 = time.perf_counter()
         try:
-            out = self.engine.run("stage.compute", lambda: self._compute(rows, hidden, not want_logits and not host))
+            with telemetry.span("stage.compute", step=step.step_id, iteration=step.iteration, rows=len(rows)):
+                out = self._compute(rows, hidden, not step.want_logits and not host)
         except (InvalidArgument, OutOfRange, NotFound, FailedPrecondition, ResourceExhausted) as e:
             raise ProtocolError("ARCH", e) from e
         except GraphmeshError:
@@ -528,10 +625,9 @@ class StageRuntime:
         result.computed_tokens += total
         if not spec.last:
             bundle = out[:total, :-1] if self._take_fault("corrupt") else out[:total]
-            tokens = np.asarray([r.token_ids[0] for r in rows], np.int64) if iteration else None
-            with telemetry.span("stage.push_boundary", step=step_id, iteration=iteration, rows=len(rows), tokens=total):
-                self._push(spec.next_address, incarnation, Boundary(step_id, iteration, bundle, tokens), timeout_s)
-        elif want_logits:
+            tokens = np.asarray([r.token_ids[0] for r in rows], np.int64) if step.iteration else None
+            self._push(step, spec.next_address, Boundary(step.step_id, step.iteration, bundle, tokens))
+        elif step.want_logits:
             result.logits = out[: len(rows)].astype(np.float32)
         elif host:
             # Stage executables draw with the default RngOptions (they never set_rng), as sample_with_logprobs does.
@@ -543,12 +639,23 @@ class StageRuntime:
             result.tokens = [int(t) for t in out[: len(rows)]]
         return out
 
-    def _push(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
+    def _push(self, step: _InFlight, address: str, boundary: Boundary) -> None:
+        """Sends `boundary` without waiting for it: a bundle that cannot be delivered fails the step as COMM (it
+        leaves the order unprovable), and the step is not done before every bundle it sent was taken."""
         assert self._pusher is not None
+        with self._lock:
+            step.pushes += 1
+
+        def delivered(error: Exception | None) -> None:
+            with self._lock:
+                step.pushes -= 1
+                if error is not None:
+                    self._fail(step, ProtocolError("COMM", error))
+                self._finish(step)
         try:
-            self._pusher(address, incarnation, boundary, timeout_s)
-        except Exception as e:  # any failure to deliver leaves the order unprovable
-            raise ProtocolError("COMM", e) from e
+            self._pusher(address, step.incarnation, boundary, step.timeout_s, delivered)
+        except Exception as e:
+            delivered(e)
 
     def _device_failure(self, e: Exception) -> ProtocolError:
         """What a compute that raised something other than a graphmesh error means: the device ran out of
@@ -617,22 +724,6 @@ class StageRuntime:
             finally:
                 self._pools = exe.swap_handles(own)
 
-    def _await_boundary(self, step_id: int, iteration: int, timeout_s: float) -> Boundary:
-        key = (step_id, iteration)
-        with self._lock:
-            ready = self._lock.wait_for(lambda: key in self._mailbox or step_id in self._aborted or
-                                        self.authority.state is not AuthorityState.ACTIVE, timeout=timeout_s)
-            if self.authority.state is not AuthorityState.ACTIVE:
-                raise ProtocolError("COMM", FailedPrecondition(f"fenced while waiting for a boundary: "
-                                                               f"{self.authority.cause}", "POISONED"))
-            if step_id in self._aborted:
-                raise ProtocolError("ARCH", FailedPrecondition(f"step {step_id} was aborted", "EPOCH_ABORTED"))
-            if not ready:
-                raise ProtocolError("COMM", DeadlineExceeded(
-                    f"no boundary for step {step_id} (iteration {iteration}) within {timeout_s:.1f} s",
-                    "BOUNDARY_TIMEOUT"))
-            return self._mailbox.pop(key)
-
     def _forget_step(self, step_id: int) -> None:
         """Drops what was pushed for `step_id` and not taken (under the lock): a run that failed part-way."""
         for key in [k for k in self._mailbox if k[0] == step_id]:
@@ -657,7 +748,9 @@ class StageRuntime:
             if boundary.step_id in self._aborted:
                 return  # a late push for a step already rolled back
             self._mailbox[(boundary.step_id, boundary.iteration)] = boundary
-            self._lock.notify_all()
+            step = self._in_flight.get(boundary.step_id)
+            if step is not None and step.waiting_since is not None and step.iteration == boundary.iteration:
+                self._next_input(step)
 
     def commit(self, incarnation: int, session_id: str, epoch: int) -> int:
         with self._lock:
@@ -800,7 +893,10 @@ class StageRuntime:
                 self.authority.check(incarnation)
             self._aborted.add(step_id)
             self._forget_step(step_id)
-            self._lock.notify_all()
+            step = self._in_flight.get(step_id)
+            if step is not None:
+                self._fail(step, ProtocolError("ARCH", FailedPrecondition(f"step {step_id} was aborted",
+                                                                          "EPOCH_ABORTED")))
         for row in rows:
             self.abort(incarnation, row.session_id, row.epoch, row.commit_epoch)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
@@ -32,31 +33,50 @@ _OUTCOME_PB = {Outcome.NONE: stage_pb2.EPOCH_OUTCOME_UNSPECIFIED, Outcome.COMMIT
 
 
 class BoundaryPusher:
-    """Pushes boundary bundles to the next rank over one cached channel per address (TLS with this
-    executor's certificate when it has one)."""
+    """Pushes boundary bundles to the next ranks over one cached channel per address (TLS with this executor's
+    certificate when it has one), from a few sender threads per address: the engine hands a bundle over and goes
+    on, and the bundles of several micro-batches travel at once. The senders make blocking calls: a future call
+    would need no thread of ours, but grpc starts a thread to poll for it whenever no other future call is in
+    flight, which is one thread started per bundle at low load."""
+
+    SENDERS = 4  # per address: bundles in flight to one next rank at once
 
     def __init__(self, tls: security.Tls | None = None) -> None:
+        self._senders: dict[str, ThreadPoolExecutor] = {}
         self._stubs: dict[str, stage_pb2_grpc.StageServiceStub] = {}
         self._lock = threading.Lock()
         self.tls = tls
 
-    def __call__(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float) -> None:
+    def __call__(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float,
+                 delivered: Callable[[Exception | None], None]) -> None:
         with self._lock:
-            if address not in self._stubs:
+            if address not in self._senders:
                 channel = security.channel(address, self.tls, [("grpc.max_send_message_length", 64 << 20),
                                                                ("grpc.max_receive_message_length", 64 << 20)])
                 self._stubs[address] = stage_pb2_grpc.StageServiceStub(telemetry.traced(channel))
-            stub = self._stubs[address]
+                self._senders[address] = ThreadPoolExecutor(self.SENDERS, thread_name_prefix=f"push-{address}")
+            stub, senders = self._stubs[address], self._senders[address]
+        senders.submit(self._send, stub, incarnation, boundary, timeout_s, delivered, telemetry.current_context())
+
+    @staticmethod
+    def _send(stub: stage_pb2_grpc.StageServiceStub, incarnation: int, boundary: Boundary, timeout_s: float,
+              delivered: Callable[[Exception | None], None], context: telemetry.Context) -> None:
         request = stage_pb2.PushBoundaryRequest(header=stage_pb2.FencingHeader(incarnation=incarnation),
                                                 step_id=boundary.step_id, iteration=boundary.iteration)
-        for role, value in ((stage_pb2.BOUNDARY_ROLE_ACTIVATION, boundary.hidden),
-                            (stage_pb2.BOUNDARY_ROLE_TOKENS, boundary.tokens)):
-            if value is not None:
-                request.tensors.add(role=role, tensor=tensors.to_proto(value))
+        error: Exception | None = None
         try:
-            stub.PushBoundary(request, timeout=timeout_s)
+            for role, value in ((stage_pb2.BOUNDARY_ROLE_ACTIVATION, boundary.hidden),
+                                (stage_pb2.BOUNDARY_ROLE_TOKENS, boundary.tokens)):
+                if value is not None:
+                    request.tensors.add(role=role, tensor=tensors.to_proto(value))
+            with telemetry.span("stage.push_boundary", parent=context, step=boundary.step_id,
+                                iteration=boundary.iteration):
+                stub.PushBoundary(request, timeout=timeout_s)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from e
+            error = from_rpc_error(e)
+        except Exception as e:  # a bundle that cannot even be sent fails its step, not the sender
+            error = e
+        delivered(error)
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
