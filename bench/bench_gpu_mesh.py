@@ -72,7 +72,8 @@ def main() -> None:
     p.add_argument("--kv-cache-bytes", default="8Gi")
     p.add_argument("--dtype", default="bf16", help="stage dtype; f32 shows batched == solo tokens without bf16 rounding")
     p.add_argument("--steps-in-flight", type=int, default=0, help="the coordinator's --steps-in-flight (0: one per stage)")
-    p.add_argument("--decode-steps", type=int, default=1, help="the coordinator's --decode-steps (longest decode run)")
+    p.add_argument("--decode-steps", type=int, default=0,
+                   help="the coordinator's --decode-steps (longest decode run; 0: its default for the devices)")
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu_mesh.json"))
     a = p.parse_args()
     levels = [int(x) for x in a.concurrency.split(",")]
