@@ -3,7 +3,9 @@
 Each step is one invocation of the protocol over rows of many sessions: decode tokens first, then prompt
 chunks (new sessions, restored ones) under a token budget, first come first served. Up to P steps are in
 flight for P stages, and no session is ever in two at once, so with enough sessions every stage works on a
-different micro-batch at the same time. A step is sized to a P-th of the live sessions for that reason.
+different micro-batch at the same time. A step is sized to a P-th of the live sessions for that reason. A step
+of decodes alone, when no prompt waits to join, is a decode run: its rows take several tokens each on the ranks
+(the last stage feeding each sampled token back to the first) before the step comes back here.
 
 KV blocks are counted here exactly as every rank lends them (ceil(tokens / block) per session): a session is
 admitted only when its next rows fit every rank's pool, and when a running session cannot grow, the newest
@@ -218,7 +220,7 @@ class Scheduler:
         # in a row without a round trip here between them (none longer than any row may still grow).
         steps = 1
         if decoding and not others and kind == (stage_pb2.OUTPUT_KIND_TOKEN, False):
-            steps = min(self._longest_run(), *(s.remaining for s in decoding[:cap]))
+            steps = min(self._longest_run(), *(s.remaining for s in decoding))  # any of them may take a row
         budget = self.max_step_tokens
         step: list[_Row] = []
         for s in decoding + others:

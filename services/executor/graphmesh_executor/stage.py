@@ -4,8 +4,9 @@ A step is one invocation of the protocol over rows of many sessions (decode toke
 Every session's KV lives in the stage's pools (kv_pool.KvPool lends their blocks); compiled stage graphs are
 shared by every step of the same bucketed shape (tokens, sequences, blocks per sequence) and write new K/V
 rows into the pools in place (kv_scatter), so no KV is ever copied on the hot path. All device work runs on
-the executor's one engine thread (engine.Engine); handler threads begin and commit the rows' epochs, wait for
-boundaries and push them.
+the executor's one engine thread (engine.Engine): handler threads begin and commit the rows' epochs, and each
+iteration of a step (one, or a decode run's several) is an engine task posted by whoever brings its input, its
+boundary pushed on by sender threads.
 """
 
 from __future__ import annotations
