@@ -157,7 +157,8 @@ def test_one_generate_is_one_trace_across_every_service(mesh: LocalMesh, receive
     for service, name in [("graphmesh-coordinator", "generate"), *STEP_PHASES, ("graphmesh-executor", "stage.commit"),
                           ("graphmesh-kvstore", "/graphmesh.v1.KvStoreService/SeedStages")]:
         assert (service, name) in names, (service, name)
-    assert len([e for e in trace if e.span.name == "mesh.step"]) == 3  # the prefill and two decode steps
+    steps = sorted((e.span for e in trace if e.span.name == "mesh.step"), key=lambda span: span.start_time_unix_nano)
+    assert [_attrs(span)["decode_steps"] for span in steps] == [1, 2]  # the prefill, then a decode run of two tokens
 
 
 def test_every_step_is_one_span_tree_across_the_coordinator_and_both_executors(
@@ -177,8 +178,8 @@ def test_every_step_is_one_span_tree_across_the_coordinator_and_both_executors(
         with spans.lock:
             tops = sorted((e for e in spans.spans if e.span.name == "mesh.step" and e.span.span_id not in earlier),
                           key=lambda e: e.span.start_time_unix_nano)
-        if len(tops) != 3:
-            return f"{len(tops)} new mesh.step spans"  # the prefill and two decode steps
+        if len(tops) != 2:
+            return f"{len(tops)} new mesh.step spans"  # the prefill, then a decode run of two tokens
         traces = [spans.trace(e.span.trace_id) for e in tops]
         steps = [_subtree(t, top) for t, top in zip(traces, tops)]
         # the second step's folded commit makes the prompt's two blocks whole: their write-behind is part of it
@@ -190,7 +191,7 @@ def test_every_step_is_one_span_tree_across_the_coordinator_and_both_executors(
     for i, step_spans in enumerate(steps):
         names = {(e.service, e.span.name) for e in step_spans}
         for service, name in STEP_PHASES + ([("graphmesh-executor", "stage.commit")] if i else []):
-            assert (service, name) in names, (i, service, name)  # decode steps commit the previous epoch, folded
+            assert (service, name) in names, (i, service, name)  # a decode step commits the previous epoch, folded
         step = _attrs(step_spans[0].span)
         assert {"step", "incarnation", "rows", "tokens"} <= step.keys() and step["rows"] == 1
         assert step["tokens"] == (len(PROMPT) + 1 if i == 0 else 1)
