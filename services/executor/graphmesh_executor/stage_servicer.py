@@ -42,8 +42,7 @@ class BoundaryPusher:
     SENDERS = 4  # per address: bundles in flight to one next rank at once
 
     def __init__(self, tls: security.Tls | None = None) -> None:
-        self._senders: dict[str, ThreadPoolExecutor] = {}
-        self._stubs: dict[str, stage_pb2_grpc.StageServiceStub] = {}
+        self._senders: dict[str, tuple[stage_pb2_grpc.StageServiceStub, ThreadPoolExecutor]] = {}
         self._lock = threading.Lock()
         self.tls = tls
 
@@ -53,9 +52,9 @@ class BoundaryPusher:
             if address not in self._senders:
                 channel = security.channel(address, self.tls, [("grpc.max_send_message_length", 64 << 20),
                                                                ("grpc.max_receive_message_length", 64 << 20)])
-                self._stubs[address] = stage_pb2_grpc.StageServiceStub(telemetry.traced(channel))
-                self._senders[address] = ThreadPoolExecutor(self.SENDERS, thread_name_prefix=f"push-{address}")
-            stub, senders = self._stubs[address], self._senders[address]
+                self._senders[address] = (stage_pb2_grpc.StageServiceStub(telemetry.traced(channel)),
+                                          ThreadPoolExecutor(self.SENDERS, thread_name_prefix=f"push-{address}"))
+            stub, senders = self._senders[address]
         senders.submit(self._send, stub, incarnation, boundary, timeout_s, delivered, telemetry.current_context())
 
     @staticmethod
