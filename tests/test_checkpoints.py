@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from graphmesh import checkpoints
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import Checkpoint, open_checkpoint
 from graphmesh.errors import InvalidArgument, NotFound
@@ -117,6 +118,48 @@ def test_errors(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
         open_checkpoint(tmp_path / "weights.bin")
     with pytest.raises(NotFound):
         open_checkpoint(tiny_dirs["llama"]).tensor("model.layers.9.mlp.up_proj.weight")
+
+
+def test_gguf_header_reads_as_gguf_py_reads_it(tiny_gguf: Path, tmp_path: Path) -> None:
+    """graphmesh's own GGUF header reader (gguf-py's takes seconds over a vocabulary) against gguf-py's GGUFReader:
+    the same metadata for every value type, the same tensors; a file cut anywhere in its header is refused."""
+    path = tmp_path / "every-type.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -5)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 0.25)
+    w.add_uint64("t.u64", 1 << 60)
+    w.add_int64("t.i64", -(1 << 60))
+    w.add_float64("t.f64", 1e-300)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo ☃")
+    w.add_array("t.strs", ["a", "", "ü" * 300])
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, 1.5])
+    w.add_tensor("plain", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("half", np.ones((2, 8), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for file in (path, tiny_gguf, Path(resolve_model("smollm2-135m"))):
+        metadata, tensors = checkpoints._read_gguf(file)
+        reader = gguf.GGUFReader(file, "r")
+        assert metadata == {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}, file
+        assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+        for mine, theirs in zip(tensors, reader.tensors):
+            assert mine.ggml_type == theirs.tensor_type and mine.dims == tuple(int(d) for d in theirs.shape)
+            assert mine.data.dtype == theirs.data.dtype and np.array_equal(mine.data, theirs.data), mine.name
+    data = path.read_bytes()
+    header_end = data.index(b"half") + 40  # past the last tensor's info
+    for cut in (3, 8, 30, 100, len(data) // 2, header_end):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(InvalidArgument):
+            checkpoints.open_checkpoint(tmp_path / "cut.gguf")
 
 
 def test_readers_import_neither_torch_nor_transformers() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from graphmesh import dtypes
 from graphmesh.errors import InvalidArgument, NotFound
@@ -151,20 +151,106 @@ def _bad(path: Path, why: str) -> InvalidArgument:
 
 # -- GGUF ------------------------------------------------------------------------------------------------
 
-def _gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+# Value types of GGUF metadata (the format's gguf_type): numbers by their struct codes, 7 bool, 8 string, 9 array
+_GGUF_NUMBERS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 10: "Q", 11: "q", 12: "d"}
+_GGUF_BOOL, _GGUF_STRING, _GGUF_ARRAY = 7, 8, 9
+_GGUF_PLAIN_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                      GGMLQuantizationType.F64: np.float64}
 
 
-def config_from_gguf(reader: GGUFReader) -> ModelConfig:
+@dataclass(frozen=True)
+class _GgufTensor:
+    name: str
+    dims: tuple[int, ...]  # ggml order: fastest dimension first
+    ggml_type: GGMLQuantizationType
+    data: np.ndarray  # memory-mapped: numbers in numpy order, or u8 blocks [..., row_bytes]
+
+
+def _read_gguf(path: Path) -> tuple[dict[str, Any], list[_GgufTensor]]:
+    """(metadata, tensors) of a GGUF file (v2, v3): the header walked with struct over the memory map, tensors
+    viewed in it. gguf's own GGUFReader builds a numpy view per string of the vocabulary (~100k of them in a
+    tokenizer): seconds per open, on every executor's first install and every coordinator start."""
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = mm.data  # a memoryview of the mapping: struct and frombuffer read it without a copy
+    pos = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        values = struct.unpack_from(fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        if pos + n > len(buf):
+            raise ValueError(f"a string of {n} bytes at offset {pos} runs past the end of the file")
+        text = bytes(buf[pos:pos + n]).decode("utf-8", errors="replace")
+        pos += n
+        return text
+
+    def value(kind: int) -> Any:
+        nonlocal pos
+        if kind in _GGUF_NUMBERS:
+            return take("<" + _GGUF_NUMBERS[kind])
+        if kind == _GGUF_BOOL:
+            return bool(take("<B"))
+        if kind == _GGUF_STRING:
+            return string()
+        if kind == _GGUF_ARRAY:
+            item, n = take("<IQ")
+            if item in _GGUF_NUMBERS:  # one slice of the file, not one read per element
+                dtype = np.dtype("<" + _GGUF_NUMBERS[item])
+                out = np.frombuffer(buf, dtype, n, pos).tolist()
+                pos += n * dtype.itemsize
+                return out
+            return [value(item) for _ in range(n)]
+        raise ValueError(f"unknown GGUF value type {kind} at offset {pos}")
+
+    magic, version = take("<4sI")
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"not a GGUF v2/v3 file (magic {magic!r}, version {version})")
+    n_tensors, n_kv = take("<QQ")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        metadata[key] = value(take("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        n_dims = take("<I")
+        dims = tuple(int(d) for d in struct.unpack_from(f"<{n_dims}Q", buf, pos))
+        pos += 8 * n_dims
+        infos.append((name, dims, GGMLQuantizationType(take("<I")), take("<Q")))
+    alignment = int(metadata.get("general.alignment", 32))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment} is not a power of two")
+    start = -(-pos // alignment) * alignment
+    tensors = []
+    for name, dims, ggml_type, offset in infos:
+        numpy_shape = tuple(reversed(dims))
+        block, type_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
+        n_bytes = math.prod(dims) * type_bytes // block
+        if start + offset + n_bytes > len(mm):
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        raw = mm[start + offset:start + offset + n_bytes]
+        if ggml_type in _GGUF_PLAIN_DTYPES:
+            data = raw.view(_GGUF_PLAIN_DTYPES[ggml_type]).reshape(numpy_shape)
+        else:
+            data = raw.reshape(*numpy_shape[:-1], numpy_shape[-1] // block * type_bytes)
+        tensors.append(_GgufTensor(name, dims, ggml_type, data))
+    return metadata, tensors
+
+
+def config_from_gguf(metadata: dict[str, Any], tensors: list[_GgufTensor]) -> ModelConfig:
     """ModelConfig from GGUF metadata (llama.cpp key names)."""
-    arch = _gguf_value(reader, "general.architecture")
-    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}  # ggml order: fastest dimension first
+    arch = metadata.get("general.architecture")
+    shapes = {t.name: list(t.dims) for t in tensors}  # ggml order: fastest dimension first
     if arch not in (*_LLAMA_ARCHS, "gpt2"):
         raise InvalidArgument(f"GGUF architecture {arch!r} is not supported", "UNSUPPORTED_MODEL")
 
     def key(k: str, default: Any = None) -> Any:
-        return _gguf_value(reader, f"{arch}.{k}", default)
+        return metadata.get(f"{arch}.{k}", default)
 
     scaling = key("rope.scaling.type", "none")
     if scaling not in ("none", None):
@@ -172,7 +258,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     if "token_embd.weight" not in shapes:
         raise InvalidArgument("GGUF file has no token_embd.weight", "BAD_CHECKPOINT")
-    eos = [_gguf_value(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
+    eos = [metadata.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
     return ModelConfig(
         arch="gpt2" if arch == "gpt2" else "llama", vocab_size=shapes["token_embd.weight"][1], hidden_size=hidden,
         n_layers=int(key("block_count")), n_heads=heads, n_kv_heads=int(key("attention.head_count_kv") or heads),
@@ -181,7 +267,7 @@ def config_from_gguf(reader: GGUFReader) -> ModelConfig:
         norm_eps=float(key("attention.layer_norm_epsilon") if arch == "gpt2" else key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)), qkv_bias="blk.0.attn_q.bias" in shapes,
         tie_word_embeddings="output.weight" not in shapes, max_position=int(key("context_length", 2048)),
-        bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         hidden_act="gelu_tanh" if arch == "gpt2" else "silu")
 
@@ -196,19 +282,18 @@ def _hf_name(gguf_name: str, table: dict[str, str]) -> str | None:
 
 def _open_gguf(path: Path) -> Checkpoint:
     try:
-        reader = GGUFReader(path, "r")
-        metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+        metadata, gguf_tensors = _read_gguf(path)
     except (ValueError, OSError, struct.error, IndexError, KeyError) as e:
         raise _bad(path, str(e)) from e
-    config = config_from_gguf(reader)
+    config = config_from_gguf(metadata, gguf_tensors)
     arch = metadata.get("general.architecture")
     table = _GGUF_GPT2 if config.arch == "gpt2" else _GGUF_LLAMA
     tensors: dict[str, _Tensor] = {}
-    for t in reader.tensors:
+    for t in gguf_tensors:
         name = _hf_name(t.name, table) or t.name
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        qtype = None if t.tensor_type in _PLAIN_GGML else GGMLQuantizationType(t.tensor_type)
-        data = t.data if qtype is not None else np.asarray(t.data).reshape(shape)
+        shape = tuple(reversed(t.dims))
+        qtype = None if t.ggml_type in _PLAIN_GGML else t.ggml_type
+        data = t.data
         heads = 0
         if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.n_heads if name.endswith("q_proj.weight") else config.n_kv_heads
