@@ -52,8 +52,10 @@ def _log_tail(path: Path, lines: int = 30) -> str:
 
 @contextmanager
 def start_process(args: Sequence[str], health_address: str, *, log_path: Path | None = None,
-                  env: dict[str, str] | None = None, timeout: float = STARTUP_TIMEOUT_S) -> Iterator[subprocess.Popen[bytes]]:
-    """Runs `args` until the block ends; yields once health at `health_address` says SERVING.
+                  env: dict[str, str] | None = None, timeout: float = STARTUP_TIMEOUT_S,
+                  health_service: str = "") -> Iterator[subprocess.Popen[bytes]]:
+    """Runs `args` until the block ends; yields once health at `health_address` says SERVING (for
+    `health_service`: a standby coordinator is SERVING only for "liveness").
 
     stdout and stderr go to `log_path` (a temporary file by default) and its tail is shown when the
     process dies or never turns healthy. Teardown sends SIGTERM, then SIGKILL after 10 s.
@@ -69,7 +71,7 @@ def start_process(args: Sequence[str], health_address: str, *, log_path: Path | 
             if process.poll() is not None:
                 raise RuntimeError(f"{args[:3]} exited with {process.returncode}:\n{_log_tail(log_path)}")
             try:
-                if health_status(health_address, timeout=1.0) == health_pb2.HealthCheckResponse.SERVING:
+                if health_status(health_address, health_service, timeout=1.0) == health_pb2.HealthCheckResponse.SERVING:
                     break
             except grpc.RpcError:
                 pass

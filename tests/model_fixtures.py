@@ -45,10 +45,10 @@ def _save(model: PreTrainedModel, path: Path, **kwargs: Any) -> Path:
     return path
 
 
-def make_tiny_llama(path: Path, seed: int = 0, max_position: int = 256) -> Path:
-    """Llama, untied head, 2 layers, hidden 64, 4 heads of 16, 2 kv heads."""
+def make_tiny_llama(path: Path, seed: int = 0, max_position: int = 256, layers: int = 2) -> Path:
+    """Llama, untied head, 2 layers (or `layers`), hidden 64, 4 heads of 16, 2 kv heads."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128, max_position_embeddings=max_position,
                          rms_norm_eps=1e-5, initializer_range=INIT, tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=2)

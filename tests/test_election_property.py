@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from graphmesh.errors import FailedPrecondition, Unavailable
-from graphmesh_coordinator.election import Election, EtcdClient, EtcdState, NotLeader
+from graphmesh.etcd import EtcdClient
+from graphmesh_coordinator.election import Election, EtcdState, NotLeader
 from graphmesh_executor.fencing import Authority
 from tests.etcd_fixtures import EtcdCluster
 

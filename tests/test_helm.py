@@ -135,6 +135,8 @@ def test_replicas_and_coordinator_executor_list(rendered: dict[str, list[Doc]]) 
         replicas = values(name)["executor"]["replicas"]
         assert one(docs, "StatefulSet", "executor")["spec"]["replicas"] == replicas, name
         coordinator_args = container(one(docs, "Deployment", "coordinator"))["args"]
+        if "--etcd" in coordinator_args:  # executors register themselves: test_executors_register_in_the_charts_etcd
+            continue
         listed = flag(coordinator_args, "--executors").split(",")
         assert listed == executor_addresses(docs), name
         assert listed == [f"graphmesh-executor-{i}.graphmesh-executor-headless:50051" for i in range(replicas)], name
@@ -258,7 +260,7 @@ def test_probes_are_native_grpc_probes(rendered: dict[str, list[Doc]]) -> None:
             for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
                 assert set(c[probe]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, (name, probe)
                 # elected coordinators: a standby is alive (service "liveness") but not ready ("")
-                elected = probe != "readinessProbe" and "--etcd" in c["args"]
+                elected = probe != "readinessProbe" and "--etcd" in c["args"] and "--lease-ttl" in c["args"]
                 assert c[probe]["grpc"]["service"] == ("liveness" if elected else "")
                 assert c[probe]["grpc"]["port"] == ports["health" if tls_on else "grpc"], (name, w["metadata"]["name"])
             assert flag(c["args"], "--listen") == f"0.0.0.0:{ports['grpc']}"
@@ -322,6 +324,27 @@ def test_coordinators_elect_a_leader_on_the_charts_etcd(rendered: dict[str, list
     assert flag(container(one(external, "Deployment", "coordinator"))["args"], "--etcd") == \
         "http://etcd-a:2379,http://etcd-b:2379"
     assert not [d for d in external if d["metadata"]["labels"].get("app.kubernetes.io/component") == "etcd"]
+
+
+def test_executors_register_in_the_charts_etcd(rendered: dict[str, list[Doc]]) -> None:
+    """With etcd the roster is membership: every executor pod registers under its stable DNS name in the
+    coordinators' cluster, the coordinator lists none and waits for the StatefulSet's replicas, and a stopping pod
+    has the time to drain."""
+    docs = rendered["ha-values"]
+    coordinator_args = container(one(docs, "Deployment", "coordinator"))["args"]
+    sts = one(docs, "StatefulSet", "executor")
+    executor = container(sts)
+    assert "--executors" not in coordinator_args
+    assert flag(coordinator_args, "--min-executors") == str(sts["spec"]["replicas"])
+    assert flag(executor["args"], "--etcd") == flag(coordinator_args, "--etcd")
+    assert flag(executor["args"], "--cluster-name") == flag(coordinator_args, "--cluster-name") == "graphmesh"
+    port = next(p["containerPort"] for p in executor["ports"] if p["name"] == "grpc")
+    assert flag(executor["args"], "--advertise") == f"$(POD_NAME).{sts['spec']['serviceName']}:{port}"
+    assert any(e["name"] == "POD_NAME" for e in executor["env"])
+    drain = int(flag(executor["args"], "--drain-timeout"))
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
+    for name in ("default-values", "four-executors-values"):  # static meshes keep the ordinal roster
+        assert "--etcd" not in container(one(rendered[name], "StatefulSet", "executor"))["args"], name
 
 
 def test_optional_objects(rendered: dict[str, list[Doc]]) -> None:

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -64,11 +65,15 @@ def fits_in_memory(cap: int, share: float = 0.5) -> int:
     return min(cap, int(total * share)) if total else cap
 
 
-def run_until_signalled(server: grpc.Server, grace_s: float) -> None:
+def run_until_signalled(server: grpc.Server, grace_s: float, drain: Callable[[], None] | None = None) -> None:
+    """Serves until SIGTERM or SIGINT; then `drain` (still serving: an executor leaving its mesh waits there until
+    the coordinator has re-planned without it), then stops, letting calls in flight finish for `grace_s`."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    if drain is not None:
+        drain()
     log.info("stopping", extra={"grace_s": grace_s})
     server.stop(grace=grace_s).wait()
     telemetry.shutdown()

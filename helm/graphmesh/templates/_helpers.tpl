@@ -125,6 +125,12 @@ app.kubernetes.io/part-of: graphmesh
 {{- end -}}
 {{- end -}}
 
+{{/* The mesh's name in etcd (--cluster-name of the coordinators and the executors): coordinator.clusterName, else
+the release's full name. */}}
+{{- define "graphmesh.clusterName" -}}
+{{- default (include "graphmesh.fullname" .) .Values.coordinator.clusterName -}}
+{{- end -}}
+
 {{/* Every service: the mesh token that identifies the mesh's own services to each other, and TLS when on. */}}
 {{- define "graphmesh.securityArgs" -}}
 - --mesh-token-file

@@ -12,48 +12,31 @@ key's value (only the current leader, in etcd's linearizable view, can issue one
 if it still believes it leads). Executors refuse any incarnation but their newest, so the zombie's steps are
 refused with STALE_INCARNATION as soon as the new leader installs.
 
-The client is a few plain HTTP calls (urllib): etcd's gateway speaks JSON with base64 keys and values and int64
-fields as strings.
+The etcd calls are graphmesh.etcd's (a few plain HTTP calls to etcd's JSON gateway).
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from graphmesh.errors import GraphmeshError, Unavailable
+from graphmesh.etcd import EtcdClient, b64, unb64
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_coordinator.state import DurableState
 
 log = logging.getLogger("graphmesh.coordinator.election")
 
-HTTP_TIMEOUT_S = 2.0  # one gateway call; an endpoint that does not answer within it is skipped for the next
 CLOCK_MARGIN_S = 0.1  # the leader counts its lease as lapsed this much early (clock rates differ a little)
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-def _unb64(data: str) -> str:
-    return base64.b64decode(data).decode()
-
-
-class EtcdUnavailable(Unavailable):
-    default_reason = "ETCD_UNAVAILABLE"
 
 
 class NotLeader(GraphmeshError):
@@ -62,73 +45,6 @@ class NotLeader(GraphmeshError):
 
     code = grpc.StatusCode.UNAVAILABLE
     default_reason = "NOT_LEADER"
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    key: str
-    value: str
-    mod_revision: int
-    lease: int
-
-
-class EtcdClient:
-    """The few etcd v3 calls the election needs, over the JSON gateway of any of `endpoints` (the first that
-    answers; a cluster member that is down costs one timeout, then the next one is tried first)."""
-
-    def __init__(self, endpoints: Sequence[str], timeout_s: float = HTTP_TIMEOUT_S) -> None:
-        self.endpoints = [e.rstrip("/") for e in endpoints if e]
-        if not self.endpoints:
-            raise ValueError("no etcd endpoint given")
-        self.timeout_s = timeout_s
-        self._preferred = 0
-
-    def call(self, path: str, body: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        data = json.dumps(body).encode()
-        errors = []
-        for i in range(len(self.endpoints)):
-            index = (self._preferred + i) % len(self.endpoints)
-            url = self.endpoints[index] + path
-            request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as reply:
-                    answer: dict[str, Any] = json.loads(reply.read() or b"{}")
-            except urllib.error.HTTPError as e:  # etcd answered: a refusal is not a reason to try another member
-                raise EtcdUnavailable(f"etcd {url}: HTTP {e.code}: {e.read()[:300]!r}") from e
-            except (OSError, ValueError) as e:  # refused, timed out, reset, or not JSON: try the next member
-                errors.append(f"{url}: {e}")
-                continue
-            if "error" in answer:  # the gateway's gRPC error (no leader, lease not found, ...)
-                raise EtcdUnavailable(f"etcd {url}: {answer.get('error') or answer.get('message')}")
-            self._preferred = index
-            # A keepalive answers as a stream: {"result": {...}}
-            return answer.get("result", answer) if isinstance(answer.get("result"), dict) else answer
-        raise EtcdUnavailable(f"no etcd endpoint answered: {'; '.join(errors)}")
-
-    def get(self, key: str) -> KeyValue | None:
-        answer = self.call("/v3/kv/range", {"key": _b64(key)})
-        kvs = answer.get("kvs") or []
-        if not kvs:
-            return None
-        kv = kvs[0]
-        return KeyValue(key, _unb64(kv.get("value", "")), int(kv.get("mod_revision", 0)), int(kv.get("lease", 0)))
-
-    def grant(self, ttl_s: int) -> tuple[int, int]:
-        """A new lease: (id, the TTL etcd granted in seconds; it may raise a small one to its minimum)."""
-        answer = self.call("/v3/lease/grant", {"TTL": str(ttl_s)})
-        return int(answer["ID"]), int(answer["TTL"])
-
-    def keepalive(self, lease: int, timeout_s: float | None = None) -> int:
-        """Renews `lease`; returns its TTL in seconds, 0 when etcd no longer knows it (it lapsed)."""
-        return int(self.call("/v3/lease/keepalive", {"ID": str(lease)}, timeout_s).get("TTL", 0))
-
-    def revoke(self, lease: int) -> None:
-        self.call("/v3/lease/revoke", {"ID": str(lease)})
-
-    def txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
-            failure: list[dict[str, Any]]) -> tuple[bool, dict[str, Any]]:
-        answer = self.call("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure})
-        return bool(answer.get("succeeded", False)), answer  # proto3 JSON leaves a false out
 
 
 class Election:
@@ -177,9 +93,9 @@ class Election:
             return False
         sent = self.clock()
         lease, ttl = self.etcd.grant(max(1, round(self.ttl_s)))
-        won, _ = self.etcd.txn([{"key": _b64(self.leader_key), "target": "CREATE", "result": "EQUAL",
+        won, _ = self.etcd.txn([{"key": b64(self.leader_key), "target": "CREATE", "result": "EQUAL",
                                  "create_revision": "0"}],
-                               [{"request_put": {"key": _b64(self.leader_key), "value": _b64(self.value),
+                               [{"request_put": {"key": b64(self.leader_key), "value": b64(self.value),
                                                  "lease": str(lease)}}], [])
         if not won:
             self._revoke(lease)
@@ -272,14 +188,14 @@ class Election:
             value, revision = (int(current.value), current.mod_revision) if current else (0, 0)
             issued = value + 1
             ok, answer = self.etcd.txn(
-                [{"key": _b64(self.incarnation_key), "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)},
-                 {"key": _b64(self.leader_key), "target": "VALUE", "result": "EQUAL", "value": _b64(self.value)}],
-                [{"request_put": {"key": _b64(self.incarnation_key), "value": _b64(str(issued))}}],
-                [{"request_range": {"key": _b64(self.leader_key)}}])
+                [{"key": b64(self.incarnation_key), "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)},
+                 {"key": b64(self.leader_key), "target": "VALUE", "result": "EQUAL", "value": b64(self.value)}],
+                [{"request_put": {"key": b64(self.incarnation_key), "value": b64(str(issued))}}],
+                [{"request_range": {"key": b64(self.leader_key)}}])
             if ok:
                 return issued
             kvs = (answer.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
-            if not kvs or _unb64(kvs[0].get("value", "")) != self.value:
+            if not kvs or unb64(kvs[0].get("value", "")) != self.value:
                 self.step_down("etcd names another leader")
                 raise NotLeader("another coordinator leads this cluster now: this one issues no incarnation")
             # the counter moved under us while we still lead (only a previous leader's late write): read it again
@@ -297,9 +213,9 @@ class Election:
             if value >= floor:
                 return
             ok, _ = self.etcd.txn(
-                [{"key": _b64(self.incarnation_key), "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)},
-                 {"key": _b64(self.leader_key), "target": "VALUE", "result": "EQUAL", "value": _b64(self.value)}],
-                [{"request_put": {"key": _b64(self.incarnation_key), "value": _b64(str(floor))}}], [])
+                [{"key": b64(self.incarnation_key), "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)},
+                 {"key": b64(self.leader_key), "target": "VALUE", "result": "EQUAL", "value": b64(self.value)}],
+                [{"request_put": {"key": b64(self.incarnation_key), "value": b64(str(floor))}}], [])
             if ok:
                 log.warning("incarnation counter raised to what the executors hold",
                             extra={"cluster": self.cluster, "from": value, "to": floor})
@@ -365,7 +281,7 @@ class LeaderMesh(Mesh):
             raise self._not_leader()
         super().recover(failed_incarnation, deadline_s)
 
-    def install(self, addresses: Sequence[str] | None = None) -> None:
+    def install(self, addresses: Sequence[str] | None = None, replacing: int = 0) -> None:
         if not self.election.is_leader():
             raise self._not_leader()
-        super().install(addresses)
+        super().install(addresses, replacing)

@@ -103,12 +103,16 @@ def _message(error: Exception) -> str:
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, generator: Generator, mesh: Mesh, model_name: str, admission: Admission | None = None) -> None:
+    def __init__(self, generator: Generator, mesh: Mesh, model_name: str, admission: Admission | None = None,
+                 leader_gate: Callable[[], None] | None = None) -> None:
         self.generator, self.mesh, self.model_name = generator, mesh, model_name
+        self.leader_gate = leader_gate  # raises NOT_LEADER on a standby (CoordinatorServicer's)
         self.admission = admission  # the server's: ModelStreamInfer counts each request it runs against it
         self._pool = futures.ThreadPoolExecutor(STREAM_WORKERS, thread_name_prefix="kserve-stream")
 
     def _check_model(self, name: str, version: str) -> None:
+        if self.leader_gate is not None:
+            self.leader_gate()
         if name != self.model_name:
             raise NotFound(f"unknown model {name!r}; this server serves {self.model_name!r}", "UNKNOWN_MODEL")
         if version not in ("", MODEL_VERSION):

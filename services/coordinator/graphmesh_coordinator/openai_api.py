@@ -327,8 +327,10 @@ class _Sessions:
 # -- the server ----------------------------------------------------------------------------------------------
 class OpenAIServer:
     def __init__(self, generator: Generator, mesh: Mesh, model_name: str, auth_token: str = "",
-                 max_concurrent: int = 64, ready_wait_s: float = 10.0) -> None:
+                 max_concurrent: int = 64, ready_wait_s: float = 10.0,
+                 leader_gate: Callable[[], None] | None = None) -> None:
         self.generator, self.mesh, self.model_name = generator, mesh, model_name
+        self.leader_gate = leader_gate  # raises NOT_LEADER (503 here) on a standby, naming the leader
         self._expected = f"Bearer {auth_token}" if auth_token else ""
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self.max_concurrent = max_concurrent
@@ -389,6 +391,8 @@ class OpenAIServer:
                                             else "BAD_TOKEN"))
 
     async def health(self) -> Response:
+        if self.leader_gate is not None:
+            self.leader_gate()
         if self.mesh.ready:
             return PlainTextResponse("ok")
         return PlainTextResponse("the mesh is not ready (starting or recovering)", 503, headers={"Retry-After": "1"})
@@ -493,6 +497,8 @@ class OpenAIServer:
         span = telemetry.start_request_span(genai.span_name(operation, body.model), dict(request.headers),
                                             self._request_attributes(operation, body, request))
         try:
+            if self.leader_gate is not None:
+                self.leader_gate()
             call = await anyio.to_thread.run_sync(self._parse, operation, body)
             if not await anyio.to_thread.run_sync(self.mesh.wait_ready, self.ready_wait_s):
                 raise api_error(Unavailable(f"the mesh has not been ready for {self.ready_wait_s:.0f} s "

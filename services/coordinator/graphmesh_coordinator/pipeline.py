@@ -106,6 +106,8 @@ class Mesh:
         self.kv_breaker = CircuitBreaker(f"kvstore {kvstore}")
         self.kvstore_address, self.kv_block_tokens = kvstore, kv_block_tokens
         self.rpc_timeout_s, self.install_timeout_s = rpc_timeout_s, install_timeout_s
+        self.tls = tls
+        # One channel per executor ever a member, kept when it leaves (a StatefulSet brings it back at the same address)
         self.channels = {a: telemetry.traced(security.channel(a, tls, _CHANNEL_OPTIONS)) for a in self.addresses}
         self.ranks: list[Rank] = []
         self.incarnation = 0
@@ -120,11 +122,45 @@ class Mesh:
         # Executors the health watch found not answering: recovery and fencing do not wait for them again
         self._lost: frozenset[str] = frozenset()
 
-    def install(self, addresses: Sequence[str] | None = None) -> None:
-        """Issues a new incarnation and installs the plan on the executors (they load their own weights)."""
+    def set_members(self, addresses: Sequence[str]) -> None:
+        """The executors this mesh may plan over from now on (membership: the static list and the executors
+        registered in etcd). One that joined is taken into the roster by the health watch once it has answered
+        a few probes in a row, as an executor back from a failure is; a member of the roster that left makes the
+        mesh re-plan without it at once. Either way the steps in flight are fenced and their sessions restored
+        and replayed, as after a loss, so no token changes."""
+        addresses = list(dict.fromkeys(addresses))
+        with self._lock:
+            if addresses == self.addresses:
+                return
+            for address in addresses:
+                if address not in self.channels:
+                    self.channels[address] = telemetry.traced(security.channel(address, self.tls, _CHANNEL_OPTIONS))
+            joined = [a for a in addresses if a not in self.addresses]
+            left = [a for a in self.addresses if a not in addresses]
+            self.addresses = addresses  # replaced, never changed in place: readers hold a consistent list
+        for address in joined:
+            log.info("executor joined", extra={"address": address, "members": len(addresses)})
+        for address in left:
+            log.warning("executor left", extra={"address": address, "members": len(addresses)})
+        self.register_with_kvstore()
+        if self.ready and {r.plan.address for r in self.ranks} & set(left):
+            log.warning("an executor of the roster left: re-planning without it", extra={"left": left,
+                                                                                        "incarnation": self.incarnation})
+            threading.Thread(target=self._rejoin, args=(self.incarnation,), name="replan", daemon=True).start()
+
+    def _known(self) -> list[str]:
+        """Every member and every rank of the roster (a rank that left stays until the re-plan that drops it)."""
+        return list(dict.fromkeys([*self.addresses, *(r.plan.address for r in self.ranks)]))
+
+    def install(self, addresses: Sequence[str] | None = None, replacing: int = 0) -> None:
+        """Issues a new incarnation and installs the plan on the executors (they load their own weights).
+
+        replacing: the incarnation of a roster that still serves, re-planned because membership changed. Executors
+        outside it install first, while it goes on serving (a new executor reads its layers then, not during the
+        pause); only then is it fenced and the rest installed, which costs them little (they hold the weights)."""
         addresses = list(addresses or self.addresses)
         split = self.split if self.split and len(self.split) == len(addresses) else None
-        with self._lock, telemetry.span("mesh.install", executors=len(addresses)) as span:
+        with telemetry.span("mesh.install", executors=len(addresses)) as span:
             incarnation = self.state.next_incarnation()
             span.set_attribute("incarnation", incarnation)
             with telemetry.span("mesh.plan", incarnation=incarnation):
@@ -133,34 +169,51 @@ class Mesh:
             t0 = time.perf_counter()
             log.info("installing", extra={"incarnation": incarnation, "ranks": len(ranks),
                                           "layers": [(p.layer_start, p.layer_end) for p in stages]})
-            calls = []
-            for rank in ranks:
-                p = rank.plan
-                spec = stage_pb2.StageSpec(model=self.model, layer_start=p.layer_start, layer_end=p.layer_end,
-                                           first=p.rank == 0, last=p.rank == len(ranks) - 1,
-                                           next_address=stages[p.rank + 1].address if p.rank + 1 < len(ranks) else "",
-                                           weights=self.weights, max_context_tokens=self.max_context_tokens,
-                                           kvstore_address=self.kvstore_address,
-                                           kv_block_tokens=self.kv_block_tokens, dtype=self.dtype,
-                                           first_address=stages[0].address if len(ranks) > 1 else "")
-                request = stage_pb2.InstallRequest(incarnation=incarnation, rank=p.rank, world_size=len(ranks), stage=spec)
-                calls.append(rank.stub.Install.future(request, timeout=self.install_timeout_s))
-            for rank, call in zip(ranks, calls):
-                try:
-                    reply = call.result()
-                except grpc.RpcError as e:
-                    rank.healthy = False
-                    error = from_rpc_error(e)
-                    raise Unavailable(f"executor {rank.plan.address} (rank {rank.plan.rank}) failed to install: "
-                                      f"{error.message}", "INSTALL_FAILED") from e
-                rank.backend, rank.device, rank.param_bytes = reply.backend, reply.device, reply.param_bytes
-                rank.model_identity, rank.kv_pool_blocks = reply.model_identity, reply.kv_pool_blocks
-            self.state.retire()  # before any step of the new roster records: no decision of the old one is needed
-            self.ranks, self.incarnation = ranks, incarnation
-            self.kv_pool_blocks = min(r.kv_pool_blocks for r in ranks)
-            self.register_with_kvstore()
-            self._ready.set()
-            log.info("installed", extra={"incarnation": incarnation, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+            serving = {r.plan.address for r in self.ranks} if replacing else set()
+            newcomers = [r for r in ranks if r.plan.address not in serving]
+            if replacing:  # outside the lock: the serving roster's steps go on meanwhile
+                self._send_installs(newcomers, incarnation, stages)
+                log.info("newcomers installed; switching the roster over", extra={
+                    "incarnation": incarnation, "newcomers": [r.plan.address for r in newcomers],
+                    "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+            with self._lock:
+                if replacing:
+                    self.fence(replacing, "re-plan: the members changed")
+                self._send_installs([r for r in ranks if r not in newcomers] if replacing else ranks, incarnation,
+                                    stages)
+                self.state.retire()  # before any step of the new roster records: no decision of the old one is needed
+                self.ranks, self.incarnation = ranks, incarnation
+                self.kv_pool_blocks = min(r.kv_pool_blocks for r in ranks)
+                self.register_with_kvstore()
+                self._ready.set()
+                log.info("installed", extra={"incarnation": incarnation,
+                                             "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+
+    def _send_installs(self, ranks: Sequence[Rank], incarnation: int, stages: Sequence[StagePlan]) -> None:
+        """Installs `ranks` of the plan `stages` under `incarnation`, all at once; raises Unavailable naming the
+        first that failed."""
+        calls = []
+        for rank in ranks:
+            p = rank.plan
+            spec = stage_pb2.StageSpec(model=self.model, layer_start=p.layer_start, layer_end=p.layer_end,
+                                       first=p.rank == 0, last=p.rank == len(stages) - 1,
+                                       next_address=stages[p.rank + 1].address if p.rank + 1 < len(stages) else "",
+                                       weights=self.weights, max_context_tokens=self.max_context_tokens,
+                                       kvstore_address=self.kvstore_address,
+                                       kv_block_tokens=self.kv_block_tokens, dtype=self.dtype,
+                                       first_address=stages[0].address if len(stages) > 1 else "")
+            request = stage_pb2.InstallRequest(incarnation=incarnation, rank=p.rank, world_size=len(stages), stage=spec)
+            calls.append(rank.stub.Install.future(request, timeout=self.install_timeout_s))
+        for rank, call in zip(ranks, calls):
+            try:
+                reply = call.result()
+            except grpc.RpcError as e:
+                rank.healthy = False
+                error = from_rpc_error(e)
+                raise Unavailable(f"executor {rank.plan.address} (rank {rank.plan.rank}) failed to install: "
+                                  f"{error.message}", "INSTALL_FAILED") from e
+            rank.backend, rank.device, rank.param_bytes = reply.backend, reply.device, reply.param_bytes
+            rank.model_identity, rank.kv_pool_blocks = reply.model_identity, reply.kv_pool_blocks
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: stage_pb2.OutputKind.ValueType,
                      incarnation: int, decode_steps: int = 1) -> stage_pb2.ExecuteStepResponse:
@@ -383,8 +436,9 @@ class Mesh:
         The window is a trade: 0.4 s finds a frozen executor in ~0.5 s, but a 2-core machine under load (a test
         suite, a compile) leaves a healthy executor silent that long often enough to cost needless re-plans."""
         lock = threading.Lock()
-        last_ok = dict.fromkeys(self.addresses, 0.0)  # when the latest answered probe was sent (monotonic)
-        back = dict.fromkeys(self.addresses, 0)  # rounds in a row an executor outside the roster answered
+        last_ok: dict[str, float] = {}  # when the latest answered probe was sent (monotonic), per executor
+        back: dict[str, int] = {}  # rounds in a row an executor outside the roster answered
+        planned: set[str] = set()  # executors that were ranks of a roster (the others joined since)
         request = health_pb2.HealthCheckRequest()
 
         def probe(address: str) -> None:
@@ -397,7 +451,7 @@ class Mesh:
                     ok = False
                 if ok:
                     with lock:
-                        last_ok[address] = max(last_ok[address], sent)
+                        last_ok[address] = max(last_ok.get(address, 0.0), sent)
 
             health_pb2_grpc.HealthStub(self.channels[address]).Check.future(request, timeout=window_s) \
                 .add_done_callback(done)
@@ -414,13 +468,14 @@ class Mesh:
                     # loading their layers to answer while the mesh was not ready)
                     with lock:
                         for rank in ranks:
-                            last_ok[rank.plan.address] = max(last_ok[rank.plan.address], now)
+                            last_ok[rank.plan.address] = max(last_ok.get(rank.plan.address, 0.0), now)
                 was_ready = ready
-                for address in self.addresses:
+                members, watched = self.addresses, self._known()  # membership may change between rounds
+                for address in watched:
                     probe(address)
                 with lock:
-                    silent = {a for a in self.addresses if now - last_ok[a] > window_s}
-                    fresh = {a for a in self.addresses if now - last_ok[a] <= 2 * interval_s + 0.05}
+                    silent = {a for a in watched if now - last_ok.setdefault(a, 0.0) > window_s}
+                    fresh = {a for a in watched if now - last_ok[a] <= 2 * interval_s + 0.05}
                 self._lost = frozenset(silent)
                 for rank in ranks:
                     address = rank.plan.address
@@ -439,13 +494,15 @@ class Mesh:
                 # answers again is taken back: the mesh re-plans over every healthy executor, as a recovery
                 # does, so its layers and KV pool are used again instead of idling until the next failure.
                 current = {r.plan.address for r in ranks}
-                for address in self.addresses:
+                planned.update(current)
+                for address in members:
                     if address in current or not ready:
                         back[address] = 0
                         continue
-                    back[address] = back[address] + 1 if address in fresh else 0
+                    back[address] = back.get(address, 0) + 1 if address in fresh else 0
                     if back[address] == REJOIN_CHECKS:
-                        log.warning("executor answers again: re-planning to take it back into the roster",
+                        log.warning("executor answers again: re-planning to take it back into the roster"
+                                    if address in planned else "new executor answers: re-planning to take it in",
                                     extra={"address": address, "incarnation": self.incarnation})
                         threading.Thread(target=self._rejoin, args=(self.incarnation,), name="rejoin",
                                          daemon=True).start()
@@ -476,12 +533,29 @@ class Mesh:
         return answering
 
     def _rejoin(self, incarnation: int) -> None:
-        """Rebuilds the roster of `incarnation` over every healthy executor. Steps in flight fail as fenced and
-        their sessions are restored and replayed, exactly as after a loss, so no token changes."""
-        try:
-            self.recover(incarnation)
-        except GraphmeshError as e:
-            log.warning("re-plan to take an executor back failed", extra={"error": e.message})
+        """Re-plans the working roster of `incarnation` over every healthy member (one joined, came back, or left):
+        the executors new to it install first while it serves, then it is fenced and the rest installed. Steps in
+        flight fail as fenced and their sessions are restored and replayed, exactly as after a loss, so no token
+        changes. A re-plan that fails before the fence leaves the roster serving; one that fails after it is
+        finished as a recovery."""
+        with self._recover_lock, telemetry.span("mesh.replan", incarnation=incarnation):
+            if self.incarnation != incarnation or not self.ready:
+                return  # a recovery (or another re-plan) got there first
+            t0 = time.monotonic()
+            try:
+                self.install(self._answering(self.addresses, 1.0), replacing=incarnation)
+            except GraphmeshError as e:
+                log.warning("re-plan failed", extra={"incarnation": incarnation, "error": e.message})
+            else:
+                self.recoveries += 1
+                log.warning("re-planned", extra={"incarnation": self.incarnation, "executors": len(self.ranks),
+                                                 "ms": round((time.monotonic() - t0) * 1e3, 1)})
+                return
+        if self.incarnation == incarnation and not self.ready:  # fenced, then an install failed
+            try:
+                self.recover(incarnation)
+            except GraphmeshError as e:
+                log.warning("recovery after a failed re-plan failed", extra={"error": e.message})
 
     def _abort_step(self, ranks: Sequence[Rank], step: stage_pb2.ExecuteStepRequest) -> None:
         request = stage_pb2.AbortStepRequest(incarnation=step.incarnation, step_id=step.step_id, rows=step.rows)
@@ -499,9 +573,9 @@ class Mesh:
             self._ready.clear()  # a late fence of an incarnation already replaced must not un-ready its successor
         # Short deadline: a frozen executor must not hold up recovery; a later Install supersedes it anyway.
         with telemetry.span("mesh.fence", incarnation=incarnation, reason=reason):
-            calls = [(a, stage_pb2_grpc.StageServiceStub(ch).Fence.future(
+            calls = [(a, stage_pb2_grpc.StageServiceStub(self.channels[a]).Fence.future(
                 stage_pb2.FenceRequest(incarnation=incarnation, reason=reason), timeout=0.5))
-                for a, ch in self.channels.items()]
+                for a in self._known()]
             lost = self._lost
             for address, call in calls:
                 if address in lost:

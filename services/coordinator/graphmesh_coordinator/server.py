@@ -9,24 +9,26 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from graphmesh import logs, security, telemetry
+from graphmesh import logs, membership, security, telemetry
 from graphmesh.aio_serving import AioServer, MirroredHealth
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import InvalidArgument, NotFound, Unavailable
+from graphmesh.etcd import EtcdClient
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.security import ServerSecurity
 from graphmesh.serving import run_until_signalled
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
-from graphmesh_coordinator.election import Election, EtcdClient, EtcdState, LeaderMesh, not_leader
+from graphmesh_coordinator.election import Election, EtcdState, LeaderMesh, not_leader
 from graphmesh_coordinator.generation import Generator
 from graphmesh_coordinator.kserve import KServeServicer
 from graphmesh_coordinator.openai_api import OpenAIServer
@@ -68,6 +70,7 @@ class CoordinatorConfig:
     cluster_name: str = "graphmesh"  # the election's and the incarnation counter's key prefix in etcd
     lease_ttl_s: float = 2.0  # the leader's etcd lease in seconds (etcd rounds it to whole seconds, >= its minimum)
     advertise: str = ""  # the address clients reach this coordinator at, stored in etcd by the leader; "": listen
+    min_executors: int = 1  # with etcd: the members (static and registered) a new leader waits for before planning
 
 
 @dataclass
@@ -94,8 +97,8 @@ def _http_listen(config: CoordinatorConfig) -> str:
 def build_server(config: CoordinatorConfig) -> Coordinator:
     """Starts serving health at once (NOT_SERVING; the HTTP API's /health says 503), installs the mesh, then turns
     SERVING."""
-    if not config.executors:
-        raise InvalidArgument("--executors lists no executor", "NO_EXECUTORS")
+    if not config.executors and not config.etcd:
+        raise InvalidArgument("--executors lists no executor (and without --etcd none can register)", "NO_EXECUTORS")
     path = resolve_model(config.model)
     ckpt = open_checkpoint(path)
     if ckpt.config is None:
@@ -142,7 +145,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
         CoordinatorServicer(generator, mesh, config.model, config.security, gate), server)
     kserve_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(generator, mesh, config.model, server.admission), server)
+        KServeServicer(generator, mesh, config.model, server.admission, gate), server)
     health_servicer = MirroredHealth(server)
     names = (coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,
              kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
@@ -156,7 +159,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     http = None
     if config.http_listen:
         http = OpenAIServer(generator, mesh, config.model, config.security.auth_token,
-                            config.security.max_concurrent_rpcs or 64, config.http_ready_wait_s)
+                            config.security.max_concurrent_rpcs or 64, config.http_ready_wait_s, gate)
         http.start(_http_listen(config), config.security.tls)
         log.info("HTTP API", extra={"http_listen": config.http_listen, "port": http.port})
     if config.metrics_port or http is not None:  # the HTTP API serves /metrics too
@@ -182,6 +185,11 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
         _take_over(config, mesh, state.incarnation, health_servicer)
     else:
         assert isinstance(state, EtcdState)
+        # Standbys follow membership too: the roster a new leader plans over is the one registered now
+        static = list(config.executors)
+        membership.watch(election.etcd, config.cluster_name,
+                         lambda members: mesh.set_members([*static, *(m.address for m in members)]),
+                         election.lost)
         threading.Thread(target=_lead, args=(config, election, mesh, state, health_servicer), name="election",
                          daemon=True).start()
     return Coordinator(server, port, mesh, http, election)
@@ -224,11 +232,17 @@ def _lead(config: CoordinatorConfig, election: Election, mesh: Mesh, state: Etcd
 
     election.on_lost(stepped_down)
     while True:  # executors first: a leader that must wait for them would hold the lease with nothing to serve
+        members = mesh.addresses  # the static ones and those registered in etcd, as membership last read them
         try:
-            wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
+            if len(members) < config.min_executors:
+                raise Unavailable(f"{len(members)} executor(s) are members of the mesh, --min-executors asks for "
+                                  f"{config.min_executors}", "TOO_FEW_EXECUTORS")
+            # short: a member that died holds its registration until its lease lapses, and then it is gone
+            wait_for_executors(members, 5.0, config.security.tls)
             break
         except Unavailable as e:
             log.warning("standby: waiting for the executors before campaigning", extra={"error": e.message})
+            time.sleep(0.5)
     log.info("standby: campaigning", extra={"cluster": config.cluster_name, "etcd": config.etcd})
     election.campaign()
     try:
@@ -248,7 +262,11 @@ def _lead(config: CoordinatorConfig, election: Election, mesh: Mesh, state: Etcd
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="graphmesh-coordinator", description=__doc__)
     parser.add_argument("--listen", default="127.0.0.1:50050")
-    parser.add_argument("--executors", required=True, help="comma-separated executor addresses, in pipeline order")
+    parser.add_argument("--executors", default="",
+                        help="comma-separated executor addresses, in pipeline order (with --etcd optional: executors "
+                             "started with --etcd register themselves and are planned after these, as they join)")
+    parser.add_argument("--min-executors", type=int, default=1,
+                        help="with --etcd: how many executors must be members before a leader plans the mesh")
     parser.add_argument("--etcd", default="", help="comma-separated etcd client URLs (http://HOST:PORT): elect one "
                                                    "leader among the coordinators of --cluster-name (default: this "
                                                    "coordinator alone, its incarnation in --state-dir)")
@@ -303,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
                                    steps_in_flight=args.steps_in_flight, decode_steps=args.decode_steps,
                                    health_window_s=args.health_window,
                                    etcd=[u for u in args.etcd.split(",") if u], cluster_name=args.cluster_name,
-                                   lease_ttl_s=args.lease_ttl, advertise=args.advertise)
+                                   lease_ttl_s=args.lease_ttl, advertise=args.advertise,
+                                   min_executors=args.min_executors)
         telemetry.serve_metrics(config.metrics_port)
         running = build_server(config)
     except Exception as e:

@@ -21,8 +21,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from graphmesh import logs, security, telemetry
+from graphmesh.etcd import EtcdClient
+from graphmesh.membership import Registration
 from graphmesh.security import ServerSecurity
-from graphmesh.serving import byte_size, fits_in_memory, run_until_signalled
+from graphmesh.serving import byte_size, fits_in_memory, memory_bytes, run_until_signalled
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
 from graphmesh_executor.backends import NAMES
 from graphmesh_executor.fencing import AuthorityState
@@ -59,6 +61,11 @@ class ExecutorConfig:
     kv_cache_bytes: int = 0  # the paged KV pool of the stage; 0 sizes it from free memory
     metrics_port: int = 0  # Prometheus /metrics; 0: off
     security: ServerSecurity = field(default_factory=ServerSecurity)
+    etcd: tuple[str, ...] = ()  # etcd client URLs: register as a member of cluster_name there; empty: static meshes
+    cluster_name: str = "graphmesh"
+    advertise: str = ""  # the address the coordinator and the other executors reach this one at; "": listen
+    registration_ttl_s: int = 2  # the registration's lease: how long a dead executor stays registered
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long to wait for the coordinator to re-plan without this one
 
 
 def tune_malloc() -> None:
@@ -84,7 +91,7 @@ def _set_threads(backend: str, threads: int) -> None:
                     extra={"backend": backend, "threads": threads})
 
 
-def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRegistry]:
+def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, StageRuntime]:
     """Creates, binds and starts the server; health turns SERVING once it accepts calls."""
     if config.threads:
         _set_threads(config.backend, config.threads)
@@ -128,8 +135,7 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, ExecutableRe
             ("graphmesh_kv_write_behind_failures", "counter", "Failed write-behind puts", lambda: block_writer.failures),
             ("graphmesh_kv_write_behind_dropped", "counter", "Write-behinds dropped on a full queue",
              lambda: block_writer.dropped))
-    return server, port, registry
-
+    return server, port, runtime
 
 
 def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
@@ -150,13 +156,28 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
     p.add_argument("--kv-cache-bytes", type=byte_size, default=0,
                    help="size of the stage's paged KV pool (e.g. 2Gi); 0: from free memory")
+    p.add_argument("--etcd", default="", help="comma-separated etcd client URLs: register as an executor of "
+                                              "--cluster-name there, so the leading coordinator plans over it "
+                                              "(default: none; the coordinator's --executors names it)")
+    p.add_argument("--cluster-name", default="graphmesh", help="the mesh this executor joins in etcd")
+    p.add_argument("--advertise", default="", help="HOST:PORT the coordinator and the other executors reach this "
+                                                   "executor at (default: --listen; required when it listens on "
+                                                   "0.0.0.0)")
+    p.add_argument("--registration-ttl", type=int, default=2,
+                   help="seconds a registration outlives its executor's last renewal (a dead executor's lease)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="with --etcd, seconds SIGTERM waits for the coordinator to re-plan without this executor "
+                        "before it stops serving")
     security.add_arguments(p, executor_service=True)
     a = p.parse_args(argv)
     return ExecutorConfig(listen=a.listen, backend=a.backend, device=a.device, model_root=a.model_root,
                           threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,
                           workers=a.workers, enable_fault_injection=a.enable_fault_injection,
                           standby_weights=STANDBY_WEIGHTS[a.standby_weights], metrics_port=a.metrics_port,
-                          kv_cache_bytes=a.kv_cache_bytes, security=security.from_args(a))
+                          kv_cache_bytes=a.kv_cache_bytes, security=security.from_args(a),
+                          etcd=tuple(u for u in a.etcd.split(",") if u), cluster_name=a.cluster_name,
+                          advertise=a.advertise, registration_ttl_s=a.registration_ttl,
+                          drain_timeout_s=a.drain_timeout)
 
 
 def _preload_blas(backend: str) -> None:
@@ -181,13 +202,49 @@ def main(argv: list[str] | None = None) -> None:
     telemetry.serve_metrics(config.metrics_port)
     tune_malloc()
     started = time.monotonic()
-    server, port, _ = build_server(config)
+    server, port, runtime = build_server(config)
     host = config.listen.rsplit(":", 1)[0]
     log.info("serving", extra={"listen": f"{host}:{port}", "backend": config.backend, "device": config.device,
                                "model_root": str(config.model_root or ""), "max_message_bytes": config.max_message_bytes,
                                "startup_ms": round((time.monotonic() - started) * 1e3, 1)})
     print(f"graphmesh-executor listening on {host}:{port}", file=sys.stderr, flush=True)
-    run_until_signalled(server, grace_s=5.0)
+    if not config.etcd:
+        run_until_signalled(server, grace_s=5.0)
+        return
+    registration = Registration(EtcdClient(config.etcd), config.cluster_name, advertised_address(config, port),
+                                {"backend": config.backend, "device": config.device, "memory_bytes": memory_bytes()},
+                                config.registration_ttl_s)
+    registration.start()
+    run_until_signalled(server, grace_s=5.0, drain=lambda: leave(registration, runtime, config.drain_timeout_s))
+
+
+def advertised_address(config: ExecutorConfig, port: int) -> str:
+    """What this executor registers as its address: --advertise, else --listen with the port it bound."""
+    if config.advertise:
+        return config.advertise
+    host = config.listen.rsplit(":", 1)[0]
+    if host in ("", "0.0.0.0", "[::]"):
+        raise SystemExit("graphmesh-executor: --etcd with --listen on every interface needs --advertise HOST:PORT "
+                         "(the address the coordinator reaches this executor at)")
+    return f"{host}:{port}"
+
+
+def leave(registration: Registration, runtime: StageRuntime, timeout_s: float) -> None:
+    """Leaves the mesh without failing anyone: deregisters, then keeps serving until the coordinator has fenced
+    the roster this executor is part of (it re-plans without it, restoring its sessions on the others), or
+    `timeout_s` passes."""
+    authority = runtime.authority
+    held = authority.incarnation if authority.state == AuthorityState.ACTIVE else 0
+    registration.close()
+    log.info("leaving the mesh", extra={"incarnation": held, "drain_timeout_s": timeout_s})
+    deadline = time.monotonic() + timeout_s
+    while held and authority.state == AuthorityState.ACTIVE and authority.incarnation == held:
+        if time.monotonic() > deadline:
+            log.warning("the coordinator did not re-plan without this executor in time; stopping anyway",
+                        extra={"incarnation": held, "drain_timeout_s": timeout_s})
+            return
+        time.sleep(0.05)
+    log.info("left the mesh", extra={"incarnation": held})
 
 
 if __name__ == "__main__":
