@@ -250,6 +250,8 @@ def test_killing_the_leader_mid_stream_changes_no_token(coordinators: list[Coord
     assert _wait_serving([standby]) is standby
     assert _incarnation(standby.address) > before
     _old_step_refused(executors, before)
+    # the dead leader's address refused connections: the standby revoked its lease instead of waiting out the TTL
+    assert "the leader's process is gone" in standby.log()
 
 
 def test_a_leader_paused_past_its_lease_is_refused_and_steps_down(coordinators: list[Coordinator],

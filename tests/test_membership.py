@@ -70,11 +70,11 @@ class Cluster:
     coordinator: str = ""
     executors: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start_executor(self) -> str:
+    def start_executor(self, *extra: str) -> str:
         address = f"127.0.0.1:{free_port()}"
         process = self.stack.enter_context(start_process(
             executor_args(address, "--etcd", ",".join(self.etcd.urls), "--cluster-name", self.name,
-                          "--kv-cache-bytes", "8Mi", "--drain-timeout", "20"),
+                          "--kv-cache-bytes", "8Mi", "--drain-timeout", "20", *extra),
             address, log_path=self.logs / f"executor-{len(self.executors)}.log", env={"OMP_NUM_THREADS": "1"}))
         self.executors[address] = process
         return address
@@ -165,7 +165,7 @@ def test_executors_join_and_leave_a_live_mesh_without_a_changed_token(cluster: C
         t.start()
     try:
         streamed_again()
-        joined = cluster.start_executor()
+        joined = cluster.start_executor("--preload-model", str(cluster.model))  # it reads the model, then registers
         _wait(lambda: len(_stages(cluster.coordinator)) == 3, 60,
               lambda: "the mesh never took the new executor in:\n" + cluster.log("coordinator")[-3000:])
         assert _stages(cluster.coordinator)[-1] == joined  # the newest member is planned last
@@ -187,6 +187,9 @@ def test_executors_join_and_leave_a_live_mesh_without_a_changed_token(cluster: C
     assert "executor joined" in coordinator_log and "executor left" in coordinator_log
     executor_log = cluster.log("executor-0")
     assert "leaving the mesh" in executor_log and "left the mesh" in executor_log
+    newcomer_log = cluster.log("executor-2")  # installed from what it preloaded, before it registered
+    assert newcomer_log.index("model preloaded") < newcomer_log.index("registered in etcd")
+    assert '"mb": 0.0' in newcomer_log.split("registered in etcd")[1]
     assert leaving not in [m.address for m in registered(EtcdClient(cluster.etcd.urls), cluster.name)]
 
 

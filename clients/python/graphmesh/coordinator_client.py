@@ -38,7 +38,7 @@ class Chunk:
     prefill_computed_tokens: int = 0
 
 
-RESUME_BACKOFF_S = (0.05, 0.1, 0.2, 0.4)  # waits between attempts to find the leader, the last one repeated
+RESUME_BACKOFF_S = (0.05, 0.1)  # waits between attempts to find the leader, the last one repeated (a standby answers fast)
 KEEPALIVE_S = 1  # a resuming client pings every second and gives a silent coordinator one second to answer
 
 

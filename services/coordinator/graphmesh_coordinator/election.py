@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -29,7 +30,7 @@ from typing import Any
 import grpc
 
 from graphmesh.errors import GraphmeshError, Unavailable
-from graphmesh.etcd import EtcdClient, b64, unb64
+from graphmesh.etcd import EtcdClient, KeyValue, b64, unb64
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_coordinator.state import DurableState
@@ -70,6 +71,7 @@ class Election:
         self._lock = threading.Lock()
         self._on_lost: list[Callable[[str], None]] = []
         self._stop = threading.Event()
+        self._refusals = 0  # campaign polls in a row that found the leader's address refusing connections
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
         self._on_lost.append(callback)
@@ -89,7 +91,9 @@ class Election:
         """One campaign attempt: creates the leader key under a fresh lease if nobody holds it."""
         if self.lost.is_set():
             return False
-        if self.etcd.get(self.leader_key) is not None:
+        current = self.etcd.get(self.leader_key)
+        if current is not None:
+            self._revoke_if_gone(current)
             return False
         sent = self.clock()
         lease, ttl = self.etcd.grant(max(1, round(self.ttl_s)))
@@ -106,6 +110,26 @@ class Election:
             self._leading = True
         log.info("elected leader", extra={"cluster": self.cluster, "lease": lease, "ttl_s": ttl})
         return True
+
+    def _revoke_if_gone(self, leader: KeyValue) -> None:
+        """Revokes the lease of a leader whose process is gone: nothing listens at its address any more (a refused
+        connection, twice in a row), so it died and waiting out its TTL only delays the failover. A leader that is
+        merely silent (paused, cut off: a timeout, not a refusal) keeps its lease until etcd expires it. Safety does
+        not rest on this guess: were it wrong, the live leader would learn at its next keepalive that it lost the
+        lease, and every executor refuses its incarnation once the new leader installs."""
+        try:
+            address = str(json.loads(leader.value).get("address", ""))
+        except ValueError:
+            return
+        if not _refuses_connections(address):
+            self._refusals = 0
+            return
+        self._refusals += 1
+        if self._refusals >= 2 and leader.lease:
+            log.warning("the leader's process is gone (its address refuses connections): revoking its lease",
+                        extra={"cluster": self.cluster, "leader": address, "lease": leader.lease})
+            self._refusals = 0
+            self._revoke(leader.lease)
 
     def campaign(self, poll_s: float = 0.1, stop: threading.Event | None = None) -> bool:
         """Waits until this coordinator leads (True), or `stop` is set (False); then keeps the lease alive."""
@@ -143,7 +167,8 @@ class Election:
 
     def _keepalive_loop(self) -> None:
         while not self._stop.is_set() and self.renew():
-            self._stop.wait(max(0.05, self.granted_ttl_s / 4))
+            # often: etcd expires a dead leader's lease one TTL after its last renewal, and failover waits for that
+            self._stop.wait(max(0.05, self.granted_ttl_s / 8))
 
     def _watchdog(self) -> None:
         """Steps down once the lease lapses on this clock, whatever the keepalive thread is waiting for."""
@@ -246,6 +271,21 @@ class EtcdState(DurableState):
             issued = self.election.next_incarnation()
             self.incarnation = issued
             return issued
+
+
+def _refuses_connections(address: str, timeout_s: float = 0.2) -> bool:
+    """True when a TCP connection to HOST:PORT is actively refused (nothing listens there); False when it connects,
+    times out or cannot be tried (the address is not HOST:PORT)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return False
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def not_leader(election: Election) -> NotLeader:

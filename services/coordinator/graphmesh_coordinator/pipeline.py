@@ -47,7 +47,8 @@ KV_SEED_BASE_S = 1.0
 KV_SEED_MIN_BYTES_PER_S = 100 << 20
 KV_REGISTER_TIMEOUT_S = 5.0
 SHARE_TIMEOUT_S = 2.0  # ShareSessionKv on every rank: bookkeeping, awaited under the scheduler's lock
-REJOIN_CHECKS = 4  # health checks in a row an executor outside the roster must pass before the mesh re-plans
+REJOIN_CHECKS = 4  # health checks in a row an executor back from a failure must pass before the mesh re-plans
+JOIN_CHECKS = 2  # and a new member (it registered itself once it served: no flapping to wait out)
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 _COMM_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
@@ -159,6 +160,11 @@ class Mesh:
         outside it install first, while it goes on serving (a new executor reads its layers then, not during the
         pause); only then is it fenced and the rest installed, which costs them little (they hold the weights)."""
         addresses = list(addresses or self.addresses)
+        if len(addresses) > self.config.n_layers:  # at least one layer a stage: the rest wait, idle, as spares
+            log.warning("more executors than layers: the last ones are left out of the plan",
+                        extra={"executors": len(addresses), "layers": self.config.n_layers,
+                               "left_out": addresses[self.config.n_layers:]})
+            addresses = addresses[: self.config.n_layers]
         split = self.split if self.split and len(self.split) == len(addresses) else None
         with telemetry.span("mesh.install", executors=len(addresses)) as span:
             incarnation = self.state.next_incarnation()
@@ -496,11 +502,11 @@ class Mesh:
                 current = {r.plan.address for r in ranks}
                 planned.update(current)
                 for address in members:
-                    if address in current or not ready:
+                    if address in current or not ready or len(current) >= self.config.n_layers:
                         back[address] = 0
                         continue
                     back[address] = back.get(address, 0) + 1 if address in fresh else 0
-                    if back[address] == REJOIN_CHECKS:
+                    if back[address] == (REJOIN_CHECKS if address in planned else JOIN_CHECKS):
                         log.warning("executor answers again: re-planning to take it back into the roster"
                                     if address in planned else "new executor answers: re-planning to take it in",
                                     extra={"address": address, "incarnation": self.incarnation})

@@ -66,6 +66,7 @@ class ExecutorConfig:
     advertise: str = ""  # the address the coordinator and the other executors reach this one at; "": listen
     registration_ttl_s: int = 2  # the registration's lease: how long a dead executor stays registered
     drain_timeout_s: float = 30.0  # on SIGTERM, how long to wait for the coordinator to re-plan without this one
+    preload_model: str = ""  # read this model's whole weights before registering (a join then reads no checkpoint)
 
 
 def tune_malloc() -> None:
@@ -165,6 +166,10 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
                                                    "0.0.0.0)")
     p.add_argument("--registration-ttl", type=int, default=2,
                    help="seconds a registration outlives its executor's last renewal (a dead executor's lease)")
+    p.add_argument("--preload-model", default="",
+                   help="bundled model name or checkpoint path whose whole weights are read at start, before the "
+                        "executor registers (--etcd): the leader then installs it on a live mesh without a "
+                        "checkpoint read (f32 weights)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="with --etcd, seconds SIGTERM waits for the coordinator to re-plan without this executor "
                         "before it stops serving")
@@ -177,7 +182,7 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
                           kv_cache_bytes=a.kv_cache_bytes, security=security.from_args(a),
                           etcd=tuple(u for u in a.etcd.split(",") if u), cluster_name=a.cluster_name,
                           advertise=a.advertise, registration_ttl_s=a.registration_ttl,
-                          drain_timeout_s=a.drain_timeout)
+                          drain_timeout_s=a.drain_timeout, preload_model=a.preload_model)
 
 
 def _preload_blas(backend: str) -> None:
@@ -203,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     tune_malloc()
     started = time.monotonic()
     server, port, runtime = build_server(config)
+    if config.preload_model:
+        runtime.preload(config.preload_model)
     host = config.listen.rsplit(":", 1)[0]
     log.info("serving", extra={"listen": f"{host}:{port}", "backend": config.backend, "device": config.device,
                                "model_root": str(config.model_root or ""), "max_message_bytes": config.max_message_bytes,

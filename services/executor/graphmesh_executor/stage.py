@@ -311,6 +311,25 @@ class StageRuntime:
             threading.Thread(target=self._read_standby, args=(path, config, set(holder.graph.params)), daemon=True,
                              name="standby-weights").start()
 
+    def preload(self, model: str) -> None:
+        """Reads the whole of `model`'s weights now, as standby weights (f32), so the first Install of any layer
+        range reads no checkpoint: what an executor that joins a live mesh does before it registers, since the
+        roster it joins waits for its Install."""
+        path = self._model_path(model)
+        ckpt = open_checkpoint(path)
+        if ckpt.config is None:
+            raise InvalidArgument(f"{path} has no model config", "NO_MODEL_CONFIG")
+        t0 = time.perf_counter()
+
+        def read() -> None:  # on the engine, as an Install is: the two never touch the weights at once
+            self._standby, self._weights_path = {}, path
+            self.standby_ready.clear()
+            assert ckpt.config is not None
+            self._read_standby(path, ckpt.config, set())
+
+        self.engine.run("stage.preload", read)
+        log.info("model preloaded", extra={"model": model, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+
     def _wants_standby(self, config: ModelConfig) -> bool:
         if self.standby_weights is not None:
             return self.standby_weights
