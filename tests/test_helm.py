@@ -341,6 +341,7 @@ def test_executors_register_in_the_charts_etcd(rendered: dict[str, list[Doc]]) -
     port = next(p["containerPort"] for p in executor["ports"] if p["name"] == "grpc")
     assert flag(executor["args"], "--advertise") == f"$(POD_NAME).{sts['spec']['serviceName']}:{port}"
     assert any(e["name"] == "POD_NAME" for e in executor["env"])
+    assert flag(executor["args"], "--preload-model") == values("ha-values")["model"]["name"]
     drain = int(flag(executor["args"], "--drain-timeout"))
     assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
     for name in ("default-values", "four-executors-values"):  # static meshes keep the ordinal roster
