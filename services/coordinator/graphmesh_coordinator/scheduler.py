@@ -34,6 +34,7 @@ import numpy as np
 from graphmesh import kvkeys, telemetry, tensors
 from graphmesh.errors import GraphmeshError, ResourceExhausted, Unavailable
 from graphmesh.kvkeys import blocks_for
+from graphmesh.protocol import Action
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 
@@ -248,6 +249,10 @@ class Scheduler:
         mesh, session, block = self.mesh, s.session, self.mesh.kv_block_tokens
         capacity = mesh.kv_pool_blocks
         restore = session.incarnation != mesh.incarnation
+        if restore and steps > 1:
+            # preempted earlier in this pass, for another row of this decode run: its restore is a prompt, and a
+            # run takes one token per row (an executor refuses anything else), so it waits for the next step
+            return None
         tokens = session.history + s.pending if restore else s.pending
         start = 0 if restore else session.tokens
         n = len(tokens) if len(tokens) == 1 else min(len(tokens), budget)
@@ -414,7 +419,7 @@ class Scheduler:
 
     def _failed(self, step: list[_Row], failure: InvocationFailed, incarnation: int) -> None:
         ended: list[tuple[Sequence, BaseException]] = []
-        if failure.error_class not in ("ARCH", "INDETERMINATE"):
+        if failure.action is Action.FENCE:
             try:
                 self.mesh.recover(incarnation)
             except GraphmeshError as e:
@@ -423,7 +428,7 @@ class Scheduler:
         with self._cond:
             for r in step:
                 s = r.seq
-                if failure.error_class == "ARCH":
+                if failure.action is Action.ROLL_BACK:
                     if len(step) > 1:
                         s.solo = True  # every rank rolled back: find out alone whether this row is the cause
                     elif s.arch_retries > 0:
