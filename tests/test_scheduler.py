@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
+from graphmesh.protocol import ErrorClass
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_coordinator.scheduler import Scheduler, SessionInfo
@@ -91,7 +92,7 @@ class FakeMesh:
                      decode_steps: int = 1) -> stage_pb2.ExecuteStepResponse:
         with self._lock:
             if incarnation != self.incarnation:  # what real ranks answer to an old incarnation
-                raise InvocationFailed("COMM", -1, Unavailable("stale", "STALE_INCARNATION"))
+                raise InvocationFailed(ErrorClass.COMM, -1, Unavailable("stale", "STALE_INCARNATION"))
             self._steps += 1
             step = self._steps
             ids = [r.session_id for r in rows]
@@ -112,7 +113,7 @@ class FakeMesh:
                 for rank in self._ranks:
                     for r in rows:
                         rank.open.pop(r.session_id, None)
-                raise InvocationFailed("ARCH", 0, e) from e
+                raise InvocationFailed(ErrorClass.ARCH, 0, e) from e
         time.sleep(random.random() * 0.002)  # let other steps overlap this one
         with self._lock:
             self._finish(ids)
@@ -120,11 +121,11 @@ class FakeMesh:
                 for rank in self._ranks:
                     for r in rows:
                         rank.open.pop(r.session_id, None)  # every rank rolled back
-                raise InvocationFailed("ARCH", 0, InvalidArgument("injected", "INJECTED_FAULT"))
+                raise InvocationFailed(ErrorClass.ARCH, 0, InvalidArgument("injected", "INJECTED_FAULT"))
             if (self.comm_at and step == self.comm_at) or incarnation != self.incarnation:
                 if self.incarnation == incarnation:
                     self.ready = False
-                raise InvocationFailed("COMM", 1, Unavailable("injected", "EXECUTOR_LOST"))
+                raise InvocationFailed(ErrorClass.COMM, 1, Unavailable("injected", "EXECUTOR_LOST"))
             reply = stage_pb2.ExecuteStepResponse()
             for r in rows:  # a decode run feeds each token it samples back in, as the last stage does
                 history = self._ranks[0].tokens.get(r.session_id, []) + list(r.token_ids)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from graphmesh.errors import FailedPrecondition
+from graphmesh.protocol import ProtocolError
 from graphmesh_executor.fencing import AuthorityState, SessionPhase
 from graphmesh_executor.stage import (
     Boundary,
     KvBlocks,
-    ProtocolError,
     Sampling,
     StageConfig,
     StageRuntime,

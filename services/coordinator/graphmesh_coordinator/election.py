@@ -31,6 +31,7 @@ import grpc
 
 from graphmesh.errors import GraphmeshError, Unavailable
 from graphmesh.etcd import EtcdClient, KeyValue, b64, unb64
+from graphmesh.protocol import ErrorClass
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_coordinator.state import DurableState
@@ -313,7 +314,7 @@ class LeaderMesh(Mesh):
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: stage_pb2.OutputKind.ValueType,
                      incarnation: int, decode_steps: int = 1) -> stage_pb2.ExecuteStepResponse:
         if not self.election.is_leader():
-            raise InvocationFailed("COMM", -1, self._not_leader())
+            raise InvocationFailed(ErrorClass.COMM, -1, self._not_leader())
         return super().execute_step(rows, output, incarnation, decode_steps)
 
     def recover(self, failed_incarnation: int, deadline_s: float = 120.0) -> None:

@@ -48,6 +48,7 @@ from graphmesh.errors import (
     Unauthenticated,
     Unavailable,
 )
+from graphmesh.protocol import Action
 from graphmesh.security import Tls
 from graphmesh_coordinator import genai
 from graphmesh_coordinator.generation import (
@@ -188,7 +189,7 @@ def api_error(error: BaseException) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, InvocationFailed):
-        error = error.cause if error.error_class == "ARCH" else \
+        error = error.cause if error.action is Action.ROLL_BACK else \
             Unavailable(f"the mesh lost an executor: {error}", "MESH_FENCED")
     if not isinstance(error, GraphmeshError):
         log.error("request failed", exc_info=error)

@@ -32,6 +32,7 @@ from graphmesh import kvkeys, security, telemetry
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
 from graphmesh.kvstore_client import CircuitBreaker, KvStoreClient
 from graphmesh.models.config import ModelConfig
+from graphmesh.protocol import ACTIONS, Action, ErrorClass, classify
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator.planner import StagePlan, plan
 from graphmesh_coordinator.state import Decision, DurableState
@@ -51,33 +52,16 @@ REJOIN_CHECKS = 4  # health checks in a row an executor back from a failure must
 JOIN_CHECKS = 2  # and a new member (it registered itself once it served: no flapping to wait out)
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-_COMM_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-               grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
-
-
 class InvocationFailed(Exception):
-    """An invocation failed on some rank; `error_class` says what that means."""
+    """An invocation failed on some rank; `error_class` says what that means (protocol.ACTIONS: what to do)."""
 
-    def __init__(self, error_class: str, rank: int, cause: GraphmeshError) -> None:
+    def __init__(self, error_class: ErrorClass, rank: int, cause: GraphmeshError) -> None:
         super().__init__(f"rank {rank}: {cause.message}")
         self.error_class, self.rank, self.cause = error_class, rank, cause
 
-
-# A rank that refuses for these reasons is fenced or was rebuilt: the roster must be recovered.
-_FENCED_REASONS = {"STALE_INCARNATION", "POISONED", "NOT_INSTALLED"}
-_CONTRACT_REASONS = {"KV_LENGTH_MISMATCH", "EPOCH_NOT_OPEN", "EPOCH_OPEN", "STALE_EPOCH", "UNKNOWN_SESSION",
-                     "SESSION_INDETERMINATE", "ALREADY_COMMITTED"}
-
-
-ROLLBACK_CLASSES = {"ARCH", "INDETERMINATE"}  # a failure of these leaves the incarnation usable: the step is aborted
-
-
-def classify(error: GraphmeshError) -> str:
-    if "error_class" in error.metadata:
-        return error.metadata["error_class"]
-    if error.reason in _FENCED_REASONS or error.code in _COMM_CODES:
-        return "COMM"
-    return "CONTRACT" if error.reason in _CONTRACT_REASONS else "ARCH"
+    @property
+    def action(self) -> Action:
+        return ACTIONS[self.error_class]
 
 
 @dataclass
@@ -229,7 +213,7 @@ class Mesh:
         other after a recovery)."""
         ranks = self.ranks
         if incarnation != self.incarnation:
-            raise InvocationFailed("COMM", -1, Unavailable(f"step scheduled for incarnation {incarnation}, the mesh "
+            raise InvocationFailed(ErrorClass.COMM, -1, Unavailable(f"step scheduled for incarnation {incarnation}, the mesh "
                                                            f"runs {self.incarnation}", "STALE_INCARNATION"))
         step_id = next(self._step_ids)
         tokens = sum(len(r.token_ids) for r in rows)
@@ -265,18 +249,20 @@ class Mesh:
             try:
                 replies.append(call.result())
             except grpc.FutureCancelledError:
-                failures.append(InvocationFailed("COMM", rank.plan.rank, Unavailable(
+                failures.append(InvocationFailed(ErrorClass.COMM, rank.plan.rank, Unavailable(
                     f"rank {rank.plan.rank} ({rank.plan.address}) stopped answering health checks", "EXECUTOR_LOST")))
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
-                failures.append(InvocationFailed(classify(error), rank.plan.rank, error))
+                failure = InvocationFailed(classify(error), rank.plan.rank, error)
+                failures.append(failure)
                 if aborted:
                     continue
                 aborted = True  # wake the ranks still waiting for a boundary that will never come:
-                if classify(error) in ROLLBACK_CLASSES:
+                if failure.action is not Action.FENCE:
                     self._abort_step(ranks, request)  # roll back, stay ACTIVE
                 else:
-                    self.fence(incarnation, f"{classify(error)} on rank {rank.plan.rank} ({error.reason}): {error.message}")
+                    self.fence(incarnation, f"{failure.error_class} on rank {rank.plan.rank} ({error.reason}): "
+                                            f"{error.message}")
         with self._lock:
             self._in_flight.difference_update(calls)
         if not failures:
@@ -284,13 +270,13 @@ class Mesh:
         # What the step failed of: COMM outranks ARCH outranks INDETERMINATE, and a rank woken by the step's abort
         # (EPOCH_ABORTED) only reports the failure of another.
         causes = [f for f in failures if f.cause.reason != "EPOCH_ABORTED"] or failures
-        first = min(causes, key=lambda f: (f.error_class in ROLLBACK_CLASSES, f.error_class == "INDETERMINATE", f.rank))
-        if first.error_class in ROLLBACK_CLASSES:
+        first = min(causes, key=lambda f: (f.action is not Action.FENCE, f.action is Action.RESOLVE, f.rank))
+        if first.action is not Action.FENCE:
             self.state.record(*(Decision(row.session_id, row.epoch, "ABORTED") for row in request.rows))
             for f in failures:
-                if f.error_class == "INDETERMINATE":
+                if f.action is Action.RESOLVE:
                     self._resolve(ranks, incarnation, f)
-        elif failures[0].error_class in ROLLBACK_CLASSES:
+        elif failures[0].action is not Action.FENCE:
             self.fence(incarnation, f"{first.error_class} on rank {first.rank} ({first.cause.reason}): {first.cause.message}")
         raise first
 
@@ -316,7 +302,7 @@ class Mesh:
         if error is not None:
             self.fence(incarnation, f"could not resolve epoch {epoch} of session {session_id!r} on rank "
                                     f"{refusal.rank}: {error.message}")
-            raise InvocationFailed("COMM", refusal.rank, error)
+            raise InvocationFailed(ErrorClass.COMM, refusal.rank, error)
 
     def resolve_indeterminate(self, incarnation: int) -> int:
         """Resolves, from the decision log, every epoch the executors hold INDETERMINATE under `incarnation`: what a

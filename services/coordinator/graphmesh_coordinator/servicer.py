@@ -9,6 +9,7 @@ import grpc
 
 from graphmesh import tensors
 from graphmesh.errors import FailedPrecondition, GraphmeshError, Internal, InvalidArgument, NotFound, Unavailable
+from graphmesh.protocol import Action
 from graphmesh.security import MESH, ServerSecurity
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -25,7 +26,7 @@ _FINISH: dict[str, coordinator_pb2.FinishReason.ValueType] = {
 
 def as_status(error: Exception) -> grpc.Status:
     if isinstance(error, InvocationFailed):
-        if error.error_class == "ARCH":
+        if error.action is Action.ROLL_BACK:  # its rows were refused: the cause is the request's
             return error.cause.to_status()
         return Unavailable(f"the mesh lost an executor: {error}", "MESH_FENCED").to_status()
     if isinstance(error, GraphmeshError):

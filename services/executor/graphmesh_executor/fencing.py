@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from graphmesh.errors import FailedPrecondition
+from graphmesh.protocol import METADATA_KEY, ErrorClass
 
 MAX_INCARNATION_STEP = 1 << 20
 
@@ -127,7 +128,7 @@ class SessionTxn:
             self.mark_indeterminate(self.epoch)
         if self.phase is SessionPhase.INDETERMINATE:
             raise FailedPrecondition(f"epoch {self.epoch} is indeterminate; waiting for ResolveEpoch",
-                                     "SESSION_INDETERMINATE", {"epoch": str(self.epoch), "error_class": "INDETERMINATE"})
+                                     "SESSION_INDETERMINATE", {"epoch": str(self.epoch), METADATA_KEY: ErrorClass.INDETERMINATE})
 
     def begin(self, epoch: int) -> None:
         self.check_decided(epoch)

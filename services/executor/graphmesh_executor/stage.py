@@ -40,6 +40,7 @@ from graphmesh.errors import (
 from graphmesh.graph import parse
 from graphmesh.kvkeys import blocks_for
 from graphmesh.models.config import ModelConfig
+from graphmesh.protocol import ACTIONS, METADATA_KEY, Action, ErrorClass, ProtocolError
 from graphmesh.serving import available_memory_bytes
 from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.engine import Engine
@@ -128,18 +129,6 @@ class StepResult:
     kv_lengths: list[int] = field(default_factory=list)
     compute_us: float = 0.0
     computed_tokens: int = 0
-
-
-class ProtocolError(GraphmeshError):
-    """A failure with its protocol error class (ARCH, COMM, CONTRACT): the status of its cause, with the class in
-    the ErrorInfo metadata so the coordinator knows what it means for the protocol."""
-
-    def __init__(self, error_class: str, cause: Exception) -> None:
-        base = cause if isinstance(cause, GraphmeshError) else Internal(f"{type(cause).__name__}: {cause}")
-        super().__init__(base.message, base.reason, {**base.metadata, "error_class": error_class})
-        self.code = base.code
-        self.error_class = error_class
-        self.cause = cause
 
 
 @dataclass(frozen=True)
@@ -256,7 +245,7 @@ class StageRuntime:
             self._mailbox.clear()
             self._aborted.clear()
             for step in self._in_flight.values():  # of an older incarnation: it must not go on under the new one
-                self._fail(step, ProtocolError("COMM", FailedPrecondition("a new incarnation was installed",
+                self._fail(step, ProtocolError(ErrorClass.COMM, FailedPrecondition("a new incarnation was installed",
                                                                           "POISONED")))
             self.pool.clear()
             self._lock.notify_all()
@@ -427,7 +416,7 @@ class StageRuntime:
         except ProtocolError as e:
             with self._lock:
                 self._forget_step(step_id)
-                if e.error_class != "ARCH":
+                if ACTIONS[e.error_class] is Action.FENCE:
                     self._poison(incarnation, f"{e.error_class}: {e}")
                 for row in rows:
                     session = self._sessions.get(row.session_id)
@@ -465,27 +454,27 @@ class StageRuntime:
         assert self.spec is not None and self.config is not None
         limit = self.spec.max_context_tokens or self.config.max_position
         if not rows:
-            raise ProtocolError("ARCH", InvalidArgument("a step needs at least one row", "EMPTY_STEP"))
+            raise ProtocolError(ErrorClass.ARCH, InvalidArgument("a step needs at least one row", "EMPTY_STEP"))
         if len({row.session_id for row in rows}) != len(rows):
-            raise ProtocolError("ARCH", InvalidArgument("a session appears twice in one step", "DUPLICATE_SESSION"))
+            raise ProtocolError(ErrorClass.ARCH, InvalidArgument("a session appears twice in one step", "DUPLICATE_SESSION"))
         if decode_steps > 1 and (logits or any(len(r.token_ids) != 1 or r.sampling.logprobs for r in rows)):
-            raise ProtocolError("ARCH", InvalidArgument(
+            raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
                 "a decode run takes rows of one token each, sampled in the graph (no logits, no logprobs)",
                 "BAD_DECODE_RUN"))
         for row in rows:
             n = len(row.token_ids)
             if n == 0:
-                raise ProtocolError("ARCH", InvalidArgument(f"row of session {row.session_id!r} has no tokens",
+                raise ProtocolError(ErrorClass.ARCH, InvalidArgument(f"row of session {row.session_id!r} has no tokens",
                                                             "EMPTY_INPUT"))
             n += decode_steps - 1  # the KV rows the step writes
             if row.start + n > limit:
-                raise ProtocolError("ARCH", OutOfRange(f"{row.start + n} tokens exceed the context of {limit}",
+                raise ProtocolError(ErrorClass.ARCH, OutOfRange(f"{row.start + n} tokens exceed the context of {limit}",
                                                        "CONTEXT_EXCEEDED"))
             if self.spec.first and (max(row.token_ids) >= self.config.vocab_size or min(row.token_ids) < 0):
-                raise ProtocolError("ARCH", InvalidArgument(
+                raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
                     f"token id outside the vocabulary of {self.config.vocab_size}", "BAD_TOKEN_ID"))
         if self._take_fault("arch"):
-            raise ProtocolError("ARCH", InvalidArgument("injected deterministic failure", "INJECTED_FAULT"))
+            raise ProtocolError(ErrorClass.ARCH, InvalidArgument("injected deterministic failure", "INJECTED_FAULT"))
 
     def _begin(self, incarnation: int, rows: list[StepRow], decode_steps: int) -> None:
         """Commits each row's folded epoch and begins its epoch with its KV blocks reserved; a row that cannot
@@ -510,7 +499,7 @@ class StageRuntime:
                 try:
                     self.pool.reserve(row.session_id, row.start + len(row.token_ids) + decode_steps - 1)
                 except ResourceExhausted as e:
-                    raise ProtocolError("ARCH", e) from e
+                    raise ProtocolError(ErrorClass.ARCH, e) from e
         except Exception:
             for session, epoch in begun:
                 session.txn.abort(epoch)
@@ -534,7 +523,7 @@ class StageRuntime:
                     with self._lock:
                         since = step.waiting_since
                         if since is not None and time.monotonic() - since >= timeout_s:
-                            self._fail(step, ProtocolError("COMM", DeadlineExceeded(
+                            self._fail(step, ProtocolError(ErrorClass.COMM, DeadlineExceeded(
                                 f"no boundary for step {step_id} (iteration {step.iteration}) within {timeout_s:.1f} s",
                                 "BOUNDARY_TIMEOUT")))
         finally:
@@ -550,7 +539,7 @@ class StageRuntime:
             self._fail(step, self._fenced())
             return
         if step.step_id in self._aborted:
-            self._fail(step, ProtocolError("ARCH", FailedPrecondition(f"step {step.step_id} was aborted",
+            self._fail(step, ProtocolError(ErrorClass.ARCH, FailedPrecondition(f"step {step.step_id} was aborted",
                                                                       "EPOCH_ABORTED")))
             return
         boundary = None
@@ -563,7 +552,7 @@ class StageRuntime:
         self.engine.post("stage.iteration", lambda: self._advance(step, boundary))
 
     def _fenced(self) -> ProtocolError:
-        return ProtocolError("COMM", FailedPrecondition(f"fenced while waiting for a boundary: {self.authority.cause}",
+        return ProtocolError(ErrorClass.COMM, FailedPrecondition(f"fenced while waiting for a boundary: {self.authority.cause}",
                                                         "POISONED"))
 
     def _fail(self, step: _InFlight, error: ProtocolError) -> None:
@@ -585,7 +574,7 @@ class StageRuntime:
             if i:
                 fed = boundary.tokens if boundary is not None else np.array([t[-1] for t in step.sampled], np.int64)
                 if fed is None or fed.shape != (len(step.rows),):
-                    raise ProtocolError("CONTRACT", InvalidArgument(
+                    raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
                         f"iteration {i} of decode run {step.step_id} came without its {len(step.rows)} tokens",
                         "SCHEMA_MISMATCH"))
                 step.rows = [replace(r, start=r.start + 1, token_ids=[int(t)]) for r, t in zip(step.rows, fed)]
@@ -603,7 +592,7 @@ class StageRuntime:
                         step.step_id, i + 1, tokens=np.asarray([t[-1] for t in step.sampled], np.int64)))
         except Exception as e:
             with self._lock:
-                self._fail(step, e if isinstance(e, ProtocolError) else ProtocolError("COMM", e))
+                self._fail(step, e if isinstance(e, ProtocolError) else ProtocolError(ErrorClass.COMM, e))
             return
         with self._lock:
             step.iteration += 1
@@ -627,7 +616,7 @@ class StageRuntime:
             hidden = boundary.hidden
             if hidden is None or hidden.shape != (total, self.config.hidden_size):
                 shape = None if hidden is None else list(hidden.shape)
-                raise ProtocolError("CONTRACT", InvalidArgument(
+                raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
                     f"boundary of shape {shape}, expected [{total}, {self.config.hidden_size}]", "SCHEMA_MISMATCH"))
         # Rows that want logprobs get the logits graph; their tokens are sampled from its output on the host.
         host = spec.last and not step.want_logits and any(r.sampling.logprobs for r in rows)
@@ -636,7 +625,7 @@ class StageRuntime:
             with telemetry.span("stage.compute", step=step.step_id, iteration=step.iteration, rows=len(rows)):
                 out = self._compute(rows, hidden, not step.want_logits and not host)
         except (InvalidArgument, OutOfRange, NotFound, FailedPrecondition, ResourceExhausted) as e:
-            raise ProtocolError("ARCH", e) from e
+            raise ProtocolError(ErrorClass.ARCH, e) from e
         except GraphmeshError:
             raise
         except Exception as e:
@@ -670,7 +659,7 @@ class StageRuntime:
             with self._lock:
                 step.pushes -= 1
                 if error is not None:
-                    self._fail(step, ProtocolError("COMM", error))
+                    self._fail(step, ProtocolError(ErrorClass.COMM, error))
                 self._finish(step)
         try:
             self._pusher(address, step.incarnation, boundary, step.timeout_s, delivered)
@@ -683,10 +672,10 @@ class StageRuntime:
         incarnation is fenced and rebuilt, with its own reason: the link did nothing wrong)."""
         what = f"{type(e).__name__}: {e}"
         if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError
-            return ProtocolError("ARCH", ResourceExhausted(f"device {self.device} out of memory: {what}",
+            return ProtocolError(ErrorClass.ARCH, ResourceExhausted(f"device {self.device} out of memory: {what}",
                                                            "DEVICE_OUT_OF_MEMORY"))
         log.error("device failure", extra={"device": self.device, "error": what})
-        return ProtocolError("COMM", Internal(f"device {self.device} failed: {what}", "DEVICE_FAILURE"))
+        return ProtocolError(ErrorClass.COMM, Internal(f"device {self.device} failed: {what}", "DEVICE_FAILURE"))
 
     def _compute(self, rows: list[StepRow], hidden: np.ndarray | None, sample: bool) -> np.ndarray:
         """One run over every row, on the engine thread. Shapes are bucketed (powers of two) so a handful of
@@ -764,7 +753,7 @@ class StageRuntime:
                 cause = "boundary holds neither an activation nor tokens"
             if cause:
                 self._poison(incarnation, f"CONTRACT: {cause}")
-                raise InvalidArgument(cause, "SCHEMA_MISMATCH", {"error_class": "CONTRACT"})
+                raise InvalidArgument(cause, "SCHEMA_MISMATCH", {METADATA_KEY: ErrorClass.CONTRACT})
             if boundary.step_id in self._aborted:
                 return  # a late push for a step already rolled back
             self._mailbox[(boundary.step_id, boundary.iteration)] = boundary
@@ -915,7 +904,7 @@ class StageRuntime:
             self._forget_step(step_id)
             step = self._in_flight.get(step_id)
             if step is not None:
-                self._fail(step, ProtocolError("ARCH", FailedPrecondition(f"step {step_id} was aborted",
+                self._fail(step, ProtocolError(ErrorClass.ARCH, FailedPrecondition(f"step {step_id} was aborted",
                                                                           "EPOCH_ABORTED")))
         for row in rows:
             self.abort(incarnation, row.session_id, row.epoch, row.commit_epoch)

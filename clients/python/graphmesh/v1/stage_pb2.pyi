@@ -57,9 +57,18 @@ class _ErrorClassEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorClass
     """ERROR_CLASS_CONTRACT: a protocol contract was broken (bad schema, wrong
     epoch); treated as COMM after submission.
     """
+    ERROR_CLASS_INDETERMINATE: _ErrorClass.ValueType  # 4
+    """ERROR_CLASS_INDETERMINATE: the rank never learned how a session's epoch
+    ended and refuses the session until ResolveEpoch; the step rolls back,
+    the coordinator resolves the epoch from its decision log and retries.
+    """
 
 class ErrorClass(_ErrorClass, metaclass=_ErrorClassEnumTypeWrapper):
-    """ErrorClass tells the coordinator what a failure means for the protocol."""
+    """ErrorClass tells the coordinator what a failure means for the protocol. A
+    rank carries it in the failed call's google.rpc.ErrorInfo metadata
+    "error_class", by its name after ERROR_CLASS_ ("COMM"); graphmesh.protocol
+    holds the table from class to the coordinator's action.
+    """
 
 ERROR_CLASS_UNSPECIFIED: ErrorClass.ValueType  # 0
 ERROR_CLASS_ARCH: ErrorClass.ValueType  # 1
@@ -73,6 +82,11 @@ incarnation is poisoned.
 ERROR_CLASS_CONTRACT: ErrorClass.ValueType  # 3
 """ERROR_CLASS_CONTRACT: a protocol contract was broken (bad schema, wrong
 epoch); treated as COMM after submission.
+"""
+ERROR_CLASS_INDETERMINATE: ErrorClass.ValueType  # 4
+"""ERROR_CLASS_INDETERMINATE: the rank never learned how a session's epoch
+ended and refuses the session until ResolveEpoch; the step rolls back,
+the coordinator resolves the epoch from its decision log and retries.
 """
 Global___ErrorClass: _TypeAlias = ErrorClass  # noqa: Y015
 
