@@ -87,8 +87,11 @@ class Registration:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Registers now (raises Unavailable when etcd does not answer), then keeps the registration alive."""
-        self._register()
+        """Registers now, or (etcd does not answer) as soon as it does, and keeps the registration alive."""
+        try:
+            self._register()
+        except Unavailable as e:
+            log.warning("could not register in etcd yet; retrying", extra={"key": self.key, "error": e.message})
         self._thread = threading.Thread(target=self._keepalive_loop, name="registration", daemon=True)
         self._thread.start()
 

@@ -52,6 +52,8 @@ REJOIN_CHECKS = 4  # health checks in a row an executor back from a failure must
 JOIN_CHECKS = 2  # and a new member (it registered itself once it served: no flapping to wait out)
 
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
 class InvocationFailed(Exception):
     """An invocation failed on some rank; `error_class` says what that means (protocol.ACTIONS: what to do)."""
 
@@ -213,8 +215,8 @@ class Mesh:
         other after a recovery)."""
         ranks = self.ranks
         if incarnation != self.incarnation:
-            raise InvocationFailed(ErrorClass.COMM, -1, Unavailable(f"step scheduled for incarnation {incarnation}, the mesh "
-                                                           f"runs {self.incarnation}", "STALE_INCARNATION"))
+            raise InvocationFailed(ErrorClass.COMM, -1, Unavailable(
+                f"step scheduled for incarnation {incarnation}, the mesh runs {self.incarnation}", "STALE_INCARNATION"))
         step_id = next(self._step_ids)
         tokens = sum(len(r.token_ids) for r in rows)
         request = stage_pb2.ExecuteStepRequest(
