@@ -20,10 +20,9 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -582,12 +581,19 @@ class Mesh:
                             rank.healthy = False
 
     def release(self, session_id: str) -> None:
-        header = stage_pb2.FencingHeader(incarnation=self.incarnation, session_id=session_id)
-        try:
-            self._each(lambda r: r.stub.ReleaseSession.future(stage_pb2.ReleaseSessionRequest(header=header),
-                                                               timeout=self.rpc_timeout_s))
-        except grpc.RpcError:
-            pass  # a fenced or dead rank has dropped the session already
+        """Drops the session on every rank. A rank the health watch finds lost is not waited for: a frozen executor
+        held every caller for the call's whole deadline (a failed seed releases under the scheduler's lock, so all
+        admission stalled for a minute), and the install that replaces it drops the session anyway."""
+        request = stage_pb2.ReleaseSessionRequest(
+            header=stage_pb2.FencingHeader(incarnation=self.incarnation, session_id=session_id))
+        calls = [(r.plan.address, r.stub.ReleaseSession.future(request, timeout=self.rpc_timeout_s)) for r in self.ranks]
+        for address, call in calls:
+            while address not in self._lost:
+                try:
+                    call.exception(timeout=0.1)  # an error is an answer too: a fenced or dead rank dropped it
+                    break
+                except grpc.FutureTimeoutError:
+                    continue
         self.state.forget(session_id)  # no rank holds it: none will ask how its epochs ended
 
     def share_prefix(self, session_id: str, donor_id: str, token_ids: Sequence[int]) -> int:
@@ -606,11 +612,6 @@ class Mesh:
             self.release(session_id)
             return 0
         return len(token_ids)
-
-    def _each(self, send: Callable[[Rank], grpc.Future[Any]]) -> None:
-        calls = [send(r) for r in self.ranks]
-        for call in calls:
-            call.result()
 
     def stage_statuses(self) -> list[stage_pb2.StageStatusResponse | None]:
         out: list[stage_pb2.StageStatusResponse | None] = []
