@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +93,17 @@ class EtcdCluster:
             if m.process is not None and m.process.poll() is None:
                 m.process.kill()
                 m.process.wait()
+
+
+@contextmanager
+def running(root: Path, size: int) -> Iterator[EtcdCluster]:
+    """A started cluster of `size` members under `root`, stopped when the block ends (however it ends)."""
+    cluster = EtcdCluster(root, size)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 def _etcd() -> str:

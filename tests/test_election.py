@@ -24,6 +24,7 @@ from graphmesh import faults
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import Unavailable, from_rpc_error
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from tests import etcd_fixtures
 from tests.conftest import executor_args, free_port, health_status, start_process
 from tests.etcd_fixtures import EtcdCluster
 from tests.model_fixtures import make_tiny_llama
@@ -38,12 +39,8 @@ LONG_TOKENS = 200  # streams that outlast a lease
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"), 3)
-    try:
-        cluster.start()
+    with etcd_fixtures.running(tmp_path_factory.mktemp("etcd"), 3) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from graphmesh.errors import FailedPrecondition, Unavailable
 from graphmesh.etcd import EtcdClient
 from graphmesh_coordinator.election import Election, EtcdState, NotLeader
 from graphmesh_executor.fencing import Authority
-from tests.etcd_fixtures import EtcdCluster
+from tests import etcd_fixtures
 
 COORDINATORS = 2
 TTL = 2.0
@@ -25,12 +25,8 @@ TTL = 2.0
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdClient]:
-    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd-property"), 1)
-    try:
-        cluster.start()
+    with etcd_fixtures.running(tmp_path_factory.mktemp("etcd-property"), 1) as cluster:
         yield EtcdClient(cluster.urls)
-    finally:
-        cluster.stop()
 
 
 @dataclass

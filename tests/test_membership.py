@@ -30,6 +30,7 @@ from graphmesh.etcd import EtcdClient
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.membership import members_prefix, registered
+from tests import etcd_fixtures
 from tests.conftest import executor_args, free_port, health_status, start_process
 from tests.etcd_fixtures import EtcdCluster
 from tests.model_fixtures import make_tiny_llama
@@ -46,12 +47,8 @@ def _request(i: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"), 1)
-    try:
-        cluster.start()
+    with etcd_fixtures.running(tmp_path_factory.mktemp("etcd"), 1) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
