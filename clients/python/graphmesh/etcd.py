@@ -26,6 +26,14 @@ def unb64(data: str) -> str:
     return base64.b64decode(data).decode()
 
 
+def cluster_key(cluster: str, name: str) -> str:
+    """`/graphmesh/<cluster>/<name>`: where everything of one mesh lives in etcd (its leader, its incarnation
+    counter, its executors' registrations under `executors/`)."""
+    if not cluster or "/" in cluster:
+        raise ValueError(f"cluster name {cluster!r} must be non-empty and hold no '/'")
+    return f"/graphmesh/{cluster}/{name}"
+
+
 def prefix_end(prefix: str) -> str:
     """The range_end that makes a range request cover every key starting with `prefix` (its last byte plus one)."""
     raw = prefix.encode()

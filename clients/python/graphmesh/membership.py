@@ -14,15 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphmesh.errors import Unavailable
-from graphmesh.etcd import EtcdClient
+from graphmesh.etcd import EtcdClient, cluster_key
 
 log = logging.getLogger("graphmesh.membership")
 
 
 def members_prefix(cluster: str) -> str:
-    if not cluster or "/" in cluster:
-        raise ValueError(f"cluster name {cluster!r} must be non-empty and hold no '/'")
-    return f"/graphmesh/{cluster}/executors/"
+    return cluster_key(cluster, "executors/")
 
 
 @dataclass(frozen=True)

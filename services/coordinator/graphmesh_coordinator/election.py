@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from graphmesh.errors import GraphmeshError, Unavailable
-from graphmesh.etcd import EtcdClient, KeyValue, b64, unb64
+from graphmesh.etcd import EtcdClient, KeyValue, b64, cluster_key, unb64
 from graphmesh.protocol import ErrorClass
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
@@ -56,14 +56,12 @@ class Election:
 
     def __init__(self, etcd: EtcdClient, cluster: str, address: str, ttl_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not cluster or "/" in cluster:
-            raise ValueError(f"cluster name {cluster!r} must be non-empty and hold no '/'")
         self.etcd, self.cluster, self.address = etcd, cluster, address
         self.ttl_s, self.clock = ttl_s, clock
         self.id = uuid.uuid4().hex
         self.value = json.dumps({"id": self.id, "address": address})
-        self.leader_key = f"/graphmesh/{cluster}/leader"
-        self.incarnation_key = f"/graphmesh/{cluster}/incarnation"
+        self.leader_key = cluster_key(cluster, "leader")
+        self.incarnation_key = cluster_key(cluster, "incarnation")
         self.lease = 0
         self.granted_ttl_s = 0
         self.valid_until = 0.0  # monotonic; leader while clock() < valid_until
