@@ -154,8 +154,11 @@ def _bad(path: Path, why: str) -> InvalidArgument:
 # Value types of GGUF metadata (the format's gguf_type): numbers by their struct codes, 7 bool, 8 string, 9 array
 _GGUF_NUMBERS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 10: "Q", 11: "q", 12: "d"}
 _GGUF_BOOL, _GGUF_STRING, _GGUF_ARRAY = 7, 8, 9
+# Tensor types stored as plain numbers (viewed as numpy arrays, as gguf-py does); every other type is blocks
 _GGUF_PLAIN_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-                      GGMLQuantizationType.F64: np.float64}
+                      GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                      GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                      GGMLQuantizationType.I64: np.int64}
 
 
 @dataclass(frozen=True)
