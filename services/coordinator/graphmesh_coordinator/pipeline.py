@@ -160,9 +160,9 @@ class Mesh:
             t0 = time.perf_counter()
             log.info("installing", extra={"incarnation": incarnation, "ranks": len(ranks),
                                           "layers": [(p.layer_start, p.layer_end) for p in stages]})
-            serving = {r.plan.address for r in self.ranks} if replacing else set()
-            newcomers = [r for r in ranks if r.plan.address not in serving]
-            if replacing:  # outside the lock: the serving roster's steps go on meanwhile
+            serving = {r.plan.address for r in self.ranks}
+            newcomers = [r for r in ranks if r.plan.address not in serving] if replacing else []
+            if newcomers:  # outside the lock: the serving roster's steps go on meanwhile
                 self._send_installs(newcomers, incarnation, stages)
                 log.info("newcomers installed; switching the roster over", extra={
                     "incarnation": incarnation, "newcomers": [r.plan.address for r in newcomers],
@@ -170,8 +170,7 @@ class Mesh:
             with self._lock:
                 if replacing:
                     self.fence(replacing, "re-plan: the members changed")
-                self._send_installs([r for r in ranks if r not in newcomers] if replacing else ranks, incarnation,
-                                    stages)
+                self._send_installs([r for r in ranks if r not in newcomers], incarnation, stages)
                 self.state.retire()  # before any step of the new roster records: no decision of the old one is needed
                 self.ranks, self.incarnation = ranks, incarnation
                 self.kv_pool_blocks = min(r.kv_pool_blocks for r in ranks)

@@ -218,18 +218,17 @@ def main(argv: list[str] | None = None) -> None:
     if not config.etcd:
         run_until_signalled(server, grace_s=5.0)
         return
-    registration = Registration(EtcdClient(config.etcd), config.cluster_name, advertised_address(config, port),
+    registration = Registration(EtcdClient(config.etcd), config.cluster_name, advertised_address(config, host, port),
                                 {"backend": config.backend, "device": config.device, "memory_bytes": memory_bytes()},
                                 config.registration_ttl_s)
     registration.start()
     run_until_signalled(server, grace_s=5.0, drain=lambda: leave(registration, runtime, config.drain_timeout_s))
 
 
-def advertised_address(config: ExecutorConfig, port: int) -> str:
-    """What this executor registers as its address: --advertise, else --listen with the port it bound."""
+def advertised_address(config: ExecutorConfig, host: str, port: int) -> str:
+    """What this executor registers as its address: --advertise, else the host of --listen with the port it bound."""
     if config.advertise:
         return config.advertise
-    host = config.listen.rsplit(":", 1)[0]
     if host in ("", "0.0.0.0", "[::]"):
         raise SystemExit("graphmesh-executor: --etcd with --listen on every interface needs --advertise HOST:PORT "
                          "(the address the coordinator reaches this executor at)")

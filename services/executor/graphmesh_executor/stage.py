@@ -245,8 +245,8 @@ class StageRuntime:
             self._mailbox.clear()
             self._aborted.clear()
             for step in self._in_flight.values():  # of an older incarnation: it must not go on under the new one
-                self._fail(step, ProtocolError(ErrorClass.COMM, FailedPrecondition("a new incarnation was installed",
-                                                                          "POISONED")))
+                self._fail(step, ProtocolError(ErrorClass.COMM, FailedPrecondition(
+                    "a new incarnation was installed", "POISONED")))
             self.pool.clear()
             self._lock.notify_all()
         return (time.perf_counter() - t0) * 1000.0
@@ -305,16 +305,15 @@ class StageRuntime:
         range reads no checkpoint: what an executor that joins a live mesh does before it registers, since the
         roster it joins waits for its Install."""
         path = self._model_path(model)
-        ckpt = open_checkpoint(path)
-        if ckpt.config is None:
+        config = open_checkpoint(path).config
+        if config is None:
             raise InvalidArgument(f"{path} has no model config", "NO_MODEL_CONFIG")
         t0 = time.perf_counter()
 
         def read() -> None:  # on the engine, as an Install is: the two never touch the weights at once
             self._standby, self._weights_path = {}, path
             self.standby_ready.clear()
-            assert ckpt.config is not None
-            self._read_standby(path, ckpt.config, set())
+            self._read_standby(path, config, set())
 
         self.engine.run("stage.preload", read)
         log.info("model preloaded", extra={"model": model, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
@@ -456,7 +455,8 @@ class StageRuntime:
         if not rows:
             raise ProtocolError(ErrorClass.ARCH, InvalidArgument("a step needs at least one row", "EMPTY_STEP"))
         if len({row.session_id for row in rows}) != len(rows):
-            raise ProtocolError(ErrorClass.ARCH, InvalidArgument("a session appears twice in one step", "DUPLICATE_SESSION"))
+            raise ProtocolError(ErrorClass.ARCH, InvalidArgument("a session appears twice in one step",
+                                                                 "DUPLICATE_SESSION"))
         if decode_steps > 1 and (logits or any(len(r.token_ids) != 1 or r.sampling.logprobs for r in rows)):
             raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
                 "a decode run takes rows of one token each, sampled in the graph (no logits, no logprobs)",
@@ -464,12 +464,12 @@ class StageRuntime:
         for row in rows:
             n = len(row.token_ids)
             if n == 0:
-                raise ProtocolError(ErrorClass.ARCH, InvalidArgument(f"row of session {row.session_id!r} has no tokens",
-                                                            "EMPTY_INPUT"))
+                raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
+                    f"row of session {row.session_id!r} has no tokens", "EMPTY_INPUT"))
             n += decode_steps - 1  # the KV rows the step writes
             if row.start + n > limit:
-                raise ProtocolError(ErrorClass.ARCH, OutOfRange(f"{row.start + n} tokens exceed the context of {limit}",
-                                                       "CONTEXT_EXCEEDED"))
+                raise ProtocolError(ErrorClass.ARCH, OutOfRange(
+                    f"{row.start + n} tokens exceed the context of {limit}", "CONTEXT_EXCEEDED"))
             if self.spec.first and (max(row.token_ids) >= self.config.vocab_size or min(row.token_ids) < 0):
                 raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
                     f"token id outside the vocabulary of {self.config.vocab_size}", "BAD_TOKEN_ID"))
@@ -539,8 +539,8 @@ class StageRuntime:
             self._fail(step, self._fenced())
             return
         if step.step_id in self._aborted:
-            self._fail(step, ProtocolError(ErrorClass.ARCH, FailedPrecondition(f"step {step.step_id} was aborted",
-                                                                      "EPOCH_ABORTED")))
+            self._fail(step, ProtocolError(ErrorClass.ARCH, FailedPrecondition(
+                f"step {step.step_id} was aborted", "EPOCH_ABORTED")))
             return
         boundary = None
         if not spec.first or (i and not spec.last):  # a stage that feeds itself needs nothing from anyone
@@ -552,8 +552,8 @@ class StageRuntime:
         self.engine.post("stage.iteration", lambda: self._advance(step, boundary))
 
     def _fenced(self) -> ProtocolError:
-        return ProtocolError(ErrorClass.COMM, FailedPrecondition(f"fenced while waiting for a boundary: {self.authority.cause}",
-                                                        "POISONED"))
+        return ProtocolError(ErrorClass.COMM, FailedPrecondition(
+            f"fenced while waiting for a boundary: {self.authority.cause}", "POISONED"))
 
     def _fail(self, step: _InFlight, error: ProtocolError) -> None:
         if not step.done.done():
@@ -672,8 +672,8 @@ class StageRuntime:
         incarnation is fenced and rebuilt, with its own reason: the link did nothing wrong)."""
         what = f"{type(e).__name__}: {e}"
         if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError
-            return ProtocolError(ErrorClass.ARCH, ResourceExhausted(f"device {self.device} out of memory: {what}",
-                                                           "DEVICE_OUT_OF_MEMORY"))
+            return ProtocolError(ErrorClass.ARCH, ResourceExhausted(
+                f"device {self.device} out of memory: {what}", "DEVICE_OUT_OF_MEMORY"))
         log.error("device failure", extra={"device": self.device, "error": what})
         return ProtocolError(ErrorClass.COMM, Internal(f"device {self.device} failed: {what}", "DEVICE_FAILURE"))
 
@@ -904,8 +904,8 @@ class StageRuntime:
             self._forget_step(step_id)
             step = self._in_flight.get(step_id)
             if step is not None:
-                self._fail(step, ProtocolError(ErrorClass.ARCH, FailedPrecondition(f"step {step_id} was aborted",
-                                                                          "EPOCH_ABORTED")))
+                self._fail(step, ProtocolError(ErrorClass.ARCH, FailedPrecondition(
+                    f"step {step_id} was aborted", "EPOCH_ABORTED")))
         for row in rows:
             self.abort(incarnation, row.session_id, row.epoch, row.commit_epoch)
 
