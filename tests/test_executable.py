@@ -163,6 +163,19 @@ def test_run_read_indices_slots_and_rows(backend: str) -> None:
         ex.read_output_row(1, 4, 3)
     with pytest.raises(OutOfRange):
         ex.run({"x": X}, read_indices=[5])
+    assert ex.run({"x": X * 2, "past": past, "pos": np.array([1])}, read_indices=[]) == []  # Some(&[]): none
+    np.testing.assert_array_equal(ex.read_output(1)[1], X[0] * 2)  # it ran all the same
+    moved: list[int] = []  # what leaves the device: one row, never the whole output or handle
+    to_host = ex._to_host
+
+    def spy(value: Any) -> np.ndarray:
+        moved.append(int(np.prod(value.shape)))
+        return to_host(value)
+    ex._to_host = spy  # type: ignore[method-assign]
+    ex.bind_handle("past", past)
+    np.testing.assert_array_equal(ex.read_output_row(1, 2, 3), ex.read_handle("past", (2, 3))[0])
+    assert moved == [3, 3]
+    del ex._to_host
     slots = ex.run_slots([X, past, np.array([3])])
     np.testing.assert_array_equal(slots[1], outs[0])
     with pytest.raises(InvalidArgument):
@@ -187,10 +200,24 @@ def test_commit_no_wait_and_run_pipelined(backend: str) -> None:
             np.testing.assert_array_equal(a, b)
 
 
+def bucketed(backend: str, offset: bool = False) -> Exe:
+    """y = reshape(reshape(x @ w, [8, 2, 2]), [8, 4]) (+ a constant [8, 4] when `offset`) and argmax(y) [8]: the
+    bucket axis is axis 0 of x, 8 rows; w [4, 4] is not on it."""
+    g = GraphBuilder("bucketed")
+    x, w = g.input("x", (8, 4)), g.input("w", (4, 4))
+    y = g.reshape(g.reshape(g.matmul(x, w), (8, 2, 2)), (8, 4))
+    if offset:
+        y = g.add(y, g.constant(np.ones((8, 4), np.float32)))
+    g.output(y, g.argmax(y))
+    return compile_(backend, g)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_active_extent(backend: str) -> None:
     ex = loaded(backend)
-    assert ex.set_active_extent((3, 4)) == ex.capabilities.active_extent
+    assert ex.set_active_extent((3, 4)) is True  # past [4, 3] is on the bucket axis
+    assert ex.set_active_extent((1, 5)) is False  # no input has 5 rows: nothing to cut
+    ex.set_active_extent((3, 4))
     for bad in ((0, 4), (5, 4), (-1, 2)):
         with pytest.raises(InvalidArgument):
             ex.set_active_extent(bad)
@@ -199,6 +226,30 @@ def test_active_extent(backend: str) -> None:
     assert ex._extent == (3, 4)  # a per-run extent does not stick
     ex.set_active_extent(None)
     assert ex._extent is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_active_extent_computes_only_the_real_rows(backend: str) -> None:
+    """Rows past the extent are not computed: they come back zero, where the whole run gives x @ w there; the real
+    rows are the whole run's, bit for bit. A graph the extent cannot cut (a constant of the bucket's 8 rows) says
+    so and runs whole."""
+    x, w = f32(8, 4), f32(4, 4)
+    ex = bucketed(backend)
+    whole = ex.run({"x": x, "w": w}, typed=True)
+    assert np.abs(whole[0][3:]).min() > 0
+    assert ex.set_active_extent((3, 8)) is True
+    cut = ex.run({"x": x, "w": w}, typed=True)
+    assert [c.shape for c in cut] == [(8, 4), (8,)]  # the declared shapes, padded past the extent
+    np.testing.assert_array_equal(cut[0][:3], whole[0][:3])
+    np.testing.assert_array_equal(cut[1][:3], whole[1][:3])
+    assert not cut[0][3:].any() and not cut[1][3:].any()
+    np.testing.assert_array_equal(ex.read_output(0), cut[0])
+    ex.set_active_extent(None)
+    np.testing.assert_array_equal(ex.run({"x": x, "w": w}, typed=True)[0], whole[0])
+    fixed = bucketed(backend, offset=True)
+    assert fixed.set_active_extent((3, 8)) is False
+    out = fixed.run({"x": x, "w": w}, typed=True)[0]
+    np.testing.assert_allclose(out[3:], whole[0][3:] + 1, rtol=1e-6)
 
 
 # -- sampling and the RNG policy -------------------------------------------------------------------------
@@ -248,8 +299,9 @@ def test_bind_read_and_write_handle_rows(backend: str) -> None:
     with pytest.raises(NotFound):
         ex.read_handle("past")
     past = f32(4, 3)
-    assert ex.bind_handle("past", past, resident=True)
-    assert ex.has_handle("past") == (True, True)
+    device = ex.capabilities.resident_handles  # numpy has no device apart from the host: it binds, and says so
+    assert ex.bind_handle("past", past, resident=True) is device
+    assert ex.has_handle("past") == (True, device)
     np.testing.assert_array_equal(ex.run({"x": X, "pos": np.array([0])})[1][1:], past[1:])  # the handle fed the input
     explicit = f32(4, 3)
     np.testing.assert_array_equal(ex.run({"x": X, "past": explicit, "pos": np.array([0])})[1][1:], explicit[1:])
@@ -374,7 +426,7 @@ def test_seed_resident_kv_prefix_on_bucket_rollover(backend: str) -> None:
             h = new.read_handle(f"past_{kind}_{i}")
             np.testing.assert_array_equal(h[:5], np.stack([kv_row(i, kind, t) for t in range(5)]))
             assert not h[5:].any()
-            assert new.has_handle(f"past_{kind}_{i}")[1]
+            assert new.has_handle(f"past_{kind}_{i}")[1] is new.capabilities.resident_handles
     register_feeds(new)
     decode_steps(new, 8, range(5, 7))
     np.testing.assert_array_equal(new.read_handle("past_v_1")[:7], np.stack([kv_row(1, "v", t) for t in range(7)]))
@@ -645,6 +697,36 @@ def test_torch_configure_threads() -> None:
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif("torch:cuda" not in BACKENDS, reason="needs a CUDA device")
+def test_torch_cuda_commit_no_wait_and_run_pipelined_are_asynchronous() -> None:
+    """commit_no_wait returns while its work is still queued on the stream, sync_pending waits for it; run_pipelined
+    queues every run before it waits, and each run keeps its own outputs (a captured graph reuses its buffers)."""
+    import torch
+
+    g = GraphBuilder("heavy")
+    y, w = g.input("x", (1024, 1024)), g.param("w", (1024, 1024))
+    for _ in range(16):
+        y = g.matmul(y, w)
+    g.output(g.sum(y), g.slice(y, 0, 0, 2))
+    ex = compile_("torch:cuda", g)
+    ex.set_param("w", np.eye(1024, dtype=np.float32))
+    assert ex.capabilities_on("cuda:0").async_pipeline and not ex.capabilities_on("cpu").async_pipeline
+    x = f32(1024, 1024)
+    ex.bind_handle("x", x, resident=True)
+    ex.run({})  # warm: the static runs before a capture
+    ex.run({})
+    stream = torch.cuda.current_stream(torch.device("cuda:0"))
+    for _ in range(8):
+        ex.commit_no_wait({})
+    assert not stream.query()  # 8 x 16 matmuls of 1024^2 still on the GPU: the calls did not wait for them
+    assert ex.sync_pending() == 8
+    assert stream.query()
+    sets = [{"x": x * (k + 1)} for k in range(4)]
+    pipelined = ex.run_pipelined(sets)
+    for got, inputs in zip(pipelined, sets):
+        np.testing.assert_allclose(got[1], inputs["x"][:2], rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.skipif("torch:cuda" not in BACKENDS, reason="needs a CUDA device")

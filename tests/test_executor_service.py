@@ -199,7 +199,7 @@ def test_handles_and_prefix_feed(client: ExecutorClient) -> None:
     for xi in xs:
         exe.run({"x": xi})
     np.testing.assert_allclose(exe.read_handle("state"), sum(xs), rtol=1e-6, atol=1e-6)
-    assert exe.has_handle("state") == (True, True)  # a fed handle is resident
+    assert exe.has_handle("state") == (True, False)  # fed, and on the host: numpy has no device
     rows = randn(2, 8)
     assert exe.write_handle_rows("state", 1, rows)
     np.testing.assert_array_equal(exe.read_handle("state", (1, 3)), rows)
@@ -225,7 +225,7 @@ def test_kv_row_feeds_and_row_copies(client: ExecutorClient) -> None:
     keys, values = randn(5, dim), randn(5, dim)
     small = client.compile(kv_graph(4, dim))
     for name in ("past_k_0", "past_v_0"):
-        assert small.bind_handle(name, np.zeros((4, dim), np.float32), resident=True)
+        assert not small.bind_handle(name, np.zeros((4, dim), np.float32), resident=True)  # bound; numpy has no device
     assert small.register_kv_row_feed("past_k_0", 1) and small.register_kv_row_feed("past_v_0", 2)
     for t in range(4):
         step = {"k_row": keys[t:t + 1], "v_row": values[t:t + 1]}
@@ -236,7 +236,7 @@ def test_kv_row_feeds_and_row_copies(client: ExecutorClient) -> None:
             small.run(step, kv_row_feed=(4, t, dim))
     np.testing.assert_array_equal(small.read_handle("past_k_0"), keys[:4])
     np.testing.assert_array_equal(small.read_handle("past_v_0"), values[:4])
-    assert small.has_handle("past_k_0") == (True, True)
+    assert small.has_handle("past_k_0") == (True, False)
     small.run({"k_row": keys[4:5], "v_row": values[4:5]})  # the bucket is full: row 4 exists only in the outputs
 
     big = client.compile(kv_graph(8, dim))

@@ -195,7 +195,9 @@ class RemoteExecutable:
     def _request(self, inputs: Mapping[str, npt.ArrayLike], read_indices: Sequence[int] | None = None, typed: bool = False,
                  extent: tuple[int, int] | None = None,
                  kv_row_feed: tuple[int, int, int] | None = None) -> executor_pb2.RunRequest:
-        request = executor_pb2.RunRequest(executable_id=self.id, read_indices=read_indices or (), typed_outputs=typed)
+        request = executor_pb2.RunRequest(executable_id=self.id, typed_outputs=typed)
+        if read_indices is not None:
+            request.outputs.indices.extend(read_indices)
         _add_named(request.inputs, inputs)
         if extent is not None:
             request.active_extent.CopyFrom(_extent(extent))
@@ -210,7 +212,8 @@ class RemoteExecutable:
 
     def run(self, inputs: Mapping[str, npt.ArrayLike], read_indices: Sequence[int] | None = None, typed: bool = False,
             extent: tuple[int, int] | None = None, kv_row_feed: tuple[int, int, int] | None = None) -> list[np.ndarray]:
-        """Runs once; outputs at read_indices (all when None), f32 unless typed. kv_row_feed is (src, dst, row_elems)."""
+        """Runs once; outputs at read_indices (all when None, none when empty), f32 unless typed. kv_row_feed is
+        (src, dst, row_elems)."""
         request = self._request(inputs, read_indices, typed, extent, kv_row_feed)
         return self._outputs(self.client.call(self._stub.Run, request), typed)
 

@@ -24,7 +24,7 @@ from graphmesh import dtypes
 from graphmesh.dtypes import FLOAT_DTYPES
 from graphmesh.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from graphmesh.graph import Graph, Node
-from graphmesh.ops import TensorType
+from graphmesh.ops import OpError, TensorType, infer
 
 T = TypeVar("T")
 
@@ -65,6 +65,7 @@ class RunContext:
 
 
 _MASK64 = (1 << 64) - 1
+MAX_CUTS = 64  # graphs cut to an active extent, kept per executable
 
 
 def splitmix64(x: int) -> int:
@@ -135,12 +136,55 @@ def conform(array: np.ndarray, want: TensorType, what: str) -> np.ndarray:
 Kernel = Callable[[RunContext, list[Any], dict[str, Any]], Any]
 
 
+@dataclass(frozen=True)
+class ExtentCut:
+    """A graph computing only the first `actual` of the `upper` rows of its bucket axis."""
+
+    graph: Graph
+    actual: int
+    inputs: frozenset[str]  # the inputs cut to `actual` rows
+    padded: tuple[int, ...]  # output indices cut too: padded back to `upper` rows after the run
+
+
+def cut_to_extent(graph: Graph, fed: Sequence[str], actual: int, upper: int) -> ExtentCut | None:
+    """`graph` over `actual` rows of its bucket axis: axis 0 of the fed inputs declared with `upper` rows, and of
+    every value computed from them, reshapes keeping that axis cut. None when no fed input has the axis, or when
+    the cut graph does not type-check (an op mixes the axis with a fixed extent): such a graph runs whole."""
+    cut = frozenset(name for name in fed if graph.inputs[name].shape[:1] == (upper,))
+    if not cut or actual >= upper:
+        return None
+    seen = {**graph.params, **{name: replace(t, shape=(actual, *t.shape[1:])) if name in cut else t
+                               for name, t in graph.inputs.items()}}
+    nodes = []
+    for node in graph.nodes:
+        attrs = node.attrs
+        if node.op == "reshape" and tuple(attrs["shape"][:1]) == (upper,) and seen[node.inputs[0]].shape[:1] == (actual,):
+            attrs = {**attrs, "shape": (actual, *attrs["shape"][1:])}
+        try:
+            t = infer(node.op, [seen[name] for name in node.inputs], attrs)
+        except (OpError, ValueError):
+            return None
+        seen[node.name] = t
+        nodes.append(replace(node, attrs=attrs, type=t))
+    inputs = {name: seen[name] for name in graph.inputs}
+    padded = tuple(i for i, name in enumerate(graph.outputs) if seen[name] != graph.type_of(name))
+    if any(graph.type_of(graph.outputs[i]).shape[:1] != (upper,) or
+           seen[graph.outputs[i]].shape[1:] != graph.type_of(graph.outputs[i]).shape[1:] for i in padded):
+        return None  # an output whose other axes changed cannot be padded back along axis 0
+    return ExtentCut(Graph(graph.name, inputs, graph.params, tuple(nodes), graph.outputs), actual, cut, padded)
+
+
 class Executable(Generic[T]):
     """One compiled graph on one backend. Not thread-safe: callers serialise calls."""
 
     backend: ClassVar[str]
     capabilities: ClassVar[Capabilities] = Capabilities()
     kernels: ClassVar[dict[str, Kernel]]
+
+    @classmethod
+    def capabilities_on(cls, device: str) -> Capabilities:
+        """What this backend really does on `device` (the class's capabilities, where the device changes nothing)."""
+        return cls.capabilities
 
     def __init__(self, graph: Graph, device: str = "cpu") -> None:
         missing = sorted({n.op for n in graph.nodes} - set(self.kernels))
@@ -158,6 +202,7 @@ class Executable(Generic[T]):
         self._row_feeds: dict[str, int] = {}
         self._last_outputs: list[T] | None = None
         self._extent: tuple[int, int] | None = None
+        self._cuts: dict[tuple[Any, ...], ExtentCut | None] = {}
         self._rng = RngOptions()
         self._pending = 0
         self._moe_masks: list[list[bool]] | None = None
@@ -186,6 +231,11 @@ class Executable(Generic[T]):
     def _take_rows(self, value: T, rows: np.ndarray) -> np.ndarray:
         """value[rows] on the host (axis 0); backends move only those rows."""
         return self._to_host(value)[rows]
+
+    def _pad_rows(self, value: T, rows: int) -> T:
+        """value with zero rows appended along axis 0 up to `rows` (an output of a run cut to its active extent)."""
+        host = self._to_host(value)
+        return self._from_host(np.concatenate([host, np.zeros((rows - host.shape[0], *host.shape[1:]), host.dtype)]))
 
     def _put_rows(self, value: T, rows: np.ndarray, data: np.ndarray) -> T:
         """value[rows] = data (axis 0, cast to value's dtype); backends may write in place."""
@@ -230,6 +280,7 @@ class Executable(Generic[T]):
         twin._prefix_feeds = dict(self._prefix_feeds)
         twin._row_feeds = dict(self._row_feeds)
         twin._last_outputs = None
+        twin._cuts = {}
         twin._moe_stats = MoeStats()
         twin._topk_captured = []
         return twin
@@ -250,14 +301,15 @@ class Executable(Generic[T]):
                 env[name] = self._zeros(t)
         return env
 
-    def _execute(self, env: dict[str, T]) -> list[T]:
-        """Interprets the plan in topological order, dropping buffers after their last reader."""
+    def _execute(self, env: dict[str, T], graph: Graph | None = None) -> list[T]:
+        """Interprets `graph` (this one, or this one cut to the active extent: the same nodes) in topological order,
+        dropping buffers after their last reader."""
         ctx = RunContext(self._rng, self._extent)
         for name, t in self.graph.params.items():
             env[name] = self._params[name] if name in self._params else self._zeros(t)
         outputs = set(self.graph.outputs)
         gmm_ordinal = 0
-        for i, node in enumerate(self.graph.nodes):
+        for i, node in enumerate((graph or self.graph).nodes):
             if node.op == "constant":
                 env[node.name] = self._constants[node.name]
             else:
@@ -274,8 +326,8 @@ class Executable(Generic[T]):
 
     def run(self, inputs: dict[str, np.ndarray], read_indices: Sequence[int] | None = None,
             typed: bool = False, extent: tuple[int, int] | None = None) -> list[np.ndarray]:
-        """Runs once; returns the outputs at read_indices (all when None), f32 unless typed."""
-        indices = list(range(len(self.graph.outputs))) if not read_indices else list(read_indices)
+        """Runs once; returns the outputs at read_indices (all when None, none when empty), f32 unless typed."""
+        indices = list(range(len(self.graph.outputs))) if read_indices is None else list(read_indices)
         for i in indices:
             if not 0 <= i < len(self.graph.outputs):
                 raise OutOfRange(f"output index {i} out of range: the graph has {len(self.graph.outputs)} outputs",
@@ -285,7 +337,15 @@ class Executable(Generic[T]):
         if extent is not None:
             self.set_active_extent(extent)
         try:
-            outs = self._execute(env)
+            cut = self._cut(list(inputs))
+            if cut is None:
+                outs = self._execute(env)
+            else:
+                for name in cut.inputs:
+                    env[name] = env[name][:cut.actual]  # type: ignore[index]  # every backend's array slices
+                outs = self._execute(env, cut.graph)
+                for i in cut.padded:
+                    outs[i] = self._pad_rows(outs[i], self.output_types[i].shape[0])
         finally:
             self._extent = saved
         self._last_outputs = outs
@@ -309,14 +369,22 @@ class Executable(Generic[T]):
         return self.run(dict(zip(self.input_names, inputs)))
 
     def read_output_row(self, index: int, row: int, row_inner: int) -> np.ndarray:
-        out = self.read_output(index).reshape(-1)
-        if row_inner <= 0 or row < 0 or (row + 1) * row_inner > out.size:
-            raise OutOfRange(f"row {row} of width {row_inner} is outside output {index} ({out.size} elements)",
+        """One row of a row-major output, f32; only that row leaves the device."""
+        if self._last_outputs is None:
+            raise FailedPrecondition("no run has happened yet on this executable", "NO_OUTPUTS")
+        if not 0 <= index < len(self._last_outputs):
+            raise OutOfRange(f"output index {index} out of range ({len(self._last_outputs)} outputs)",
+                             "OUTPUT_INDEX_OUT_OF_RANGE")
+        size = int(np.prod(self.output_types[index].shape))
+        if row_inner <= 0 or row < 0 or (row + 1) * row_inner > size:
+            raise OutOfRange(f"row {row} of width {row_inner} is outside output {index} ({size} elements)",
                              "ROW_OUT_OF_RANGE")
-        return out[row * row_inner:(row + 1) * row_inner].copy()
+        flat = self._last_outputs[index].reshape(-1)  # type: ignore[attr-defined]  # every backend's array
+        return self._to_host(flat[row * row_inner:(row + 1) * row_inner]).astype(np.float32, copy=False)
 
     def commit_no_wait(self, inputs: dict[str, np.ndarray]) -> None:
-        self.run(inputs, read_indices=[0])
+        """Runs without reading any output back; on a device that queues work, without waiting for it either."""
+        self.run(inputs, read_indices=[])
         self._pending += 1
 
     def sync_pending(self) -> int:
@@ -326,6 +394,18 @@ class Executable(Generic[T]):
     def run_pipelined(self, input_sets: Sequence[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
         return [self.run(inputs) for inputs in input_sets]
 
+    def _cut(self, fed: list[str]) -> ExtentCut | None:
+        """The graph cut to the active extent for a run fed `fed`, when this backend honours extents (memoised: a
+        stage's steps come in a few shapes)."""
+        if self._extent is None or not self.capabilities.active_extent:
+            return None
+        key = (*self._extent, *sorted(fed))
+        if key not in self._cuts:
+            if len(self._cuts) >= MAX_CUTS:
+                self._cuts.pop(next(iter(self._cuts)))
+            self._cuts[key] = cut_to_extent(self.graph, fed, *self._extent)
+        return self._cuts[key]
+
     def set_active_extent(self, extent: tuple[int, int] | None) -> bool:
         if extent is not None:
             actual, upper = extent
@@ -333,7 +413,10 @@ class Executable(Generic[T]):
                 raise InvalidArgument(f"active extent ({actual}, {upper}) must satisfy 1 <= actual <= upper",
                                       "BAD_EXTENT")
         self._extent = extent
-        return self.capabilities.active_extent
+        if extent is None or not self.capabilities.active_extent:
+            return self.capabilities.active_extent
+        # Honoured when a run fed every input that is not a bound handle could be cut to it.
+        return self._cut([name for name in self.graph.inputs if name not in self._handles]) is not None
 
     def set_rng(self, rng: RngOptions) -> None:
         if rng.backend not in ("splitmix", "zero"):
@@ -350,10 +433,19 @@ class Executable(Generic[T]):
         return self.graph.inputs[name]
 
     def bind_handle(self, name: str, data: np.ndarray, resident: bool = False) -> bool:
+        """Binds a persistent buffer; with `resident`, answers whether it lives on the device (a backend without
+        one binds it all the same, on the host, and says no)."""
         value = self._from_host(conform(data, self._handle_type(name), f"handle {name!r}"))
         self._handles[name] = value
-        (self._resident.add if resident else self._resident.discard)(name)
-        return True
+        self._resident.discard(name)
+        if resident:
+            self._mark_resident(name)
+        return not resident or self.capabilities.resident_handles
+
+    def _mark_resident(self, name: str) -> None:
+        """`name` now lives on the device, where the backend has one apart from the host."""
+        if self.capabilities.resident_handles:
+            self._resident.add(name)
 
     def _bound(self, name: str) -> T:
         self._handle_type(name)
@@ -362,14 +454,15 @@ class Executable(Generic[T]):
         return self._handles[name]
 
     def read_handle(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
-        value = self._to_host(self._bound(name))
+        """The handle, or its rows [start, end) along axis 0: only those leave the device."""
+        value = self._bound(name)
         if rows is None:
-            return value
+            return self._to_host(value)
         start, end = rows
-        if not 0 <= start <= end <= (value.shape[0] if value.ndim else 0):
-            raise OutOfRange(f"rows [{start}, {end}) outside handle {name!r} of {value.shape[0]} rows",
-                             "ROW_OUT_OF_RANGE")
-        return value[start:end]
+        extent = self.graph.inputs[name].shape[:1] or (0,)
+        if not 0 <= start <= end <= extent[0]:
+            raise OutOfRange(f"rows [{start}, {end}) outside handle {name!r} of {extent[0]} rows", "ROW_OUT_OF_RANGE")
+        return self._to_host(value[start:end])  # type: ignore[index]  # every backend's array slices on axis 0
 
     def write_handle_rows(self, name: str, start: int, rows: np.ndarray) -> bool:
         t = self._handle_type(name)
@@ -413,7 +506,7 @@ class Executable(Generic[T]):
     def set_handle_feed(self, handle: str, output_index: int) -> bool:
         self._check_feed(handle, output_index, rows_only=False)
         self._prefix_feeds[handle] = output_index
-        self._resident.add(handle)
+        self._mark_resident(handle)
         return True
 
     def register_kv_row_feed(self, handle: str, output_index: int) -> bool:
@@ -449,7 +542,7 @@ class Executable(Generic[T]):
             current = self._to_host(self._handles[handle]).reshape(-1, row_elems).copy()
             current[dst_row] = row[0]
             self._handles[handle] = self._from_host(current.reshape(t.shape))
-            self._resident.add(handle)
+            self._mark_resident(handle)
         return True
 
     def copy_resident_kv_rows_from(self, src: Executable[Any], from_row: int, to_row: int, outgoing_upper: int,
@@ -483,7 +576,7 @@ class Executable(Generic[T]):
                 staged[name] = out.reshape(t.shape)
         for name, value in staged.items():
             self._handles[name] = self._from_host(value)
-            self._resident.add(name)
+            self._mark_resident(name)
         return True
 
     def seed_resident_kv_prefix_from(self, src: Executable[Any], prefix_tokens: int, outgoing_upper: int,

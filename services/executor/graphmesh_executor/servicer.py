@@ -75,6 +75,26 @@ def _extent(message: executor_pb2.ActiveExtent) -> tuple[int, int]:
     return message.actual, message.upper
 
 
+def _response(outs: list[np.ndarray], indices: Iterable[int], run_us: float, inline_limit: int,
+              stream_rest: bool) -> executor_pb2.RunResponse:
+    """A run's outputs, inline up to `inline_limit` bytes; past it left for ReadOutput, or refused."""
+    response = executor_pb2.RunResponse(run_us=run_us)
+    inline = 0
+    for index, out in zip(indices, outs):
+        item = response.outputs.add(index=index)
+        item.type.dtype = dtypes.to_proto(dtypes.from_numpy(out.dtype))
+        item.type.shape.extend(out.shape)
+        if inline + out.nbytes <= inline_limit:
+            item.tensor.CopyFrom(tensors.to_proto(out))
+            inline += out.nbytes
+        elif stream_rest:
+            item.streamed = True
+        else:
+            raise ResourceExhausted(f"output {index} ({out.nbytes} bytes) does not fit a RunPipelined answer "
+                                    f"of at most {inline_limit} bytes; use Run and ReadOutput", "OUTPUT_TOO_LARGE")
+    return response
+
+
 class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
     def __init__(self, registry: ExecutableRegistry, *, model_root: Path | None = None,
                  max_message_bytes: int = 64 << 20, max_param_bytes: int = tensors.MAX_TENSOR_BYTES) -> None:
@@ -90,7 +110,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         cls = self.registry.executable_class
         return executor_pb2.GetCapabilitiesResponse(
             backend=_BACKENDS[self.registry.backend], device=self.registry.device,
-            capabilities=executor_pb2.Capabilities(**asdict(cls.capabilities)), ops=sorted(cls.kernels),
+            capabilities=executor_pb2.Capabilities(**asdict(cls.capabilities_on(self.registry.device))),
+            ops=sorted(cls.kernels),
             dtypes=[dtypes.to_proto(d) for d in dtypes.DTYPE_NAMES], max_message_bytes=self.max_message_bytes)
 
     @rpc
@@ -104,7 +125,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         return executor_pb2.CompileResponse(
             executable_id=executable_id, inputs=_specs(graph.inputs.items()), params=_specs(graph.params.items()),
             outputs=_specs(zip(graph.outputs, exe.output_types)),
-            capabilities=executor_pb2.Capabilities(**asdict(exe.capabilities)), compile_ms=ms)
+            capabilities=executor_pb2.Capabilities(**asdict(exe.capabilities_on(exe.device))), compile_ms=ms)
 
     @rpc
     def Release(self, request: executor_pb2.ReleaseRequest, context: grpc.ServicerContext) -> executor_pb2.ReleaseResponse:
@@ -181,26 +202,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
             inputs = _run_inputs(exe, request)
             extent = _extent(request.active_extent) if request.HasField("active_extent") else None
             started = time.perf_counter()
-            outs = exe.run(inputs, list(request.read_indices) or None, request.typed_outputs, extent)
+            selected = list(request.outputs.indices) if request.HasField("outputs") else None
+            outs = exe.run(inputs, selected, request.typed_outputs, extent)
             if request.HasField("kv_row_feed"):
                 feed = request.kv_row_feed
                 exe.feed_kv_row(feed.src_row, feed.dst_row, feed.row_elems)
-            response = executor_pb2.RunResponse(run_us=(time.perf_counter() - started) * 1e6)
-            indices = list(request.read_indices) or range(len(outs))
-            inline = 0
-            for index, out in zip(indices, outs):
-                item = response.outputs.add(index=index)
-                item.type.dtype = dtypes.to_proto(dtypes.from_numpy(out.dtype))
-                item.type.shape.extend(out.shape)
-                if inline + out.nbytes <= inline_limit:
-                    item.tensor.CopyFrom(tensors.to_proto(out))
-                    inline += out.nbytes
-                elif stream_rest:
-                    item.streamed = True
-                else:
-                    raise ResourceExhausted(f"output {index} ({out.nbytes} bytes) does not fit a RunPipelined answer "
-                                            f"of at most {inline_limit} bytes; use Run and ReadOutput", "OUTPUT_TOO_LARGE")
-            return response
+            run_us = (time.perf_counter() - started) * 1e6
+            return _response(outs, range(len(outs)) if selected is None else selected, run_us, inline_limit, stream_rest)
 
     @rpc
     def Run(self, request: executor_pb2.RunRequest, context: grpc.ServicerContext) -> executor_pb2.RunResponse:
@@ -216,9 +224,24 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
     @rpc
     def RunPipelined(self, request_iterator: Iterator[executor_pb2.RunRequest],
                      context: grpc.ServicerContext) -> Iterator[executor_pb2.RunResponse]:
-        # Only the last run's outputs stay readable, so every answer of the stream is inline.
-        for request in request_iterator:
-            yield self._run(request, self.max_message_bytes - MESSAGE_SLACK_BYTES, stream_rest=False)
+        # Only the last run's outputs stay readable, so every answer of the stream is inline. Plain runs of one
+        # executable (named inputs, every output as f32) go to run_pipelined together: on CUDA they are all queued
+        # before any is waited for; any other request runs on its own.
+        limit = self.max_message_bytes - MESSAGE_SLACK_BYTES
+        requests = list(request_iterator)
+        plain = all(r.executable_id == requests[0].executable_id and not r.slot_inputs and not r.typed_outputs
+                    and not r.HasField("outputs") and not r.HasField("active_extent") and not r.HasField("kv_row_feed")
+                    for r in requests)
+        if not requests or not plain:
+            for request in requests:
+                yield self._run(request, limit, stream_rest=False)
+            return
+        with self.registry.use(requests[0].executable_id) as exe:
+            started = time.perf_counter()
+            runs = exe.run_pipelined([_named(r.inputs) for r in requests])
+            run_us = (time.perf_counter() - started) * 1e6 / len(requests)
+        for outs in runs:
+            yield _response(outs, range(len(outs)), run_us, limit, stream_rest=False)
 
     @rpc
     def CommitNoWait(self, request: executor_pb2.CommitNoWaitRequest,

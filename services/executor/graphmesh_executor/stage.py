@@ -679,7 +679,8 @@ class StageRuntime:
 
     def _compute(self, rows: list[StepRow], hidden: np.ndarray | None, sample: bool) -> np.ndarray:
         """One run over every row, on the engine thread. Shapes are bucketed (powers of two) so a handful of
-        executables serve every step: padded token rows write the scratch block, padded sequences read it."""
+        executables serve every step: padded token rows write the scratch block, padded sequences read it, and the
+        run's active extent skips them where it can."""
         assert self.spec is not None and self.config is not None
         if self._take_fault("device"):
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
@@ -726,10 +727,13 @@ class StageRuntime:
                     seed=np.array([seed_for(r.sampling.seed, r.start + n) for r, n in zip(rows, counts)] + [0] * pad,
                                   np.int64))
         exe = self._executable(tokens, seqs, blocks, decode, sample or not spec.last)
+        # Only the real rows are computed (the padding is a bucket's, for a handful of executables), except in a CUDA
+        # decode: that replays a captured graph of the whole bucket, far cheaper than an eager run of fewer rows.
+        extent = (total, tokens) if total < tokens and not (decode and self.device.startswith("cuda")) else None
         with telemetry.span("stage.run", tokens=tokens, seqs=seqs, blocks=blocks, rows=len(rows)):
             own = exe.swap_handles(self._pools)
             try:
-                return exe.run(inputs, read_indices=[0], typed=True)[0]
+                return exe.run(inputs, read_indices=[0], typed=True, extent=extent)[0]
             finally:
                 self._pools = exe.swap_handles(own)
 

@@ -661,10 +661,10 @@ class RunRequest(_message.Message):
     EXECUTABLE_ID_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     SLOT_INPUTS_FIELD_NUMBER: _builtins.int
-    READ_INDICES_FIELD_NUMBER: _builtins.int
     ACTIVE_EXTENT_FIELD_NUMBER: _builtins.int
     TYPED_OUTPUTS_FIELD_NUMBER: _builtins.int
     KV_ROW_FEED_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
     executable_id: _builtins.str
     typed_outputs: _builtins.bool
     """typed_outputs returns each output in its declared dtype; otherwise every
@@ -681,10 +681,6 @@ class RunRequest(_message.Message):
         """slot_inputs are inputs by position (run_slots); used when inputs is empty."""
 
     @_builtins.property
-    def read_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """read_indices selects the outputs returned; empty returns all."""
-
-    @_builtins.property
     def active_extent(self) -> Global___ActiveExtent:
         """active_extent applies to this run only; unset uses the sticky extent."""
 
@@ -692,24 +688,52 @@ class RunRequest(_message.Message):
     def kv_row_feed(self) -> Global___KvRowFeed:
         """kv_row_feed, when set, runs feed_kv_row after the run."""
 
+    @_builtins.property
+    def outputs(self) -> Global___OutputSelection:
+        """outputs selects the outputs returned (run_read_outputs): unset returns
+        all; set returns outputs.indices in that order, none when it is empty.
+        """
+
     def __init__(
         self,
         *,
         executable_id: _builtins.str = ...,
         inputs: _abc.Iterable[_tensor_pb2.NamedTensor] | None = ...,
         slot_inputs: _abc.Iterable[_tensor_pb2.Tensor] | None = ...,
-        read_indices: _abc.Iterable[_builtins.int] | None = ...,
         active_extent: Global___ActiveExtent | None = ...,
         typed_outputs: _builtins.bool = ...,
         kv_row_feed: Global___KvRowFeed | None = ...,
+        outputs: Global___OutputSelection | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["active_extent", b"active_extent", "kv_row_feed", b"kv_row_feed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["active_extent", b"active_extent", "kv_row_feed", b"kv_row_feed", "outputs", b"outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_extent", b"active_extent", "executable_id", b"executable_id", "inputs", b"inputs", "kv_row_feed", b"kv_row_feed", "read_indices", b"read_indices", "slot_inputs", b"slot_inputs", "typed_outputs", b"typed_outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_extent", b"active_extent", "executable_id", b"executable_id", "inputs", b"inputs", "kv_row_feed", b"kv_row_feed", "outputs", b"outputs", "slot_inputs", b"slot_inputs", "typed_outputs", b"typed_outputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunRequest: _TypeAlias = RunRequest  # noqa: Y015
+
+@_typing.final
+class OutputSelection(_message.Message):
+    """OutputSelection is the trait's read_indices: Some(indices), possibly empty."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        indices: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["indices", b"indices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OutputSelection: _TypeAlias = OutputSelection  # noqa: Y015
 
 @_typing.final
 class RunOutput(_message.Message):

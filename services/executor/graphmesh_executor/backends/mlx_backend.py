@@ -400,7 +400,7 @@ KERNELS: dict[str, Kernel] = {
 class MlxExecutable(Executable[Array]):
     backend = "mlx"
     # Handles stay mlx arrays between runs (unified memory on Metal) and fed kv_writes/kv_scatters update them in place.
-    capabilities = Capabilities(resident_handles=True)
+    capabilities = Capabilities(resident_handles=True, active_extent=True)
     kernels = KERNELS
     dtypes: ClassVar[tuple[str, ...]] = ("f64", "f32", "f16", "bf16")
 
@@ -423,14 +423,14 @@ class MlxExecutable(Executable[Array]):
                         if n.op in ("kv_write", "kv_scatter") and n.inputs[0] in graph.inputs and n.name in graph.outputs
                         and readers[n.inputs[0]] == 1 and n.inputs[0] not in graph.outputs}
 
-    def _execute(self, env: dict[str, Array]) -> list[Array]:
+    def _execute(self, env: dict[str, Array], graph: Graph | None = None) -> list[Array]:
         donated = [id(env[h]) for h, out in self._donors.items()
                    if self._prefix_feeds.get(h) == out and h in self._handles and env.get(h) is self._handles[h]
                    and sum(v is env[h] for v in self._handles.values()) == 1]
         _DONATED.update(donated)
         try:
             with mx.stream(self._stream):
-                return super()._execute(env)
+                return super()._execute(env, graph)
         finally:
             _DONATED.difference_update(donated)  # the arrays live through the run, so their ids stay theirs
 

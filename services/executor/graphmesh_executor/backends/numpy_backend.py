@@ -10,7 +10,7 @@ import numpy as np
 from graphmesh import dtypes
 from graphmesh.errors import OutOfRange
 from graphmesh.ops import QUANT_BLOCKS
-from graphmesh_executor.executable import Executable, Kernel, RunContext, sample_rows
+from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_rows
 
 Array = np.ndarray
 _erf = np.frompyfunc(math.erf, 1, 1)
@@ -275,6 +275,7 @@ KERNELS: dict[str, Kernel] = {
 
 class NumpyExecutable(Executable[Array]):
     backend = "numpy"
+    capabilities = Capabilities(active_extent=True)
     kernels = KERNELS
 
     def _from_host(self, array: Array) -> Array:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -32,7 +32,7 @@ from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph, Node
 from graphmesh.ops import QUANT_BLOCKS, TensorType
 from graphmesh_executor.backends import cpu_kernels
-from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, conform, sample_rows
+from graphmesh_executor.executable import MAX_CUTS, Capabilities, Executable, Kernel, RunContext, conform, sample_rows
 
 Tensor = torch.Tensor
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -513,9 +513,15 @@ _MAX_CAPTURES = 8  # per executable: one per session whose decode runs on it, ol
 class TorchExecutable(Executable[Tensor]):
     backend = "torch"
     # Handles stay torch tensors on the executable's device between runs (GPU memory on cuda).
-    capabilities = Capabilities(resident_handles=True)
+    capabilities = Capabilities(resident_handles=True, active_extent=True)
     kernels = KERNELS
     cuda_graphs = True  # capture static runs on CUDA; False runs the same static kernels eagerly
+
+    @classmethod
+    def capabilities_on(cls, device: str) -> Capabilities:
+        # CUDA queues work: commit_no_wait and run_pipelined return before it is done. On the host, torch's
+        # kernels finish before they return, so they run one after another.
+        return replace(cls.capabilities, async_pipeline=device.startswith("cuda"))
 
     def __init__(self, graph: Graph, device: str = "cpu") -> None:
         try:
@@ -547,6 +553,7 @@ class TorchExecutable(Executable[Tensor]):
         self._static_in: dict[str, Tensor] = {}
         self._captures: dict[tuple[int, ...], _Captured] = {}
         self._seen: dict[tuple[int, ...], int] = {}
+        self._cut_plans: dict[int, tuple[Graph, list[_Step]]] = {}  # by id of the cut graph, which it keeps alive
 
     # -- the plan --------------------------------------------------------------------------------------
     def _plan(self, graph: Graph) -> tuple[dict[str, int], list[_Step]]:
@@ -562,7 +569,7 @@ class TorchExecutable(Executable[Tensor]):
                                free))
         return slots, steps
 
-    def _run_plan(self, env: dict[str, Tensor], ctx: RunContext) -> list[Tensor]:
+    def _run_plan(self, env: dict[str, Tensor], ctx: RunContext, steps: list[_Step] | None = None) -> list[Tensor]:
         values: list[Any] = [None] * len(self._slots)
         slots = self._slots
         for name, value in env.items():
@@ -571,7 +578,7 @@ class TorchExecutable(Executable[Tensor]):
             values[slots[name]] = value
         for name, t in self.graph.params.items():
             values[slots[name]] = self._params[name] if name in self._params else self._zeros(t)
-        for step in self._steps:
+        for step in steps or self._steps:
             values[step.out] = step.kernel(ctx, [values[j] for j in step.args], step.attrs)
             for j in step.free:
                 values[j] = None
@@ -718,9 +725,13 @@ class TorchExecutable(Executable[Tensor]):
 
     def _from_host(self, array: np.ndarray, order: Literal["C", "F"] = "C") -> Tensor:
         owned = np.array(array, order=order)  # a copy: in-place KV writes must never reach the caller's array
-        if owned.dtype == _BF16:
-            return torch.from_numpy(owned.view(np.int16)).view(torch.bfloat16).to(self._device)
-        return torch.from_numpy(owned).to(self._device)
+        host = torch.from_numpy(owned.view(np.int16)).view(torch.bfloat16) if owned.dtype == _BF16 else \
+            torch.from_numpy(owned)
+        if self._device.type == "cuda":
+            # From pinned memory the copy is queued behind the work already on the stream; from pageable memory
+            # CUDA waits for that work first, so a commit_no_wait would wait for the run before it.
+            return host.pin_memory().to(self._device, non_blocking=True)
+        return host
 
     def _to_host(self, value: Tensor) -> np.ndarray:
         # A copy: handles may later be written in place, and callers keep what they read.
@@ -759,6 +770,9 @@ class TorchExecutable(Executable[Tensor]):
     def _cast(self, value: Tensor, dtype: str) -> Tensor:
         return value.to(TORCH_DTYPES[dtype])
 
+    def _pad_rows(self, value: Tensor, rows: int) -> Tensor:
+        return torch.cat([value, value.new_zeros((rows - value.shape[0], *value.shape[1:]))])
+
     @torch.inference_mode()
     def _take_rows(self, value: Tensor, rows: np.ndarray) -> np.ndarray:
         taken = value.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(value.device))
@@ -789,14 +803,47 @@ class TorchExecutable(Executable[Tensor]):
         return env
 
     @torch.inference_mode()
-    def _execute(self, env: dict[str, Tensor]) -> list[Tensor]:
+    def _execute(self, env: dict[str, Tensor], graph: Graph | None = None) -> list[Tensor]:
         if not self._planned:
-            return super()._execute(env)
+            return super()._execute(env, graph)
+        if graph is not None:  # cut to the active extent: eager (a capture is of one shape), the same slots
+            cut = self._cut_plans.get(id(graph))
+            if cut is None:
+                if len(self._cut_plans) >= MAX_CUTS:
+                    self._cut_plans.pop(next(iter(self._cut_plans)))
+                cut = self._cut_plans[id(graph)] = (graph, self._plan(graph)[1])
+            return self._run_plan(env, RunContext(self._rng, self._extent), cut[1])
         if self._host_checks is not None:
             static = self._static_env(env)
             if static is not None:
                 return self._run_static(*static)
         return self._run_plan(env, RunContext(self._rng, self._extent))
+
+    def sync_pending(self) -> int:
+        """Waits for the runs commit_no_wait queued (on CUDA they are still running when it returns)."""
+        if self._device.type == "cuda" and self._pending:
+            torch.cuda.current_stream(self._device).synchronize()  # type: ignore[no-untyped-call]
+        return super().sync_pending()
+
+    @torch.inference_mode()
+    def run_pipelined(self, input_sets: Sequence[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+        """On CUDA every run is queued before any is waited for: each one's outputs are copied, behind it on the
+        stream, into pinned host buffers (the next run overwrites the outputs of a captured graph), and one wait
+        at the end covers them all. Elsewhere, runs one after another."""
+        if self._device.type != "cuda":
+            return super().run_pipelined(input_sets)
+        staged = []
+        for inputs in input_sets:
+            self.run(inputs, read_indices=[])
+            assert self._last_outputs is not None
+            copies = []
+            for out in self._last_outputs:
+                pinned = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+                copies.append(pinned.copy_(out, non_blocking=True))
+            staged.append(copies)
+        torch.cuda.current_stream(self._device).synchronize()  # type: ignore[no-untyped-call]
+        return [[(c.view(torch.int16).numpy().view(_BF16) if c.dtype == torch.bfloat16 else c.numpy())
+                 .astype(np.float32, copy=False) for c in copies] for copies in staged]
 
     @torch.inference_mode()
     def feed_kv_row(self, src_row: int, dst_row: int, row_elems: int) -> bool:
@@ -815,5 +862,5 @@ class TorchExecutable(Executable[Tensor]):
             value.view(-1, row_elems)[dst_row] = row
             value.__dict__.pop(_MEMO, None)
             self._handles[handle] = value
-            self._resident.add(handle)
+            self._mark_resident(handle)
         return True
