@@ -21,7 +21,7 @@ from graphmesh import ExecutorClient, GraphBuilder, RemoteExecutable, errors
 from graphmesh.graph import Value
 from graphmesh.v1 import executor_pb2, graph_pb2
 from graphmesh_executor.backends.numpy_backend import KERNELS
-from tests.conftest import health_status
+from tests.conftest import backend_targets, executor_args, free_port, health_status, start_process
 
 RNG = np.random.default_rng(0)
 
@@ -403,4 +403,64 @@ def test_gpt2_block_matches_transformers(client: ExecutorClient, model_root: Pat
         want = (want[0] if isinstance(want, tuple) else want)[0].numpy()
     got = exe.run({"x": x[0].numpy(), "positions": np.arange(SEQ, dtype=np.int64)})[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    exe.release()
+
+
+# -- the trait's device methods on every backend, through a process of each ------------------------------------
+@pytest.fixture(scope="module", params=backend_targets())
+def any_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExecutorClient]:
+    backend, _, device = str(request.param).partition(":")
+    address = f"127.0.0.1:{free_port()}"
+    log_path = tmp_path_factory.mktemp("logs") / f"{backend}_executor.log"
+    args = executor_args(address, "--threads", "1", *(("--device", device) if device else ()), backend=backend)
+    with start_process(args, address, log_path=log_path, env={"OMP_NUM_THREADS": "1"}):
+        with ExecutorClient(address, timeout=60.0) as c:
+            yield c
+
+
+def test_reading_no_outputs_and_the_active_extent(any_client: ExecutorClient) -> None:
+    """outputs set and empty reads none (the run still happens); an extent computes its rows alone: rows past it
+    come back zero where the whole run has values."""
+    g = GraphBuilder("bucketed")
+    x, w = g.input("x", (8, 4)), g.param("w", (4, 4))
+    g.output(g.reshape(g.reshape(g.matmul(x, w), (8, 2, 2)), (8, 4)))
+    exe = any_client.compile(g.build())
+    exe.set_param("w", randn(4, 4))
+    xs = randn(8, 4)
+    whole = exe.run({"x": xs})[0]
+    assert exe.run({"x": xs * 2}, read_indices=[]) == []
+    np.testing.assert_allclose(exe.read_output(0), whole * 2, rtol=1e-5, atol=1e-5)
+    assert exe.set_active_extent((3, 8))
+    cut = exe.run({"x": xs})[0]
+    np.testing.assert_array_equal(cut[:3], whole[:3])
+    assert not cut[3:].any() and np.abs(whole[3:]).min() > 0
+    exe.release()
+
+
+def test_resident_handles_staging_and_run_feed_handle(any_client: ExecutorClient) -> None:
+    """PrepareResidentHandle and StageBoundHandles say no, changing nothing, where the backend has no device
+    (numpy), and make handles the device's elsewhere; RunFeedHandle stores the output it returns, so runs
+    accumulate through it."""
+    device = any_client.capabilities().capabilities.resident_handles
+    g = GraphBuilder("accumulate")
+    state, other, x = g.input("state", (4, 8)), g.input("other", (4, 8)), g.input("x", (4, 8))
+    g.output(g.add(g.add(state, x), other))
+    exe = any_client.compile(g.build())
+    assert exe.prepare_resident_handle("state") is device
+    assert exe.has_handle("state") == ((True, True) if device else (False, False))
+    if device:
+        np.testing.assert_array_equal(exe.read_handle("state"), np.zeros((4, 8), np.float32))
+    exe.bind_handle("other", np.zeros((4, 8), np.float32))
+    assert exe.stage_bound_handles() == (["other"] if device else None)
+    assert exe.has_handle("other") == (True, device)
+    xs = [randn(4, 8) for _ in range(3)]
+    for k, xi in enumerate(xs):
+        got = exe.run_feed_handle({"x": xi}, "state", 0)
+        np.testing.assert_allclose(got, sum(xs[:k + 1]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(exe.read_handle("state"), got)
+    assert exe.has_handle("state") == (True, device)
+    with pytest.raises(errors.OutOfRange):
+        exe.run_feed_handle({"x": xs[0]}, "state", 1)
+    with pytest.raises(errors.NotFound):
+        exe.prepare_resident_handle("nope")
     exe.release()

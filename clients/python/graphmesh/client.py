@@ -281,6 +281,22 @@ class RemoteExecutable:
                                                                                          resident=resident))
         return self.client.call(self._stub.BindHandle, requests).supported
 
+    def prepare_resident_handle(self, name: str) -> bool:
+        """Input `name` becomes a handle on the device, zeros unless bound; False where there is no device."""
+        return self.client.call(self._stub.PrepareResidentHandle, executor_pb2.PrepareResidentHandleRequest(
+            executable_id=self.id, name=name)).supported
+
+    def stage_bound_handles(self) -> list[str] | None:
+        """Every bound handle becomes the device's; the names that were not, or None where there is no device."""
+        r = self.client.call(self._stub.StageBoundHandles, executor_pb2.StageBoundHandlesRequest(executable_id=self.id))
+        return list(r.staged) if r.supported else None
+
+    def run_feed_handle(self, inputs: Mapping[str, npt.ArrayLike], handle: str, output_index: int) -> np.ndarray:
+        """Runs, stores output `output_index` as `handle` on the executor, and returns that output (f32)."""
+        request = executor_pb2.RunFeedHandleRequest(executable_id=self.id, handle_name=handle, output_index=output_index)
+        _add_named(request.inputs, inputs)
+        return tensors.from_proto(self.client.call(self._stub.RunFeedHandle, request).output)
+
     def read_handle(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The handle's contents, or rows [start, end) along axis 0."""
         start, end = rows or (0, 0)

@@ -447,6 +447,39 @@ class Executable(Generic[T]):
         if self.capabilities.resident_handles:
             self._resident.add(name)
 
+    def prepare_resident_handle(self, name: str) -> bool:
+        """Makes input `name` a handle that lives on the device with no host copy (prepare_resident_gpu_handle):
+        zeros until a run's feed or a row write fills it, unless already bound. False, changing nothing, where
+        the backend has no device apart from the host."""
+        t = self._handle_type(name)
+        if not self.capabilities.resident_handles:
+            return False
+        if name not in self._handles:
+            self._handles[name] = self._zeros(t)
+        self._mark_resident(name)
+        return True
+
+    def stage_bound_handles(self) -> list[str] | None:
+        """Moves every bound handle that is not resident onto the device (stage_bound_gpu_handles_to_arena) and
+        returns their names; None where the backend has no device. Backends with one upload a handle when it is
+        bound, so this moves no bytes: it makes them the device's, as resident ones are."""
+        if not self.capabilities.resident_handles:
+            return None
+        staged = sorted(name for name in self._handles if name not in self._resident)
+        for name in staged:
+            self._mark_resident(name)
+        return staged
+
+    def run_feed_handle(self, inputs: dict[str, np.ndarray], handle: str, output_index: int) -> np.ndarray:
+        """Runs, stores output `output_index` as `handle` (one prefix feed, on the device), and returns that
+        output as f32 (run_feed_gpu_handle)."""
+        self._check_feed(handle, output_index, rows_only=False)
+        (out,) = self.run(inputs, read_indices=[output_index])
+        assert self._last_outputs is not None
+        self._handles[handle] = self._last_outputs[output_index]
+        self._mark_resident(handle)
+        return out
+
     def _bound(self, name: str) -> T:
         self._handle_type(name)
         if name not in self._handles:

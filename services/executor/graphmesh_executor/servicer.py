@@ -301,6 +301,31 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         return executor_pb2.BindHandleResponse(supported=all(supported))
 
     @rpc
+    def PrepareResidentHandle(self, request: executor_pb2.PrepareResidentHandleRequest,
+                              context: grpc.ServicerContext) -> executor_pb2.PrepareResidentHandleResponse:
+        with self.registry.use(request.executable_id) as exe:
+            return executor_pb2.PrepareResidentHandleResponse(supported=exe.prepare_resident_handle(request.name))
+
+    @rpc
+    def StageBoundHandles(self, request: executor_pb2.StageBoundHandlesRequest,
+                          context: grpc.ServicerContext) -> executor_pb2.StageBoundHandlesResponse:
+        with self.registry.use(request.executable_id) as exe:
+            staged = exe.stage_bound_handles()
+        return executor_pb2.StageBoundHandlesResponse(supported=staged is not None, staged=staged or [])
+
+    @rpc
+    def RunFeedHandle(self, request: executor_pb2.RunFeedHandleRequest,
+                      context: grpc.ServicerContext) -> executor_pb2.RunFeedHandleResponse:
+        limit = self.max_message_bytes - MESSAGE_SLACK_BYTES
+        with self.registry.use(request.executable_id) as exe:
+            out = exe.run_feed_handle(_named(request.inputs), request.handle_name, request.output_index)
+        if out.nbytes > limit:  # the handle is fed: only the answer does not fit
+            raise ResourceExhausted(f"output {request.output_index} ({out.nbytes} bytes) does not fit a RunFeedHandle "
+                                    f"answer of at most {limit} bytes; use SetHandleFeed, Run and ReadOutput",
+                                    "OUTPUT_TOO_LARGE")
+        return executor_pb2.RunFeedHandleResponse(output=tensors.to_proto(out))
+
+    @rpc
     def ReadHandle(self, request: executor_pb2.ReadHandleRequest,
                    context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
         rows = None if request.row_start == request.row_end == 0 else (request.row_start, request.row_end)

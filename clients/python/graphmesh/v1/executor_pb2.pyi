@@ -1152,6 +1152,144 @@ class BindHandleResponse(_message.Message):
 Global___BindHandleResponse: _TypeAlias = BindHandleResponse  # noqa: Y015
 
 @_typing.final
+class PrepareResidentHandleRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTABLE_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    executable_id: _builtins.str
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        executable_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["executable_id", b"executable_id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareResidentHandleRequest: _TypeAlias = PrepareResidentHandleRequest  # noqa: Y015
+
+@_typing.final
+class PrepareResidentHandleResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUPPORTED_FIELD_NUMBER: _builtins.int
+    supported: _builtins.bool
+    def __init__(
+        self,
+        *,
+        supported: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["supported", b"supported"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrepareResidentHandleResponse: _TypeAlias = PrepareResidentHandleResponse  # noqa: Y015
+
+@_typing.final
+class StageBoundHandlesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTABLE_ID_FIELD_NUMBER: _builtins.int
+    executable_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        executable_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["executable_id", b"executable_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageBoundHandlesRequest: _TypeAlias = StageBoundHandlesRequest  # noqa: Y015
+
+@_typing.final
+class StageBoundHandlesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUPPORTED_FIELD_NUMBER: _builtins.int
+    STAGED_FIELD_NUMBER: _builtins.int
+    supported: _builtins.bool
+    @_builtins.property
+    def staged(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """staged names the handles that were not resident before."""
+
+    def __init__(
+        self,
+        *,
+        supported: _builtins.bool = ...,
+        staged: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["staged", b"staged", "supported", b"supported"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageBoundHandlesResponse: _TypeAlias = StageBoundHandlesResponse  # noqa: Y015
+
+@_typing.final
+class RunFeedHandleRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXECUTABLE_ID_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    HANDLE_NAME_FIELD_NUMBER: _builtins.int
+    OUTPUT_INDEX_FIELD_NUMBER: _builtins.int
+    executable_id: _builtins.str
+    handle_name: _builtins.str
+    output_index: _builtins.int
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.NamedTensor]: ...
+    def __init__(
+        self,
+        *,
+        executable_id: _builtins.str = ...,
+        inputs: _abc.Iterable[_tensor_pb2.NamedTensor] | None = ...,
+        handle_name: _builtins.str = ...,
+        output_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["executable_id", b"executable_id", "handle_name", b"handle_name", "inputs", b"inputs", "output_index", b"output_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunFeedHandleRequest: _TypeAlias = RunFeedHandleRequest  # noqa: Y015
+
+@_typing.final
+class RunFeedHandleResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTPUT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def output(self) -> _tensor_pb2.Tensor:
+        """output is the fed output as f32, inline (a larger one is
+        RESOURCE_EXHAUSTED: use SetHandleFeed, Run and ReadOutput).
+        """
+
+    def __init__(
+        self,
+        *,
+        output: _tensor_pb2.Tensor | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["output", b"output"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["output", b"output"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunFeedHandleResponse: _TypeAlias = RunFeedHandleResponse  # noqa: Y015
+
+@_typing.final
 class ReadHandleRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

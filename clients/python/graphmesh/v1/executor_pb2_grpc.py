@@ -135,6 +135,21 @@ class ExecutorServiceStub:
                 request_serializer=graphmesh_dot_v1_dot_executor__pb2.BindHandleRequest.SerializeToString,
                 response_deserializer=graphmesh_dot_v1_dot_executor__pb2.BindHandleResponse.FromString,
                 _registered_method=True)
+        self.PrepareResidentHandle = channel.unary_unary(
+                '/graphmesh.v1.ExecutorService/PrepareResidentHandle',
+                request_serializer=graphmesh_dot_v1_dot_executor__pb2.PrepareResidentHandleRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_executor__pb2.PrepareResidentHandleResponse.FromString,
+                _registered_method=True)
+        self.StageBoundHandles = channel.unary_unary(
+                '/graphmesh.v1.ExecutorService/StageBoundHandles',
+                request_serializer=graphmesh_dot_v1_dot_executor__pb2.StageBoundHandlesRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_executor__pb2.StageBoundHandlesResponse.FromString,
+                _registered_method=True)
+        self.RunFeedHandle = channel.unary_unary(
+                '/graphmesh.v1.ExecutorService/RunFeedHandle',
+                request_serializer=graphmesh_dot_v1_dot_executor__pb2.RunFeedHandleRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_executor__pb2.RunFeedHandleResponse.FromString,
+                _registered_method=True)
         self.ReadHandle = channel.unary_stream(
                 '/graphmesh.v1.ExecutorService/ReadHandle',
                 request_serializer=graphmesh_dot_v1_dot_executor__pb2.ReadHandleRequest.SerializeToString,
@@ -334,8 +349,36 @@ class ExecutorServiceServicer:
 
     def BindHandle(self, request_iterator, context):
         """BindHandle binds a persistent buffer (KV cache, state) to a graph input
-        name, streamed in chunks. With resident=true the buffer lives on the
-        backend's device and has no host mirror.
+        name, streamed in chunks. Backends with a device apart from the host
+        (torch, mlx) upload it once, when bound; resident=true makes it the
+        device's (bind_gpu_handle): supported=false where there is no device
+        (numpy), which binds it on the host all the same.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrepareResidentHandle(self, request, context):
+        """PrepareResidentHandle makes a graph input a handle on the device with no
+        host copy, zeros until a feed or a row write fills it, unless already
+        bound (prepare_resident_gpu_handle).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageBoundHandles(self, request, context):
+        """StageBoundHandles makes every bound handle that is not resident the
+        device's (stage_bound_gpu_handles_to_arena). Handles were uploaded when
+        bound, so no bytes move.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunFeedHandle(self, request, context):
+        """RunFeedHandle runs, stores output output_index as handle handle_name on
+        the device, and returns that output (run_feed_gpu_handle).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -520,6 +563,21 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
                     servicer.BindHandle,
                     request_deserializer=graphmesh_dot_v1_dot_executor__pb2.BindHandleRequest.FromString,
                     response_serializer=graphmesh_dot_v1_dot_executor__pb2.BindHandleResponse.SerializeToString,
+            ),
+            'PrepareResidentHandle': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareResidentHandle,
+                    request_deserializer=graphmesh_dot_v1_dot_executor__pb2.PrepareResidentHandleRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_executor__pb2.PrepareResidentHandleResponse.SerializeToString,
+            ),
+            'StageBoundHandles': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageBoundHandles,
+                    request_deserializer=graphmesh_dot_v1_dot_executor__pb2.StageBoundHandlesRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_executor__pb2.StageBoundHandlesResponse.SerializeToString,
+            ),
+            'RunFeedHandle': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunFeedHandle,
+                    request_deserializer=graphmesh_dot_v1_dot_executor__pb2.RunFeedHandleRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_executor__pb2.RunFeedHandleResponse.SerializeToString,
             ),
             'ReadHandle': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadHandle,
@@ -1078,6 +1136,87 @@ class ExecutorService:
             '/graphmesh.v1.ExecutorService/BindHandle',
             graphmesh_dot_v1_dot_executor__pb2.BindHandleRequest.SerializeToString,
             graphmesh_dot_v1_dot_executor__pb2.BindHandleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareResidentHandle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graphmesh.v1.ExecutorService/PrepareResidentHandle',
+            graphmesh_dot_v1_dot_executor__pb2.PrepareResidentHandleRequest.SerializeToString,
+            graphmesh_dot_v1_dot_executor__pb2.PrepareResidentHandleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageBoundHandles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graphmesh.v1.ExecutorService/StageBoundHandles',
+            graphmesh_dot_v1_dot_executor__pb2.StageBoundHandlesRequest.SerializeToString,
+            graphmesh_dot_v1_dot_executor__pb2.StageBoundHandlesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunFeedHandle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graphmesh.v1.ExecutorService/RunFeedHandle',
+            graphmesh_dot_v1_dot_executor__pb2.RunFeedHandleRequest.SerializeToString,
+            graphmesh_dot_v1_dot_executor__pb2.RunFeedHandleResponse.FromString,
             options,
             channel_credentials,
             insecure,

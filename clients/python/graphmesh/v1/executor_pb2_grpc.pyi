@@ -86,8 +86,24 @@ class ExecutorServiceStub:
     """GetRng reads the RNG policy."""
     BindHandle: _grpc.StreamUnaryMultiCallable[_executor_pb2.BindHandleRequest, _executor_pb2.BindHandleResponse]
     """BindHandle binds a persistent buffer (KV cache, state) to a graph input
-    name, streamed in chunks. With resident=true the buffer lives on the
-    backend's device and has no host mirror.
+    name, streamed in chunks. Backends with a device apart from the host
+    (torch, mlx) upload it once, when bound; resident=true makes it the
+    device's (bind_gpu_handle): supported=false where there is no device
+    (numpy), which binds it on the host all the same.
+    """
+    PrepareResidentHandle: _grpc.UnaryUnaryMultiCallable[_executor_pb2.PrepareResidentHandleRequest, _executor_pb2.PrepareResidentHandleResponse]
+    """PrepareResidentHandle makes a graph input a handle on the device with no
+    host copy, zeros until a feed or a row write fills it, unless already
+    bound (prepare_resident_gpu_handle).
+    """
+    StageBoundHandles: _grpc.UnaryUnaryMultiCallable[_executor_pb2.StageBoundHandlesRequest, _executor_pb2.StageBoundHandlesResponse]
+    """StageBoundHandles makes every bound handle that is not resident the
+    device's (stage_bound_gpu_handles_to_arena). Handles were uploaded when
+    bound, so no bytes move.
+    """
+    RunFeedHandle: _grpc.UnaryUnaryMultiCallable[_executor_pb2.RunFeedHandleRequest, _executor_pb2.RunFeedHandleResponse]
+    """RunFeedHandle runs, stores output output_index as handle handle_name on
+    the device, and returns that output (run_feed_gpu_handle).
     """
     ReadHandle: _grpc.UnaryStreamMultiCallable[_executor_pb2.ReadHandleRequest, _tensor_pb2.TensorChunk]
     """ReadHandle streams a handle's contents, or a range of its rows."""
@@ -177,8 +193,24 @@ class ExecutorServiceAsyncStub(ExecutorServiceStub):
     """GetRng reads the RNG policy."""
     BindHandle: _aio.StreamUnaryMultiCallable[_executor_pb2.BindHandleRequest, _executor_pb2.BindHandleResponse]  # type: ignore[assignment]
     """BindHandle binds a persistent buffer (KV cache, state) to a graph input
-    name, streamed in chunks. With resident=true the buffer lives on the
-    backend's device and has no host mirror.
+    name, streamed in chunks. Backends with a device apart from the host
+    (torch, mlx) upload it once, when bound; resident=true makes it the
+    device's (bind_gpu_handle): supported=false where there is no device
+    (numpy), which binds it on the host all the same.
+    """
+    PrepareResidentHandle: _aio.UnaryUnaryMultiCallable[_executor_pb2.PrepareResidentHandleRequest, _executor_pb2.PrepareResidentHandleResponse]  # type: ignore[assignment]
+    """PrepareResidentHandle makes a graph input a handle on the device with no
+    host copy, zeros until a feed or a row write fills it, unless already
+    bound (prepare_resident_gpu_handle).
+    """
+    StageBoundHandles: _aio.UnaryUnaryMultiCallable[_executor_pb2.StageBoundHandlesRequest, _executor_pb2.StageBoundHandlesResponse]  # type: ignore[assignment]
+    """StageBoundHandles makes every bound handle that is not resident the
+    device's (stage_bound_gpu_handles_to_arena). Handles were uploaded when
+    bound, so no bytes move.
+    """
+    RunFeedHandle: _aio.UnaryUnaryMultiCallable[_executor_pb2.RunFeedHandleRequest, _executor_pb2.RunFeedHandleResponse]  # type: ignore[assignment]
+    """RunFeedHandle runs, stores output output_index as handle handle_name on
+    the device, and returns that output (run_feed_gpu_handle).
     """
     ReadHandle: _aio.UnaryStreamMultiCallable[_executor_pb2.ReadHandleRequest, _tensor_pb2.TensorChunk]  # type: ignore[assignment]
     """ReadHandle streams a handle's contents, or a range of its rows."""
@@ -373,8 +405,42 @@ class ExecutorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_executor_pb2.BindHandleResponse, _abc.Awaitable[_executor_pb2.BindHandleResponse]]:
         """BindHandle binds a persistent buffer (KV cache, state) to a graph input
-        name, streamed in chunks. With resident=true the buffer lives on the
-        backend's device and has no host mirror.
+        name, streamed in chunks. Backends with a device apart from the host
+        (torch, mlx) upload it once, when bound; resident=true makes it the
+        device's (bind_gpu_handle): supported=false where there is no device
+        (numpy), which binds it on the host all the same.
+        """
+
+    @_abc_1.abstractmethod
+    def PrepareResidentHandle(
+        self,
+        request: _executor_pb2.PrepareResidentHandleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.PrepareResidentHandleResponse, _abc.Awaitable[_executor_pb2.PrepareResidentHandleResponse]]:
+        """PrepareResidentHandle makes a graph input a handle on the device with no
+        host copy, zeros until a feed or a row write fills it, unless already
+        bound (prepare_resident_gpu_handle).
+        """
+
+    @_abc_1.abstractmethod
+    def StageBoundHandles(
+        self,
+        request: _executor_pb2.StageBoundHandlesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.StageBoundHandlesResponse, _abc.Awaitable[_executor_pb2.StageBoundHandlesResponse]]:
+        """StageBoundHandles makes every bound handle that is not resident the
+        device's (stage_bound_gpu_handles_to_arena). Handles were uploaded when
+        bound, so no bytes move.
+        """
+
+    @_abc_1.abstractmethod
+    def RunFeedHandle(
+        self,
+        request: _executor_pb2.RunFeedHandleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_executor_pb2.RunFeedHandleResponse, _abc.Awaitable[_executor_pb2.RunFeedHandleResponse]]:
+        """RunFeedHandle runs, stores output output_index as handle handle_name on
+        the device, and returns that output (run_feed_gpu_handle).
         """
 
     @_abc_1.abstractmethod
