@@ -22,7 +22,8 @@ from tests.test_paged_ops import paged_ref
 RUNNABLE = (platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_flags()
             and shutil.which("cc") is not None)
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs an x86-64 CPU with AVX2 + FMA and a C compiler")
-SHAPES = [(1, 576, 576), (2, 7, 5), (3, 13, 13), (5, 576, 1536), (16, 1536, 576), (32, 100, 49), (7, 8, 6)]
+SHAPES = [(1, 576, 576), (2, 7, 5), (3, 13, 13), (5, 576, 1536), (16, 1536, 576), (32, 100, 49), (7, 8, 6),
+          (8, 32, 9), (11, 9, 7), (17, 64, 10), (30, 576, 1536)]  # from 8 rows: quads, and their 3- and 2-row tails
 
 
 def _rand(*shape: int, seed: int) -> torch.Tensor:
@@ -42,7 +43,7 @@ def test_matches_the_float64_product(m: int, k: int, n: int) -> None:
     np.testing.assert_allclose(out.double().numpy(), ref.numpy(), rtol=1e-5, atol=1e-6 * k ** 0.5 * 4)
 
 
-@pytest.mark.parametrize("m,k,n", [(16, 576, 1536), (9, 13, 13), (32, 1536, 576)])
+@pytest.mark.parametrize("m,k,n", [(16, 576, 1536), (9, 13, 13), (32, 1536, 576), (17, 576, 1536), (14, 40, 7)])
 def test_a_row_gets_the_same_bits_in_any_batch_and_any_split(m: int, k: int, n: int) -> None:
     x, w = _rand(m, k, seed=3), _rand(n, k, seed=4)
     whole = cpu_kernels.matmul_xwt(x, w)

@@ -4,9 +4,12 @@
  * gemm_xwt: out[m, n] = sum_k x[m, k] * w[n, k] for a few rows x and a weight w stored [n, k] row-major.
  * Decode multiplies a handful of rows by weights far bigger than the cache: the cost is reading w once from
  * memory, and MKL's small-M gemm on this machine (Zen 3) reads it at half the speed of its one-row product.
- * Here each tile of 6 weight rows is read from memory once and kept in L1 while every pair of x rows takes
- * its 12 dot products from it, and the next tile is prefetched meanwhile so its memory reads overlap this
- * tile's arithmetic (8 rows: 75 -> 55-62 ms for SmolLM2's layers; past 16 rows it costs more than it saves).
+ * Here each tile of weight rows is read from memory once and kept in L1 while every group of x rows takes its
+ * 12 dot products from it, and the next tile is prefetched meanwhile so its memory reads overlap this tile's
+ * arithmetic (8 rows: 75 -> 55-62 ms for SmolLM2's layers; past 16 rows it costs more than it saves). Below 8
+ * rows a tile is 6 weight rows for pairs of x rows; from 8 rows on it is 3 weight rows for quads: each weight
+ * vector loaded then feeds 4 FMAs instead of 2, and a tile and the x rows fit L1 together (16 rows of
+ * SmolLM2's 1536x576 weights, one core: 126 -> 92-108 ms).
  * Every out[m, n] is summed in the same order whatever M is and wherever row m sits in the batch (8 lanes
  * over k, then a fixed horizontal sum), so a session's numbers never depend on which other sessions share its
  * step. */
@@ -16,7 +19,10 @@
 
 #define NT 6 /* weight rows per tile */
 #define MT 2 /* x rows per tile: 12 accumulators + 6 weight vectors + 1 x vector fit the 16 ymm registers */
-#define PREFETCH_ROWS 16 /* up to this many x rows, the next tile is prefetched */
+#define QUAD_ROWS 8 /* from this many x rows on, tiles are QNT x QMT: 12 accumulators + 3 + 1 vectors */
+#define QNT 3
+#define QMT 4
+#define PREFETCH_ROWS 16 /* up to this many x rows, the next 6-row tile is prefetched */
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -24,11 +30,11 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* An mt x nt tile of out (mt <= MT, nt <= NT); the compiler unrolls it for each constant pair below. */
+/* An mt x nt tile of out (mt <= QMT, nt <= NT); the compiler unrolls it for each constant pair below. */
 static inline __attribute__((always_inline)) void tile(int mt, int nt, const float *x, size_t ldx,
                                                        const float *w, size_t ldw, float *out, size_t ldo,
                                                        size_t k8, size_t k, const float *next) {
-    __m256 acc[MT][NT];
+    __m256 acc[QMT][NT];
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < nt; j++) acc[i][j] = _mm256_setzero_ps();
     for (size_t p = 0; p < k8; p += 8) {
@@ -58,9 +64,43 @@ static void tile_2_1(const float *x, size_t ldx, const float *w, size_t ldw, flo
 static void tile_1_1(const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, size_t k8,
                      size_t k, const float *next) { tile(1, 1, x, ldx, w, ldw, out, ldo, k8, k, next); }
 
+/* gemm_xwt with 3-row weight tiles for quads of x rows (m >= QUAD_ROWS). The rows a quad leaves go as one group
+ * of 3 or 2, and a lone last row joins the quad before it as 3 + 2: one row alone keeps only 3 FMA chains busy. */
+#define QUAD_TILES(N)                                                                                        \
+    static void tiles_##N(int m, const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, \
+                          size_t k8, size_t k, const float *next) {                                          \
+        int quads = m / QMT, rest = m % QMT;                                                                 \
+        if (rest == 1) quads--, rest = QMT + 1;                                                              \
+        int i = 0;                                                                                           \
+        for (; i < quads * QMT; i += QMT) tile(4, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, next); \
+        if (rest == 5) {                                                                                     \
+            tile(3, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, next);                           \
+            i += 3, rest = 2;                                                                                \
+        }                                                                                                    \
+        if (rest == 3) tile(3, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, next);                \
+        if (rest == 2) tile(2, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, next);                \
+    }
+QUAD_TILES(3)
+QUAD_TILES(1)
+
+static void gemm_xwt_quads(int m, size_t k8, int k, const float *x, int ldx, const float *w, int ldw, float *out,
+                           int ldo, int n0, int n1) {
+    int n = n0;
+    for (; n + QNT <= n1; n += QNT) {
+        /* Prefetched at any m: without it 17 rows ran slower than in pairs of 6-row tiles (195 vs 171 ms). */
+        const float *next = n + 2 * QNT <= n1 ? w + (size_t)(n + QNT) * ldw : 0;
+        tiles_3(m, x, ldx, w + (size_t)n * ldw, ldw, out + n, ldo, k8, k, next);
+    }
+    for (; n < n1; n++) tiles_1(m, x, ldx, w + (size_t)n * ldw, ldw, out + n, ldo, k8, k, 0);
+}
+
 /* Rows [n0, n1) of the output's columns: callers split n across threads. Strides are in elements. */
 void gemm_xwt(int m, int k, const float *x, int ldx, const float *w, int ldw, float *out, int ldo, int n0, int n1) {
     size_t k8 = (size_t)k & ~(size_t)7;
+    if (m >= QUAD_ROWS) {
+        gemm_xwt_quads(m, k8, k, x, ldx, w, ldw, out, ldo, n0, n1);
+        return;
+    }
     int n = n0;
     for (; n + NT <= n1; n += NT) {
         const float *next = m <= PREFETCH_ROWS && n + 2 * NT <= n1 ? w + (size_t)(n + NT) * ldw : 0;
