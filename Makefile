@@ -14,7 +14,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install demo test test-fast proto proto-check lint bench helm clean redis-server etcd-server cc
+.PHONY: install demo test test-fast proto proto-check proto-baseline lint bench helm clean redis-server etcd-server cc
 
 install: $(STAMP) redis-server etcd-server cc
 
@@ -82,9 +82,26 @@ proto-check: $(STAMP)
 	  cmp -s $$f clients/python/$${f#build/proto-check/} || { echo "stale stub: $${f#build/proto-check/}; run make proto"; exit 1; }; done
 	@echo "proto stubs are fresh"
 
-lint: $(STAMP)
+# buf (the @bufbuild/buf package from the npm registry) lints graphmesh.v1 and checks it against the accepted
+# baseline: a change that breaks a client built from that baseline fails until `make proto-baseline` accepts it.
+BUF_VERSION := 1.75.0
+BUF := build/buf/node_modules/.bin/buf
+
+$(BUF):
+	@if ! command -v npm >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  echo "== installing npm for buf"; \
+	  (apt-get install -y -q npm >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && \
+	   apt-get install -y -q npm >/dev/null 2>&1)) || echo "note: npm could not be installed; buf will be missing"; fi
+	npm install --silent --no-audit --no-fund --prefix build/buf @bufbuild/buf@$(BUF_VERSION)
+
+lint: $(STAMP) $(BUF)
 	$(VENV)/bin/ruff check clients services tests bench
 	$(VENV)/bin/mypy clients/python/graphmesh services tests bench
+	$(BUF) lint
+	$(BUF) breaking --against protos/baseline.binpb
+
+proto-baseline: $(BUF)
+	$(BUF) build -o protos/baseline.binpb
 
 test: $(STAMP) redis-server etcd-server cc proto-check lint
 	$(PY) -m pytest -q -x --durations=15 tests

@@ -212,7 +212,7 @@ def measure(a: argparse.Namespace, addresses: dict[str, str], rows: np.ndarray,
         before = {n: cpu_seconds(pid) for n, pid in pids.items()}
         client.copy_rows(addresses["a"], "source", 1, addresses["b"], last, 1, 0, len(rows))
         cpu = {n: cpu_seconds(pid) - before[n] for n, pid in pids.items()}
-        got = tensors.assemble(stages["b"].ReadSessionKv(stage_pb2.ReadSessionKvRequest(
+        got = tensors.assemble(c.chunk for c in stages["b"].ReadSessionKv(stage_pb2.ReadSessionKvRequest(
             header=header(last), from_row=0, to_row=len(rows)), timeout=600))[0][1]
         np.testing.assert_array_equal(got, rows)
     for channel in channels.values():

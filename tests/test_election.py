@@ -348,4 +348,4 @@ def test_a_new_cluster_counter_starts_past_what_the_executors_hold(etcd: EtcdClu
 
 def _stage_incarnation(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
-        return int(stage_pb2_grpc.StageServiceStub(channel).Status(stage_pb2.StageStatusRequest(), timeout=10).incarnation)
+        return int(stage_pb2_grpc.StageServiceStub(channel).Status(stage_pb2.StageServiceStatusRequest(), timeout=10).incarnation)

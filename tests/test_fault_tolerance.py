@@ -93,11 +93,11 @@ def _stage(mesh: LocalMesh, address: str) -> stage_pb2_grpc.StageServiceStub:
     return stage_pb2_grpc.StageServiceStub(security.channel(address, None, mesh_token=mesh.mesh_token))
 
 
-def _idle_status(stub: stage_pb2_grpc.StageServiceStub) -> stage_pb2.StageStatusResponse:
+def _idle_status(stub: stage_pb2_grpc.StageServiceStub) -> stage_pb2.StageServiceStatusResponse:
     """The rank's status once the coordinator has released every finished session there (it does so in the
     background after each stream ends), so that two reads compare equal unless something else changed."""
     deadline = time.monotonic() + 30
-    while (status := stub.Status(stage_pb2.StageStatusRequest())).sessions:
+    while (status := stub.Status(stage_pb2.StageServiceStatusRequest())).sessions:
         assert time.monotonic() < deadline, [s.session_id for s in status.sessions]
         time.sleep(0.05)
     return status
@@ -155,7 +155,7 @@ def test_injected_deterministic_failure_rolls_back_and_stays_active(mesh: LocalM
     assert _run_all(mesh.coordinator_address) == baseline
     after = _status(mesh)
     assert after.incarnation == before.incarnation and after.recoveries == 0  # ARCH: no fence, no rebuild
-    status = stub.Status(stage_pb2.StageStatusRequest())
+    status = stub.Status(stage_pb2.StageServiceStatusRequest())
     assert status.state == stage_pb2.AUTHORITY_STATE_ACTIVE
 
 
@@ -199,15 +199,15 @@ def test_stale_or_poisoned_messages_are_refused_and_change_nothing(mesh: LocalMe
                 method(request, timeout=10)
             error = from_rpc_error(e.value)
             assert error.code == grpc.StatusCode.FAILED_PRECONDITION and error.reason == "STALE_INCARNATION"
-    assert stub.Status(stage_pb2.StageStatusRequest()) == before
+    assert stub.Status(stage_pb2.StageServiceStatusRequest()) == before
     stub.Fence(stage_pb2.FenceRequest(incarnation=k, reason="test"))
-    poisoned = stub.Status(stage_pb2.StageStatusRequest())
+    poisoned = stub.Status(stage_pb2.StageServiceStatusRequest())
     assert poisoned.state == stage_pb2.AUTHORITY_STATE_POISONED and poisoned.poison_cause == "test"
     with pytest.raises(grpc.RpcError) as e:
         stub.ExecuteStep(_step(k, "intruder", [1]), timeout=10)
     assert from_rpc_error(e.value).reason == "POISONED"
     stub.Fence(stage_pb2.FenceRequest(incarnation=k, reason="second cause"))
-    assert stub.Status(stage_pb2.StageStatusRequest()) == poisoned  # first cause wins, nothing else moved
+    assert stub.Status(stage_pb2.StageServiceStatusRequest()) == poisoned  # first cause wins, nothing else moved
     # the coordinator notices on the next request, rebuilds under k+1 and serves
     assert _run_all(mesh.coordinator_address)
     assert _status(mesh).incarnation > k

@@ -65,7 +65,7 @@ def _row(session: str, epoch: int, commit: int, start: int, tokens: list[int]) -
 
 
 def _session(stub: stage_pb2_grpc.StageServiceStub, session: str) -> stage_pb2.StageSessionStatus:
-    return next(s for s in stub.Status(stage_pb2.StageStatusRequest()).sessions if s.session_id == session)
+    return next(s for s in stub.Status(stage_pb2.StageServiceStatusRequest()).sessions if s.session_id == session)
 
 
 def _generate(scheduler: Scheduler, tokens: list[int], n: int, on_token: threading.Event | None = None) -> list[int]:
@@ -120,7 +120,7 @@ def test_an_undecided_epoch_is_refused_until_the_coordinator_resolves_it_from_it
         # The retried row draws the same token, and nothing was fenced for it.
         assert mesh.execute_step([_row("s", 4, 0, 0, PROMPT)], TOKEN, k).rows[0].token == first
         assert mesh.incarnation == k and mesh.recoveries == 0
-        assert all(r.stub.Status(stage_pb2.StageStatusRequest()).state == stage_pb2.AUTHORITY_STATE_ACTIVE
+        assert all(r.stub.Status(stage_pb2.StageServiceStatusRequest()).state == stage_pb2.AUTHORITY_STATE_ACTIVE
                    for r in mesh.ranks)
     finally:
         mesh.close()

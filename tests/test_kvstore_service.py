@@ -138,7 +138,7 @@ class Stage:
     def read(self, session: str, from_row: int, to_row: int) -> np.ndarray:
         chunks = self.stub.ReadSessionKv(stage_pb2.ReadSessionKvRequest(header=self.header(session), from_row=from_row,
                                                                         to_row=to_row), timeout=30)
-        return tensors.assemble(chunks)[0][1]
+        return tensors.assemble(c.chunk for c in chunks)[0][1]
 
 
 @pytest.fixture(scope="module")

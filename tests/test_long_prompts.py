@@ -36,7 +36,7 @@ def _stage_sessions(mesh: LocalMesh) -> list[int]:
     out = []
     for address in mesh.executor_addresses:
         stub = stage_pb2_grpc.StageServiceStub(security.channel(address, None, mesh_token=mesh.mesh_token))
-        out.append(len(stub.Status(stage_pb2.StageStatusRequest(), timeout=5).sessions))
+        out.append(len(stub.Status(stage_pb2.StageServiceStatusRequest(), timeout=5).sessions))
     return out
 
 

@@ -114,7 +114,7 @@ def test_a_session_grows_across_kv_blocks_and_matches_transformers(checkpoints: 
     for runtime in runtimes:
         table = runtime.pool.table("s")
         assert len(table) == 3 and len(set(table)) == 3 and 0 not in table  # block 0 is the scratch block
-        status = StageServicer(runtime).Status(stage_pb2.StageStatusRequest(), cast(grpc.ServicerContext, None))
+        status = StageServicer(runtime).Status(stage_pb2.StageServiceStatusRequest(), cast(grpc.ServicerContext, None))
         (session,) = status.sessions
         # kv_length counts committed rows (epoch 32 is open), kv_capacity the rows of the blocks the session holds
         assert (session.session_id, session.epoch, session.kv_length, session.kv_capacity) == ("s", 32, 38, 3 * BLOCK)

@@ -98,7 +98,7 @@ def _state(setup: Setup) -> dict[str, Any]:
     stages = []
     for address in setup.mesh.executor_addresses:
         with setup.member(address) as channel:
-            s = stage_pb2_grpc.StageServiceStub(channel).Status(stage_pb2.StageStatusRequest(), timeout=10)
+            s = stage_pb2_grpc.StageServiceStub(channel).Status(stage_pb2.StageServiceStatusRequest(), timeout=10)
         stages.append((s.state, s.incarnation, s.poison_cause))
     return {"incarnation": status.incarnation, "recoveries": status.recoveries, "stages": stages,
             "kv_blocks": _kv_stats(setup).blocks}
@@ -191,7 +191,7 @@ ATTACKS: list[tuple[str, str, Attack]] = [
     ("ReadSessionKv", "executor",
      lambda ch, s: list(_stage(ch).ReadSessionKv(stage_pb2.ReadSessionKvRequest(header=_header(s), to_row=16),
                                                  timeout=10))),
-    ("StageService.Status", "executor", lambda ch, s: _stage(ch).Status(stage_pb2.StageStatusRequest(), timeout=10)),
+    ("StageService.Status", "executor", lambda ch, s: _stage(ch).Status(stage_pb2.StageServiceStatusRequest(), timeout=10)),
     ("ExecutorService.GetCapabilities", "executor",
      lambda ch, s: executor_pb2_grpc.ExecutorServiceStub(ch).GetCapabilities(executor_pb2.GetCapabilitiesRequest(),
                                                                              timeout=10)),
@@ -238,7 +238,7 @@ def test_a_mesh_member_passes_where_the_outsider_was_stopped(setup: Setup) -> No
         assert _kv(channel).Lookup(kvstore_pb2.LookupRequest(namespace=kvkeys.namespace("attacker", 0, 1, 4),
                                                              token_ids=PROMPT), timeout=10).matched_tokens == 16
     with setup.member(setup.mesh.executor_addresses[0]) as channel:
-        assert _stage(channel).Status(stage_pb2.StageStatusRequest(), timeout=10).state == \
+        assert _stage(channel).Status(stage_pb2.StageServiceStatusRequest(), timeout=10).state == \
             stage_pb2.AUTHORITY_STATE_ACTIVE
     assert _generate(setup) == setup.baseline
 

@@ -157,7 +157,7 @@ def test_an_executor_obeys_only_the_allowed_peers(mtls_mesh: LocalMesh, pki: Pki
         assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
             health_pb2.HealthCheckResponse.SERVING
     with grpc.secure_channel(address, _client_credentials(pki, pki.coordinator)) as channel:
-        status = stage_pb2_grpc.StageServiceStub(channel).Status(stage_pb2.StageStatusRequest(), timeout=5)
+        status = stage_pb2_grpc.StageServiceStub(channel).Status(stage_pb2.StageServiceStatusRequest(), timeout=5)
         assert status.state == stage_pb2.AUTHORITY_STATE_ACTIVE  # the refused Fence never reached the executor
 
 

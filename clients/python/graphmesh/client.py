@@ -219,9 +219,9 @@ class RemoteExecutable:
 
     def read_output(self, index: int, typed: bool = False) -> np.ndarray:
         """Streams output `index` of the last run."""
-        chunks = self.client.stream(self._stub.ReadOutput, executor_pb2.ReadOutputRequest(
+        answers = self.client.stream(self._stub.ReadOutput, executor_pb2.ReadOutputRequest(
             executable_id=self.id, index=index, typed=typed))
-        return tensors.assemble(chunks)[0][1]
+        return tensors.assemble(a.chunk for a in answers)[0][1]
 
     def run_read_outputs(self, inputs: Mapping[str, npt.ArrayLike], read_indices: Sequence[int]) -> list[np.ndarray]:
         return self.run(inputs, read_indices)
@@ -237,8 +237,8 @@ class RemoteExecutable:
 
     def run_pipelined(self, input_sets: Sequence[Mapping[str, npt.ArrayLike]]) -> list[list[np.ndarray]]:
         """Runs each input set in order over one bidirectional stream."""
-        requests = (self._request(inputs) for inputs in input_sets)
-        return [[tensors.from_proto(o.tensor) for o in r.outputs]
+        requests = (executor_pb2.RunPipelinedRequest(run=self._request(inputs)) for inputs in input_sets)
+        return [[tensors.from_proto(o.tensor) for o in r.run.outputs]
                 for r in self.client.stream(self._stub.RunPipelined, requests)]
 
     def commit_no_wait(self, inputs: Mapping[str, npt.ArrayLike]) -> None:
@@ -300,9 +300,9 @@ class RemoteExecutable:
     def read_handle(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The handle's contents, or rows [start, end) along axis 0."""
         start, end = rows or (0, 0)
-        chunks = self.client.stream(self._stub.ReadHandle, executor_pb2.ReadHandleRequest(
+        answers = self.client.stream(self._stub.ReadHandle, executor_pb2.ReadHandleRequest(
             executable_id=self.id, name=name, row_start=start, row_end=end))
-        return tensors.assemble(chunks)[0][1]
+        return tensors.assemble(a.chunk for a in answers)[0][1]
 
     def write_handle_rows(self, name: str, row_start: int, rows: np.ndarray) -> bool:
         request = executor_pb2.WriteHandleRowsRequest(executable_id=self.id, name=name, row_start=row_start)

@@ -8,7 +8,7 @@ import numpy as np
 from graphmesh.v1 import tensor_pb2
 
 # name -> (numpy dtype, proto enum). bf16 comes from ml_dtypes: numpy has none.
-_TABLE: dict[str, tuple[np.dtype, tensor_pb2.DType.ValueType]] = {
+_TABLE: dict[str, tuple[np.dtype, tensor_pb2.Dtype.ValueType]] = {
     "f64": (np.dtype(np.float64), tensor_pb2.DTYPE_F64),
     "f32": (np.dtype(np.float32), tensor_pb2.DTYPE_F32),
     "f16": (np.dtype(np.float16), tensor_pb2.DTYPE_F16),
@@ -38,7 +38,7 @@ def to_numpy(name: str) -> np.dtype:
     return _TABLE[check(name)][0]
 
 
-def to_proto(name: str) -> tensor_pb2.DType.ValueType:
+def to_proto(name: str) -> tensor_pb2.Dtype.ValueType:
     return _TABLE[check(name)][1]
 
 

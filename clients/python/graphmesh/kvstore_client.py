@@ -146,7 +146,8 @@ class KvStoreClient:
     def get_blocks(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int], max_tokens: int = 0) -> np.ndarray:
         """The rows of the longest stored prefix (at most max_tokens; 0: no cap): f32 [tokens, layers, 2, kv_dim]."""
         request = kvstore_pb2.GetBlocksRequest(namespace=ns, token_ids=token_ids, max_tokens=max_tokens)
-        got = _call(lambda: tensors.assemble(self._stub.GetBlocks(request, timeout=self.timeout, metadata=self.metadata)))
+        got = _call(lambda: tensors.assemble(a.chunk for a in self._stub.GetBlocks(request, timeout=self.timeout,
+                                                                                    metadata=self.metadata)))
         if len(got) != 1:
             raise errors.Internal(f"GetBlocks returned {len(got)} tensors, expected 1")
         return got[0][1]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -83,6 +84,26 @@ def to_chunks(name: str, array: np.ndarray, chunk_bytes: int = CHUNK_BYTES) -> I
     for head, data in chunk_fields(name, array, chunk_bytes):
         head.data = bytes(data)
         yield head
+
+
+class ChunkMessage(Protocol):
+    """A streaming read RPC's answer: one chunk of the tensor."""
+
+    @property
+    def chunk(self) -> tensor_pb2.TensorChunk: ...
+
+
+M = TypeVar("M", bound=ChunkMessage)
+
+
+def chunk_messages(message: Callable[[], M], name: str, array: np.ndarray) -> Iterator[M]:
+    """The tensor's chunks, each in a new `message` (ReadOutputResponse, GetBlocksResponse...): the data is copied
+    into it once, as to_chunks does."""
+    for head, data in chunk_fields(name, array):
+        out = message()
+        out.chunk.MergeFrom(head)  # every field but the data: a few bytes
+        out.chunk.data = bytes(data)
+        yield out
 
 
 _CHUNK_DATA_TAG = bytes([tensor_pb2.TensorChunk.DESCRIPTOR.fields_by_name["data"].number << 3 | 2])

@@ -311,7 +311,7 @@ class Mesh:
         then committed on every rank (its blocks written behind to the KV store, for the restored session to seed),
         an uncommitted one rolled back, before a new install drops them. Returns the epochs resolved."""
         stubs = {a: stage_pb2_grpc.StageServiceStub(ch) for a, ch in self.channels.items()}
-        calls = [(a, stub.Status.future(stage_pb2.StageStatusRequest(), timeout=2.0)) for a, stub in stubs.items()]
+        calls = [(a, stub.Status.future(stage_pb2.StageServiceStatusRequest(), timeout=2.0)) for a, stub in stubs.items()]
         resolved = 0
         for address, call in calls:
             try:
@@ -612,11 +612,11 @@ class Mesh:
             return 0
         return len(token_ids)
 
-    def stage_statuses(self) -> list[stage_pb2.StageStatusResponse | None]:
-        out: list[stage_pb2.StageStatusResponse | None] = []
+    def stage_statuses(self) -> list[stage_pb2.StageServiceStatusResponse | None]:
+        out: list[stage_pb2.StageServiceStatusResponse | None] = []
         for rank in self.ranks:
             try:
-                out.append(rank.stub.Status(stage_pb2.StageStatusRequest(), timeout=5.0))
+                out.append(rank.stub.Status(stage_pb2.StageServiceStatusRequest(), timeout=5.0))
             except grpc.RpcError:
                 out.append(None)
         return out

@@ -211,7 +211,7 @@ def _take_over(config: CoordinatorConfig, mesh: Mesh, predecessor: int, health: 
 
 def _executors_incarnation(mesh: Mesh) -> int:
     """The newest incarnation any executor answers with (0 for those that do not answer)."""
-    calls = [stage_pb2_grpc.StageServiceStub(channel).Status.future(stage_pb2.StageStatusRequest(), timeout=5.0)
+    calls = [stage_pb2_grpc.StageServiceStub(channel).Status.future(stage_pb2.StageServiceStatusRequest(), timeout=5.0)
              for channel in mesh.channels.values()]
     newest = 0
     for call in calls:

@@ -216,32 +216,33 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
 
     @rpc
     def ReadOutput(self, request: executor_pb2.ReadOutputRequest,
-                   context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
+                   context: grpc.ServicerContext) -> Iterator[executor_pb2.ReadOutputResponse]:
         with self.registry.use(request.executable_id) as exe:
             out = exe.read_output(request.index, request.typed)
-            yield from tensors.to_chunks(exe.graph.outputs[request.index], out)
+            yield from tensors.chunk_messages(executor_pb2.ReadOutputResponse, exe.graph.outputs[request.index], out)
 
     @rpc
-    def RunPipelined(self, request_iterator: Iterator[executor_pb2.RunRequest],
-                     context: grpc.ServicerContext) -> Iterator[executor_pb2.RunResponse]:
+    def RunPipelined(self, request_iterator: Iterator[executor_pb2.RunPipelinedRequest],
+                     context: grpc.ServicerContext) -> Iterator[executor_pb2.RunPipelinedResponse]:
         # Only the last run's outputs stay readable, so every answer of the stream is inline. Plain runs of one
         # executable (named inputs, every output as f32) go to run_pipelined together: on CUDA they are all queued
         # before any is waited for; any other request runs on its own.
         limit = self.max_message_bytes - MESSAGE_SLACK_BYTES
-        requests = list(request_iterator)
+        requests = [r.run for r in request_iterator]
         plain = all(r.executable_id == requests[0].executable_id and not r.slot_inputs and not r.typed_outputs
                     and not r.HasField("outputs") and not r.HasField("active_extent") and not r.HasField("kv_row_feed")
                     for r in requests)
         if not requests or not plain:
             for request in requests:
-                yield self._run(request, limit, stream_rest=False)
+                yield executor_pb2.RunPipelinedResponse(run=self._run(request, limit, stream_rest=False))
             return
         with self.registry.use(requests[0].executable_id) as exe:
             started = time.perf_counter()
             runs = exe.run_pipelined([_named(r.inputs) for r in requests])
             run_us = (time.perf_counter() - started) * 1e6 / len(requests)
         for outs in runs:
-            yield _response(outs, range(len(outs)), run_us, limit, stream_rest=False)
+            yield executor_pb2.RunPipelinedResponse(run=_response(outs, range(len(outs)), run_us, limit,
+                                                                  stream_rest=False))
 
     @rpc
     def CommitNoWait(self, request: executor_pb2.CommitNoWaitRequest,
@@ -327,10 +328,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
 
     @rpc
     def ReadHandle(self, request: executor_pb2.ReadHandleRequest,
-                   context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
+                   context: grpc.ServicerContext) -> Iterator[executor_pb2.ReadHandleResponse]:
         rows = None if request.row_start == request.row_end == 0 else (request.row_start, request.row_end)
         with self.registry.use(request.executable_id) as exe:
-            yield from tensors.to_chunks(request.name, exe.read_handle(request.name, rows))
+            yield from tensors.chunk_messages(executor_pb2.ReadHandleResponse, request.name,
+                                              exe.read_handle(request.name, rows))
 
     @rpc
     def WriteHandleRows(self, request: executor_pb2.WriteHandleRowsRequest,

@@ -13,7 +13,7 @@ import numpy as np
 
 from graphmesh import security, telemetry, tensors
 from graphmesh.errors import InvalidArgument, from_rpc_error, rpc
-from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
 from graphmesh_executor.kv_push import KvPusher
 from graphmesh_executor.stage import Boundary, Sampling, StageConfig, StageRuntime, StepRow
@@ -170,10 +170,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     @rpc
     def ReadSessionKv(self, request: stage_pb2.ReadSessionKvRequest,
-                      context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
+                      context: grpc.ServicerContext) -> Iterator[stage_pb2.ReadSessionKvResponse]:
         h = request.header
         rows = self.runtime.read_kv(h.incarnation, h.session_id, request.from_row, request.to_row)
-        yield from tensors.to_chunks("kv", rows)
+        yield from tensors.chunk_messages(stage_pb2.ReadSessionKvResponse, "kv", rows)
 
     @rpc
     def WriteSessionKv(self, request_iterator: Iterator[stage_pb2.WriteSessionKvRequest],
@@ -233,10 +233,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.InjectFaultResponse()
 
     @rpc
-    def Status(self, request: stage_pb2.StageStatusRequest,
-               context: grpc.ServicerContext) -> stage_pb2.StageStatusResponse:
+    def Status(self, request: stage_pb2.StageServiceStatusRequest,
+               context: grpc.ServicerContext) -> stage_pb2.StageServiceStatusResponse:
         rt, a = self.runtime, self.runtime.authority
-        response = stage_pb2.StageStatusResponse(state=_AUTHORITY[a.state], incarnation=a.incarnation,
+        response = stage_pb2.StageServiceStatusResponse(state=_AUTHORITY[a.state], incarnation=a.incarnation,
                                                  poison_cause=a.cause, rank=rt.rank, backend=rt.backend,
                                                  device=rt.device, model_identity=rt.model_identity, kv_dim=rt.kv_dim)
         if rt.spec is not None:

@@ -10,7 +10,7 @@ import grpc
 
 from graphmesh import dtypes, tensors
 from graphmesh.errors import InvalidArgument, rpc
-from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
+from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from graphmesh_kvstore.mover import Mover
 from graphmesh_kvstore.store import Store
 
@@ -59,9 +59,9 @@ class KvStoreServicer(kvstore_pb2_grpc.KvStoreServiceServicer):
 
     @rpc
     def GetBlocks(self, request: kvstore_pb2.GetBlocksRequest,
-                  context: grpc.ServicerContext) -> Iterator[tensor_pb2.TensorChunk]:
+                  context: grpc.ServicerContext) -> Iterator[kvstore_pb2.GetBlocksResponse]:
         rows = self.store.get_blocks(request.namespace, request.token_ids, request.max_tokens)
-        return tensors.to_chunks("rows", rows)
+        return tensors.chunk_messages(kvstore_pb2.GetBlocksResponse, "rows", rows)
 
     @rpc
     def SeedExecutor(self, request: kvstore_pb2.SeedExecutorRequest,

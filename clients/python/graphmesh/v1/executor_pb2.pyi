@@ -164,7 +164,7 @@ class GetCapabilitiesResponse(_message.Message):
         """ops lists the op names this backend lowers."""
 
     @_builtins.property
-    def dtypes(self) -> _containers.RepeatedScalarFieldContainer[_tensor_pb2.DType.ValueType]:
+    def dtypes(self) -> _containers.RepeatedScalarFieldContainer[_tensor_pb2.Dtype.ValueType]:
         """dtypes lists the dtypes this backend computes in."""
 
     def __init__(
@@ -174,7 +174,7 @@ class GetCapabilitiesResponse(_message.Message):
         device: _builtins.str = ...,
         capabilities: Global___Capabilities | None = ...,
         ops: _abc.Iterable[_builtins.str] | None = ...,
-        dtypes: _abc.Iterable[_tensor_pb2.DType.ValueType] | None = ...,
+        dtypes: _abc.Iterable[_tensor_pb2.Dtype.ValueType] | None = ...,
         max_message_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities"]  # noqa: Y015
@@ -826,6 +826,74 @@ class ReadOutputRequest(_message.Message):
 Global___ReadOutputRequest: _TypeAlias = ReadOutputRequest  # noqa: Y015
 
 @_typing.final
+class ReadOutputResponse(_message.Message):
+    """ReadOutputResponse is one chunk of the output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunk(self) -> _tensor_pb2.TensorChunk: ...
+    def __init__(
+        self,
+        *,
+        chunk: _tensor_pb2.TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadOutputResponse: _TypeAlias = ReadOutputResponse  # noqa: Y015
+
+@_typing.final
+class RunPipelinedRequest(_message.Message):
+    """RunPipelinedRequest is one run of the stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def run(self) -> Global___RunRequest: ...
+    def __init__(
+        self,
+        *,
+        run: Global___RunRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunPipelinedRequest: _TypeAlias = RunPipelinedRequest  # noqa: Y015
+
+@_typing.final
+class RunPipelinedResponse(_message.Message):
+    """RunPipelinedResponse answers the run of the same place in the stream; every
+    output is inline.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def run(self) -> Global___RunResponse: ...
+    def __init__(
+        self,
+        *,
+        run: Global___RunResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunPipelinedResponse: _TypeAlias = RunPipelinedResponse  # noqa: Y015
+
+@_typing.final
 class CommitNoWaitRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1319,6 +1387,28 @@ class ReadHandleRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReadHandleRequest: _TypeAlias = ReadHandleRequest  # noqa: Y015
+
+@_typing.final
+class ReadHandleResponse(_message.Message):
+    """ReadHandleResponse is one chunk of the handle (or of its rows)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunk(self) -> _tensor_pb2.TensorChunk: ...
+    def __init__(
+        self,
+        *,
+        chunk: _tensor_pb2.TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadHandleResponse: _TypeAlias = ReadHandleResponse  # noqa: Y015
 
 @_typing.final
 class WriteHandleRowsRequest(_message.Message):

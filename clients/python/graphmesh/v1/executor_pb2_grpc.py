@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from graphmesh.v1 import executor_pb2 as graphmesh_dot_v1_dot_executor__pb2
-from graphmesh.v1 import tensor_pb2 as graphmesh_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -93,12 +92,12 @@ class ExecutorServiceStub:
         self.ReadOutput = channel.unary_stream(
                 '/graphmesh.v1.ExecutorService/ReadOutput',
                 request_serializer=graphmesh_dot_v1_dot_executor__pb2.ReadOutputRequest.SerializeToString,
-                response_deserializer=graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
+                response_deserializer=graphmesh_dot_v1_dot_executor__pb2.ReadOutputResponse.FromString,
                 _registered_method=True)
         self.RunPipelined = channel.stream_stream(
                 '/graphmesh.v1.ExecutorService/RunPipelined',
-                request_serializer=graphmesh_dot_v1_dot_executor__pb2.RunRequest.SerializeToString,
-                response_deserializer=graphmesh_dot_v1_dot_executor__pb2.RunResponse.FromString,
+                request_serializer=graphmesh_dot_v1_dot_executor__pb2.RunPipelinedRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_executor__pb2.RunPipelinedResponse.FromString,
                 _registered_method=True)
         self.CommitNoWait = channel.unary_unary(
                 '/graphmesh.v1.ExecutorService/CommitNoWait',
@@ -153,7 +152,7 @@ class ExecutorServiceStub:
         self.ReadHandle = channel.unary_stream(
                 '/graphmesh.v1.ExecutorService/ReadHandle',
                 request_serializer=graphmesh_dot_v1_dot_executor__pb2.ReadHandleRequest.SerializeToString,
-                response_deserializer=graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
+                response_deserializer=graphmesh_dot_v1_dot_executor__pb2.ReadHandleResponse.FromString,
                 _registered_method=True)
         self.WriteHandleRows = channel.unary_unary(
                 '/graphmesh.v1.ExecutorService/WriteHandleRows',
@@ -522,12 +521,12 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
             'ReadOutput': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadOutput,
                     request_deserializer=graphmesh_dot_v1_dot_executor__pb2.ReadOutputRequest.FromString,
-                    response_serializer=graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.SerializeToString,
+                    response_serializer=graphmesh_dot_v1_dot_executor__pb2.ReadOutputResponse.SerializeToString,
             ),
             'RunPipelined': grpc.stream_stream_rpc_method_handler(
                     servicer.RunPipelined,
-                    request_deserializer=graphmesh_dot_v1_dot_executor__pb2.RunRequest.FromString,
-                    response_serializer=graphmesh_dot_v1_dot_executor__pb2.RunResponse.SerializeToString,
+                    request_deserializer=graphmesh_dot_v1_dot_executor__pb2.RunPipelinedRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_executor__pb2.RunPipelinedResponse.SerializeToString,
             ),
             'CommitNoWait': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitNoWait,
@@ -582,7 +581,7 @@ def add_ExecutorServiceServicer_to_server(servicer, server):
             'ReadHandle': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadHandle,
                     request_deserializer=graphmesh_dot_v1_dot_executor__pb2.ReadHandleRequest.FromString,
-                    response_serializer=graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.SerializeToString,
+                    response_serializer=graphmesh_dot_v1_dot_executor__pb2.ReadHandleResponse.SerializeToString,
             ),
             'WriteHandleRows': grpc.unary_unary_rpc_method_handler(
                     servicer.WriteHandleRows,
@@ -919,7 +918,7 @@ class ExecutorService:
             target,
             '/graphmesh.v1.ExecutorService/ReadOutput',
             graphmesh_dot_v1_dot_executor__pb2.ReadOutputRequest.SerializeToString,
-            graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
+            graphmesh_dot_v1_dot_executor__pb2.ReadOutputResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -945,8 +944,8 @@ class ExecutorService:
             request_iterator,
             target,
             '/graphmesh.v1.ExecutorService/RunPipelined',
-            graphmesh_dot_v1_dot_executor__pb2.RunRequest.SerializeToString,
-            graphmesh_dot_v1_dot_executor__pb2.RunResponse.FromString,
+            graphmesh_dot_v1_dot_executor__pb2.RunPipelinedRequest.SerializeToString,
+            graphmesh_dot_v1_dot_executor__pb2.RunPipelinedResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1243,7 +1242,7 @@ class ExecutorService:
             target,
             '/graphmesh.v1.ExecutorService/ReadHandle',
             graphmesh_dot_v1_dot_executor__pb2.ReadHandleRequest.SerializeToString,
-            graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
+            graphmesh_dot_v1_dot_executor__pb2.ReadHandleResponse.FromString,
             options,
             channel_credentials,
             insecure,

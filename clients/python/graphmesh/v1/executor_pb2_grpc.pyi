@@ -5,7 +5,6 @@ isort:skip_file
 
 from collections import abc as _abc
 from graphmesh.v1 import executor_pb2 as _executor_pb2
-from graphmesh.v1 import tensor_pb2 as _tensor_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc
@@ -68,9 +67,9 @@ class ExecutorServiceStub:
     """Run executes the graph once. Outputs above the inline limit stay on the
     executor and are fetched with ReadOutput.
     """
-    ReadOutput: _grpc.UnaryStreamMultiCallable[_executor_pb2.ReadOutputRequest, _tensor_pb2.TensorChunk]
+    ReadOutput: _grpc.UnaryStreamMultiCallable[_executor_pb2.ReadOutputRequest, _executor_pb2.ReadOutputResponse]
     """ReadOutput streams one output of the last run in chunks."""
-    RunPipelined: _grpc.StreamStreamMultiCallable[_executor_pb2.RunRequest, _executor_pb2.RunResponse]
+    RunPipelined: _grpc.StreamStreamMultiCallable[_executor_pb2.RunPipelinedRequest, _executor_pb2.RunPipelinedResponse]
     """RunPipelined runs each request of the stream in order and answers each."""
     CommitNoWait: _grpc.UnaryUnaryMultiCallable[_executor_pb2.CommitNoWaitRequest, _executor_pb2.CommitNoWaitResponse]
     """CommitNoWait submits a run without waiting; its outputs are discarded."""
@@ -105,7 +104,7 @@ class ExecutorServiceStub:
     """RunFeedHandle runs, stores output output_index as handle handle_name on
     the device, and returns that output (run_feed_gpu_handle).
     """
-    ReadHandle: _grpc.UnaryStreamMultiCallable[_executor_pb2.ReadHandleRequest, _tensor_pb2.TensorChunk]
+    ReadHandle: _grpc.UnaryStreamMultiCallable[_executor_pb2.ReadHandleRequest, _executor_pb2.ReadHandleResponse]
     """ReadHandle streams a handle's contents, or a range of its rows."""
     WriteHandleRows: _grpc.UnaryUnaryMultiCallable[_executor_pb2.WriteHandleRowsRequest, _executor_pb2.WriteHandleRowsResponse]
     """WriteHandleRows writes rows [row_start, row_start + rows) of a handle."""
@@ -175,9 +174,9 @@ class ExecutorServiceAsyncStub(ExecutorServiceStub):
     """Run executes the graph once. Outputs above the inline limit stay on the
     executor and are fetched with ReadOutput.
     """
-    ReadOutput: _aio.UnaryStreamMultiCallable[_executor_pb2.ReadOutputRequest, _tensor_pb2.TensorChunk]  # type: ignore[assignment]
+    ReadOutput: _aio.UnaryStreamMultiCallable[_executor_pb2.ReadOutputRequest, _executor_pb2.ReadOutputResponse]  # type: ignore[assignment]
     """ReadOutput streams one output of the last run in chunks."""
-    RunPipelined: _aio.StreamStreamMultiCallable[_executor_pb2.RunRequest, _executor_pb2.RunResponse]  # type: ignore[assignment]
+    RunPipelined: _aio.StreamStreamMultiCallable[_executor_pb2.RunPipelinedRequest, _executor_pb2.RunPipelinedResponse]  # type: ignore[assignment]
     """RunPipelined runs each request of the stream in order and answers each."""
     CommitNoWait: _aio.UnaryUnaryMultiCallable[_executor_pb2.CommitNoWaitRequest, _executor_pb2.CommitNoWaitResponse]  # type: ignore[assignment]
     """CommitNoWait submits a run without waiting; its outputs are discarded."""
@@ -212,7 +211,7 @@ class ExecutorServiceAsyncStub(ExecutorServiceStub):
     """RunFeedHandle runs, stores output output_index as handle handle_name on
     the device, and returns that output (run_feed_gpu_handle).
     """
-    ReadHandle: _aio.UnaryStreamMultiCallable[_executor_pb2.ReadHandleRequest, _tensor_pb2.TensorChunk]  # type: ignore[assignment]
+    ReadHandle: _aio.UnaryStreamMultiCallable[_executor_pb2.ReadHandleRequest, _executor_pb2.ReadHandleResponse]  # type: ignore[assignment]
     """ReadHandle streams a handle's contents, or a range of its rows."""
     WriteHandleRows: _aio.UnaryUnaryMultiCallable[_executor_pb2.WriteHandleRowsRequest, _executor_pb2.WriteHandleRowsResponse]  # type: ignore[assignment]
     """WriteHandleRows writes rows [row_start, row_start + rows) of a handle."""
@@ -339,15 +338,15 @@ class ExecutorServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _executor_pb2.ReadOutputRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_tensor_pb2.TensorChunk], _abc.AsyncIterator[_tensor_pb2.TensorChunk]]:
+    ) -> _typing.Union[_abc.Iterator[_executor_pb2.ReadOutputResponse], _abc.AsyncIterator[_executor_pb2.ReadOutputResponse]]:
         """ReadOutput streams one output of the last run in chunks."""
 
     @_abc_1.abstractmethod
     def RunPipelined(
         self,
-        request_iterator: _MaybeAsyncIterator[_executor_pb2.RunRequest],
+        request_iterator: _MaybeAsyncIterator[_executor_pb2.RunPipelinedRequest],
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_executor_pb2.RunResponse], _abc.AsyncIterator[_executor_pb2.RunResponse]]:
+    ) -> _typing.Union[_abc.Iterator[_executor_pb2.RunPipelinedResponse], _abc.AsyncIterator[_executor_pb2.RunPipelinedResponse]]:
         """RunPipelined runs each request of the stream in order and answers each."""
 
     @_abc_1.abstractmethod
@@ -448,7 +447,7 @@ class ExecutorServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _executor_pb2.ReadHandleRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_tensor_pb2.TensorChunk], _abc.AsyncIterator[_tensor_pb2.TensorChunk]]:
+    ) -> _typing.Union[_abc.Iterator[_executor_pb2.ReadHandleResponse], _abc.AsyncIterator[_executor_pb2.ReadHandleResponse]]:
         """ReadHandle streams a handle's contents, or a range of its rows."""
 
     @_abc_1.abstractmethod

@@ -27,7 +27,7 @@ class TensorType(_message.Message):
 
     DTYPE_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
-    dtype: _tensor_pb2.DType.ValueType
+    dtype: _tensor_pb2.Dtype.ValueType
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """shape lists the dimensions, outermost first; empty means a scalar."""
@@ -35,7 +35,7 @@ class TensorType(_message.Message):
     def __init__(
         self,
         *,
-        dtype: _tensor_pb2.DType.ValueType = ...,
+        dtype: _tensor_pb2.Dtype.ValueType = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
@@ -131,7 +131,7 @@ class AttrValue(_message.Message):
     f: _builtins.float
     b: _builtins.bool
     s: _builtins.str
-    dtype: _tensor_pb2.DType.ValueType
+    dtype: _tensor_pb2.Dtype.ValueType
     @_builtins.property
     def ints(self) -> Global___IntList: ...
     @_builtins.property
@@ -147,7 +147,7 @@ class AttrValue(_message.Message):
         s: _builtins.str = ...,
         ints: Global___IntList | None = ...,
         floats: Global___FloatList | None = ...,
-        dtype: _tensor_pb2.DType.ValueType = ...,
+        dtype: _tensor_pb2.Dtype.ValueType = ...,
         tensor: _tensor_pb2.Tensor | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["b", b"b", "dtype", b"dtype", "f", b"f", "floats", b"floats", "i", b"i", "ints", b"ints", "s", b"s", "tensor", b"tensor", "value", b"value"]  # noqa: Y015

@@ -26,7 +26,7 @@ from graphmesh.v1 import stage_pb2 as graphmesh_dot_v1_dot_stage__pb2
 from graphmesh.v1 import tensor_pb2 as graphmesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agraphmesh/v1/kvstore.proto\x12\x0cgraphmesh.v1\x1a\x18graphmesh/v1/stage.proto\x1a\x19graphmesh/v1/tensor.proto\"\xa7\x01\n\x0bKvNamespace\x12\x16\n\x0emodel_identity\x18\x01 \x01(\t\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.graphmesh.v1.DType\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x0e\n\x06kv_dim\x18\x06 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\"\xca\x01\n\x10PutBlocksRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_count\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\'\n\x04rows\x18\x07 \x01(\x0b\x32\x19.graphmesh.v1.TensorChunk\"<\n\x11PutBlocksResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\"P\n\rLookupRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\"(\n\x0eLookupResponse\x12\x16\n\x0ematched_tokens\x18\x01 \x01(\r\"g\n\x10GetBlocksRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\"\xb1\x01\n\x13SeedExecutorRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x18\n\x10\x65xecutor_address\x18\x04 \x01(\t\x12+\n\x06header\x18\x05 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\"P\n\x14SeedExecutorResponse\x12\x15\n\rseeded_tokens\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x03 \x01(\x01\"S\n\tStageSeed\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\x12\x18\n\x10\x65xecutor_address\x18\x02 \x01(\t\"\x90\x01\n\x11SeedStagesRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\'\n\x06stages\x18\x03 \x03(\x0b\x32\x17.graphmesh.v1.StageSeed\x12+\n\x06header\x18\x04 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\"N\n\x12SeedStagesResponse\x12\x15\n\rseeded_tokens\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x03 \x01(\x01\"\xd5\x01\n\x0f\x43opyRowsRequest\x12\x16\n\x0esource_address\x18\x01 \x01(\t\x12\x32\n\rsource_header\x18\x02 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\x12\x1b\n\x13\x64\x65stination_address\x18\x03 \x01(\t\x12\x37\n\x12\x64\x65stination_header\x18\x04 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\x12\x10\n\x08\x66rom_row\x18\x05 \x01(\r\x12\x0e\n\x06to_row\x18\x06 \x01(\r\"5\n\x10\x43opyRowsResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x02 \x01(\x01\"-\n\x18RegisterExecutorsRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\"\x1b\n\x19RegisterExecutorsResponse\"<\n\x0c\x45victRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\"\'\n\rEvictResponse\x12\x16\n\x0e\x65victed_blocks\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xed\x02\n\rStatsResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x04\x12\x12\n\ndisk_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07lookups\x18\x05 \x01(\x04\x12\x12\n\nhit_tokens\x18\x06 \x01(\x04\x12\x13\n\x0bmiss_tokens\x18\x07 \x01(\x04\x12\x11\n\thit_ratio\x18\x08 \x01(\x01\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\n \x01(\x04\x12\x18\n\x10seed_bytes_per_s\x18\x0b \x01(\x01\x12\x18\n\x10\x63opy_bytes_per_s\x18\x0c \x01(\x01\x12\x19\n\x11shared_configured\x18\r \x01(\x08\x12\x11\n\tshared_up\x18\x0e \x01(\x08\x12\x19\n\x11shared_hit_blocks\x18\x0f \x01(\x04\x12\x15\n\rshared_errors\x18\x10 \x01(\x04\x32\xcc\x05\n\x0eKvStoreService\x12N\n\tPutBlocks\x12\x1e.graphmesh.v1.PutBlocksRequest\x1a\x1f.graphmesh.v1.PutBlocksResponse(\x01\x12\x43\n\x06Lookup\x12\x1b.graphmesh.v1.LookupRequest\x1a\x1c.graphmesh.v1.LookupResponse\x12H\n\tGetBlocks\x12\x1e.graphmesh.v1.GetBlocksRequest\x1a\x19.graphmesh.v1.TensorChunk0\x01\x12U\n\x0cSeedExecutor\x12!.graphmesh.v1.SeedExecutorRequest\x1a\".graphmesh.v1.SeedExecutorResponse\x12O\n\nSeedStages\x12\x1f.graphmesh.v1.SeedStagesRequest\x1a .graphmesh.v1.SeedStagesResponse\x12I\n\x08\x43opyRows\x12\x1d.graphmesh.v1.CopyRowsRequest\x1a\x1e.graphmesh.v1.CopyRowsResponse\x12\x64\n\x11RegisterExecutors\x12&.graphmesh.v1.RegisterExecutorsRequest\x1a\'.graphmesh.v1.RegisterExecutorsResponse\x12@\n\x05\x45vict\x12\x1a.graphmesh.v1.EvictRequest\x1a\x1b.graphmesh.v1.EvictResponse\x12@\n\x05Stats\x12\x1a.graphmesh.v1.StatsRequest\x1a\x1b.graphmesh.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agraphmesh/v1/kvstore.proto\x12\x0cgraphmesh.v1\x1a\x18graphmesh/v1/stage.proto\x1a\x19graphmesh/v1/tensor.proto\"\xa7\x01\n\x0bKvNamespace\x12\x16\n\x0emodel_identity\x18\x01 \x01(\t\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.graphmesh.v1.Dtype\x12\x13\n\x0blayer_start\x18\x04 \x01(\r\x12\x11\n\tlayer_end\x18\x05 \x01(\r\x12\x0e\n\x06kv_dim\x18\x06 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\"\xca\x01\n\x10PutBlocksRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x13\n\x0b\x62lock_count\x18\x04 \x01(\r\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\r\n\x05\x65poch\x18\x06 \x01(\x04\x12\'\n\x04rows\x18\x07 \x01(\x0b\x32\x19.graphmesh.v1.TensorChunk\"<\n\x11PutBlocksResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x17\n\x0f\x61lready_present\x18\x02 \x01(\r\"P\n\rLookupRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\"(\n\x0eLookupResponse\x12\x16\n\x0ematched_tokens\x18\x01 \x01(\r\"g\n\x10GetBlocksRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\"=\n\x11GetBlocksResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.TensorChunk\"\xb1\x01\n\x13SeedExecutorRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x18\n\x10\x65xecutor_address\x18\x04 \x01(\t\x12+\n\x06header\x18\x05 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\"P\n\x14SeedExecutorResponse\x12\x15\n\rseeded_tokens\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x03 \x01(\x01\"S\n\tStageSeed\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\x12\x18\n\x10\x65xecutor_address\x18\x02 \x01(\t\"\x90\x01\n\x11SeedStagesRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\x12\'\n\x06stages\x18\x03 \x03(\x0b\x32\x17.graphmesh.v1.StageSeed\x12+\n\x06header\x18\x04 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\"N\n\x12SeedStagesResponse\x12\x15\n\rseeded_tokens\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x03 \x01(\x01\"\xd5\x01\n\x0f\x43opyRowsRequest\x12\x16\n\x0esource_address\x18\x01 \x01(\t\x12\x32\n\rsource_header\x18\x02 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\x12\x1b\n\x13\x64\x65stination_address\x18\x03 \x01(\t\x12\x37\n\x12\x64\x65stination_header\x18\x04 \x01(\x0b\x32\x1b.graphmesh.v1.FencingHeader\x12\x10\n\x08\x66rom_row\x18\x05 \x01(\r\x12\x0e\n\x06to_row\x18\x06 \x01(\r\"5\n\x10\x43opyRowsResponse\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x12\n\nelapsed_ms\x18\x02 \x01(\x01\"-\n\x18RegisterExecutorsRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\"\x1b\n\x19RegisterExecutorsResponse\"<\n\x0c\x45victRequest\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.graphmesh.v1.KvNamespace\"\'\n\rEvictResponse\x12\x16\n\x0e\x65victed_blocks\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xed\x02\n\rStatsResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x04\x12\x12\n\ndisk_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07lookups\x18\x05 \x01(\x04\x12\x12\n\nhit_tokens\x18\x06 \x01(\x04\x12\x13\n\x0bmiss_tokens\x18\x07 \x01(\x04\x12\x11\n\thit_ratio\x18\x08 \x01(\x01\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\n \x01(\x04\x12\x18\n\x10seed_bytes_per_s\x18\x0b \x01(\x01\x12\x18\n\x10\x63opy_bytes_per_s\x18\x0c \x01(\x01\x12\x19\n\x11shared_configured\x18\r \x01(\x08\x12\x11\n\tshared_up\x18\x0e \x01(\x08\x12\x19\n\x11shared_hit_blocks\x18\x0f \x01(\x04\x12\x15\n\rshared_errors\x18\x10 \x01(\x04\x32\xd2\x05\n\x0eKvStoreService\x12N\n\tPutBlocks\x12\x1e.graphmesh.v1.PutBlocksRequest\x1a\x1f.graphmesh.v1.PutBlocksResponse(\x01\x12\x43\n\x06Lookup\x12\x1b.graphmesh.v1.LookupRequest\x1a\x1c.graphmesh.v1.LookupResponse\x12N\n\tGetBlocks\x12\x1e.graphmesh.v1.GetBlocksRequest\x1a\x1f.graphmesh.v1.GetBlocksResponse0\x01\x12U\n\x0cSeedExecutor\x12!.graphmesh.v1.SeedExecutorRequest\x1a\".graphmesh.v1.SeedExecutorResponse\x12O\n\nSeedStages\x12\x1f.graphmesh.v1.SeedStagesRequest\x1a .graphmesh.v1.SeedStagesResponse\x12I\n\x08\x43opyRows\x12\x1d.graphmesh.v1.CopyRowsRequest\x1a\x1e.graphmesh.v1.CopyRowsResponse\x12\x64\n\x11RegisterExecutors\x12&.graphmesh.v1.RegisterExecutorsRequest\x1a\'.graphmesh.v1.RegisterExecutorsResponse\x12@\n\x05\x45vict\x12\x1a.graphmesh.v1.EvictRequest\x1a\x1b.graphmesh.v1.EvictResponse\x12@\n\x05Stats\x12\x1a.graphmesh.v1.StatsRequest\x1a\x1b.graphmesh.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,32 +45,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOOKUPRESPONSE']._serialized_end=656
   _globals['_GETBLOCKSREQUEST']._serialized_start=658
   _globals['_GETBLOCKSREQUEST']._serialized_end=761
-  _globals['_SEEDEXECUTORREQUEST']._serialized_start=764
-  _globals['_SEEDEXECUTORREQUEST']._serialized_end=941
-  _globals['_SEEDEXECUTORRESPONSE']._serialized_start=943
-  _globals['_SEEDEXECUTORRESPONSE']._serialized_end=1023
-  _globals['_STAGESEED']._serialized_start=1025
-  _globals['_STAGESEED']._serialized_end=1108
-  _globals['_SEEDSTAGESREQUEST']._serialized_start=1111
-  _globals['_SEEDSTAGESREQUEST']._serialized_end=1255
-  _globals['_SEEDSTAGESRESPONSE']._serialized_start=1257
-  _globals['_SEEDSTAGESRESPONSE']._serialized_end=1335
-  _globals['_COPYROWSREQUEST']._serialized_start=1338
-  _globals['_COPYROWSREQUEST']._serialized_end=1551
-  _globals['_COPYROWSRESPONSE']._serialized_start=1553
-  _globals['_COPYROWSRESPONSE']._serialized_end=1606
-  _globals['_REGISTEREXECUTORSREQUEST']._serialized_start=1608
-  _globals['_REGISTEREXECUTORSREQUEST']._serialized_end=1653
-  _globals['_REGISTEREXECUTORSRESPONSE']._serialized_start=1655
-  _globals['_REGISTEREXECUTORSRESPONSE']._serialized_end=1682
-  _globals['_EVICTREQUEST']._serialized_start=1684
-  _globals['_EVICTREQUEST']._serialized_end=1744
-  _globals['_EVICTRESPONSE']._serialized_start=1746
-  _globals['_EVICTRESPONSE']._serialized_end=1785
-  _globals['_STATSREQUEST']._serialized_start=1787
-  _globals['_STATSREQUEST']._serialized_end=1801
-  _globals['_STATSRESPONSE']._serialized_start=1804
-  _globals['_STATSRESPONSE']._serialized_end=2169
-  _globals['_KVSTORESERVICE']._serialized_start=2172
-  _globals['_KVSTORESERVICE']._serialized_end=2888
+  _globals['_GETBLOCKSRESPONSE']._serialized_start=763
+  _globals['_GETBLOCKSRESPONSE']._serialized_end=824
+  _globals['_SEEDEXECUTORREQUEST']._serialized_start=827
+  _globals['_SEEDEXECUTORREQUEST']._serialized_end=1004
+  _globals['_SEEDEXECUTORRESPONSE']._serialized_start=1006
+  _globals['_SEEDEXECUTORRESPONSE']._serialized_end=1086
+  _globals['_STAGESEED']._serialized_start=1088
+  _globals['_STAGESEED']._serialized_end=1171
+  _globals['_SEEDSTAGESREQUEST']._serialized_start=1174
+  _globals['_SEEDSTAGESREQUEST']._serialized_end=1318
+  _globals['_SEEDSTAGESRESPONSE']._serialized_start=1320
+  _globals['_SEEDSTAGESRESPONSE']._serialized_end=1398
+  _globals['_COPYROWSREQUEST']._serialized_start=1401
+  _globals['_COPYROWSREQUEST']._serialized_end=1614
+  _globals['_COPYROWSRESPONSE']._serialized_start=1616
+  _globals['_COPYROWSRESPONSE']._serialized_end=1669
+  _globals['_REGISTEREXECUTORSREQUEST']._serialized_start=1671
+  _globals['_REGISTEREXECUTORSREQUEST']._serialized_end=1716
+  _globals['_REGISTEREXECUTORSRESPONSE']._serialized_start=1718
+  _globals['_REGISTEREXECUTORSRESPONSE']._serialized_end=1745
+  _globals['_EVICTREQUEST']._serialized_start=1747
+  _globals['_EVICTREQUEST']._serialized_end=1807
+  _globals['_EVICTRESPONSE']._serialized_start=1809
+  _globals['_EVICTRESPONSE']._serialized_end=1848
+  _globals['_STATSREQUEST']._serialized_start=1850
+  _globals['_STATSREQUEST']._serialized_end=1864
+  _globals['_STATSRESPONSE']._serialized_start=1867
+  _globals['_STATSRESPONSE']._serialized_end=2232
+  _globals['_KVSTORESERVICE']._serialized_start=2235
+  _globals['_KVSTORESERVICE']._serialized_end=2957
 # @@protoc_insertion_point(module_scope)

@@ -37,7 +37,7 @@ class KvNamespace(_message.Message):
     """model_identity is the checkpoint's identity hash."""
     layout: _builtins.str
     """layout names the row layout, e.g. "rows[tokens,layers,2,kv_dim]"."""
-    dtype: _tensor_pb2.DType.ValueType
+    dtype: _tensor_pb2.Dtype.ValueType
     layer_start: _builtins.int
     """layer_start and layer_end are the stage's layers [layer_start, layer_end):
     which layers' entries a call reads or writes (not part of the keys).
@@ -52,7 +52,7 @@ class KvNamespace(_message.Message):
         *,
         model_identity: _builtins.str = ...,
         layout: _builtins.str = ...,
-        dtype: _tensor_pb2.DType.ValueType = ...,
+        dtype: _tensor_pb2.Dtype.ValueType = ...,
         layer_start: _builtins.int = ...,
         layer_end: _builtins.int = ...,
         kv_dim: _builtins.int = ...,
@@ -211,6 +211,28 @@ class GetBlocksRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetBlocksRequest: _TypeAlias = GetBlocksRequest  # noqa: Y015
+
+@_typing.final
+class GetBlocksResponse(_message.Message):
+    """GetBlocksResponse is one chunk of the rows."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunk(self) -> _tensor_pb2.TensorChunk: ...
+    def __init__(
+        self,
+        *,
+        chunk: _tensor_pb2.TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetBlocksResponse: _TypeAlias = GetBlocksResponse  # noqa: Y015
 
 @_typing.final
 class SeedExecutorRequest(_message.Message):

@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from graphmesh.v1 import kvstore_pb2 as graphmesh_dot_v1_dot_kvstore__pb2
-from graphmesh.v1 import tensor_pb2 as graphmesh_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -59,7 +58,7 @@ class KvStoreServiceStub:
         self.GetBlocks = channel.unary_stream(
                 '/graphmesh.v1.KvStoreService/GetBlocks',
                 request_serializer=graphmesh_dot_v1_dot_kvstore__pb2.GetBlocksRequest.SerializeToString,
-                response_deserializer=graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
+                response_deserializer=graphmesh_dot_v1_dot_kvstore__pb2.GetBlocksResponse.FromString,
                 _registered_method=True)
         self.SeedExecutor = channel.unary_unary(
                 '/graphmesh.v1.KvStoreService/SeedExecutor',
@@ -200,7 +199,7 @@ def add_KvStoreServiceServicer_to_server(servicer, server):
             'GetBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.GetBlocks,
                     request_deserializer=graphmesh_dot_v1_dot_kvstore__pb2.GetBlocksRequest.FromString,
-                    response_serializer=graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.SerializeToString,
+                    response_serializer=graphmesh_dot_v1_dot_kvstore__pb2.GetBlocksResponse.SerializeToString,
             ),
             'SeedExecutor': grpc.unary_unary_rpc_method_handler(
                     servicer.SeedExecutor,
@@ -324,7 +323,7 @@ class KvStoreService:
             target,
             '/graphmesh.v1.KvStoreService/GetBlocks',
             graphmesh_dot_v1_dot_kvstore__pb2.GetBlocksRequest.SerializeToString,
-            graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
+            graphmesh_dot_v1_dot_kvstore__pb2.GetBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,6 @@ isort:skip_file
 
 from collections import abc as _abc
 from graphmesh.v1 import kvstore_pb2 as _kvstore_pb2
-from graphmesh.v1 import tensor_pb2 as _tensor_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc
@@ -49,7 +48,7 @@ class KvStoreServiceStub:
     """PutBlocks stores blocks (idempotent: a block already stored is kept)."""
     Lookup: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.LookupRequest, _kvstore_pb2.LookupResponse]
     """Lookup finds the longest stored prefix of token_ids, in whole blocks."""
-    GetBlocks: _grpc.UnaryStreamMultiCallable[_kvstore_pb2.GetBlocksRequest, _tensor_pb2.TensorChunk]
+    GetBlocks: _grpc.UnaryStreamMultiCallable[_kvstore_pb2.GetBlocksRequest, _kvstore_pb2.GetBlocksResponse]
     """GetBlocks streams the rows of the longest stored prefix."""
     SeedExecutor: _grpc.UnaryUnaryMultiCallable[_kvstore_pb2.SeedExecutorRequest, _kvstore_pb2.SeedExecutorResponse]
     """SeedExecutor writes the longest stored prefix (up to max_tokens) straight
@@ -102,7 +101,7 @@ class KvStoreServiceAsyncStub(KvStoreServiceStub):
     """PutBlocks stores blocks (idempotent: a block already stored is kept)."""
     Lookup: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.LookupRequest, _kvstore_pb2.LookupResponse]  # type: ignore[assignment]
     """Lookup finds the longest stored prefix of token_ids, in whole blocks."""
-    GetBlocks: _aio.UnaryStreamMultiCallable[_kvstore_pb2.GetBlocksRequest, _tensor_pb2.TensorChunk]  # type: ignore[assignment]
+    GetBlocks: _aio.UnaryStreamMultiCallable[_kvstore_pb2.GetBlocksRequest, _kvstore_pb2.GetBlocksResponse]  # type: ignore[assignment]
     """GetBlocks streams the rows of the longest stored prefix."""
     SeedExecutor: _aio.UnaryUnaryMultiCallable[_kvstore_pb2.SeedExecutorRequest, _kvstore_pb2.SeedExecutorResponse]  # type: ignore[assignment]
     """SeedExecutor writes the longest stored prefix (up to max_tokens) straight
@@ -170,7 +169,7 @@ class KvStoreServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _kvstore_pb2.GetBlocksRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_tensor_pb2.TensorChunk], _abc.AsyncIterator[_tensor_pb2.TensorChunk]]:
+    ) -> _typing.Union[_abc.Iterator[_kvstore_pb2.GetBlocksResponse], _abc.AsyncIterator[_kvstore_pb2.GetBlocksResponse]]:
         """GetBlocks streams the rows of the longest stored prefix."""
 
     @_abc_1.abstractmethod

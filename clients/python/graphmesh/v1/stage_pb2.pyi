@@ -1063,6 +1063,28 @@ class ReadSessionKvRequest(_message.Message):
 Global___ReadSessionKvRequest: _TypeAlias = ReadSessionKvRequest  # noqa: Y015
 
 @_typing.final
+class ReadSessionKvResponse(_message.Message):
+    """ReadSessionKvResponse is one chunk of the rows, f32 [rows, layers, 2, kv_dim]."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunk(self) -> _tensor_pb2.TensorChunk: ...
+    def __init__(
+        self,
+        *,
+        chunk: _tensor_pb2.TensorChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadSessionKvResponse: _TypeAlias = ReadSessionKvResponse  # noqa: Y015
+
+@_typing.final
 class WriteSessionKvRequest(_message.Message):
     """WriteSessionKvRequest is one message of the WriteSessionKv stream: the
     first carries header and start_row, then `rows` chunks of one tensor
@@ -1315,7 +1337,7 @@ class StageSessionStatus(_message.Message):
 Global___StageSessionStatus: _TypeAlias = StageSessionStatus  # noqa: Y015
 
 @_typing.final
-class StageStatusRequest(_message.Message):
+class StageServiceStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     def __init__(
@@ -1327,10 +1349,10 @@ class StageStatusRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___StageStatusRequest: _TypeAlias = StageStatusRequest  # noqa: Y015
+Global___StageServiceStatusRequest: _TypeAlias = StageServiceStatusRequest  # noqa: Y015
 
 @_typing.final
-class StageStatusResponse(_message.Message):
+class StageServiceStatusResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STATE_FIELD_NUMBER: _builtins.int
@@ -1378,4 +1400,4 @@ class StageStatusResponse(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___StageStatusResponse: _TypeAlias = StageStatusResponse  # noqa: Y015
+Global___StageServiceStatusResponse: _TypeAlias = StageServiceStatusResponse  # noqa: Y015

@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from graphmesh.v1 import stage_pb2 as graphmesh_dot_v1_dot_stage__pb2
-from graphmesh.v1 import tensor_pb2 as graphmesh_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -89,7 +88,7 @@ class StageServiceStub:
         self.ReadSessionKv = channel.unary_stream(
                 '/graphmesh.v1.StageService/ReadSessionKv',
                 request_serializer=graphmesh_dot_v1_dot_stage__pb2.ReadSessionKvRequest.SerializeToString,
-                response_deserializer=graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
+                response_deserializer=graphmesh_dot_v1_dot_stage__pb2.ReadSessionKvResponse.FromString,
                 _registered_method=True)
         self.WriteSessionKv = channel.stream_unary(
                 '/graphmesh.v1.StageService/WriteSessionKv',
@@ -108,8 +107,8 @@ class StageServiceStub:
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/graphmesh.v1.StageService/Status',
-                request_serializer=graphmesh_dot_v1_dot_stage__pb2.StageStatusRequest.SerializeToString,
-                response_deserializer=graphmesh_dot_v1_dot_stage__pb2.StageStatusResponse.FromString,
+                request_serializer=graphmesh_dot_v1_dot_stage__pb2.StageServiceStatusRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_stage__pb2.StageServiceStatusResponse.FromString,
                 _registered_method=True)
         self.InjectFault = channel.unary_unary(
                 '/graphmesh.v1.StageService/InjectFault',
@@ -307,7 +306,7 @@ def add_StageServiceServicer_to_server(servicer, server):
             'ReadSessionKv': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadSessionKv,
                     request_deserializer=graphmesh_dot_v1_dot_stage__pb2.ReadSessionKvRequest.FromString,
-                    response_serializer=graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.SerializeToString,
+                    response_serializer=graphmesh_dot_v1_dot_stage__pb2.ReadSessionKvResponse.SerializeToString,
             ),
             'WriteSessionKv': grpc.stream_unary_rpc_method_handler(
                     servicer.WriteSessionKv,
@@ -326,8 +325,8 @@ def add_StageServiceServicer_to_server(servicer, server):
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=graphmesh_dot_v1_dot_stage__pb2.StageStatusRequest.FromString,
-                    response_serializer=graphmesh_dot_v1_dot_stage__pb2.StageStatusResponse.SerializeToString,
+                    request_deserializer=graphmesh_dot_v1_dot_stage__pb2.StageServiceStatusRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_stage__pb2.StageServiceStatusResponse.SerializeToString,
             ),
             'InjectFault': grpc.unary_unary_rpc_method_handler(
                     servicer.InjectFault,
@@ -610,7 +609,7 @@ class StageService:
             target,
             '/graphmesh.v1.StageService/ReadSessionKv',
             graphmesh_dot_v1_dot_stage__pb2.ReadSessionKvRequest.SerializeToString,
-            graphmesh_dot_v1_dot_tensor__pb2.TensorChunk.FromString,
+            graphmesh_dot_v1_dot_stage__pb2.ReadSessionKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -717,8 +716,8 @@ class StageService:
             request,
             target,
             '/graphmesh.v1.StageService/Status',
-            graphmesh_dot_v1_dot_stage__pb2.StageStatusRequest.SerializeToString,
-            graphmesh_dot_v1_dot_stage__pb2.StageStatusResponse.FromString,
+            graphmesh_dot_v1_dot_stage__pb2.StageServiceStatusRequest.SerializeToString,
+            graphmesh_dot_v1_dot_stage__pb2.StageServiceStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,6 @@ isort:skip_file
 
 from collections import abc as _abc
 from graphmesh.v1 import stage_pb2 as _stage_pb2
-from graphmesh.v1 import tensor_pb2 as _tensor_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc
@@ -79,7 +78,7 @@ class StageServiceStub:
     another session on this rank holds: its whole committed blocks are shared
     (reference-counted), not copied, and the prefix is committed at once.
     """
-    ReadSessionKv: _grpc.UnaryStreamMultiCallable[_stage_pb2.ReadSessionKvRequest, _tensor_pb2.TensorChunk]
+    ReadSessionKv: _grpc.UnaryStreamMultiCallable[_stage_pb2.ReadSessionKvRequest, _stage_pb2.ReadSessionKvResponse]
     """ReadSessionKv streams rows [from_row, to_row) of a session's committed KV
     as one tensor "kv" f32 [rows, layers, 2, kv_dim].
     """
@@ -100,7 +99,7 @@ class StageServiceStub:
     """Fence poisons incarnation `incarnation` on this executor (first cause
     wins; never cleared). A later Install(k+1) makes the executor ACTIVE.
     """
-    Status: _grpc.UnaryUnaryMultiCallable[_stage_pb2.StageStatusRequest, _stage_pb2.StageStatusResponse]
+    Status: _grpc.UnaryUnaryMultiCallable[_stage_pb2.StageServiceStatusRequest, _stage_pb2.StageServiceStatusResponse]
     """Status reports the authority and session state machines. Not fenced."""
     InjectFault: _grpc.UnaryUnaryMultiCallable[_stage_pb2.InjectFaultRequest, _stage_pb2.InjectFaultResponse]
     """InjectFault arms a fault for tests and benchmarks. FAILED_PRECONDITION
@@ -157,7 +156,7 @@ class StageServiceAsyncStub(StageServiceStub):
     another session on this rank holds: its whole committed blocks are shared
     (reference-counted), not copied, and the prefix is committed at once.
     """
-    ReadSessionKv: _aio.UnaryStreamMultiCallable[_stage_pb2.ReadSessionKvRequest, _tensor_pb2.TensorChunk]  # type: ignore[assignment]
+    ReadSessionKv: _aio.UnaryStreamMultiCallable[_stage_pb2.ReadSessionKvRequest, _stage_pb2.ReadSessionKvResponse]  # type: ignore[assignment]
     """ReadSessionKv streams rows [from_row, to_row) of a session's committed KV
     as one tensor "kv" f32 [rows, layers, 2, kv_dim].
     """
@@ -178,7 +177,7 @@ class StageServiceAsyncStub(StageServiceStub):
     """Fence poisons incarnation `incarnation` on this executor (first cause
     wins; never cleared). A later Install(k+1) makes the executor ACTIVE.
     """
-    Status: _aio.UnaryUnaryMultiCallable[_stage_pb2.StageStatusRequest, _stage_pb2.StageStatusResponse]  # type: ignore[assignment]
+    Status: _aio.UnaryUnaryMultiCallable[_stage_pb2.StageServiceStatusRequest, _stage_pb2.StageServiceStatusResponse]  # type: ignore[assignment]
     """Status reports the authority and session state machines. Not fenced."""
     InjectFault: _aio.UnaryUnaryMultiCallable[_stage_pb2.InjectFaultRequest, _stage_pb2.InjectFaultResponse]  # type: ignore[assignment]
     """InjectFault arms a fault for tests and benchmarks. FAILED_PRECONDITION
@@ -292,7 +291,7 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _stage_pb2.ReadSessionKvRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_tensor_pb2.TensorChunk], _abc.AsyncIterator[_tensor_pb2.TensorChunk]]:
+    ) -> _typing.Union[_abc.Iterator[_stage_pb2.ReadSessionKvResponse], _abc.AsyncIterator[_stage_pb2.ReadSessionKvResponse]]:
         """ReadSessionKv streams rows [from_row, to_row) of a session's committed KV
         as one tensor "kv" f32 [rows, layers, 2, kv_dim].
         """
@@ -335,9 +334,9 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Status(
         self,
-        request: _stage_pb2.StageStatusRequest,
+        request: _stage_pb2.StageServiceStatusRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_stage_pb2.StageStatusResponse, _abc.Awaitable[_stage_pb2.StageStatusResponse]]:
+    ) -> _typing.Union[_stage_pb2.StageServiceStatusResponse, _abc.Awaitable[_stage_pb2.StageServiceStatusResponse]]:
         """Status reports the authority and session state machines. Not fenced."""
 
     @_abc_1.abstractmethod

@@ -19,41 +19,41 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class _DType:
+class _Dtype:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
 
-class _DTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DType.ValueType], _builtins.type):
+class _DtypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Dtype.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
-    DTYPE_UNSPECIFIED: _DType.ValueType  # 0
-    DTYPE_F64: _DType.ValueType  # 1
-    DTYPE_F32: _DType.ValueType  # 2
-    DTYPE_F16: _DType.ValueType  # 3
-    DTYPE_BF16: _DType.ValueType  # 4
-    DTYPE_I64: _DType.ValueType  # 5
-    DTYPE_I32: _DType.ValueType  # 6
-    DTYPE_U8: _DType.ValueType  # 7
+    DTYPE_UNSPECIFIED: _Dtype.ValueType  # 0
+    DTYPE_F64: _Dtype.ValueType  # 1
+    DTYPE_F32: _Dtype.ValueType  # 2
+    DTYPE_F16: _Dtype.ValueType  # 3
+    DTYPE_BF16: _Dtype.ValueType  # 4
+    DTYPE_I64: _Dtype.ValueType  # 5
+    DTYPE_I32: _Dtype.ValueType  # 6
+    DTYPE_U8: _Dtype.ValueType  # 7
     """DTYPE_U8 also carries packed quantized blocks (GGUF Q4_0, Q4_1, Q8_0)."""
-    DTYPE_BOOL: _DType.ValueType  # 8
+    DTYPE_BOOL: _Dtype.ValueType  # 8
     """DTYPE_BOOL is one byte per element, 0 or 1."""
 
-class DType(_DType, metaclass=_DTypeEnumTypeWrapper):
-    """DType is the element type of a tensor. The zero value is not a type, so an
+class Dtype(_Dtype, metaclass=_DtypeEnumTypeWrapper):
+    """Dtype is the element type of a tensor. The zero value is not a type, so an
     unset dtype is always an error rather than a silent f32.
     """
 
-DTYPE_UNSPECIFIED: DType.ValueType  # 0
-DTYPE_F64: DType.ValueType  # 1
-DTYPE_F32: DType.ValueType  # 2
-DTYPE_F16: DType.ValueType  # 3
-DTYPE_BF16: DType.ValueType  # 4
-DTYPE_I64: DType.ValueType  # 5
-DTYPE_I32: DType.ValueType  # 6
-DTYPE_U8: DType.ValueType  # 7
+DTYPE_UNSPECIFIED: Dtype.ValueType  # 0
+DTYPE_F64: Dtype.ValueType  # 1
+DTYPE_F32: Dtype.ValueType  # 2
+DTYPE_F16: Dtype.ValueType  # 3
+DTYPE_BF16: Dtype.ValueType  # 4
+DTYPE_I64: Dtype.ValueType  # 5
+DTYPE_I32: Dtype.ValueType  # 6
+DTYPE_U8: Dtype.ValueType  # 7
 """DTYPE_U8 also carries packed quantized blocks (GGUF Q4_0, Q4_1, Q8_0)."""
-DTYPE_BOOL: DType.ValueType  # 8
+DTYPE_BOOL: Dtype.ValueType  # 8
 """DTYPE_BOOL is one byte per element, 0 or 1."""
-Global___DType: _TypeAlias = DType  # noqa: Y015
+Global___Dtype: _TypeAlias = Dtype  # noqa: Y015
 
 @_typing.final
 class Tensor(_message.Message):
@@ -67,7 +67,7 @@ class Tensor(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
-    dtype: Global___DType.ValueType
+    dtype: Global___Dtype.ValueType
     """dtype is the element type; DTYPE_UNSPECIFIED is rejected."""
     data: _builtins.bytes
     """data holds the elements as little-endian bytes."""
@@ -80,7 +80,7 @@ class Tensor(_message.Message):
     def __init__(
         self,
         *,
-        dtype: Global___DType.ValueType = ...,
+        dtype: Global___Dtype.ValueType = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
         data: _builtins.bytes = ...,
     ) -> None: ...
@@ -133,7 +133,7 @@ class TensorChunk(_message.Message):
     DATA_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """name of the tensor; set on the first chunk of each tensor."""
-    dtype: Global___DType.ValueType
+    dtype: Global___Dtype.ValueType
     """dtype of the tensor; set on the first chunk of each tensor."""
     offset_bytes: _builtins.int
     """offset_bytes is where data starts within the tensor's bytes."""
@@ -147,7 +147,7 @@ class TensorChunk(_message.Message):
         self,
         *,
         name: _builtins.str = ...,
-        dtype: Global___DType.ValueType = ...,
+        dtype: Global___Dtype.ValueType = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
         offset_bytes: _builtins.int = ...,
         data: _builtins.bytes = ...,
