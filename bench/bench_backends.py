@@ -36,11 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 from bench.common import free_address, machine, median, progress, table, write_results
 from graphmesh.serving import byte_size
-from graphmesh_executor.stage import StageConfig, StageRuntime, StepRow
+from graphmesh_executor.stage import StageRuntime, StageSpec, StepRow
 
 MODEL = "smollm2-135m"
 GOAL = 1.5
-MODES = ("f32", "packed", "packed-bf16")  # StageConfig.weights / StageSpec.weights
+MODES = ("f32", "packed", "packed-bf16")  # StageSpec.weights
 TEXT = ("The history of astronomy is the story of people looking up and trying to make sense of what they saw. "
         "Early observers tracked the motions of the Sun, the Moon and the planets, built calendars around them, "
         "and argued for centuries about whether the Earth or the Sun sat at the centre of everything. ")
@@ -50,7 +50,7 @@ TEXT = ("The history of astronomy is the story of people looking up and trying t
 class InProcess:
     def __init__(self, backend: str, mode: str, kv_cache_bytes: int) -> None:
         self.runtime = StageRuntime(backend, kv_cache_bytes=kv_cache_bytes)
-        self.runtime.install(1, 0, 1, StageConfig(MODEL, 0, 30, True, True, "", weights=mode))
+        self.runtime.install(1, 0, 1, StageSpec(MODEL, 0, 30, True, True, "", weights=mode))
         self.sessions = 0
         self.step_ids = itertools.count(1)
 
@@ -115,8 +115,7 @@ class OverGrpc:
             row = pb.StepRow(session_id=session, epoch=epoch, commit_epoch=epoch - 1, start_position=start,
                              token_ids=pending)
             request = pb.ExecuteStepRequest(
-                incarnation=1, step_id=next(self.step_ids), rows=[row], output=kind, boundary_timeout_ms=30_000,
-                expert_pass=pb.EXPERT_PASS_PREFILL if epoch == 1 else pb.EXPERT_PASS_DECODE)
+                incarnation=1, step_id=next(self.step_ids), rows=[row], output=kind, boundary_timeout_ms=30_000)
             began = time.perf_counter()
             reply = self.stub.ExecuteStep(request, timeout=120)
             times.append(time.perf_counter() - began)

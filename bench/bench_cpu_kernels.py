@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 from bench.common import machine, median, progress, write_results
 from graphmesh_executor.backends import cpu_kernels
-from graphmesh_executor.stage import Boundary, StageConfig, StageRuntime, StepRow
+from graphmesh_executor.stage import Boundary, StageRuntime, StageSpec, StepRow
 
 PROMPT = list(range(100, 140))
 
@@ -42,7 +42,7 @@ def runtime(kernels: bool, layers: tuple[int, int]) -> StageRuntime:
     use_kernels(kernels)
     rt = StageRuntime("torch", kv_cache_bytes=128 << 20, pusher=lambda *a: a[-1](None), standby_weights=False)
     first, last = layers[0] == 0, layers[1] == 30
-    rt.install(1, 0, 1, StageConfig("smollm2-135m", layers[0], layers[1], first, last, "" if last else "next"))
+    rt.install(1, 0, 1, StageSpec("smollm2-135m", layers[0], layers[1], first, last, "" if last else "next"))
     return rt
 
 

@@ -30,7 +30,7 @@ from bench.bench_backends import same_prefix
 from bench.common import RESULTS_DIR, median, progress, table
 from graphmesh.kvkeys import blocks_for
 from graphmesh_executor.backends.torch_backend import TorchExecutable
-from graphmesh_executor.stage import StageConfig, StageRuntime, StepRow
+from graphmesh_executor.stage import StageRuntime, StageSpec, StepRow
 
 TINYLLAMA: dict[str, Any] = {"vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32,
              "num_key_value_heads": 4, "intermediate_size": 5632}
@@ -194,7 +194,7 @@ def main() -> None:
         pool_bytes = kv_cache_bytes(shape, a.prompt + max(a.tokens, a.eager_tokens))
         stage = StageRuntime("torch", a.device, kv_cache_bytes=pool_bytes)
         began = time.perf_counter()
-        stage.install(1, 0, 1, StageConfig(str(tmp), 0, shape["num_hidden_layers"], True, True, "",
+        stage.install(1, 0, 1, StageSpec(str(tmp), 0, shape["num_hidden_layers"], True, True, "",
                                            kv_block_tokens=BLOCK_TOKENS, dtype="bf16"))
         install_s = time.perf_counter() - began
         progress(f"StageRuntime install (load + compile) {install_s:.1f} s; KV pool of {stage.pool.lendable} "

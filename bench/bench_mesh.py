@@ -46,7 +46,7 @@ from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
-from graphmesh_executor.stage import StageConfig, StageRuntime, StepRow
+from graphmesh_executor.stage import StageRuntime, StageSpec, StepRow
 
 MODEL = "smollm2-135m"
 QUESTION = "Explain in one paragraph why the sky is blue."
@@ -129,7 +129,7 @@ def inprocess_engine(path: Path, threads: int) -> Engine:
     config = open_checkpoint(path).config
     assert config is not None
     runtime = StageRuntime("torch")
-    runtime.install(1, 0, 1, StageConfig(str(path), 0, config.n_layers, True, True, ""))
+    runtime.install(1, 0, 1, StageSpec(str(path), 0, config.n_layers, True, True, ""))
     step_ids = itertools.count(1)
 
     def generate(prompt: list[int], tokens: int) -> Run:
@@ -226,7 +226,6 @@ def profile_round(mesh: LocalMesh, prompt: list[int], tokens: int, out: Profile)
                                 token_ids=pending)
         request = stage_pb2.ExecuteStepRequest(
             incarnation=status.incarnation, step_id=next(PROFILE_STEP_IDS), rows=[row],
-            expert_pass=stage_pb2.EXPERT_PASS_PREFILL if len(pending) > 1 else stage_pb2.EXPERT_PASS_DECODE,
             output=stage_pb2.OUTPUT_KIND_TOKEN, boundary_timeout_ms=30_000)
         t0 = time.perf_counter()
         calls = [stub.ExecuteStep.future(request, timeout=60) for stub in reversed(stubs)][::-1]

@@ -193,7 +193,7 @@ def test_stale_or_poisoned_messages_are_refused_and_change_nothing(mesh: LocalMe
             (stub.AbortStep, stage_pb2.AbortStepRequest(incarnation=incarnation, step_id=1,
                                                         rows=_step(incarnation, "intruder", [1]).rows)),
             (stub.PushBoundary, stage_pb2.PushBoundaryRequest(header=stage_pb2.FencingHeader(incarnation=incarnation),
-                                                              route="0->1", step_id=1, tensors=[boundary]))]
+                                                              step_id=1, tensors=[boundary]))]
         for method, request in calls:
             with pytest.raises(grpc.RpcError) as e:
                 method(request, timeout=10)

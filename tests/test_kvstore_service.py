@@ -130,8 +130,7 @@ class Stage:
         row = stage_pb2.StepRow(session_id=session, epoch=epoch, start_position=start, token_ids=token_ids,
                                 sampling=stage_pb2.SamplingParams(temperature=0))
         response = self.stub.ExecuteStep(stage_pb2.ExecuteStepRequest(
-            incarnation=INCARNATION, step_id=epoch, rows=[row], expert_pass=stage_pb2.EXPERT_PASS_PREFILL,
-            output=stage_pb2.OUTPUT_KIND_TOKEN), timeout=60)
+            incarnation=INCARNATION, step_id=epoch, rows=[row], output=stage_pb2.OUTPUT_KIND_TOKEN), timeout=60)
         self.stub.Commit(stage_pb2.CommitRequest(header=self.header(session, epoch)), timeout=10)
         return int(response.rows[0].token)
 

@@ -18,8 +18,8 @@ from graphmesh_executor.stage import (
     Boundary,
     KvBlocks,
     Sampling,
-    StageConfig,
     StageRuntime,
+    StageSpec,
     StepResult,
     StepRow,
 )
@@ -43,8 +43,8 @@ def _pipeline(path: Path, split: int, n_layers: int) -> list[StageRuntime]:
         delivered(None)
 
     runtimes = [StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(2)]
-    runtimes[0].install(1, 0, 2, StageConfig(str(path), 0, split, True, False, "1"))
-    runtimes[1].install(1, 1, 2, StageConfig(str(path), split, n_layers, False, True, ""))
+    runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, split, True, False, "1"))
+    runtimes[1].install(1, 1, 2, StageSpec(str(path), split, n_layers, False, True, ""))
     return runtimes
 
 
@@ -103,10 +103,10 @@ def _run_pipeline(path: Path, ranks: int, abort_at: int = 0) -> list[StageRuntim
 
     runtimes = [StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(ranks)]
     if ranks == 1:
-        runtimes[0].install(1, 0, 1, StageConfig(str(path), 0, 2, True, True, ""))
+        runtimes[0].install(1, 0, 1, StageSpec(str(path), 0, 2, True, True, ""))
     else:
-        runtimes[0].install(1, 0, 2, StageConfig(str(path), 0, 1, True, False, "1"))
-        runtimes[1].install(1, 1, 2, StageConfig(str(path), 1, 2, False, True, "", first_address="0"))
+        runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, 1, True, False, "1"))
+        runtimes[1].install(1, 1, 2, StageSpec(str(path), 1, 2, False, True, "", first_address="0"))
     return runtimes
 
 
@@ -286,7 +286,7 @@ def test_a_commit_folded_into_abort_step_records_its_tokens_and_writes_them_behi
     # KV store's blocks) and its whole blocks written behind, or the session's blocks never reach the store.
     written: list[KvBlocks] = []
     runtime = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, block_writer=written.append)
-    runtime.install(1, 0, 1, StageConfig(str(tiny_llama), 0, 2, True, True, "", kvstore_address="kvstore:0"))
+    runtime.install(1, 0, 1, StageSpec(str(tiny_llama), 0, 2, True, True, "", kvstore_address="kvstore:0"))
     prompt = list(range(100, 120))  # one whole block of 16, and 4 rows of the next
     token, _ = runtime.execute_step(1, next(_step_ids), [StepRow("a", 1, 0, 0, prompt), StepRow("b", 1, 0, 0, [5])],
                                     False, 5.0).tokens
@@ -340,7 +340,7 @@ def test_replan_takes_standby_weights_and_compiles_the_recent_shapes(tiny_llama:
             pending = tokens[-1:]
         return tokens
 
-    whole = StageConfig(str(tiny_llama), 0, 2, True, True, "")
+    whole = StageSpec(str(tiny_llama), 0, 2, True, True, "")
     fresh = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, standby_weights=False)
     fresh.install(1, 0, 1, whole)
     expected = run_alone(fresh, 1)
@@ -350,7 +350,7 @@ def test_replan_takes_standby_weights_and_compiles_the_recent_shapes(tiny_llama:
         delivered(None)
 
     runtime = StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES, standby_weights=True)
-    runtime.install(1, 0, 2, StageConfig(str(tiny_llama), 0, 1, True, False, "1"))
+    runtime.install(1, 0, 2, StageSpec(str(tiny_llama), 0, 1, True, False, "1"))
     runtime.execute_step(1, next(_step_ids), [StepRow("a", 1, 0, 0, [5, 17, 99])], False, 5.0)
     runtime.execute_step(1, next(_step_ids), [StepRow("a", 2, 1, 3, [1])], False, 5.0)
     ran = list(runtime._executables)
@@ -379,10 +379,10 @@ def test_standby_weights_of_one_model_never_serve_another(tiny_llama: Path, tmp_
         return runtime.execute_step(incarnation, next(_step_ids), [StepRow("s", 1, 0, 0, prompt)], False, 5.0).tokens[0]
 
     fresh = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, standby_weights=False)
-    fresh.install(1, 0, 1, StageConfig(str(other), 0, 2, True, True, ""))
+    fresh.install(1, 0, 1, StageSpec(str(other), 0, 2, True, True, ""))
     expected = first_token(fresh, 1)
     runtime = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, standby_weights=True)
-    runtime.install(1, 0, 1, StageConfig(str(tiny_llama), 0, 1, True, False, "1"))
+    runtime.install(1, 0, 1, StageSpec(str(tiny_llama), 0, 1, True, False, "1"))
     assert runtime.standby_ready.wait(30)
-    runtime.install(2, 0, 1, StageConfig(str(other), 0, 2, True, True, ""))
+    runtime.install(2, 0, 1, StageSpec(str(other), 0, 2, True, True, ""))
     assert first_token(runtime, 2) == expected

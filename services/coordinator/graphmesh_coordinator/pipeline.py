@@ -219,8 +219,7 @@ class Mesh:
         tokens = sum(len(r.token_ids) for r in rows)
         request = stage_pb2.ExecuteStepRequest(
             incarnation=incarnation, step_id=step_id, rows=rows, output=output,
-            boundary_timeout_ms=int(self.rpc_timeout_s * 1000), decode_steps=decode_steps,
-            expert_pass=stage_pb2.EXPERT_PASS_PREFILL if tokens > len(rows) else stage_pb2.EXPERT_PASS_DECODE)
+            boundary_timeout_ms=int(self.rpc_timeout_s * 1000), decode_steps=decode_steps)
         with telemetry.span("mesh.step", step=step_id, incarnation=incarnation, rows=len(rows), tokens=tokens,
                             decode_steps=decode_steps):
             return self._execute(ranks, incarnation, request)

@@ -72,7 +72,9 @@ def seed_for(session_seed: int, position: int) -> int:
 
 
 @dataclass(frozen=True)
-class StageConfig:
+class StageSpec:
+    """The proto's StageSpec as the stage runtime holds it."""
+
     model: str
     layer_start: int
     layer_end: int
@@ -196,7 +198,7 @@ class StageRuntime:
         self.authority = Authority()
         self.rank = 0
         self.world_size = 0
-        self.spec: StageConfig | None = None
+        self.spec: StageSpec | None = None
         self.config: ModelConfig | None = None
         self.model_identity = ""
         self.param_bytes = 0
@@ -224,11 +226,11 @@ class StageRuntime:
         self._holder: Executable[Any] | None = None
         self._pools: dict[str, Any] = {}
         self.pool = KvPool(2, 16)
-        self._loaded_key: StageConfig | None = None
+        self._loaded_key: StageSpec | None = None
         self._packed_schemes: dict[str, str] = {}
 
     # -- install ---------------------------------------------------------------------------------------
-    def install(self, incarnation: int, rank: int, world_size: int, spec: StageConfig) -> float:
+    def install(self, incarnation: int, rank: int, world_size: int, spec: StageSpec) -> float:
         """Loads weights and compiles (reusing both when the stage is unchanged), then activates `incarnation`."""
         with self._lock:
             self.authority.check_install(incarnation)  # refuses before any work: stale or out of range
@@ -251,7 +253,7 @@ class StageRuntime:
             self._lock.notify_all()
         return (time.perf_counter() - t0) * 1000.0
 
-    def _load(self, spec: StageConfig) -> None:
+    def _load(self, spec: StageSpec) -> None:
         path = self._model_path(spec.model)
         same_model = path == self._weights_path
         if not same_model:  # another model: its params may have the same names, never the same values

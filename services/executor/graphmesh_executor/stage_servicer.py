@@ -16,7 +16,7 @@ from graphmesh.errors import InvalidArgument, from_rpc_error, rpc
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
 from graphmesh_executor.kv_push import KvPusher
-from graphmesh_executor.stage import Boundary, Sampling, StageConfig, StageRuntime, StepRow
+from graphmesh_executor.stage import Boundary, Sampling, StageRuntime, StageSpec, StepRow
 
 log = logging.getLogger("graphmesh.executor.stage")
 R = TypeVar("R")
@@ -86,7 +86,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     @rpc
     def Install(self, request: stage_pb2.InstallRequest, context: grpc.ServicerContext) -> stage_pb2.InstallResponse:
         s = request.stage
-        spec = StageConfig(s.model, s.layer_start, s.layer_end, s.first, s.last, s.next_address, s.weights or "f32",
+        spec = StageSpec(s.model, s.layer_start, s.layer_end, s.first, s.last, s.next_address, s.weights or "f32",
                            s.max_context_tokens, s.kvstore_address, s.kv_block_tokens or 16, s.dtype, s.first_address)
         load_ms = self.runtime.install(request.incarnation, request.rank, request.world_size, spec)
         return stage_pb2.InstallResponse(backend=self.runtime.backend, device=self.runtime.device,

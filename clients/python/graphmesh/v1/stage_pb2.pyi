@@ -20,24 +20,6 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class _ExpertPass:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
-
-class _ExpertPassEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ExpertPass.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
-    EXPERT_PASS_UNSPECIFIED: _ExpertPass.ValueType  # 0
-    EXPERT_PASS_PREFILL: _ExpertPass.ValueType  # 1
-    EXPERT_PASS_DECODE: _ExpertPass.ValueType  # 2
-
-class ExpertPass(_ExpertPass, metaclass=_ExpertPassEnumTypeWrapper):
-    """ExpertPass is the kind of invocation."""
-
-EXPERT_PASS_UNSPECIFIED: ExpertPass.ValueType  # 0
-EXPERT_PASS_PREFILL: ExpertPass.ValueType  # 1
-EXPERT_PASS_DECODE: ExpertPass.ValueType  # 2
-Global___ExpertPass: _TypeAlias = ExpertPass  # noqa: Y015
-
 class _ErrorClass:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -535,7 +517,6 @@ class ExecuteStepRequest(_message.Message):
     ROWS_FIELD_NUMBER: _builtins.int
     OUTPUT_FIELD_NUMBER: _builtins.int
     BOUNDARY_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
-    EXPERT_PASS_FIELD_NUMBER: _builtins.int
     DECODE_STEPS_FIELD_NUMBER: _builtins.int
     incarnation: _builtins.int
     """incarnation is the coordinator's fencing token for the roster."""
@@ -547,7 +528,6 @@ class ExecuteStepRequest(_message.Message):
     """output is the same for every row of the step."""
     boundary_timeout_ms: _builtins.int
     """boundary_timeout_ms bounds the wait for the previous stage's bundle."""
-    expert_pass: Global___ExpertPass.ValueType
     decode_steps: _builtins.int
     """decode_steps > 1 makes the step a decode run: every row (one token each,
     OUTPUT_KIND_TOKEN) decodes this many tokens in a row on the ranks, the
@@ -568,12 +548,11 @@ class ExecuteStepRequest(_message.Message):
         rows: _abc.Iterable[Global___StepRow] | None = ...,
         output: Global___OutputKind.ValueType = ...,
         boundary_timeout_ms: _builtins.int = ...,
-        expert_pass: Global___ExpertPass.ValueType = ...,
         decode_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_timeout_ms", b"boundary_timeout_ms", "decode_steps", b"decode_steps", "expert_pass", b"expert_pass", "incarnation", b"incarnation", "output", b"output", "rows", b"rows", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_timeout_ms", b"boundary_timeout_ms", "decode_steps", b"decode_steps", "incarnation", b"incarnation", "output", b"output", "rows", b"rows", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -760,12 +739,9 @@ class PushBoundaryRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
-    ROUTE_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
     STEP_ID_FIELD_NUMBER: _builtins.int
     ITERATION_FIELD_NUMBER: _builtins.int
-    route: _builtins.str
-    """route is "<src_rank>-><dst_rank>"."""
     step_id: _builtins.int
     """step_id is the step the bundle belongs to."""
     iteration: _builtins.int
@@ -788,14 +764,13 @@ class PushBoundaryRequest(_message.Message):
         self,
         *,
         header: Global___FencingHeader | None = ...,
-        route: _builtins.str = ...,
         tensors: _abc.Iterable[Global___BoundaryTensor] | None = ...,
         step_id: _builtins.int = ...,
         iteration: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "iteration", b"iteration", "route", b"route", "step_id", b"step_id", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "iteration", b"iteration", "step_id", b"step_id", "tensors", b"tensors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

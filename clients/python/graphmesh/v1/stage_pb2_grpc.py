@@ -158,7 +158,7 @@ class StageServiceServicer:
 
     def PushBoundary(self, request, context):
         """PushBoundary delivers a boundary bundle from the previous stage. The
-        receiver validates it against the route's schema before accepting it.
+        receiver checks each tensor's role, dtype and shape before accepting it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -59,7 +59,7 @@ class StageServiceStub:
     """
     PushBoundary: _grpc.UnaryUnaryMultiCallable[_stage_pb2.PushBoundaryRequest, _stage_pb2.PushBoundaryResponse]
     """PushBoundary delivers a boundary bundle from the previous stage. The
-    receiver validates it against the route's schema before accepting it.
+    receiver checks each tensor's role, dtype and shape before accepting it.
     """
     Commit: _grpc.UnaryUnaryMultiCallable[_stage_pb2.CommitRequest, _stage_pb2.CommitResponse]
     """Commit commits an epoch of a session on this rank."""
@@ -137,7 +137,7 @@ class StageServiceAsyncStub(StageServiceStub):
     """
     PushBoundary: _aio.UnaryUnaryMultiCallable[_stage_pb2.PushBoundaryRequest, _stage_pb2.PushBoundaryResponse]  # type: ignore[assignment]
     """PushBoundary delivers a boundary bundle from the previous stage. The
-    receiver validates it against the route's schema before accepting it.
+    receiver checks each tensor's role, dtype and shape before accepting it.
     """
     Commit: _aio.UnaryUnaryMultiCallable[_stage_pb2.CommitRequest, _stage_pb2.CommitResponse]  # type: ignore[assignment]
     """Commit commits an epoch of a session on this rank."""
@@ -236,7 +236,7 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.PushBoundaryResponse, _abc.Awaitable[_stage_pb2.PushBoundaryResponse]]:
         """PushBoundary delivers a boundary bundle from the previous stage. The
-        receiver validates it against the route's schema before accepting it.
+        receiver checks each tensor's role, dtype and shape before accepting it.
         """
 
     @_abc_1.abstractmethod
