@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from graphmesh.launcher import wait_healthy
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -66,18 +67,10 @@ def start_process(args: Sequence[str], health_address: str, *, log_path: Path | 
         process = subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})})
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{args[:3]} exited with {process.returncode}:\n{_log_tail(log_path)}")
-            try:
-                if health_status(health_address, health_service, timeout=1.0) == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{args[:3]} not SERVING at {health_address} after {timeout} s:\n{_log_tail(log_path)}")
-            time.sleep(0.1)
+        try:
+            wait_healthy(health_address, process, timeout, str(list(args[:3])), service=health_service)
+        except (RuntimeError, TimeoutError) as e:
+            raise RuntimeError(f"{e}:\n{_log_tail(log_path)}") from None
         yield process
     finally:
         if process.poll() is None:

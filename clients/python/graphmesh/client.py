@@ -17,7 +17,7 @@ import numpy.typing as npt
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from graphmesh import dtypes, errors, tensors
-from graphmesh.security import bearer
+from graphmesh.security import bearer, open_channel
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, graph_pb2, tensor_pb2
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -88,8 +88,7 @@ class ExecutorClient:
         self.metadata = (*metadata, *bearer(token))
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        self.channel = (grpc.secure_channel(address, credentials, options) if credentials is not None
-                        else grpc.insecure_channel(address, options))
+        self.channel = open_channel(address, credentials, options)
         self.stub = executor_pb2_grpc.ExecutorServiceStub(self.channel)
 
     def __enter__(self) -> ExecutorClient:

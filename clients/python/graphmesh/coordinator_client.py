@@ -18,7 +18,7 @@ import numpy as np
 
 from graphmesh import tensors
 from graphmesh.errors import GraphmeshError, from_rpc_error
-from graphmesh.security import bearer
+from graphmesh.security import bearer, open_channel
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 _FINISH = {coordinator_pb2.FINISH_REASON_LENGTH: "length", coordinator_pb2.FINISH_REASON_EOS: "eos",
@@ -68,8 +68,7 @@ class CoordinatorClient:
             # ping that goes unanswered breaks such a stream, so that it resumes on the new leader.
             options += [("grpc.keepalive_time_ms", KEEPALIVE_S * 1000), ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
                         ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
-        self._channels = [grpc.secure_channel(a, credentials, options) if credentials
-                          else grpc.insecure_channel(a, options) for a in self.addresses]
+        self._channels = [open_channel(a, credentials, options) for a in self.addresses]
         self._stubs = [coordinator_pb2_grpc.CoordinatorServiceStub(c) for c in self._channels]
         self._current = 0  # the coordinator that answered last: the leader, as far as this client knows
         self.timeout, self.metadata = timeout, (*metadata, *bearer(token))

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 
 from graphmesh import dtypes, errors, tensors
-from graphmesh.security import as_mesh_member, bearer
+from graphmesh.security import as_mesh_member, bearer, open_channel
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, stage_pb2
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -97,9 +97,7 @@ class KvStoreClient:
         self.metadata = (*metadata, *bearer(token))
         options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        channel = (grpc.secure_channel(address, credentials, options) if credentials is not None
-                   else grpc.insecure_channel(address, options))
-        self._channel = grpc.intercept_channel(as_mesh_member(channel), *interceptors)
+        self._channel = grpc.intercept_channel(as_mesh_member(open_channel(address, credentials, options)), *interceptors)
         self._stub = kvstore_pb2_grpc.KvStoreServiceStub(self._channel)
 
     def __enter__(self) -> KvStoreClient:

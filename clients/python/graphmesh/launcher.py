@@ -39,15 +39,18 @@ def fastest_backend() -> str:
 
 
 def wait_healthy(address: str, process: subprocess.Popen[bytes] | None, timeout_s: float, what: str,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, service: str = "") -> None:
+    """The one health wait: until grpc.health.v1 at `address` says SERVING for `service` ("" is the whole
+    server; a standby coordinator serves "liveness" alone). Raises RuntimeError when `process` exits first and
+    TimeoutError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
-    with (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)) as channel:
+    with security.open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process is not None and process.poll() is not None:
                 raise RuntimeError(f"{what} exited with status {process.returncode} before serving")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == \
+                if stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0).status == \
                         health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:

@@ -466,13 +466,20 @@ def as_mesh_member(channel: grpc.Channel, token: str | None = None) -> grpc.Chan
     return grpc.intercept_channel(channel, _MeshIdentity(token)) if token != "" else channel
 
 
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """The one channel factory: TLS with `credentials` when given, else plaintext (loopback, or a mesh behind its
+    own network policy)."""
+    if credentials is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, credentials, options=list(options))
+
+
 def channel(address: str, tls: Tls | None, options: Sequence[tuple[str, Any]] = (),
             mesh_token: str | None = None) -> grpc.Channel:
     """A channel from one service to another: TLS with this service's certificate when it has one, and the mesh
     token (`mesh_token`, or by default this process's) on every call."""
-    raw = (grpc.insecure_channel(address, options=list(options)) if tls is None
-           else grpc.secure_channel(address, tls.channel_credentials(), options=list(options)))
-    return as_mesh_member(raw, mesh_token)
+    return as_mesh_member(open_channel(address, tls.channel_credentials() if tls else None, options), mesh_token)
 
 
 def _is_loopback(host: str) -> bool:
