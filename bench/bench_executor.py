@@ -183,7 +183,7 @@ def commit_no_wait(runs: int) -> list[dict[str, Any]]:
     rows = []
     try:
         with ExecutorClient(address, timeout=600) as client:
-            for n in (1024, 2048, 4096, 8192):
+            for n in (1024, 2048, 3072, 4096, 8192):
                 g = GraphBuilder(f"matmul_{n}")
                 x, w = g.input("x", (n, n)), g.param("w", (n, n))
                 g.output(g.sum(g.matmul(g.mul(x, g.input("s", (1,))), w)))
