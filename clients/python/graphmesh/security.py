@@ -580,6 +580,30 @@ class ServerSecurity:
             raise OSError(f"cannot listen on {listen}")
         return int(port)
 
+    def start(self, server: grpc.Server, listen: str, services: Sequence[str],
+              health_servicer: health.HealthServicer | None = None,
+              states: Mapping[str, int] | None = None) -> tuple[int, health.HealthServicer]:
+        """The one bootstrap of a service's server (after server() and its servicers): health, unless the caller
+        brings its own servicer, and reflection over `services`; bound to `listen` (add_port), started, health
+        set to `states` (by default SERVING, for the whole server and each service), and the plain-text health
+        listener. Returns the port and the health servicer."""
+        from grpc_health.v1 import health as grpc_health
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        from grpc_reflection.v1alpha import reflection
+
+        if health_servicer is None:
+            health_servicer = grpc_health.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+        port = self.add_port(server, listen)
+        server.start()
+        serving = health_pb2.HealthCheckResponse.SERVING
+        for service, state in (states if states is not None else {s: serving for s in ("", *services)}).items():
+            health_servicer.set(service, state)
+        self.serve_health(health_servicer)
+        return port, health_servicer
+
     def serve_health(self, health_servicer: health.HealthServicer) -> None:
         """Starts the plain-text health listener, sharing the main server's health states. Like the metrics
         endpoint it lives as long as the process (a grpc.Server stops when collected, hence the list)."""

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2
-from grpc_reflection.v1alpha import reflection
 
 from graphmesh import logs, membership, security, telemetry
 from graphmesh.aio_serving import AioServer, MirroredHealth
@@ -148,14 +147,11 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
         KServeServicer(generator, mesh, config.model, server.admission, gate), server)
     health_servicer = MirroredHealth(server)
     names = (coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,
-             kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(names, server)
-    port = config.security.add_port(server, config.listen)
-    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    server.start()
-    config.security.serve_health(health_servicer)
+             kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name)
+    # Alive at once, serving only once it has installed the mesh and leads (_take_over).
+    port, _ = config.security.start(server, config.listen, names, health_servicer,
+                                    {"": health_pb2.HealthCheckResponse.NOT_SERVING,
+                                     LIVENESS_SERVICE: health_pb2.HealthCheckResponse.SERVING})
     http = None
     if config.http_listen:
         http = OpenAIServer(generator, mesh, config.model, config.security.auth_token,

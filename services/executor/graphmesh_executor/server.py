@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from graphmesh import logs, security, telemetry
 from graphmesh.etcd import EtcdClient
@@ -110,16 +108,7 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, StageRuntime
                            faults_enabled=config.enable_fault_injection, standby_weights=config.standby_weights,
                            kv_cache_bytes=config.kv_cache_bytes)
     add_stage_service(server, runtime, KvPusher(config.security.tls, config.max_message_bytes))
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, STAGE_SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
-    port = config.security.add_port(server, config.listen)
-    server.start()
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    config.security.serve_health(health_servicer)
+    port, _ = config.security.start(server, config.listen, (SERVICE_NAME, STAGE_SERVICE_NAME))
     if config.metrics_port:
         authority = runtime.authority
         telemetry.expose(

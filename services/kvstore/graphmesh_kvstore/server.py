@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from graphmesh import logs, security, telemetry
 from graphmesh.security import ServerSecurity
@@ -62,15 +60,7 @@ def build_server(config: KvStoreConfig) -> tuple[grpc.Server, int, Store]:
     server = config.security.server(config.workers, options, telemetry.server_interceptors(config.metrics_port > 0),
                                     "kvstore-rpc")
     kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(KvStoreServicer(store, mover), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    port = config.security.add_port(server, config.listen)
-    server.start()
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    config.security.serve_health(health_servicer)
+    port, _ = config.security.start(server, config.listen, (SERVICE_NAME,))
     if config.metrics_port:
         telemetry.expose(
             ("graphmesh_kv_blocks", "gauge", "KV blocks stored (memory and disk tiers)", lambda: store.stats().blocks),
