@@ -1,4 +1,4 @@
-"""Every ExecutorService RPC through ExecutorClient against a real executor process (numpy backend).
+"""Every ExecutorService RPC through ExecutorClient against a real executor process of every backend here.
 
 References are independent of the executor: plain numpy for the small graphs, and transformers'
 own decoder layer modules for the Llama and GPT-2 blocks.
@@ -7,6 +7,8 @@ own decoder layer modules for the Llama and GPT-2 blocks.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from graphmesh import ExecutorClient, GraphBuilder, RemoteExecutable, errors
 from graphmesh.graph import Value
 from graphmesh.v1 import executor_pb2, graph_pb2
+from graphmesh_executor.backends import executable_class
 from graphmesh_executor.backends.numpy_backend import KERNELS
 from tests.conftest import backend_targets, executor_args, free_port, health_status, start_process
 
@@ -30,10 +33,26 @@ def randn(*shape: int) -> np.ndarray:
     return RNG.standard_normal(shape).astype(np.float32)
 
 
-@pytest.fixture(scope="module")
-def client(numpy_executor: str) -> Iterator[ExecutorClient]:
-    with ExecutorClient(numpy_executor, timeout=60.0) as c:
-        yield c
+@contextmanager
+def executor_of(target: str, model_root: Path, logs: Path) -> Iterator[str]:
+    """An executor process of `target` ("numpy", "torch", "torch:cuda", "mlx"), one thread, on a free port."""
+    backend, _, device = target.partition(":")
+    address = f"127.0.0.1:{free_port()}"
+    args = executor_args(address, "--threads", "1", "--model-root", str(model_root),
+                         *(("--device", device) if device else ()), backend=backend)
+    with start_process(args, address, log_path=logs / f"{target.replace(':', '_')}_executor.log",
+                       env={"OMP_NUM_THREADS": "1"}):
+        yield address
+
+
+@pytest.fixture(scope="module", params=backend_targets())
+def client(request: pytest.FixtureRequest, numpy_executor: str, model_root: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExecutorClient]:
+    """Every RPC below runs against an executor of every backend here (numpy: the session's shared one)."""
+    with ExitStack() as stack:
+        address = numpy_executor if request.param == "numpy" else \
+            stack.enter_context(executor_of(str(request.param), model_root, tmp_path_factory.mktemp("logs")))
+        yield stack.enter_context(ExecutorClient(address, timeout=60.0))
 
 
 def mlp_graph(name: str = "mlp") -> graph_pb2.Graph:
@@ -70,8 +89,9 @@ def test_health_and_reflection(numpy_executor: str) -> None:
 
 def test_capabilities(client: ExecutorClient) -> None:
     caps = client.capabilities()
-    assert caps.backend == executor_pb2.BACKEND_NUMPY and caps.device == "cpu"
-    assert list(caps.ops) == sorted(KERNELS)
+    name = executor_pb2.Backend.Name(caps.backend).removeprefix("BACKEND_").lower()
+    assert list(caps.ops) == sorted(executable_class(name).kernels) == sorted(KERNELS)  # one op set everywhere
+    assert caps.capabilities == executor_pb2.Capabilities(**asdict(executable_class(name).capabilities_on(caps.device)))
     assert caps.max_message_bytes == 64 << 20
     assert caps.capabilities.clone and caps.capabilities.typed_io
 
@@ -199,7 +219,7 @@ def test_handles_and_prefix_feed(client: ExecutorClient) -> None:
     for xi in xs:
         exe.run({"x": xi})
     np.testing.assert_allclose(exe.read_handle("state"), sum(xs), rtol=1e-6, atol=1e-6)
-    assert exe.has_handle("state") == (True, False)  # fed, and on the host: numpy has no device
+    assert exe.has_handle("state") == (True, client.capabilities().capabilities.resident_handles)  # fed: the device's
     rows = randn(2, 8)
     assert exe.write_handle_rows("state", 1, rows)
     np.testing.assert_array_equal(exe.read_handle("state", (1, 3)), rows)
@@ -224,8 +244,9 @@ def test_kv_row_feeds_and_row_copies(client: ExecutorClient) -> None:
     dim = 6
     keys, values = randn(5, dim), randn(5, dim)
     small = client.compile(kv_graph(4, dim))
+    device = client.capabilities().capabilities.resident_handles  # numpy has none apart from the host: it says so
     for name in ("past_k_0", "past_v_0"):
-        assert not small.bind_handle(name, np.zeros((4, dim), np.float32), resident=True)  # bound; numpy has no device
+        assert small.bind_handle(name, np.zeros((4, dim), np.float32), resident=True) is device
     assert small.register_kv_row_feed("past_k_0", 1) and small.register_kv_row_feed("past_v_0", 2)
     for t in range(4):
         step = {"k_row": keys[t:t + 1], "v_row": values[t:t + 1]}
@@ -236,7 +257,7 @@ def test_kv_row_feeds_and_row_copies(client: ExecutorClient) -> None:
             small.run(step, kv_row_feed=(4, t, dim))
     np.testing.assert_array_equal(small.read_handle("past_k_0"), keys[:4])
     np.testing.assert_array_equal(small.read_handle("past_v_0"), values[:4])
-    assert small.has_handle("past_k_0") == (True, False)
+    assert small.has_handle("past_k_0") == (True, device)
     small.run({"k_row": keys[4:5], "v_row": values[4:5]})  # the bucket is full: row 4 exists only in the outputs
 
     big = client.compile(kv_graph(8, dim))
@@ -406,25 +427,14 @@ def test_gpt2_block_matches_transformers(client: ExecutorClient, model_root: Pat
     exe.release()
 
 
-# -- the trait's device methods on every backend, through a process of each ------------------------------------
-@pytest.fixture(scope="module", params=backend_targets())
-def any_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ExecutorClient]:
-    backend, _, device = str(request.param).partition(":")
-    address = f"127.0.0.1:{free_port()}"
-    log_path = tmp_path_factory.mktemp("logs") / f"{backend}_executor.log"
-    args = executor_args(address, "--threads", "1", *(("--device", device) if device else ()), backend=backend)
-    with start_process(args, address, log_path=log_path, env={"OMP_NUM_THREADS": "1"}):
-        with ExecutorClient(address, timeout=60.0) as c:
-            yield c
-
-
-def test_reading_no_outputs_and_the_active_extent(any_client: ExecutorClient) -> None:
+# -- the trait's device methods ------------------------------------------------------------------------------
+def test_reading_no_outputs_and_the_active_extent(client: ExecutorClient) -> None:
     """outputs set and empty reads none (the run still happens); an extent computes its rows alone: rows past it
     come back zero where the whole run has values."""
     g = GraphBuilder("bucketed")
     x, w = g.input("x", (8, 4)), g.param("w", (4, 4))
     g.output(g.reshape(g.reshape(g.matmul(x, w), (8, 2, 2)), (8, 4)))
-    exe = any_client.compile(g.build())
+    exe = client.compile(g.build())
     exe.set_param("w", randn(4, 4))
     xs = randn(8, 4)
     whole = exe.run({"x": xs})[0]
@@ -437,15 +447,15 @@ def test_reading_no_outputs_and_the_active_extent(any_client: ExecutorClient) ->
     exe.release()
 
 
-def test_resident_handles_staging_and_run_feed_handle(any_client: ExecutorClient) -> None:
+def test_resident_handles_staging_and_run_feed_handle(client: ExecutorClient) -> None:
     """PrepareResidentHandle and StageBoundHandles say no, changing nothing, where the backend has no device
     (numpy), and make handles the device's elsewhere; RunFeedHandle stores the output it returns, so runs
     accumulate through it."""
-    device = any_client.capabilities().capabilities.resident_handles
+    device = client.capabilities().capabilities.resident_handles
     g = GraphBuilder("accumulate")
     state, other, x = g.input("state", (4, 8)), g.input("other", (4, 8)), g.input("x", (4, 8))
     g.output(g.add(g.add(state, x), other))
-    exe = any_client.compile(g.build())
+    exe = client.compile(g.build())
     assert exe.prepare_resident_handle("state") is device
     assert exe.has_handle("state") == ((True, True) if device else (False, False))
     if device:
