@@ -243,3 +243,18 @@ def test_a_standby_refuses_kserve_and_http_naming_the_leader(cluster: Cluster) -
     with grpc.insecure_channel(cluster.coordinator) as channel:
         ready = kserve_grpc.GRPCInferenceServiceStub(channel).ServerReady(kserve_pb2.ServerReadyRequest(), timeout=10)
     assert ready.ready
+
+
+def test_a_registration_that_is_not_json_is_skipped_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The watch reads every 0.2 s: a stray key under the prefix is one log line, not five a second."""
+    from graphmesh.etcd import KeyValue
+
+    class Etcd:
+        def get_prefix(self, prefix: str) -> list[KeyValue]:
+            return [KeyValue(prefix + "junk", "not json", 5, 0, 5),
+                    KeyValue(prefix + "10.0.0.1:7000", json.dumps({"address": "10.0.0.1:7000"}), 7, 0, 7)]
+
+    with caplog.at_level("WARNING", logger="graphmesh"):
+        for _ in range(3):
+            assert [m.address for m in registered(Etcd(), "lonely")] == ["10.0.0.1:7000"]  # type: ignore[arg-type]
+    assert [r.getMessage() for r in caplog.records].count("ignoring a registration that is not JSON") == 1

@@ -30,6 +30,9 @@ class Member:
     joined_revision: int  # etcd's create revision of its registration: members are planned in the order they joined
 
 
+_unreadable: set[tuple[str, int]] = set()  # (key, revision) of registrations that are not JSON, logged once each
+
+
 def registered(etcd: EtcdClient, cluster: str) -> list[Member]:
     """The executors registered in `cluster` now, in the order they registered (the pipeline order of new ranks)."""
     members = []
@@ -37,7 +40,9 @@ def registered(etcd: EtcdClient, cluster: str) -> list[Member]:
         try:
             info = json.loads(kv.value)
         except ValueError:
-            log.warning("ignoring a registration that is not JSON", extra={"key": kv.key})
+            if (kv.key, kv.create_revision) not in _unreadable:  # the watch reads every 0.2 s: one line, not five a second
+                _unreadable.add((kv.key, kv.create_revision))
+                log.warning("ignoring a registration that is not JSON", extra={"key": kv.key})
             continue
         if isinstance(info, dict) and info.get("address"):
             members.append(Member(str(info["address"]), info, kv.create_revision))
