@@ -80,6 +80,11 @@ def to_mx(array: np.ndarray) -> Array:
     return mx.array(array, dtype=_MX[dtypes.from_numpy(array.dtype)])
 
 
+def _evaluated(value: Array) -> Array:
+    mx.eval(value)
+    return value
+
+
 def to_numpy(value: Array) -> np.ndarray:
     if value.dtype == mx.bfloat16:  # numpy's buffer protocol has no bf16
         return np.array(value.view(mx.uint16)).view(dtypes.to_numpy("bf16"))
@@ -447,11 +452,17 @@ class MlxExecutable(Executable[Array]):
     def _to_host(self, value: Array) -> np.ndarray:
         return to_numpy(value)
 
+    # What these return may be kept as a handle and read by a later call, on another of the server's threads: mlx
+    # evaluates a lazy array only on a stream of the thread that built it, so they come back evaluated (as run's
+    # outputs do).
     def _zeros(self, t: TensorType) -> Array:
-        return mx.zeros(t.shape, _MX[t.dtype])
+        return _evaluated(mx.zeros(t.shape, _MX[t.dtype]))
 
     def _copy_rows(self, dst: Array, dst_start: int, src: Array, src_start: int, n: int) -> Array:
-        return mx.slice_update(dst, src[src_start : src_start + n], mx.array([dst_start]), axes=(0,))
+        return _evaluated(mx.slice_update(dst, src[src_start : src_start + n], mx.array([dst_start]), axes=(0,)))
 
     def _cast(self, value: Array, dtype: str) -> Array:
-        return value.astype(_MX[dtype])
+        return _evaluated(value.astype(_MX[dtype]))
+
+    def _pad_rows(self, value: Array, rows: int) -> Array:
+        return _evaluated(mx.concatenate([value, mx.zeros((rows - value.shape[0], *value.shape[1:]), value.dtype)]))
