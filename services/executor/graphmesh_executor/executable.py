@@ -136,7 +136,7 @@ def conform(array: np.ndarray, want: TensorType, what: str) -> np.ndarray:
 Kernel = Callable[[RunContext, list[Any], dict[str, Any]], Any]
 
 
-@dataclass(frozen=True)
+@dataclass
 class ExtentCut:
     """A graph computing only the first `actual` of the `upper` rows of its bucket axis."""
 
@@ -144,6 +144,7 @@ class ExtentCut:
     actual: int
     inputs: frozenset[str]  # the inputs cut to `actual` rows
     padded: tuple[int, ...]  # output indices cut too: padded back to `upper` rows after the run
+    plan: Any = None  # what a backend makes of `graph` at its first run, kept with it (and dropped with it)
 
 
 def cut_to_extent(graph: Graph, fed: Sequence[str], actual: int, upper: int) -> ExtentCut | None:
@@ -172,6 +173,13 @@ def cut_to_extent(graph: Graph, fed: Sequence[str], actual: int, upper: int) -> 
            seen[graph.outputs[i]].shape[1:] != graph.type_of(graph.outputs[i]).shape[1:] for i in padded):
         return None  # an output whose other axes changed cannot be padded back along axis 0
     return ExtentCut(Graph(graph.name, inputs, graph.params, tuple(nodes), graph.outputs), actual, cut, padded)
+
+
+def _checked_extent(extent: tuple[int, int]) -> tuple[int, int]:
+    actual, upper = extent
+    if not 1 <= actual <= upper:
+        raise InvalidArgument(f"active extent ({actual}, {upper}) must satisfy 1 <= actual <= upper", "BAD_EXTENT")
+    return extent
 
 
 class Executable(Generic[T]):
@@ -301,15 +309,15 @@ class Executable(Generic[T]):
                 env[name] = self._zeros(t)
         return env
 
-    def _execute(self, env: dict[str, T], graph: Graph | None = None) -> list[T]:
-        """Interprets `graph` (this one, or this one cut to the active extent: the same nodes) in topological order,
-        dropping buffers after their last reader."""
+    def _execute(self, env: dict[str, T], cut: ExtentCut | None = None) -> list[T]:
+        """Interprets this graph, or `cut` (this one cut to the active extent: the same nodes), in topological
+        order, dropping buffers after their last reader."""
         ctx = RunContext(self._rng, self._extent)
         for name, t in self.graph.params.items():
             env[name] = self._params[name] if name in self._params else self._zeros(t)
         outputs = set(self.graph.outputs)
         gmm_ordinal = 0
-        for i, node in enumerate((graph or self.graph).nodes):
+        for i, node in enumerate((cut.graph if cut else self.graph).nodes):
             if node.op == "constant":
                 env[node.name] = self._constants[node.name]
             else:
@@ -335,7 +343,7 @@ class Executable(Generic[T]):
         env = self._gather_inputs(inputs)
         saved = self._extent
         if extent is not None:
-            self.set_active_extent(extent)
+            self._extent = _checked_extent(extent)
         try:
             cut = self._cut(list(inputs))
             if cut is None:
@@ -343,7 +351,7 @@ class Executable(Generic[T]):
             else:
                 for name in cut.inputs:
                     env[name] = env[name][:cut.actual]  # type: ignore[index]  # every backend's array slices
-                outs = self._execute(env, cut.graph)
+                outs = self._execute(env, cut)
                 for i in cut.padded:
                     outs[i] = self._pad_rows(outs[i], self.output_types[i].shape[0])
         finally:
@@ -407,12 +415,7 @@ class Executable(Generic[T]):
         return self._cuts[key]
 
     def set_active_extent(self, extent: tuple[int, int] | None) -> bool:
-        if extent is not None:
-            actual, upper = extent
-            if not 1 <= actual <= upper:
-                raise InvalidArgument(f"active extent ({actual}, {upper}) must satisfy 1 <= actual <= upper",
-                                      "BAD_EXTENT")
-        self._extent = extent
+        self._extent = None if extent is None else _checked_extent(extent)
         if extent is None or not self.capabilities.active_extent:
             return self.capabilities.active_extent
         # Honoured when a run fed every input that is not a bound handle could be cut to it.

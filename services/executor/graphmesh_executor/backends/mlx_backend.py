@@ -40,7 +40,7 @@ from graphmesh.ops import QUANT_BLOCKS, TensorType
 from graphmesh.serving import cpu_flags
 from graphmesh_executor.backends.numpy_backend import KERNELS as NUMPY_KERNELS
 from graphmesh_executor.backends.numpy_backend import paged_rows
-from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_rows
+from graphmesh_executor.executable import Capabilities, Executable, ExtentCut, Kernel, RunContext, sample_rows
 
 PRELOAD = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"  # Debian libopenblas0-pthread
 BLIS = "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4"  # Debian libblis4-pthread
@@ -428,14 +428,14 @@ class MlxExecutable(Executable[Array]):
                         if n.op in ("kv_write", "kv_scatter") and n.inputs[0] in graph.inputs and n.name in graph.outputs
                         and readers[n.inputs[0]] == 1 and n.inputs[0] not in graph.outputs}
 
-    def _execute(self, env: dict[str, Array], graph: Graph | None = None) -> list[Array]:
+    def _execute(self, env: dict[str, Array], cut: ExtentCut | None = None) -> list[Array]:
         donated = [id(env[h]) for h, out in self._donors.items()
                    if self._prefix_feeds.get(h) == out and h in self._handles and env.get(h) is self._handles[h]
                    and sum(v is env[h] for v in self._handles.values()) == 1]
         _DONATED.update(donated)
         try:
             with mx.stream(self._stream):
-                return super()._execute(env, graph)
+                return super()._execute(env, cut)
         finally:
             _DONATED.difference_update(donated)  # the arrays live through the run, so their ids stay theirs
 

@@ -32,7 +32,7 @@ from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph, Node
 from graphmesh.ops import QUANT_BLOCKS, TensorType
 from graphmesh_executor.backends import cpu_kernels
-from graphmesh_executor.executable import MAX_CUTS, Capabilities, Executable, Kernel, RunContext, conform, sample_rows
+from graphmesh_executor.executable import Capabilities, Executable, ExtentCut, Kernel, RunContext, conform, sample_rows
 
 Tensor = torch.Tensor
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -553,7 +553,6 @@ class TorchExecutable(Executable[Tensor]):
         self._static_in: dict[str, Tensor] = {}
         self._captures: dict[tuple[int, ...], _Captured] = {}
         self._seen: dict[tuple[int, ...], int] = {}
-        self._cut_plans: dict[int, tuple[Graph, list[_Step]]] = {}  # by id of the cut graph, which it keeps alive
 
     # -- the plan --------------------------------------------------------------------------------------
     def _plan(self, graph: Graph) -> tuple[dict[str, int], list[_Step]]:
@@ -803,16 +802,13 @@ class TorchExecutable(Executable[Tensor]):
         return env
 
     @torch.inference_mode()
-    def _execute(self, env: dict[str, Tensor], graph: Graph | None = None) -> list[Tensor]:
+    def _execute(self, env: dict[str, Tensor], cut: ExtentCut | None = None) -> list[Tensor]:
         if not self._planned:
-            return super()._execute(env, graph)
-        if graph is not None:  # cut to the active extent: eager (a capture is of one shape), the same slots
-            cut = self._cut_plans.get(id(graph))
-            if cut is None:
-                if len(self._cut_plans) >= MAX_CUTS:
-                    self._cut_plans.pop(next(iter(self._cut_plans)))
-                cut = self._cut_plans[id(graph)] = (graph, self._plan(graph)[1])
-            return self._run_plan(env, RunContext(self._rng, self._extent), cut[1])
+            return super()._execute(env, cut)
+        if cut is not None:  # cut to the active extent: eager (a capture is of one shape), the same slots
+            if cut.plan is None:
+                cut.plan = self._plan(cut.graph)[1]
+            return self._run_plan(env, RunContext(self._rng, self._extent), cut.plan)
         if self._host_checks is not None:
             static = self._static_env(env)
             if static is not None:
