@@ -166,9 +166,11 @@ def _matmul_runs(exe: RemoteExecutable, commit: bool) -> Callable[[], None]:
     """8 Runs of `exe`, or 8 CommitNoWait and a SyncPending, each sending the scalar s."""
     s = {"s": np.ones(1, np.float32)}
 
+    call: Callable[[dict[str, np.ndarray]], object] = exe.commit_no_wait if commit else exe.run
+
     def calls() -> None:
         for _ in range(8):
-            exe.commit_no_wait(s) if commit else exe.run(s)
+            call(s)
         if commit:
             assert exe.sync_pending() == 8
     return calls
