@@ -3,10 +3,11 @@ client sees a lost, duplicated or different token; stale or fenced participants 
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from graphmesh import faults, security, tensors
 from graphmesh.coordinator_client import CoordinatorClient
-from graphmesh.errors import from_rpc_error
+from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
 from graphmesh.launcher import LocalMesh
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh_executor.boundary_link import HEADER, HELLO, BoundaryLink
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1]
 SESSIONS = 8
@@ -91,6 +93,19 @@ def _status(mesh: LocalMesh) -> Any:
 def _stage(mesh: LocalMesh, address: str) -> stage_pb2_grpc.StageServiceStub:
     """StageService of one of the mesh's executors, called as a mesh member (with its mesh token)."""
     return stage_pb2_grpc.StageServiceStub(security.channel(address, None, mesh_token=mesh.mesh_token))
+
+
+def _link(mesh: LocalMesh, address: str) -> tuple[str, bytes]:
+    """The address of an executor's boundary link and a ticket for it, asked for as a mesh member."""
+    answer = _stage(mesh, address).OpenBoundaryLink(stage_pb2.OpenBoundaryLinkRequest(), timeout=10)
+    host, port = answer.address.rsplit(":", 1)
+    return f"{host or '127.0.0.1'}:{port}", answer.ticket
+
+
+def _over_link(link: BoundaryLink, payload: bytes) -> Exception | None:
+    done: Future[Exception | None] = Future()
+    assert link.push(payload, 10.0, done.set_result)
+    return done.result(timeout=30)
 
 
 def _idle_status(stub: stage_pb2_grpc.StageServiceStub) -> stage_pb2.StageServiceStatusResponse:
@@ -199,6 +214,12 @@ def test_stale_or_poisoned_messages_are_refused_and_change_nothing(mesh: LocalMe
                 method(request, timeout=10)
             error = from_rpc_error(e.value)
             assert error.code == grpc.StatusCode.FAILED_PRECONDITION and error.reason == "STALE_INCARNATION"
+        # the same bundle over the executor's boundary link gets the same answer
+        link = BoundaryLink.connect(*_link(mesh, mesh.executor_addresses[1]), 10.0)
+        answer = _over_link(link, calls[-1][1].SerializeToString())
+        assert isinstance(answer, GraphmeshError) and answer.reason == "STALE_INCARNATION"
+        assert answer.code == grpc.StatusCode.FAILED_PRECONDITION
+        link.fail(Unavailable("done", "TEST"))
     assert stub.Status(stage_pb2.StageServiceStatusRequest()) == before
     stub.Fence(stage_pb2.FenceRequest(incarnation=k, reason="test"))
     poisoned = stub.Status(stage_pb2.StageServiceStatusRequest())
@@ -211,6 +232,38 @@ def test_stale_or_poisoned_messages_are_refused_and_change_nothing(mesh: LocalMe
     # the coordinator notices on the next request, rebuilds under k+1 and serves
     assert _run_all(mesh.coordinator_address)
     assert _status(mesh).incarnation > k
+
+
+def test_a_boundary_link_takes_only_its_ticket_and_survives_bad_frames(mesh: LocalMesh) -> None:
+    baseline = _run_all(mesh.coordinator_address)
+    k = _status(mesh).incarnation
+    address, ticket = _link(mesh, mesh.executor_addresses[1])
+    host, port = address.rsplit(":", 1)
+
+    def refused(hello: bytes) -> GraphmeshError:
+        with pytest.raises(GraphmeshError) as e:
+            BoundaryLink.connect(address, hello, 10.0)
+        return e.value
+
+    for wrong in (b"", b"x" * 32, ticket[:-1] + bytes([ticket[-1] ^ 1])):
+        refusal = refused(wrong)
+        assert refusal.code == grpc.StatusCode.UNAUTHENTICATED and refusal.reason == "BAD_LINK_TICKET", refusal
+    link = BoundaryLink.connect(address, ticket, 10.0)  # the ticket was not used up by the wrong ones...
+    assert refused(ticket).reason == "BAD_LINK_TICKET"  # ... and opens one link only
+    # A frame that is not a PushBoundaryRequest is answered INVALID_ARGUMENT, and the link goes on.
+    error = _over_link(link, b"\xff\xff\xff\xff")
+    assert isinstance(error, GraphmeshError) and error.reason == "BAD_REQUEST"
+    stale = stage_pb2.PushBoundaryRequest(header=stage_pb2.FencingHeader(incarnation=k - 1), step_id=1)
+    error = _over_link(link, stale.SerializeToString())
+    assert isinstance(error, GraphmeshError) and error.reason == "STALE_INCARNATION"
+    link.fail(Unavailable("done", "TEST"))
+    # A connection whose first frame claims to be bigger than a ticket is closed before it sends it.
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(HEADER.pack(1 << 31, HELLO))
+        assert raw.recv(1) == b""
+    # None of it touched the mesh: no fence, no rebuild, the same tokens.
+    assert _run_all(mesh.coordinator_address) == baseline
+    assert _status(mesh).incarnation == k
 
 
 def test_coordinator_restart_never_reuses_an_incarnation(mesh: LocalMesh) -> None:

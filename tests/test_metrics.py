@@ -106,9 +106,11 @@ def test_a_generation_moves_the_counters(mesh: LocalMesh) -> None:
     for rank in (0, 1):
         e0, e1 = before[f"executor-{rank}"], after[f"executor-{rank}"]
         assert rpc_count(e1, EXECUTE_STEP) - rpc_count(e0, EXECUTE_STEP) == steps
-    for rank, pushes in ((1, streamed), (0, fed_back)):
-        assert rpc_count(after[f"executor-{rank}"], "/graphmesh.v1.StageService/PushBoundary") - \
-            rpc_count(before[f"executor-{rank}"], "/graphmesh.v1.StageService/PushBoundary") == pushes
+    for rank, pushes in ((1, streamed), (0, fed_back)):  # over gRPC, or the boundary link once it is open
+        e0, e1 = before[f"executor-{rank}"], after[f"executor-{rank}"]
+        assert rpc_count(e1, "/graphmesh.v1.StageService/PushBoundary") - \
+            rpc_count(e0, "/graphmesh.v1.StageService/PushBoundary") + \
+            value(e1, "graphmesh_boundary_link_pushes_total") - value(e0, "graphmesh_boundary_link_pushes_total") == pushes
     # The session's KV blocks go back to every pool once it ends (released after the stream closes).
     pools = [_wait(mesh, f"executor-{rank}", lambda s: value(s, "graphmesh_kv_pool_free_blocks") ==
                    value(s, "graphmesh_kv_pool_blocks") > 0) for rank in (0, 1)]

@@ -122,7 +122,8 @@ STEP_PHASES = [("graphmesh-coordinator", "mesh.step"), ("graphmesh-coordinator",
                ("graphmesh-executor", "/graphmesh.v1.StageService/ExecuteStep"),
                ("graphmesh-executor", "stage.execute"), ("graphmesh-executor", "stage.compute"),
                ("graphmesh-executor", "stage.run"), ("graphmesh-executor", "stage.push_boundary"),
-               ("graphmesh-executor", "/graphmesh.v1.StageService/PushBoundary")]
+               # the next rank took the bundle (over its boundary link: the trace context travels in the frame)
+               ("graphmesh-executor", "stage.accept_boundary")]
 
 
 def _attrs(span: trace_pb2.Span) -> dict[str, Any]:

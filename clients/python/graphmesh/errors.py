@@ -31,10 +31,14 @@ class GraphmeshError(Exception):
         self.metadata = metadata or {}
 
     def to_status(self) -> grpc.Status:
+        return rpc_status.to_status(self.to_status_proto())
+
+    def to_status_proto(self) -> status_pb2.Status:
+        """The google.rpc.Status a gRPC status carries, for transports without one (executors' boundary links)."""
         info = error_details_pb2.ErrorInfo(reason=self.reason, domain=DOMAIN, metadata=self.metadata)
         status = status_pb2.Status(code=self.code.value[0], message=self.message)
         status.details.add().Pack(info)
-        return rpc_status.to_status(status)
+        return status
 
 
 class InvalidArgument(GraphmeshError):
@@ -107,14 +111,25 @@ def from_rpc_error(error: grpc.RpcError) -> GraphmeshError:
     """The typed exception for a failed call, with the server's reason when it sent one."""
     code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
     details = error.details() if isinstance(error, grpc.Call) else str(error)
+    status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
+    return _typed(code, details, status)
+
+
+def from_status_proto(status: status_pb2.Status) -> GraphmeshError | None:
+    """The typed exception a google.rpc.Status stands for; None for OK."""
+    if status.code == grpc.StatusCode.OK.value[0]:
+        return None
+    code = next((c for c in grpc.StatusCode if c.value[0] == status.code), grpc.StatusCode.UNKNOWN)
+    return _typed(code, status.message, status)
+
+
+def _typed(code: grpc.StatusCode, details: str, status: status_pb2.Status | None) -> GraphmeshError:
     reason: str | None = None
     metadata: dict[str, str] = {}
-    status = rpc_status.from_call(error) if isinstance(error, grpc.Call) else None
-    if status is not None:
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Unpack(info):
-                reason, metadata = info.reason, dict(info.metadata)
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            reason, metadata = info.reason, dict(info.metadata)
     cls = _BY_CODE.get(code, Internal)
     exc = cls(details or code.name, reason or code.name, metadata)
     exc.code = code
@@ -136,7 +151,12 @@ def _bad_input() -> tuple[tuple[type[Exception], str], ...]:
 
 
 def to_status(exc: BaseException, method: str = "") -> grpc.Status:
-    """The status for any exception a call raised: typed errors keep their code and reason, malformed input is
+    """The status for any exception a call raised (see refusal)."""
+    return refusal(exc, method).to_status()
+
+
+def refusal(exc: BaseException, method: str = "") -> GraphmeshError:
+    """What a call that raised `exc` answers: typed errors keep their code and reason, malformed input is
     INVALID_ARGUMENT, running out of memory RESOURCE_EXHAUSTED (the request was too big for this service now,
     not a bug), anything else INTERNAL (and logged with its traceback)."""
     if isinstance(exc, GraphmeshError):
@@ -147,11 +167,11 @@ def to_status(exc: BaseException, method: str = "") -> grpc.Status:
         reason = next((r for cls, r in _bad_input() if isinstance(exc, cls)), None)
         if reason is None:
             log.error("internal error", exc_info=exc, extra={"method": method})
-            return Internal(f"{type(exc).__name__}: {exc}", "INTERNAL").to_status()
+            return Internal(f"{type(exc).__name__}: {exc}", "INTERNAL")
         err = InvalidArgument(str(exc), reason)
     log.warning("request refused", extra={"method": method, "code": err.code.name, "reason": err.reason,
                                           "error": err.message})
-    return err.to_status()
+    return err
 
 
 def rpc(fn: F) -> F:

@@ -14,23 +14,29 @@ from types import TracebackType
 
 
 class TcpProxy:
-    """Forwards 127.0.0.1:<port> to `target`. mode: "pass", "delay" (delay_s per forwarded read),
-    "drop" (close every connection, refuse new ones) or "blackhole" (keep connections, forward nothing)."""
+    """Forwards 127.0.0.1:<port> to `target` (and more ports to more targets of the same process: `forward`).
+    mode, for all of them: "pass", "delay" (delay_s per forwarded read), "drop" (close every connection, refuse
+    new ones) or "blackhole" (keep connections, forward nothing)."""
 
     def __init__(self, target: str, delay_s: float = 0.0) -> None:
-        host, port = target.rsplit(":", 1)
-        self.target = (host, int(port))
         self.mode = "pass"
         self.delay_s = delay_s
-        self._server = socket.socket()
-        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._server.bind(("127.0.0.1", 0))
-        self._server.listen(64)
-        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self._servers: list[socket.socket] = []
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.address = self.forward(target)
+
+    def forward(self, target: str) -> str:
+        """Forwards one more loopback port to `target` (an executor's boundary link, say); returns its address."""
+        host, port = target.rsplit(":", 1)
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)
+        self._servers.append(server)
+        threading.Thread(target=self._accept, args=(server, (host, int(port))), daemon=True).start()
+        return f"127.0.0.1:{server.getsockname()[1]}"
 
     def set_mode(self, mode: str, delay_s: float | None = None) -> None:
         if mode not in ("pass", "delay", "drop", "blackhole"):
@@ -44,17 +50,17 @@ class TcpProxy:
             for c in conns:
                 _close(c)
 
-    def _accept(self) -> None:
+    def _accept(self, server: socket.socket, target: tuple[str, int]) -> None:
         while not self._closed:
             try:
-                client, _ = self._server.accept()
+                client, _ = server.accept()
             except OSError:
                 return
             if self.mode == "drop":
                 _close(client)
                 continue
             try:
-                upstream = socket.create_connection(self.target, timeout=5)
+                upstream = socket.create_connection(target, timeout=5)
             except OSError:
                 _close(client)
                 continue
@@ -87,7 +93,8 @@ class TcpProxy:
 
     def close(self) -> None:
         self._closed = True
-        _close(self._server)
+        for server in self._servers:
+            _close(server)
         with self._lock:
             conns, self._conns = self._conns, []
         for c in conns:

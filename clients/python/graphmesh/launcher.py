@@ -179,12 +179,16 @@ class LocalMesh:
             args = ["graphmesh_executor.server", "--listen", address, "--backend", backend, "--threads", str(threads)]
             args += ["--enable-fault-injection"] if self.fault_injection else []
             args += [] if self.standby_weights is None else ["--standby-weights", "on" if self.standby_weights else "off"]
+            if self.proxied:  # the previous rank's boundary link goes through the same proxy as its gRPC calls
+                proxy = TcpProxy(address)
+                link = f"127.0.0.1:{free_port()}"
+                args += ["--boundary-link-port", link.rsplit(":", 1)[1], "--boundary-link-advertise", proxy.forward(link)]
             process = self._spawn(f"executor-{rank}", args, env)
             spawned.append((address, process, rank))
             self.executor_processes.append(process)
             if self.proxied:
-                self.proxies.append(TcpProxy(address))
-                address = self.proxies[-1].address
+                self.proxies.append(proxy)
+                address = proxy.address
             self.executor_addresses.append(address)
         for address, process, rank in spawned:
             wait_healthy(address, process, 120.0, f"executor {rank}", self.credentials())

@@ -109,6 +109,20 @@ def current_context() -> Context:
     return otel_context.get_current()
 
 
+def carrier(context: Context) -> dict[str, str]:
+    """`context` as W3C trace headers (traceparent, tracestate), for a hop that is not a gRPC call; {} when
+    tracing is off."""
+    headers: dict[str, str] = {}
+    if _provider is not None:
+        propagate.inject(headers, context=context)
+    return headers
+
+
+def context_of(headers: dict[str, str]) -> Context | None:
+    """The trace context `carrier` wrote into `headers`; None (the current one) when there is none."""
+    return propagate.extract(headers) if _provider is not None and headers else None
+
+
 def start_span(name: str, **attributes: AttributeValue) -> Span:
     """A child of the current span that the caller ends, for work that finishes in a callback."""
     if _provider is None:

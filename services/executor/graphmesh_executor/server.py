@@ -31,7 +31,7 @@ from graphmesh_executor.kv_writer import KvWriteBehind
 from graphmesh_executor.registry import ExecutableRegistry
 from graphmesh_executor.servicer import ExecutorServicer
 from graphmesh_executor.stage import StageRuntime
-from graphmesh_executor.stage_servicer import BoundaryPusher, add_stage_service
+from graphmesh_executor.stage_servicer import BoundaryPusher, add_stage_service, listen_for_links
 
 log = logging.getLogger("graphmesh.executor")
 
@@ -65,6 +65,10 @@ class ExecutorConfig:
     registration_ttl_s: int = 2  # the registration's lease: how long a dead executor stays registered
     drain_timeout_s: float = 30.0  # on SIGTERM, how long to wait for the coordinator to re-plan without this one
     preload_model: str = ""  # read this model's whole weights before registering (a join then reads no checkpoint)
+    # The boundary link listener's port (0: a free one; None: no listener, previous ranks push over gRPC), and the
+    # HOST:PORT previous ranks reach it at ("": the host they reach the gRPC port at, this port)
+    boundary_link_port: int | None = 0
+    boundary_link_advertise: str = ""
 
 
 def tune_malloc() -> None:
@@ -107,7 +111,12 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, StageRuntime
                            pusher=BoundaryPusher(config.security.tls), block_writer=block_writer,
                            faults_enabled=config.enable_fault_injection, standby_weights=config.standby_weights,
                            kv_cache_bytes=config.kv_cache_bytes)
-    add_stage_service(server, runtime, KvPusher(config.security.tls, config.max_message_bytes))
+    stage = add_stage_service(server, runtime, KvPusher(config.security.tls, config.max_message_bytes))
+    link = None
+    if config.boundary_link_port is not None and config.security.tls is None:  # links are plain TCP
+        link = listen_for_links(stage, config.listen.rsplit(":", 1)[0], config.boundary_link_port,
+                                config.max_message_bytes, config.boundary_link_advertise)
+        log.info("boundary link listener", extra={"port": link.port, "advertised": link.address})
     port, _ = config.security.start(server, config.listen, (SERVICE_NAME, STAGE_SERVICE_NAME))
     if config.metrics_port:
         authority = runtime.authority
@@ -124,7 +133,11 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, StageRuntime
              lambda: block_writer.written_blocks),
             ("graphmesh_kv_write_behind_failures", "counter", "Failed write-behind puts", lambda: block_writer.failures),
             ("graphmesh_kv_write_behind_dropped", "counter", "Write-behinds dropped on a full queue",
-             lambda: block_writer.dropped))
+             lambda: block_writer.dropped),
+            ("graphmesh_boundary_link_pushes", "counter", "Boundary bundles taken over boundary links (PushBoundary "
+             "calls count in graphmesh_rpc_server_seconds)", lambda: link.pushes if link is not None else 0),
+            ("graphmesh_boundary_links", "gauge", "Boundary links open to this executor",
+             lambda: link.links if link is not None else 0))
     return server, port, runtime
 
 
@@ -162,8 +175,16 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="with --etcd, seconds SIGTERM waits for the coordinator to re-plan without this executor "
                         "before it stops serving")
+    p.add_argument("--boundary-link-port", default="0",
+                   help="port of the boundary link listener, the data plane previous ranks push activations over "
+                        "(0: a free port; 'off': none, they push over gRPC; a TLS mesh never opens one)")
+    p.add_argument("--boundary-link-advertise", default="",
+                   help="HOST:PORT previous ranks reach the boundary link at (default: the host they reach this "
+                        "executor at, the listener's port)")
     security.add_arguments(p, executor_service=True)
     a = p.parse_args(argv)
+    if a.boundary_link_port != "off" and not a.boundary_link_port.isdigit():
+        p.error(f"--boundary-link-port takes a port or 'off', not {a.boundary_link_port!r}")
     return ExecutorConfig(listen=a.listen, backend=a.backend, device=a.device, model_root=a.model_root,
                           threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,
                           workers=a.workers, enable_fault_injection=a.enable_fault_injection,
@@ -171,7 +192,9 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
                           kv_cache_bytes=a.kv_cache_bytes, security=security.from_args(a),
                           etcd=tuple(u for u in a.etcd.split(",") if u), cluster_name=a.cluster_name,
                           advertise=a.advertise, registration_ttl_s=a.registration_ttl,
-                          drain_timeout_s=a.drain_timeout, preload_model=a.preload_model)
+                          drain_timeout_s=a.drain_timeout, preload_model=a.preload_model,
+                          boundary_link_port=None if a.boundary_link_port == "off" else int(a.boundary_link_port),
+                          boundary_link_advertise=a.boundary_link_advertise)
 
 
 def _preload_blas(backend: str) -> None:

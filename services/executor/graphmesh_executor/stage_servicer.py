@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -12,8 +13,9 @@ import grpc
 import numpy as np
 
 from graphmesh import security, telemetry, tensors
-from graphmesh.errors import InvalidArgument, from_rpc_error, rpc
+from graphmesh.errors import GraphmeshError, InvalidArgument, Unavailable, from_rpc_error, rpc
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh_executor.boundary_link import BoundaryLink, LinkListener
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
 from graphmesh_executor.kv_push import KvPusher
 from graphmesh_executor.stage import Boundary, Sampling, StageRuntime, StageSpec, StepRow
@@ -33,18 +35,25 @@ _OUTCOME_PB = {Outcome.NONE: stage_pb2.EPOCH_OUTCOME_UNSPECIFIED, Outcome.COMMIT
 
 
 class BoundaryPusher:
-    """Pushes boundary bundles to the next ranks over one cached channel per address (TLS with this executor's
-    certificate when it has one), from a few sender threads per address: the engine hands a bundle over and goes
-    on, and the bundles of several micro-batches travel at once. The senders make blocking calls: a future call
-    would need no thread of ours, but grpc starts a thread to poll for it whenever no other future call is in
-    flight, which is one thread started per bundle at low load."""
+    """Pushes boundary bundles to the next ranks: over a boundary link (boundary_link.py) to each rank that has a
+    listener, else with PushBoundary over one cached channel per address (TLS with this executor's certificate
+    when it has one). A small bundle goes out from the caller's thread (the engine's: one hand-off less per hop);
+    a big one from a sender thread, so the engine computes the next micro-batch while it travels. gRPC pushes
+    always go from sender threads, a few per address: a future call would need no thread of ours, but grpc starts
+    a thread to poll for it whenever no other future call is in flight, one thread started per bundle at low
+    load."""
 
-    SENDERS = 4  # per address: bundles in flight to one next rank at once
+    SENDERS = 4  # per address: gRPC bundles in flight to one next rank at once
+    INLINE_BYTES = 256 << 10  # bundles up to this size are written to a link by the caller
+    NO_LINK_RETRY_S = 30.0  # a rank that said it has no link is asked again after this long
 
-    def __init__(self, tls: security.Tls | None = None) -> None:
+    def __init__(self, tls: security.Tls | None = None, links: bool = True) -> None:
         self._senders: dict[str, tuple[stage_pb2_grpc.StageServiceStub, ThreadPoolExecutor]] = {}
+        self._links: dict[str, BoundaryLink] = {}
+        self._no_link_until: dict[str, float] = {}
         self._lock = threading.Lock()
         self.tls = tls
+        self.links = links and tls is None  # links are plain TCP: a TLS mesh keeps its boundaries on gRPC
 
     def __call__(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float,
                  delivered: Callable[[Exception | None], None]) -> None:
@@ -55,14 +64,17 @@ class BoundaryPusher:
                 self._senders[address] = (stage_pb2_grpc.StageServiceStub(telemetry.traced(channel)),
                                           ThreadPoolExecutor(self.SENDERS, thread_name_prefix=f"push-{address}"))
             stub, senders = self._senders[address]
-        senders.submit(self._send, stub, incarnation, boundary, timeout_s, delivered, telemetry.current_context())
+        context = telemetry.current_context()
+        size = sum(v.nbytes for v in (boundary.hidden, boundary.tokens) if v is not None)
+        if self.links and size <= self.INLINE_BYTES and self._open_link(address):
+            self._send(stub, address, incarnation, boundary, timeout_s, delivered, context)
+        else:
+            senders.submit(self._send, stub, address, incarnation, boundary, timeout_s, delivered, context)
 
-    @staticmethod
-    def _send(stub: stage_pb2_grpc.StageServiceStub, incarnation: int, boundary: Boundary, timeout_s: float,
-              delivered: Callable[[Exception | None], None], context: telemetry.Context) -> None:
+    def _send(self, stub: stage_pb2_grpc.StageServiceStub, address: str, incarnation: int, boundary: Boundary,
+              timeout_s: float, delivered: Callable[[Exception | None], None], context: telemetry.Context) -> None:
         request = stage_pb2.PushBoundaryRequest(header=stage_pb2.FencingHeader(incarnation=incarnation),
                                                 step_id=boundary.step_id, iteration=boundary.iteration)
-        error: Exception | None = None
         try:
             for role, value in ((stage_pb2.BOUNDARY_ROLE_ACTIVATION, boundary.hidden),
                                 (stage_pb2.BOUNDARY_ROLE_TOKENS, boundary.tokens)):
@@ -70,18 +82,71 @@ class BoundaryPusher:
                     request.tensors.add(role=role, tensor=tensors.to_proto(value))
             with telemetry.span("stage.push_boundary", parent=context, step=boundary.step_id,
                                 iteration=boundary.iteration):
+                link = self._link(stub, address, timeout_s) if self.links else None
+                if link is not None:
+                    request.trace_context.update(telemetry.carrier(telemetry.current_context()))
+                    if link.push(request.SerializeToString(), timeout_s, delivered):
+                        return
+                    link = self._link(stub, address, timeout_s)  # broke since: nothing was sent, so send it anew
+                    if link is not None and link.push(request.SerializeToString(), timeout_s, delivered):
+                        return
                 stub.PushBoundary(request, timeout=timeout_s)
         except grpc.RpcError as e:
-            error = from_rpc_error(e)
+            delivered(from_rpc_error(e))
+            return
         except Exception as e:  # a bundle that cannot even be sent fails its step, not the sender
-            error = e
-        delivered(error)
+            delivered(e)
+            return
+        delivered(None)
+
+    def _open_link(self, address: str) -> bool:
+        """Whether a link to `address` is open now (a link is opened from a sender thread, never the engine's)."""
+        with self._lock:
+            link = self._links.get(address)
+            return link is not None and link.broken is None
+
+    def _link(self, stub: stage_pb2_grpc.StageServiceStub, address: str, timeout_s: float) -> BoundaryLink | None:
+        """The open link to `address`, opening one if there is none; None when that rank has no link listener (or
+        opening one failed: then this bundle goes by gRPC, and the next tries again)."""
+        with self._lock:
+            link = self._links.get(address)
+            if link is not None and link.broken is None:
+                return link
+            if time.monotonic() < self._no_link_until.get(address, 0.0):
+                return None
+        try:
+            answer = stub.OpenBoundaryLink(stage_pb2.OpenBoundaryLinkRequest(), timeout=min(timeout_s, 5.0))
+            host, port = answer.address.rsplit(":", 1)
+            link = BoundaryLink.connect(f"{host or address.rsplit(':', 1)[0]}:{port}", answer.ticket,
+                                        min(timeout_s, 5.0))
+        except grpc.RpcError as e:
+            error = from_rpc_error(e)
+            if e.code() is grpc.StatusCode.UNIMPLEMENTED or error.reason == "NO_BOUNDARY_LINK":
+                with self._lock:
+                    self._no_link_until[address] = time.monotonic() + self.NO_LINK_RETRY_S
+            log.info("no boundary link: pushing over gRPC", extra={"address": address, "reason": error.reason})
+            return None
+        except (OSError, GraphmeshError, ValueError) as e:
+            log.warning("boundary link failed to open: pushing over gRPC", extra={"address": address, "error": str(e)})
+            return None
+        with self._lock:
+            old = self._links.get(address)
+            if old is not None and old.broken is None:  # another thread opened one meanwhile
+                keep, spare = old, link
+            else:
+                keep, spare = link, None
+                self._links[address] = link
+        if spare is not None:
+            spare.fail(Unavailable("a spare boundary link", "BOUNDARY_LINK_SPARE"))
+        log.info("boundary link open", extra={"address": address, "link": keep.address})
+        return keep
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def __init__(self, runtime: StageRuntime, kv_pusher: KvPusher | None = None) -> None:
         self.runtime = runtime
         self.kv_pusher = kv_pusher or KvPusher()
+        self.link: LinkListener | None = None  # where previous ranks open boundary links; None: PushBoundary only
 
     @rpc
     def Install(self, request: stage_pb2.InstallRequest, context: grpc.ServicerContext) -> stage_pb2.InstallResponse:
@@ -125,14 +190,28 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     @rpc
     def PushBoundary(self, request: stage_pb2.PushBoundaryRequest,
                      context: grpc.ServicerContext) -> stage_pb2.PushBoundaryResponse:
-        h = request.header
+        self.accept_push(request)
+        return stage_pb2.PushBoundaryResponse()
+
+    def accept_push(self, request: stage_pb2.PushBoundaryRequest) -> None:
+        """A pushed bundle, from PushBoundary or a boundary link."""
         by_role = {t.role: t.tensor for t in request.tensors}
         hidden: np.ndarray | None = np.zeros((0,), np.float64)  # fails the schema check, poisoning like any bad bundle
         tokens: np.ndarray | None = None
         if len(by_role) == len(request.tensors) and set(by_role) <= set(_BOUNDARY_ROLES):
             hidden, tokens = (tensors.from_proto(by_role[role]) if role in by_role else None for role in _BOUNDARY_ROLES)
-        self.runtime.accept_boundary(h.incarnation, Boundary(request.step_id, request.iteration, hidden, tokens))
-        return stage_pb2.PushBoundaryResponse()
+        boundary = Boundary(request.step_id, request.iteration, hidden, tokens)
+        with telemetry.span("stage.accept_boundary", parent=telemetry.context_of(dict(request.trace_context)),
+                            step=request.step_id, iteration=request.iteration):
+            self.runtime.accept_boundary(request.header.incarnation, boundary)
+
+    @rpc
+    def OpenBoundaryLink(self, request: stage_pb2.OpenBoundaryLinkRequest,
+                         context: grpc.ServicerContext) -> stage_pb2.OpenBoundaryLinkResponse:
+        if self.link is None:
+            raise Unavailable("this executor has no boundary link listener: push over PushBoundary",
+                              "NO_BOUNDARY_LINK")
+        return stage_pb2.OpenBoundaryLinkResponse(address=self.link.address, ticket=self.link.ticket())
 
     @rpc
     def Commit(self, request: stage_pb2.CommitRequest, context: grpc.ServicerContext) -> stage_pb2.CommitResponse:
@@ -269,3 +348,10 @@ def add_stage_service(server: grpc.Server, runtime: StageRuntime, kv_pusher: KvP
     servicer = StageServicer(runtime, kv_pusher)
     stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
     return servicer
+
+
+def listen_for_links(servicer: StageServicer, host: str, port: int, max_frame_bytes: int,
+                     advertise: str = "") -> LinkListener:
+    """Opens the executor's boundary link listener: previous ranks push to `servicer` through it."""
+    servicer.link = LinkListener(host, port, servicer.accept_push, max_frame_bytes, advertise)
+    return servicer.link

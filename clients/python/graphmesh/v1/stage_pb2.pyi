@@ -738,10 +738,31 @@ Global___BoundaryTensor: _TypeAlias = BoundaryTensor  # noqa: Y015
 class PushBoundaryRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     HEADER_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
     STEP_ID_FIELD_NUMBER: _builtins.int
     ITERATION_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """step_id is the step the bundle belongs to."""
     iteration: _builtins.int
@@ -760,6 +781,13 @@ class PushBoundaryRequest(_message.Message):
         (ACTIVATION), and in a decode run the input tokens [rows] (TOKENS).
         """
 
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """trace_context is the sender's W3C trace context (traceparent,
+        tracestate) when the bundle travels over a boundary link, which has no
+        gRPC metadata to carry it; empty when tracing is off.
+        """
+
     def __init__(
         self,
         *,
@@ -767,10 +795,11 @@ class PushBoundaryRequest(_message.Message):
         tensors: _abc.Iterable[Global___BoundaryTensor] | None = ...,
         step_id: _builtins.int = ...,
         iteration: _builtins.int = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "iteration", b"iteration", "step_id", b"step_id", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "iteration", b"iteration", "step_id", b"step_id", "tensors", b"tensors", "trace_context", b"trace_context"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -790,6 +819,49 @@ class PushBoundaryResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushBoundaryResponse: _TypeAlias = PushBoundaryResponse  # noqa: Y015
+
+@_typing.final
+class OpenBoundaryLinkRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenBoundaryLinkRequest: _TypeAlias = OpenBoundaryLinkRequest  # noqa: Y015
+
+@_typing.final
+class OpenBoundaryLinkResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """address is HOST:PORT of the link listener; an empty HOST means the host
+    this call reached.
+    """
+    ticket: _builtins.bytes
+    """ticket is 32 random bytes the link's first frame must carry; it opens one
+    link, once, within 30 s.
+    """
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        ticket: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenBoundaryLinkResponse: _TypeAlias = OpenBoundaryLinkResponse  # noqa: Y015
 
 @_typing.final
 class CommitRequest(_message.Message):

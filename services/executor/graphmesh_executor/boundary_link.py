@@ -1,0 +1,297 @@
+"""Boundary links: the data plane from a rank to the next.
+
+A gRPC unary PushBoundary costs ~1 ms a hop on the 2-core VM and ~1.4 ms on the H200 host, more than a decode
+step's compute on a GPU, and a decode run makes two hops per token (the activation on, the sampled tokens back).
+A link is one TCP connection from a rank to the next carrying length-prefixed frames: each PUSH frame is a
+serialized PushBoundaryRequest, the message PushBoundary takes, and the receiver answers every one, in order, with
+an ACK frame holding the google.rpc.Status PushBoundary would have answered. A round trip costs ~0.07 ms.
+
+The control plane stays gRPC. The sender asks the next rank for a link with StageService.OpenBoundaryLink, which
+is authenticated like every mesh call (mesh token or mutual TLS) and answers the link's address and a one-time
+ticket; the link's first frame (HELLO) must carry that ticket, so only a caller the mesh admitted can open one.
+A link that breaks or misses a deadline fails the pushes it carries, as a failed PushBoundary would (COMM: the
+step's order is no longer provable); the next push opens a new link. A rank that has no link listener is pushed to
+over gRPC, and so is every rank of a mesh that runs TLS: links are plain TCP.
+
+    frame = length (u32, little-endian, bytes of the payload) | kind (u8) | payload
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from google.rpc import status_pb2
+
+from graphmesh.errors import (
+    DeadlineExceeded,
+    GraphmeshError,
+    InvalidArgument,
+    Unauthenticated,
+    Unavailable,
+    from_status_proto,
+    refusal,
+)
+from graphmesh.v1 import stage_pb2
+
+log = logging.getLogger("graphmesh.executor.boundary_link")
+
+HEADER = struct.Struct("<IB")
+HELLO, PUSH, ACK = 1, 2, 3  # frame kinds
+TICKET_BYTES = 32
+TICKET_TTL_S = 30.0
+HELLO_TIMEOUT_S = 5.0  # for a new connection to present its ticket
+MAX_HANDSHAKES = 16  # connections at once that have not presented a ticket yet: more are closed at once
+WATCH_PERIOD_S = 0.1  # how often pushes are checked against their deadlines
+_OK = status_pb2.Status().SerializeToString()
+
+Delivered = Callable[[Exception | None], None]
+
+
+class LinkError(Exception):
+    """The peer broke the framing: the connection is closed."""
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray(n)
+    view, got = memoryview(data), 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise LinkError("the connection closed")
+        got += k
+    return bytes(data)
+
+
+def read_frame(sock: socket.socket, max_bytes: int) -> tuple[int, bytes]:
+    length, kind = HEADER.unpack(_read_exact(sock, HEADER.size))
+    if length > max_bytes:
+        raise LinkError(f"a frame of {length} bytes, over the limit of {max_bytes}")
+    return kind, _read_exact(sock, length)
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return HEADER.pack(len(payload), kind) + payload
+
+
+def _nodelay(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+class LinkListener:
+    """The receiving end: accepts links from previous ranks and hands every pushed bundle to `accept` (what
+    PushBoundary runs), one connection thread per link."""
+
+    def __init__(self, host: str, port: int, accept: Callable[[stage_pb2.PushBoundaryRequest], None],
+                 max_frame_bytes: int, advertise: str = "") -> None:
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._server = socket.create_server((host, port), family=family, backlog=64)
+        self.port = self._server.getsockname()[1]
+        # An empty host: the sender connects to the host it reached this executor's gRPC port at.
+        self.address = advertise or f":{self.port}"
+        self._accept = accept
+        self._max_frame_bytes = max_frame_bytes
+        self._tickets: dict[bytes, float] = {}  # ticket -> when it expires (monotonic)
+        self._handshakes = 0
+        self._lock = threading.Lock()
+        self.links = 0  # links open now
+        self.pushes = 0  # bundles taken over links
+        threading.Thread(target=self._accept_loop, name="boundary-link-accept", daemon=True).start()
+
+    def ticket(self) -> bytes:
+        """A one-time ticket for OpenBoundaryLink to hand out."""
+        now, ticket = time.monotonic(), secrets.token_bytes(TICKET_BYTES)
+        with self._lock:
+            self._tickets = {t: until for t, until in self._tickets.items() if until > now}
+            self._tickets[ticket] = now + TICKET_TTL_S
+        return ticket
+
+    def _redeem(self, ticket: bytes) -> bool:
+        with self._lock:
+            until = self._tickets.pop(ticket, None) if len(ticket) == TICKET_BYTES else None
+        return until is not None and until > time.monotonic()
+
+    def close(self) -> None:
+        self._server.close()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._server.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                admitted = self._handshakes < MAX_HANDSHAKES
+                self._handshakes += admitted
+            if not admitted:
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(_nodelay(conn), f"{peer[0]}:{peer[1]}"),
+                             name="boundary-link", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        try:
+            with conn:
+                if not self._handshake(conn, peer):
+                    return
+                with self._lock:
+                    self.links += 1
+                try:
+                    self._serve_pushes(conn)
+                finally:
+                    with self._lock:
+                        self.links -= 1
+        except (OSError, LinkError, struct.error) as e:
+            log.info("boundary link closed", extra={"peer": peer, "reason": str(e)})
+
+    def _handshake(self, conn: socket.socket, peer: str) -> bool:
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            kind, ticket = read_frame(conn, TICKET_BYTES)
+            ok = kind == HELLO and self._redeem(ticket)
+            if not ok:
+                log.warning("boundary link refused: no valid ticket", extra={"peer": peer})
+                conn.sendall(frame(ACK, Unauthenticated("a boundary link must open with a ticket from "
+                                                        "OpenBoundaryLink", "BAD_LINK_TICKET")
+                                   .to_status_proto().SerializeToString()))
+                return False
+            conn.settimeout(None)
+            conn.sendall(frame(ACK, _OK))
+            return True
+        finally:
+            with self._lock:
+                self._handshakes -= 1
+
+    def _serve_pushes(self, conn: socket.socket) -> None:
+        while True:
+            kind, payload = read_frame(conn, self._max_frame_bytes)
+            if kind != PUSH:
+                raise LinkError(f"a frame of kind {kind} where a push was expected")
+            try:
+                self._accept(stage_pb2.PushBoundaryRequest.FromString(payload))
+                with self._lock:
+                    self.pushes += 1
+                answer = _OK
+            except Exception as e:  # the sender's step fails with it; this link and everyone else go on
+                error = e if isinstance(e, GraphmeshError) or not _undecodable(e) else InvalidArgument(
+                    f"the frame is not a valid PushBoundaryRequest: {e}", "BAD_REQUEST")
+                answer = refusal(error, "BoundaryLink").to_status_proto().SerializeToString()
+            conn.sendall(frame(ACK, answer))
+
+
+def _undecodable(e: Exception) -> bool:
+    return type(e).__name__ == "DecodeError"  # google.protobuf.message.DecodeError, whichever implementation
+
+
+class BoundaryLink:
+    """The sending end of one link: pushes go out in the callers' order, and their acknowledgements come back in
+    the same order to a reader thread, which calls each push's `delivered`."""
+
+    def __init__(self, sock: socket.socket, address: str) -> None:
+        self.address = address
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._pending: deque[tuple[float, Delivered]] = deque()  # (deadline, delivered) in the order sent
+        self.broken: GraphmeshError | None = None
+        threading.Thread(target=self._read_acks, name=f"boundary-link-{address}", daemon=True).start()
+        _watch(self)
+
+    @classmethod
+    def connect(cls, address: str, ticket: bytes, timeout_s: float) -> BoundaryLink:
+        """Connects to the listener at `address` and presents `ticket`; raises what the listener answered."""
+        host, port = address.rsplit(":", 1)
+        sock = _nodelay(socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s))
+        try:
+            sock.sendall(frame(HELLO, ticket))
+            kind, payload = read_frame(sock, 1 << 16)
+            error = from_status_proto(status_pb2.Status.FromString(payload)) if kind == ACK else \
+                Unavailable(f"the boundary link at {address} answered a frame of kind {kind}", "BOUNDARY_LINK_BROKEN")
+            if error is not None:
+                raise error
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, address)
+
+    def push(self, request: bytes, timeout_s: float, delivered: Delivered) -> bool:
+        """Sends a serialized PushBoundaryRequest; False (nothing sent) when the link is already broken."""
+        with self._lock:
+            if self.broken is not None:
+                return False
+            self._pending.append((time.monotonic() + timeout_s, delivered))
+            try:
+                self._sock.sendall(frame(PUSH, request))
+                return True
+            except OSError as e:
+                reason = str(e)
+        self.fail(Unavailable(f"boundary link to {self.address} broke: {reason}", "BOUNDARY_LINK_BROKEN"))
+        return True
+
+    def fail(self, error: GraphmeshError) -> None:
+        """Breaks the link: every push it carries fails with `error`."""
+        with self._lock:
+            if self.broken is not None:
+                return
+            self.broken = error
+            pending, self._pending = list(self._pending), deque()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader
+        except OSError:
+            pass
+        self._sock.close()
+        for _, delivered in pending:
+            delivered(error)
+
+    def overdue(self, now: float) -> bool:
+        with self._lock:
+            return bool(self._pending) and self._pending[0][0] < now
+
+    def _read_acks(self) -> None:
+        try:
+            while True:
+                kind, payload = read_frame(self._sock, 1 << 20)
+                if kind != ACK:
+                    raise LinkError(f"a frame of kind {kind} where an acknowledgement was expected")
+                error = from_status_proto(status_pb2.Status.FromString(payload))
+                with self._lock:
+                    if not self._pending:
+                        raise LinkError("an acknowledgement of nothing")
+                    _, delivered = self._pending.popleft()
+                delivered(error)
+        except Exception as e:
+            self.fail(Unavailable(f"boundary link to {self.address} broke: {e}", "BOUNDARY_LINK_BROKEN"))
+
+
+_links: list[BoundaryLink] = []
+_watch_lock = threading.Lock()
+
+
+def _watch(link: BoundaryLink) -> None:
+    """Checks `link` against its pushes' deadlines from one thread for every link of the process."""
+    with _watch_lock:
+        _links.append(link)
+        if len(_links) == 1:
+            threading.Thread(target=_watch_loop, name="boundary-link-deadlines", daemon=True).start()
+
+
+def _watch_loop() -> None:
+    while True:
+        time.sleep(WATCH_PERIOD_S)
+        now = time.monotonic()
+        with _watch_lock:
+            _links[:] = [link for link in _links if link.broken is None]
+            overdue = [link for link in _links if link.overdue(now)]
+            if not _links:
+                return
+        for link in overdue:
+            link.fail(DeadlineExceeded(f"a boundary pushed to {link.address} was not taken in time",
+                                       "BOUNDARY_LINK_TIMEOUT"))

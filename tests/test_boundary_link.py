@@ -1,0 +1,88 @@
+"""Boundary links (graphmesh_executor/boundary_link.py), the data plane between ranks: what a link takes and
+answers, its deadlines, and the gRPC path a rank without one is pushed to. The links a mesh opens carry every
+boundary of the other mesh tests; test_fault_tolerance.py checks a link's tickets and bad frames on a live mesh."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import grpc
+import numpy as np
+import pytest
+from google.rpc import status_pb2
+
+from graphmesh import security
+from graphmesh.errors import DeadlineExceeded, GraphmeshError, from_rpc_error
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh_executor.boundary_link import ACK, HELLO, PUSH, BoundaryLink, LinkError, frame, read_frame
+from graphmesh_executor.stage import Boundary
+from graphmesh_executor.stage_servicer import BoundaryPusher
+from tests.conftest import executor_args, free_port, start_process
+
+
+@pytest.fixture(scope="module")
+def linkless_executor() -> Iterator[str]:
+    address = f"127.0.0.1:{free_port()}"
+    with start_process(executor_args(address, "--boundary-link-port", "off"), address):
+        yield address
+
+
+def _pushed(pusher: BoundaryPusher, address: str, boundary: Boundary) -> Exception | None:
+    done: Future[Exception | None] = Future()
+    pusher(address, 7, boundary, 10.0, done.set_result)
+    return done.result(timeout=30)
+
+
+def test_a_rank_without_a_link_is_pushed_to_over_grpc(linkless_executor: str) -> None:
+    stub = stage_pb2_grpc.StageServiceStub(security.channel(linkless_executor, None))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.OpenBoundaryLink(stage_pb2.OpenBoundaryLinkRequest(), timeout=10)
+    assert from_rpc_error(e.value).reason == "NO_BOUNDARY_LINK"
+    pusher = BoundaryPusher()
+    boundary = Boundary(1, hidden=np.zeros((2, 8), np.float32))
+    for _ in range(2):  # the second push does not ask for a link again, and goes the same way
+        error = _pushed(pusher, linkless_executor, boundary)
+        # PushBoundary's own answer: this executor was never installed, so no incarnation is current
+        assert isinstance(error, GraphmeshError) and error.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert error.reason == "NOT_INSTALLED"
+    assert not pusher._links
+
+
+class _SilentListener:
+    """A link listener that admits any ticket and then never acknowledges a push (a frozen next rank)."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.frames: list[int] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.server.accept()
+        kind, _ = read_frame(conn, 64)
+        assert kind == HELLO
+        conn.sendall(frame(ACK, status_pb2.Status().SerializeToString()))
+        try:
+            while True:
+                kind, _ = read_frame(conn, 1 << 20)
+                self.frames.append(kind)
+        except LinkError:
+            pass  # the sender gave up on this link
+
+
+def test_a_push_that_is_never_taken_fails_at_its_deadline_and_breaks_the_link() -> None:
+    listener = _SilentListener()
+    link = BoundaryLink.connect(listener.address, b"t" * 32, 5.0)
+    results: list[Future[Exception | None]] = [Future(), Future()]
+    t0 = time.monotonic()
+    assert link.push(b"first", 0.3, results[0].set_result)
+    assert link.push(b"second", 30.0, results[1].set_result)
+    errors = [r.result(timeout=10) for r in results]
+    assert time.monotonic() - t0 < 5.0  # the first deadline broke the link, the second push with it
+    assert all(isinstance(e, DeadlineExceeded) and e.reason == "BOUNDARY_LINK_TIMEOUT" for e in errors), errors
+    assert listener.frames == [PUSH, PUSH]
+    assert not link.push(b"third", 1.0, lambda _: None)  # a broken link sends nothing more
