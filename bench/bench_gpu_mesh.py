@@ -6,6 +6,10 @@ through meanwhile (the incarnation must not move: concurrency must never look li
 greedy tokens are compared with the same prompt decoded alone (bf16 batched GEMMs may round differently from a
 batch of one, so this is reported, not asserted). Writes bench/results/gpu_mesh.json (or --out).
 
+--transports links,grpc runs the whole table once per way boundaries travel between the executors, one mesh
+after the other in the same run: over boundary links (the default) and over PushBoundary calls (executors
+started with --boundary-link-port off), the peer the links are measured against.
+
     python bench/bench_gpu_mesh.py                                # on a machine with a GPU
     python bench/bench_gpu_mesh.py --small --device cpu --concurrency 1,4   # a dry run on a tiny model
 """
@@ -60,6 +64,43 @@ def run_level(address: str, prompts: list[list[int]], tokens: int) -> dict[str, 
             "itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)) if gaps else 0.0, "ids": [r["ids"] for r in runs]}
 
 
+def run_mesh(a: argparse.Namespace, model: str, transport: str, levels: list[int],
+             prompts: list[list[int]]) -> dict[str, Any]:
+    """Every concurrency level through one mesh whose executors pass boundaries over `transport`."""
+    link_args = [] if transport == "links" else ["--boundary-link-port", "off"]
+    mesh = LocalMesh(a.executors, "torch", model, kvstore=False, startup_timeout_s=600,
+                     extra_executor_args=["--device", a.device, "--kv-cache-bytes", a.kv_cache_bytes, *link_args],
+                     extra_coordinator_args=["--dtype", a.dtype, "--max-step-tokens", "2048",
+                                             "--steps-in-flight", str(a.steps_in_flight),
+                                             "--decode-steps", str(a.decode_steps)])
+    with mesh:
+        address = mesh.coordinator_address
+        with CoordinatorClient(address) as client:
+            before = client.status().incarnation
+        # As long as the measured streams: the KV block-table buckets (1, 2, 4 ... blocks per sequence) grow with
+        # the sessions, and each new one compiles and captures on the step that first needs it.
+        progress(f"== {transport}: warm-up (compiles and captures every batch and block-table bucket once)")
+        for n in levels:
+            run_level(address, prompts[:n], a.tokens)
+        solo = [stream(address, prompts[i], a.tokens)["ids"] for i in range(min(4, max(levels)))]
+        rows: list[dict[str, Any]] = []
+        for n in levels:
+            reps = []
+            for r in range(a.repeats):
+                progress(f"== {transport}: {n} streams, repeat {r + 1}/{a.repeats}")
+                reps.append(run_level(address, prompts[:n], a.tokens))
+            same = sum(ids == solo[i] for rep in reps for i, ids in enumerate(rep["ids"][:len(solo)]))
+            rows.append({"streams": n, **{k: median([x[k] for x in reps]) for k in
+                                          ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")},
+                         "same_as_solo": f"{same}/{sum(min(n, len(solo)) for _ in reps)}"})
+        with CoordinatorClient(address) as client:
+            after = client.status().incarnation
+    one = float(rows[0]["tok_s"]) if rows and rows[0]["streams"] == 1 else 0.0
+    for row in rows:
+        row["vs_one_stream"] = float(row["tok_s"]) / one if one else 0.0
+    return {"recoveries": after - before, "rows": rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda:0")
@@ -74,6 +115,8 @@ def main() -> None:
     p.add_argument("--steps-in-flight", type=int, default=0, help="the coordinator's --steps-in-flight (0: one per stage)")
     p.add_argument("--decode-steps", type=int, default=0,
                    help="the coordinator's --decode-steps (longest decode run; 0: its default for the devices)")
+    p.add_argument("--transports", default="links",
+                   help="comma-separated: links (boundary links, the default) and/or grpc (PushBoundary calls)")
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu_mesh.json"))
     a = p.parse_args()
     levels = [int(x) for x in a.concurrency.split(",")]
@@ -81,47 +124,28 @@ def main() -> None:
     shape = SMALL if a.small else TINYLLAMA
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, shape["vocab_size"], a.prompt_tokens).tolist() for _ in range(max(levels))]
+    transports = a.transports.split(",")
+    if not set(transports) <= {"links", "grpc"}:
+        raise SystemExit(f"--transports takes links and/or grpc, not {a.transports!r}")
+    by_transport: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         progress(f"== writing a random {('tiny' if a.small else '1.1B')} Llama (bf16) to {tmp}")
         make_model(shape, "cpu", Path(tmp))
-        mesh = LocalMesh(a.executors, "torch", tmp, kvstore=False, startup_timeout_s=600,
-                         extra_executor_args=["--device", a.device, "--kv-cache-bytes", a.kv_cache_bytes],
-                         extra_coordinator_args=["--dtype", a.dtype, "--max-step-tokens", "2048",
-                                                 "--steps-in-flight", str(a.steps_in_flight),
-                                                 "--decode-steps", str(a.decode_steps)])
-        with mesh:
-            address = mesh.coordinator_address
-            with CoordinatorClient(address) as client:
-                before = client.status().incarnation
-            progress("== warm-up (compiles and captures every batch bucket once)")
-            for n in levels:
-                run_level(address, prompts[:n], 8)
-            solo = [stream(address, prompts[i], a.tokens)["ids"] for i in range(min(4, max(levels)))]
-            rows: list[dict[str, Any]] = []
-            for n in levels:
-                reps = []
-                for r in range(a.repeats):
-                    progress(f"== {n} streams, repeat {r + 1}/{a.repeats}")
-                    reps.append(run_level(address, prompts[:n], a.tokens))
-                same = sum(ids == solo[i] for rep in reps for i, ids in enumerate(rep["ids"][:len(solo)]))
-                row: dict[str, Any] = {"streams": n, **{k: median([x[k] for x in reps]) for k in
-                                        ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")},
-                       "same_as_solo": f"{same}/{sum(min(n, len(solo)) for _ in reps)}"}
-                rows.append(row)
-            with CoordinatorClient(address) as client:
-                after = client.status().incarnation
-    one = float(rows[0]["tok_s"]) if rows and rows[0]["streams"] == 1 else 0.0
-    for row in rows:
-        row["vs_one_stream"] = float(row["tok_s"]) / one if one else 0.0
+        for transport in transports:
+            by_transport[transport] = run_mesh(a, tmp, transport, levels, prompts)
     cols = ["streams", "tok_s", "vs_one_stream", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
             "same_as_solo"]
-    print(table(cols, [[row[c] for c in cols] for row in rows]))
-    print(f"recoveries during the run: {after - before} (incarnation {before} -> {after})")
+    for transport, run in by_transport.items():
+        print(f"boundaries over {transport}:")
+        print(table(cols, [[row[c] for c in cols] for row in run["rows"]]))
+        print(f"recoveries during the run: {run['recoveries']}")
+    first = by_transport[transports[0]]
     result = {"benchmark": "gpu_mesh", "machine": machine(load), "model": "random Llama, TinyLlama-1.1B shape" if not
               a.small else "tiny", "dtype": a.dtype, "executors": a.executors, "device": a.device,
               "tokens_per_stream": a.tokens, "prompt_tokens": a.prompt_tokens, "repeats": a.repeats,
               "steps_in_flight": a.steps_in_flight or a.executors, "decode_steps": a.decode_steps,
-              "recoveries": after - before, "rows": rows,
+              "transport": transports[0], "recoveries": first["recoveries"], "rows": first["rows"],
+              "transports": by_transport,
               "env": {k: v for k, v in os.environ.items() if k.startswith(("CUDA", "NCCL"))}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
