@@ -118,8 +118,9 @@ INCARNATION = 1
 
 
 class Stage:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, log: Path) -> None:
         self.address = address
+        self.log = log  # the executor process's log
         self.channel = grpc.insecure_channel(address)
         self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
 
@@ -153,7 +154,7 @@ def executors(tmp_path_factory: pytest.TempPathFactory, kvstore: str) -> Iterato
                        log_path=logs / "a.log", env=env), \
          start_process(executor_args(addresses[1], "--model-root", str(root)), addresses[1],
                        log_path=logs / "b.log", env=env):
-        stages = [Stage(a) for a in addresses]
+        stages = [Stage(a, logs / f"{name}.log") for a, name in zip(addresses, "ab")]
         identities = set()
         for stage in stages:
             spec = stage_pb2.StageSpec(model="tiny-llama", layer_start=0, layer_end=2, first=True, last=True,
@@ -186,6 +187,8 @@ def test_copy_rows_and_seed_between_executors(kvstore: str, executors: tuple[Sta
         nbytes, ms = client.copy_rows(a.address, "s", INCARNATION, b.address, "copied", INCARNATION, 0, len(PROMPT))
         assert nbytes == rows_a.nbytes and ms > 0
         np.testing.assert_array_equal(b.read("copied", 0, len(PROMPT)), rows_a)
+        # straight into B's buffer over a link (boundary_link.KvLink), not a WriteSessionKv stream
+        assert "row copy taken over a link" in b.log.read_text()
         # a copy lands at the same rows: the next rows continue the session on the destination
         np.testing.assert_array_equal(b.read("copied", 8, 24), rows_a[8:24])
 

@@ -36,10 +36,10 @@ def write_requests(first: stage_pb2.WriteSessionKvRequest, rows: np.ndarray) -> 
         yield b"".join([first.SerializeToString() if i == 0 else b"", _ROWS_TAG, tensors.varint(size), *chunk])
 
 
-def executor_error(error: grpc.RpcError, address: str, method: str) -> GraphmeshError:
+def executor_error(error: grpc.RpcError | GraphmeshError, address: str, method: str) -> GraphmeshError:
     """The executor's own status code and reason, with a message and metadata (executor = address) that say which
     executor failed."""
-    e = errors.from_rpc_error(error)
+    e = errors.from_rpc_error(error) if isinstance(error, grpc.RpcError) else error
     e.message = f"executor {address} failed {method}: {e.message}"
     e.args = (e.message,)
     e.metadata = {**e.metadata, "executor": address}

@@ -1,20 +1,26 @@
-"""Executor -> executor KV row copies (StageService.PushSessionKv): the source streams its rows, with their token
-ids, into the destination's WriteSessionKv over one channel per destination. One hop: a copy relayed through
-the KV store crossed the network twice and was parsed on the way, at half the bandwidth of a bare stream.
+"""Executor -> executor KV row copies (StageService.PushSessionKv): the source writes its rows, with their token ids,
+straight into the destination's session, one hop (a copy relayed through the KV store crossed the network twice
+and was parsed on the way). Over a link (boundary_link.KvLink) where the destination has a link listener: its rows
+are read into the buffer they are written from, with no message around them; else over WriteSessionKv, a stream of
+1 MiB chunks over one channel per destination.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 
 import grpc
 import numpy as np
 
-from graphmesh import security, telemetry
-from graphmesh.errors import InvalidArgument
+from graphmesh import dtypes, security, telemetry
+from graphmesh.errors import GraphmeshError, InvalidArgument
 from graphmesh.session_kv import WRITE_SESSION_KV, executor_error, raw, write_requests
-from graphmesh.v1 import stage_pb2
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from graphmesh_executor.boundary_link import KvLink, LinkOpener
+
+log = logging.getLogger("graphmesh.executor.kv_push")
 
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -26,19 +32,39 @@ class KvPusher:
     def __init__(self, tls: security.Tls | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.tls = tls
         self.max_message_bytes = max_message_bytes
-        self._writes: dict[str, grpc.StreamUnaryMultiCallable[bytes, stage_pb2.WriteSessionKvResponse]] = {}
+        self._writes: dict[str, tuple[grpc.StreamUnaryMultiCallable[bytes, stage_pb2.WriteSessionKvResponse],
+                                      stage_pb2_grpc.StageServiceStub]] = {}
+        self._idle: dict[str, list[KvLink]] = {}  # links with no copy on them, by destination
+        self._opener = LinkOpener()
         self._lock = threading.Lock()
 
-    def _write(self, address: str) -> grpc.StreamUnaryMultiCallable[bytes, stage_pb2.WriteSessionKvResponse]:
+    def _write(self, address: str) -> tuple[grpc.StreamUnaryMultiCallable[bytes, stage_pb2.WriteSessionKvResponse],
+                                            stage_pb2_grpc.StageServiceStub]:
         with self._lock:
             if address not in self._writes:
                 channel = telemetry.traced(security.channel(
                     address, self.tls, [("grpc.max_send_message_length", self.max_message_bytes),
                                         ("grpc.max_receive_message_length", self.max_message_bytes)]))
-                self._writes[address] = channel.stream_unary(
+                self._writes[address] = (channel.stream_unary(
                     WRITE_SESSION_KV, request_serializer=raw,
-                    response_deserializer=stage_pb2.WriteSessionKvResponse.FromString)
+                    response_deserializer=stage_pb2.WriteSessionKvResponse.FromString),
+                    stage_pb2_grpc.StageServiceStub(channel))
             return self._writes[address]
+
+    def _link(self, address: str, stub: stage_pb2_grpc.StageServiceStub, timeout_s: float) -> KvLink | None:
+        """An idle link to `address`, or a new one; None when it has none (links are plain TCP: not under TLS)."""
+        if self.tls is not None or not self._opener.may_have_link(address):
+            return None
+        with self._lock:
+            idle = self._idle.get(address)
+            if idle:
+                return idle.pop()
+        try:
+            ticket = self._opener.ticket(stub, address, min(timeout_s, 5.0))
+            return None if ticket is None else KvLink.connect(*ticket, min(timeout_s, 5.0))
+        except (OSError, GraphmeshError, ValueError) as e:
+            log.warning("row copy link failed to open: copying over gRPC", extra={"address": address, "error": str(e)})
+            return None
 
     def push(self, address: str, header: stage_pb2.FencingHeader, start_row: int, rows: np.ndarray,
              token_ids: Sequence[int], timeout_s: float) -> int:
@@ -48,8 +74,21 @@ class KvPusher:
         if not address:
             raise InvalidArgument("destination_address is empty", "BAD_ADDRESS")
         first = stage_pb2.WriteSessionKvRequest(header=header, start_row=start_row, token_ids=token_ids)
+        write, stub = self._write(address)
+        link = self._link(address, stub, timeout_s) if rows.size else None
+        if link is not None:
+            first.rows.CopyFrom(tensor_pb2.TensorChunk(name="kv", dtype=dtypes.to_proto(dtypes.from_numpy(rows.dtype)),
+                                                       shape=rows.shape))
+            try:
+                reply = link.write(first, rows, timeout_s)
+            except GraphmeshError as e:  # the destination's refusal, or the link broke
+                link.close()
+                raise executor_error(e, address, "WriteSessionKv") from None
+            with self._lock:
+                self._idle.setdefault(address, []).append(link)
+            return int(reply.kv_length)
         try:
-            reply = self._write(address)(write_requests(first, rows), timeout=timeout_s)
+            reply = write(write_requests(first, rows), timeout=timeout_s)
         except grpc.RpcError as e:
             raise executor_error(e, address, "WriteSessionKv") from None
         return int(reply.kv_length)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -12,10 +11,10 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from graphmesh import security, telemetry, tensors
+from graphmesh import dtypes, security, telemetry, tensors
 from graphmesh.errors import GraphmeshError, InvalidArgument, Unavailable, from_rpc_error, rpc
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
-from graphmesh_executor.boundary_link import BoundaryLink, LinkListener
+from graphmesh_executor.boundary_link import BoundaryLink, KvWrite, LinkListener, LinkOpener
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
 from graphmesh_executor.kv_push import KvPusher
 from graphmesh_executor.stage import Boundary, Sampling, StageRuntime, StageSpec, StepRow
@@ -45,12 +44,11 @@ class BoundaryPusher:
 
     SENDERS = 4  # per address: gRPC bundles in flight to one next rank at once
     INLINE_BYTES = 256 << 10  # bundles up to this size are written to a link by the caller
-    NO_LINK_RETRY_S = 30.0  # a rank that said it has no link is asked again after this long
 
     def __init__(self, tls: security.Tls | None = None, links: bool = True) -> None:
         self._senders: dict[str, tuple[stage_pb2_grpc.StageServiceStub, ThreadPoolExecutor]] = {}
         self._links: dict[str, BoundaryLink] = {}
-        self._no_link_until: dict[str, float] = {}
+        self._opener = LinkOpener()
         self._lock = threading.Lock()
         self.tls = tls
         self.links = links and tls is None  # links are plain TCP: a TLS mesh keeps its boundaries on gRPC
@@ -112,20 +110,13 @@ class BoundaryPusher:
             link = self._links.get(address)
             if link is not None and link.broken is None:
                 return link
-            if time.monotonic() < self._no_link_until.get(address, 0.0):
-                return None
-        try:
-            answer = stub.OpenBoundaryLink(stage_pb2.OpenBoundaryLinkRequest(), timeout=min(timeout_s, 5.0))
-            host, port = answer.address.rsplit(":", 1)
-            link = BoundaryLink.connect(f"{host or address.rsplit(':', 1)[0]}:{port}", answer.ticket,
-                                        min(timeout_s, 5.0))
-        except grpc.RpcError as e:
-            error = from_rpc_error(e)
-            if e.code() is grpc.StatusCode.UNIMPLEMENTED or error.reason == "NO_BOUNDARY_LINK":
-                with self._lock:
-                    self._no_link_until[address] = time.monotonic() + self.NO_LINK_RETRY_S
-            log.info("no boundary link: pushing over gRPC", extra={"address": address, "reason": error.reason})
+        if not self._opener.may_have_link(address):
             return None
+        try:
+            ticket = self._opener.ticket(stub, address, min(timeout_s, 5.0))
+            if ticket is None:
+                return None
+            link = BoundaryLink.connect(*ticket, min(timeout_s, 5.0))
         except (OSError, GraphmeshError, ValueError) as e:
             log.warning("boundary link failed to open: pushing over gRPC", extra={"address": address, "error": str(e)})
             return None
@@ -288,9 +279,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.PushSessionKvResponse(bytes=rows.nbytes, kv_length=length, token_ids=len(tokens))
 
     def _kv_assembler(self, first: stage_pb2.WriteSessionKvRequest) -> tensors.ChunkAssembler:
-        """The buffer for a WriteSessionKv stream, refused before anything is allocated when the stream's
-        incarnation is not the current one, and sized to at most the rows the session's context can still
-        take: a header announcing 64 GiB of rows must not make the executor allocate them."""
+        """The buffer for a WriteSessionKv stream (see _kv_write_limit)."""
+        return tensors.ChunkAssembler(max_bytes=self._kv_write_limit(first))
+
+    def _kv_write_limit(self, first: stage_pb2.WriteSessionKvRequest) -> int:
+        """The most bytes of rows a write may bring: refused before anything is allocated when its incarnation is
+        not the current one, and at most the rows the session's context can still take: a header announcing
+        64 GiB of rows must not make the executor allocate them."""
         rt = self.runtime
         rt.authority.check(first.header.incarnation)  # again in write_kv, under the lock, before any row is used
         spec = rt.spec
@@ -298,7 +293,27 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             raise InvalidArgument("this executor holds no stage", "NOT_INSTALLED")
         limit = spec.max_context_tokens or (rt.config.max_position if rt.config else 0)
         row_bytes = (spec.layer_end - spec.layer_start) * 2 * rt.kv_dim * 4  # f32 K and V of every layer
-        return tensors.ChunkAssembler(max_bytes=max(0, limit - first.start_row) * row_bytes)
+        return max(0, limit - first.start_row) * row_bytes
+
+    def open_kv_write(self, first: stage_pb2.WriteSessionKvRequest) -> KvWrite:
+        """A row copy arriving over a link: its first message (header, start row, token ids, the rows' name, dtype
+        and shape) checked as WriteSessionKv checks it, and the rows' buffer set aside."""
+        head = first.rows
+        dtype = dtypes.from_proto(head.dtype)
+        shape = tensors.check_shape(head.shape)
+        size = tensors.nbytes(dtype, shape)
+        limit = self._kv_write_limit(first)
+        if not head.name or size == 0 or size > limit:
+            raise InvalidArgument(f"a row copy of {size} bytes named {head.name!r} (at most {limit} fit the "
+                                  f"session's context)", "BAD_KV_ROWS")
+        buffer = np.empty(size, np.uint8)  # not zero-filled: the link fills every byte before finish
+        h = first.header
+
+        def finish() -> stage_pb2.WriteSessionKvResponse:
+            rows = buffer.view(dtypes.to_numpy(dtype)).reshape(shape)
+            length = self.runtime.write_kv(h.incarnation, h.session_id, first.start_row, rows, list(first.token_ids))
+            return stage_pb2.WriteSessionKvResponse(kv_length=length)
+        return KvWrite(buffer, finish)
 
     @rpc
     def Fence(self, request: stage_pb2.FenceRequest, context: grpc.ServicerContext) -> stage_pb2.FenceResponse:
@@ -353,5 +368,5 @@ def add_stage_service(server: grpc.Server, runtime: StageRuntime, kv_pusher: KvP
 def listen_for_links(servicer: StageServicer, host: str, port: int, max_frame_bytes: int,
                      advertise: str = "") -> LinkListener:
     """Opens the executor's boundary link listener: previous ranks push to `servicer` through it."""
-    servicer.link = LinkListener(host, port, servicer.accept_push, max_frame_bytes, advertise)
+    servicer.link = LinkListener(host, port, servicer.accept_push, max_frame_bytes, advertise, servicer.open_kv_write)
     return servicer.link
