@@ -1,7 +1,9 @@
 """KV store CopyRows throughput between two executors on loopback, against bare grpcio streams of the same bytes.
 
 CopyRows asks executor A to push a session's rows, with their token ids, straight into executor B
-(StageService.PushSessionKv into B's WriteSessionKv): one hop, the kvstore only orchestrates. The rows have
+(StageService.PushSessionKv): one hop, the kvstore only orchestrates. A sends them over a link to B's boundary
+link listener (graphmesh_executor/boundary_link.py: each layer's K and V sent from A's pool blocks in place, read
+into B's), or into B's WriteSessionKv where B has no listener. The rows have
 SmolLM2-135M's KV layout (30 layers x 2 x 192 f32 = 45 KiB per row) but come from a tiny random Llama with that
 layout (hidden 192, 3 heads of 64, 30 layers), so nothing big is loaded; the session is filled with
 WriteSessionKv, not a prefill. The bare references are three grpcio processes on raw bytes in the same 1 MiB

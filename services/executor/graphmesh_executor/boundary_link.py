@@ -15,11 +15,13 @@ over gRPC, and so is every rank of a mesh that runs TLS: links are plain TCP.
 
     frame = length (u32, little-endian, bytes of the payload) | kind (u8) | payload
 
-Row copies between executors (PushSessionKv) take a link of their own, one write at a time: a KV_BEGIN frame (the
-WriteSessionKvRequest WriteSessionKv starts with: header, start row, token ids, and the rows' name, dtype and shape),
-an ACK once the receiver has checked it and set aside the rows' buffer, KV_DATA frames whose bytes are read straight
-into that buffer, and a final ACK carrying the WriteSessionKvResponse. No byte is parsed or copied on the way: a
-gRPC stream of the same rows copied each chunk into and out of a message, at a third of a bare stream's speed.
+Row copies between executors (PushSessionKv) take a link of their own, one copy at a time: a KV_BEGIN frame (the
+WriteSessionKvRequest WriteSessionKv starts with: header, start row, token ids, and the rows' name, dtype and shape
+f32 [n, layers, 2, kv_dim]), an ACK once the receiver has checked it and reserved the session's blocks, then the
+rows a pool at a time, K then V of each layer, f32 [n, kv_dim] each (one or more KV_DATA frames a piece), and a final
+ACK carrying the WriteSessionKvResponse. Each end moves a piece while its engine reads or writes the next, and no
+byte is parsed or transposed on the way: a WriteSessionKv stream gathered every row into [n, layers, 2, kv_dim],
+copied each 1 MiB chunk into and out of a message, and scattered the rows back, one step after another.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
@@ -112,9 +115,12 @@ def _undecodable(e: Exception) -> bool:
 
 @dataclass
 class KvWrite:
-    """A row copy the receiver accepted: the link reads the rows' bytes into `buffer`, then calls `finish`."""
+    """A row copy the receiver accepted: the link reads each piece into a buffer and hands it to `put`, then calls
+    `finish` once every put is done."""
 
-    buffer: np.ndarray  # uint8, exactly the rows' bytes
+    pieces: int  # K and V of every layer
+    piece_bytes: int
+    put: Callable[[int, np.ndarray], Future[None]]  # piece j (its bytes, uint8); the buffer is kept until it is done
     finish: Callable[[], stage_pb2.WriteSessionKvResponse]
 
 
@@ -228,7 +234,8 @@ class LinkListener:
             conn.sendall(frame(ACK, answer))
 
     def _serve_kv_write(self, conn: socket.socket, first: bytes) -> None:
-        """One row copy: its first message checked and answered, then its rows read into the buffer set aside."""
+        """One row copy: its first message checked and answered, then its pieces read into two buffers in turn,
+        each handed to the engine while the next is read."""
         assert self._kv_writer is not None
         try:
             write = self._kv_writer(stage_pb2.WriteSessionKvRequest.FromString(first))
@@ -236,21 +243,42 @@ class LinkListener:
             conn.sendall(frame(ACK, _answer(e, "WriteSessionKvRequest")))
             return
         conn.sendall(frame(ACK, _OK))
-        view, filled = write.buffer.reshape(-1).view(np.uint8).data, 0
-        while filled < len(view):
-            length, kind = HEADER.unpack(_read_exact(conn, HEADER.size))
-            if kind != KV_DATA or filled + length > len(view):
-                raise LinkError(f"a frame of kind {kind} and {length} bytes inside a row copy of {len(view)} bytes")
-            _read_into(conn, view[filled:filled + length])
-            filled += length
+        buffers = [np.empty(write.piece_bytes, np.uint8) for _ in range(2)]
+        puts: list[Future[None] | None] = [None, None]
+        error: Exception | None = None
+        for j in range(write.pieces):
+            b = j % 2
+            error = error or _failure(puts[b])  # the engine is done with this buffer
+            view, filled = buffers[b].data, 0
+            while filled < len(view):
+                length, kind = HEADER.unpack(_read_exact(conn, HEADER.size))
+                if kind != KV_DATA or filled + length > len(view):
+                    raise LinkError(f"a frame of kind {kind} and {length} bytes inside a row copy's piece of "
+                                    f"{len(view)} bytes")
+                _read_into(conn, view[filled:filled + length])
+                filled += length
+            if error is None:  # after a failed piece the rest are read (the framing goes on) but not written
+                puts[b] = write.put(j, buffers[b])
+        for put in puts:
+            error = error or _failure(put)
         try:
+            if error is not None:
+                raise error
             status = status_pb2.Status()
             status.details.add().Pack(write.finish())
             answer = status.SerializeToString()
-            log.info("row copy taken over a link", extra={"bytes": len(view)})
+            log.info("row copy taken over a link", extra={"bytes": write.pieces * write.piece_bytes})
         except Exception as e:
             answer = _answer(e, "WriteSessionKvRequest")
         conn.sendall(frame(ACK, answer))
+
+
+def _failure(put: Future[None] | None) -> Exception | None:
+    """What a piece's write raised, once it is done; None if it succeeded (or there was none)."""
+    if put is None:
+        return None
+    error = put.exception()
+    return error if isinstance(error, Exception) or error is None else RuntimeError(repr(error))
 
 
 class BoundaryLink:
@@ -287,15 +315,17 @@ class BoundaryLink:
 
     def fail(self, error: GraphmeshError) -> None:
         """Breaks the link: every push it carries fails with `error`."""
+        try:
+            # First, and without the lock: this wakes the reader, and a sender blocked (holding the lock) on a peer
+            # that stopped reading.
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         with self._lock:
             if self.broken is not None:
                 return
             self.broken = error
             pending, self._pending = list(self._pending), deque()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader
-        except OSError:
-            pass
         self._sock.close()
         for _, delivered in pending:
             delivered(error)
@@ -346,6 +376,18 @@ def _check(sock: socket.socket, address: str) -> status_pb2.Status:
     return status
 
 
+def _send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
+    """Sends every byte of `buffers` in order, up to IOV_MAX of them a system call."""
+    pending = [b for b in buffers if len(b)]
+    while pending:
+        sent = sock.sendmsg(pending[:1024])
+        while sent:
+            if sent >= len(pending[0]):
+                sent -= len(pending.pop(0))
+            else:
+                pending[0], sent = pending[0][sent:], 0
+
+
 class KvLink:
     """The sending end of a link for row copies: one copy at a time, its caller waiting for the answer."""
 
@@ -357,23 +399,26 @@ class KvLink:
     def connect(cls, address: str, ticket: bytes, timeout_s: float) -> KvLink:
         return cls(_connect(address, ticket, timeout_s), address)
 
-    def write(self, first: stage_pb2.WriteSessionKvRequest, rows: np.ndarray,
+    def write(self, first: stage_pb2.WriteSessionKvRequest, pieces: Iterable[list[memoryview]],
               timeout_s: float) -> stage_pb2.WriteSessionKvResponse:
-        """Writes `rows` (contiguous) as `first` describes them; raises the receiver's refusal as it sent it, and
-        Unavailable when the link breaks (the link is then closed)."""
-        data = np.ascontiguousarray(rows, rows.dtype.newbyteorder("<")).reshape(-1).view(np.uint8).data
+        """Writes the rows `first` describes, given a pool at a time (K then V of each layer, f32 [n, kv_dim] each,
+        as the little-endian byte buffers that hold it in order: one frame each, written with scatter-gather
+        sends); raises the receiver's refusal as it sent it, and Unavailable when the link breaks (it is then
+        closed)."""
         try:
             self._sock.settimeout(timeout_s)
             self._sock.sendall(frame(KV_BEGIN, first.SerializeToString()))
-            _check(self._sock, self.address)  # the receiver took the header and set the rows' buffer aside
-            for offset in range(0, len(data), KV_DATA_BYTES):
-                piece = data[offset:offset + KV_DATA_BYTES]
-                self._sock.sendall(HEADER.pack(len(piece), KV_DATA))
-                self._sock.sendall(piece)
+            _check(self._sock, self.address)  # the receiver took the header and reserved the session's blocks
+            for buffers in pieces:
+                self._sock.sendall(HEADER.pack(sum(len(b) for b in buffers), KV_DATA))
+                _send_buffers(self._sock, buffers)
             status = _check(self._sock, self.address)
         except (OSError, LinkError, struct.error) as e:
             self.close()
             raise Unavailable(f"row copy link to {self.address} broke: {e}", "BOUNDARY_LINK_BROKEN") from e
+        except BaseException:  # reading a piece failed half-way: the receiver's copy ends with the connection
+            self.close()
+            raise
         response = stage_pb2.WriteSessionKvResponse()
         if not status.details or not status.details[0].Unpack(response):
             self.close()

@@ -33,19 +33,20 @@ class Engine:
         raises its exception."""
         if threading.current_thread() is self._thread:
             return task()  # a task that needs another engine task runs it inline
-        future: Future[object] = Future()
-        self._tasks.put((name, task, future, telemetry.current_context()))
-        return future.result()  # type: ignore[return-value]
+        return self.submit(name, task).result()
+
+    def submit(self, name: str, task: Callable[[], R]) -> Future[R]:
+        """Queues `task`; its future holds what it returned or raised."""
+        future: Future[R] = Future()
+        self._tasks.put((name, task, future, telemetry.current_context()))  # type: ignore[arg-type]
+        return future
 
     def post(self, name: str, task: Callable[[], object]) -> None:
         """Queues `task` without waiting for it (its exception, if any, is logged)."""
-        future: Future[object] = Future()
-
         def report(done: Future[object]) -> None:
             if done.exception() is not None:
                 log.warning("engine task failed", extra={"task": name, "error": repr(done.exception())})
-        future.add_done_callback(report)
-        self._tasks.put((name, task, future, telemetry.current_context()))
+        self.submit(name, task).add_done_callback(report)
 
     def _loop(self) -> None:
         while True:

@@ -240,6 +240,10 @@ class Executable(Generic[T]):
         """value[rows] on the host (axis 0); backends move only those rows."""
         return self._to_host(value)[rows]
 
+    def _host_view(self, value: T) -> np.ndarray | None:
+        """value's own memory as an f32 host array, no copy; None where it is not (a device's, another dtype)."""
+        return None
+
     def _pad_rows(self, value: T, rows: int) -> T:
         """value with zero rows appended along axis 0 up to `rows` (an output of a run cut to its active extent)."""
         host = self._to_host(value)

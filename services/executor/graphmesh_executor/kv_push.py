@@ -8,8 +8,10 @@ are read into the buffer they are written from, with no message around them; els
 from __future__ import annotations
 
 import logging
+import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -23,6 +25,19 @@ from graphmesh_executor.boundary_link import KvLink, LinkOpener
 log = logging.getLogger("graphmesh.executor.kv_push")
 
 MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class KvSource:
+    """A session's committed rows on this executor, read the way the copy sends them."""
+
+    shape: tuple[int, int, int, int]  # [rows, layers, 2, kv_dim]
+    rows: Callable[[], np.ndarray]  # all at once, f32 [rows, layers, 2, kv_dim]: a WriteSessionKv stream
+    pieces: Iterator[list[memoryview]]  # a pool at a time (StageRuntime.read_kv_pieces), for boundary_link.KvLink
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * math.prod(self.shape)
 
 
 class KvPusher:
@@ -66,21 +81,20 @@ class KvPusher:
             log.warning("row copy link failed to open: copying over gRPC", extra={"address": address, "error": str(e)})
             return None
 
-    def push(self, address: str, header: stage_pb2.FencingHeader, start_row: int, rows: np.ndarray,
+    def push(self, address: str, header: stage_pb2.FencingHeader, start_row: int, rows: KvSource,
              token_ids: Sequence[int], timeout_s: float) -> int:
-        """Writes `rows` (f32 [n, layers, 2, kv_dim]) and their token ids (all n, or none) into the session of
-        `header` on `address` at `start_row`; returns its committed KV length. A failure there is raised with
-        the destination's code and reason, naming it (metadata executor = address)."""
+        """Writes `rows` and their token ids (all n, or none) into the session of `header` on `address` at
+        `start_row`; returns its committed KV length. A failure there is raised with the destination's code and
+        reason, naming it (metadata executor = address)."""
         if not address:
             raise InvalidArgument("destination_address is empty", "BAD_ADDRESS")
         first = stage_pb2.WriteSessionKvRequest(header=header, start_row=start_row, token_ids=token_ids)
         write, stub = self._write(address)
-        link = self._link(address, stub, timeout_s) if rows.size else None
+        link = self._link(address, stub, timeout_s) if rows.nbytes else None
         if link is not None:
-            first.rows.CopyFrom(tensor_pb2.TensorChunk(name="kv", dtype=dtypes.to_proto(dtypes.from_numpy(rows.dtype)),
-                                                       shape=rows.shape))
+            first.rows.CopyFrom(tensor_pb2.TensorChunk(name="kv", dtype=dtypes.to_proto("f32"), shape=rows.shape))
             try:
-                reply = link.write(first, rows, timeout_s)
+                reply = link.write(first, rows.pieces, timeout_s)
             except GraphmeshError as e:  # the destination's refusal, or the link broke
                 link.close()
                 raise executor_error(e, address, "WriteSessionKv") from None
@@ -88,7 +102,7 @@ class KvPusher:
                 self._idle.setdefault(address, []).append(link)
             return int(reply.kv_length)
         try:
-            reply = write(write_requests(first, rows), timeout=timeout_s)
+            reply = write(write_requests(first, rows.rows()), timeout=timeout_s)
         except grpc.RpcError as e:
             raise executor_error(e, address, "WriteSessionKv") from None
         return int(reply.kv_length)

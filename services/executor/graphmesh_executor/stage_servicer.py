@@ -16,7 +16,7 @@ from graphmesh.errors import GraphmeshError, InvalidArgument, Unavailable, from_
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor.boundary_link import BoundaryLink, KvWrite, LinkListener, LinkOpener
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
-from graphmesh_executor.kv_push import KvPusher
+from graphmesh_executor.kv_push import KvPusher, KvSource
 from graphmesh_executor.stage import Boundary, Sampling, StageRuntime, StageSpec, StepRow
 
 log = logging.getLogger("graphmesh.executor.stage")
@@ -36,22 +36,20 @@ _OUTCOME_PB = {Outcome.NONE: stage_pb2.EPOCH_OUTCOME_UNSPECIFIED, Outcome.COMMIT
 class BoundaryPusher:
     """Pushes boundary bundles to the next ranks: over a boundary link (boundary_link.py) to each rank that has a
     listener, else with PushBoundary over one cached channel per address (TLS with this executor's certificate
-    when it has one). A small bundle goes out from the caller's thread (the engine's: one hand-off less per hop);
-    a big one from a sender thread, so the engine computes the next micro-batch while it travels. gRPC pushes
-    always go from sender threads, a few per address: a future call would need no thread of ours, but grpc starts
-    a thread to poll for it whenever no other future call is in flight, one thread started per bundle at low
-    load."""
+    when it has one). Bundles go out from a few sender threads per address, never from the engine's: a next rank
+    that stops reading must not stop this one computing (its pushes fail at their deadline instead). gRPC pushes
+    are blocking calls there: a future call would need no thread of ours, but grpc starts a thread to poll for it
+    whenever no other future call is in flight, one thread started per bundle at low load."""
 
-    SENDERS = 4  # per address: gRPC bundles in flight to one next rank at once
-    INLINE_BYTES = 256 << 10  # bundles up to this size are written to a link by the caller
+    SENDERS = 4  # per address: bundles in flight to one next rank at once
 
-    def __init__(self, tls: security.Tls | None = None, links: bool = True) -> None:
+    def __init__(self, tls: security.Tls | None = None) -> None:
         self._senders: dict[str, tuple[stage_pb2_grpc.StageServiceStub, ThreadPoolExecutor]] = {}
         self._links: dict[str, BoundaryLink] = {}
         self._opener = LinkOpener()
         self._lock = threading.Lock()
         self.tls = tls
-        self.links = links and tls is None  # links are plain TCP: a TLS mesh keeps its boundaries on gRPC
+        self.links = tls is None  # links are plain TCP: a TLS mesh keeps its boundaries on gRPC
 
     def __call__(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float,
                  delivered: Callable[[Exception | None], None]) -> None:
@@ -62,12 +60,8 @@ class BoundaryPusher:
                 self._senders[address] = (stage_pb2_grpc.StageServiceStub(telemetry.traced(channel)),
                                           ThreadPoolExecutor(self.SENDERS, thread_name_prefix=f"push-{address}"))
             stub, senders = self._senders[address]
-        context = telemetry.current_context()
-        size = sum(v.nbytes for v in (boundary.hidden, boundary.tokens) if v is not None)
-        if self.links and size <= self.INLINE_BYTES and self._open_link(address):
-            self._send(stub, address, incarnation, boundary, timeout_s, delivered, context)
-        else:
-            senders.submit(self._send, stub, address, incarnation, boundary, timeout_s, delivered, context)
+        senders.submit(self._send, stub, address, incarnation, boundary, timeout_s, delivered,
+                       telemetry.current_context())
 
     def _send(self, stub: stage_pb2_grpc.StageServiceStub, address: str, incarnation: int, boundary: Boundary,
               timeout_s: float, delivered: Callable[[Exception | None], None], context: telemetry.Context) -> None:
@@ -96,12 +90,6 @@ class BoundaryPusher:
             delivered(e)
             return
         delivered(None)
-
-    def _open_link(self, address: str) -> bool:
-        """Whether a link to `address` is open now (a link is opened from a sender thread, never the engine's)."""
-        with self._lock:
-            link = self._links.get(address)
-            return link is not None and link.broken is None
 
     def _link(self, stub: stage_pb2_grpc.StageServiceStub, address: str, timeout_s: float) -> BoundaryLink | None:
         """The open link to `address`, opening one if there is none; None when that rank has no link listener (or
@@ -270,12 +258,15 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         h = request.header
         with telemetry.span("stage.push_kv", session=h.session_id, destination=request.destination_address,
                             from_row=request.from_row, to_row=request.to_row):
-            rows = self.runtime.read_kv(h.incarnation, h.session_id, request.from_row, request.to_row)
-            tokens = self.runtime.committed_tokens(h.incarnation, h.session_id, request.from_row, request.to_row)
+            rt, start, end = self.runtime, request.from_row, request.to_row
+            pieces = rt.read_kv_pieces(h.incarnation, h.session_id, start, end)  # checked now, read as they go
+            rows = KvSource((end - start, rt.layers, 2, rt.kv_dim),
+                            lambda: rt.read_kv(h.incarnation, h.session_id, start, end), pieces)
+            tokens = rt.committed_tokens(h.incarnation, h.session_id, start, end)
             remaining = context.time_remaining()
             timeout = remaining if remaining is not None and remaining < 1e9 else 120.0
-            length = self.kv_pusher.push(request.destination_address, request.destination_header, request.from_row,
-                                         rows, tokens, timeout)
+            length = self.kv_pusher.push(request.destination_address, request.destination_header, start, rows, tokens,
+                                         timeout)
         return stage_pb2.PushSessionKvResponse(bytes=rows.nbytes, kv_length=length, token_ids=len(tokens))
 
     def _kv_assembler(self, first: stage_pb2.WriteSessionKvRequest) -> tensors.ChunkAssembler:
@@ -297,23 +288,20 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     def open_kv_write(self, first: stage_pb2.WriteSessionKvRequest) -> KvWrite:
         """A row copy arriving over a link: its first message (header, start row, token ids, the rows' name, dtype
-        and shape) checked as WriteSessionKv checks it, and the rows' buffer set aside."""
-        head = first.rows
-        dtype = dtypes.from_proto(head.dtype)
+        and shape) checked as WriteSessionKv's rows are, the session's blocks reserved; its pieces then go
+        straight into them."""
+        rt, head, h = self.runtime, first.rows, first.header
+        rt.authority.check(h.incarnation)
         shape = tensors.check_shape(head.shape)
-        size = tensors.nbytes(dtype, shape)
-        limit = self._kv_write_limit(first)
-        if not head.name or size == 0 or size > limit:
-            raise InvalidArgument(f"a row copy of {size} bytes named {head.name!r} (at most {limit} fit the "
-                                  f"session's context)", "BAD_KV_ROWS")
-        buffer = np.empty(size, np.uint8)  # not zero-filled: the link fills every byte before finish
-        h = first.header
-
-        def finish() -> stage_pb2.WriteSessionKvResponse:
-            rows = buffer.view(dtypes.to_numpy(dtype)).reshape(shape)
-            length = self.runtime.write_kv(h.incarnation, h.session_id, first.start_row, rows, list(first.token_ids))
-            return stage_pb2.WriteSessionKvResponse(kv_length=length)
-        return KvWrite(buffer, finish)
+        if head.name != "kv" or dtypes.from_proto(head.dtype) != "f32" or len(shape) != 4 or \
+                shape[1:] != (rt.layers, 2, rt.kv_dim) or shape[0] == 0:
+            raise InvalidArgument(f"KV rows {head.name!r} {dtypes.from_proto(head.dtype)}{list(shape)} do not match "
+                                  f"this stage's f32[n, {rt.layers}, 2, {rt.kv_dim}]", "BAD_KV_ROWS")
+        n = shape[0]
+        write = rt.begin_write_kv(h.incarnation, h.session_id, first.start_row, n, list(first.token_ids))
+        return KvWrite(write.pieces, n * rt.kv_dim * 4,
+                       lambda j, piece: write.put(j, piece.view(np.float32).reshape(n, rt.kv_dim)),
+                       lambda: stage_pb2.WriteSessionKvResponse(kv_length=write.finish()))
 
     @rpc
     def Fence(self, request: stage_pb2.FenceRequest, context: grpc.ServicerContext) -> stage_pb2.FenceResponse:

@@ -779,6 +779,11 @@ class TorchExecutable(Executable[Tensor]):
             return taken.numpy()  # index_select made a new tensor: nothing else holds it, no second copy
         return self._to_host(taken)
 
+    def _host_view(self, value: Tensor) -> np.ndarray | None:
+        if value.device.type != "cpu" or value.dtype != torch.float32 or not value.is_contiguous():
+            return None
+        return value.numpy()
+
     @torch.inference_mode()
     def _put_rows(self, value: Tensor, rows: np.ndarray, data: np.ndarray) -> Tensor:
         idx = torch.from_numpy(np.asarray(rows, np.int64)).to(value.device)
