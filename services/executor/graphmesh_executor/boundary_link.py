@@ -291,6 +291,8 @@ class BoundaryLink:
         self._lock = threading.Lock()
         self._pending: deque[tuple[float, Delivered]] = deque()  # (deadline, delivered) in the order sent
         self.broken: GraphmeshError | None = None
+        self._cause: GraphmeshError | None = None  # what broke it first
+        self._cause_lock = threading.Lock()
         threading.Thread(target=self._read_acks, name=f"boundary-link-{address}", daemon=True).start()
         _watch(self)
 
@@ -314,17 +316,20 @@ class BoundaryLink:
         return True
 
     def fail(self, error: GraphmeshError) -> None:
-        """Breaks the link: every push it carries fails with `error`."""
+        """Breaks the link: every push it carries fails with `error` (the first cause given, when several threads
+        find it broken)."""
+        with self._cause_lock:
+            self._cause = self._cause or error
         try:
-            # First, and without the lock: this wakes the reader, and a sender blocked (holding the lock) on a peer
-            # that stopped reading.
+            # Without the lock: this wakes the reader, and a sender blocked (holding the lock) on a peer that
+            # stopped reading.
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         with self._lock:
             if self.broken is not None:
                 return
-            self.broken = error
+            self.broken = error = self._cause
             pending, self._pending = list(self._pending), deque()
         self._sock.close()
         for _, delivered in pending:
