@@ -270,13 +270,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.PushSessionKvResponse(bytes=rows.nbytes, kv_length=length, token_ids=len(tokens))
 
     def _kv_assembler(self, first: stage_pb2.WriteSessionKvRequest) -> tensors.ChunkAssembler:
-        """The buffer for a WriteSessionKv stream (see _kv_write_limit)."""
-        return tensors.ChunkAssembler(max_bytes=self._kv_write_limit(first))
-
-    def _kv_write_limit(self, first: stage_pb2.WriteSessionKvRequest) -> int:
-        """The most bytes of rows a write may bring: refused before anything is allocated when its incarnation is
-        not the current one, and at most the rows the session's context can still take: a header announcing
-        64 GiB of rows must not make the executor allocate them."""
+        """The buffer for a WriteSessionKv stream, refused before anything is allocated when the stream's
+        incarnation is not the current one, and sized to at most the rows the session's context can still
+        take: a header announcing 64 GiB of rows must not make the executor allocate them."""
         rt = self.runtime
         rt.authority.check(first.header.incarnation)  # again in write_kv, under the lock, before any row is used
         spec = rt.spec
@@ -284,7 +280,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             raise InvalidArgument("this executor holds no stage", "NOT_INSTALLED")
         limit = spec.max_context_tokens or (rt.config.max_position if rt.config else 0)
         row_bytes = (spec.layer_end - spec.layer_start) * 2 * rt.kv_dim * 4  # f32 K and V of every layer
-        return max(0, limit - first.start_row) * row_bytes
+        return tensors.ChunkAssembler(max_bytes=max(0, limit - first.start_row) * row_bytes)
 
     def open_kv_write(self, first: stage_pb2.WriteSessionKvRequest) -> KvWrite:
         """A row copy arriving over a link: its first message (header, start row, token ids, the rows' name, dtype
