@@ -1,8 +1,8 @@
 """Executor -> executor KV row copies (StageService.PushSessionKv): the source writes its rows, with their token ids,
 straight into the destination's session, one hop (a copy relayed through the KV store crossed the network twice
-and was parsed on the way). Over a link (boundary_link.KvLink) where the destination has a link listener: its rows
-are read into the buffer they are written from, with no message around them; else over WriteSessionKv, a stream of
-1 MiB chunks over one channel per destination.
+and was parsed on the way). Over a link (boundary_link.KvLink) where the destination has a link listener: each
+layer's K and V go from the source's pool blocks to the destination's engine a piece at a time, with no message
+around them; else over WriteSessionKv, a stream of 1 MiB chunks over one channel per destination.
 """
 
 from __future__ import annotations
