@@ -162,9 +162,6 @@ class LinkListener:
             until = self._tickets.pop(ticket, None) if len(ticket) == TICKET_BYTES else None
         return until is not None and until > time.monotonic()
 
-    def close(self) -> None:
-        self._server.close()
-
     def _accept_loop(self) -> None:
         while True:
             try:
@@ -215,15 +212,12 @@ class LinkListener:
 
     def _serve_pushes(self, conn: socket.socket) -> None:
         while True:
-            length, kind = HEADER.unpack(_read_exact(conn, HEADER.size))
-            if length > self._max_frame_bytes:
-                raise LinkError(f"a frame of {length} bytes, over the limit of {self._max_frame_bytes}")
+            kind, payload = read_frame(conn, self._max_frame_bytes)
             if kind == KV_BEGIN and self._kv_writer is not None:
-                self._serve_kv_write(conn, _read_exact(conn, length))
+                self._serve_kv_write(conn, payload)
                 continue
             if kind != PUSH:
                 raise LinkError(f"a frame of kind {kind} where a push was expected")
-            payload = _read_exact(conn, length)
             try:
                 self._accept(stage_pb2.PushBoundaryRequest.FromString(payload))
                 with self._lock:

@@ -874,17 +874,21 @@ class StageRuntime:
 
     def write_kv(self, incarnation: int, session_id: str, start: int, rows: np.ndarray, token_ids: list[int]) -> int:
         """Appends committed rows to an idle session (a seeded prefix or a migration); returns the KV length."""
-        layers = self.layers
-        if rows.dtype != np.float32 or rows.ndim != 4 or rows.shape[1:] != (layers, 2, self.kv_dim):
-            raise InvalidArgument(f"KV rows {rows.dtype}{list(rows.shape)} do not match this stage's "
-                                  f"f32[n, {layers}, 2, {self.kv_dim}]", "BAD_KV_ROWS")
+        self.check_kv_rows(str(rows.dtype), rows.shape)
         write = self.begin_write_kv(incarnation, session_id, start, rows.shape[0], token_ids)
 
         def put_all() -> None:
-            for j in range(2 * layers):
+            for j in range(write.pieces):
                 write.put_now(j, rows[:, j // 2, j % 2])
         self.engine.run("stage.write_kv", put_all)  # outside the lock: the engine may be busy with another step
         return write.finish()
+
+    def check_kv_rows(self, dtype: str, shape: tuple[int, ...]) -> None:
+        """Refuses KV rows that are not this stage's f32 [n, layers, 2, kv_dim] (`dtype` as numpy or the wire
+        spells it)."""
+        if dtype not in ("float32", "f32") or len(shape) != 4 or shape[1:] != (self.layers, 2, self.kv_dim):
+            raise InvalidArgument(f"KV rows {dtype}{list(shape)} do not match this stage's "
+                                  f"f32[n, {self.layers}, 2, {self.kv_dim}]", "BAD_KV_ROWS")
 
     @property
     def layers(self) -> int:

@@ -289,11 +289,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         rt, head, h = self.runtime, first.rows, first.header
         rt.authority.check(h.incarnation)
         shape = tensors.check_shape(head.shape)
-        if head.name != "kv" or dtypes.from_proto(head.dtype) != "f32" or len(shape) != 4 or \
-                shape[1:] != (rt.layers, 2, rt.kv_dim) or shape[0] == 0:
-            raise InvalidArgument(f"KV rows {head.name!r} {dtypes.from_proto(head.dtype)}{list(shape)} do not match "
-                                  f"this stage's f32[n, {rt.layers}, 2, {rt.kv_dim}]", "BAD_KV_ROWS")
+        rt.check_kv_rows(dtypes.from_proto(head.dtype), shape)
         n = shape[0]
+        if head.name != "kv" or n == 0:
+            raise InvalidArgument(f"a row copy brings {n} rows named {head.name!r}; it needs rows named 'kv'",
+                                  "BAD_KV_ROWS")
         write = rt.begin_write_kv(h.incarnation, h.session_id, first.start_row, n, list(first.token_ids))
         return KvWrite(write.pieces, n * rt.kv_dim * 4,
                        lambda j, piece: write.put(j, piece.view(np.float32).reshape(n, rt.kv_dim)),
