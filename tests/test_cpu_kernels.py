@@ -19,9 +19,9 @@ from graphmesh.serving import cpu_flags
 from graphmesh_executor.backends import compile_graph, cpu_kernels
 from tests.test_paged_ops import paged_ref
 
-RUNNABLE = (platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_flags()
+RUNNABLE = (platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma", "f16c"} <= cpu_flags()
             and shutil.which("cc") is not None)
-pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs an x86-64 CPU with AVX2 + FMA and a C compiler")
+pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs an x86-64 CPU with AVX2 + FMA + F16C and a C compiler")
 SHAPES = [(1, 576, 576), (2, 7, 5), (3, 13, 13), (5, 576, 1536), (16, 1536, 576), (32, 100, 49), (7, 8, 6),
           (8, 32, 9), (11, 9, 7), (17, 64, 10), (30, 576, 1536)]  # from 8 rows: quads, and their 3- and 2-row tails
 
@@ -105,3 +105,61 @@ def test_paged_decode_attention_of_a_row_is_the_same_alone() -> None:
     for i in range(6):
         alone = cpu_kernels.paged_decode_attention(q[i:i + 1], k_pool, v_pool, table[i:i + 1], pos[i:i + 1], 16, 0.125)
         assert torch.equal(alone[0], whole[i])
+
+
+def _gguf_blocks(scheme: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Well-formed GGUF blocks [n, k/32 * block bytes]: finite f16 scales (and mins), any quant bits."""
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    d = rng.uniform(0.001, 0.05, (n, nb, 1)).astype(np.float16).view(np.uint8)
+    if scheme == "q8_0":
+        return np.concatenate([d, rng.integers(0, 256, (n, nb, 32)).astype(np.uint8)], -1).reshape(n, -1)
+    qs = rng.integers(0, 256, (n, nb, 16)).astype(np.uint8)
+    if scheme == "q4_0":
+        return np.concatenate([d, qs], -1).reshape(n, -1)
+    m = rng.uniform(-0.1, 0.1, (n, nb, 1)).astype(np.float16).view(np.uint8)
+    return np.concatenate([d, m, qs], -1).reshape(n, -1)
+
+
+@pytest.mark.parametrize("scheme", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 64, 7), (5, 576, 1536), (8, 1536, 577), (13, 32, 13),
+                                   (32, 96, 100)])
+def test_packed_weights_give_the_bits_of_their_f32_form(scheme: str, m: int, k: int, n: int) -> None:
+    """x @ w.T over GGUF blocks equals matmul_xwt over the f32 weights gguf dequantizes them to, bit for bit, at
+    any row count and thread split: a packed stage decodes exactly what an f32 stage does."""
+    import gguf
+
+    packed = _gguf_blocks(scheme, n, k, seed=n)
+    dense = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType[scheme.upper()]).astype(np.float32)
+    x, w = _rand(m, k, seed=m), torch.from_numpy(np.ascontiguousarray(dense))
+    want = cpu_kernels.matmul_xwt(x, w)
+    blocks = torch.from_numpy(packed)
+    assert cpu_kernels.packed_usable(x, blocks, scheme)
+    assert torch.equal(cpu_kernels.matmul_xwt_packed(x, blocks, scheme, n), want)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(cpu_kernels.matmul_xwt_packed(x, blocks, scheme, n), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_torch_backend_multiplies_packed_weights_in_place() -> None:
+    """A few f32 rows read the blocks through the kernel; a prompt chunk multiplies by the weight dequantized once."""
+    from graphmesh.ops import packed_shape
+    from graphmesh_executor.backends.torch_backend import _CONVERTED, dequantize
+
+    n, k = 96, 128
+    packed = _gguf_blocks("q4_1", n, k, seed=9)
+    for rows, dense in ((4, False), (cpu_kernels.MAX_ROWS + 1, True)):
+        g = GraphBuilder(f"q_{rows}")
+        g.output(g.dequant_matmul(g.input("x", (rows, k)), g.param("w", packed_shape("q4_1", n, k), "u8"), "q4_1", n, k))
+        exe = compile_graph(parse(g.build()), "torch", "cpu")
+        exe.set_param_typed("w", packed)
+        x = _rand(rows, k, seed=rows)
+        out = exe.run({"x": x.numpy()})[0]
+        ref = x.double().numpy() @ dequantize(torch.from_numpy(packed), "q4_1", n, k).double().numpy().T
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+        assert (torch.float32 in exe._params["w"].__dict__.get(_CONVERTED, {})) == dense  # type: ignore[attr-defined]
+        if not dense:
+            assert np.array_equal(out, cpu_kernels.matmul_xwt_packed(x, torch.from_numpy(packed), "q4_1", n).numpy())

@@ -764,4 +764,7 @@ def test_torch_keeps_q4_weights_packed_for_bf16_activations() -> None:
     assert ref.copy_params_from(src) == ["wq"]
     (want,) = ref.run({"x": x.astype(BF16).astype(np.float32)})
     np.testing.assert_allclose(y, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
-    assert set(src._params["wq"].__dict__[_CONVERTED]) == {"int4", torch.float32}  # one param, both forms
+    # one param, both forms; unless the f32 rows went through the CPU kernel, which reads the blocks as they are
+    from graphmesh_executor.backends import cpu_kernels
+    dense = set() if cpu_kernels.library() is not None else {torch.float32}
+    assert set(src._params["wq"].__dict__[_CONVERTED]) == {"int4", *dense}

@@ -119,6 +119,65 @@ void gemm_xwt(int m, int k, const float *x, int ldx, const float *w, int ldw, fl
     }
 }
 
+/* gemm_xwt over GGUF blocks: out[m, n] = sum_k x[m, k] * w[n, k] where w is stored as packed GGUF blocks of 32
+ * (q4_0: f16 d, 16 bytes of nibbles; q4_1: f16 d, f16 m, nibbles; q8_0: f16 d, 32 int8). A decode step is the
+ * cost of reading the weights, and a Q4_1 weight is 0.625 bytes where its f32 form is 4: each tile of weight
+ * rows is expanded into an L1 buffer once, then gemm_xwt's own tiles multiply every x row by it. The expanded
+ * values are exactly the f32 weights gguf's dequantization gives (d * q + m rounds once, as the fused
+ * multiply-add does; d * q alone is exact), and the sums are gemm_xwt's, so the product equals gemm_xwt over the
+ * dequantized weight bit for bit. */
+enum { SCHEME_Q4_0 = 0, SCHEME_Q4_1 = 1, SCHEME_Q8_0 = 2 };
+#define PACKED_TILE 6 /* weight rows expanded at a time: a multiple of both tile widths (NT and QNT) */
+
+static inline __m256 f16(const unsigned char *p) {
+    unsigned short h = (unsigned short)(p[0] | (p[1] << 8));
+    return _mm256_set1_ps(_cvtsh_ss(h));
+}
+
+/* u8 or i8 lanes 0..7 of v as f32 */
+static inline __m256 u8_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+static inline __m256 i8_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+static void expand_row(int scheme, const unsigned char *b, int blocks, float *dst) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int j = 0; j < blocks; j++, dst += 32) {
+        __m256 d = f16(b), v[4];
+        if (scheme == SCHEME_Q8_0) {
+            __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2)), q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+            v[0] = i8_ps(q0), v[1] = i8_ps(_mm_srli_si128(q0, 8)), v[2] = i8_ps(q1), v[3] = i8_ps(_mm_srli_si128(q1, 8));
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(d, v[i]));
+            b += 34;
+            continue;
+        }
+        const unsigned char *qs = b + (scheme == SCHEME_Q4_1 ? 4 : 2);
+        __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+        __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low); /* 0..15, 16..31 */
+        v[0] = u8_ps(lo), v[1] = u8_ps(_mm_srli_si128(lo, 8)), v[2] = u8_ps(hi), v[3] = u8_ps(_mm_srli_si128(hi, 8));
+        if (scheme == SCHEME_Q4_1) {
+            __m256 m = f16(b + 2);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(d, v[i], m));
+            b += 20;
+        } else {
+            const __m256 eight = _mm256_set1_ps(8.0f);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(d, _mm256_sub_ps(v[i], eight)));
+            b += 18;
+        }
+    }
+}
+
+/* Rows [n0, n1) of the output's columns, as gemm_xwt; w [n, k / 32 blocks], k a multiple of 32; buf: a caller's
+ * buffer of PACKED_TILE * k floats. */
+void gemm_xwt_packed(int m, int k, const float *x, int ldx, const unsigned char *w, int scheme, float *out, int ldo,
+                     int n0, int n1, float *buf) {
+    int blocks = k / 32;
+    size_t row_bytes = (size_t)blocks * (scheme == SCHEME_Q8_0 ? 34 : scheme == SCHEME_Q4_1 ? 20 : 18);
+    for (int n = n0; n < n1; n += PACKED_TILE) {
+        int rows = n1 - n < PACKED_TILE ? n1 - n : PACKED_TILE;
+        for (int r = 0; r < rows; r++) expand_row(scheme, w + (size_t)(n + r) * row_bytes, blocks, buf + (size_t)r * k);
+        gemm_xwt(m, k, x, ldx, buf, k, out + n, ldo, 0, rows);
+    }
+}
+
 /* Paged attention for decode, one query row per sequence (f32): out[s, h] = softmax(q[s, h] . K[s]^T * scale) V[s]
  * over the keys 0..pos[s] of sequence s, read in place from the pools through its block table. torch's version
  * gathers every block, permutes it for a batched matmul and masks the padding: two copies of the sequences' K

@@ -1,5 +1,6 @@
-"""The torch backend's CPU kernels for decode on x86-64 with AVX2 + FMA (cpu_kernels.c, compiled at first use):
-x @ w.T for a few f32 rows, and paged attention of one query row per sequence.
+"""The torch backend's CPU kernels for decode on x86-64 with AVX2 + FMA + F16C (cpu_kernels.c, compiled at first
+use): x @ w.T for a few f32 rows, with w f32 or packed GGUF blocks, and paged attention of one query row per
+sequence.
 
 A decode step multiplies a handful of rows (one per session) by every weight of its layers. That is the cost
 of a step on CPU, and MKL's small-M product reads the weights at half the speed of its one-row product: on
@@ -32,7 +33,7 @@ log = logging.getLogger("graphmesh.executor.cpu_kernels")
 
 MAX_ROWS = 32  # past this MKL's blocked gemm is as fast (equal at 32 rows, faster for prompt chunks)
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
 _LIBS = ["-lm"]
 _TILE_ROWS = 6  # weight rows per tile in cpu_kernels.c: a thread's share of n is a multiple of it
 
@@ -54,8 +55,8 @@ def library() -> ctypes.CDLL | None:
         why = "off (GRAPHMESH_CPU_KERNELS=0)"
     elif platform.machine().lower() not in ("x86_64", "amd64"):
         why = f"not an x86-64 CPU ({platform.machine()})"
-    elif not {"avx2", "fma"} <= cpu_flags():
-        why = "the CPU has no AVX2 + FMA"
+    elif not {"avx2", "fma", "f16c"} <= cpu_flags():
+        why = "the CPU has no AVX2 + FMA + F16C"
     elif compiler is None:
         why = "no C compiler (cc) on PATH"
     if why:
@@ -86,6 +87,8 @@ def library() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.gemm_xwt.argtypes = [i, i, p, i, p, i, p, i, i, i]
     lib.gemm_xwt.restype = None
+    lib.gemm_xwt_packed.argtypes = [i, i, p, i, p, i, p, i, i, i, p]
+    lib.gemm_xwt_packed.restype = None
     lib.paged_decode_attention.argtypes = [i, i, i, i, i, i, p, p, p, p, p, ctypes.c_float, p, p]
     lib.paged_decode_attention.restype = None
     return lib
@@ -121,6 +124,38 @@ def matmul_xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     bounds = [(a, min(n, a + share)) for a in range(0, n, share)]
     rest = [_pool(threads - 1).submit(lib.gemm_xwt, *args, a, b) for a, b in bounds[1:]]
     lib.gemm_xwt(*args, *bounds[0])
+    for f in rest:
+        f.result()
+    return out
+
+
+PACKED_SCHEMES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # cpu_kernels.c's scheme numbers
+_PACKED_TILE = 6  # weight rows expanded at a time in cpu_kernels.c
+
+
+def packed_usable(x: torch.Tensor, packed: torch.Tensor, scheme: str) -> bool:
+    """Whether matmul_xwt_packed computes x @ w.T here: a few f32 rows of x on the host, w packed GGUF blocks."""
+    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+            and packed.device.type == "cpu" and packed.dtype == torch.uint8 and packed.is_contiguous()
+            and scheme in PACKED_SCHEMES and x.shape[1] % 32 == 0 and library() is not None)
+
+
+def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int) -> torch.Tensor:
+    """x @ w.T for w [n, k] held as GGUF blocks (packed [n, k/32 * block bytes]), equal bit for bit to matmul_xwt
+    over w dequantized to f32 (cpu_kernels.c), reading the packed bytes only: a Q4_1 weight is 0.625 bytes, not 4."""
+    lib = library()
+    assert lib is not None
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    args = (m, k, x.data_ptr(), k, packed.data_ptr(), PACKED_SCHEMES[scheme], out.data_ptr(), n)
+    threads = min(torch.get_num_threads(), max(1, n // (_PACKED_TILE * 64)))
+    share = -(-n // threads // _PACKED_TILE) * _PACKED_TILE
+    bounds = [(a, min(n, a + share)) for a in range(0, n, share)]
+    bufs = [torch.empty(_PACKED_TILE * k, dtype=torch.float32) for _ in bounds]  # each share its own L1 tile
+    rest = [_pool(threads - 1).submit(lib.gemm_xwt_packed, *args, a, b, buf.data_ptr())
+            for (a, b), buf in zip(bounds[1:], bufs[1:])] if threads > 1 else []
+    lib.gemm_xwt_packed(*args, *bounds[0], bufs[0].data_ptr())
     for f in rest:
         f.result()
     return out

@@ -367,6 +367,10 @@ def _int4pack(packed: Tensor, scheme: str, n: int, k: int) -> tuple[Tensor, Tens
 def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, packed = xs
     scheme, n, k = a["scheme"], a["n"], a["k"]
+    if cpu_kernels.packed_usable(x, packed, scheme):
+        # A decode's few f32 rows: the kernel reads the blocks as they are, and sums as matmul_xwt would over the
+        # dequantized weight (bit for bit), so a packed stage decodes the same numbers as an f32 one.
+        return cpu_kernels.matmul_xwt_packed(x, packed, scheme, n)
     converted: dict[Any, Any] = packed.__dict__.setdefault(_CONVERTED, {})
     # The packed int4 kernel is fast only with bf16 activations (f32/f16 take a slow path there), and it
     # needs n % 16 == 0; everything else multiplies by the weight dequantized once to x's dtype.
