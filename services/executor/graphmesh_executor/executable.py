@@ -298,11 +298,14 @@ class Executable(Generic[T]):
         return twin
 
     # -- running ---------------------------------------------------------------------------------------
-    def _gather_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, T]:
+    def _check_input_names(self, inputs: dict[str, np.ndarray]) -> None:
         for name in inputs:
             if name not in self.graph.inputs:
                 raise NotFound(f"graph {self.graph.name!r} has no input {name!r}; inputs are {self.input_names}",
                                "UNKNOWN_INPUT")
+
+    def _gather_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, T]:
+        self._check_input_names(inputs)
         env: dict[str, T] = {}
         for name, t in self.graph.inputs.items():
             if name in inputs:
