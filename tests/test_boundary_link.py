@@ -4,6 +4,7 @@ boundary of the other mesh tests; test_fault_tolerance.py checks a link's ticket
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -17,8 +18,9 @@ from google.rpc import status_pb2
 
 from graphmesh import security
 from graphmesh.errors import DeadlineExceeded, GraphmeshError, from_rpc_error
+from graphmesh.links import ACK, HELLO, PUSH, KvLink, KvLinks, LinkError, frame, read_frame
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
-from graphmesh_executor.boundary_link import ACK, HELLO, PUSH, BoundaryLink, LinkError, frame, read_frame
+from graphmesh_executor.boundary_link import BoundaryLink
 from graphmesh_executor.stage import Boundary
 from graphmesh_executor.stage_servicer import BoundaryPusher
 from tests.conftest import executor_args, free_port, start_process
@@ -86,3 +88,25 @@ def test_a_push_that_is_never_taken_fails_at_its_deadline_and_breaks_the_link() 
     assert all(isinstance(e, DeadlineExceeded) and e.reason == "BOUNDARY_LINK_TIMEOUT" for e in errors), errors
     assert listener.frames == [PUSH, PUSH]
     assert not link.push(b"third", 1.0, lambda _: None)  # a broken link sends nothing more
+
+
+def test_an_idle_row_copy_link_whose_executor_went_away_is_not_used_again(linkless_executor: str) -> None:
+    """A row copy (an executor's PushSessionKv, the store's seeds) reuses an idle link unless its executor closed it
+    (it restarted): a copy on that link would fail, failing a seed that a fresh link (or gRPC) would carry."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stub = stage_pb2_grpc.StageServiceStub(security.channel(linkless_executor, None))
+    links = KvLinks(tls=False)
+    with server:
+        kept, dropped = (KvLink(socket.create_connection(server.getsockname()), linkless_executor) for _ in range(2))
+        peers = [server.accept()[0] for _ in range(2)]
+        links.give_back(linkless_executor, kept)
+        assert links.take(linkless_executor, stub, 5.0) is kept  # its peer is still there
+        peers[1].close()  # the executor at the other end of `dropped` is gone
+        select.select([dropped._sock], [], [], 5.0)  # its end of the stream has arrived
+        links.give_back(linkless_executor, dropped)
+        # dropped is closed and not handed out; the executor has no listener now, so the copy goes by gRPC
+        assert links.take(linkless_executor, stub, 5.0) is None
+        assert dropped._sock.fileno() == -1 and kept._sock.fileno() != -1
+        kept.close()
+        peers[0].close()
+    assert KvLinks(tls=True).take(linkless_executor, stub, 5.0) is None  # never on a TLS mesh: links are plain TCP

@@ -21,8 +21,9 @@ from graphmesh import faults, security, tensors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
 from graphmesh.launcher import LocalMesh
+from graphmesh.links import HEADER, HELLO
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
-from graphmesh_executor.boundary_link import HEADER, HELLO, BoundaryLink
+from graphmesh_executor.boundary_link import BoundaryLink
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1]
 SESSIONS = 8

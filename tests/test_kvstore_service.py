@@ -142,26 +142,35 @@ class Stage:
 
 
 @pytest.fixture(scope="module")
-def executors(tmp_path_factory: pytest.TempPathFactory, kvstore: str) -> Iterator[tuple[Stage, Stage, str]]:
-    """Two executor processes with the same 1-stage tiny Llama, writing committed blocks behind to `kvstore`;
-    yields both and the model identity."""
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The executors' --model-root, holding the tiny Llama."""
     root = tmp_path_factory.mktemp("executor-models")
     make_tiny_llama(root / "tiny-llama")
+    return root
+
+
+def install(stage: Stage, kvstore: str) -> str:
+    """Installs the whole tiny Llama as the executor's one stage; returns its model identity."""
+    spec = stage_pb2.StageSpec(model="tiny-llama", layer_start=0, layer_end=2, first=True, last=True,
+                               kvstore_address=kvstore)
+    return stage.stub.Install(stage_pb2.InstallRequest(incarnation=INCARNATION, rank=0, world_size=1, stage=spec),
+                              timeout=60).model_identity
+
+
+@pytest.fixture(scope="module")
+def executors(tmp_path_factory: pytest.TempPathFactory, kvstore: str,
+              tiny_llama: Path) -> Iterator[tuple[Stage, Stage, str]]:
+    """Two executor processes with the same 1-stage tiny Llama, writing committed blocks behind to `kvstore`;
+    yields both and the model identity."""
     logs = tmp_path_factory.mktemp("executor-logs")
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     env = {"OMP_NUM_THREADS": "1"}
-    with start_process(executor_args(addresses[0], "--model-root", str(root)), addresses[0],
+    with start_process(executor_args(addresses[0], "--model-root", str(tiny_llama)), addresses[0],
                        log_path=logs / "a.log", env=env), \
-         start_process(executor_args(addresses[1], "--model-root", str(root)), addresses[1],
+         start_process(executor_args(addresses[1], "--model-root", str(tiny_llama)), addresses[1],
                        log_path=logs / "b.log", env=env):
         stages = [Stage(a, logs / f"{name}.log") for a, name in zip(addresses, "ab")]
-        identities = set()
-        for stage in stages:
-            spec = stage_pb2.StageSpec(model="tiny-llama", layer_start=0, layer_end=2, first=True, last=True,
-                                       kvstore_address=kvstore)
-            response = stage.stub.Install(stage_pb2.InstallRequest(incarnation=INCARNATION, rank=0, world_size=1,
-                                                                   stage=spec), timeout=60)
-            identities.add(response.model_identity)
+        identities = {install(stage, kvstore) for stage in stages}
         assert len(identities) == 1
         with KvStoreClient(kvstore) as client:  # the coordinator's part: the store moves rows only between these
             client.register_executors(addresses)
@@ -253,3 +262,44 @@ def test_executor_failures_name_the_executor(kvstore: str, executors: tuple[Stag
             client.seed_executor(ns, PROMPT, b.address, INCARNATION, "f-copy")
         with pytest.raises(InvalidArgument, match="reversed"):
             client.copy_rows(a.address, "f", INCARNATION, b.address, "y", INCARNATION, 10, 5)
+
+
+LINKED = "row copy taken over a link"  # what an executor logs for every copy or seed it takes over a link
+
+
+def test_a_seed_goes_over_a_link_where_the_executor_has_one_else_as_a_stream(
+        tmp_path: Path, kvstore: str, tiny_llama: Path, executors: tuple[Stage, Stage, str]) -> None:
+    a, b, identity = executors
+    ns = kvkeys.namespace(identity, 0, 2, 32)
+    prompt = [(11 * i + 5) % 1000 for i in range(40)]
+    cold = a.prefill("cold", 1, 0, prompt)  # computes all 40 rows and writes its 2 whole blocks behind
+    rows = a.read("cold", 0, 32)
+    c = Stage(f"127.0.0.1:{free_port()}", tmp_path / "c.log")
+    with KvStoreClient(kvstore) as client, \
+         start_process(executor_args(c.address, "--model-root", str(tiny_llama), "--boundary-link-port", "off"),
+                       c.address, log_path=c.log, env={"OMP_NUM_THREADS": "1"}):
+        assert install(c, kvstore) == identity
+        client.register_executors([a.address, b.address, c.address])
+        try:
+            wait_for_blocks(client, ns, prompt, 32)
+            before = {s.address: s.log.read_text().count(LINKED) for s in (a, b)}
+            # a and b take their rows over links, c (no listener) as a WriteSessionKv stream, in one call
+            seeded, nbytes, _ = client.seed_stages([(ns, a.address), (ns, b.address), (ns, c.address)], prompt,
+                                                   INCARNATION, "warm")
+            assert (seeded, nbytes) == (32, 3 * rows.nbytes)
+            for s in (a, b):
+                assert s.log.read_text().count(LINKED) == before[s.address] + 1, s.address
+            assert LINKED not in c.log.read_text()
+            for s in (a, b, c):
+                np.testing.assert_array_equal(s.read("warm", 0, 32), rows)  # exact: the stored bits, every row
+                # and the rest of the prompt computed on the seeded rows gives the cold run's token
+                assert s.prefill("warm", 1, 32, prompt[32:]) == cold, s.address
+            # SeedExecutor takes the same ways, one stage at a time
+            for s in (b, c):
+                assert client.seed_executor(ns, prompt, s.address, INCARNATION, "warm-one")[0] == 32
+                np.testing.assert_array_equal(s.read("warm-one", 0, 32), rows)
+            assert b.log.read_text().count(LINKED) == before[b.address] + 2
+            assert LINKED not in c.log.read_text()
+        finally:
+            client.register_executors([a.address, b.address])
+            c.channel.close()

@@ -563,6 +563,9 @@ def test_clients_reach_only_the_public_apis() -> None:
         assert Role.CLIENT in allowed_roles(method), method
     assert allowed_roles("/graphmesh.v1.StageService/Fence") == {Role.COORDINATOR}
     assert allowed_roles("/graphmesh.v1.StageService/PushBoundary") == {Role.EXECUTOR}
+    # links carry the previous stage's boundaries and row copies: an executor's (PushSessionKv) or the store's seeds
+    assert allowed_roles("/graphmesh.v1.StageService/OpenBoundaryLink") == {Role.EXECUTOR, Role.KVSTORE}
+    assert allowed_roles("/graphmesh.v1.StageService/WriteSessionKv") >= {Role.EXECUTOR, Role.KVSTORE}
     assert allowed_roles("/graphmesh.v1.StageService/SomethingNew") == {Role.COORDINATOR}  # fail closed
     assert allowed_roles("/unknown.Service/Method") == MESH
 

@@ -105,7 +105,11 @@ POLICY: dict[str, frozenset[Role]] = {
     "/graphmesh.v1.StageService/": _COORDINATOR,
     **_methods("StageService", _COORDINATOR, "Install", "Fence", "ExecuteStep", "AbortStep", "ExecuteGroup", "Commit",
                "Abort", "ResolveEpoch", "ReleaseSession", "ShareSessionKv", "InjectFault"),
-    **_methods("StageService", frozenset({Role.EXECUTOR}), "PushBoundary", "OpenBoundaryLink"),  # the previous stage
+    **_methods("StageService", frozenset({Role.EXECUTOR}), "PushBoundary"),  # the previous stage
+    # a link carries boundaries from the previous stage and row copies (what WriteSessionKv takes) from an executor or
+    # the store's seeds; the listener takes a boundary from any link, which grants the store nothing: links are plain
+    # TCP, so they exist only without TLS, where the mesh token gives every member every role
+    **_methods("StageService", frozenset({Role.EXECUTOR, Role.KVSTORE}), "OpenBoundaryLink"),
     **_methods("StageService", _KVSTORE_OR_COORDINATOR, "ReadSessionKv", "PushSessionKv"),  # seeds and copies
     # a copy's source executor writes the rows into the destination itself (one hop); an executor already sees,
     # and could alter, every session's activations that pass through its stage, so this grants it nothing new

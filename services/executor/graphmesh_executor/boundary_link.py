@@ -1,10 +1,11 @@
-"""Boundary links: the data plane from a rank to the next.
+"""Boundary links: the data plane from a rank to the next, and the receiving end of every link to an executor.
 
 A gRPC unary PushBoundary costs ~1 ms a hop on the 2-core VM and ~1.4 ms on the H200 host, more than a decode
 step's compute on a GPU, and a decode run makes two hops per token (the activation on, the sampled tokens back).
-A link is one TCP connection from a rank to the next carrying length-prefixed frames: each PUSH frame is a
-serialized PushBoundaryRequest, the message PushBoundary takes, and the receiver answers every one, in order, with
-an ACK frame holding the google.rpc.Status PushBoundary would have answered. A round trip costs ~0.07 ms.
+A link is one TCP connection from a rank to the next carrying length-prefixed frames (graphmesh.links: the framing
+and the senders other services need): each PUSH frame is a serialized PushBoundaryRequest, the message
+PushBoundary takes, and the receiver answers every one, in order, with an ACK frame holding the google.rpc.Status
+PushBoundary would have answered. A round trip costs ~0.07 ms.
 
 The control plane stays gRPC. The sender asks the next rank for a link with StageService.OpenBoundaryLink, which
 is authenticated like every mesh call (mesh token or mutual TLS) and answers the link's address and a one-time
@@ -13,15 +14,12 @@ A link that breaks or misses a deadline fails the pushes it carries, as a failed
 step's order is no longer provable); the next push opens a new link. A rank that has no link listener is pushed to
 over gRPC, and so is every rank of a mesh that runs TLS: links are plain TCP.
 
-    frame = length (u32, little-endian, bytes of the payload) | kind (u8) | payload
-
-Row copies between executors (PushSessionKv) take a link of their own, one copy at a time: a KV_BEGIN frame (the
-WriteSessionKvRequest WriteSessionKv starts with: header, start row, token ids, and the rows' name, dtype and shape
-f32 [n, layers, 2, kv_dim]), an ACK once the receiver has checked it and reserved the session's blocks, then the
-rows a pool at a time, K then V of each layer, f32 [n, kv_dim] each (one or more KV_DATA frames a piece), and a final
-ACK carrying the WriteSessionKvResponse. Each end moves a piece while its engine reads or writes the next, and no
-byte is parsed or transposed on the way: a WriteSessionKv stream gathered every row into [n, layers, 2, kv_dim],
-copied each 1 MiB chunk into and out of a message, and scattered the rows back, one step after another.
+The listener also takes KV row copies (graphmesh.links.KvLink: KV_BEGIN, the rows a piece at a time, K then V of
+each layer, then the answer), from another executor (PushSessionKv) or from the KV store (seeds), checked as
+WriteSessionKv checks its rows. Each piece is read into one of two buffers and handed to the engine while the next
+is read, and no byte is parsed or transposed on the way: a WriteSessionKv stream gathered every row into
+[n, layers, 2, kv_dim], copied each 1 MiB chunk into and out of a message, and scattered the rows back, one step
+after another.
 """
 
 from __future__ import annotations
@@ -33,11 +31,10 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 from google.rpc import status_pb2
 
@@ -47,17 +44,28 @@ from graphmesh.errors import (
     InvalidArgument,
     Unauthenticated,
     Unavailable,
-    from_rpc_error,
     from_status_proto,
     refusal,
 )
-from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh.links import (
+    ACK,
+    HEADER,
+    HELLO,
+    KV_BEGIN,
+    KV_DATA,
+    PUSH,
+    LinkError,
+    connect,
+    frame,
+    nodelay,
+    read_exact,
+    read_frame,
+    read_into,
+)
+from graphmesh.v1 import stage_pb2
 
 log = logging.getLogger("graphmesh.executor.boundary_link")
 
-HEADER = struct.Struct("<IB")
-HELLO, PUSH, ACK, KV_BEGIN, KV_DATA = 1, 2, 3, 4, 5  # frame kinds
-KV_DATA_BYTES = 8 << 20  # a row copy's data frames: framing costs nothing at this size
 TICKET_BYTES = 32
 TICKET_TTL_S = 30.0
 HELLO_TIMEOUT_S = 5.0  # for a new connection to present its ticket
@@ -66,41 +74,6 @@ WATCH_PERIOD_S = 0.1  # how often pushes are checked against their deadlines
 _OK = status_pb2.Status().SerializeToString()
 
 Delivered = Callable[[Exception | None], None]
-
-
-class LinkError(Exception):
-    """The peer broke the framing: the connection is closed."""
-
-
-def _read_into(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise LinkError("the connection closed")
-        got += k
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray(n)
-    _read_into(sock, memoryview(data))
-    return bytes(data)
-
-
-def read_frame(sock: socket.socket, max_bytes: int) -> tuple[int, bytes]:
-    length, kind = HEADER.unpack(_read_exact(sock, HEADER.size))
-    if length > max_bytes:
-        raise LinkError(f"a frame of {length} bytes, over the limit of {max_bytes}")
-    return kind, _read_exact(sock, length)
-
-
-def frame(kind: int, payload: bytes) -> bytes:
-    return HEADER.pack(len(payload), kind) + payload
-
-
-def _nodelay(sock: socket.socket) -> socket.socket:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
 
 
 def _answer(e: Exception, what: str) -> bytes:
@@ -174,7 +147,7 @@ class LinkListener:
             if not admitted:
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(_nodelay(conn), f"{peer[0]}:{peer[1]}"),
+            threading.Thread(target=self._serve, args=(nodelay(conn), f"{peer[0]}:{peer[1]}"),
                              name="boundary-link", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
@@ -245,11 +218,11 @@ class LinkListener:
             error = error or _failure(puts[b])  # the engine is done with this buffer
             view, filled = buffers[b].data, 0
             while filled < len(view):
-                length, kind = HEADER.unpack(_read_exact(conn, HEADER.size))
+                length, kind = HEADER.unpack(read_exact(conn, HEADER.size))
                 if kind != KV_DATA or filled + length > len(view):
                     raise LinkError(f"a frame of kind {kind} and {length} bytes inside a row copy's piece of "
                                     f"{len(view)} bytes")
-                _read_into(conn, view[filled:filled + length])
+                read_into(conn, view[filled:filled + length])
                 filled += length
             if error is None:  # after a failed piece the rest are read (the framing goes on) but not written
                 puts[b] = write.put(j, buffers[b])
@@ -293,7 +266,7 @@ class BoundaryLink:
     @classmethod
     def connect(cls, address: str, ticket: bytes, timeout_s: float) -> BoundaryLink:
         """Connects to the listener at `address` and presents `ticket`; raises what the listener answered."""
-        return cls(_connect(address, ticket, timeout_s), address)
+        return cls(connect(address, ticket, timeout_s), address)
 
     def push(self, request: bytes, timeout_s: float, delivered: Delivered) -> bool:
         """Sends a serialized PushBoundaryRequest; False (nothing sent) when the link is already broken."""
@@ -347,116 +320,6 @@ class BoundaryLink:
                 delivered(error)
         except Exception as e:
             self.fail(Unavailable(f"boundary link to {self.address} broke: {e}", "BOUNDARY_LINK_BROKEN"))
-
-
-def _connect(address: str, ticket: bytes, timeout_s: float) -> socket.socket:
-    """A connection to the link listener at `address` that `ticket` admitted; raises what the listener answered."""
-    host, port = address.rsplit(":", 1)
-    sock = _nodelay(socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s))
-    try:
-        sock.sendall(frame(HELLO, ticket))
-        _check(sock, address)
-        sock.settimeout(None)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _check(sock: socket.socket, address: str) -> status_pb2.Status:
-    """The next acknowledgement on `sock`; raises the error it carries."""
-    kind, payload = read_frame(sock, 1 << 16)
-    if kind != ACK:
-        raise Unavailable(f"the link at {address} answered a frame of kind {kind}", "BOUNDARY_LINK_BROKEN")
-    status = status_pb2.Status.FromString(payload)
-    error = from_status_proto(status)
-    if error is not None:
-        raise error
-    return status
-
-
-def _send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
-    """Sends every byte of `buffers` in order, up to IOV_MAX of them a system call."""
-    pending = [b for b in buffers if len(b)]
-    while pending:
-        sent = sock.sendmsg(pending[:1024])
-        while sent:
-            if sent >= len(pending[0]):
-                sent -= len(pending.pop(0))
-            else:
-                pending[0], sent = pending[0][sent:], 0
-
-
-class KvLink:
-    """The sending end of a link for row copies: one copy at a time, its caller waiting for the answer."""
-
-    def __init__(self, sock: socket.socket, address: str) -> None:
-        self.address = address
-        self._sock = sock
-
-    @classmethod
-    def connect(cls, address: str, ticket: bytes, timeout_s: float) -> KvLink:
-        return cls(_connect(address, ticket, timeout_s), address)
-
-    def write(self, first: stage_pb2.WriteSessionKvRequest, pieces: Iterable[list[memoryview]],
-              timeout_s: float) -> stage_pb2.WriteSessionKvResponse:
-        """Writes the rows `first` describes, given a pool at a time (K then V of each layer, f32 [n, kv_dim] each,
-        as the little-endian byte buffers that hold it in order: one frame each, written with scatter-gather
-        sends); raises the receiver's refusal as it sent it, and Unavailable when the link breaks (it is then
-        closed)."""
-        try:
-            self._sock.settimeout(timeout_s)
-            self._sock.sendall(frame(KV_BEGIN, first.SerializeToString()))
-            _check(self._sock, self.address)  # the receiver took the header and reserved the session's blocks
-            for buffers in pieces:
-                self._sock.sendall(HEADER.pack(sum(len(b) for b in buffers), KV_DATA))
-                _send_buffers(self._sock, buffers)
-            status = _check(self._sock, self.address)
-        except (OSError, LinkError, struct.error) as e:
-            self.close()
-            raise Unavailable(f"row copy link to {self.address} broke: {e}", "BOUNDARY_LINK_BROKEN") from e
-        except BaseException:  # reading a piece failed half-way: the receiver's copy ends with the connection
-            self.close()
-            raise
-        response = stage_pb2.WriteSessionKvResponse()
-        if not status.details or not status.details[0].Unpack(response):
-            self.close()
-            raise Unavailable(f"the link at {self.address} answered a row copy without its result",
-                              "BOUNDARY_LINK_BROKEN")
-        return response
-
-    def close(self) -> None:
-        self._sock.close()
-
-
-class LinkOpener:
-    """Asks ranks for links (StageService.OpenBoundaryLink) and remembers which ranks have none, so that a sender
-    asks those again only after NO_LINK_RETRY_S."""
-
-    NO_LINK_RETRY_S = 30.0
-
-    def __init__(self) -> None:
-        self._no_link_until: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def may_have_link(self, address: str) -> bool:
-        with self._lock:
-            return time.monotonic() >= self._no_link_until.get(address, 0.0)
-
-    def ticket(self, stub: stage_pb2_grpc.StageServiceStub, address: str, timeout_s: float) -> tuple[str, bytes] | None:
-        """The listener address and a ticket for a link to the rank at `address`; None when it has no link (or
-        could not answer: then the caller goes by gRPC this time)."""
-        try:
-            answer = stub.OpenBoundaryLink(stage_pb2.OpenBoundaryLinkRequest(), timeout=timeout_s)
-        except grpc.RpcError as e:
-            error = from_rpc_error(e)
-            if e.code() is grpc.StatusCode.UNIMPLEMENTED or error.reason == "NO_BOUNDARY_LINK":
-                with self._lock:
-                    self._no_link_until[address] = time.monotonic() + self.NO_LINK_RETRY_S
-            log.info("no link: sending over gRPC", extra={"address": address, "reason": error.reason})
-            return None
-        host, port = answer.address.rsplit(":", 1)
-        return f"{host or address.rsplit(':', 1)[0]}:{port}", answer.ticket
 
 
 _links: list[BoundaryLink] = []

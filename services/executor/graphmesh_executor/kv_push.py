@@ -1,13 +1,12 @@
 """Executor -> executor KV row copies (StageService.PushSessionKv): the source writes its rows, with their token ids,
 straight into the destination's session, one hop (a copy relayed through the KV store crossed the network twice
-and was parsed on the way). Over a link (boundary_link.KvLink) where the destination has a link listener: each
+and was parsed on the way). Over a link (graphmesh.links.KvLink) where the destination has a link listener: each
 layer's K and V go from the source's pool blocks to the destination's engine a piece at a time, with no message
 around them; else over WriteSessionKv, a stream of 1 MiB chunks over one channel per destination.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -18,11 +17,9 @@ import numpy as np
 
 from graphmesh import dtypes, security, telemetry
 from graphmesh.errors import GraphmeshError, InvalidArgument
+from graphmesh.links import KvLinks
 from graphmesh.session_kv import WRITE_SESSION_KV, executor_error, raw, write_requests
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
-from graphmesh_executor.boundary_link import KvLink, LinkOpener
-
-log = logging.getLogger("graphmesh.executor.kv_push")
 
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -33,7 +30,7 @@ class KvSource:
 
     shape: tuple[int, int, int, int]  # [rows, layers, 2, kv_dim]
     rows: Callable[[], np.ndarray]  # all at once, f32 [rows, layers, 2, kv_dim]: a WriteSessionKv stream
-    pieces: Iterator[list[memoryview]]  # a pool at a time (StageRuntime.read_kv_pieces), for boundary_link.KvLink
+    pieces: Iterator[list[memoryview]]  # a pool at a time (StageRuntime.read_kv_pieces), for graphmesh.links.KvLink
 
     @property
     def nbytes(self) -> int:
@@ -49,8 +46,7 @@ class KvPusher:
         self.max_message_bytes = max_message_bytes
         self._writes: dict[str, tuple[grpc.StreamUnaryMultiCallable[bytes, stage_pb2.WriteSessionKvResponse],
                                       stage_pb2_grpc.StageServiceStub]] = {}
-        self._idle: dict[str, list[KvLink]] = {}  # links with no copy on them, by destination
-        self._opener = LinkOpener()
+        self._links = KvLinks(tls is not None)
         self._lock = threading.Lock()
 
     def _write(self, address: str) -> tuple[grpc.StreamUnaryMultiCallable[bytes, stage_pb2.WriteSessionKvResponse],
@@ -66,21 +62,6 @@ class KvPusher:
                     stage_pb2_grpc.StageServiceStub(channel))
             return self._writes[address]
 
-    def _link(self, address: str, stub: stage_pb2_grpc.StageServiceStub, timeout_s: float) -> KvLink | None:
-        """An idle link to `address`, or a new one; None when it has none (links are plain TCP: not under TLS)."""
-        if self.tls is not None or not self._opener.may_have_link(address):
-            return None
-        with self._lock:
-            idle = self._idle.get(address)
-            if idle:
-                return idle.pop()
-        try:
-            ticket = self._opener.ticket(stub, address, min(timeout_s, 5.0))
-            return None if ticket is None else KvLink.connect(*ticket, min(timeout_s, 5.0))
-        except (OSError, GraphmeshError, ValueError) as e:
-            log.warning("row copy link failed to open: copying over gRPC", extra={"address": address, "error": str(e)})
-            return None
-
     def push(self, address: str, header: stage_pb2.FencingHeader, start_row: int, rows: KvSource,
              token_ids: Sequence[int], timeout_s: float) -> int:
         """Writes `rows` and their token ids (all n, or none) into the session of `header` on `address` at
@@ -90,16 +71,13 @@ class KvPusher:
             raise InvalidArgument("destination_address is empty", "BAD_ADDRESS")
         first = stage_pb2.WriteSessionKvRequest(header=header, start_row=start_row, token_ids=token_ids)
         write, stub = self._write(address)
-        link = self._link(address, stub, timeout_s) if rows.nbytes else None
+        link = self._links.take(address, stub, timeout_s) if rows.nbytes else None
         if link is not None:
             first.rows.CopyFrom(tensor_pb2.TensorChunk(name="kv", dtype=dtypes.to_proto("f32"), shape=rows.shape))
             try:
-                reply = link.write(first, rows.pieces, timeout_s)
+                reply = self._links.write(address, link, first, rows.pieces, timeout_s)
             except GraphmeshError as e:  # the destination's refusal, or the link broke
-                link.close()
                 raise executor_error(e, address, "WriteSessionKv") from None
-            with self._lock:
-                self._idle.setdefault(address, []).append(link)
             return int(reply.kv_length)
         try:
             reply = write(write_requests(first, rows.rows()), timeout=timeout_s)

@@ -13,8 +13,9 @@ import numpy as np
 
 from graphmesh import dtypes, security, telemetry, tensors
 from graphmesh.errors import GraphmeshError, InvalidArgument, Unavailable, from_rpc_error, rpc
+from graphmesh.links import LinkOpener
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
-from graphmesh_executor.boundary_link import BoundaryLink, KvWrite, LinkListener, LinkOpener
+from graphmesh_executor.boundary_link import BoundaryLink, KvWrite, LinkListener
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
 from graphmesh_executor.kv_push import KvPusher, KvSource
 from graphmesh_executor.stage import Boundary, Sampling, StageRuntime, StageSpec, StepRow

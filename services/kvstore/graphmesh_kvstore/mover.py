@@ -1,8 +1,12 @@
 """Moves KV rows into executors: a stored prefix into a session (seed), a session's rows to another executor (copy).
 
-Both use the executors' StageService: a seed streams stored rows into WriteSessionKv, which appends rows to an
-idle session; a copy asks the source executor to push its rows, with their token ids, straight into the
-destination (PushSessionKv), so the rows cross the network once and never pass through this process.
+A seed reads every stage's stored prefix at once and writes it into an idle session at row 0, as WriteSessionKv
+would (the executor checks it the same way): over a link (graphmesh.links.KvLink) where the executor has a link
+listener, each layer's K and V one piece, sent in place from rows the store assembled layer-major (Store.get_layers)
+and handed to the executor's engine while the next arrives; else, and always on a TLS mesh (links are plain TCP),
+as a WriteSessionKv stream of 1 MiB chunks. A copy asks the source executor to push its rows, with their token ids,
+straight into the destination (PushSessionKv), so the rows cross the network once and never pass through this
+process.
 """
 
 from __future__ import annotations
@@ -12,33 +16,56 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
-from graphmesh import errors, security, telemetry
-from graphmesh.errors import InvalidArgument, PermissionDenied
+from graphmesh import dtypes, errors, security, telemetry
+from graphmesh.errors import GraphmeshError, InvalidArgument, PermissionDenied
+from graphmesh.links import KvLink, KvLinks
 from graphmesh.session_kv import STAGE_SERVICE, WRITE_SESSION_KV, executor_error, raw, write_requests
-from graphmesh.v1 import kvstore_pb2, stage_pb2
+from graphmesh.v1 import kvstore_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
 from graphmesh_kvstore.store import Store
 
 log = logging.getLogger("graphmesh.kvstore")
 
 
 class _Stage:
-    """The two StageService methods the store calls (WriteSessionKv with raw-bytes chunk framing, PushSessionKv) on one
-    channel."""
+    """The StageService methods the store calls on one channel: WriteSessionKv with raw-bytes chunk framing,
+    PushSessionKv, and OpenBoundaryLink (through the stub) for a seed's link."""
 
     def __init__(self, address: str, max_message_bytes: int, tls: security.Tls | None = None) -> None:
         self.channel = telemetry.traced(security.channel(
             address, tls, [("grpc.max_send_message_length", max_message_bytes),
                            ("grpc.max_receive_message_length", max_message_bytes)]))
+        self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
         self.write = self.channel.stream_unary(
             WRITE_SESSION_KV, request_serializer=raw,
             response_deserializer=stage_pb2.WriteSessionKvResponse.FromString)
         self.push = self.channel.unary_unary(
             f"{STAGE_SERVICE}/PushSessionKv", request_serializer=stage_pb2.PushSessionKvRequest.SerializeToString,
             response_deserializer=stage_pb2.PushSessionKvResponse.FromString)
+
+
+@dataclass
+class _Stored:
+    """One stage's stored prefix, read in the layout its write sends: layer-major, f32 [layers, 2, tokens, kv_dim]
+    (Store.get_layers), when it goes over a link, else f32 [tokens, layers, 2, kv_dim] (Store.get_blocks) for a
+    WriteSessionKv stream."""
+
+    address: str
+    stage: _Stage
+    link: KvLink | None
+    rows: np.ndarray
+
+    @property
+    def tokens(self) -> int:
+        return int(self.rows.shape[2] if self.link is not None else self.rows.shape[0])
+
+    def nbytes(self, n: int) -> int:
+        """Bytes of its first n rows."""
+        return self.rows.nbytes // max(self.tokens, 1) * n
 
 
 class Mover:
@@ -49,6 +76,7 @@ class Mover:
         self.max_message_bytes = max_message_bytes
         self.tls = tls  # the store's own certificate, presented to executors (mutual TLS)
         self._stages: dict[str, _Stage] = {}
+        self._links = KvLinks(tls is not None)  # a seed's rows go over a link where the executor takes one
         self._lock = threading.Lock()
         # SeedStages writes every stage of a session at once: one thread per stage of the call at a time
         self._writers = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="kv-seed")
@@ -58,13 +86,14 @@ class Mover:
         self.executors: frozenset[str] = frozenset()
 
     def register(self, addresses: Sequence[str]) -> None:
-        """Replaces the registered executors; channels to executors no longer registered are closed."""
+        """Replaces the registered executors; channels and links to executors no longer registered are closed."""
         if any(not a for a in addresses):
             raise InvalidArgument("an executor address is empty", "BAD_ADDRESS")
         with self._lock:
             self.executors = frozenset(addresses)
             for address in [a for a in self._stages if a not in self.executors]:
                 self._stages.pop(address).channel.close()
+        self._links.close(keep=addresses)
 
     def _stage(self, address: str) -> _Stage:
         if not address:
@@ -78,6 +107,46 @@ class Mover:
                 self._stages[address] = _Stage(address, self.max_message_bytes, self.tls)
             return self._stages[address]
 
+    def _read(self, ns: kvstore_pb2.KvNamespace, address: str, stage: _Stage, token_ids: Sequence[int],
+              max_tokens: int, timeout_s: float) -> _Stored:
+        """A stage's stored prefix, and a link to its executor where it takes one: taken before the rows are read,
+        so that they are assembled in the layout the link or the stream sends, in one copy."""
+        link = self._links.take(address, stage.stub, timeout_s)
+        try:
+            read = self.store.get_layers if link is not None else self.store.get_blocks
+            return _Stored(address, stage, link, read(ns, token_ids, max_tokens))
+        except BaseException:
+            if link is not None:
+                self._links.give_back(address, link)
+            raise
+
+    def _unused(self, stored: Sequence[_Stored]) -> None:
+        """Gives back the links of reads that are not written."""
+        for s in stored:
+            if s.link is not None:
+                self._links.give_back(s.address, s.link)
+
+    def _write(self, stored: _Stored, first: stage_pb2.WriteSessionKvRequest, n: int, timeout_s: float) -> None:
+        """Writes the first n stored rows into the session `first` names: over the link, each layer's K and V as
+        one piece sent from the assembled rows in place, else as a WriteSessionKv stream. A failure is raised with
+        the executor's code and reason, naming it."""
+        if stored.link is None:
+            try:
+                stored.stage.write(write_requests(first, stored.rows[:n]), timeout=timeout_s)
+            except grpc.RpcError as e:
+                raise executor_error(e, stored.address, "WriteSessionKv") from None
+            return
+        layers, _, _, kv_dim = stored.rows.shape
+        request = stage_pb2.WriteSessionKvRequest()
+        request.CopyFrom(first)  # `first` is every stage's: the rows' shape is this one's
+        request.rows.CopyFrom(tensor_pb2.TensorChunk(name="kv", dtype=dtypes.to_proto("f32"),
+                                                     shape=(n, layers, 2, kv_dim)))
+        pieces = ([stored.rows[j, k, :n].reshape(-1).view(np.uint8).data] for j in range(layers) for k in (0, 1))
+        try:
+            self._links.write(stored.address, stored.link, request, pieces, timeout_s)
+        except GraphmeshError as e:  # the executor's refusal, or the link broke
+            raise executor_error(e, stored.address, "WriteSessionKv") from None
+
     def seed(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int], max_tokens: int, address: str,
              header: stage_pb2.FencingHeader, timeout_s: float | None = None) -> tuple[int, int, float]:
         """Writes the longest stored prefix (up to max_tokens, in whole blocks) into a new session at row 0;
@@ -85,20 +154,19 @@ class Mover:
         with telemetry.span("kv.seed", session=header.session_id, incarnation=header.incarnation,
                             executor=address, max_tokens=max_tokens) as span:
             started = time.perf_counter()
+            timeout = timeout_s or self.timeout_s
             stage = self._stage(address)  # first: an unregistered address is refused whatever the store holds
-            rows = self.store.get_blocks(ns, token_ids, max_tokens)  # f32 [tokens, layers, 2, kv_dim]
-            n = rows.shape[0]
-            span.set_attributes({"tokens": n, "bytes": rows.nbytes})
+            stored = self._read(ns, address, stage, token_ids, max_tokens, timeout)
+            n, nbytes = stored.tokens, stored.nbytes(stored.tokens)
+            span.set_attributes({"tokens": n, "bytes": nbytes, "link": stored.link is not None})
             if n == 0:
+                self._unused([stored])
                 return 0, 0, time.perf_counter() - started
-            first = stage_pb2.WriteSessionKvRequest(header=header, start_row=0, token_ids=token_ids[:n])
-            try:
-                stage.write(write_requests(first, rows), timeout=timeout_s or self.timeout_s)
-            except grpc.RpcError as e:
-                raise executor_error(e, address, "WriteSessionKv") from None
+            self._write(stored, stage_pb2.WriteSessionKvRequest(header=header, start_row=0, token_ids=token_ids[:n]),
+                        n, timeout)
             seconds = time.perf_counter() - started
-            self.store.record_transfer("seed", rows.nbytes, seconds)
-            return n, rows.nbytes, seconds
+            self.store.record_transfer("seed", nbytes, seconds)
+            return n, nbytes, seconds
 
     def seed_stages(self, stages: Sequence[tuple[kvstore_pb2.KvNamespace, str]], token_ids: Sequence[int],
                     max_tokens: int, header: stage_pb2.FencingHeader,
@@ -112,34 +180,35 @@ class Mover:
         with telemetry.span("kv.seed_stages", session=header.session_id, incarnation=header.incarnation,
                             stages=len(stages), max_tokens=max_tokens) as span:
             started = time.perf_counter()
+            timeout = timeout_s or self.timeout_s
             targets = [self._stage(address) for _, address in stages]  # first: every address must be registered
-            # Every stage's rows read at once: from Redis, a stage's ~900 tokens are ~0.1 s of round trips and
-            # checksums, and one after another they were most of a seed.
-            reads = [self._writers.submit(self.store.get_blocks, ns, token_ids, max_tokens) for ns, _ in stages]
-            rows = [read.result() for read in reads]
+            # Every stage's rows read at once (each after taking its executor's link): from Redis, a stage's ~900
+            # tokens are ~0.1 s of round trips and checksums, and one after another they were most of a seed.
+            reads = [self._writers.submit(self._read, ns, address, stage, token_ids, max_tokens, timeout)
+                     for (ns, address), stage in zip(stages, targets)]
+            futures.wait(reads)
+            stored = [read.result() for read in reads if read.exception() is None]
+            failed = next((read.exception() for read in reads if read.exception() is not None), None)
+            if failed is not None:
+                self._unused(stored)
+                raise failed
             read_s = time.perf_counter() - started
-            n = min(r.shape[0] for r in rows)
+            n = min(s.tokens for s in stored)
             span.set_attribute("tokens", n)
             if n == 0:
+                self._unused(stored)
                 return 0, 0, time.perf_counter() - started
             first = stage_pb2.WriteSessionKvRequest(header=header, start_row=0, token_ids=token_ids[:n])
-            timeout = timeout_s or self.timeout_s
-
-            def write(stage: _Stage, r: np.ndarray) -> None:
-                stage.write(write_requests(first, r[:n]), timeout=timeout)
-
-            calls = [self._writers.submit(write, t, r) for t, r in zip(targets, rows)]
-            nbytes = sum(r[:n].nbytes for r in rows)
-            for (_, address), call in zip(stages, calls):
-                try:
-                    call.result()
-                except grpc.RpcError as e:
-                    raise executor_error(e, address, "WriteSessionKv") from None
+            calls = [self._writers.submit(self._write, s, first, n, timeout) for s in stored]
+            for call in calls:
+                call.result()
+            nbytes = sum(s.nbytes(n) for s in stored)
             seconds = time.perf_counter() - started
             span.set_attribute("bytes", nbytes)
             self.store.record_transfer("seed", nbytes, seconds)
             log.info("seeded", extra={"session": header.session_id, "tokens": n, "stages": len(stages),
-                                      "bytes": nbytes, "read_ms": round(read_s * 1e3, 1),
+                                      "links": sum(s.link is not None for s in stored), "bytes": nbytes,
+                                      "read_ms": round(read_s * 1e3, 1),
                                       "write_ms": round((seconds - read_s) * 1e3, 1)})
             return n, nbytes, seconds
 
@@ -172,6 +241,7 @@ class Mover:
 
     def close(self) -> None:
         self._writers.shutdown(wait=False)
+        self._links.close()
         with self._lock:
             for stage in self._stages.values():
                 stage.channel.close()

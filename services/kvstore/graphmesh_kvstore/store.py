@@ -269,6 +269,19 @@ class Store:
                 rows[i * bt:(i + 1) * bt, j] = block.rows
         return rows
 
+    def get_layers(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int], max_tokens: int = 0) -> np.ndarray:
+        """The rows get_blocks returns, layer-major: f32 [layers, 2, tokens, kv_dim], so that each layer's K and V
+        are contiguous, as a seed over a link sends them (graphmesh.links.KvLink). Assembling this layout costs what
+        get_blocks' does; gathering each piece out of get_blocks' layout would be a second copy of every row."""
+        layout = self.layout(ns)
+        blocks = self._walk(ns, token_ids, max_tokens)
+        bt = layout.block_tokens
+        rows = np.empty((layout.layers, 2, len(blocks) * bt, layout.kv_dim), np.float32)
+        for i, layers in enumerate(blocks):
+            for j, block in enumerate(layers):
+                rows[j, :, i * bt:(i + 1) * bt] = block.rows.transpose(1, 0, 2)
+        return rows
+
     def evict(self, ns: kvstore_pb2.KvNamespace | None = None) -> int:
         """Drops every entry of `ns`'s layers, or every entry, from every tier (the shared tier too: other
         replicas keep what their memory holds until it ages out); returns how many this store held locally."""
