@@ -47,6 +47,7 @@ _BF16 = dtypes.to_numpy("bf16")
 _DONATED = "_graphmesh_donated"
 _CONVERTED = "_graphmesh_converted"
 _MEMO = "_graphmesh_memo"
+_JOINED = "_graphmesh_joined"
 
 
 def configure(threads: int | None) -> None:
@@ -107,6 +108,30 @@ def _matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     return torch.matmul(x.mT if a["transpose_a"] else x, w.mT if a["transpose_b"] else w)
 
 
+@dataclass(frozen=True)
+class _Joined:
+    """Weights laid one after another in one tensor, so that a product reads them at once (see TorchExecutable._joins):
+    the params are row views of `whole`, and the first carries this record."""
+
+    whole: Tensor  # [sum of n_i, k]
+    parts: tuple[tuple[int, tuple[int, ...]], ...]  # (address, shape) of each view, to tell them from other tensors
+
+
+def _joined(weights: Sequence[Tensor]) -> _Joined | None:
+    joined: _Joined | None = weights[0].__dict__.get(_JOINED)
+    if joined is None or joined.parts != tuple((w.data_ptr(), tuple(w.shape)) for w in weights):
+        return None
+    return joined
+
+
+def _joined_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
+    x, *weights = xs
+    joined = _joined(weights)
+    if joined is None:  # a param was set on its own since the join (ExecutorService.SetParam): one product each
+        return torch.cat([torch.matmul(x, w.mT) for w in weights], -1)
+    return torch.matmul(x, joined.whole.mT)
+
+
 def _rows_form(weight: Tensor) -> Tensor | None:
     """A big f32 weight [n, k] prepacked for oneDNN's x @ W.T over several rows, or None where oneDNN is absent.
     SmolLM2's 49152x576 head on one core, its weights cold in cache as in a forward pass: 17.5 vs 31.6 ms for 8
@@ -154,6 +179,8 @@ def _rope(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     if a["style"] == "half" and rot == x.shape[2]:
         # Four kernels instead of ten; the same products and sums as the halves below (the sign is exact).
         cos, sin = _memo(pos, ("rope-half", a["theta"], rot, y.dtype), lambda: _half_table(pos, a["theta"], rot, y.dtype))
+        if y.is_cuda:  # three kernels, not four: a decode step's GPU time there is mostly kernel count
+            return torch.addcmul(y * cos, y.roll(rot // 2, -1), sin)
         return (y * cos + y.roll(rot // 2, -1) * sin).to(x.dtype)
     cos, sin = _memo(pos, ("rope", a["theta"], rot, y.dtype), lambda: _rope_table(pos, a["theta"], rot, y.dtype))
     if a["style"] == "half":
@@ -237,12 +264,14 @@ def _kv_scatter(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     # every session on the stage, far too big to copy per layer per step.
     out = pool if pool.__dict__.pop(_DONATED, False) or _static(ctx) else pool.clone()
     out.__dict__.pop(_MEMO, None)
-    return out.index_copy_(0, slots.reshape(-1).long(), rows.to(out.dtype))
+    # Every layer scatters to the same slots: their index form is made once a run (a kernel on CUDA).
+    index = _memo(slots, "index", lambda: slots.reshape(-1).long())
+    return out.index_copy_(0, index, rows.to(out.dtype))
 
 
-def _paged_rows(table: Tensor, blocks: int, block: int) -> Tensor:
-    """Pool block ids of the first `blocks` blocks of every sequence, flattened [B * blocks]."""
-    return table[:, :blocks].reshape(-1).long()
+def _paged_rows(table: Tensor, blocks: int) -> Tensor:
+    """Pool block ids of the first `blocks` blocks of every sequence, flattened [B * blocks]; once a run."""
+    return _memo(table, ("paged-rows", blocks), lambda: table[:, :blocks].reshape(-1).long())  # type: ignore[no-any-return]
 
 
 def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
@@ -259,10 +288,23 @@ def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
         # One query per sequence: gather every sequence's blocks (whole-block copies) and run one batched
         # attention with keys past each query masked. Static runs read every block of the table (no host read).
         blocks = table.shape[1] if _static(ctx) else -(-(_span(pos)[1] + 1) // block)
-        ids = _paged_rows(table, blocks, block)
+        ids = _paged_rows(table, blocks)
         keys = blocks * block
         k = k_blocks.index_select(0, ids).view(t, keys, hkv, d)
         v = v_blocks.index_select(0, ids).view(t, keys, hkv, d)
+        if q.is_cuda:
+            # One fused attention kernel where the products below take ~10 (a decode step's GPU time is mostly
+            # kernel count): each kv head's group of query heads is that head's query axis, so no kv head is
+            # repeated; every (sequence, kv head) is its own problem, whatever the other rows of the batch.
+            # Additive, in q's dtype, made once a run: a boolean mask is converted inside every layer's call.
+            def additive() -> Tensor:
+                hide = (torch.arange(keys, device=q.device)[None, :] > pos[:, None])[:, None, None, :]
+                return torch.zeros(hide.shape, dtype=q.dtype, device=q.device).masked_fill_(hide, -math.inf)
+
+            bias = _memo(pos, ("paged-bias", keys, q.dtype), additive)
+            attended = F.scaled_dot_product_attention(q.reshape(t, hkv, hq // hkv, d), k.transpose(1, 2),
+                                                      v.transpose(1, 2), attn_mask=bias, scale=scale)
+            return attended.reshape(t, hq, d)
         hidden = _memo(pos, ("paged-hide", keys), lambda: torch.arange(keys, device=q.device)[None, :] > pos[:, None])
         scores = torch.matmul(q.reshape(t, hkv, hq // hkv, d), k.permute(0, 2, 3, 1)) * scale  # [T, Hkv, G, keys]
         scores = scores.float() if scores.dtype in _HALF else scores
@@ -574,16 +616,57 @@ class TorchExecutable(Executable[Tensor]):
     # -- the plan --------------------------------------------------------------------------------------
     def _plan(self, graph: Graph) -> tuple[dict[str, int], list[_Step]]:
         names = [*graph.inputs, *graph.params, *(n.name for n in graph.nodes)]
+        joins = {members[0]: members for members in self._joins(graph)}
+        names += [f"{first}+joined" for first in joins]
         slots = {name: i for i, name in enumerate(names)}
         keep = set(graph.outputs) | set(graph.params)
+        joined = {name for members in joins.values() for name in members}
         steps = []
         for i, node in enumerate(graph.nodes):
-            if node.op == "constant":
+            if node.op == "constant" or (node.name in joined and node.name not in joins):
+                continue  # a constant is folded; a joined matmul runs with the first of its group
+            if node.name in joins:
+                steps += self._joined_steps(graph, i, [n for n in graph.nodes if n.name in joins[node.name]], slots)
                 continue
             free = tuple(slots[n] for n in dict.fromkeys(node.inputs) if self._last_use.get(n) == i and n not in keep)
             steps.append(_Step(self.kernels[node.op], tuple(slots[n] for n in node.inputs), node.attrs, slots[node.name],
                                free))
         return slots, steps
+
+    def _joins(self, graph: Graph) -> list[tuple[str, ...]]:
+        """Groups of matmul nodes that run as one on CUDA: x @ W_i.T over the same activations x [rows, k], each W_i
+        a 2-d param of one dtype that nothing else reads, run as x @ [W_1; W_2; ...].T. A decode step's GPU time
+        there is mostly kernel launches: a Llama layer's q, k, v and its gate, up are two products instead of five."""
+        if self._device.type != "cuda":
+            return []
+        readers = Counter(name for node in graph.nodes for name in node.inputs)
+        groups: dict[tuple[str, str, int], list[str]] = {}
+        for node in graph.nodes:
+            if node.op != "matmul" or not node.attrs["transpose_b"] or node.attrs["transpose_a"]:
+                continue
+            x, w = node.inputs
+            t = graph.params.get(w)
+            if t is None or len(t.shape) != 2 or readers[w] != 1 or len(graph.type_of(x).shape) != 2:
+                continue
+            groups.setdefault((x, t.dtype, t.shape[1]), []).append(node.name)
+        return [tuple(members) for members in groups.values() if len(members) > 1]
+
+    def _joined_steps(self, graph: Graph, i: int, members: list[Node], slots: dict[str, int]) -> list[_Step]:
+        """The product of a group (see _joins) at its first member's place, and each member's output as a view of
+        it. The activations are freed there when no other node reads them later."""
+        x = members[0].inputs[0]
+        later = {j for j, n in enumerate(graph.nodes) if j >= i and x in n.inputs}
+        places = {j for j, n in enumerate(graph.nodes) if n.name in {m.name for m in members}}
+        free = (slots[x],) if later <= places and x not in graph.outputs else ()
+        out = slots[f"{members[0].name}+joined"]
+        steps = [_Step(_joined_matmul, (slots[x], *(slots[m.inputs[1]] for m in members)), {}, out, free)]
+        start = 0
+        for m in members:
+            n = graph.params[m.inputs[1]].shape[0]
+            steps.append(_Step(self.kernels["slice"], (out,), {"axis": 1, "start": start, "end": start + n},
+                               slots[m.name], ()))
+            start += n
+        return steps
 
     def _run_plan(self, env: dict[str, Tensor], ctx: RunContext, steps: list[_Step] | None = None) -> list[Tensor]:
         values: list[Any] = [None] * len(self._slots)
@@ -763,6 +846,26 @@ class TorchExecutable(Executable[Tensor]):
     def copy_params_from(self, src: Executable[Any]) -> list[str]:
         self._forget_captures()
         return super().copy_params_from(src)
+
+    def finalize_params(self) -> list[str]:
+        for members in self._joins(self.graph):
+            self._join(tuple(node.inputs[1] for node in self.graph.nodes if node.name in members))
+        return super().finalize_params()
+
+    def _join(self, names: tuple[str, ...]) -> None:
+        """Replaces the weights `names` by row views of one tensor holding them all (executables that copy params
+        from this one share it); nothing when one is missing or they are joined already."""
+        if any(name not in self._params for name in names) or _joined([self._params[n] for n in names]) is not None:
+            return
+        whole = torch.cat([self._params[name] for name in names])
+        views, start = [], 0
+        for name in names:
+            views.append(whole.narrow(0, start, self._params[name].shape[0]))
+            start += views[-1].shape[0]
+        for name, view in zip(names, views):
+            self._params[name] = view
+        views[0].__dict__[_JOINED] = _Joined(whole, tuple((v.data_ptr(), tuple(v.shape)) for v in views))
+        self._forget_captures()
 
     def clone(self) -> Executable[Tensor]:
         twin = super().clone()
