@@ -120,37 +120,42 @@ def _sse_events(reply: http.client.HTTPResponse) -> Iterator[dict[str, Any]]:
         yield json.loads(data)
 
 
+def _completion_events(address: str, body: bytes, engine: str) -> Iterator[tuple[float, dict[str, Any]]]:
+    """POSTs a streamed /v1/completions request and yields each event with the time it arrived. A connection per
+    stream, as N independent clients would have: one shared connection would serialize them."""
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT_S)
+    try:
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        if reply.status != 200:
+            raise RuntimeError(f"{engine} answered {reply.status}: {reply.read()[:500]!r}")
+        for event in _sse_events(reply):
+            yield time.perf_counter(), event
+    finally:
+        connection.close()
+
+
 def vllm_target(server: VllmServer) -> Target:
-    host, port = server.address.rsplit(":", 1)
     model = str(server.model)  # vLLM names the served model after the path it was given
 
     def generate(prompt: list[int], tokens: int) -> Stream:
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
                            "ignore_eos": True, "stream": True, "return_token_ids": True,
                            "stream_options": {"include_usage": True}}).encode()
-        # a connection per stream, as N independent clients would have: one shared connection would serialize them
-        connection = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT_S)
-        try:
-            stream = Stream(time.perf_counter())
-            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-            reply = connection.getresponse()
-            if reply.status != 200:
-                raise RuntimeError(f"vLLM answered {reply.status}: {reply.read()[:500]!r}")
-            for event in _sse_events(reply):
-                now = time.perf_counter()
-                for choice in event.get("choices") or []:
-                    if choice.get("prompt_token_ids"):  # the first chunk echoes the prompt
-                        stream.prompt_tokens = len(choice["prompt_token_ids"])
-                    ids = choice.get("token_ids") or []
-                    if ids:  # a closing chunk with only the finish reason carries no token
-                        stream.arrivals.append(now)
-                        stream.chunk_tokens.append(len(ids))
-                        stream.token_ids += ids
-                usage = event.get("usage")
-                if usage and stream.prompt_tokens < 0:
-                    stream.prompt_tokens = int(usage["prompt_tokens"])
-        finally:
-            connection.close()
+        stream = Stream(time.perf_counter())
+        for now, event in _completion_events(server.address, body, "vLLM"):
+            for choice in event.get("choices") or []:
+                if choice.get("prompt_token_ids"):  # the first chunk echoes the prompt
+                    stream.prompt_tokens = len(choice["prompt_token_ids"])
+                ids = choice.get("token_ids") or []
+                if ids:  # a closing chunk with only the finish reason carries no token
+                    stream.arrivals.append(now)
+                    stream.chunk_tokens.append(len(ids))
+                    stream.token_ids += ids
+            usage = event.get("usage")
+            if usage and stream.prompt_tokens < 0:
+                stream.prompt_tokens = int(usage["prompt_tokens"])
         return stream
 
     return generate
@@ -170,7 +175,6 @@ def llamacpp_target(server: LlamaCppServer, prompt_text: str, prompt_ids: list[i
     if seen != prompt_ids:
         raise RuntimeError(f"llama.cpp tokenizes the prompt's text to {len(seen)} ids, not the {len(prompt_ids)} "
                            f"the other engines get: {seen[:12]}... vs {prompt_ids[:12]}...")
-    host, port = server.address.rsplit(":", 1)
     bias = {str(t): EOG_BIAS for t in server.eog_ids}
 
     def generate(prompt: list[int], tokens: int) -> Stream:
@@ -178,24 +182,15 @@ def llamacpp_target(server: LlamaCppServer, prompt_text: str, prompt_ids: list[i
             raise ValueError("the llama.cpp target was made for another prompt")
         body = json.dumps({"prompt": prompt_text, "max_tokens": tokens, "temperature": 0.0, "repeat_penalty": 1.0,
                            "logit_bias": bias, "stream": True}).encode()
-        connection = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT_S)
         text: list[str] = []
-        try:
-            stream = Stream(time.perf_counter(), prompt_tokens=len(seen))
-            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-            reply = connection.getresponse()
-            if reply.status != 200:
-                raise RuntimeError(f"llama.cpp answered {reply.status}: {reply.read()[:500]!r}")
-            for event in _sse_events(reply):
-                now = time.perf_counter()
-                for choice in event.get("choices") or []:
-                    if choice.get("text"):
-                        stream.arrivals.append(now)
-                        stream.chunk_tokens.append(1)
-                        text.append(choice["text"])
-                    stream.finish_reason = choice.get("finish_reason") or stream.finish_reason
-        finally:
-            connection.close()
+        stream = Stream(time.perf_counter(), prompt_tokens=len(seen))
+        for now, event in _completion_events(server.address, body, "llama.cpp"):
+            for choice in event.get("choices") or []:
+                if choice.get("text"):
+                    stream.arrivals.append(now)
+                    stream.chunk_tokens.append(1)
+                    text.append(choice["text"])
+                stream.finish_reason = choice.get("finish_reason") or stream.finish_reason
         if stream.finish_reason != "length":
             raise RuntimeError(f"a llama.cpp stream ended by {stream.finish_reason or 'nothing'!r} after "
                                f"{stream.tokens} tokens, not by length: the end-of-generation ban did not hold")

@@ -35,7 +35,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
@@ -290,8 +290,38 @@ def ensure_hf_model(gguf: Path) -> Path:
 
 
 # -- the server -------------------------------------------------------------------------------------------------
+class _PeerServer:
+    """A peer's server process, started in a process group of its own with its output in a log; ended with it."""
+
+    process: subprocess.Popen[bytes] | None
+    _log: IO[bytes] | None
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        _stop_group(self.process)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 @dataclass
-class VllmServer:
+class VllmServer(_PeerServer):
     """vLLM's OpenAI server on loopback. threads_bind: the cores its OpenMP threads are pinned to (vLLM's CPU
     backend binds one thread per listed core); all of them is its best setting on a machine of its own."""
 
@@ -311,14 +341,6 @@ class VllmServer:
     @property
     def url(self) -> str:
         return f"http://{self.address}"
-
-    def start(self) -> VllmServer:
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _start(self) -> None:
         python = ensure_vllm_venv()
@@ -357,17 +379,6 @@ class VllmServer:
             time.sleep(0.5)
         progress(f"vLLM ready in {time.perf_counter() - t0:.0f} s")
 
-    def stop(self) -> None:
-        _stop_group(self.process)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> VllmServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _stop_group(process: subprocess.Popen[bytes] | None) -> None:
@@ -389,7 +400,7 @@ def _stop_group(process: subprocess.Popen[bytes] | None) -> None:
 
 
 @dataclass
-class LlamaCppServer:
+class LlamaCppServer(_PeerServer):
     """llama-cpp-python's OpenAI server (`python -m llama_cpp.server`) on loopback, serving the GGUF as stored
     (Q4_1 for the bundled SmolLM2), with n_threads threads for decode and for prompt batches (0: every core).
 
@@ -428,14 +439,6 @@ class LlamaCppServer:
     @property
     def threads(self) -> int:
         return self.n_threads or os.cpu_count() or 1
-
-    def start(self) -> LlamaCppServer:
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _start(self) -> None:
         python = ensure_llamacpp_venv()
@@ -489,17 +492,6 @@ class LlamaCppServer:
         with urllib.request.urlopen(request, timeout=60) as reply:
             return [int(t) for t in json.loads(reply.read())["tokens"]]
 
-    def stop(self) -> None:
-        _stop_group(self.process)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> LlamaCppServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 PEER_NAMES = ("vllm", "llamacpp")
