@@ -22,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,7 +36,7 @@ MAX_ROWS = 32  # past this MKL's blocked gemm is as fast (equal at 32 rows, fast
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
 _LIBS = ["-lm"]
-_TILE_ROWS = 6  # weight rows per tile in cpu_kernels.c: a thread's share of n is a multiple of it
+_TILE_ROWS = 6  # weight rows per tile in cpu_kernels.c (and PACKED_TILE): a thread's share of n is a multiple of it
 
 
 def _cache_dir() -> Path:
@@ -115,22 +116,28 @@ def matmul_xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     args = (m, k, x.data_ptr(), k, w.data_ptr(), k, out.data_ptr(), n)
-    threads = min(torch.get_num_threads(), max(1, n // (_TILE_ROWS * 64)))
-    if threads == 1:
-        lib.gemm_xwt(*args, 0, n)
-        return out
-    # ctypes releases the GIL for the call: the shares run at once, this thread taking the first.
-    share = -(-n // threads // _TILE_ROWS) * _TILE_ROWS
-    bounds = [(a, min(n, a + share)) for a in range(0, n, share)]
-    rest = [_pool(threads - 1).submit(lib.gemm_xwt, *args, a, b) for a, b in bounds[1:]]
-    lib.gemm_xwt(*args, *bounds[0])
-    for f in rest:
-        f.result()
+    _run_shares(_shares(n), lambda i, a, b: lib.gemm_xwt(*args, a, b))
     return out
 
 
+def _shares(n: int) -> list[tuple[int, int]]:
+    """A product's n output columns split over torch's intra-op threads: shares of whole weight tiles, as many as
+    have enough work."""
+    threads = min(torch.get_num_threads(), max(1, n // (_TILE_ROWS * 64)))
+    share = -(-n // threads // _TILE_ROWS) * _TILE_ROWS
+    return [(a, min(n, a + share)) for a in range(0, n, share)]
+
+
+def _run_shares(shares: list[tuple[int, int]], run: Callable[[int, int, int], object]) -> None:
+    """run(i, a, b) for every share [a, b), at once: ctypes releases the GIL for a call, and this thread takes
+    the first."""
+    rest = [_pool(len(shares) - 1).submit(run, i, a, b) for i, (a, b) in enumerate(shares) if i]
+    run(0, *shares[0])
+    for f in rest:
+        f.result()
+
+
 PACKED_SCHEMES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # cpu_kernels.c's scheme numbers
-_PACKED_TILE = 6  # weight rows expanded at a time in cpu_kernels.c
 
 
 def packed_usable(x: torch.Tensor, packed: torch.Tensor, scheme: str) -> bool:
@@ -149,15 +156,9 @@ def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
     args = (m, k, x.data_ptr(), k, packed.data_ptr(), PACKED_SCHEMES[scheme], out.data_ptr(), n)
-    threads = min(torch.get_num_threads(), max(1, n // (_PACKED_TILE * 64)))
-    share = -(-n // threads // _PACKED_TILE) * _PACKED_TILE
-    bounds = [(a, min(n, a + share)) for a in range(0, n, share)]
-    bufs = [torch.empty(_PACKED_TILE * k, dtype=torch.float32) for _ in bounds]  # each share its own L1 tile
-    rest = [_pool(threads - 1).submit(lib.gemm_xwt_packed, *args, a, b, buf.data_ptr())
-            for (a, b), buf in zip(bounds[1:], bufs[1:])] if threads > 1 else []
-    lib.gemm_xwt_packed(*args, *bounds[0], bufs[0].data_ptr())
-    for f in rest:
-        f.result()
+    shares = _shares(n)
+    tiles = [torch.empty(_TILE_ROWS * k, dtype=torch.float32) for _ in shares]  # each share its own expanded tile
+    _run_shares(shares, lambda i, a, b: lib.gemm_xwt_packed(*args, a, b, tiles[i].data_ptr()))
     return out
 
 
