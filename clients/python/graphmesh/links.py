@@ -23,13 +23,14 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import grpc
 from google.rpc import status_pb2
 
+from graphmesh import dtypes
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error, from_status_proto
-from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 
 log = logging.getLogger("graphmesh.links")
 
@@ -122,15 +123,18 @@ class KvLink:
     def connect(cls, address: str, ticket: bytes, timeout_s: float) -> KvLink:
         return cls(connect(address, ticket, timeout_s), address)
 
-    def write(self, first: stage_pb2.WriteSessionKvRequest, pieces: Iterable[list[memoryview]],
+    def write(self, first: stage_pb2.WriteSessionKvRequest, shape: Sequence[int], pieces: Iterable[list[memoryview]],
               timeout_s: float) -> stage_pb2.WriteSessionKvResponse:
-        """Writes the rows `first` describes, given a piece at a time (K then V of each layer, f32 [n, kv_dim]
-        each, as the little-endian byte buffers that hold it in order: one frame each, written with scatter-gather
-        sends); raises the receiver's refusal as it sent it, and Unavailable when the link breaks (it is then
-        closed)."""
+        """Writes rows f32 `shape` [n, layers, 2, kv_dim] into the session `first` names (its header, start row and
+        token ids), given a piece at a time (K then V of each layer, f32 [n, kv_dim] each, as the little-endian byte
+        buffers that hold it in order: one frame each, written with scatter-gather sends); raises the receiver's
+        refusal as it sent it, and Unavailable when the link breaks (it is then closed)."""
+        begin = stage_pb2.WriteSessionKvRequest()
+        begin.CopyFrom(first)
+        begin.rows.CopyFrom(tensor_pb2.TensorChunk(name="kv", dtype=dtypes.to_proto("f32"), shape=shape))
         try:
             self._sock.settimeout(timeout_s)
-            self._sock.sendall(frame(KV_BEGIN, first.SerializeToString()))
+            self._sock.sendall(frame(KV_BEGIN, begin.SerializeToString()))
             check_ack(self._sock, self.address)  # the receiver took the header and reserved the session's blocks
             for buffers in pieces:
                 self._sock.sendall(HEADER.pack(sum(len(b) for b in buffers), KV_DATA))
@@ -233,12 +237,12 @@ class KvLinks:
         with self._lock:
             self._idle.setdefault(address, []).append(link)
 
-    def write(self, address: str, link: KvLink, first: stage_pb2.WriteSessionKvRequest,
+    def write(self, address: str, link: KvLink, first: stage_pb2.WriteSessionKvRequest, shape: Sequence[int],
               pieces: Iterable[list[memoryview]], timeout_s: float) -> stage_pb2.WriteSessionKvResponse:
         """KvLink.write on a link taken for `address`: back to the idle ones after the copy, closed when it
         failed (the receiver's refusal or a broken link, raised as KvLink.write raises them)."""
         try:
-            reply = link.write(first, pieces, timeout_s)
+            reply = link.write(first, shape, pieces, timeout_s)
         except BaseException:
             link.close()
             raise

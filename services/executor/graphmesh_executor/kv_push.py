@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from graphmesh import dtypes, security, telemetry
+from graphmesh import security, telemetry
 from graphmesh.errors import GraphmeshError, InvalidArgument
 from graphmesh.links import KvLinks
 from graphmesh.session_kv import WRITE_SESSION_KV, executor_error, raw, write_requests
-from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
 
@@ -73,9 +73,8 @@ class KvPusher:
         write, stub = self._write(address)
         link = self._links.take(address, stub, timeout_s) if rows.nbytes else None
         if link is not None:
-            first.rows.CopyFrom(tensor_pb2.TensorChunk(name="kv", dtype=dtypes.to_proto("f32"), shape=rows.shape))
             try:
-                reply = self._links.write(address, link, first, rows.pieces, timeout_s)
+                reply = self._links.write(address, link, first, rows.shape, rows.pieces, timeout_s)
             except GraphmeshError as e:  # the destination's refusal, or the link broke
                 raise executor_error(e, address, "WriteSessionKv") from None
             return int(reply.kv_length)

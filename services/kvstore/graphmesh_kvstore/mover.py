@@ -21,11 +21,11 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from graphmesh import dtypes, errors, security, telemetry
+from graphmesh import errors, security, telemetry
 from graphmesh.errors import GraphmeshError, InvalidArgument, PermissionDenied
 from graphmesh.links import KvLink, KvLinks
 from graphmesh.session_kv import STAGE_SERVICE, WRITE_SESSION_KV, executor_error, raw, write_requests
-from graphmesh.v1 import kvstore_pb2, stage_pb2, stage_pb2_grpc, tensor_pb2
+from graphmesh.v1 import kvstore_pb2, stage_pb2, stage_pb2_grpc
 from graphmesh_kvstore.store import Store
 
 log = logging.getLogger("graphmesh.kvstore")
@@ -137,13 +137,9 @@ class Mover:
                 raise executor_error(e, stored.address, "WriteSessionKv") from None
             return
         layers, _, _, kv_dim = stored.rows.shape
-        request = stage_pb2.WriteSessionKvRequest()
-        request.CopyFrom(first)  # `first` is every stage's: the rows' shape is this one's
-        request.rows.CopyFrom(tensor_pb2.TensorChunk(name="kv", dtype=dtypes.to_proto("f32"),
-                                                     shape=(n, layers, 2, kv_dim)))
         pieces = ([stored.rows[j, k, :n].reshape(-1).view(np.uint8).data] for j in range(layers) for k in (0, 1))
         try:
-            self._links.write(stored.address, stored.link, request, pieces, timeout_s)
+            self._links.write(stored.address, stored.link, first, (n, layers, 2, kv_dim), pieces, timeout_s)
         except GraphmeshError as e:  # the executor's refusal, or the link broke
             raise executor_error(e, stored.address, "WriteSessionKv") from None
 
