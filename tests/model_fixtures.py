@@ -167,3 +167,65 @@ def write_tiny_tokenizer(path: Path) -> Path:
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
     return path
+
+
+# -- an encoder group (graphmesh.models.encoder) beside a tiny Llama -------------------------------------
+
+ENCODER_FILE = "encoder.safetensors"
+
+
+def add_tiny_encoder(path: Path, seed: int = 3, input_dim: int = 24, intermediate_size: int = 48,
+                     token_id: int = 999) -> Path:
+    """Adds a random encoder (encoder.fc1/fc2 weights and biases, f32) to the HF checkpoint at `path` (from
+    make_tiny_llama): its own encoder.safetensors, and "graphmesh_encoder" in config.json. A sharded
+    checkpoint's index gets the encoder's tensors too, since the readers only open the files an index names."""
+    from safetensors.numpy import save_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    rng = np.random.default_rng(seed)
+    shapes = {"encoder.fc1.weight": (intermediate_size, input_dim), "encoder.fc1.bias": (intermediate_size,),
+              "encoder.fc2.weight": (cfg["hidden_size"], intermediate_size), "encoder.fc2.bias": (cfg["hidden_size"],)}
+    save_file({name: rng.normal(0.0, INIT, shape).astype(np.float32) for name, shape in shapes.items()},
+              str(path / ENCODER_FILE))
+    cfg["graphmesh_encoder"] = {"input_dim": input_dim, "intermediate_size": intermediate_size, "token_id": token_id}
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] |= dict.fromkeys(shapes, ENCODER_FILE)
+        index.write_text(json.dumps(data, indent=2))
+    return path
+
+
+def encoder_reference(path: Path, features: np.ndarray) -> np.ndarray:
+    """The encoder of `path` in torch float32: fc2(gelu(fc1(features))), exact (erf) GELU."""
+    from safetensors.torch import load_file
+
+    w = load_file(str(path / ENCODER_FILE))
+    x = torch.from_numpy(np.asarray(features, np.float32))
+    with torch.no_grad():
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(x, w["encoder.fc1.weight"], w["encoder.fc1.bias"]))
+        return torch.nn.functional.linear(h, w["encoder.fc2.weight"], w["encoder.fc2.bias"]).numpy()
+
+
+def hf_greedy_with_encoder(path: Path, prompt_ids: list[int], features: np.ndarray, max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens for `prompt_ids` whose placeholder tokens' embeddings are replaced, in order,
+    by encoder_reference(features) rows: the reference for a first stage built with encoded=True. from_pretrained
+    reads model.safetensors only (or the index's files, where the encoder's tensors are unexpected keys: a
+    warning), so the encoder's tensors never reach the model."""
+    token_id = json.loads((path / "config.json").read_text())["graphmesh_encoder"]["token_id"]
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")  # in eval mode
+    assert not model.training
+    ids = torch.tensor([prompt_ids])
+    rows = (ids[0] == token_id).nonzero().flatten()
+    if len(rows) != len(features):
+        raise ValueError(f"{len(rows)} placeholder tokens for {len(features)} feature rows")
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+        embeds[0, rows] = torch.from_numpy(encoder_reference(path, features))
+        # Given inputs_embeds and no input_ids, generate returns the new tokens only.
+        out = model.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    tokens: list[int] = out[0].tolist()
+    assert len(tokens) == max_new_tokens, tokens
+    return tokens

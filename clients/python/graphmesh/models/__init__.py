@@ -16,10 +16,11 @@ __all__ = ["ModelConfig", "PagedLayout", "build_stage", "stage_params"]
 def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int, first: bool, last: bool,
                 sample: bool = False, name: str | None = None, quantized: bool = False,
                 packed_schemes: dict[str, str] | None = None, packed_activations: str = "f32", dtype: str = "f32",
-                paged: PagedLayout | None = None) -> graph_pb2.Graph:
+                paged: PagedLayout | None = None, encoded: bool = False) -> graph_pb2.Graph:
     """The stage graph for `layers` (global indices); see graphmesh.models.llama for the I/O contract. With
     `paged`, the batched form: seq_len token rows over paged.seqs sequences, cache_len ignored (the pools'
-    size is paged.pool_rows)."""
+    size is paged.pool_rows). With `encoded` (the first stage of a llama-family model with an encoder), two
+    more inputs, encoded and encoded_mask, whose rows replace input embeddings."""
     if layers.step != 1 or not 0 <= layers.start <= layers.stop <= config.n_layers:
         raise InvalidArgument(f"layers {layers} are not a contiguous span of the model's {config.n_layers} layers",
                               "BAD_LAYER_RANGE")
@@ -31,11 +32,14 @@ def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int
     if seq_len < 1 or cache_len < seq_len:
         raise InvalidArgument(f"seq_len {seq_len} must be >= 1 and fit in cache_len {cache_len}", "BAD_SHAPE")
     if config.arch == "gpt2":
+        if encoded:
+            raise InvalidArgument("encoded stages (an encoder's rows as input embeddings) exist for the llama family "
+                                  "only", "UNSUPPORTED_MODEL")
         if quantized:
             raise InvalidArgument("quantized stages exist for the llama family only", "UNSUPPORTED_MODEL")
         return gpt2.build_stage(config, layers, seq_len, cache_len, first, last, sample, name, dtype, paged)
     return llama.build_stage(config, layers, seq_len, cache_len, first, last, sample, name, quantized, packed_schemes,
-                             dtype, packed_activations, paged)
+                             dtype, packed_activations, paged, encoded)
 
 
 def stage_params(config: ModelConfig, layers: range, first: bool, last: bool, quantized: bool = False,

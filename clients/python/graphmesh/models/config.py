@@ -1,4 +1,5 @@
-"""ModelConfig: the shape of a decoder LLM, read from a Hugging Face config.json or GGUF metadata."""
+"""ModelConfig: the shape of a decoder LLM, read from a Hugging Face config.json or GGUF metadata; and
+EncoderConfig, the shape of its optional encoder group (graphmesh.models.encoder builds that graph)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,40 @@ from typing import Any
 from graphmesh.errors import InvalidArgument
 
 ARCHS = ("llama", "gpt2")
+ENCODER_KEY = "graphmesh_encoder"  # the config.json key of the encoder group
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """A two-layer MLP projector (LLaVA style): features [rows, input_dim] -> rows of the model's input
+    embedding [rows, output_dim], which replace the embeddings of the prompt's `token_id` placeholders in order."""
+
+    input_dim: int
+    intermediate_size: int
+    output_dim: int  # the model's hidden size
+    token_id: int
+
+    def param_bytes(self) -> int:
+        """f32 bytes of the encoder's params (fc1 and fc2, weights and biases)."""
+        return 4 * (self.intermediate_size * (self.input_dim + 1) + self.output_dim * (self.intermediate_size + 1))
+
+
+def encoder_config(cfg: dict[str, Any]) -> EncoderConfig | None:
+    """The encoder of a Hugging Face config.json dict (its "graphmesh_encoder" object, output_dim from
+    hidden_size); None when it has none."""
+    if ENCODER_KEY not in cfg:
+        return None
+    enc = cfg[ENCODER_KEY]
+    if not isinstance(enc, dict):
+        raise InvalidArgument(f"{ENCODER_KEY} must be an object, got {enc!r}", "BAD_CONFIG")
+    values = {**enc, "output_dim": cfg.get("hidden_size")}
+    for key in ("input_dim", "intermediate_size", "output_dim", "token_id"):
+        v = values.get(key)
+        # bool is an int to Python; a token id may be 0, a size may not
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if key == "token_id" else 1):
+            raise InvalidArgument(f"{ENCODER_KEY}: {key} must be a {'non-negative' if key == 'token_id' else 'positive'}"
+                                  f" integer, got {v!r}", "BAD_CONFIG")
+    return EncoderConfig(values["input_dim"], values["intermediate_size"], values["output_dim"], values["token_id"])
 
 
 @dataclass(frozen=True)
@@ -29,6 +64,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"  # gpt2: "gelu_tanh" | "gelu"
+    encoder: EncoderConfig | None = None  # llama family only: an encoder group feeding the first stage
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -36,6 +72,15 @@ class ModelConfig:
         if self.n_heads <= 0 or self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
             raise InvalidArgument(f"{self.n_heads} query heads are not a multiple of {self.n_kv_heads} kv heads",
                                   "BAD_CONFIG")
+        if self.encoder is not None:
+            if self.arch != "llama":
+                raise InvalidArgument(f"encoders exist for the llama family only, not {self.arch}", "UNSUPPORTED_MODEL")
+            if self.encoder.output_dim != self.hidden_size:
+                raise InvalidArgument(f"encoder output_dim {self.encoder.output_dim} is not the hidden size "
+                                      f"{self.hidden_size}", "BAD_CONFIG")
+            if not 0 <= self.encoder.token_id < self.vocab_size:
+                raise InvalidArgument(f"encoder token_id {self.encoder.token_id} is outside the vocabulary of "
+                                      f"{self.vocab_size}", "BAD_CONFIG")
 
     @property
     def kv_dim(self) -> int:
@@ -52,6 +97,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         if model_type == "gpt2":
+            if ENCODER_KEY in cfg:
+                raise InvalidArgument("encoders exist for the llama family only, not gpt2", "UNSUPPORTED_MODEL")
             if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
                 raise InvalidArgument("GPT-2 variants with per-layer attention scaling are not supported",
                                       "UNSUPPORTED_MODEL")
@@ -85,7 +132,7 @@ class ModelConfig:
                    rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
                    qkv_bias=model_type == "qwen2", tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                    max_position=cfg.get("max_position_embeddings", 2048), bos_token_id=cfg.get("bos_token_id"),
-                   eos_token_ids=eos_ids)
+                   eos_token_ids=eos_ids, encoder=encoder_config(cfg))
 
     def layer_params(self) -> int:
         """Parameter count of one decoder block."""

@@ -11,6 +11,12 @@ prefill graph (S = bucket) and the decode graph (S = 1). Contract, in order:
 New K/V rows go to cache rows positions[0] .. positions[0]+S-1; attention masks cache rows by position,
 so rows of a padded prefill past the prompt never reach a real query.
 
+With encoded=True (a first stage of a config with an encoder; see graphmesh.models.encoder) two inputs follow
+all the others, in both forms: encoded f32[S, H] and encoded_mask f32[S]. Row r's input embedding is then
+exactly encoded[r] where encoded_mask[r] is 1.0 and exactly the embedding of input_ids[r] where it is 0.0
+(the mask must be 0.0 or 1.0, and encoded rows under a 0.0 finite, e.g. zeros: 0 * inf is NaN). A bf16/f16
+stage rounds encoded rows to its dtype as a later stage rounds hidden_in.
+
 The paged form (a PagedLayout given; what the executor's engine runs) is one step over many sessions: S token
 rows of B sequences, the rows of each sequence contiguous. The caches are pools shared by every session of the
 stage, in blocks of `block_size` rows:
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from graphmesh.errors import InvalidArgument
 from graphmesh.graph import GraphBuilder, Value
 from graphmesh.models.config import ModelConfig
 from graphmesh.ops import packed_shape
@@ -162,23 +169,49 @@ def _block(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, layer: int, x: 
     return x, k_cache, v_cache
 
 
+def check_encoded(config: ModelConfig, first: bool) -> None:
+    """Raises unless a stage may take encoded rows: the first stage of a model with an encoder."""
+    if config.encoder is None:
+        raise InvalidArgument("encoded=True needs a model with an encoder (graphmesh_encoder in its config)",
+                              "UNSUPPORTED_MODEL")
+    if not first:
+        raise InvalidArgument("encoded=True is for the first stage only: encoded rows replace input embeddings",
+                              "BAD_SHAPE")
+
+
+def _encoded_rows(g: GraphBuilder, x: Value, encoded: Value, mask: Value) -> Value:
+    """x [S, H] with the rows where mask is 1 replaced by encoded's: x*(1-m) + e*m, exact for m in {0, 1} and
+    finite values (x*1 + 0 and 0 + e*1 round nothing). Elementwise along the row axis rather than a gather at
+    constant row indices, so an executor can still cut the graph to a prompt's active rows."""
+    # bf16/f16 stages: the embedding table is already in the stage dtype (the params are), so casting the
+    # encoded rows first is the same rounding as selecting in f32 and casting after, as hidden_in is rounded.
+    e = g.cast(encoded, x.dtype) if encoded.dtype != x.dtype else encoded
+    m = g.reshape(g.cast(mask, x.dtype) if mask.dtype != x.dtype else mask, (x.shape[0], 1))
+    return g.add(g.mul(x, g.sub(1.0, m)), g.mul(e, m))
+
+
 def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int, first: bool, last: bool,
                 sample: bool = False, name: str | None = None, quantized: bool = False,
                 packed_schemes: dict[str, str] | None = None, dtype: str = "f32",
-                packed_activations: str = "f32", paged: PagedLayout | None = None) -> graph_pb2.Graph:
+                packed_activations: str = "f32", paged: PagedLayout | None = None,
+                encoded: bool = False) -> graph_pb2.Graph:
     """The stage graph over global layers `layers`. With quantized=True every Linear weight named in
     packed_schemes (from Checkpoint.packed_schemes()) is a u8 param of GGUF blocks used through dequant_matmul.
-    dtype, packed_activations and paged: see the module docstring."""
+    dtype, packed_activations, paged and encoded: see the module docstring."""
     c = config
+    if encoded:
+        check_encoded(c, first)
     schemes = dict(packed_schemes or {}) if quantized else {}
     precision = _Precision(dtype, packed_activations if schemes else dtype)
     suffix = ("_q" if schemes else "") + ("" if dtype == "f32" else f"_{dtype}") + \
-        ("_a" + packed_activations if schemes and packed_activations != "f32" else "")
+        ("_a" + packed_activations if schemes and packed_activations != "f32" else "") + ("_enc" if encoded else "")
     shape = f"_s{seq_len}_b{paged.seqs}x{paged.blocks}_p{paged.pool_blocks}" if paged else f"_s{seq_len}_c{cache_len}"
     g = GraphBuilder(name or f"llama_{layers.start}-{layers.stop}{shape}{suffix}")
     io = stage_inputs(g, c, len(layers), seq_len, cache_len, first, last, sample, dtype, paged)
     if first:
         x = g.gather(g.param("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), dtype), io.x)
+        if encoded:
+            x = _encoded_rows(g, x, g.input("encoded", (seq_len, c.hidden_size)), g.input("encoded_mask", (seq_len,)))
     else:
         x = g.cast(io.x, dtype) if dtype != "f32" else io.x
     caches: list[Value] = []
