@@ -50,7 +50,7 @@ TEXT = ("The history of astronomy is the story of people looking up and trying t
 class InProcess:
     def __init__(self, backend: str, mode: str, kv_cache_bytes: int) -> None:
         self.runtime = StageRuntime(backend, kv_cache_bytes=kv_cache_bytes)
-        self.runtime.install(1, 0, 1, StageSpec(MODEL, 0, 30, True, True, "", weights=mode))
+        self.runtime.install(1, 0, 1, StageSpec(MODEL, 0, 30, True, True, weights=mode))
         self.sessions = 0
         self.step_ids = itertools.count(1)
 

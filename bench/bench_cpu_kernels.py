@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.common import machine, median, progress, write_results
+from graphmesh import plan as dag
 from graphmesh_executor.backends import cpu_kernels
 from graphmesh_executor.stage import Boundary, StageRuntime, StageSpec, StepRow
 
@@ -42,8 +43,19 @@ def runtime(kernels: bool, layers: tuple[int, int]) -> StageRuntime:
     use_kernels(kernels)
     rt = StageRuntime("torch", kv_cache_bytes=128 << 20, pusher=lambda *a: a[-1](None), standby_weights=False)
     first, last = layers[0] == 0, layers[1] == 30
-    rt.install(1, 0, 1, StageSpec("smollm2-135m", layers[0], layers[1], first, last, "" if last else "next"))
+    # the stage as one rank of a pipeline over the whole model: its boundaries come from and go to nobody
+    ranges = [r for r in ((0, layers[0]), layers, (layers[1], 30)) if r[0] < r[1]]
+    rank = ranges.index(layers)
+    rt.install(1, rank, len(ranges), StageSpec("smollm2-135m", layers[0], layers[1], first, last),
+               dag.pipeline(ranges, [str(i) for i in range(len(ranges))], 576))
     return rt
+
+
+def boundary(rt: StageRuntime, step: int, hidden: np.ndarray) -> Boundary:
+    """The activation a previous rank would push to `rt` for `step`."""
+    assert rt.plan is not None and rt.group is not None
+    route = rt.plan.routes_into(rt.group.id)[0]
+    return Boundary(step, 0, route.id, {dag.ACTIVATION: hidden}, route.schema.identity)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
             use_kernels(name == "kernels")
             step = next(step_ids)
             if layers[0] != 0:
-                rt.accept_boundary(1, Boundary(step, hidden=np.random.default_rng(0).standard_normal(
+                rt.accept_boundary(1, boundary(rt, step, np.random.default_rng(0).standard_normal(
                     (n * len(PROMPT), 576), np.float32)))
             rt.execute_step(1, step, [StepRow(f"{name}-{n}-{i}", 1, 0, 0, PROMPT) for i in range(n)], False, 60.0)
         for k in range(a.steps + 3):
@@ -77,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
                 use_kernels(name == "kernels")
                 step = next(step_ids)
                 if layers[0] != 0:
-                    rt.accept_boundary(1, Boundary(step, hidden=np.random.default_rng(k).standard_normal((n, 576), np.float32)))
+                    rt.accept_boundary(1, boundary(rt, step, np.random.default_rng(k).standard_normal((n, 576),
+                                                                                               np.float32)))
                 t0 = time.perf_counter()
                 out = rt.execute_step(1, step, [StepRow(f"{name}-{n}-{i}", k + 2, k + 1, len(PROMPT) + k, [7 + k])
                                                 for i in range(n)], False, 60.0)

@@ -194,7 +194,7 @@ def main() -> None:
         pool_bytes = kv_cache_bytes(shape, a.prompt + max(a.tokens, a.eager_tokens))
         stage = StageRuntime("torch", a.device, kv_cache_bytes=pool_bytes)
         began = time.perf_counter()
-        stage.install(1, 0, 1, StageSpec(str(tmp), 0, shape["num_hidden_layers"], True, True, "",
+        stage.install(1, 0, 1, StageSpec(str(tmp), 0, shape["num_hidden_layers"], True, True,
                                            kv_block_tokens=BLOCK_TOKENS, dtype="bf16"))
         install_s = time.perf_counter() - began
         progress(f"StageRuntime install (load + compile) {install_s:.1f} s; KV pool of {stage.pool.lendable} "

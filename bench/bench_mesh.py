@@ -129,7 +129,7 @@ def inprocess_engine(path: Path, threads: int) -> Engine:
     config = open_checkpoint(path).config
     assert config is not None
     runtime = StageRuntime("torch")
-    runtime.install(1, 0, 1, StageSpec(str(path), 0, config.n_layers, True, True, ""))
+    runtime.install(1, 0, 1, StageSpec(str(path), 0, config.n_layers, True, True))
     step_ids = itertools.count(1)
 
     def generate(prompt: list[int], tokens: int) -> Run:

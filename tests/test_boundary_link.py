@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from google.rpc import status_pb2
 
+from graphmesh import plan as dag
 from graphmesh import security
 from graphmesh.errors import DeadlineExceeded, GraphmeshError, from_rpc_error
 from graphmesh.links import ACK, HELLO, PUSH, KvLink, KvLinks, LinkError, frame, read_frame
@@ -45,7 +46,7 @@ def test_a_rank_without_a_link_is_pushed_to_over_grpc(linkless_executor: str) ->
         stub.OpenBoundaryLink(stage_pb2.OpenBoundaryLinkRequest(), timeout=10)
     assert from_rpc_error(e.value).reason == "NO_BOUNDARY_LINK"
     pusher = BoundaryPusher()
-    boundary = Boundary(1, hidden=np.zeros((2, 8), np.float32))
+    boundary = Boundary(1, values={dag.ACTIVATION: np.zeros((2, 8), np.float32)})
     for _ in range(2):  # the second push does not ask for a link again, and goes the same way
         error = _pushed(pusher, linkless_executor, boundary)
         # PushBoundary's own answer: this executor was never installed, so no incarnation is current

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from graphmesh import plan as dag
 from graphmesh_executor.stage import Boundary, StageRuntime, StageSpec, StepRow
 from tests.model_fixtures import make_tiny_llama
 
@@ -35,8 +36,9 @@ def _pipeline(path: Path) -> list[StageRuntime]:
         delivered(None)
 
     runtimes = [StageRuntime("torch", "cuda:0", pusher=push, kv_cache_bytes=16 << 20) for _ in range(2)]
-    runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, 1, True, False, "1", dtype="f32"))
-    runtimes[1].install(1, 1, 2, StageSpec(str(path), 1, 2, False, True, "", dtype="f32"))
+    plan = dag.pipeline([(0, 1), (1, 2)], ["0", "1"], 64)
+    runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, 1, True, False, dtype="f32"), plan)
+    runtimes[1].install(1, 1, 2, StageSpec(str(path), 1, 2, False, True, dtype="f32"), plan)
     return runtimes
 
 

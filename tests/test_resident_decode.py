@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from graphmesh import plan as dag
 from graphmesh.kvkeys import blocks_for
 from graphmesh.v1 import stage_pb2
 from graphmesh_executor.backends import available
@@ -37,8 +38,9 @@ def _pipeline(path: Path, backend: str, n_layers: int) -> list[StageRuntime]:
         delivered(None)
 
     runtimes = [StageRuntime(backend, pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(2)]
-    runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, 1, True, False, "1", kv_block_tokens=BLOCK))
-    runtimes[1].install(1, 1, 2, StageSpec(str(path), 1, n_layers, False, True, "", kv_block_tokens=BLOCK))
+    plan = dag.pipeline([(0, 1), (1, n_layers)], ["0", "1"], 64)
+    runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, 1, True, False, kv_block_tokens=BLOCK), plan)
+    runtimes[1].install(1, 1, 2, StageSpec(str(path), 1, n_layers, False, True, kv_block_tokens=BLOCK), plan)
     return runtimes
 
 
@@ -170,7 +172,7 @@ def test_smollm2_packed_u8_weights_give_the_f32_tokens() -> None:
     outputs = {}
     for weights in ("f32", "packed"):
         runtime = StageRuntime(backend, kv_cache_bytes=64 << 20)
-        runtime.install(1, 0, 1, StageSpec("smollm2-135m", 0, 30, True, True, "", weights=weights))
+        runtime.install(1, 0, 1, StageSpec("smollm2-135m", 0, 30, True, True, weights=weights))
         if weights == "packed":
             assert any(t.dtype == "u8" for t in runtime._holder.graph.params.values())  # type: ignore[union-attr]
         runs = []

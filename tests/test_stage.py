@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from graphmesh import plan as dag
 from graphmesh.errors import FailedPrecondition
 from graphmesh.protocol import ProtocolError
 from graphmesh_executor.fencing import AuthorityState, SessionPhase
@@ -43,8 +44,9 @@ def _pipeline(path: Path, split: int, n_layers: int) -> list[StageRuntime]:
         delivered(None)
 
     runtimes = [StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(2)]
-    runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, split, True, False, "1"))
-    runtimes[1].install(1, 1, 2, StageSpec(str(path), split, n_layers, False, True, ""))
+    plan = dag.pipeline([(0, split), (split, n_layers)], ["0", "1"], 64)
+    runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, split, True, False), plan)
+    runtimes[1].install(1, 1, 2, StageSpec(str(path), split, n_layers, False, True), plan)
     return runtimes
 
 
@@ -93,7 +95,7 @@ def _run_pipeline(path: Path, ranks: int, abort_at: int = 0) -> list[StageRuntim
 
     def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float,
              delivered: Callable[[Exception | None], None]) -> None:
-        if boundary.hidden is None and boundary.iteration in aborts:
+        if dag.ACTIVATION not in boundary.values and boundary.iteration in aborts:
             aborts.clear()
             for r in runtimes:
                 r.abort_step(incarnation, boundary.step_id, [])
@@ -103,10 +105,11 @@ def _run_pipeline(path: Path, ranks: int, abort_at: int = 0) -> list[StageRuntim
 
     runtimes = [StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(ranks)]
     if ranks == 1:
-        runtimes[0].install(1, 0, 1, StageSpec(str(path), 0, 2, True, True, ""))
+        runtimes[0].install(1, 0, 1, StageSpec(str(path), 0, 2, True, True))
     else:
-        runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, 1, True, False, "1"))
-        runtimes[1].install(1, 1, 2, StageSpec(str(path), 1, 2, False, True, "", first_address="0"))
+        plan = dag.pipeline([(0, 1), (1, 2)], ["0", "1"], 64)
+        runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, 1, True, False), plan)
+        runtimes[1].install(1, 1, 2, StageSpec(str(path), 1, 2, False, True), plan)
     return runtimes
 
 
@@ -276,7 +279,10 @@ def test_abort_step_wakes_a_rank_waiting_for_its_boundary(tiny_llama: Path) -> N
     assert (errors[0].error_class, errors[0].reason) == ("ARCH", "EPOCH_ABORTED")
     assert runtimes[1].authority.state is AuthorityState.ACTIVE
     assert _txn(runtimes[1], "s") == (SessionPhase.IDLE, 1, 0)
-    runtimes[1].accept_boundary(1, Boundary(step_id, hidden=np.zeros((2, 64), np.float32)))
+    route = runtimes[1].plan.routes[0] if runtimes[1].plan else None
+    assert route is not None
+    runtimes[1].accept_boundary(1, Boundary(step_id, 0, route.id, {dag.ACTIVATION: np.zeros((2, 64), np.float32)},
+                                            route.schema.identity))
     assert runtimes[1]._mailbox == {}
 
 
@@ -286,7 +292,7 @@ def test_a_commit_folded_into_abort_step_records_its_tokens_and_writes_them_behi
     # KV store's blocks) and its whole blocks written behind, or the session's blocks never reach the store.
     written: list[KvBlocks] = []
     runtime = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, block_writer=written.append)
-    runtime.install(1, 0, 1, StageSpec(str(tiny_llama), 0, 2, True, True, "", kvstore_address="kvstore:0"))
+    runtime.install(1, 0, 1, StageSpec(str(tiny_llama), 0, 2, True, True, kvstore_address="kvstore:0"))
     prompt = list(range(100, 120))  # one whole block of 16, and 4 rows of the next
     token, _ = runtime.execute_step(1, next(_step_ids), [StepRow("a", 1, 0, 0, prompt), StepRow("b", 1, 0, 0, [5])],
                                     False, 5.0).tokens
@@ -340,7 +346,7 @@ def test_replan_takes_standby_weights_and_compiles_the_recent_shapes(tiny_llama:
             pending = tokens[-1:]
         return tokens
 
-    whole = StageSpec(str(tiny_llama), 0, 2, True, True, "")
+    whole = StageSpec(str(tiny_llama), 0, 2, True, True)
     fresh = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, standby_weights=False)
     fresh.install(1, 0, 1, whole)
     expected = run_alone(fresh, 1)
@@ -350,7 +356,8 @@ def test_replan_takes_standby_weights_and_compiles_the_recent_shapes(tiny_llama:
         delivered(None)
 
     runtime = StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES, standby_weights=True)
-    runtime.install(1, 0, 2, StageSpec(str(tiny_llama), 0, 1, True, False, "1"))
+    runtime.install(1, 0, 2, StageSpec(str(tiny_llama), 0, 1, True, False),
+                    dag.pipeline([(0, 1), (1, 2)], ["0", "1"], 64))
     runtime.execute_step(1, next(_step_ids), [StepRow("a", 1, 0, 0, [5, 17, 99])], False, 5.0)
     runtime.execute_step(1, next(_step_ids), [StepRow("a", 2, 1, 3, [1])], False, 5.0)
     ran = list(runtime._executables)
@@ -379,10 +386,10 @@ def test_standby_weights_of_one_model_never_serve_another(tiny_llama: Path, tmp_
         return runtime.execute_step(incarnation, next(_step_ids), [StepRow("s", 1, 0, 0, prompt)], False, 5.0).tokens[0]
 
     fresh = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, standby_weights=False)
-    fresh.install(1, 0, 1, StageSpec(str(other), 0, 2, True, True, ""))
+    fresh.install(1, 0, 1, StageSpec(str(other), 0, 2, True, True))
     expected = first_token(fresh, 1)
     runtime = StageRuntime("numpy", kv_cache_bytes=KV_CACHE_BYTES, standby_weights=True)
-    runtime.install(1, 0, 1, StageSpec(str(tiny_llama), 0, 1, True, False, "1"))
+    runtime.install(1, 0, 1, StageSpec(str(tiny_llama), 0, 1, True, False))
     assert runtime.standby_ready.wait(30)
-    runtime.install(2, 0, 1, StageSpec(str(other), 0, 2, True, True, ""))
+    runtime.install(2, 0, 1, StageSpec(str(other), 0, 2, True, True))
     assert first_token(runtime, 2) == expected

@@ -97,15 +97,19 @@ class CoordinatorClient:
     def generate(self, prompt: str = "", *, max_tokens: int = 64, raw: bool = False, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop: Sequence[str] = (),
                  prompt_token_ids: Sequence[int] = (), messages: Sequence[dict[str, str]] = (),
-                 ignore_eos: bool = False, model: str = "", parse_special_tokens: bool = False) -> Iterator[Chunk]:
+                 ignore_eos: bool = False, model: str = "", parse_special_tokens: bool = False,
+                 encoder_input: np.ndarray | None = None) -> Iterator[Chunk]:
         """Streams the completion; raises graphmesh.errors types on a bad request. parse_special_tokens: special
-        tokens spelled in the prompt or messages ("<|im_start|>") are control tokens, not text."""
+        tokens spelled in the prompt or messages ("<|im_start|>") are control tokens, not text. encoder_input: f32
+        [n, input_dim], the features of the prompt's n encoder placeholder tokens (a model with an encoder)."""
         request = coordinator_pb2.GenerateRequest(
             model=model, prompt=prompt, raw=raw, max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos,
             parse_special_tokens=parse_special_tokens,
             prompt_token_ids=list(prompt_token_ids),
             messages=[coordinator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
             sampling=stage_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        if encoder_input is not None:
+            request.encoder_input.CopyFrom(tensors.to_proto(np.asarray(encoder_input)))
         delivered: list[int] = []  # every token yielded so far: what a resumed request carries
         attempts, broke_at, finished = 0, 0.0, False
         while True:

@@ -21,10 +21,11 @@ from prometheus_client import Counter, Histogram
 
 from graphmesh import telemetry
 from graphmesh.errors import Cancelled, InvalidArgument
+from graphmesh.models.config import EncoderConfig
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import Mesh
-from graphmesh_coordinator.scheduler import Output, Scheduler, SessionInfo
+from graphmesh_coordinator.scheduler import Encoded, Output, Scheduler, SessionInfo
 from graphmesh_coordinator.scheduler import Sequence as SchedulerSequence
 from graphmesh_coordinator.validation import check_finite_sampling
 
@@ -52,6 +53,9 @@ class GenerationRequest:
     # Tokens a broken stream of this same request already delivered: they continue the history at their own
     # positions (so seeded sampling gives the rest exactly) and count against max_tokens; only new ones stream.
     resume_ids: tuple[int, ...] = ()
+    # f32 [n, input_dim]: the features of the prompt's n encoder placeholder tokens, in order (a model with an
+    # encoder): the plan's encoder group runs on them in the prompt's steps
+    encoder_input: np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,8 @@ class Detokenizer:
         return new
 
 
-def validate(request: GenerationRequest, context_tokens: int, vocab_size: int) -> None:
+def validate(request: GenerationRequest, context_tokens: int, vocab_size: int,
+             encoder: EncoderConfig | None = None) -> None:
     """Everything that would make a request's rows fail, refused before it joins a step with other sessions."""
     if not request.prompt_ids:
         raise InvalidArgument("the prompt is empty", "EMPTY_PROMPT")
@@ -122,6 +127,27 @@ def validate(request: GenerationRequest, context_tokens: int, vocab_size: int) -
     if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}",
                               "BAD_LOGPROBS", {"parameter": "top_logprobs"})
+    _validate_encoder_input(request, encoder)
+
+
+def _validate_encoder_input(request: GenerationRequest, encoder: EncoderConfig | None) -> None:
+    features = request.encoder_input
+    if features is None:
+        return
+    if encoder is None:
+        raise InvalidArgument("encoder_input was given; the model has no encoder", "NO_ENCODER",
+                              {"parameter": "encoder_input"})
+    placeholders = sum(1 for t in request.prompt_ids if t == encoder.token_id)
+    if features.dtype != np.float32 or features.ndim != 2 or features.shape[1] != encoder.input_dim:
+        raise InvalidArgument(f"encoder_input is {features.dtype}{list(features.shape)}; the encoder takes "
+                              f"f32[n, {encoder.input_dim}]", "BAD_ENCODER_INPUT", {"parameter": "encoder_input"})
+    if features.shape[0] != placeholders or not placeholders:
+        raise InvalidArgument(f"encoder_input has {features.shape[0]} rows; the prompt holds {placeholders} "
+                              f"placeholder tokens ({encoder.token_id}): one row each", "BAD_ENCODER_INPUT",
+                              {"parameter": "encoder_input"})
+    if not np.isfinite(features).all():
+        raise InvalidArgument("encoder_input holds NaN or infinite values", "BAD_ENCODER_INPUT",
+                              {"parameter": "encoder_input"})
 
 
 def _logprob(token: int, row: stage_pb2.StepRowResult) -> TokenLogprob:
@@ -155,7 +181,7 @@ class Generator:
         """The session's events. `alive` (the call's is_active): a client that leaves while no token comes (a long
         prefill, a wait for admission) ends its session within CLIENT_POLL_S, its chunks unscheduled on every
         stage, instead of when the next token would have come."""
-        validate(request, self.context_tokens, self.mesh.config.vocab_size)
+        validate(request, self.context_tokens, self.mesh.config.vocab_size, self.mesh.config.encoder)
         session = SessionInfo(session_id or uuid.uuid4().hex)
         resumed = list(request.resume_ids)
         total = min(request.max_tokens, self.context_tokens - len(request.prompt_ids))
@@ -168,6 +194,10 @@ class Generator:
         seq = SchedulerSequence(session, list(request.prompt_ids) + resumed, sampling, stage_pb2.OUTPUT_KIND_TOKEN,
                                 budget, frozenset() if request.ignore_eos else self.eos,
                                 len(request.prompt_ids) + total)
+        if request.encoder_input is not None:
+            assert self.mesh.config.encoder is not None  # validate() refused it otherwise
+            token = self.mesh.config.encoder.token_id
+            seq.encoded = Encoded([i for i, t in enumerate(request.prompt_ids) if t == token], request.encoder_input)
         detok = Detokenizer(self.tokenizer)
         for token in resumed:  # the text already delivered: stop strings and UTF-8 boundaries span the break
             detok.push(token)

@@ -28,12 +28,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from graphmesh import kvkeys, security, telemetry
+from graphmesh import plan as dag
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
 from graphmesh.kvstore_client import CircuitBreaker, KvStoreClient
 from graphmesh.models.config import ModelConfig
 from graphmesh.protocol import ACTIONS, Action, ErrorClass, classify
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
-from graphmesh_coordinator.planner import StagePlan, plan
+from graphmesh_coordinator.planner import StagePlan, partition, plan
 from graphmesh_coordinator.state import Decision, DurableState
 
 log = logging.getLogger("graphmesh.coordinator")
@@ -96,6 +97,7 @@ class Mesh:
         # One channel per executor ever a member, kept when it leaves (a StatefulSet brings it back at the same address)
         self.channels = {a: telemetry.traced(security.channel(a, tls, _CHANNEL_OPTIONS)) for a in self.addresses}
         self.ranks: list[Rank] = []
+        self.plan: dag.Plan | None = None  # the roster's DAG (groups, routes, schemas), as every rank has it
         self.incarnation = 0
         self.recoveries = 0
         self.kv_pool_blocks = 0  # the smallest pool of the roster: what the scheduler may lend to sessions
@@ -156,6 +158,7 @@ class Mesh:
             span.set_attribute("incarnation", incarnation)
             with telemetry.span("mesh.plan", incarnation=incarnation):
                 stages = plan(self.config, addresses, split)
+                dag_plan = partition(self.config, stages)
             ranks = [Rank(p, stage_pb2_grpc.StageServiceStub(self.channels[p.address])) for p in stages]
             t0 = time.perf_counter()
             log.info("installing", extra={"incarnation": incarnation, "ranks": len(ranks),
@@ -163,36 +166,37 @@ class Mesh:
             serving = {r.plan.address for r in self.ranks}
             newcomers = [r for r in ranks if r.plan.address not in serving] if replacing else []
             if newcomers:  # outside the lock: the serving roster's steps go on meanwhile
-                self._send_installs(newcomers, incarnation, stages)
+                self._send_installs(newcomers, incarnation, stages, dag_plan)
                 log.info("newcomers installed; switching the roster over", extra={
                     "incarnation": incarnation, "newcomers": [r.plan.address for r in newcomers],
                     "ms": round((time.perf_counter() - t0) * 1e3, 1)})
             with self._lock:
                 if replacing:
                     self.fence(replacing, "re-plan: the members changed")
-                self._send_installs([r for r in ranks if r not in newcomers], incarnation, stages)
+                self._send_installs([r for r in ranks if r not in newcomers], incarnation, stages, dag_plan)
                 self.state.retire()  # before any step of the new roster records: no decision of the old one is needed
-                self.ranks, self.incarnation = ranks, incarnation
+                self.ranks, self.plan, self.incarnation = ranks, dag_plan, incarnation
                 self.kv_pool_blocks = min(r.kv_pool_blocks for r in ranks)
                 self.register_with_kvstore()
                 self._ready.set()
                 log.info("installed", extra={"incarnation": incarnation,
                                              "ms": round((time.perf_counter() - t0) * 1e3, 1)})
 
-    def _send_installs(self, ranks: Sequence[Rank], incarnation: int, stages: Sequence[StagePlan]) -> None:
-        """Installs `ranks` of the plan `stages` under `incarnation`, all at once; raises Unavailable naming the
-        first that failed."""
+    def _send_installs(self, ranks: Sequence[Rank], incarnation: int, stages: Sequence[StagePlan],
+                       dag_plan: dag.Plan) -> None:
+        """Installs `ranks` of the plan `stages` (its DAG `dag_plan`) under `incarnation`, all at once; raises
+        Unavailable naming the first that failed."""
         calls = []
+        wire_plan = dag.to_proto(dag_plan)
         for rank in ranks:
             p = rank.plan
             spec = stage_pb2.StageSpec(model=self.model, layer_start=p.layer_start, layer_end=p.layer_end,
                                        first=p.rank == 0, last=p.rank == len(stages) - 1,
-                                       next_address=stages[p.rank + 1].address if p.rank + 1 < len(stages) else "",
                                        weights=self.weights, max_context_tokens=self.max_context_tokens,
                                        kvstore_address=self.kvstore_address,
-                                       kv_block_tokens=self.kv_block_tokens, dtype=self.dtype,
-                                       first_address=stages[0].address if len(stages) > 1 else "")
-            request = stage_pb2.InstallRequest(incarnation=incarnation, rank=p.rank, world_size=len(stages), stage=spec)
+                                       kv_block_tokens=self.kv_block_tokens, dtype=self.dtype)
+            request = stage_pb2.InstallRequest(incarnation=incarnation, rank=p.rank, world_size=len(stages), stage=spec,
+                                               plan=wire_plan)
             calls.append(rank.stub.Install.future(request, timeout=self.install_timeout_s))
         for rank, call in zip(ranks, calls):
             try:
@@ -217,9 +221,12 @@ class Mesh:
                 f"step scheduled for incarnation {incarnation}, the mesh runs {self.incarnation}", "STALE_INCARNATION"))
         step_id = next(self._step_ids)
         tokens = sum(len(r.token_ids) for r in rows)
+        # request_group_active, decided here once for every rank: the encoder runs when a row brings its input
+        encoder = self.plan.encoder() if self.plan is not None else None
+        active = [encoder.id] if encoder is not None and any(r.encoded_offsets for r in rows) else []
         request = stage_pb2.ExecuteStepRequest(
             incarnation=incarnation, step_id=step_id, rows=rows, output=output,
-            boundary_timeout_ms=int(self.rpc_timeout_s * 1000), decode_steps=decode_steps)
+            boundary_timeout_ms=int(self.rpc_timeout_s * 1000), decode_steps=decode_steps, active_groups=active)
         with telemetry.span("mesh.step", step=step_id, incarnation=incarnation, rows=len(rows), tokens=tokens,
                             decode_steps=decode_steps):
             return self._execute(ranks, incarnation, request)

@@ -3,6 +3,11 @@
 Decode is memory-bound, so a stage's cost is the weight bytes it reads per token: every layer's
 weights, plus the LM head on the last stage. The embedding costs one row per token and is left out:
 balancing on plain parameter bytes would give the first stage far too few layers.
+
+The stages become the decoder groups of the plan's DAG (graphmesh.plan); a model with an encoder gets it as an
+optional root group on the last rank, feeding the first stage: a prefill keeps the first rank the busiest one (it
+embeds and runs the most layers), while the last waits for its activations, so an encoder wave there costs the
+pipeline least.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from graphmesh import plan as dag
 from graphmesh.errors import InvalidArgument
 from graphmesh.models.config import ModelConfig
 
@@ -55,6 +61,12 @@ def plan(config: ModelConfig, addresses: Sequence[str], split: Sequence[int] | N
         stages.append(StagePlan(rank, address, start, start + count))
         start += count
     return stages
+
+
+def partition(config: ModelConfig, stages: Sequence[StagePlan]) -> dag.Plan:
+    """The DAG plan of `stages`: their decoder groups, and the model's encoder (if any) on the last rank."""
+    return dag.pipeline([(s.layer_start, s.layer_end) for s in stages], [s.address for s in stages],
+                        config.hidden_size, encoder_rank=len(stages) - 1 if config.encoder is not None else None)
 
 
 def _balance(config: ModelConfig, n: int, capacities: Sequence[float]) -> list[int]:

@@ -68,6 +68,22 @@ class Output:
     row: stage_pb2.StepRowResult | None = None  # the last stage's result (logprobs, when the sampling asked)
 
 
+@dataclass(frozen=True, eq=False)
+class Encoded:
+    """A session's encoder input: the positions of its prompt's placeholder tokens and their features f32
+    [len(positions), input_dim]. Every row over those positions (the prompt's, or a restore's recompute) carries
+    its slice, so the encoder runs again wherever the rows are computed again. Its KV rows depend on the features,
+    not only on the tokens, so it neither shares nor seeds a prefix by tokens."""
+
+    positions: list[int]
+    features: np.ndarray
+
+    def slice(self, start: int, end: int) -> tuple[list[int], np.ndarray]:
+        """The offsets (from `start`) and features of the placeholders among positions [start, end)."""
+        picked = [i for i, p in enumerate(self.positions) if start <= p < end]
+        return [self.positions[i] - start for i in picked], self.features[picked]
+
+
 @dataclass(eq=False)
 class Sequence:
     """One session as the scheduler sees it; its outputs (or the error that ended it) go to `events`."""
@@ -89,6 +105,7 @@ class Sequence:
     computed: int = 0
     context: telemetry.Context | None = None  # the trace context of the request (its steps join its trace)
     links: list[bytes] = field(default_factory=list)  # chain links of its whole blocks committed on every rank
+    encoded: Encoded | None = None  # its encoder input, when its prompt has placeholders
 
 
 @dataclass
@@ -215,7 +232,8 @@ class Scheduler:
         ready = [s for s in ready if (s.output, s.sampling.logprobs) == kind]
         live = sum(1 for s in self._seqs if not s.done)
         cap = min(self.max_step_seqs, max(1, math.ceil(live / in_flight)))
-        decoding = [s for s in ready if len(s.pending) == 1 and s.session.incarnation == mesh.incarnation]
+        decoding = [s for s in ready if len(s.pending) == 1 and s.session.incarnation == mesh.incarnation
+                    and not (s.encoded is not None and s.encoded.positions[-1] >= s.session.tokens)]
         others = [s for s in ready if s not in decoding]
         # A step of decodes alone, with no prompt waiting to join, is a decode run: its rows take several tokens
         # in a row without a round trip here between them (none longer than any row may still grow).
@@ -257,7 +275,7 @@ class Scheduler:
         start = 0 if restore else session.tokens
         n = len(tokens) if len(tokens) == 1 else min(len(tokens), budget)
         donor, shareable = self._shareable(s, tokens) if restore else (None, 0)
-        if restore and mesh.kvstore is not None:
+        if restore and mesh.kvstore is not None and s.encoded is None:
             need = blocks_for(len(tokens), block)  # whatever the store seeds, it and the chunk after it fit in this
         elif donor is not None:
             need = blocks_for(shareable + min(len(tokens) - shareable, budget), block)  # the shared blocks count too
@@ -270,7 +288,7 @@ class Scheduler:
             # and compute the rest (chunked).
             with telemetry.span("scheduler.admit", parent=s.context, session=session.session_id):
                 seeded = self._share(s, donor, tokens[:shareable]) if donor is not None else 0
-                if not seeded and mesh.kvstore is not None:
+                if not seeded and mesh.kvstore is not None and s.encoded is None:
                     seeded = mesh.seed_prefix(session.session_id, tokens)
             self._start(s, tokens, seeded)
             start = seeded
@@ -281,6 +299,11 @@ class Scheduler:
         row = stage_pb2.StepRow(session_id=session.session_id, epoch=session.epoch,
                                 commit_epoch=session.delivered_epoch, start_position=start,
                                 token_ids=s.pending[:n], sampling=s.sampling)
+        if s.encoded is not None:
+            offsets, features = s.encoded.slice(start, start + n)
+            if offsets:
+                row.encoded_offsets.extend(offsets)
+                row.encoder_input.CopyFrom(tensors.to_proto(features))
         return _Row(s, row, n == len(s.pending))
 
     def _start(self, s: Sequence, tokens: list[int], seeded: int) -> None:
@@ -300,7 +323,7 @@ class Scheduler:
         starting: list[tuple[Sequence, list[int]]] = []
         used = self.used_blocks
         for s in ready:
-            if s.session.incarnation == mesh.incarnation:
+            if s.session.incarnation == mesh.incarnation or s.encoded is not None:
                 continue
             tokens = s.session.history + s.pending
             need = blocks_for(len(tokens), block)
@@ -341,7 +364,7 @@ class Scheduler:
         """The live session holding the longest run of whole blocks that `tokens` starts with on every rank, and
         that run's length in tokens (one token is always left to compute)."""
         block, donor, n, link = self.mesh.kv_block_tokens, None, 0, b""
-        while n + block < len(tokens):
+        while n + block < len(tokens) and s.encoded is None:
             link = kvkeys.link(link, tokens[n:n + block])
             holder = self._holder(link)
             if holder is None or holder is s:
@@ -365,7 +388,7 @@ class Scheduler:
     def _register(self, s: Sequence) -> None:
         """Indexes the whole blocks of `s` that every rank has committed (its history before the row now done)."""
         block, history = self.mesh.kv_block_tokens, s.session.history
-        while (len(s.links) + 1) * block <= len(history):
+        while (len(s.links) + 1) * block <= len(history) and s.encoded is None:
             i = len(s.links)
             s.links.append(kvkeys.link(s.links[-1] if s.links else b"", history[i * block:(i + 1) * block]))
             if self._holder(s.links[-1]) is None:

@@ -82,7 +82,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                           parse_special=request.parse_special_tokens)
             s = request.sampling
             gen = GenerationRequest(prompt_ids, request.max_tokens, s.temperature, s.top_k, s.top_p or 1.0, s.seed,
-                                    tuple(request.stop), request.ignore_eos, resume_ids=tuple(request.resume_token_ids))
+                                    tuple(request.stop), request.ignore_eos, resume_ids=tuple(request.resume_token_ids),
+                                    encoder_input=tensors.from_proto(request.encoder_input)
+                                    if request.HasField("encoder_input") else None)
             first = True
             for event in self.generator.generate(gen, alive=context.is_active):
                 yield self._response(event, prompt_ids if first else None)

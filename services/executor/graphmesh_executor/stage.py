@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from graphmesh import models, telemetry
+from graphmesh import dtypes, models, telemetry
+from graphmesh import plan as dag
 from graphmesh.bundled import BUNDLED, resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import (
@@ -44,6 +45,7 @@ from graphmesh.models.config import ModelConfig
 from graphmesh.protocol import ACTIONS, METADATA_KEY, Action, ErrorClass, ProtocolError
 from graphmesh.serving import available_memory_bytes
 from graphmesh_executor.backends import compile_graph
+from graphmesh_executor.encoder_group import EncoderGroup
 from graphmesh_executor.engine import Engine
 from graphmesh_executor.executable import Executable, RngOptions
 from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionPhase, SessionTxn
@@ -81,13 +83,11 @@ class StageSpec:
     layer_end: int
     first: bool
     last: bool
-    next_address: str
     weights: str = "f32"
     max_context_tokens: int = 0
     kvstore_address: str = ""
     kv_block_tokens: int = 16
     dtype: str = ""  # "" resolves to bf16 on CUDA, f32 on CPU
-    first_address: str = ""  # the first stage's executor: where the last one feeds a decode run's tokens back
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,10 @@ class StepRow:
     start: int
     token_ids: list[int]
     sampling: Sampling = Sampling()
+    # The encoder group's input: features f32 [n, input_dim] of the n placeholder tokens at these offsets into
+    # token_ids (stage.proto StepRow)
+    encoder_input: np.ndarray | None = None
+    encoded_offsets: tuple[int, ...] = ()
 
 
 @dataclass
@@ -132,16 +136,20 @@ class StepResult:
     kv_lengths: list[int] = field(default_factory=list)
     compute_us: float = 0.0
     computed_tokens: int = 0
+    waves: list[tuple[int, int, bool]] = field(default_factory=list)  # (wave, group, worked) this rank took part in
 
 
 @dataclass(frozen=True)
 class Boundary:
-    """What a stage hands on for a step, or for one iteration of a decode run (stage.proto PushBoundaryRequest)."""
+    """A bundle one group hands another over a plan route, for a step or one iteration of a decode run
+    (stage.proto PushBoundaryRequest)."""
 
     step_id: int
     iteration: int = 0  # the decode run's iteration this is the input of
-    hidden: np.ndarray | None = None  # f32 [tokens, hidden]; None in the tokens the last stage feeds back to the first
-    tokens: np.ndarray | None = None  # int64 [rows]: the iteration's input tokens (decode runs, iteration > 0)
+    route_id: int = 0
+    values: dict[str, np.ndarray] = field(default_factory=dict)  # by role (graphmesh.plan), in the schema's order
+    schema_identity: str = ""  # the sender's identity of the route's schema
+    wave: int = 0  # the wave that produced it
 
 
 # (address, incarnation, boundary, timeout_s, delivered): may return before delivery; calls delivered(None) once the
@@ -162,6 +170,7 @@ class _InFlight:
     want_logits: bool
     steps: int  # iterations: a decode run's length, else 1
     timeout_s: float  # how long it may wait for an input
+    waves: list[dag.Wave]  # the step's waves, every rank's (the plan's schedule of its active groups)
     result: StepResult = field(default_factory=StepResult)
     sampled: list[list[int]] = field(default_factory=list)  # per row, the tokens a decode run sampled (last stage)
     iteration: int = 0  # the iteration running or next to run
@@ -200,6 +209,8 @@ class StageRuntime:
         self.rank = 0
         self.world_size = 0
         self.spec: StageSpec | None = None
+        self.plan: dag.Plan | None = None
+        self.group: dag.Group | None = None  # this rank's decoder group of the plan
         self.config: ModelConfig | None = None
         self.model_identity = ""
         self.param_bytes = 0
@@ -218,21 +229,35 @@ class StageRuntime:
         self._faults: dict[str, int] = {}
         self._lock = threading.Condition()
         self._sessions: dict[str, StageSession] = {}
-        self._mailbox: dict[tuple[int, int], Boundary] = {}  # (step id, iteration) -> the boundary pushed for it
+        self._mailbox: dict[tuple[int, int, int], Boundary] = {}  # (step id, iteration, route id) -> its bundle
         self._in_flight: dict[int, _InFlight] = {}  # step id -> the step, while its handler waits for it
         self._aborted: set[int] = set()
         self.engine = Engine(f"engine-{backend}")
         # Everything below is touched on the engine thread only.
-        self._executables: dict[tuple[int, int, int, bool, bool], Executable[Any]] = {}
+        self._executables: dict[tuple[int, int, int, bool, bool, bool], Executable[Any]] = {}
         self._holder: Executable[Any] | None = None
+        self._encoder: EncoderGroup | None = None  # the plan's encoder group, when this rank owns it
         self._pools: dict[str, Any] = {}
         self.pool = KvPool(2, 16)
         self._loaded_key: StageSpec | None = None
         self._packed_schemes: dict[str, str] = {}
 
     # -- install ---------------------------------------------------------------------------------------
-    def install(self, incarnation: int, rank: int, world_size: int, spec: StageSpec) -> float:
-        """Loads weights and compiles (reusing both when the stage is unchanged), then activates `incarnation`."""
+    def install(self, incarnation: int, rank: int, world_size: int, spec: StageSpec,
+                plan: dag.Plan | None = None) -> float:
+        """Loads weights and compiles (reusing both when the stage is unchanged), then activates `incarnation`.
+        `plan` is the incarnation's DAG, in which `spec` is rank `rank`'s decoder group; a single rank may go
+        without one (its plan is then that group alone)."""
+        if plan is None:
+            if world_size != 1:
+                raise InvalidArgument(f"rank {rank} of {world_size} needs the partition plan", "NO_PLAN")
+            plan = dag.pipeline([(spec.layer_start, spec.layer_end)], [""], 0)
+        group = plan.decoder(rank)
+        if len(plan.addresses) != world_size or (group.layer_start, group.layer_end) != (spec.layer_start,
+                                                                                          spec.layer_end):
+            raise InvalidArgument(f"the plan gives rank {rank} of {len(plan.addresses)} layers [{group.layer_start}, "
+                                  f"{group.layer_end}); the stage is rank {rank} of {world_size} with layers "
+                                  f"[{spec.layer_start}, {spec.layer_end})", "BAD_PLAN")
         with self._lock:
             self.authority.check_install(incarnation)  # refuses before any work: stale or out of range
         t0 = time.perf_counter()
@@ -240,9 +265,12 @@ class StageRuntime:
             with telemetry.span("stage.load_weights", model=spec.model, layer_start=spec.layer_start,
                                 layer_end=spec.layer_end, weights=spec.weights):
                 self.engine.run("stage.load", lambda: self._load(spec))
+        encoder = plan.encoder()
+        self.engine.run("stage.load_encoder", lambda: self._load_encoder(spec, encoder is not None and
+                                                                        encoder.rank == rank))
         with self._lock:
             self.authority.install(incarnation)
-            self.rank, self.world_size, self.spec = rank, world_size, spec
+            self.rank, self.world_size, self.spec, self.plan, self.group = rank, world_size, spec, plan, group
             # Sessions of an older incarnation are not trusted: the coordinator restores them.
             self._sessions.clear()
             self._mailbox.clear()
@@ -303,6 +331,19 @@ class StageRuntime:
             threading.Thread(target=self._read_standby, args=(path, config, set(holder.graph.params)), daemon=True,
                              name="standby-weights").start()
 
+    def _load_encoder(self, spec: StageSpec, owned: bool) -> None:
+        """Holds the model's encoder when this rank owns the plan's encoder group (engine thread)."""
+        if not owned:
+            self._encoder = None
+            return
+        assert self.config is not None
+        if self.config.encoder is None:
+            raise InvalidArgument(f"the plan gives this rank an encoder group; {spec.model} has no encoder",
+                                  "BAD_PLAN")
+        path = self._model_path(spec.model)
+        if self._encoder is None or self._encoder.weights != path or self._encoder.dtype != self.dtype:
+            self._encoder = EncoderGroup(self.config.encoder, path, self.backend, self.device, self.dtype)
+
     def preload(self, model: str) -> None:
         """Reads the whole of `model`'s weights now, as standby weights (f32), so the first Install of any layer
         range reads no checkpoint: what an executor that joins a live mesh does before it registers, since the
@@ -358,8 +399,8 @@ class StageRuntime:
         assert self.spec is not None and self.config is not None
         return blocks_for(self.spec.max_context_tokens or self.config.max_position, self.pool.block_tokens)
 
-    def _compile(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool, weights: Path | None = None,
-                 reuse: Executable[Any] | None = None) -> Executable[Any]:
+    def _compile(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool, encoded: bool = False,
+                 weights: Path | None = None, reuse: Executable[Any] | None = None) -> Executable[Any]:
         assert self.config is not None and self.spec is not None
         spec = self.spec
         # "packed": GGUF blocks stay packed, consumed by dequant_matmul (exact); "packed-bf16" also runs those
@@ -370,7 +411,7 @@ class StageRuntime:
                                    first=spec.first, last=spec.last, sample=sample, quantized=packed,
                                    packed_schemes=self._packed_schemes if packed else None,
                                    packed_activations="bf16" if spec.weights == "packed-bf16" else "f32",
-                                   dtype=self.dtype, paged=layout)
+                                   dtype=self.dtype, paged=layout, encoded=encoded)
         exe = compile_graph(parse(proto), self.backend, self.device)
         if weights is not None:
             # A re-plan (recovery, rebalancing) keeps the layers this rank already holds and reads only the new ones.
@@ -387,8 +428,9 @@ class StageRuntime:
             exe.set_handle_feed(name, 1 + j)  # the updated pool replaces the handle: kv_scatter writes in place
         return exe
 
-    def _executable(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool) -> Executable[Any]:
-        key = (tokens, seqs, blocks, decode, sample)
+    def _executable(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool,
+                    encoded: bool = False) -> Executable[Any]:
+        key = (tokens, seqs, blocks, decode, sample, encoded)
         exe = self._executables.pop(key, None)
         if exe is None:
             t0 = time.perf_counter()
@@ -404,18 +446,26 @@ class StageRuntime:
         return self._sessions.setdefault(session_id, StageSession())
 
     def execute_step(self, incarnation: int, step_id: int, rows: list[StepRow], logits: bool,
-                     timeout_s: float, decode_steps: int = 1) -> StepResult:
-        """Begin every row (after its folded commit), run this rank's group for all of them, push or finish. A
-        decode run (`decode_steps` > 1) runs the group that many times, each row's epoch spanning every token."""
+                     timeout_s: float, decode_steps: int = 1, active_groups: frozenset[int] = frozenset()) -> StepResult:
+        """Begin every row (after its folded commit), take this rank's part of each of the step's waves (run its
+        groups for all rows, push their bundles on), finish. `active_groups` are the optional groups the step
+        activates. A decode run (`decode_steps` > 1) runs the decoder groups that many times, each row's epoch
+        spanning every token."""
         decode_steps = max(1, decode_steps)
         with self._lock:
             self.authority.check(incarnation)
-            self._check_rows(rows, logits, decode_steps)
+            plan = self.plan
+            assert plan is not None
+            self._check_rows(rows, logits, decode_steps, active_groups)
+            waves = plan.schedule(active_groups)
             self._begin(incarnation, rows, decode_steps)
         ends = [row.start + len(row.token_ids) + decode_steps - 1 for row in rows]
         try:
-            result = self._run_step(incarnation, step_id, rows, logits, timeout_s, decode_steps)
+            result = self._run_step(incarnation, step_id, rows, logits, timeout_s, decode_steps, waves)
         except ProtocolError as e:
+            if plan.cross_stage_collective_waves and e.error_class is ErrorClass.ARCH:
+                # peers may wait inside a wave's collective this rank never joined: nothing is provable any more
+                e = ProtocolError(ErrorClass.COMM, e.cause)
             with self._lock:
                 self._forget_step(step_id)
                 if ACTIONS[e.error_class] is Action.FENCE:
@@ -424,7 +474,9 @@ class StageRuntime:
                     session = self._sessions.get(row.session_id)
                     if session is not None and session.txn.epoch == row.epoch:
                         session.txn.abort(row.epoch)
-            raise
+            raise e
+        result.waves = [(w.ordinal, w.group.id, w.group.rank == self.rank) for w in waves
+                        if w.group.rank == self.rank or plan.cross_stage_collective_waves]
         with self._lock:
             for row, end in zip(rows, ends):
                 self._sessions[row.session_id].txn.advance(row.epoch, end)
@@ -451,10 +503,11 @@ class StageRuntime:
             if session.txn.phase is SessionPhase.IN_TXN and session.txn.voted:
                 session.txn.mark_indeterminate(session.txn.epoch)
 
-    def _check_rows(self, rows: list[StepRow], logits: bool, decode_steps: int) -> None:
+    def _check_rows(self, rows: list[StepRow], logits: bool, decode_steps: int, active_groups: frozenset[int]) -> None:
         """What makes a step impossible, refused before any row begins (ARCH: nothing changed anywhere)."""
-        assert self.spec is not None and self.config is not None
+        assert self.spec is not None and self.config is not None and self.plan is not None
         limit = self.spec.max_context_tokens or self.config.max_position
+        self._check_activity(rows, decode_steps, active_groups)
         if not rows:
             raise ProtocolError(ErrorClass.ARCH, InvalidArgument("a step needs at least one row", "EMPTY_STEP"))
         if len({row.session_id for row in rows}) != len(rows):
@@ -479,6 +532,42 @@ class StageRuntime:
         if self._take_fault("arch"):
             raise ProtocolError(ErrorClass.ARCH, InvalidArgument("injected deterministic failure", "INJECTED_FAULT"))
 
+    def _check_activity(self, rows: list[StepRow], decode_steps: int, active_groups: frozenset[int]) -> None:
+        """request_group_active, checked: the step activates the plan's encoder exactly when a row brings encoder
+        input, and every such row is well formed (every rank checks the same request, so all agree)."""
+        assert self.plan is not None and self.config is not None and self.spec is not None
+        encoder, enc = self.plan.encoder(), self.config.encoder
+
+        def refuse(why: str, reason: str = "BAD_ENCODER_INPUT") -> ProtocolError:
+            return ProtocolError(ErrorClass.ARCH, InvalidArgument(why, reason))
+        if not active_groups <= self.plan.optional_ids():
+            raise refuse(f"the step activates groups {sorted(active_groups)}; the plan's optional groups are "
+                         f"{sorted(self.plan.optional_ids())}", "BAD_ACTIVE_GROUPS")
+        encoding = any(r.encoded_offsets for r in rows)
+        if encoding != (encoder is not None and encoder.id in active_groups):
+            raise refuse("the step's active groups and its rows disagree on running the encoder", "BAD_ACTIVE_GROUPS")
+        if not encoding:
+            return
+        if enc is None:
+            raise refuse("rows bring encoder input; the model has no encoder")
+        if decode_steps > 1:
+            raise refuse("a decode run takes no encoder input")
+        for r in rows:
+            offsets, features = r.encoded_offsets, r.encoder_input
+            n = len(offsets)
+            if not n:
+                continue
+            if features is None or features.dtype != np.float32 or features.shape != (n, enc.input_dim):
+                shape = None if features is None else f"{features.dtype}{list(features.shape)}"
+                raise refuse(f"row of session {r.session_id!r} places {n} encoded rows; its encoder input is {shape}, "
+                             f"not f32[{n}, {enc.input_dim}]")
+            if list(offsets) != sorted(set(offsets)) or offsets[0] < 0 or offsets[-1] >= len(r.token_ids):
+                raise refuse(f"row of session {r.session_id!r} has encoded offsets {list(offsets)} outside its "
+                             f"{len(r.token_ids)} tokens or out of order")
+            if any(r.token_ids[o] != enc.token_id for o in offsets):
+                raise refuse(f"row of session {r.session_id!r} places encoded rows on tokens other than the "
+                             f"placeholder {enc.token_id}")
+
     def _begin(self, incarnation: int, rows: list[StepRow], decode_steps: int) -> None:
         """Commits each row's folded epoch and begins its epoch with its KV blocks reserved; a row that cannot
         begin rolls back the rows already begun, so the step changes nothing but the folded commits."""
@@ -499,6 +588,9 @@ class StageRuntime:
                 session.txn.begin(row.epoch)
                 begun.append((session, row.epoch))
                 session.pending_tokens = list(row.token_ids)
+                if row.encoded_offsets:
+                    # its KV rows depend on the encoder input as well as the tokens: no token key may name them
+                    session.untokened = True
                 try:
                     self.pool.reserve(row.session_id, row.start + len(row.token_ids) + decode_steps - 1)
                 except ResourceExhausted as e:
@@ -509,14 +601,18 @@ class StageRuntime:
             raise
 
     def _run_step(self, incarnation: int, step_id: int, rows: list[StepRow], want_logits: bool,
-                  timeout_s: float, decode_steps: int) -> StepResult:
-        """This rank's part of a step: one iteration, or `decode_steps` of a decode run. Iteration i > 0 of a run
-        feeds each row the token iteration i - 1 sampled: the last stage pushes those back to the first, and every
-        stage hands them on beside its activation, so each rank knows the tokens its KV rows hold."""
-        step = _InFlight(incarnation, step_id, rows, want_logits, decode_steps, timeout_s,
+                  timeout_s: float, decode_steps: int, waves: list[dag.Wave]) -> StepResult:
+        """This rank's part of a step: its encoder wave when it owns an active one, then its decoder group once, or
+        `decode_steps` times in a decode run. Iteration i > 0 of a run feeds each row the token iteration i - 1
+        sampled: the last stage pushes those back to the first over the feedback route, and every stage hands them
+        on beside its activation, so each rank knows the tokens its KV rows hold."""
+        step = _InFlight(incarnation, step_id, rows, want_logits, decode_steps, timeout_s, waves,
                          sampled=[[] for _ in rows])
         with self._lock:
             self._in_flight[step_id] = step
+            encoder = next((w for w in waves if w.group.kind == dag.ENCODER and w.group.rank == self.rank), None)
+            if encoder is not None:  # posted first: the engine runs it before this rank's decoder wave
+                self.engine.post("stage.encode", lambda: self._encode(step, encoder))
             self._next_input(step)
         try:
             while True:
@@ -533,11 +629,22 @@ class StageRuntime:
             with self._lock:
                 del self._in_flight[step_id]
 
+    def _inputs(self, step: _InFlight) -> list[dag.Route]:
+        """The routes whose bundles the decoder group's next iteration of `step` consumes: in the first, those from
+        the step's active groups it depends on; in a decode run's later ones, the previous decoder group's (its
+        activation and the tokens) or, on the first decoder group, the feedback of the last."""
+        assert self.plan is not None and self.group is not None
+        plan, group = self.plan, self.group
+        if step.iteration == 0:
+            active = {w.group.id for w in step.waves}
+            return [r for r in plan.routes_into(group.id) if r.source_group in active]
+        return [r for r in plan.routes_into(group.id) if plan.groups[r.source_group].kind == dag.DECODER] + \
+            plan.routes_into(group.id, feedback=True)
+
     def _next_input(self, step: _InFlight) -> None:
-        """Posts the step's next iteration when its input is here (or it needs none), else leaves it waiting for
-        its boundary (under the lock)."""
-        assert self.spec is not None
-        spec, i = self.spec, step.iteration
+        """Posts the step's next iteration when its inputs are here (or it needs none), else leaves it waiting for
+        them (under the lock)."""
+        i = step.iteration
         if self.authority.state is not AuthorityState.ACTIVE:
             self._fail(step, self._fenced())
             return
@@ -545,14 +652,13 @@ class StageRuntime:
             self._fail(step, ProtocolError(ErrorClass.ARCH, FailedPrecondition(
                 f"step {step.step_id} was aborted", "EPOCH_ABORTED")))
             return
-        boundary = None
-        if not spec.first or (i and not spec.last):  # a stage that feeds itself needs nothing from anyone
-            boundary = self._mailbox.pop((step.step_id, i), None)
-            if boundary is None:
-                step.waiting_since = time.monotonic()
-                return
+        keys = [(step.step_id, i, r.id) for r in self._inputs(step)]
+        if any(k not in self._mailbox for k in keys):
+            step.waiting_since = time.monotonic()
+            return
+        bundles = {k[2]: self._mailbox.pop(k) for k in keys}
         step.waiting_since = None
-        self.engine.post("stage.iteration", lambda: self._advance(step, boundary))
+        self.engine.post("stage.iteration", lambda: self._advance(step, bundles))
 
     def _fenced(self) -> ProtocolError:
         return ProtocolError(ErrorClass.COMM, FailedPrecondition(
@@ -567,32 +673,61 @@ class StageRuntime:
         if step.computed and not step.pushes and not step.done.done():
             step.done.set_result(step.result)
 
-    def _advance(self, step: _InFlight, boundary: Boundary | None) -> None:
+    def _wave(self, step: _InFlight, group: dag.Group) -> int:
+        return next(w.ordinal for w in step.waves if w.group.id == group.id)
+
+    def _dims(self, step: _InFlight, encoded: int = 0) -> dict[str, int]:
+        """The symbolic dimensions of the step's bundles (graphmesh.plan) in its current iteration."""
+        return {dag.TOKENS: sum(len(r.token_ids) for r in step.rows), dag.ROWS: len(step.rows), dag.ENCODED: encoded}
+
+    def _encode(self, step: _InFlight, wave: dag.Wave) -> None:
+        """The encoder wave (engine thread): every row's encoder input, in row order, through the encoder, pushed to
+        the group that consumes it."""
+        assert self.plan is not None and self._encoder is not None
+        if step.done.done():
+            return
+        try:
+            features = np.concatenate([r.encoder_input for r in step.rows if r.encoder_input is not None])
+            encoder, t0 = self._encoder, time.perf_counter()
+            with telemetry.span("stage.encode", step=step.step_id, rows=features.shape[0]):
+                encoded = self._guarded(lambda: encoder.run(features))
+            step.result.compute_us += (time.perf_counter() - t0) * 1e6
+            for route in self.plan.routes_from(wave.group.id):
+                self._send(step, route, {dag.ENCODED_ROWS: encoded}, self._dims(step, len(features)), wave.ordinal)
+        except Exception as e:
+            with self._lock:
+                self._fail(step, e if isinstance(e, ProtocolError) else ProtocolError(ErrorClass.COMM, e))
+
+    def _advance(self, step: _InFlight, bundles: dict[int, Boundary]) -> None:
         """Runs the step's next iteration (engine thread), then posts or awaits the one after it."""
-        assert self.spec is not None
+        assert self.spec is not None and self.plan is not None and self.group is not None
         spec, i = self.spec, step.iteration
         if step.done.done():
             return  # aborted or fenced while it was queued
         try:
             if i:
-                fed = boundary.tokens if boundary is not None else np.array([t[-1] for t in step.sampled], np.int64)
+                fed = next((b.values.get(dag.RUN_TOKENS) for b in bundles.values()), None) if bundles else \
+                    np.array([t[-1] for t in step.sampled], np.int64)
                 if fed is None or fed.shape != (len(step.rows),):
                     raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
                         f"iteration {i} of decode run {step.step_id} came without its {len(step.rows)} tokens",
                         "SCHEMA_MISMATCH"))
-                step.rows = [replace(r, start=r.start + 1, token_ids=[int(t)]) for r, t in zip(step.rows, fed)]
+                step.rows = [replace(r, start=r.start + 1, token_ids=[int(t)], encoder_input=None, encoded_offsets=())
+                             for r, t in zip(step.rows, fed)]
                 with self._lock:
                     for r in step.rows:
                         session = self._sessions.get(r.session_id)
                         if session is not None:
                             session.pending_tokens += r.token_ids
-            out = self._iteration(step, boundary)
+            out = self._iteration(step, bundles)
             if step.steps > 1 and spec.last:
                 for t, token in zip(step.sampled, out):
                     t.append(int(token))
-                if i + 1 < step.steps and not spec.first:
-                    self._push(step, spec.first_address, Boundary(
-                        step.step_id, i + 1, tokens=np.asarray([t[-1] for t in step.sampled], np.int64)))
+                if i + 1 < step.steps:
+                    tokens = np.asarray([t[-1] for t in step.sampled], np.int64)
+                    for route in self.plan.routes_from(self.group.id, feedback=True):
+                        self._send(step, route, {dag.RUN_TOKENS: tokens}, self._dims(step), self._wave(step, self.group),
+                                   iteration=i + 1)
         except Exception as e:
             with self._lock:
                 self._fail(step, e if isinstance(e, ProtocolError) else ProtocolError(ErrorClass.COMM, e))
@@ -607,38 +742,45 @@ class StageRuntime:
             step.computed = True
             self._finish(step)
 
-    def _iteration(self, step: _InFlight, boundary: Boundary | None) -> np.ndarray:
-        """Runs the group once over the step's rows (engine thread) and pushes its boundary on (with the rows'
+    def _received(self, step: _InFlight, bundles: dict[int, Boundary]) -> dict[str, np.ndarray]:
+        """The values of this iteration's bundles by role, each bundle checked whole against its route's schema
+        resolved for the step (CONTRACT: a bundle its sender should never have sent)."""
+        assert self.plan is not None
+        dims = self._dims(step, sum(len(r.encoded_offsets) for r in step.rows))
+        values: dict[str, np.ndarray] = {}
+        for route_id, b in bundles.items():
+            why = self.plan.routes[route_id].schema.check(b.values, dims, step.iteration)
+            if why:
+                raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
+                    f"route {route_id} bundle for step {step.step_id}: {why}", "SCHEMA_MISMATCH"))
+            values.update(b.values)
+        return values
+
+    def _iteration(self, step: _InFlight, bundles: dict[int, Boundary]) -> np.ndarray:
+        """Runs the decoder group once over the step's rows (engine thread) and pushes its boundary on (with the rows'
         tokens after a decode run's first iteration: the next ranks know those from the request), or, on the last
         stage, fills the step's result; returns the group's output."""
-        assert self.spec is not None and self.config is not None
-        spec, hidden, rows, result = self.spec, None, step.rows, step.result
+        assert self.spec is not None and self.config is not None and self.plan is not None and self.group is not None
+        spec, rows, result = self.spec, step.rows, step.result
         total = sum(len(row.token_ids) for row in rows)
-        if not spec.first:
-            assert boundary is not None
-            hidden = boundary.hidden
-            if hidden is None or hidden.shape != (total, self.config.hidden_size):
-                shape = None if hidden is None else list(hidden.shape)
-                raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
-                    f"boundary of shape {shape}, expected [{total}, {self.config.hidden_size}]", "SCHEMA_MISMATCH"))
+        received = self._received(step, bundles)
+        hidden, encoded = received.get(dag.ACTIVATION), received.get(dag.ENCODED_ROWS)
+        if not spec.first and hidden is None:
+            raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
+                f"step {step.step_id} reached rank {self.rank} without an activation", "SCHEMA_MISMATCH"))
         # Rows that want logprobs get the logits graph; their tokens are sampled from its output on the host.
         host = spec.last and not step.want_logits and any(r.sampling.logprobs for r in rows)
         t0 = time.perf_counter()
-        try:
-            with telemetry.span("stage.compute", step=step.step_id, iteration=step.iteration, rows=len(rows)):
-                out = self._compute(rows, hidden, not step.want_logits and not host)
-        except (InvalidArgument, OutOfRange, NotFound, FailedPrecondition, ResourceExhausted) as e:
-            raise ProtocolError(ErrorClass.ARCH, e) from e
-        except GraphmeshError:
-            raise
-        except Exception as e:
-            raise self._device_failure(e) from e
+        with telemetry.span("stage.compute", step=step.step_id, iteration=step.iteration, rows=len(rows)):
+            out = self._guarded(lambda: self._compute(rows, hidden, not step.want_logits and not host, encoded))
         result.compute_us += (time.perf_counter() - t0) * 1e6
         result.computed_tokens += total
         if not spec.last:
-            bundle = out[:total, :-1] if self._take_fault("corrupt") else out[:total]
-            tokens = np.asarray([r.token_ids[0] for r in rows], np.int64) if step.iteration else None
-            self._push(step, spec.next_address, Boundary(step.step_id, step.iteration, bundle, tokens))
+            values = {dag.ACTIVATION: out[:total]}
+            if step.iteration:
+                values[dag.RUN_TOKENS] = np.asarray([r.token_ids[0] for r in rows], np.int64)
+            for route in self.plan.routes_from(self.group.id):
+                self._send(step, route, values, self._dims(step), self._wave(step, self.group))
         elif step.want_logits:
             result.logits = out[: len(rows)].astype(np.float32)
         elif host:
@@ -650,6 +792,36 @@ class StageRuntime:
         else:
             result.tokens = [int(t) for t in out[: len(rows)]]
         return out
+
+    def _guarded(self, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """Runs a group's compute, its failure classified: a bad shape or input is ARCH, a device error COMM."""
+        try:
+            return compute()
+        except (InvalidArgument, OutOfRange, NotFound, FailedPrecondition, ResourceExhausted) as e:
+            raise ProtocolError(ErrorClass.ARCH, e) from e
+        except GraphmeshError:
+            raise
+        except Exception as e:
+            raise self._device_failure(e) from e
+
+    def _send(self, step: _InFlight, route: dag.Route, values: dict[str, np.ndarray], dims: dict[str, int], wave: int,
+              iteration: int | None = None) -> None:
+        """Validates a bundle against `route`'s schema resolved for the step, then sends it (ARCH when it breaks the
+        schema: nothing has left the rank)."""
+        iteration = step.iteration if iteration is None else iteration
+        why = route.schema.check(values, dims, iteration)
+        if why:
+            raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
+                f"rank {self.rank} produced a bundle for route {route.id} that breaks its schema: {why}",
+                "SCHEMA_MISMATCH"))
+        if dag.ACTIVATION in values and self._take_fault("corrupt"):  # corrupted in transit: the receiver must refuse
+            values = {**values, dag.ACTIVATION: values[dag.ACTIVATION][:, :-1]}
+        boundary = Boundary(step.step_id, iteration, route.id, values, route.schema.identity, wave)
+        if route.destination_rank == self.rank:  # a route within this rank: delivered in place
+            self.accept_boundary(step.incarnation, boundary)
+            return
+        assert self.plan is not None
+        self._push(step, self.plan.addresses[route.destination_rank], boundary)
 
     def _push(self, step: _InFlight, address: str, boundary: Boundary) -> None:
         """Sends `boundary` without waiting for it: a bundle that cannot be delivered fails the step as COMM (it
@@ -680,10 +852,12 @@ class StageRuntime:
         log.error("device failure", extra={"device": self.device, "error": what})
         return ProtocolError(ErrorClass.COMM, Internal(f"device {self.device} failed: {what}", "DEVICE_FAILURE"))
 
-    def _compute(self, rows: list[StepRow], hidden: np.ndarray | None, sample: bool) -> np.ndarray:
+    def _compute(self, rows: list[StepRow], hidden: np.ndarray | None, sample: bool,
+                 encoded: np.ndarray | None = None) -> np.ndarray:
         """One run over every row, on the engine thread. Shapes are bucketed (powers of two) so a handful of
         executables serve every step: padded token rows write the scratch block, padded sequences read it, and the
-        run's active extent skips them where it can."""
+        run's active extent skips them where it can. `encoded`: the encoder's rows for the rows' placeholder
+        tokens, in order (first stage), which replace those tokens' embeddings."""
         assert self.spec is not None and self.config is not None
         if self._take_fault("device"):
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
@@ -714,6 +888,13 @@ class StageRuntime:
             ids = np.zeros(tokens, np.int64)
             ids[:total] = [t for row in rows for t in row.token_ids]
             inputs["input_ids"] = ids
+            if encoded is not None:
+                at_rows = np.cumsum([0, *counts[:-1]])
+                where = np.array([a + o for a, row in zip(at_rows, rows) for o in row.encoded_offsets], np.int64)
+                inputs["encoded"] = np.zeros((tokens, config.hidden_size), np.float32)
+                inputs["encoded"][where] = encoded
+                inputs["encoded_mask"] = np.zeros(tokens, np.float32)
+                inputs["encoded_mask"][where] = 1.0
         else:
             assert hidden is not None
             padded = np.zeros((tokens, config.hidden_size), np.float32)
@@ -729,7 +910,7 @@ class StageRuntime:
                     top_p=np.array([r.sampling.top_p for r in rows] + [1.0] * pad, np.float32),
                     seed=np.array([seed_for(r.sampling.seed, r.start + n) for r, n in zip(rows, counts)] + [0] * pad,
                                   np.int64))
-        exe = self._executable(tokens, seqs, blocks, decode, sample or not spec.last)
+        exe = self._executable(tokens, seqs, blocks, decode, sample or not spec.last, encoded is not None)
         # Only the real rows are computed (the padding is a bucket's, for a handful of executables), except in a CUDA
         # decode: that replays a captured graph of the whole bucket, far cheaper than an eager run of fewer rows.
         extent = (total, tokens) if total < tokens and not (decode and self.device.startswith("cuda")) else None
@@ -746,27 +927,45 @@ class StageRuntime:
             del self._mailbox[key]
 
     def accept_boundary(self, incarnation: int, boundary: Boundary) -> None:
-        """Validates a pushed bundle before accepting it; a bad bundle poisons (it breaks the contract)."""
+        """Validates a pushed bundle against its route before accepting it: the route is the plan's and ends here,
+        the sender's schema identity is this rank's, and every value has a role of the schema with its dtype and
+        fixed sizes (the sizes fixed per step are checked when the step consumes it). A bad bundle poisons: it
+        breaks the contract."""
         with self._lock:
             self.authority.check(incarnation)
-            assert self.config is not None
-            hidden, tokens, cause = boundary.hidden, boundary.tokens, ""
-            if hidden is not None and (hidden.dtype != np.float32 or hidden.ndim != 2 or
-                                       hidden.shape[1] != self.config.hidden_size):
-                cause = f"boundary {hidden.dtype}{list(hidden.shape)} breaks schema f32[*, {self.config.hidden_size}]"
-            elif tokens is not None and (tokens.dtype != np.int64 or tokens.ndim != 1):
-                cause = f"boundary tokens {tokens.dtype}{list(tokens.shape)} break schema i64[rows]"
-            elif hidden is None and tokens is None:
-                cause = "boundary holds neither an activation nor tokens"
+            cause = self._breach(boundary)
             if cause:
                 self._poison(incarnation, f"CONTRACT: {cause}")
                 raise InvalidArgument(cause, "SCHEMA_MISMATCH", {METADATA_KEY: ErrorClass.CONTRACT})
             if boundary.step_id in self._aborted:
                 return  # a late push for a step already rolled back
-            self._mailbox[(boundary.step_id, boundary.iteration)] = boundary
+            self._mailbox[(boundary.step_id, boundary.iteration, boundary.route_id)] = boundary
             step = self._in_flight.get(boundary.step_id)
             if step is not None and step.waiting_since is not None and step.iteration == boundary.iteration:
                 self._next_input(step)
+
+    def _breach(self, boundary: Boundary) -> str:
+        """Why `boundary` cannot be a bundle of its route to this rank, or ""."""
+        assert self.plan is not None
+        routes = self.plan.routes
+        if not 0 <= boundary.route_id < len(routes) or routes[boundary.route_id].destination_rank != self.rank:
+            return f"route {boundary.route_id} does not lead to rank {self.rank}"
+        schema = routes[boundary.route_id].schema
+        if boundary.schema_identity != schema.identity:
+            return (f"route {boundary.route_id} bundle has schema {boundary.schema_identity!r}, this rank's is "
+                    f"{schema.identity!r}")
+        if not boundary.values:
+            return f"route {boundary.route_id} bundle holds no tensors"
+        declared = {r.role: r for r in schema.roles}
+        for role, value in boundary.values.items():
+            spec = declared.get(role)
+            if spec is None:
+                return f"route {boundary.route_id} has no role {role!r}"
+            fixed = all(d == v for d, v in zip(spec.shape, value.shape) if isinstance(d, int))
+            if value.dtype != dtypes.to_numpy(spec.dtype) or value.ndim != len(spec.shape) or not fixed:
+                return (f"boundary {role} {value.dtype}{list(value.shape)} breaks schema "
+                        f"{spec.dtype}[{', '.join(map(str, spec.shape))}]")
+        return ""
 
     def commit(self, incarnation: int, session_id: str, epoch: int) -> int:
         with self._lock:

@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 
 from graphmesh import dtypes, security, telemetry, tensors
+from graphmesh import plan as dag
 from graphmesh.errors import GraphmeshError, InvalidArgument, Unavailable, from_rpc_error, rpc
 from graphmesh.links import LinkOpener
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
@@ -67,12 +68,12 @@ class BoundaryPusher:
     def _send(self, stub: stage_pb2_grpc.StageServiceStub, address: str, incarnation: int, boundary: Boundary,
               timeout_s: float, delivered: Callable[[Exception | None], None], context: telemetry.Context) -> None:
         request = stage_pb2.PushBoundaryRequest(header=stage_pb2.FencingHeader(incarnation=incarnation),
-                                                step_id=boundary.step_id, iteration=boundary.iteration)
+                                                step_id=boundary.step_id, iteration=boundary.iteration,
+                                                route_id=boundary.route_id, schema_identity=boundary.schema_identity,
+                                                wave=boundary.wave)
         try:
-            for role, value in ((stage_pb2.BOUNDARY_ROLE_ACTIVATION, boundary.hidden),
-                                (stage_pb2.BOUNDARY_ROLE_TOKENS, boundary.tokens)):
-                if value is not None:
-                    request.tensors.add(role=role, tensor=tensors.to_proto(value))
+            for role, value in boundary.values.items():
+                request.tensors.add(role=dag.role_proto(role), tensor=tensors.to_proto(value))
             with telemetry.span("stage.push_boundary", parent=context, step=boundary.step_id,
                                 iteration=boundary.iteration):
                 link = self._link(stub, address, timeout_s) if self.links else None
@@ -131,9 +132,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     @rpc
     def Install(self, request: stage_pb2.InstallRequest, context: grpc.ServicerContext) -> stage_pb2.InstallResponse:
         s = request.stage
-        spec = StageSpec(s.model, s.layer_start, s.layer_end, s.first, s.last, s.next_address, s.weights or "f32",
-                           s.max_context_tokens, s.kvstore_address, s.kv_block_tokens or 16, s.dtype, s.first_address)
-        load_ms = self.runtime.install(request.incarnation, request.rank, request.world_size, spec)
+        spec = StageSpec(s.model, s.layer_start, s.layer_end, s.first, s.last, s.weights or "f32",
+                         s.max_context_tokens, s.kvstore_address, s.kv_block_tokens or 16, s.dtype)
+        plan = dag.from_proto(request.plan) if request.HasField("plan") else None
+        load_ms = self.runtime.install(request.incarnation, request.rank, request.world_size, spec, plan)
         return stage_pb2.InstallResponse(backend=self.runtime.backend, device=self.runtime.device,
                                          param_bytes=self.runtime.param_bytes, load_ms=load_ms,
                                          model_identity=self.runtime.model_identity,
@@ -148,8 +150,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                             rank=self.runtime.rank, rows=len(rows), tokens=sum(len(r.token_ids) for r in rows)):
             result = self.runtime.execute_step(request.incarnation, request.step_id, rows,
                                                request.output == stage_pb2.OUTPUT_KIND_LOGITS, timeout_s,
-                                               request.decode_steps)
-        response = stage_pb2.ExecuteStepResponse(compute_us=result.compute_us, computed_tokens=result.computed_tokens)
+                                               request.decode_steps, frozenset(request.active_groups))
+        response = stage_pb2.ExecuteStepResponse(compute_us=result.compute_us, computed_tokens=result.computed_tokens,
+                                                 waves=[stage_pb2.WaveReport(wave=w, group=g, worked=worked)
+                                                        for w, g, worked in result.waves])
         for i, length in enumerate(result.kv_lengths):
             row = response.rows.add(token=result.tokens[i] if result.tokens else 0, kv_length=length,
                                     tokens=result.run_tokens[i] if result.run_tokens else ())
@@ -175,12 +179,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     def accept_push(self, request: stage_pb2.PushBoundaryRequest) -> None:
         """A pushed bundle, from PushBoundary or a boundary link."""
-        by_role = {t.role: t.tensor for t in request.tensors}
-        hidden: np.ndarray | None = np.zeros((0,), np.float64)  # fails the schema check, poisoning like any bad bundle
-        tokens: np.ndarray | None = None
-        if len(by_role) == len(request.tensors) and set(by_role) <= set(_BOUNDARY_ROLES):
-            hidden, tokens = (tensors.from_proto(by_role[role]) if role in by_role else None for role in _BOUNDARY_ROLES)
-        boundary = Boundary(request.step_id, request.iteration, hidden, tokens)
+        values = {dag.role_of(t.role): tensors.from_proto(t.tensor) for t in request.tensors}
+        if len(values) != len(request.tensors):  # a role twice: fails the route's check, as any bad bundle
+            values[""] = np.zeros((0,), np.float64)
+        boundary = Boundary(request.step_id, request.iteration, request.route_id, values, request.schema_identity,
+                            request.wave)
         with telemetry.span("stage.accept_boundary", parent=telemetry.context_of(dict(request.trace_context)),
                             step=request.step_id, iteration=request.iteration):
             self.runtime.accept_boundary(request.header.incarnation, boundary)
@@ -321,7 +324,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if rt.spec is not None:
             s = rt.spec
             response.stage.CopyFrom(stage_pb2.StageSpec(model=s.model, layer_start=s.layer_start, layer_end=s.layer_end,
-                                                        first=s.first, last=s.last, next_address=s.next_address,
+                                                        first=s.first, last=s.last,
                                                         weights=s.weights, max_context_tokens=s.max_context_tokens,
                                                         kvstore_address=s.kvstore_address,
                                                         kv_block_tokens=s.kv_block_tokens, dtype=rt.dtype))
@@ -336,10 +339,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 def step_rows(rows: Iterable[stage_pb2.StepRow]) -> list[StepRow]:
     return [StepRow(r.session_id, r.epoch, r.commit_epoch, r.start_position, list(r.token_ids),
                     Sampling(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.seed,
-                             r.sampling.logprobs, r.sampling.top_logprobs)) for r in rows]
+                             r.sampling.logprobs, r.sampling.top_logprobs),
+                    tensors.from_proto(r.encoder_input) if r.HasField("encoder_input") else None,
+                    tuple(r.encoded_offsets)) for r in rows]
 
-
-_BOUNDARY_ROLES = (stage_pb2.BOUNDARY_ROLE_ACTIVATION, stage_pb2.BOUNDARY_ROLE_TOKENS)  # in Boundary's order
 _FAULTS = {stage_pb2.FAULT_KIND_ARCH_FAILURE: "arch", stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY: "corrupt",
            stage_pb2.FAULT_KIND_DEVICE_FAILURE: "device"}
 

@@ -79,6 +79,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    ENCODER_INPUT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """model names the model; empty uses the coordinator's model."""
     prompt: _builtins.str
@@ -121,6 +122,15 @@ class GenerateRequest(_message.Message):
         the new tokens are streamed; prompt_token_ids echoes the prompt alone.
         """
 
+    @_builtins.property
+    def encoder_input(self) -> _tensor_pb2.Tensor:
+        """encoder_input, for a model with an encoder, is f32 [n, input_dim]: the
+        features of the n placeholder tokens of the prompt (the model's encoder
+        token id), in order; the plan's encoder group maps them to the rows that
+        replace those tokens' embeddings. INVALID_ARGUMENT when the model has no
+        encoder, or the prompt does not hold exactly n placeholders.
+        """
+
     def __init__(
         self,
         *,
@@ -135,10 +145,11 @@ class GenerateRequest(_message.Message):
         ignore_eos: _builtins.bool = ...,
         parse_special_tokens: _builtins.bool = ...,
         resume_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        encoder_input: _tensor_pb2.Tensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

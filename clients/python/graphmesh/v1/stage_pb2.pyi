@@ -72,6 +72,34 @@ the coordinator resolves the epoch from its decision log and retries.
 """
 Global___ErrorClass: _TypeAlias = ErrorClass  # noqa: Y015
 
+class _GroupKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GroupKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GroupKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GROUP_KIND_UNSPECIFIED: _GroupKind.ValueType  # 0
+    GROUP_KIND_DECODER: _GroupKind.ValueType  # 1
+    """GROUP_KIND_DECODER is a contiguous range of decoder layers."""
+    GROUP_KIND_ENCODER: _GroupKind.ValueType  # 2
+    """GROUP_KIND_ENCODER maps a request's encoder input (features f32
+    [rows, input_dim]) to rows of the hidden size that replace the
+    embeddings of the prompt's placeholder tokens.
+    """
+
+class GroupKind(_GroupKind, metaclass=_GroupKindEnumTypeWrapper):
+    """GroupKind is what a group of the plan computes."""
+
+GROUP_KIND_UNSPECIFIED: GroupKind.ValueType  # 0
+GROUP_KIND_DECODER: GroupKind.ValueType  # 1
+"""GROUP_KIND_DECODER is a contiguous range of decoder layers."""
+GROUP_KIND_ENCODER: GroupKind.ValueType  # 2
+"""GROUP_KIND_ENCODER maps a request's encoder input (features f32
+[rows, input_dim]) to rows of the hidden size that replace the
+embeddings of the prompt's placeholder tokens.
+"""
+Global___GroupKind: _TypeAlias = GroupKind  # noqa: Y015
+
 class _OutputKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -108,6 +136,10 @@ class _BoundaryRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Boundary
     a decode run, beside its activation, or alone from the last stage to the
     first (the tokens the previous iteration sampled).
     """
+    BOUNDARY_ROLE_ENCODED: _BoundaryRole.ValueType  # 3
+    """BOUNDARY_ROLE_ENCODED is f32 [encoded rows, hidden]: an encoder group's
+    output.
+    """
 
 class BoundaryRole(_BoundaryRole, metaclass=_BoundaryRoleEnumTypeWrapper):
     """BoundaryRole is what a boundary tensor means."""
@@ -119,6 +151,10 @@ BOUNDARY_ROLE_TOKENS: BoundaryRole.ValueType  # 2
 """BOUNDARY_ROLE_TOKENS is int64 [rows]: the input tokens of an iteration of
 a decode run, beside its activation, or alone from the last stage to the
 first (the tokens the previous iteration sampled).
+"""
+BOUNDARY_ROLE_ENCODED: BoundaryRole.ValueType  # 3
+"""BOUNDARY_ROLE_ENCODED is f32 [encoded rows, hidden]: an encoder group's
+output.
 """
 Global___BoundaryRole: _TypeAlias = BoundaryRole  # noqa: Y015
 
@@ -262,13 +298,11 @@ class StageSpec(_message.Message):
     LAYER_END_FIELD_NUMBER: _builtins.int
     FIRST_FIELD_NUMBER: _builtins.int
     LAST_FIELD_NUMBER: _builtins.int
-    NEXT_ADDRESS_FIELD_NUMBER: _builtins.int
     WEIGHTS_FIELD_NUMBER: _builtins.int
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
     KVSTORE_ADDRESS_FIELD_NUMBER: _builtins.int
     KV_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
-    FIRST_ADDRESS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """model is a bundled model name ("smollm2-135m") or a checkpoint path the
     executor can read (under its --model-root when one is set).
@@ -280,10 +314,6 @@ class StageSpec(_message.Message):
     """first is true on the stage that holds the embedding."""
     last: _builtins.bool
     """last is true on the stage that holds the final norm and LM head."""
-    next_address: _builtins.str
-    """next_address is the executor the boundary is pushed to; empty on the
-    last stage.
-    """
     weights: _builtins.str
     """weights is "f32" (dequantized) or "packed" (quantized GGUF blocks kept
     packed where the backend supports it).
@@ -300,11 +330,6 @@ class StageSpec(_message.Message):
     """dtype is the stage graphs' compute and KV dtype: "f32", "bf16" or "f16";
     empty picks bf16 on CUDA and f32 on CPU.
     """
-    first_address: _builtins.str
-    """first_address is the first stage's executor: where the last stage of a
-    roster of several pushes the tokens each iteration of a decode run
-    sampled (ExecuteStepRequest.decode_steps); empty on a single stage.
-    """
     def __init__(
         self,
         *,
@@ -313,21 +338,221 @@ class StageSpec(_message.Message):
         layer_end: _builtins.int = ...,
         first: _builtins.bool = ...,
         last: _builtins.bool = ...,
-        next_address: _builtins.str = ...,
         weights: _builtins.str = ...,
         max_context_tokens: _builtins.int = ...,
         kvstore_address: _builtins.str = ...,
         kv_block_tokens: _builtins.int = ...,
         dtype: _builtins.str = ...,
-        first_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "first", b"first", "first_address", b"first_address", "kv_block_tokens", b"kv_block_tokens", "kvstore_address", b"kvstore_address", "last", b"last", "layer_end", b"layer_end", "layer_start", b"layer_start", "max_context_tokens", b"max_context_tokens", "model", b"model", "next_address", b"next_address", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "first", b"first", "kv_block_tokens", b"kv_block_tokens", "kvstore_address", b"kvstore_address", "last", b"last", "layer_end", b"layer_end", "layer_start", b"layer_start", "max_context_tokens", b"max_context_tokens", "model", b"model", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StageSpec: _TypeAlias = StageSpec  # noqa: Y015
+
+@_typing.final
+class PlanGroup(_message.Message):
+    """PlanGroup is one node of the plan's DAG."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    LAYER_START_FIELD_NUMBER: _builtins.int
+    LAYER_END_FIELD_NUMBER: _builtins.int
+    OPTIONAL_FIELD_NUMBER: _builtins.int
+    DEPENDS_ON_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """id is the group's index in PartitionPlan.groups."""
+    kind: Global___GroupKind.ValueType
+    rank: _builtins.int
+    """rank owns the group: the only rank that computes it."""
+    layer_start: _builtins.int
+    """layer_start and layer_end select decoder layers [layer_start, layer_end)."""
+    layer_end: _builtins.int
+    optional: _builtins.bool
+    """optional marks a root that runs only in the steps that activate it
+    (ExecuteStepRequest.active_groups); every other group always runs.
+    """
+    @_builtins.property
+    def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """depends_on lists the groups whose outputs this one consumes."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        kind: Global___GroupKind.ValueType = ...,
+        rank: _builtins.int = ...,
+        layer_start: _builtins.int = ...,
+        layer_end: _builtins.int = ...,
+        optional: _builtins.bool = ...,
+        depends_on: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["depends_on", b"depends_on", "id", b"id", "kind", b"kind", "layer_end", b"layer_end", "layer_start", b"layer_start", "optional", b"optional", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PlanGroup: _TypeAlias = PlanGroup  # noqa: Y015
+
+@_typing.final
+class BoundaryRoleSpec(_message.Message):
+    """BoundaryRoleSpec declares one tensor of a route's bundle."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    RUN_ONLY_FIELD_NUMBER: _builtins.int
+    role: Global___BoundaryRole.ValueType
+    dtype: _tensor_pb2.Dtype.ValueType
+    run_only: _builtins.bool
+    """run_only: present only in a decode run's iterations after the first."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """shape lists the dimensions: a decimal size ("576"), or a dimension
+        fixed per invocation: "tokens" (the step's token rows), "rows" (its
+        sessions) or "encoded" (the rows of its encoder input).
+        """
+
+    def __init__(
+        self,
+        *,
+        role: Global___BoundaryRole.ValueType = ...,
+        dtype: _tensor_pb2.Dtype.ValueType = ...,
+        shape: _abc.Iterable[_builtins.str] | None = ...,
+        run_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "role", b"role", "run_only", b"run_only", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BoundaryRoleSpec: _TypeAlias = BoundaryRoleSpec  # noqa: Y015
+
+@_typing.final
+class BoundarySchema(_message.Message):
+    """BoundarySchema is the bundle a route carries: the primary role first, then
+    the auxiliaries in transport order.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLES_FIELD_NUMBER: _builtins.int
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    identity: _builtins.str
+    """identity is a hash of the declaration (graphmesh.plan): a bundle carries
+    it and its receiver refuses one whose identity differs from its own.
+    """
+    @_builtins.property
+    def roles(self) -> _containers.RepeatedCompositeFieldContainer[Global___BoundaryRoleSpec]: ...
+    def __init__(
+        self,
+        *,
+        roles: _abc.Iterable[Global___BoundaryRoleSpec] | None = ...,
+        identity: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "roles", b"roles"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BoundarySchema: _TypeAlias = BoundarySchema  # noqa: Y015
+
+@_typing.final
+class BoundaryRoute(_message.Message):
+    """BoundaryRoute is one directed boundary of the plan."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    SOURCE_GROUP_FIELD_NUMBER: _builtins.int
+    DESTINATION_GROUP_FIELD_NUMBER: _builtins.int
+    SOURCE_RANK_FIELD_NUMBER: _builtins.int
+    DESTINATION_RANK_FIELD_NUMBER: _builtins.int
+    SCHEMA_FIELD_NUMBER: _builtins.int
+    FEEDBACK_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """id is the route's index in PartitionPlan.routes."""
+    source_group: _builtins.int
+    destination_group: _builtins.int
+    source_rank: _builtins.int
+    destination_rank: _builtins.int
+    feedback: _builtins.bool
+    """feedback carries the input of a decode run's next iteration back up
+    the pipeline (the last decoder group's sampled tokens to the first):
+    not an edge of the DAG.
+    """
+    @_builtins.property
+    def schema(self) -> Global___BoundarySchema: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        source_group: _builtins.int = ...,
+        destination_group: _builtins.int = ...,
+        source_rank: _builtins.int = ...,
+        destination_rank: _builtins.int = ...,
+        schema: Global___BoundarySchema | None = ...,
+        feedback: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["schema", b"schema"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["destination_group", b"destination_group", "destination_rank", b"destination_rank", "feedback", b"feedback", "id", b"id", "schema", b"schema", "source_group", b"source_group", "source_rank", b"source_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BoundaryRoute: _TypeAlias = BoundaryRoute  # noqa: Y015
+
+@_typing.final
+class PartitionPlan(_message.Message):
+    """PartitionPlan is the DAG every rank of an incarnation runs: the same plan on
+    every rank.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUPS_FIELD_NUMBER: _builtins.int
+    ROUTES_FIELD_NUMBER: _builtins.int
+    RANK_ADDRESSES_FIELD_NUMBER: _builtins.int
+    CROSS_STAGE_COLLECTIVE_WAVES_FIELD_NUMBER: _builtins.int
+    cross_stage_collective_waves: _builtins.bool
+    """cross_stage_collective_waves: every rank takes its part of every wave,
+    zero work where it owns none of the wave's group, and a failed wave is
+    communication-indeterminate (COMM: the incarnation is fenced) instead of
+    a deterministic failure that is retried after rollback.
+    """
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___PlanGroup]: ...
+    @_builtins.property
+    def routes(self) -> _containers.RepeatedCompositeFieldContainer[Global___BoundaryRoute]: ...
+    @_builtins.property
+    def rank_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """rank_addresses are the ranks' executors (StageService addresses), by rank."""
+
+    def __init__(
+        self,
+        *,
+        groups: _abc.Iterable[Global___PlanGroup] | None = ...,
+        routes: _abc.Iterable[Global___BoundaryRoute] | None = ...,
+        rank_addresses: _abc.Iterable[_builtins.str] | None = ...,
+        cross_stage_collective_waves: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cross_stage_collective_waves", b"cross_stage_collective_waves", "groups", b"groups", "rank_addresses", b"rank_addresses", "routes", b"routes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PartitionPlan: _TypeAlias = PartitionPlan  # noqa: Y015
 
 @_typing.final
 class InstallRequest(_message.Message):
@@ -337,11 +562,16 @@ class InstallRequest(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     STAGE_FIELD_NUMBER: _builtins.int
+    PLAN_FIELD_NUMBER: _builtins.int
     incarnation: _builtins.int
     rank: _builtins.int
     world_size: _builtins.int
     @_builtins.property
     def stage(self) -> Global___StageSpec: ...
+    @_builtins.property
+    def plan(self) -> Global___PartitionPlan:
+        """plan is the incarnation's DAG; the stage's layers are its decoder group's."""
+
     def __init__(
         self,
         *,
@@ -349,10 +579,11 @@ class InstallRequest(_message.Message):
         rank: _builtins.int = ...,
         world_size: _builtins.int = ...,
         stage: Global___StageSpec | None = ...,
+        plan: Global___PartitionPlan | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "rank", b"rank", "stage", b"stage", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "plan", b"plan", "rank", b"rank", "stage", b"stage", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -471,6 +702,8 @@ class StepRow(_message.Message):
     START_POSITION_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    ENCODER_INPUT_FIELD_NUMBER: _builtins.int
+    ENCODED_OFFSETS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     epoch: _builtins.int
     """epoch is the session's commit epoch for this row, starting at 1."""
@@ -490,6 +723,15 @@ class StepRow(_message.Message):
 
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
+    @_builtins.property
+    def encoder_input(self) -> _tensor_pb2.Tensor:
+        """encoder_input holds the features f32 [n, input_dim] of the n placeholder
+        tokens among token_ids, at encoded_offsets (indices into token_ids, in
+        order): the encoder group's input, when the step activates it.
+        """
+
+    @_builtins.property
+    def encoded_offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -499,10 +741,12 @@ class StepRow(_message.Message):
         start_position: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: Global___SamplingParams | None = ...,
+        encoder_input: _tensor_pb2.Tensor | None = ...,
+        encoded_offsets: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_epoch", b"commit_epoch", "epoch", b"epoch", "sampling", b"sampling", "session_id", b"session_id", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_epoch", b"commit_epoch", "encoded_offsets", b"encoded_offsets", "encoder_input", b"encoder_input", "epoch", b"epoch", "sampling", b"sampling", "session_id", b"session_id", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -518,6 +762,7 @@ class ExecuteStepRequest(_message.Message):
     OUTPUT_FIELD_NUMBER: _builtins.int
     BOUNDARY_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     DECODE_STEPS_FIELD_NUMBER: _builtins.int
+    ACTIVE_GROUPS_FIELD_NUMBER: _builtins.int
     incarnation: _builtins.int
     """incarnation is the coordinator's fencing token for the roster."""
     step_id: _builtins.int
@@ -540,6 +785,13 @@ class ExecuteStepRequest(_message.Message):
     def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepRow]:
         """rows are at most one per session, in the order of the boundary bundle."""
 
+    @_builtins.property
+    def active_groups(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """active_groups are the plan's optional groups this step activates (an
+        encoder when a row carries encoder_input): every rank runs the same
+        waves.
+        """
+
     def __init__(
         self,
         *,
@@ -549,10 +801,11 @@ class ExecuteStepRequest(_message.Message):
         output: Global___OutputKind.ValueType = ...,
         boundary_timeout_ms: _builtins.int = ...,
         decode_steps: _builtins.int = ...,
+        active_groups: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_timeout_ms", b"boundary_timeout_ms", "decode_steps", b"decode_steps", "incarnation", b"incarnation", "output", b"output", "rows", b"rows", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_groups", b"active_groups", "boundary_timeout_ms", b"boundary_timeout_ms", "decode_steps", b"decode_steps", "incarnation", b"incarnation", "output", b"output", "rows", b"rows", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -637,6 +890,7 @@ class ExecuteStepResponse(_message.Message):
     LOGITS_FIELD_NUMBER: _builtins.int
     COMPUTE_US_FIELD_NUMBER: _builtins.int
     COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    WAVES_FIELD_NUMBER: _builtins.int
     compute_us: _builtins.float
     """compute_us is the time spent running graphs, in microseconds."""
     computed_tokens: _builtins.int
@@ -649,6 +903,12 @@ class ExecuteStepResponse(_message.Message):
         OUTPUT_KIND_LOGITS).
         """
 
+    @_builtins.property
+    def waves(self) -> _containers.RepeatedCompositeFieldContainer[Global___WaveReport]:
+        """waves are the step's waves this rank took part in (of its first
+        iteration), in order.
+        """
+
     def __init__(
         self,
         *,
@@ -656,14 +916,47 @@ class ExecuteStepResponse(_message.Message):
         logits: _tensor_pb2.Tensor | None = ...,
         compute_us: _builtins.float = ...,
         computed_tokens: _builtins.int = ...,
+        waves: _abc.Iterable[Global___WaveReport] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["logits", b"logits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_us", b"compute_us", "computed_tokens", b"computed_tokens", "logits", b"logits", "rows", b"rows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute_us", b"compute_us", "computed_tokens", b"computed_tokens", "logits", b"logits", "rows", b"rows", "waves", b"waves"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExecuteStepResponse: _TypeAlias = ExecuteStepResponse  # noqa: Y015
+
+@_typing.final
+class WaveReport(_message.Message):
+    """WaveReport is a rank's part of one wave of a step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAVE_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    WORKED_FIELD_NUMBER: _builtins.int
+    wave: _builtins.int
+    """wave is the wave's ordinal in the step, from 0."""
+    group: _builtins.int
+    """group is the plan group the wave runs."""
+    worked: _builtins.bool
+    """worked: this rank owns the group and computed it; false is the zero-work
+    part of a plan with cross-stage collective waves.
+    """
+    def __init__(
+        self,
+        *,
+        wave: _builtins.int = ...,
+        group: _builtins.int = ...,
+        worked: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group", b"group", "wave", b"wave", "worked", b"worked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WaveReport: _TypeAlias = WaveReport  # noqa: Y015
 
 @_typing.final
 class AbortStepRequest(_message.Message):
@@ -763,12 +1056,21 @@ class PushBoundaryRequest(_message.Message):
     STEP_ID_FIELD_NUMBER: _builtins.int
     ITERATION_FIELD_NUMBER: _builtins.int
     TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    ROUTE_ID_FIELD_NUMBER: _builtins.int
+    SCHEMA_IDENTITY_FIELD_NUMBER: _builtins.int
+    WAVE_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """step_id is the step the bundle belongs to."""
     iteration: _builtins.int
     """iteration is the decode run's iteration the bundle is the input of (0
     for a single step).
     """
+    route_id: _builtins.int
+    """route_id is the plan route the bundle travels."""
+    schema_identity: _builtins.str
+    """schema_identity is the sender's identity of the route's schema."""
+    wave: _builtins.int
+    """wave is the ordinal of the step's wave that produced the bundle."""
     @_builtins.property
     def header(self) -> Global___FencingHeader:
         """header carries the incarnation (session_id and epoch are unset: a bundle
@@ -777,8 +1079,8 @@ class PushBoundaryRequest(_message.Message):
 
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BoundaryTensor]:
-        """tensors hold the step's rows in order: the hidden state [tokens, hidden]
-        (ACTIVATION), and in a decode run the input tokens [rows] (TOKENS).
+        """tensors hold the bundle of the route's schema, its roles in order, the
+        step's rows in order.
         """
 
     @_builtins.property
@@ -796,10 +1098,13 @@ class PushBoundaryRequest(_message.Message):
         step_id: _builtins.int = ...,
         iteration: _builtins.int = ...,
         trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        route_id: _builtins.int = ...,
+        schema_identity: _builtins.str = ...,
+        wave: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "iteration", b"iteration", "step_id", b"step_id", "tensors", b"tensors", "trace_context", b"trace_context"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "iteration", b"iteration", "route_id", b"route_id", "schema_identity", b"schema_identity", "step_id", b"step_id", "tensors", b"tensors", "trace_context", b"trace_context", "wave", b"wave"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
