@@ -5,6 +5,8 @@ request token-identical to transformers."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -257,6 +259,15 @@ def test_a_mesh_serves_requests_with_and_without_encoder_input_at_once(model: Pa
         with pytest.raises(InvalidArgument, match="placeholder"):
             _stream(address, prompt_token_ids=PLAIN, max_tokens=2, encoder_input=_features(1, 1))
         assert _stream(address, prompt_token_ids=PLAIN, max_tokens=12, ignore_eos=True) == plain_reference
+        with CoordinatorClient(address) as client:  # the plan as every rank has it, for operators to see
+            plan = dag.from_proto(client.status().plan)
+        assert plan.encoder() == dag.Group(0, dag.ENCODER, 1, optional=True)
+        first, last = plan.groups[1:]
+        assert (first.rank, first.layer_start, first.layer_end == last.layer_start, last.rank, last.layer_end) == \
+            (0, 0, True, 1, 4)
+        cli = subprocess.run([sys.executable, "-m", "graphmesh.cli", "status", "--coordinator", address],
+                             capture_output=True, text=True, timeout=60)
+        assert "rank 1 also runs the encoder (group 0, optional)" in cli.stdout, cli.stdout + cli.stderr
 
 
 def test_losing_the_encoders_rank_mid_generation_loses_no_token(model: Path) -> None:
@@ -275,3 +286,5 @@ def test_losing_the_encoders_rank_mid_generation_loses_no_token(model: Path) -> 
             status = client.status()
         assert got == expected
         assert status.recoveries >= 1 and len(status.stages) == 2
+        encoder = dag.from_proto(status.plan).encoder()  # re-planned onto the last rank of the new roster
+        assert encoder is not None and encoder.rank == 1

@@ -16,6 +16,7 @@ from graphmesh import security
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError
 from graphmesh.launcher import LocalMesh, fastest_backend
+from graphmesh.v1 import stage_pb2
 
 DEFAULT_COORDINATOR = "127.0.0.1:50050"
 DEFAULT_HTTP = "127.0.0.1:8000"
@@ -123,6 +124,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     for st in s.stages:
         print(f"  rank {st.rank} {st.address:21s} layers [{st.layer_start}, {st.layer_end})  {st.backend}/{st.device}"
               f"  {st.param_bytes / 2**20:.0f} MiB  {'healthy' if st.healthy else 'UNHEALTHY'}")
+    for g in s.plan.groups:
+        if g.kind == stage_pb2.GROUP_KIND_ENCODER:
+            print(f"  rank {g.rank} also runs the encoder (group {g.id}{', optional' if g.optional else ''})")
     print(f"  {s.active_sessions} session(s) in progress")
     for sess in s.sessions:
         print(f"  session {sess.session_id} tokens {sess.tokens} epoch {sess.epoch}")

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
+from graphmesh import plan as dag
 from graphmesh import tensors
 from graphmesh.errors import FailedPrecondition, GraphmeshError, Internal, InvalidArgument, NotFound, Unavailable
 from graphmesh.protocol import Action
@@ -118,6 +119,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         mesh = self.mesh
         response = coordinator_pb2.StatusResponse(model=self.model_name, incarnation=mesh.incarnation,
                                                   recoveries=mesh.recoveries, ready=mesh.ready)
+        if mesh.plan is not None:
+            response.plan.CopyFrom(dag.to_proto(mesh.plan))
         for rank in mesh.ranks:
             p = rank.plan
             response.stages.add(rank=p.rank, address=p.address, layer_start=p.layer_start, layer_end=p.layer_end,

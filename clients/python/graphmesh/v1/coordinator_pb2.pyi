@@ -343,6 +343,7 @@ class StatusResponse(_message.Message):
     RECOVERIES_FIELD_NUMBER: _builtins.int
     READY_FIELD_NUMBER: _builtins.int
     ACTIVE_SESSIONS_FIELD_NUMBER: _builtins.int
+    PLAN_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     incarnation: _builtins.int
     recoveries: _builtins.int
@@ -358,6 +359,12 @@ class StatusResponse(_message.Message):
         ids are other users' business); empty for clients.
         """
 
+    @_builtins.property
+    def plan(self) -> _stage_pb2.PartitionPlan:
+        """plan is the roster's DAG: its groups (decoder layer ranges, an encoder),
+        their ranks, and the routes between them with their schemas.
+        """
+
     def __init__(
         self,
         *,
@@ -368,10 +375,11 @@ class StatusResponse(_message.Message):
         recoveries: _builtins.int = ...,
         ready: _builtins.bool = ...,
         active_sessions: _builtins.int = ...,
+        plan: _stage_pb2.PartitionPlan | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "incarnation", b"incarnation", "model", b"model", "ready", b"ready", "recoveries", b"recoveries", "sessions", b"sessions", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "incarnation", b"incarnation", "model", b"model", "plan", b"plan", "ready", b"ready", "recoveries", b"recoveries", "sessions", b"sessions", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
