@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -110,12 +110,9 @@ class Plan:
     routes: tuple[Route, ...]  # by id
     addresses: tuple[str, ...]  # per rank: its executor's StageService address
     cross_stage_collective_waves: bool = False  # inactive ranks take their zero-work part of every wave
-    _by_rank: dict[int, list[Group]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
-        for g in self.groups:
-            self._by_rank.setdefault(g.rank, []).append(g)
 
     def validate(self) -> None:
         """Refuses a plan no rank could run: ids out of order, unknown or cyclic dependencies, an optional group
@@ -168,7 +165,7 @@ class Plan:
         return waves
 
     def owned(self, rank: int) -> list[Group]:
-        return self._by_rank.get(rank, [])
+        return [g for g in self.groups if g.rank == rank]
 
     def decoder(self, rank: int) -> Group:
         """The decoder group `rank` owns (a rank owns exactly one)."""

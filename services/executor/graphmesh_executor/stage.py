@@ -251,7 +251,7 @@ class StageRuntime:
         if plan is None:
             if world_size != 1:
                 raise InvalidArgument(f"rank {rank} of {world_size} needs the partition plan", "NO_PLAN")
-            plan = dag.pipeline([(spec.layer_start, spec.layer_end)], [""], 0)
+            plan = dag.pipeline([(spec.layer_start, spec.layer_end)], [""], 0)  # no route: no schema needs the width
         group = plan.decoder(rank)
         if len(plan.addresses) != world_size or (group.layer_start, group.layer_end) != (spec.layer_start,
                                                                                           spec.layer_end):
