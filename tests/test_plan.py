@@ -95,6 +95,11 @@ def test_schemas_resolve_per_invocation_and_check_bundles() -> None:
     assert "schema wants" in schema.check({dag.ACTIVATION: np.zeros((5, HIDDEN), np.float64)}, dims)
     assert "roles" in schema.check(good, dims, iteration=1)  # a decode run's later iteration carries its tokens
     assert dag.activation_schema(HIDDEN).identity == schema.identity != dag.activation_schema(HIDDEN + 1).identity
+    # what a receiver checks before it knows the step: declared roles, dtypes, ranks and fixed sizes
+    assert schema.admits({dag.ACTIVATION: np.zeros((3, HIDDEN), np.float32)}) == ""
+    assert "no role" in schema.admits({dag.ENCODED_ROWS: np.zeros((3, HIDDEN), np.float32)})
+    assert "breaks schema" in schema.admits({dag.ACTIVATION: np.zeros((3, HIDDEN - 1), np.float32)})
+    assert "breaks schema" in schema.admits({dag.RUN_TOKENS: np.zeros((3, 1), np.int64)})
 
 
 def test_the_wire_plan_round_trips_and_a_forged_identity_is_refused() -> None:

@@ -17,6 +17,7 @@ declaration, travels with each bundle so a sender working from another plan is c
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class BoundaryRole:
 class BoundarySchema:
     roles: tuple[BoundaryRole, ...]  # the primary role first, then the auxiliaries in transport order
 
-    @property
+    @functools.cached_property  # every bundle sent and received carries or checks it
     def identity(self) -> str:
         """A hash of the declaration: equal on both ends of a route exactly when they declare the same bundle."""
         text = ";".join(f"{r.role}:{r.dtype}[{','.join(map(str, r.shape))}]{'@run' if r.run_only else ''}"
@@ -84,6 +85,20 @@ class BoundarySchema:
             value = bundle[role]
             if value.dtype != dtypes.to_numpy(dtype) or tuple(value.shape) != shape:
                 return f"{role} is {value.dtype}{list(value.shape)}, the schema wants {dtype}{list(shape)}"
+        return ""
+
+    def admits(self, bundle: Mapping[str, np.ndarray]) -> str:
+        """Why `bundle` cannot be one of this schema's in any invocation (a role it does not declare, another dtype
+        or rank, another fixed size), or "": what a receiver can check before it knows the step's dimensions."""
+        declared = {r.role: r for r in self.roles}
+        for role, value in bundle.items():
+            spec = declared.get(role)
+            if spec is None:
+                return f"the schema has no role {role!r}"
+            fixed = all(d == v for d, v in zip(spec.shape, value.shape) if isinstance(d, int))
+            if value.dtype != dtypes.to_numpy(spec.dtype) or value.ndim != len(spec.shape) or not fixed:
+                return (f"{role} {value.dtype}{list(value.shape)} breaks schema "
+                        f"{spec.dtype}[{', '.join(map(str, spec.shape))}]")
         return ""
 
 

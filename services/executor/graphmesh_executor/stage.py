@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from graphmesh import dtypes, models, telemetry
+from graphmesh import models, telemetry
 from graphmesh import plan as dag
 from graphmesh.bundled import BUNDLED, resolve_model
 from graphmesh.checkpoints import open_checkpoint
@@ -956,16 +956,8 @@ class StageRuntime:
                     f"{schema.identity!r}")
         if not boundary.values:
             return f"route {boundary.route_id} bundle holds no tensors"
-        declared = {r.role: r for r in schema.roles}
-        for role, value in boundary.values.items():
-            spec = declared.get(role)
-            if spec is None:
-                return f"route {boundary.route_id} has no role {role!r}"
-            fixed = all(d == v for d, v in zip(spec.shape, value.shape) if isinstance(d, int))
-            if value.dtype != dtypes.to_numpy(spec.dtype) or value.ndim != len(spec.shape) or not fixed:
-                return (f"boundary {role} {value.dtype}{list(value.shape)} breaks schema "
-                        f"{spec.dtype}[{', '.join(map(str, spec.shape))}]")
-        return ""
+        why = schema.admits(boundary.values)
+        return f"route {boundary.route_id} bundle: {why}" if why else ""
 
     def commit(self, incarnation: int, session_id: str, epoch: int) -> int:
         with self._lock:

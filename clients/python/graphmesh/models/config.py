@@ -22,10 +22,6 @@ class EncoderConfig:
     output_dim: int  # the model's hidden size
     token_id: int
 
-    def param_bytes(self) -> int:
-        """f32 bytes of the encoder's params (fc1 and fc2, weights and biases)."""
-        return 4 * (self.intermediate_size * (self.input_dim + 1) + self.output_dim * (self.intermediate_size + 1))
-
 
 def encoder_config(cfg: dict[str, Any]) -> EncoderConfig | None:
     """The encoder of a Hugging Face config.json dict (its "graphmesh_encoder" object, output_dim from
