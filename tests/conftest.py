@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -14,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from graphmesh.launcher import wait_healthy
+from graphmesh.launcher import free_port, wait_healthy
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -32,23 +31,12 @@ def backend_targets() -> list[str]:
     return names
 
 
-def free_port() -> int:
-    """A port that was free a moment ago (bound to 0, then closed); good enough on loopback."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def health_status(address: str, service: str = "", timeout: float = 2.0) -> int:
     """The grpc.health.v1 status of `service` at `address`; raises grpc.RpcError when unreachable."""
     with grpc.insecure_channel(address) as channel:
         response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                              timeout=timeout)
         return int(response.status)
-
-
-def _log_tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
 @contextmanager
@@ -67,10 +55,7 @@ def start_process(args: Sequence[str], health_address: str, *, log_path: Path | 
         process = subprocess.Popen(list(args), stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})})
     try:
-        try:
-            wait_healthy(health_address, process, timeout, str(list(args[:3])), service=health_service)
-        except (RuntimeError, TimeoutError) as e:
-            raise RuntimeError(f"{e}:\n{_log_tail(log_path)}") from None
+        wait_healthy(health_address, process, timeout, str(list(args[:3])), service=health_service, log=log_path)
         yield process
     finally:
         if process.poll() is None:

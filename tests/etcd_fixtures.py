@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.conftest import free_port
+from graphmesh.launcher import free_port
 
 
 @dataclass

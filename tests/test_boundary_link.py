@@ -19,12 +19,13 @@ from google.rpc import status_pb2
 from graphmesh import plan as dag
 from graphmesh import security
 from graphmesh.errors import DeadlineExceeded, GraphmeshError, from_rpc_error
+from graphmesh.launcher import free_port
 from graphmesh.links import ACK, HELLO, PUSH, KvLink, KvLinks, LinkError, frame, read_frame
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor.boundary_link import BoundaryLink
 from graphmesh_executor.stage import Boundary
 from graphmesh_executor.stage_servicer import BoundaryPusher
-from tests.conftest import executor_args, free_port, start_process
+from tests.conftest import executor_args, start_process
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,10 @@ from grpc_health.v1 import health_pb2
 from safetensors.numpy import save_file
 
 from graphmesh import ExecutorClient, GraphBuilder, RemoteExecutable, errors
+from graphmesh.launcher import free_port
 from graphmesh.v1 import executor_pb2, graph_pb2, tensor_pb2
 from graphmesh_executor.weights import resolve_under_root
-from tests.conftest import executor_args, free_port, health_status, start_process
+from tests.conftest import executor_args, health_status, start_process
 
 MESSAGE_CAP = 4 << 20
 PARAM_CAP = 8 << 20

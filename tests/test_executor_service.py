@@ -6,6 +6,7 @@ own decoder layer modules for the Llama and GPT-2 blocks.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
@@ -21,10 +22,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from graphmesh import ExecutorClient, GraphBuilder, RemoteExecutable, errors
 from graphmesh.graph import Value
+from graphmesh.launcher import free_port
 from graphmesh.v1 import executor_pb2, graph_pb2
 from graphmesh_executor.backends import executable_class
 from graphmesh_executor.backends.numpy_backend import KERNELS
-from tests.conftest import backend_targets, executor_args, free_port, health_status, start_process
+from tests.conftest import backend_targets, executor_args, health_status, start_process
 
 RNG = np.random.default_rng(0)
 
@@ -85,6 +87,27 @@ def test_health_and_reflection(numpy_executor: str) -> None:
     with grpc.insecure_channel(numpy_executor) as channel:
         services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
     assert {"graphmesh.v1.ExecutorService", "grpc.health.v1.Health"} <= services
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice() -> None:
+    """A port from the kernel's ephemeral range can be taken by any bind to 0 or outgoing connection before the
+    child binds it (a CI run lost an executor so); free_port stays below that range."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= port < low for port in ports), [p for p in ports if not 1024 <= p < low]
+
+
+def test_an_executor_whose_port_is_taken_exits_saying_so(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", int(address.rsplit(":", 1)[1])))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="exited with status 1 before serving") as failure:
+            with start_process(executor_args(address), address, log_path=tmp_path / "executor.log"):
+                pass
+    assert f"graphmesh-executor: cannot listen on {address}: the port is in use" in str(failure.value)
+    assert "Traceback" not in str(failure.value)
 
 
 def test_capabilities(client: ExecutorClient) -> None:

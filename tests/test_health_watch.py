@@ -13,9 +13,10 @@ import pytest
 
 from graphmesh import faults
 from graphmesh.checkpoints import open_checkpoint
+from graphmesh.launcher import free_port
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.state import DurableState
-from tests.conftest import executor_args, free_port, start_process
+from tests.conftest import executor_args, start_process
 from tests.model_fixtures import make_tiny_llama
 
 GOAL_S = 0.5  # failure -> lost, the goal; asserted with slack for a loaded 2-core machine

@@ -18,6 +18,7 @@ import pytest
 
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import from_rpc_error
+from graphmesh.launcher import free_port
 from graphmesh.models.config import ModelConfig
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator import state as state_module
@@ -25,7 +26,7 @@ from graphmesh_coordinator.pipeline import InvocationFailed, Mesh, Rank
 from graphmesh_coordinator.scheduler import Scheduler, SessionInfo
 from graphmesh_coordinator.scheduler import Sequence as Seq
 from graphmesh_coordinator.state import Decision, DurableState
-from tests.conftest import executor_args, free_port, start_process
+from tests.conftest import executor_args, start_process
 from tests.model_fixtures import make_tiny_llama
 
 PROMPT = [5, 17, 42, 99, 7, 3]

@@ -25,11 +25,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from graphmesh import faults, kvkeys, security
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.kvstore_client import KvStoreClient
-from graphmesh.launcher import LocalMesh
+from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.v1 import kvstore_pb2
 from graphmesh_kvstore.shared import DEFAULT_PREFIX, SharedTier
 from graphmesh_kvstore.store import Store
-from tests.conftest import free_port, start_process
+from tests.conftest import start_process
 
 BT, LAYERS, KV_DIM = 4, 2, 8
 NS = kvkeys.namespace("sha256:redis-test", 0, LAYERS, KV_DIM, block_tokens=BT)

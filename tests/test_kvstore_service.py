@@ -15,8 +15,9 @@ import pytest
 from graphmesh import kvkeys, tensors
 from graphmesh.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
 from graphmesh.kvstore_client import KvStoreClient
+from graphmesh.launcher import free_port
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_pb2
-from tests.conftest import executor_args, free_port, start_process
+from tests.conftest import executor_args, start_process
 from tests.model_fixtures import make_tiny_llama
 
 LAYERS, KV_DIM, BT = 2, 8, 16

@@ -29,9 +29,10 @@ from graphmesh.errors import from_rpc_error
 from graphmesh.etcd import EtcdClient
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
+from graphmesh.launcher import free_port
 from graphmesh.membership import members_prefix, registered
 from tests import etcd_fixtures
-from tests.conftest import executor_args, free_port, health_status, start_process
+from tests.conftest import executor_args, health_status, start_process
 from tests.etcd_fixtures import EtcdCluster
 from tests.model_fixtures import make_tiny_llama
 

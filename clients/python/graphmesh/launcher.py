@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import secrets
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,10 +27,38 @@ from graphmesh import security
 from graphmesh.faults import TcpProxy
 
 
+def _ephemeral_ports() -> range:
+    try:
+        low, high = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+_handed_out: set[int] = set()
+_port_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port that is free now and that nothing else will take before its user binds it. It comes from
+    below the kernel's ephemeral range: a port out of that range (bind to 0) can be taken between our check and
+    the child's bind by any socket bound to 0 or by an outgoing connection, as a proxy or a boundary link of the
+    same mesh does, and the child then exits on EADDRINUSE. The same process never hands a port out twice."""
+    ephemeral = _ephemeral_ports()
+    candidates = range(10000, ephemeral.start) if ephemeral.start > 11000 else range(ephemeral.stop, 65536)
+    with _port_lock:
+        for _ in range(1000):
+            port = random.choice(candidates)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free loopback port in {candidates.start}-{candidates.stop - 1}")
 
 
 def fastest_backend() -> str:
@@ -38,11 +68,25 @@ def fastest_backend() -> str:
     return "numpy"
 
 
+def log_tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
 def wait_healthy(address: str, process: subprocess.Popen[bytes] | None, timeout_s: float, what: str,
-                 credentials: grpc.ChannelCredentials | None = None, service: str = "") -> None:
+                 credentials: grpc.ChannelCredentials | None = None, service: str = "", log: Path | None = None) -> None:
     """The one health wait: until grpc.health.v1 at `address` says SERVING for `service` ("" is the whole
     server; a standby coordinator serves "liveness" alone). Raises RuntimeError when `process` exits first and
-    TimeoutError after `timeout_s`."""
+    TimeoutError after `timeout_s`, with the tail of the process's `log` so that a failed start says why."""
+    try:
+        _wait_healthy(address, process, timeout_s, what, credentials, service)
+    except (RuntimeError, TimeoutError) as e:
+        if log is None:
+            raise
+        raise type(e)(f"{e}; the tail of {log}:\n{log_tail(log)}") from None
+
+
+def _wait_healthy(address: str, process: subprocess.Popen[bytes] | None, timeout_s: float, what: str,
+                  credentials: grpc.ChannelCredentials | None, service: str) -> None:
     deadline = time.monotonic() + timeout_s
     with security.open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -120,6 +164,10 @@ class LocalMesh:
         self.processes.append(process)
         return process
 
+    def log(self, name: str) -> Path:
+        """Where the process `name` ("coordinator", "kvstore", "executor-<rank>") writes its output."""
+        return Path(self.log_dir) / f"{name}.log"
+
     def _env(self, name: str) -> dict[str, str]:
         env = dict(self.env)
         if self.tls_roots:
@@ -169,7 +217,7 @@ class LocalMesh:
         if self.kvstore and importlib.util.find_spec("graphmesh_kvstore") is not None:
             self.kvstore_address = f"127.0.0.1:{free_port()}"
             store = self._spawn("kvstore", ["graphmesh_kvstore.server", "--listen", self.kvstore_address])
-            wait_healthy(self.kvstore_address, store, 60.0, "kvstore", self.credentials())
+            wait_healthy(self.kvstore_address, store, 60.0, "kvstore", self.credentials(), log=self.log("kvstore"))
         backends = self.backends()
         threads = max(1, (os.cpu_count() or 2) // len(backends))  # executors sharing a machine must not oversubscribe
         spawned = []
@@ -191,7 +239,7 @@ class LocalMesh:
                 address = proxy.address
             self.executor_addresses.append(address)
         for address, process, rank in spawned:
-            wait_healthy(address, process, 120.0, f"executor {rank}", self.credentials())
+            wait_healthy(address, process, 120.0, f"executor {rank}", self.credentials(), log=self.log(f"executor-{rank}"))
         self.coordinator_address = self.coordinator_listen or f"127.0.0.1:{free_port()}"
         args = ["graphmesh_coordinator.server", "--listen", self.coordinator_address, "--executors",
                 ",".join(self.executor_addresses), "--model", self.model, "--weights", self.weights,
@@ -218,7 +266,7 @@ class LocalMesh:
         """(Re)starts the coordinator on the same address and state dir."""
         self.coordinator_process = self._spawn("coordinator", self._coordinator_args)
         wait_healthy(self.coordinator_address, self.coordinator_process, self.startup_timeout_s, "coordinator",
-                     self.credentials())
+                     self.credentials(), log=self.log("coordinator"))
 
     def stop(self) -> None:
         for process in reversed(self.processes):

@@ -578,10 +578,14 @@ class ServerSecurity:
                             "listening on loopback only; --allow-insecure-remote listens as asked",
                             extra={"listen": listen, "bound": f"127.0.0.1:{port_text}"})
                 listen = f"127.0.0.1:{port_text}"
-        port = (server.add_secure_port(listen, self.tls.server_credentials()) if self.tls is not None
-                else server.add_insecure_port(listen))
+        try:  # grpc returns 0 or raises RuntimeError, by version, and says only "failed to bind"
+            port = (server.add_secure_port(listen, self.tls.server_credentials()) if self.tls is not None
+                    else server.add_insecure_port(listen))
+        except RuntimeError:
+            port = 0
         if port == 0:
-            raise OSError(f"cannot listen on {listen}")
+            raise OSError(f"cannot listen on {listen}: the port is in use, or the host is not an address of this "
+                          "machine")
         return int(port)
 
     def start(self, server: grpc.Server, listen: str, services: Sequence[str],

@@ -219,7 +219,10 @@ def main(argv: list[str] | None = None) -> None:
     telemetry.serve_metrics(config.metrics_port)
     tune_malloc()
     started = time.monotonic()
-    server, port, runtime = build_server(config)
+    try:
+        server, port, runtime = build_server(config)
+    except OSError as e:  # the port is taken: one line that says so, not a traceback
+        raise SystemExit(f"graphmesh-executor: {e}") from e
     if config.preload_model:
         runtime.preload(config.preload_model)
     host = config.listen.rsplit(":", 1)[0]

@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     telemetry.setup("graphmesh-kvstore")
     telemetry.serve_metrics(config.metrics_port)
     started = time.monotonic()
-    server, port, store = build_server(config)
+    try:
+        server, port, store = build_server(config)
+    except OSError as e:  # the port is taken: one line that says so, not a traceback
+        raise SystemExit(f"graphmesh-kvstore: {e}") from e
     host = config.listen.rsplit(":", 1)[0]
     s = store.stats()
     log.info("serving", extra={"listen": f"{host}:{port}", "capacity_bytes": config.capacity_bytes,
