@@ -182,7 +182,14 @@ void gemm_xwt_packed(int m, int k, const float *x, int ldx, const unsigned char 
  * over the keys 0..pos[s] of sequence s, read in place from the pools through its block table. torch's version
  * gathers every block, permutes it for a batched matmul and masks the padding: two copies of the sequences' K
  * and V per layer, which cost SmolLM2 a sixth of a 16-row decode step. Scores and the weighted sum run in key
- * order and depend on this sequence's rows alone. */
+ * order and depend on this sequence's rows alone.
+ * Each score is one 8-lane FMA chain over d and a fixed horizontal sum; four keys go at once, so four chains
+ * hide the FMA latency that one chain per key waited on. The weighted sum keeps its output in registers, a
+ * chunk of OUT_CHUNK floats at a time, instead of a load and a store of it per key (a store-to-load chain).
+ * Every number is the one the one-key-at-a-time loop gave: the same products summed in the same order. */
+
+#define KEYS_AT_ONCE 4
+#define OUT_CHUNK 64 /* floats of a head's output kept in 8 ymm registers while every key adds to them */
 
 static inline float dot(const float *a, const float *b, int d) {
     __m256 acc = _mm256_setzero_ps();
@@ -193,36 +200,73 @@ static inline float dot(const float *a, const float *b, int d) {
     return s;
 }
 
+/* scores[r] = q . k[r] for KEYS_AT_ONCE keys, each exactly dot(q, k[r], d). */
+static inline void dots(const float *q, const float *const *k, int d, float *scores) {
+    __m256 acc[KEYS_AT_ONCE];
+    for (int r = 0; r < KEYS_AT_ONCE; r++) acc[r] = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= d; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int r = 0; r < KEYS_AT_ONCE; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[r] + i), acc[r]);
+    }
+    for (int r = 0; r < KEYS_AT_ONCE; r++) {
+        float s = hsum(acc[r]);
+        for (int j = i; j < d; j++) s += q[j] * k[r][j];
+        scores[r] = s;
+    }
+}
+
+/* o[0..width) = sum over keys j, in order, of p[j] * v[j][at..at + width), each lane one FMA chain from zero. */
+static inline void weighted_sum(const float *p, const float *const *v, size_t at, int keys, int width, float *o) {
+    __m256 acc[OUT_CHUNK / 8];
+    int lanes = width / 8;
+    for (int c = 0; c < lanes; c++) acc[c] = _mm256_setzero_ps();
+    for (int j = 0; j < keys; j++) {
+        __m256 pj = _mm256_set1_ps(p[j]);
+        for (int c = 0; c < lanes; c++) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + at + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < lanes; c++) _mm256_storeu_ps(o + 8 * c, acc[c]);
+    for (int i = 8 * lanes; i < width; i++) {
+        float s = 0.0f;
+        for (int j = 0; j < keys; j++) s += p[j] * v[j][at + i];
+        o[i] = s;
+    }
+}
+
 /* q, out [t, hq, d]; k_pool, v_pool [slots, hkv, d]; table [t, blocks] pool block ids; pos [t]; scores: a
- * caller's buffer of blocks * block floats. A key's slot is table[s, j / block] * block + j % block. */
+ * caller's buffer of blocks * block floats; rows: one of 2 * blocks * block pointers. A key's slot is
+ * table[s, j / block] * block + j % block. */
 void paged_decode_attention(int t, int hq, int hkv, int d, int block, int blocks, const float *q,
                             const float *k_pool, const float *v_pool, const long long *table, const long long *pos,
-                            float scale, float *out, float *scores) {
+                            float scale, float *out, float *scores, const float **rows) {
     int group = hq / hkv;
+    const float **k_rows = rows, **v_rows = rows + (size_t)blocks * block;
     for (int s = 0; s < t; s++) {
         int keys = (int)pos[s] + 1;
-        const long long *row = table + (size_t)s * blocks;
-        for (int h = 0; h < hq; h++) {
-            const float *qh = q + ((size_t)s * hq + h) * d;
-            size_t head = (size_t)(h / group) * d;
-            float top = -INFINITY;
+        const long long *table_row = table + (size_t)s * blocks;
+        for (int kv = 0; kv < hkv; kv++) {
+            size_t head = (size_t)kv * d;
             for (int j = 0; j < keys; j++) {
-                size_t slot = (size_t)row[j / block] * block + j % block;
-                scores[j] = dot(qh, k_pool + slot * hkv * d + head, d) * scale;
-                top = scores[j] > top ? scores[j] : top;
+                size_t slot = (size_t)table_row[j / block] * block + j % block;
+                k_rows[j] = k_pool + slot * hkv * d + head;
+                v_rows[j] = v_pool + slot * hkv * d + head;
             }
-            float total = 0.0f;
-            for (int j = 0; j < keys; j++) total += scores[j] = expf(scores[j] - top);
-            float *o = out + ((size_t)s * hq + h) * d;
-            for (int i = 0; i < d; i++) o[i] = 0.0f;
-            for (int j = 0; j < keys; j++) {
-                size_t slot = (size_t)row[j / block] * block + j % block;
-                const float *v = v_pool + slot * hkv * d + head;
-                float p = scores[j] / total;
-                int i = 0;
-                for (; i + 8 <= d; i += 8)
-                    _mm256_storeu_ps(o + i, _mm256_fmadd_ps(_mm256_set1_ps(p), _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
-                for (; i < d; i++) o[i] += p * v[i];
+            for (int h = kv * group; h < (kv + 1) * group; h++) {
+                const float *qh = q + ((size_t)s * hq + h) * d;
+                int j = 0;
+                for (; j + KEYS_AT_ONCE <= keys; j += KEYS_AT_ONCE) dots(qh, k_rows + j, d, scores + j);
+                for (; j < keys; j++) scores[j] = dot(qh, k_rows[j], d);
+                float top = -INFINITY;
+                for (j = 0; j < keys; j++) {
+                    scores[j] *= scale;
+                    top = scores[j] > top ? scores[j] : top;
+                }
+                float total = 0.0f;
+                for (j = 0; j < keys; j++) total += scores[j] = expf(scores[j] - top);
+                for (j = 0; j < keys; j++) scores[j] /= total;
+                float *o = out + ((size_t)s * hq + h) * d;
+                for (int c = 0; c < d; c += OUT_CHUNK)
+                    weighted_sum(scores, v_rows, (size_t)c, keys, d - c < OUT_CHUNK ? d - c : OUT_CHUNK, o + c);
             }
         }
     }

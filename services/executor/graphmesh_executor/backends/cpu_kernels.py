@@ -90,7 +90,7 @@ def library() -> ctypes.CDLL | None:
     lib.gemm_xwt.restype = None
     lib.gemm_xwt_packed.argtypes = [i, i, p, i, p, i, p, i, i, i, p]
     lib.gemm_xwt_packed.restype = None
-    lib.paged_decode_attention.argtypes = [i, i, i, i, i, i, p, p, p, p, p, ctypes.c_float, p, p]
+    lib.paged_decode_attention.argtypes = [i, i, i, i, i, i, p, p, p, p, p, ctypes.c_float, p, p, p]
     lib.paged_decode_attention.restype = None
     return lib
 
@@ -180,9 +180,10 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     q, table, pos = q.contiguous(), table.contiguous().long(), pos.contiguous().long()
     out = torch.empty(t, hq, d, dtype=torch.float32)
     scores = torch.empty(table.shape[1] * block, dtype=torch.float32)
+    rows = torch.empty(2 * table.shape[1] * block, dtype=torch.int64)  # a key's K and V row addresses
     lib.paged_decode_attention(t, hq, hkv, d, block, table.shape[1], q.data_ptr(), k_pool.data_ptr(),
                                v_pool.data_ptr(), table.data_ptr(), pos.data_ptr(), scale, out.data_ptr(),
-                               scores.data_ptr())
+                               scores.data_ptr(), rows.data_ptr())
     return out
 
 
