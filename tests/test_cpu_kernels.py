@@ -124,22 +124,28 @@ def _gguf_blocks(scheme: str, n: int, k: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("scheme", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 64, 7), (5, 576, 1536), (8, 1536, 577), (13, 32, 13),
                                    (32, 96, 100)])
-def test_packed_weights_give_the_bits_of_their_f32_form(scheme: str, m: int, k: int, n: int) -> None:
-    """x @ w.T over GGUF blocks equals matmul_xwt over the f32 weights gguf dequantizes them to, bit for bit, at
-    any row count and thread split: a packed stage decodes exactly what an f32 stage does."""
+def test_packed_weights_are_ggufs_values_and_each_row_sums_alone(scheme: str, m: int, k: int, n: int) -> None:
+    """x @ w.T over GGUF blocks (read in panels) multiplies by exactly the f32 weights gguf dequantizes them to,
+    is within float32 rounding of float64, and gives every row the same bits alone, in any batch and over any
+    thread split: a session's numbers never depend on the other sessions of its step."""
     import gguf
 
     packed = _gguf_blocks(scheme, n, k, seed=n)
     dense = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType[scheme.upper()]).astype(np.float32)
-    x, w = _rand(m, k, seed=m), torch.from_numpy(np.ascontiguousarray(dense))
-    want = cpu_kernels.matmul_xwt(x, w)
     blocks = torch.from_numpy(packed)
+    unit = torch.eye(k)[: min(k, cpu_kernels.MAX_ROWS)]  # row i picks column i of w: one product, exact
+    assert np.array_equal(cpu_kernels.matmul_xwt_packed(unit, blocks, scheme, n).numpy(), dense[:, : len(unit)].T)
+    x = _rand(m, k, seed=m)
     assert cpu_kernels.packed_usable(x, blocks, scheme)
-    assert torch.equal(cpu_kernels.matmul_xwt_packed(x, blocks, scheme, n), want)
+    out = cpu_kernels.matmul_xwt_packed(x, blocks, scheme, n)
+    np.testing.assert_allclose(out.numpy(), x.double().numpy() @ dense.astype(np.float64).T, rtol=1e-4,
+                               atol=1e-5 * np.abs(dense).max() * k ** 0.5)
+    for i in range(m):
+        assert torch.equal(cpu_kernels.matmul_xwt_packed(x[i:i + 1], blocks, scheme, n)[0], out[i])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert torch.equal(cpu_kernels.matmul_xwt_packed(x, blocks, scheme, n), want)
+        assert torch.equal(cpu_kernels.matmul_xwt_packed(x, blocks, scheme, n), out)
     finally:
         torch.set_num_threads(threads)
 

@@ -36,7 +36,8 @@ MAX_ROWS = 32  # past this MKL's blocked gemm is as fast (equal at 32 rows, fast
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
 _LIBS = ["-lm"]
-_TILE_ROWS = 6  # weight rows per tile in cpu_kernels.c (and PACKED_TILE): a thread's share of n is a multiple of it
+_TILE_ROWS = 6  # weight rows per tile of gemm_xwt in cpu_kernels.c: a thread's share of n is a multiple of it
+_MIN_SHARE = 384  # output columns a thread takes at least: fewer cost more in the handoff than they save
 
 
 def _cache_dir() -> Path:
@@ -88,8 +89,12 @@ def library() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.gemm_xwt.argtypes = [i, i, p, i, p, i, p, i, i, i]
     lib.gemm_xwt.restype = None
-    lib.gemm_xwt_packed.argtypes = [i, i, p, i, p, i, p, i, i, i, p]
-    lib.gemm_xwt_packed.restype = None
+    lib.panel_block_bytes.argtypes = [i]
+    lib.panel_block_bytes.restype = ctypes.c_size_t
+    lib.repack_blocks.argtypes = [i, i, i, p, p]
+    lib.repack_blocks.restype = None
+    lib.gemm_qpanels.argtypes = [i, i, p, i, p, i, p, i, i, i]
+    lib.gemm_qpanels.restype = None
     lib.paged_decode_attention.argtypes = [i, i, i, i, i, i, p, p, p, p, p, ctypes.c_float, p, p, p]
     lib.paged_decode_attention.restype = None
     return lib
@@ -116,15 +121,15 @@ def matmul_xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     args = (m, k, x.data_ptr(), k, w.data_ptr(), k, out.data_ptr(), n)
-    _run_shares(_shares(n), lambda i, a, b: lib.gemm_xwt(*args, a, b))
+    _run_shares(_shares(n, _TILE_ROWS), lambda i, a, b: lib.gemm_xwt(*args, a, b))
     return out
 
 
-def _shares(n: int) -> list[tuple[int, int]]:
-    """A product's n output columns split over torch's intra-op threads: shares of whole weight tiles, as many as
-    have enough work."""
-    threads = min(torch.get_num_threads(), max(1, n // (_TILE_ROWS * 64)))
-    share = -(-n // threads // _TILE_ROWS) * _TILE_ROWS
+def _shares(n: int, tile: int) -> list[tuple[int, int]]:
+    """A product's n output columns split over torch's intra-op threads: shares of whole weight tiles of `tile`
+    rows, as many as have enough work."""
+    threads = min(torch.get_num_threads(), max(1, n // _MIN_SHARE))
+    share = -(-n // threads // tile) * tile
     return [(a, min(n, a + share)) for a in range(0, n, share)]
 
 
@@ -138,6 +143,8 @@ def _run_shares(shares: list[tuple[int, int]], run: Callable[[int, int, int], ob
 
 
 PACKED_SCHEMES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # cpu_kernels.c's scheme numbers
+PANEL = 24  # weight rows of a panel in cpu_kernels.c: a thread's share of a packed product is whole panels
+_PANELS = "_graphmesh_panels"  # a packed tensor's panel form, in its __dict__
 
 
 def packed_usable(x: torch.Tensor, packed: torch.Tensor, scheme: str) -> bool:
@@ -147,18 +154,31 @@ def packed_usable(x: torch.Tensor, packed: torch.Tensor, scheme: str) -> bool:
             and scheme in PACKED_SCHEMES and x.shape[1] % 32 == 0 and library() is not None)
 
 
+def panels(packed: torch.Tensor, scheme: str, n: int, k: int) -> torch.Tensor:
+    """GGUF blocks [n, k/32 * block bytes] laid out again in panels of PANEL rows, the form gemm_qpanels reads
+    (cpu_kernels.c's repack_blocks): the same bytes, give or take the last panel's padding. Made once per tensor
+    and kept with it (weights are never written in place)."""
+    made: torch.Tensor | None = packed.__dict__.get(_PANELS)
+    if made is None:
+        lib = library()
+        assert lib is not None
+        made = torch.empty(-(-n // PANEL) * (k // 32) * lib.panel_block_bytes(PACKED_SCHEMES[scheme]), dtype=torch.uint8)
+        lib.repack_blocks(PACKED_SCHEMES[scheme], n, k, packed.contiguous().data_ptr(), made.data_ptr())
+        packed.__dict__[_PANELS] = made
+    return made
+
+
 def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int) -> torch.Tensor:
-    """x @ w.T for w [n, k] held as GGUF blocks (packed [n, k/32 * block bytes]), equal bit for bit to matmul_xwt
-    over w dequantized to f32 (cpu_kernels.c), reading the packed bytes only: a Q4_1 weight is 0.625 bytes, not 4."""
+    """x @ w.T for w [n, k] held as GGUF blocks (packed [n, k/32 * block bytes]), read in panels (panels()):
+    w's values are exactly gguf's dequantization, and each output is one FMA chain over k in order, whatever
+    the row count and the thread split."""
     lib = library()
     assert lib is not None
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
-    args = (m, k, x.data_ptr(), k, packed.data_ptr(), PACKED_SCHEMES[scheme], out.data_ptr(), n)
-    shares = _shares(n)
-    tiles = [torch.empty(_TILE_ROWS * k, dtype=torch.float32) for _ in shares]  # each share its own expanded tile
-    _run_shares(shares, lambda i, a, b: lib.gemm_xwt_packed(*args, a, b, tiles[i].data_ptr()))
+    args = (m, k, x.data_ptr(), k, panels(packed, scheme, n, k).data_ptr(), PACKED_SCHEMES[scheme], out.data_ptr(), n)
+    _run_shares(_shares(n, PANEL), lambda i, a, b: lib.gemm_qpanels(*args, a, b))
     return out
 
 

@@ -410,8 +410,8 @@ def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
     x, packed = xs
     scheme, n, k = a["scheme"], a["n"], a["k"]
     if cpu_kernels.packed_usable(x, packed, scheme):
-        # A decode's few f32 rows: the kernel reads the blocks as they are, and sums as matmul_xwt would over the
-        # dequantized weight (bit for bit), so a packed stage decodes the same numbers as an f32 one.
+        # A decode's few f32 rows: the kernel reads the blocks in panels, made when the param was set (see
+        # TorchExecutable._lay_out) or at the first product of a weight that is not a param.
         return cpu_kernels.matmul_xwt_packed(x, packed, scheme, n)
     converted: dict[Any, Any] = packed.__dict__.setdefault(_CONVERTED, {})
     # The packed int4 kernel is fast only with bf16 activations (f32/f16 take a slow path there), and it
@@ -604,6 +604,12 @@ class TorchExecutable(Executable[Tensor]):
                             and not n.attrs["transpose_a"] and n.inputs[1] in graph.params
                             and len(graph.params[n.inputs[1]].shape) == 2 and readers[n.inputs[1]] == 1
                             and n.inputs[0] != n.inputs[1]} if self._device.type == "cpu" else set()
+        # Packed weights read only by dequant_matmul on the host get the panel form of cpu_kernels at lay-out, so
+        # that no request waits for it: (scheme, n, k) by param.
+        self._panelled = {n.inputs[1]: (n.attrs["scheme"], n.attrs["n"], n.attrs["k"]) for n in graph.nodes
+                          if n.op == "dequant_matmul" and n.inputs[1] in graph.params and readers[n.inputs[1]] == 1
+                          and n.attrs["scheme"] in cpu_kernels.PACKED_SCHEMES and n.attrs["k"] % 32 == 0} \
+            if self._device.type == "cpu" and cpu_kernels.library() is not None else {}
         # The base interpreter counts MoE expert calls and captures top-k ids: graphs with those ops keep it.
         self._planned = not any(n.op in ("grouped_matmul", "top_k") for n in graph.nodes)
         self._slots, self._steps = self._plan(graph)
@@ -812,6 +818,8 @@ class TorchExecutable(Executable[Tensor]):
         return "C" if self._param_type(name).dtype == "f32" and cpu_kernels.library() is not None else "F"
 
     def _lay_out(self, name: str) -> None:
+        if name in self._panelled and self._params[name].dtype == torch.uint8:
+            cpu_kernels.panels(self._params[name], *self._panelled[name])
         if name in self._transposed:
             weight = self._params[name]
             if self._weight_order(name) == "C":
