@@ -169,3 +169,27 @@ def test_the_torch_backend_multiplies_packed_weights_in_place() -> None:
         assert (torch.float32 in exe._params["w"].__dict__.get(_CONVERTED, {})) == dense  # type: ignore[attr-defined]
         if not dense:
             assert np.array_equal(out, cpu_kernels.matmul_xwt_packed(x, torch.from_numpy(packed), "q4_1", n).numpy())
+
+
+@pytest.mark.parametrize("shape", [(8, 9, 64), (1, 3, 64), (5, 4, 20), (3, 2, 128)])
+def test_rope_half_gives_the_bits_of_torchs_three_kernels(shape: tuple[int, int, int]) -> None:
+    rows, _, d = shape
+    x, angles = _rand(*shape, seed=d), _rand(rows, 1, d // 2, seed=rows)
+    cos, sin = torch.cat([angles.cos(), angles.cos()], -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    fused = cpu_kernels.rope_half(x, cos, sin)
+    assert fused is not None and torch.equal(fused, x * cos + x.roll(d // 2, -1) * sin)
+    assert cpu_kernels.rope_half(x.transpose(0, 1), cos, sin) is None  # not contiguous: torch's kernels serve it
+
+
+@pytest.mark.parametrize("shape", [(8, 576), (1, 576), (3, 20), (2, 3, 64)])
+def test_rms_norm_matches_float64_and_each_row_is_its_own(shape: tuple[int, ...]) -> None:
+    x, w = _rand(*shape, seed=len(shape)) * 3, _rand(shape[-1], seed=7)
+    out = cpu_kernels.rms_norm(x, w, 1e-5)
+    assert out is not None
+    want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    np.testing.assert_allclose(out.double().numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+    rows = x.reshape(-1, shape[-1])
+    for i in range(len(rows)):
+        alone = cpu_kernels.rms_norm(rows[i:i + 1], w, 1e-5)
+        assert alone is not None and torch.equal(alone[0], out.reshape(-1, shape[-1])[i])
+    assert cpu_kernels.rms_norm(x.double(), w.double(), 1e-5) is None  # f64: torch serves it

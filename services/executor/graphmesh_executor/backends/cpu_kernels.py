@@ -97,6 +97,10 @@ def library() -> ctypes.CDLL | None:
     lib.gemm_qpanels.restype = None
     lib.paged_decode_attention.argtypes = [i, i, i, i, i, i, p, p, p, p, p, ctypes.c_float, p, p, p]
     lib.paged_decode_attention.restype = None
+    lib.rms_norm.argtypes = [i, i, p, p, ctypes.c_float, p]
+    lib.rms_norm.restype = None
+    lib.rope_half.argtypes = [i, i, i, p, p, p, p]
+    lib.rope_half.restype = None
     return lib
 
 
@@ -204,6 +208,32 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     lib.paged_decode_attention(t, hq, hkv, d, block, table.shape[1], q.data_ptr(), k_pool.data_ptr(),
                                v_pool.data_ptr(), table.data_ptr(), pos.data_ptr(), scale, out.data_ptr(),
                                scores.data_ptr(), rows.data_ptr())
+    return out
+
+
+def _host_f32(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMS norm of x's rows (last axis) scaled by w, or None where the kernel does not serve it (then torch does)."""
+    lib = library()
+    if lib is None or not _host_f32(x, w) or w.dim() != 1 or x.shape[-1] != w.shape[0]:
+        return None
+    out = torch.empty_like(x)
+    lib.rms_norm(x.numel() // w.shape[0], w.shape[0], x.data_ptr(), w.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x * cos + roll(x, d / 2, -1) * sin for x [rows, heads, d] and cos, sin [rows, 1, d], bit for bit torch's
+    three kernels; None where the kernel does not serve it."""
+    lib = library()
+    if (lib is None or not _host_f32(x, cos, sin) or x.dim() != 3 or x.shape[2] % 2
+            or cos.shape != sin.shape or cos.shape != (x.shape[0], 1, x.shape[2])):
+        return None
+    out = torch.empty_like(x)
+    lib.rope_half(x.shape[0], x.shape[1], x.shape[2], x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr())
     return out
 
 
