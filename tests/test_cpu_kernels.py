@@ -151,7 +151,8 @@ def test_packed_weights_are_ggufs_values_and_each_row_sums_alone(scheme: str, m:
 
 
 def test_the_torch_backend_multiplies_packed_weights_in_place() -> None:
-    """A few f32 rows read the blocks through the kernel; a prompt chunk multiplies by the weight dequantized once."""
+    """A few f32 rows read the blocks through the kernel, in panels made when the param is set; a prompt chunk
+    multiplies by the weight dequantized once."""
     from graphmesh.ops import packed_shape
     from graphmesh_executor.backends.torch_backend import _CONVERTED, dequantize
 
@@ -162,6 +163,7 @@ def test_the_torch_backend_multiplies_packed_weights_in_place() -> None:
         g.output(g.dequant_matmul(g.input("x", (rows, k)), g.param("w", packed_shape("q4_1", n, k), "u8"), "q4_1", n, k))
         exe = compile_graph(parse(g.build()), "torch", "cpu")
         exe.set_param_typed("w", packed)
+        assert cpu_kernels._PANELS in exe._params["w"].__dict__  # type: ignore[attr-defined]  # laid out with the param
         x = _rand(rows, k, seed=rows)
         out = exe.run({"x": x.numpy()})[0]
         ref = x.double().numpy() @ dequantize(torch.from_numpy(packed), "q4_1", n, k).double().numpy().T

@@ -611,10 +611,11 @@ class TorchExecutable(Executable[Tensor]):
                             and not n.attrs["transpose_a"] and n.inputs[1] in graph.params
                             and len(graph.params[n.inputs[1]].shape) == 2 and readers[n.inputs[1]] == 1
                             and n.inputs[0] != n.inputs[1]} if self._device.type == "cpu" else set()
-        # Packed weights read only by dequant_matmul on the host get the panel form of cpu_kernels at lay-out, so
-        # that no request waits for it: (scheme, n, k) by param.
+        # Packed weights read only by dequant_matmul of f32 rows on the host get the panel form of cpu_kernels at
+        # lay-out, so that no request waits for it (bf16 rows take torch's int4 kernel): (scheme, n, k) by param.
         self._panelled = {n.inputs[1]: (n.attrs["scheme"], n.attrs["n"], n.attrs["k"]) for n in graph.nodes
                           if n.op == "dequant_matmul" and n.inputs[1] in graph.params and readers[n.inputs[1]] == 1
+                          and graph.type_of(n.inputs[0]).dtype == "f32"
                           and n.attrs["scheme"] in cpu_kernels.PACKED_SCHEMES and n.attrs["k"] % 32 == 0} \
             if self._device.type == "cpu" and cpu_kernels.library() is not None else {}
         # The base interpreter counts MoE expert calls and captures top-k ids: graphs with those ops keep it.
