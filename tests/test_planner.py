@@ -8,7 +8,7 @@ import pytest
 
 from graphmesh.errors import InvalidArgument
 from graphmesh.models.config import ModelConfig
-from graphmesh_coordinator.planner import head_bytes, layer_bytes, plan
+from graphmesh_coordinator.planner import PACKED_LAYER_EXTRA, head_bytes, layer_bytes, plan, stage_costs
 
 SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3,
                       head_dim=64, intermediate_size=1536, norm_eps=1e-5, tie_word_embeddings=True, max_position=8192)
@@ -29,6 +29,21 @@ def test_balance_charges_the_lm_head_to_the_last_stage() -> None:
     cost[1] += head_bytes(SMOLLM2)
     assert first.layer_end - first.layer_start > last.layer_end - last.layer_start
     assert abs(cost[0] - cost[1]) <= layer_bytes(SMOLLM2)  # within one layer of even
+
+
+def test_packed_weights_charge_a_layer_its_work_beyond_its_weights() -> None:
+    """Packed weights are compute-bound: a layer costs its products and the attention, norms and rope beside them,
+    the head its product alone, so the last stage takes more layers than with f32 (SmolLM2: 17+13 against 19+11,
+    the faster split of each in bench runs) and the costs stay within one layer of even."""
+    layer, head = stage_costs(SMOLLM2, "packed")
+    assert layer == layer_bytes(SMOLLM2) * (1 + PACKED_LAYER_EXTRA) and head == head_bytes(SMOLLM2)
+    assert stage_costs(SMOLLM2, "f32") == (layer_bytes(SMOLLM2), head_bytes(SMOLLM2))
+    first, last = plan(SMOLLM2, ["a", "b"], weights="packed")
+    assert (first.layer_end - first.layer_start, last.layer_end - last.layer_start) == (17, 13)
+    cost = [(s.layer_end - s.layer_start) * layer for s in (first, last)]
+    cost[1] += head
+    assert abs(cost[0] - cost[1]) <= layer
+    assert [(s.layer_end - s.layer_start) for s in plan(SMOLLM2, ["a", "b"], weights="f32")] == [19, 11]
 
 
 def test_explicit_split_and_bad_splits() -> None:

@@ -157,7 +157,7 @@ class Mesh:
             incarnation = self.state.next_incarnation()
             span.set_attribute("incarnation", incarnation)
             with telemetry.span("mesh.plan", incarnation=incarnation):
-                stages = plan(self.config, addresses, split)
+                stages = plan(self.config, addresses, split, weights=self.weights)
                 dag_plan = partition(self.config, stages)
             ranks = [Rank(p, stage_pb2_grpc.StageServiceStub(self.channels[p.address])) for p in stages]
             t0 = time.perf_counter()
