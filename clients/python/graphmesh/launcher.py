@@ -68,7 +68,7 @@ def fastest_backend() -> str:
     return "numpy"
 
 
-def log_tail(path: Path, lines: int = 30) -> str:
+def _log_tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
@@ -82,7 +82,7 @@ def wait_healthy(address: str, process: subprocess.Popen[bytes] | None, timeout_
     except (RuntimeError, TimeoutError) as e:
         if log is None:
             raise
-        raise type(e)(f"{e}; the tail of {log}:\n{log_tail(log)}") from None
+        raise type(e)(f"{e}; the tail of {log}:\n{_log_tail(log)}") from None
 
 
 def _wait_healthy(address: str, process: subprocess.Popen[bytes] | None, timeout_s: float, what: str,

@@ -10,6 +10,7 @@ Packed GGUF weights (--weights packed, packed-bf16) are a fifth of those bytes, 
 instead: a decoder layer also runs attention, norms and rope, which read no weights and take about
 PACKED_LAYER_EXTRA of its products' time at 8 rows, while the head is one product. Charged that way SmolLM2 splits
 17+13, which served 147 tok/s where 19+11 served 132 and 18+12 139 (the same 9 runs each).
+
 The stages become the decoder groups of the plan's DAG (graphmesh.plan); a model with an encoder gets it as an
 optional root group on the last rank, feeding the first stage: a prefill keeps the first rank the busiest one (it
 embeds and runs the most layers), while the last waits for its activations, so an encoder wave there costs the

@@ -153,13 +153,13 @@ void repack_blocks(int scheme, int n, int k, const unsigned char *src, unsigned 
             unsigned char *codes = out + (q8 ? 2 : 4) * PANEL;
             for (int r = 0; r < PANEL; r++) {
                 int row = panel * PANEL + r;
-                const unsigned char *blk = src + (size_t)row * row_bytes + (size_t)b * gguf_block_bytes(scheme);
                 if (row >= n) { /* zero scale, min and codes: the padding's products are zeros, never stored */
                     out[2 * r] = out[2 * r + 1] = 0;
                     if (!q8) out[2 * (PANEL + r)] = out[2 * (PANEL + r) + 1] = 0;
                     for (int c = 0; c < (q8 ? 32 : 16); c++) codes[c * PANEL + r] = 0;
                     continue;
                 }
+                const unsigned char *blk = src + (size_t)row * row_bytes + (size_t)b * gguf_block_bytes(scheme);
                 out[2 * r] = blk[0], out[2 * r + 1] = blk[1]; /* d */
                 if (q8) {
                     for (int c = 0; c < 32; c++) codes[c * PANEL + r] = blk[2 + c];

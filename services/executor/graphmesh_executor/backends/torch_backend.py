@@ -826,7 +826,7 @@ class TorchExecutable(Executable[Tensor]):
         return "C" if self._param_type(name).dtype == "f32" and cpu_kernels.library() is not None else "F"
 
     def _lay_out(self, name: str) -> None:
-        if name in self._panelled and self._params[name].dtype == torch.uint8:
+        if name in self._panelled:
             cpu_kernels.panels(self._params[name], *self._panelled[name])
         if name in self._transposed:
             weight = self._params[name]
