@@ -78,10 +78,10 @@ def test_the_torch_backend_runs_its_weights_through_the_kernel() -> None:
     assert np.array_equal(out, cpu_kernels.matmul_xwt(x, w).numpy())  # the kernel's exact bits, not MKL's
 
 
-def _decode_case(t: int, seed: int) -> tuple[torch.Tensor, ...]:
+def _decode_case(t: int, seed: int, hq: int = 9, hkv: int = 3, d: int = 64) -> tuple[torch.Tensor, ...]:
     """t sequences of ragged lengths over a pool of 16-token blocks; sequences 0 and 1 share their first block."""
     rng = np.random.default_rng(seed)
-    hq, hkv, d, block, blocks = 9, 3, 64, 16, 5
+    block, blocks = 16, 5
     table = rng.permutation(40)[: t * blocks].reshape(t, blocks).astype(np.int64)
     table[1, 0] = table[0, 0]
     pos = rng.integers(0, blocks * block, t).astype(np.int64)
@@ -91,11 +91,24 @@ def _decode_case(t: int, seed: int) -> tuple[torch.Tensor, ...]:
     return q, pools[0], pools[1], torch.from_numpy(table), torch.from_numpy(pos)
 
 
-def test_paged_decode_attention_matches_the_float64_reference() -> None:
-    q, k_pool, v_pool, table, pos = _decode_case(6, seed=7)
+# (query heads, kv heads, head dim): SmolLM2's 3 query heads a kv head, TinyLlama's 8 (3 + 3 + 2 at once), heads
+# of their own, 2 a kv head, and a head dim that leaves a tail past its 8-lane vectors.
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 4, 64), (4, 4, 32), (4, 2, 72)])
+def test_paged_decode_attention_matches_the_float64_reference(hq: int, hkv: int, d: int) -> None:
+    q, k_pool, v_pool, table, pos = _decode_case(6, seed=7, hq=hq, hkv=hkv, d=d)
     assert cpu_kernels.attention_usable(q, k_pool, v_pool)
     out = cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, 16, 0.125)
     ref = paged_ref([a.numpy() for a in (q, k_pool, v_pool, table, torch.arange(6), pos)], 16, 0.125)
+    np.testing.assert_allclose(out.double().numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_with_scores_far_apart() -> None:
+    """Scores hundreds apart: the softmax's exp underflows to 0 for all but the top keys, as expf does."""
+    q, k_pool, v_pool, table, pos = _decode_case(6, seed=9)
+    q = q * 40
+    out = cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, 16, 0.125)
+    ref = paged_ref([a.numpy() for a in (q, k_pool, v_pool, table, torch.arange(6), pos)], 16, 0.125)
+    assert np.isfinite(out.numpy()).all()
     np.testing.assert_allclose(out.double().numpy(), ref, rtol=1e-5, atol=1e-5)
 
 

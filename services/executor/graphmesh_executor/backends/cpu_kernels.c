@@ -257,65 +257,149 @@ void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w,
 /* Paged attention for decode, one query row per sequence (f32): out[s, h] = softmax(q[s, h] . K[s]^T * scale) V[s]
  * over the keys 0..pos[s] of sequence s, read in place from the pools through its block table. torch's version
  * gathers every block, permutes it for a batched matmul and masks the padding: two copies of the sequences' K
- * and V per layer, which cost SmolLM2 a sixth of a 16-row decode step. Scores and the weighted sum run in key
- * order and depend on this sequence's rows alone.
- * Each score is one 8-lane FMA chain over d and a fixed horizontal sum; four keys go at once, so four chains
- * hide the FMA latency that one chain per key waited on. The weighted sum keeps its output in registers, a
- * chunk of OUT_CHUNK floats at a time, instead of a load and a store of it per key (a store-to-load chain).
- * Every number is the one the one-key-at-a-time loop gave: the same products summed in the same order. */
+ * and V per layer, which cost SmolLM2 a sixth of a 16-row decode step. Every number depends on this sequence's
+ * rows alone, computed in a fixed order.
+ * The query heads that share a kv head go up to HEADS_AT_ONCE at a time, so each K and V row is loaded once for
+ * all of them (SmolLM2: 3 query heads a kv head). A score is one 8-lane FMA chain over d and a fixed horizontal
+ * sum, four keys at once so that independent chains hide the FMA latency. The softmax runs 8 keys a vector with
+ * exp as a polynomial (within 2 ulp of expf). The weighted sum keeps its output in registers, a chunk at a time,
+ * each lane one FMA chain over the keys in order. */
 
 #define KEYS_AT_ONCE 4
-#define OUT_CHUNK 64 /* floats of a head's output kept in 8 ymm registers while every key adds to them */
+#define HEADS_AT_ONCE 3 /* 3 heads x 4 keys: 12 accumulators, 3 query vectors and a key vector in 16 ymm registers */
 
-static inline float dot(const float *a, const float *b, int d) {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
-    for (; i < d; i++) s += a[i] * b[i];
-    return s;
-}
-
-/* scores[r] = q . k[r] for KEYS_AT_ONCE keys, each exactly dot(q, k[r], d). */
-static inline void dots(const float *q, const float *const *k, int d, float *scores) {
-    __m256 acc[KEYS_AT_ONCE];
-    for (int r = 0; r < KEYS_AT_ONCE; r++) acc[r] = _mm256_setzero_ps();
+/* scores[h * stride + r] = q[h] . k[r] for nh heads and KEYS_AT_ONCE keys. */
+static inline __attribute__((always_inline)) void dots(int nh, const float *q, size_t ldq, const float *const *k,
+                                                       int d, float *scores, size_t stride) {
+    __m256 acc[HEADS_AT_ONCE][KEYS_AT_ONCE];
+    for (int h = 0; h < nh; h++)
+        for (int r = 0; r < KEYS_AT_ONCE; r++) acc[h][r] = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= d; i += 8) {
-        __m256 qv = _mm256_loadu_ps(q + i);
-        for (int r = 0; r < KEYS_AT_ONCE; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[r] + i), acc[r]);
+        __m256 qv[HEADS_AT_ONCE];
+        for (int h = 0; h < nh; h++) qv[h] = _mm256_loadu_ps(q + h * ldq + i);
+        for (int r = 0; r < KEYS_AT_ONCE; r++) {
+            __m256 kv = _mm256_loadu_ps(k[r] + i);
+            for (int h = 0; h < nh; h++) acc[h][r] = _mm256_fmadd_ps(qv[h], kv, acc[h][r]);
+        }
     }
-    for (int r = 0; r < KEYS_AT_ONCE; r++) {
-        float s = hsum(acc[r]);
-        for (int j = i; j < d; j++) s += q[j] * k[r][j];
-        scores[r] = s;
+    for (int h = 0; h < nh; h++)
+        for (int r = 0; r < KEYS_AT_ONCE; r++) {
+            float s = hsum(acc[h][r]);
+            for (int j = i; j < d; j++) s += q[h * ldq + j] * k[r][j];
+            scores[h * stride + r] = s;
+        }
+}
+
+/* The same for the keys past the last whole group of KEYS_AT_ONCE, one at a time. */
+static inline __attribute__((always_inline)) void dot_1(int nh, const float *q, size_t ldq, const float *k, int d,
+                                                        float *scores, size_t stride) {
+    for (int h = 0; h < nh; h++) {
+        __m256 acc = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * ldq + i), _mm256_loadu_ps(k + i), acc);
+        float s = hsum(acc);
+        for (; i < d; i++) s += q[h * ldq + i] * k[i];
+        scores[h * stride] = s;
     }
 }
 
-/* o[0..width) = sum over keys j, in order, of p[j] * v[j][at..at + width), each lane one FMA chain from zero. */
-static inline void weighted_sum(const float *p, const float *const *v, size_t at, int keys, int width, float *o) {
-    __m256 acc[OUT_CHUNK / 8];
-    int lanes = width / 8;
-    for (int c = 0; c < lanes; c++) acc[c] = _mm256_setzero_ps();
+/* e^x for x <= 0, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so r is exact to float
+ * precision), e^r by its degree-7 Taylor polynomial (truncation below 1e-8 relative), times 2^n built in the exponent
+ * bits. Below -87.3 (where 2^n would leave the normal range) the result is 0, as expf's is near there. */
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), ln2_hi = _mm256_set1_ps(0.693359375f),
+                 ln2_lo = _mm256_set1_ps(-2.12194440e-4f);
+    __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, ln2_lo, _mm256_fnmadd_ps(n, ln2_hi, x));
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+/* p[0..keys) = softmax(p * scale) in place; p has room for a whole last vector (the caller's buffer is padded). */
+static void softmax(float *p, int keys, float scale) {
+    int vecs = (keys + 7) / 8, tail = keys - 8 * (vecs - 1);
+    __m256 sc = _mm256_set1_ps(scale), top = _mm256_set1_ps(-INFINITY);
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 last = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(tail), lane)); /* real lanes of the last */
+    for (int v = 0; v < vecs; v++) {
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(p + 8 * v), sc);
+        if (v == vecs - 1) x = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), x, last);
+        _mm256_storeu_ps(p + 8 * v, x);
+        top = _mm256_max_ps(top, x);
+    }
+    __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+    t4 = _mm_max_ss(t4, _mm_movehdup_ps(t4));
+    __m256 m = _mm256_set1_ps(_mm_cvtss_f32(t4)), total = _mm256_setzero_ps();
+    for (int v = 0; v < vecs; v++) {
+        __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + 8 * v), m));
+        if (v == vecs - 1) e = _mm256_and_ps(e, last);
+        _mm256_storeu_ps(p + 8 * v, e);
+        total = _mm256_add_ps(total, e);
+    }
+    __m256 sum = _mm256_set1_ps(hsum(total));
+    for (int v = 0; v < vecs; v++) _mm256_storeu_ps(p + 8 * v, _mm256_div_ps(_mm256_loadu_ps(p + 8 * v), sum));
+}
+
+/* o[h][0..width) = sum over keys j, in order, of p[h * stride + j] * v[j][at..at + width) for nh heads; each lane
+ * is one FMA chain from zero. width is a multiple of 8, at most 8 * lanes_max(nh). */
+static inline __attribute__((always_inline)) void weighted_sum(int nh, const float *p, size_t stride,
+                                                               const float *const *v, size_t at, int keys,
+                                                               int lanes, float *o, size_t ldo) {
+    __m256 acc[HEADS_AT_ONCE][8];
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < lanes; c++) acc[h][c] = _mm256_setzero_ps();
     for (int j = 0; j < keys; j++) {
-        __m256 pj = _mm256_set1_ps(p[j]);
-        for (int c = 0; c < lanes; c++) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v[j] + at + 8 * c), acc[c]);
+        __m256 pj[HEADS_AT_ONCE];
+        for (int h = 0; h < nh; h++) pj[h] = _mm256_broadcast_ss(p + h * stride + j);
+        for (int c = 0; c < lanes; c++) {
+            __m256 vv = _mm256_loadu_ps(v[j] + at + 8 * c);
+            for (int h = 0; h < nh; h++) acc[h][c] = _mm256_fmadd_ps(pj[h], vv, acc[h][c]);
+        }
     }
-    for (int c = 0; c < lanes; c++) _mm256_storeu_ps(o + 8 * c, acc[c]);
-    for (int i = 8 * lanes; i < width; i++) {
-        float s = 0.0f;
-        for (int j = 0; j < keys; j++) s += p[j] * v[j][at + i];
-        o[i] = s;
-    }
+    for (int h = 0; h < nh; h++)
+        for (int c = 0; c < lanes; c++) _mm256_storeu_ps(o + h * ldo + 8 * c, acc[h][c]);
+}
+
+/* nh heads of a kv group of one sequence: q and out point at the first head's row. */
+static inline __attribute__((always_inline)) void attend_heads(int nh, const float *q, int keys, int d,
+                                                               const float *const *k_rows, const float *const *v_rows,
+                                                               float scale, float *scores, size_t stride, float *out) {
+    int j = 0;
+    for (; j + KEYS_AT_ONCE <= keys; j += KEYS_AT_ONCE) dots(nh, q, d, k_rows + j, d, scores + j, stride);
+    for (; j < keys; j++) dot_1(nh, q, d, k_rows[j], d, scores + j, stride);
+    for (int h = 0; h < nh; h++) softmax(scores + h * stride, keys, scale);
+    int lanes = nh == 1 ? 8 : 12 / nh; /* accumulators: 8 for one head, 12 across two or three (+ broadcasts) */
+    int d8 = d & ~7, c = 0;
+    for (; c + 8 * lanes <= d8; c += 8 * lanes) weighted_sum(nh, scores, stride, v_rows, c, keys, lanes, out + c, d);
+    if (c < d8) weighted_sum(nh, scores, stride, v_rows, c, keys, (d8 - c) / 8, out + c, d);
+    for (int h = 0; h < nh; h++)
+        for (int i = d8; i < d; i++) {
+            float s = 0.0f;
+            for (int jj = 0; jj < keys; jj++) s += scores[h * stride + jj] * v_rows[jj][i];
+            out[h * d + i] = s;
+        }
 }
 
 /* q, out [t, hq, d]; k_pool, v_pool [slots, hkv, d]; table [t, blocks] pool block ids; pos [t]; scores: a
- * caller's buffer of blocks * block floats; rows: one of 2 * blocks * block pointers. A key's slot is
- * table[s, j / block] * block + j % block. */
+ * caller's buffer of HEADS_AT_ONCE * (blocks * block + 8) floats; rows: one of 2 * blocks * block pointers. A key's
+ * slot is table[s, j / block] * block + j % block. */
 void paged_decode_attention(int t, int hq, int hkv, int d, int block, int blocks, const float *q,
                             const float *k_pool, const float *v_pool, const long long *table, const long long *pos,
                             float scale, float *out, float *scores, const float **rows) {
     int group = hq / hkv;
+    size_t stride = (size_t)blocks * block + 8;
     const float **k_rows = rows, **v_rows = rows + (size_t)blocks * block;
     for (int s = 0; s < t; s++) {
         int keys = (int)pos[s] + 1;
@@ -327,22 +411,19 @@ void paged_decode_attention(int t, int hq, int hkv, int d, int block, int blocks
                 k_rows[j] = k_pool + slot * hkv * d + head;
                 v_rows[j] = v_pool + slot * hkv * d + head;
             }
-            for (int h = kv * group; h < (kv + 1) * group; h++) {
-                const float *qh = q + ((size_t)s * hq + h) * d;
-                int j = 0;
-                for (; j + KEYS_AT_ONCE <= keys; j += KEYS_AT_ONCE) dots(qh, k_rows + j, d, scores + j);
-                for (; j < keys; j++) scores[j] = dot(qh, k_rows[j], d);
-                float top = -INFINITY;
-                for (j = 0; j < keys; j++) {
-                    scores[j] *= scale;
-                    top = scores[j] > top ? scores[j] : top;
+            for (int h = kv * group; h < (kv + 1) * group;) {
+                int nh = (kv + 1) * group - h;
+                size_t at = ((size_t)s * hq + h) * d;
+                if (nh >= 3) {
+                    attend_heads(3, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
+                    h += 3;
+                } else if (nh == 2) {
+                    attend_heads(2, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
+                    h += 2;
+                } else {
+                    attend_heads(1, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
+                    h += 1;
                 }
-                float total = 0.0f;
-                for (j = 0; j < keys; j++) total += scores[j] = expf(scores[j] - top);
-                for (j = 0; j < keys; j++) scores[j] /= total;
-                float *o = out + ((size_t)s * hq + h) * d;
-                for (int c = 0; c < d; c += OUT_CHUNK)
-                    weighted_sum(scores, v_rows, (size_t)c, keys, d - c < OUT_CHUNK ? d - c : OUT_CHUNK, o + c);
             }
         }
     }

@@ -37,6 +37,7 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
 _LIBS = ["-lm"]
 _TILE_ROWS = 6  # weight rows per tile of gemm_xwt in cpu_kernels.c: a thread's share of n is a multiple of it
+_HEADS_AT_ONCE = 3  # query heads paged_decode_attention scores at once: its scores buffer holds one row each
 _MIN_SHARE = 384  # output columns a thread takes at least: fewer cost more in the handoff than they save
 
 
@@ -203,7 +204,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     (t, hq, d), hkv = q.shape, k_pool.shape[1]
     q, table, pos = q.contiguous(), table.contiguous().long(), pos.contiguous().long()
     out = torch.empty(t, hq, d, dtype=torch.float32)
-    scores = torch.empty(table.shape[1] * block, dtype=torch.float32)
+    scores = torch.empty(_HEADS_AT_ONCE * (table.shape[1] * block + 8), dtype=torch.float32)  # padded to whole vectors
     rows = torch.empty(2 * table.shape[1] * block, dtype=torch.int64)  # a key's K and V row addresses
     lib.paged_decode_attention(t, hq, hkv, d, block, table.shape[1], q.data_ptr(), k_pool.data_ptr(),
                                v_pool.data_ptr(), table.data_ptr(), pos.data_ptr(), scale, out.data_ptr(),
