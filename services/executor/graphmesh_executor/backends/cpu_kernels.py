@@ -113,7 +113,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether matmul_xwt computes x @ w.T here: f32 on the host, a few rows of x, w [n, k] row-major."""
     return (x.shape[0] <= MAX_ROWS and x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype == torch.float32
-            and x.device.type == w.device.type == "cpu" and x.shape[1] == w.shape[1] and w.is_contiguous()
+            and x.is_cpu and w.is_cpu and x.shape[1] == w.shape[1] and w.is_contiguous()
             and library() is not None)
 
 
@@ -130,17 +130,25 @@ def matmul_xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _shares(n: int, tile: int) -> list[tuple[int, int]]:
+def _shares(n: int, tile: int) -> tuple[tuple[int, int], ...]:
     """A product's n output columns split over torch's intra-op threads: shares of whole weight tiles of `tile`
     rows, as many as have enough work."""
-    threads = min(torch.get_num_threads(), max(1, n // _MIN_SHARE))
+    return _split(n, tile, torch.get_num_threads())
+
+
+@functools.cache  # a decode step asks ~120 times for a handful of splits: Python per call is a step's overhead
+def _split(n: int, tile: int, threads: int) -> tuple[tuple[int, int], ...]:
+    threads = min(threads, max(1, n // _MIN_SHARE))
     share = -(-n // threads // tile) * tile
-    return [(a, min(n, a + share)) for a in range(0, n, share)]
+    return tuple((a, min(n, a + share)) for a in range(0, n, share))
 
 
-def _run_shares(shares: list[tuple[int, int]], run: Callable[[int, int, int], object]) -> None:
+def _run_shares(shares: tuple[tuple[int, int], ...], run: Callable[[int, int, int], object]) -> None:
     """run(i, a, b) for every share [a, b), at once: ctypes releases the GIL for a call, and this thread takes
     the first."""
+    if len(shares) == 1:
+        run(0, *shares[0])
+        return
     rest = [_pool(len(shares) - 1).submit(run, i, a, b) for i, (a, b) in enumerate(shares) if i]
     run(0, *shares[0])
     for f in rest:
@@ -154,8 +162,8 @@ _PANELS = "_graphmesh_panels"  # a packed tensor's panel form, in its __dict__
 
 def packed_usable(x: torch.Tensor, packed: torch.Tensor, scheme: str) -> bool:
     """Whether matmul_xwt_packed computes x @ w.T here: a few f32 rows of x on the host, w packed GGUF blocks."""
-    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
-            and packed.device.type == "cpu" and packed.dtype == torch.uint8 and packed.is_contiguous()
+    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.is_cpu
+            and packed.is_cpu and packed.dtype == torch.uint8 and packed.is_contiguous()
             and scheme in PACKED_SCHEMES and x.shape[1] % 32 == 0 and library() is not None)
 
 
@@ -189,8 +197,8 @@ def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int
 
 def attention_usable(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     """Whether paged_decode_attention serves this decode: f32 on the host, pools [slots, kv heads, head dim]."""
-    return (q.dtype == k_pool.dtype == v_pool.dtype == torch.float32 and q.device.type == "cpu"
-            and k_pool.device.type == v_pool.device.type == "cpu" and k_pool.dim() == v_pool.dim() == 3
+    return (q.dtype == k_pool.dtype == v_pool.dtype == torch.float32 and q.is_cpu
+            and k_pool.is_cpu and v_pool.is_cpu and k_pool.dim() == v_pool.dim() == 3
             and k_pool.is_contiguous() and v_pool.is_contiguous() and q.shape[1] % k_pool.shape[1] == 0
             and library() is not None)
 
@@ -213,7 +221,10 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 
 def _host_f32(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    for t in tensors:  # a loop, not all() over a generator: called ~120 times a decode step
+        if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
+            return False
+    return True
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -93,7 +93,7 @@ def _elementwise(fn: Any) -> Kernel:
 
 def _rms_norm(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, w = xs
-    fused = cpu_kernels.rms_norm(x, w, a["eps"]) if x.device.type == "cpu" else None  # one call, not six kernels
+    fused = cpu_kernels.rms_norm(x, w, a["eps"]) if x.is_cpu else None  # one call, not six kernels
     return fused if fused is not None else F.rms_norm(x, x.shape[-1:], w, a["eps"])
 
 
@@ -273,7 +273,7 @@ def _kv_scatter(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     out.__dict__.pop(_MEMO, None)
     # Every layer scatters to the same slots: their index form is made once a run (a kernel on CUDA).
     index = _memo(slots, "index", lambda: slots.reshape(-1).long())
-    return out.index_copy_(0, index, rows.to(out.dtype))
+    return out.index_copy_(0, index, rows if rows.dtype == out.dtype else rows.to(out.dtype))
 
 
 def _paged_rows(table: Tensor, blocks: int) -> Tensor:
