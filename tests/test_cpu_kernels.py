@@ -186,6 +186,51 @@ def test_the_torch_backend_multiplies_packed_weights_in_place() -> None:
             assert np.array_equal(out, cpu_kernels.matmul_xwt_packed(x, torch.from_numpy(packed), "q4_1", n).numpy())
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_products_of_the_same_rows_run_as_one_with_each_members_bits(packed: bool) -> None:
+    """q, k, v over the same rows are one call over the joined weight (a third of the calls a layer): a decode's
+    rows get exactly the bits of each product alone, a prompt's rows run each product as before, and a weight
+    set on its own after the join is still read."""
+    from graphmesh.ops import packed_shape
+    from graphmesh_executor.backends.torch_backend import _joined_matmul
+
+    k, widths = 128, (96, 48, 48)
+    g = GraphBuilder("qkv")
+    outs = []
+    for rows in (4, cpu_kernels.MAX_ROWS + 3):
+        x = g.input(f"x{rows}", (rows, k))
+        for i, n in enumerate(widths):
+            w = g.param(f"w{rows}_{i}", packed_shape("q4_1", n, k) if packed else (n, k), "u8" if packed else "f32")
+            outs.append(g.dequant_matmul(x, w, "q4_1", n, k) if packed else g.matmul(x, w, transpose_b=True))
+    g.output(*outs)
+    exe = compile_graph(parse(g.build()), "torch", "cpu")
+    weights = {}
+    for rows in (4, cpu_kernels.MAX_ROWS + 3):
+        for i, n in enumerate(widths):
+            weights[f"w{rows}_{i}"] = _gguf_blocks("q4_1", n, k, seed=n + i) if packed else _rand(n, k, seed=n + i).numpy()
+            exe.set_param_typed(f"w{rows}_{i}", weights[f"w{rows}_{i}"])
+    exe.finalize_params()
+    assert sum(step.kernel is _joined_matmul for step in exe._steps) == 2  # type: ignore[attr-defined]
+    xs = {f"x{rows}": _rand(rows, k, seed=rows).numpy() for rows in (4, cpu_kernels.MAX_ROWS + 3)}
+
+    def alone(x: np.ndarray, name: str, n: int) -> np.ndarray:
+        g1 = GraphBuilder("one")
+        w = g1.param("w", packed_shape("q4_1", n, k) if packed else (n, k), "u8" if packed else "f32")
+        xv = g1.input("x", x.shape)
+        g1.output(g1.dequant_matmul(xv, w, "q4_1", n, k) if packed else g1.matmul(xv, w, transpose_b=True))
+        one = compile_graph(parse(g1.build()), "torch", "cpu")
+        one.set_param_typed("w", weights[name])
+        return one.run({"x": x})[0]
+
+    expected = [alone(xs[f"x{rows}"], f"w{rows}_{i}", n) for rows in (4, cpu_kernels.MAX_ROWS + 3)
+                for i, n in enumerate(widths)]
+    for got, want in zip(exe.run(xs), expected):
+        assert np.array_equal(got, want)
+    exe.set_param_typed("w4_1", weights["w4_2"])  # on its own: the join no longer holds it
+    after = exe.run(xs)
+    assert np.array_equal(after[1], expected[2]) and np.array_equal(after[0], expected[0])
+
+
 @pytest.mark.parametrize("shape", [(8, 9, 64), (1, 3, 64), (5, 4, 20), (3, 2, 128)])
 def test_rope_half_gives_the_bits_of_torchs_three_kernels(shape: tuple[int, int, int]) -> None:
     rows, _, d = shape

@@ -131,8 +131,20 @@ def _joined(weights: Sequence[Tensor]) -> _Joined | None:
 
 
 def _joined_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
+    """x @ [W_1; W_2; ...].T (see TorchExecutable._joins); `a` holds the packed weights' scheme and k, if packed."""
     x, *weights = xs
     joined = _joined(weights)
+    if x.is_cpu:
+        # cpu_kernels sums each output alone, in one order whatever rows of the weight a call covers: one call
+        # over the joined weight gives every member's exact bits for a third of the calls. Where the kernels do
+        # not serve the rows (a prompt), each member runs as it would alone, so its bits do not change either.
+        if joined is not None and "scheme" in a and cpu_kernels.packed_usable(x, joined.whole, a["scheme"]):
+            return cpu_kernels.matmul_xwt_packed(x, joined.whole, a["scheme"], joined.whole.shape[0])
+        if joined is not None and "scheme" not in a and cpu_kernels.usable(x, joined.whole):
+            return cpu_kernels.matmul_xwt(x, joined.whole)
+        if "scheme" in a:
+            return torch.cat([_dequant_matmul(ctx, [x, w], {**a, "n": w.shape[0]}) for w in weights], -1)
+        return torch.cat([_matmul(ctx, [x, w], {"transpose_a": False, "transpose_b": True}) for w in weights], -1)
     if joined is None:  # a param was set on its own since the join (ExecutorService.SetParam): one product each
         return torch.cat([torch.matmul(x, w.mT) for w in weights], -1)
     return torch.matmul(x, joined.whole.mT)
@@ -618,6 +630,12 @@ class TorchExecutable(Executable[Tensor]):
                           and graph.type_of(n.inputs[0]).dtype == "f32"
                           and n.attrs["scheme"] in cpu_kernels.PACKED_SCHEMES and n.attrs["k"] % 32 == 0} \
             if self._device.type == "cpu" and cpu_kernels.library() is not None else {}
+        # Weights joined for one product (see _joins): the panels are the joined weight's, made at the join.
+        self._join_groups = self._joins(graph)
+        for members in self._join_groups:
+            for node in graph.nodes:
+                if node.name in members:
+                    self._panelled.pop(node.inputs[1], None)
         # The base interpreter counts MoE expert calls and captures top-k ids: graphs with those ops keep it.
         self._planned = not any(n.op in ("grouped_matmul", "top_k") for n in graph.nodes)
         self._slots, self._steps = self._plan(graph)
@@ -630,7 +648,7 @@ class TorchExecutable(Executable[Tensor]):
     # -- the plan --------------------------------------------------------------------------------------
     def _plan(self, graph: Graph) -> tuple[dict[str, int], list[_Step]]:
         names = [*graph.inputs, *graph.params, *(n.name for n in graph.nodes)]
-        joins = {members[0]: members for members in self._joins(graph)}
+        joins = {members[0]: members for members in self._join_groups}
         names += [f"{first}+joined" for first in joins]
         slots = {name: i for i, name in enumerate(names)}
         keep = set(graph.outputs) | set(graph.params)
@@ -648,21 +666,32 @@ class TorchExecutable(Executable[Tensor]):
         return slots, steps
 
     def _joins(self, graph: Graph) -> list[tuple[str, ...]]:
-        """Groups of matmul nodes that run as one on CUDA: x @ W_i.T over the same activations x [rows, k], each W_i
-        a 2-d param of one dtype that nothing else reads, run as x @ [W_1; W_2; ...].T. A decode step's GPU time
-        there is mostly kernel launches: a Llama layer's q, k, v and its gate, up are two products instead of five."""
-        if self._device.type != "cuda":
+        """Groups of matmul nodes that run as one: x @ W_i.T over the same activations x [rows, k], each W_i a 2-d
+        param of one dtype that nothing else reads, run as x @ [W_1; W_2; ...].T. A Llama layer's q, k, v and its
+        gate, up are two products instead of five. On CUDA a decode step's GPU time is mostly kernel launches; on
+        the host, f32 and packed products through cpu_kernels (dequant_matmul groups of one scheme and k) spend
+        tens of microseconds of Python a call, a tenth of a SmolLM2 decode step."""
+        host = self._device.type == "cpu" and cpu_kernels.library() is not None
+        if self._device.type != "cuda" and not host:
             return []
         readers = Counter(name for node in graph.nodes for name in node.inputs)
-        groups: dict[tuple[str, str, int], list[str]] = {}
+        groups: dict[tuple[str, str, int, str], list[str]] = {}
         for node in graph.nodes:
-            if node.op != "matmul" or not node.attrs["transpose_b"] or node.attrs["transpose_a"]:
+            if node.op == "dequant_matmul":
+                if not host or node.attrs["scheme"] not in cpu_kernels.PACKED_SCHEMES or node.attrs["k"] % 32:
+                    continue
+                scheme = node.attrs["scheme"]
+            elif node.op == "matmul" and node.attrs["transpose_b"] and not node.attrs["transpose_a"]:
+                scheme = ""
+            else:
                 continue
             x, w = node.inputs
             t = graph.params.get(w)
             if t is None or len(t.shape) != 2 or readers[w] != 1 or len(graph.type_of(x).shape) != 2:
                 continue
-            groups.setdefault((x, t.dtype, t.shape[1]), []).append(node.name)
+            if host and (graph.type_of(x).dtype != "f32" or (not scheme and t.dtype != "f32")):
+                continue  # the host kernels take f32 rows, and f32 or packed weights
+            groups.setdefault((x, t.dtype, t.shape[1], scheme), []).append(node.name)
         return [tuple(members) for members in groups.values() if len(members) > 1]
 
     def _joined_steps(self, graph: Graph, i: int, members: list[Node], slots: dict[str, int]) -> list[_Step]:
@@ -673,10 +702,12 @@ class TorchExecutable(Executable[Tensor]):
         places = {j for j, n in enumerate(graph.nodes) if n.name in {m.name for m in members}}
         free = (slots[x],) if later <= places and x not in graph.outputs else ()
         out = slots[f"{members[0].name}+joined"]
-        steps = [_Step(_joined_matmul, (slots[x], *(slots[m.inputs[1]] for m in members)), {}, out, free)]
+        packed = {"scheme": members[0].attrs["scheme"], "k": members[0].attrs["k"]} \
+            if members[0].op == "dequant_matmul" else {}
+        steps = [_Step(_joined_matmul, (slots[x], *(slots[m.inputs[1]] for m in members)), packed, out, free)]
         start = 0
         for m in members:
-            n = graph.params[m.inputs[1]].shape[0]
+            n = m.attrs["n"] if m.op == "dequant_matmul" else graph.params[m.inputs[1]].shape[0]
             steps.append(_Step(self.kernels["slice"], (out,), {"axis": 1, "start": start, "end": start + n},
                                slots[m.name], ()))
             start += n
@@ -864,8 +895,12 @@ class TorchExecutable(Executable[Tensor]):
         return super().copy_params_from(src)
 
     def finalize_params(self) -> list[str]:
-        for members in self._joins(self.graph):
-            self._join(tuple(node.inputs[1] for node in self.graph.nodes if node.name in members))
+        for members in self._join_groups:
+            nodes = [node for node in self.graph.nodes if node.name in members]
+            self._join(tuple(node.inputs[1] for node in nodes))
+            whole = _joined([self._params[node.inputs[1]] for node in nodes if node.inputs[1] in self._params])
+            if whole is not None and nodes[0].op == "dequant_matmul":  # the panels a decode reads (see _lay_out)
+                cpu_kernels.panels(whole.whole, nodes[0].attrs["scheme"], whole.whole.shape[0], nodes[0].attrs["k"])
         return super().finalize_params()
 
     def _join(self, names: tuple[str, ...]) -> None:
