@@ -238,7 +238,11 @@ def test_rope_half_gives_the_bits_of_torchs_three_kernels(shape: tuple[int, int,
     cos, sin = torch.cat([angles.cos(), angles.cos()], -1), torch.cat([-angles.sin(), angles.sin()], -1)
     fused = cpu_kernels.rope_half(x, cos, sin)
     assert fused is not None and torch.equal(fused, x * cos + x.roll(d // 2, -1) * sin)
-    assert cpu_kernels.rope_half(x.transpose(0, 1), cos, sin) is None  # not contiguous: torch's kernels serve it
+    assert cpu_kernels.rope_half(x.transpose(0, 1), cos, sin) is None  # heads apart: torch's kernels serve it
+    wide = _rand(rows, shape[1] * d + 40, seed=d + 1)  # rows apart, as q in a joined q, k, v product
+    sliced = wide[:, 8:8 + shape[1] * d].reshape(shape)
+    fused = cpu_kernels.rope_half(sliced, cos, sin)
+    assert fused is not None and torch.equal(fused, sliced * cos + sliced.roll(d // 2, -1) * sin)
 
 
 @pytest.mark.parametrize("shape", [(8, 576), (1, 576), (3, 20), (2, 3, 64)])

@@ -455,11 +455,12 @@ void rms_norm(int rows, int d, const float *x, const float *w, float eps, float 
 
 /* Rotary embedding over whole heads, "half" style: out = x * cos + roll(x, d / 2) * sin for each of `heads` heads
  * of d of each of `rows` rows, cos and sin [rows][d] (sin signed, see the torch backend's _half_table). Two
- * products and a sum, each rounded, as torch's three kernels do: the same bits. */
-__attribute__((optimize("fp-contract=off"))) void rope_half(int rows, int heads, int d, const float *x,
+ * products and a sum, each rounded, as torch's three kernels do: the same bits. Rows of x are ldx floats apart
+ * (a slice of a joined q, k, v product); out is contiguous. */
+__attribute__((optimize("fp-contract=off"))) void rope_half(int rows, int heads, int d, const float *x, int ldx,
                                                             const float *cos, const float *sin, float *out) {
     int half = d / 2;
-    for (int r = 0; r < rows; r++, cos += d, sin += d)
+    for (int r = 0; r < rows; r++, cos += d, sin += d, x += ldx - heads * d)
         for (int h = 0; h < heads; h++, x += d, out += d) {
             int i = 0;
             for (; i + 8 <= half; i += 8) {

@@ -100,7 +100,7 @@ def library() -> ctypes.CDLL | None:
     lib.paged_decode_attention.restype = None
     lib.rms_norm.argtypes = [i, i, p, p, ctypes.c_float, p]
     lib.rms_norm.restype = None
-    lib.rope_half.argtypes = [i, i, i, p, p, p, p]
+    lib.rope_half.argtypes = [i, i, i, p, i, p, p, p]
     lib.rope_half.restype = None
     return lib
 
@@ -239,13 +239,16 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | Non
 
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x * cos + roll(x, d / 2, -1) * sin for x [rows, heads, d] and cos, sin [rows, 1, d], bit for bit torch's
-    three kernels; None where the kernel does not serve it."""
+    three kernels; None where the kernel does not serve it. x's rows may be apart (q of a joined q, k, v
+    product): each row's heads are contiguous."""
     lib = library()
-    if (lib is None or not _host_f32(x, cos, sin) or x.dim() != 3 or x.shape[2] % 2
+    if (lib is None or not _host_f32(cos, sin) or x.dim() != 3 or x.shape[2] % 2 or x.dtype != torch.float32
+            or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.stride(0) < x.shape[1] * x.shape[2]
             or cos.shape != sin.shape or cos.shape != (x.shape[0], 1, x.shape[2])):
         return None
-    out = torch.empty_like(x)
-    lib.rope_half(x.shape[0], x.shape[1], x.shape[2], x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr())
+    out = torch.empty(x.shape, dtype=torch.float32)
+    lib.rope_half(x.shape[0], x.shape[1], x.shape[2], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                  out.data_ptr())
     return out
 
 
