@@ -10,6 +10,9 @@ batch of one, so this is reported, not asserted). Writes bench/results/gpu_mesh.
 after the other in the same run: over boundary links (the default) and over PushBoundary calls (executors
 started with --boundary-link-port off), the peer the links are measured against.
 
+--mps off,on runs it again with NVIDIA's Multi-Process Service (a daemon the benchmark starts and stops): without
+it the two executors' CUDA contexts take the GPU in turns; with it their kernels run side by side.
+
     python bench/bench_gpu_mesh.py                                # on a machine with a GPU
     python bench/bench_gpu_mesh.py --small --device cpu --concurrency 1,4   # a dry run on a tiny model
 """
@@ -17,12 +20,16 @@ started with --boundary-link-port off), the peer the links are measured against.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -65,7 +72,7 @@ def run_level(address: str, prompts: list[list[int]], tokens: int) -> dict[str, 
 
 
 def run_mesh(a: argparse.Namespace, model: str, transport: str, levels: list[int],
-             prompts: list[list[int]]) -> dict[str, Any]:
+             prompts: list[list[int]], label: str) -> dict[str, Any]:
     """Every concurrency level through one mesh whose executors pass boundaries over `transport`."""
     link_args = [] if transport == "links" else ["--boundary-link-port", "off"]
     mesh = LocalMesh(a.executors, "torch", model, kvstore=False, startup_timeout_s=600,
@@ -79,7 +86,7 @@ def run_mesh(a: argparse.Namespace, model: str, transport: str, levels: list[int
             before = client.status().incarnation
         # As long as the measured streams: the KV block-table buckets (1, 2, 4 ... blocks per sequence) grow with
         # the sessions, and each new one compiles and captures on the step that first needs it.
-        progress(f"== {transport}: warm-up (compiles and captures every batch and block-table bucket once)")
+        progress(f"== {label}: warm-up (compiles and captures every batch and block-table bucket once)")
         for n in levels:
             run_level(address, prompts[:n], a.tokens)
         solo = [stream(address, prompts[i], a.tokens)["ids"] for i in range(min(4, max(levels)))]
@@ -87,7 +94,7 @@ def run_mesh(a: argparse.Namespace, model: str, transport: str, levels: list[int
         for n in levels:
             reps = []
             for r in range(a.repeats):
-                progress(f"== {transport}: {n} streams, repeat {r + 1}/{a.repeats}")
+                progress(f"== {label}: {n} streams, repeat {r + 1}/{a.repeats}")
                 reps.append(run_level(address, prompts[:n], a.tokens))
             same = sum(ids == solo[i] for rep in reps for i, ids in enumerate(rep["ids"][:len(solo)]))
             rows.append({"streams": n, **{k: median([x[k] for x in reps]) for k in
@@ -99,6 +106,33 @@ def run_mesh(a: argparse.Namespace, model: str, transport: str, levels: list[int
     for row in rows:
         row["vs_one_stream"] = float(row["tok_s"]) / one if one else 0.0
     return {"recoveries": after - before, "rows": rows}
+
+
+@contextlib.contextmanager
+def mps_daemon(on: bool) -> Iterator[None]:
+    """NVIDIA's Multi-Process Service for the processes started inside (they find it through the environment)."""
+    if not on:
+        yield
+        return
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        raise SystemExit("--mps on needs nvidia-cuda-mps-control on PATH")
+    with tempfile.TemporaryDirectory(prefix="mps-") as where:
+        env = {"CUDA_MPS_PIPE_DIRECTORY": f"{where}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{where}/log"}
+        for d in env.values():
+            os.makedirs(d)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        subprocess.run([control, "-d"], check=True)
+        try:
+            yield
+        finally:
+            subprocess.run([control], input=b"quit\n", check=False)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def main() -> None:
@@ -117,6 +151,7 @@ def main() -> None:
                    help="the coordinator's --decode-steps (longest decode run; 0: its default for the devices)")
     p.add_argument("--transports", default="links",
                    help="comma-separated: links (boundary links, the default) and/or grpc (PushBoundary calls)")
+    p.add_argument("--mps", default="off", help="comma-separated: off and/or on (NVIDIA MPS for the executors)")
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu_mesh.json"))
     a = p.parse_args()
     levels = [int(x) for x in a.concurrency.split(",")]
@@ -127,24 +162,30 @@ def main() -> None:
     transports = a.transports.split(",")
     if not set(transports) <= {"links", "grpc"}:
         raise SystemExit(f"--transports takes links and/or grpc, not {a.transports!r}")
-    by_transport: dict[str, dict[str, Any]] = {}
+    mps = a.mps.split(",")
+    if not set(mps) <= {"off", "on"}:
+        raise SystemExit(f"--mps takes off and/or on, not {a.mps!r}")
+    by_transport: dict[str, dict[str, Any]] = {}  # by transport, "+mps" where MPS ran
     with tempfile.TemporaryDirectory() as tmp:
         progress(f"== writing a random {('tiny' if a.small else '1.1B')} Llama (bf16) to {tmp}")
         make_model(shape, "cpu", Path(tmp))
-        for transport in transports:
-            by_transport[transport] = run_mesh(a, tmp, transport, levels, prompts)
+        for setting in mps:
+            with mps_daemon(setting == "on"):
+                for transport in transports:
+                    name = transport + ("+mps" if setting == "on" else "")
+                    by_transport[name] = run_mesh(a, tmp, transport, levels, prompts, name)
     cols = ["streams", "tok_s", "vs_one_stream", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
             "same_as_solo"]
-    for transport, run in by_transport.items():
-        print(f"boundaries over {transport}:")
+    for name, run in by_transport.items():
+        print(f"boundaries over {name.replace('+mps', ' (MPS on)')}:")
         print(table(cols, [[row[c] for c in cols] for row in run["rows"]]))
         print(f"recoveries during the run: {run['recoveries']}")
-    first = by_transport[transports[0]]
+    first = next(iter(by_transport.values()))
     result = {"benchmark": "gpu_mesh", "machine": machine(load), "model": "random Llama, TinyLlama-1.1B shape" if not
               a.small else "tiny", "dtype": a.dtype, "executors": a.executors, "device": a.device,
               "tokens_per_stream": a.tokens, "prompt_tokens": a.prompt_tokens, "repeats": a.repeats,
               "steps_in_flight": a.steps_in_flight or a.executors, "decode_steps": a.decode_steps,
-              "transport": transports[0], "recoveries": first["recoveries"], "rows": first["rows"],
+              "transport": transports[0], "mps": mps[0] == "on", "recoveries": first["recoveries"], "rows": first["rows"],
               "transports": by_transport,
               "env": {k: v for k, v in os.environ.items() if k.startswith(("CUDA", "NCCL"))}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
