@@ -353,8 +353,8 @@ static void softmax(float *p, int keys, float scale) {
     for (int v = 0; v < vecs; v++) _mm256_storeu_ps(p + 8 * v, _mm256_div_ps(_mm256_loadu_ps(p + 8 * v), sum));
 }
 
-/* o[h][0..width) = sum over keys j, in order, of p[h * stride + j] * v[j][at..at + width) for nh heads; each lane
- * is one FMA chain from zero. width is a multiple of 8, at most 8 * lanes_max(nh). */
+/* o[h][0..8 * lanes) = sum over keys j, in order, of p[h * stride + j] * v[j][at..at + 8 * lanes) for nh heads;
+ * each lane is one FMA chain from zero (nh * lanes accumulators: at most 12, see attend_heads). */
 static inline __attribute__((always_inline)) void weighted_sum(int nh, const float *p, size_t stride,
                                                                const float *const *v, size_t at, int keys,
                                                                int lanes, float *o, size_t ldo) {
@@ -412,19 +412,13 @@ void paged_decode_attention(int t, int hq, int hkv, int d, int block, int blocks
                 k_rows[j] = k_pool + slot * hkv * d + head;
                 v_rows[j] = v_pool + slot * hkv * d + head;
             }
-            for (int h = kv * group; h < (kv + 1) * group;) {
-                int nh = (kv + 1) * group - h;
+            for (int h = kv * group, nh; h < (kv + 1) * group; h += nh) {
+                nh = (kv + 1) * group - h < HEADS_AT_ONCE ? (kv + 1) * group - h : HEADS_AT_ONCE;
                 size_t at = ((size_t)s * hq + h) * d;
-                if (nh >= 3) {
-                    attend_heads(3, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
-                    h += 3;
-                } else if (nh == 2) {
-                    attend_heads(2, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
-                    h += 2;
-                } else {
-                    attend_heads(1, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
-                    h += 1;
-                }
+                /* a constant head count each, so attend_heads unrolls for it */
+                if (nh == 3) attend_heads(3, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
+                else if (nh == 2) attend_heads(2, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
+                else attend_heads(1, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
             }
         }
     }
