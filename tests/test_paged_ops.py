@@ -146,6 +146,29 @@ def test_paged_attention_decode(backend: str, dtype: str) -> None:
     assert_close(run_paged(backend, ins), f64(got))
 
 
+@pytest.mark.parametrize("shuffle", [False, True], ids=["adjacent", "shuffled"])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
+def test_prompt_runs_batched_matches_the_reference(heads: tuple[int, int], dtype: str, shuffle: bool) -> None:
+    # The CUDA form of prompt attention (every run in one kernel, padded to the longest) run on the host: the same
+    # math, so it is checked here too, not only where a GPU is.
+    import torch
+
+    from graphmesh_executor.backends import torch_backend as tb
+    ins = paged_inputs(ragged_table(), RAGGED, 32, dtype, *heads, shuffle=shuffle)
+    q, k_pool, v_pool, table, token_seq, pos = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+                                                if x.dtype.name == "bfloat16" else torch.from_numpy(x) for x in ins)
+    hkv = k_pool.shape[1]
+    runs = tb._prompt_runs(token_seq, pos)
+    assert sum(end - start for _, start, end, _, _ in runs) == len(pos)
+    if not shuffle:
+        assert [(seq, end - start) for seq, start, end, _, _ in runs] == [(seq, n) for seq, _, n in RAGGED]
+    got = tb._prompt_runs_batched(q, k_pool.view(-1, BLOCK, hkv, D), v_pool.view(-1, BLOCK, hkv, D), table, token_seq,
+                                  pos, runs, D**-0.5)
+    out = got.float().numpy().astype(ins[0].dtype)
+    assert_close(out, paged_ref(ins, BLOCK))
+
+
 # One index made bad: (input, where, value). Inputs 3, 4, 5 are block_table, token_seq, q_positions.
 OOR: dict[str, tuple[int, tuple[int, ...], int]] = {
     "block id past the pool": (3, (0, 0), 8),
