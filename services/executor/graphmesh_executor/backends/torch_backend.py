@@ -332,7 +332,9 @@ def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
         return torch.matmul(p, v.permute(0, 2, 1, 3)).reshape(t, hq, d).to(q.dtype)
     # Chunks of prompts (and decodes) mixed: each sequence's queries are one contiguous run of rows.
     runs = _prompt_runs(token_seq, pos)
-    if q.is_cuda and len(runs) * max(end - start for _, start, end, _, _ in runs) <= 2 * t:
+    # Batched where there are several runs and padding at most doubles the rows: a lone prompt keeps the causal
+    # kernel below, which needs no mask (the batched one's is heads x rows x keys).
+    if q.is_cuda and len(runs) > 1 and len(runs) * max(end - start for _, start, end, _, _ in runs) <= 2 * t:
         return _prompt_runs_batched(q, k_blocks, v_blocks, table, token_seq, pos, runs, scale)
     out = []
     for seq, start, end, keys, from_zero in runs:
