@@ -187,7 +187,7 @@ def main() -> None:
               "steps_in_flight": a.steps_in_flight or a.executors, "decode_steps": a.decode_steps,
               "transport": transports[0], "mps": mps[0] == "on", "recoveries": first["recoveries"], "rows": first["rows"],
               "transports": by_transport,
-              "env": {k: v for k, v in os.environ.items() if k.startswith(("CUDA", "NCCL"))}}
+              "env": {k: v for k, v in os.environ.items() if k.startswith(("CUDA", "NCCL", "GRAPHMESH"))}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     progress(f"== wrote {a.out}")

@@ -768,3 +768,28 @@ def test_torch_keeps_q4_weights_packed_for_bf16_activations() -> None:
     from graphmesh_executor.backends import cpu_kernels
     dense = set() if cpu_kernels.library() is not None else {torch.float32}
     assert set(src._params["wq"].__dict__[_CONVERTED]) == {"int4", *dense}
+
+
+def test_torch_runs_an_add_and_its_norm_and_a_silu_and_its_product_as_one_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's fused pairs (TorchExecutable._fusions; one Triton kernel each on CUDA, tested in test_cuda_kernels.py)
+    on the host, where a pair runs torch's two ops in one step: every output has the bits of the plan without them,
+    and inputs read again after the fused step are still there (the add's input x, the residual sum)."""
+    from graphmesh_executor.backends.torch_backend import TorchExecutable, _add_rms_norm, _silu_mul
+
+    g = GraphBuilder("pairs")
+    x, r, gate, up = g.input("x", (4, 64)), g.input("r", (4, 64)), g.input("gate", (4, 32)), g.input("up", (4, 32))
+    total = g.add(x, r)
+    normed = g.rms_norm(total, g.param("w", (64,)), 1e-5)
+    g.output(g.add(total, normed), g.mul(g.silu(gate), up), g.mul(x, normed))
+    inputs = {"x": f32(4, 64), "r": f32(4, 64), "gate": f32(4, 32), "up": f32(4, 32)}
+    w = f32(64) + 1
+    runs = {}
+    for fuse in (False, True):
+        monkeypatch.setattr(TorchExecutable, "fuse_pairs", fuse)
+        ex = compile_("torch", g)
+        ex.set_param("w", w)
+        kernels = [step.kernel for step in ex._steps]  # type: ignore[attr-defined]
+        assert (kernels.count(_add_rms_norm), kernels.count(_silu_mul)) == ((1, 1) if fuse else (0, 0))
+        runs[fuse] = ex.run(inputs)
+    for fused, plain in zip(runs[True], runs[False]):
+        assert np.array_equal(fused, plain)

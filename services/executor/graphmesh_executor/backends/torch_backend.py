@@ -21,7 +21,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from graphmesh import dtypes
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph, Node
 from graphmesh.ops import QUANT_BLOCKS, TensorType
-from graphmesh_executor.backends import cpu_kernels
+from graphmesh_executor.backends import cpu_kernels, cuda_kernels
 from graphmesh_executor.executable import Capabilities, Executable, ExtentCut, Kernel, RunContext, conform, sample_rows
 
 Tensor = torch.Tensor
@@ -95,6 +95,21 @@ def _rms_norm(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, w = xs
     fused = cpu_kernels.rms_norm(x, w, a["eps"]) if x.is_cpu else None  # one call, not six kernels
     return fused if fused is not None else F.rms_norm(x, x.shape[-1:], w, a["eps"])
+
+
+def _add_rms_norm(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """An add and the rms_norm of its sum (TorchExecutable._fusions): one kernel where the rows allow, else the two."""
+    x, y, w = xs
+    if cuda_kernels.rows_usable(x, y) and w.dtype == x.dtype:
+        return cuda_kernels.add_rms_norm(x, y, w, a["eps"])
+    total = x + y
+    return total, _rms_norm(ctx, [total, w], a)
+
+
+def _silu_mul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
+    """silu(gate) * up (TorchExecutable._fusions): one kernel where the rows allow, else the two."""
+    gate, up = xs
+    return cuda_kernels.silu_mul(gate, up) if cuda_kernels.rows_usable(gate, up) else F.silu(gate) * up
 
 
 def _div(x: Tensor, y: Tensor) -> Tensor:
@@ -196,8 +211,12 @@ def _rope(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     y = _up(x)
     if a["style"] == "half" and rot == x.shape[2]:
         # Four kernels instead of ten; the same products and sums as the halves below (the sign is exact).
-        cos, sin = _memo(pos, ("rope-half", a["theta"], rot, y.dtype), lambda: _half_table(pos, a["theta"], rot, y.dtype))
-        if y.is_cuda:  # three kernels, not four: a decode step's GPU time there is mostly kernel count
+        triton_rope = cuda_kernels.rope_half_usable(x)  # one kernel, not three: GPU time is kernel count there
+        dtype = torch.float32 if triton_rope else y.dtype
+        cos, sin = _memo(pos, ("rope-half", a["theta"], rot, dtype), lambda: _half_table(pos, a["theta"], rot, dtype))
+        if triton_rope:
+            return cuda_kernels.rope_half(x, cos, sin)
+        if y.is_cuda:  # three kernels, not four
             return torch.addcmul(y * cos, y.roll(rot // 2, -1), sin)
         fused = cpu_kernels.rope_half(y, cos, sin)  # the same bits in one call instead of four
         return (fused if fused is not None else y * cos + y.roll(rot // 2, -1) * sin).to(x.dtype)
@@ -303,6 +322,8 @@ def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
     k_blocks, v_blocks = k_pool.view(-1, block, hkv, d), v_pool.view(-1, block, hkv, d)
     if a["decode"] and not _static(ctx) and cpu_kernels.attention_usable(q, k_pool, v_pool):
         return cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, block, scale)  # in place, no copies
+    if a["decode"] and cuda_kernels.paged_decode_usable(q, k_pool, v_pool):
+        return cuda_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, block, scale)  # one kernel, no copies
     if a["decode"]:
         # One query per sequence: gather every sequence's blocks (whole-block copies) and run one batched
         # attention with keys past each query masked. Static runs read every block of the table (no host read).
@@ -610,6 +631,7 @@ class _Step:
     attrs: dict[str, Any]
     out: int  # slot written
     free: tuple[int, ...]  # slots whose last reader this is
+    pair: int = -1  # a second slot written: the kernel returns (out's value, pair's value)
 
 
 @dataclass(frozen=True)
@@ -642,6 +664,9 @@ class TorchExecutable(Executable[Tensor]):
     capabilities = Capabilities(resident_handles=True, active_extent=True)
     kernels = KERNELS
     cuda_graphs = True  # capture static runs on CUDA; False runs the same static kernels eagerly
+    # Run pairs of nodes as one kernel (see _fusions); None: on CUDA, where the Triton kernels are. On the host the
+    # pair runs torch's two ops in one step (the same bits as apart), which tests use to check the plan's wiring.
+    fuse_pairs: bool | None = None
 
     @classmethod
     def capabilities_on(cls, device: str) -> Capabilities:
@@ -701,17 +726,61 @@ class TorchExecutable(Executable[Tensor]):
         slots = {name: i for i, name in enumerate(names)}
         keep = set(graph.outputs) | set(graph.params)
         joined = {name for members in joins.values() for name in members}
+        fused = self._fusions(graph)
+        absorbed = {other.name for _, other in fused.values()}
         steps = []
         for i, node in enumerate(graph.nodes):
-            if node.op == "constant" or (node.name in joined and node.name not in joins):
-                continue  # a constant is folded; a joined matmul runs with the first of its group
+            if node.op == "constant" or (node.name in joined and node.name not in joins) or node.name in absorbed:
+                continue  # a constant is folded; a joined matmul runs with the first of its group, a fused node at its pair's
             if node.name in joins:
                 steps += self._joined_steps(graph, i, [n for n in graph.nodes if n.name in joins[node.name]], slots)
+                continue
+            if node.name in fused:
+                steps.append(self._fused_step(i, node, *fused[node.name], slots, keep))
                 continue
             free = tuple(slots[n] for n in dict.fromkeys(node.inputs) if self._last_use.get(n) == i and n not in keep)
             steps.append(_Step(self.kernels[node.op], tuple(slots[n] for n in node.inputs), node.attrs, slots[node.name],
                                free))
         return slots, steps
+
+    def _fusions(self, graph: Graph) -> dict[str, tuple[str, Node]]:
+        """Pairs of nodes that run as one Triton kernel on CUDA (see cuda_kernels), by the node whose place the kernel
+        takes: ("add_rms_norm", the rms_norm reading that add's sum), or ("silu_mul", the silu whose output only
+        that mul reads). A layer of a Llama has two of the first and one of the second."""
+        fuse = self.fuse_pairs
+        if fuse is None:
+            fuse = self._device.type == "cuda" and cuda_kernels.usable(torch.empty(0, device=self._device))
+        if not fuse:
+            return {}
+        readers: dict[str, list[Node]] = {}
+        for node in graph.nodes:
+            for name in dict.fromkeys(node.inputs):
+                readers.setdefault(name, []).append(node)
+        producer = {node.name: node for node in graph.nodes}
+        fused: dict[str, tuple[str, Node]] = {}
+        for node in graph.nodes:
+            if node.op == "add" and all(graph.type_of(x).shape == graph.type_of(node.name).shape for x in node.inputs):
+                norm = next((r for r in readers.get(node.name, []) if r.op == "rms_norm" and r.inputs[0] == node.name
+                             and r.inputs[1] in graph.params), None)
+                if norm is not None and len(graph.type_of(node.name).shape) == 2:
+                    fused[node.name] = ("add_rms_norm", norm)
+            elif node.op == "mul" and len(graph.type_of(node.name).shape) == 2:
+                silu = producer.get(node.inputs[0])
+                if (silu is not None and silu.op == "silu" and len(readers[silu.name]) == 1 and silu.name not in graph.outputs
+                        and graph.type_of(silu.inputs[0]).shape == graph.type_of(node.inputs[1]).shape):
+                    fused[node.name] = ("silu_mul", silu)
+        return fused
+
+    def _fused_step(self, i: int, node: Node, kind: str, other: Node, slots: dict[str, int], keep: set[str]) -> _Step:
+        """The step of a fused pair (see _fusions) at `node`'s place (the add, or the mul after its silu). It frees
+        what no later node reads: the absorbed node reads nothing of the step's inputs but the silu's (read earlier)."""
+        if kind == "add_rms_norm":
+            names, pair, attrs = [*node.inputs, other.inputs[1]], slots[other.name], other.attrs
+            kernel = cast(Kernel, _add_rms_norm)  # returns the pair (see _Step.pair)
+        else:
+            names, pair, kernel, attrs = [other.inputs[0], node.inputs[1]], -1, _silu_mul, {}
+        free = tuple(slots[n] for n in dict.fromkeys(names) if self._last_use.get(n, i) <= i and n not in keep)
+        return _Step(kernel, tuple(slots[n] for n in names), attrs, slots[node.name], free, pair)
 
     def _joins(self, graph: Graph) -> list[tuple[str, ...]]:
         """Groups of matmul nodes that run as one: x @ W_i.T over the same activations x [rows, k], each W_i a 2-d
@@ -771,7 +840,10 @@ class TorchExecutable(Executable[Tensor]):
         for name, t in self.graph.params.items():
             values[slots[name]] = self._params[name] if name in self._params else self._zeros(t)
         for step in steps or self._steps:
-            values[step.out] = step.kernel(ctx, [values[j] for j in step.args], step.attrs)
+            if step.pair < 0:
+                values[step.out] = step.kernel(ctx, [values[j] for j in step.args], step.attrs)
+            else:
+                values[step.out], values[step.pair] = step.kernel(ctx, [values[j] for j in step.args], step.attrs)
             for j in step.free:
                 values[j] = None
         return [values[slots[name]] for name in self.graph.outputs]

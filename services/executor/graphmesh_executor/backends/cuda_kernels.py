@@ -1,0 +1,203 @@
+"""The torch backend's CUDA kernels for decode, in Triton: one launch where torch's ops take several.
+
+On a GPU a decode step of a few dozen rows is not bound by its arithmetic but by its kernel count: a stage
+iteration of the 1.1B mesh (11 layers, 16 rows) was ~300 small kernels and ~1.1 ms of GPU time on an H200, where
+its weights alone read in ~0.12 ms. So the ops a layer repeats get one kernel each:
+
+- rope ("half" style over the whole head): torch's form is a product, a roll and an addcmul;
+- paged decode attention (one query row per sequence): torch's form gathers every sequence's blocks for keys and
+  for values, then runs SDPA with an additive mask. Here each (sequence, kv head) walks its own blocks through the
+  block table, up to its own position, with an online softmax: no gathered copy, no mask, no padded keys;
+- a residual add and the RMS norm that reads it (TorchExecutable fuses the two nodes), and silu(gate) * up.
+
+They compute in float32 and round once at the end, except where an op alone would round an intermediate that
+another op reads (the residual sum, silu's output): that is rounded as the op rounds it. They run under a captured
+CUDA graph like any other kernel: their launch parameters (shapes, strides) are those of the captured run. Without
+triton, or with GRAPHMESH_CUDA_KERNELS=0, callers use torch's ops (the reference they are tested against on the GPU).
+"""
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("graphmesh.executor.cuda_kernels")
+
+Tensor = torch.Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: every caller checks usable() first
+    triton = None
+
+
+@functools.cache
+def _enabled() -> bool:
+    if os.environ.get("GRAPHMESH_CUDA_KERNELS", "1") == "0":
+        log.info("CUDA kernels off (GRAPHMESH_CUDA_KERNELS=0): torch's ops run instead")
+        return False
+    return triton is not None
+
+
+def usable(*xs: Tensor) -> bool:
+    """Whether these tensors take the Triton kernels: on a CUDA device, with triton importable and not turned off."""
+    return all(x.is_cuda for x in xs) and _enabled()
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+if triton is not None:
+    # Triton reads a kernel's annotations itself: only its constexprs carry one.
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _rope_half_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sx_s, sx_h, so_s, so_h, sc_s,  # type: ignore[no-untyped-def]
+                          D: tl.constexpr, BH: tl.constexpr):
+        s = tl.program_id(0)
+        h = tl.arange(0, BH)[:, None]
+        d = tl.arange(0, D)[None, :]
+        live = h < heads
+        x = tl.load(x_ptr + s * sx_s + h * sx_h + d, mask=live, other=0.0).to(tl.float32)
+        rolled = tl.load(x_ptr + s * sx_s + h * sx_h + (d + D // 2) % D, mask=live, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + s * sc_s + d)
+        sin = tl.load(sin_ptr + s * sc_s + d)
+        tl.store(out_ptr + s * so_s + h * so_h + d, (x * cos + rolled * sin).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, scale,  # type: ignore[no-untyped-def]
+                             sq_t, sq_h, sk_row, sk_h, st_t, so_t, so_h,
+                             BLOCK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
+                             BN: tl.constexpr, HALF: tl.constexpr):
+        t = tl.program_id(0)
+        kv = tl.program_id(1)
+        g = tl.arange(0, BG)
+        d = tl.arange(0, D)
+        heads = kv * G + g
+        q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=(g < G)[:, None], other=0.0)
+        keys = tl.load(pos_ptr + t).to(tl.int32) + 1  # the row's own position and every one before it
+        best = tl.full([BG], float("-inf"), tl.float32)
+        total = tl.zeros([BG], tl.float32)
+        acc = tl.zeros([BG, D], tl.float32)
+        for start in range(0, keys, BN):
+            n = start + tl.arange(0, BN)
+            live = n < keys
+            block = tl.load(table_ptr + t * st_t + n // BLOCK, mask=live, other=0).to(tl.int64)
+            rows = (block * BLOCK + n % BLOCK)[:, None] * sk_row + kv * sk_h + d[None, :]
+            k = tl.load(k_ptr + rows, mask=live[:, None], other=0.0)
+            v = tl.load(v_ptr + rows, mask=live[:, None], other=0.0)
+            if HALF:  # tensor cores, float32 sums, as SDPA's kernels do
+                scores = tl.dot(q, tl.trans(k))
+            else:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # no tf32: f32 stays f32
+            scores = tl.where(live[None, :], scores * scale, float("-inf"))
+            top = tl.maximum(best, tl.max(scores, 1))
+            p = tl.exp(scores - top[:, None])
+            shrink = tl.exp(best - top)
+            total = total * shrink + tl.sum(p, 1)
+            if HALF:
+                acc = acc * shrink[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * shrink[:, None] + tl.dot(p, v, input_precision="ieee")
+            best = top
+        out = acc / total[:, None]
+        tl.store(out_ptr + t * so_t + heads[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(g < G)[:, None])
+
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _add_rms_norm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, out_ptr, n, sa, sb, ss, so, eps,  # type: ignore[no-untyped-def]
+                             BN: tl.constexpr):
+        r = tl.program_id(0)
+        i = tl.arange(0, BN)
+        live = i < n
+        total = (tl.load(a_ptr + r * sa + i, mask=live, other=0.0).to(tl.float32)
+                 + tl.load(b_ptr + r * sb + i, mask=live, other=0.0).to(tl.float32))
+        total = total.to(sum_ptr.dtype.element_ty)  # the residual as the add alone rounds it, and the norm reads that
+        tl.store(sum_ptr + r * ss + i, total, mask=live)
+        x = total.to(tl.float32)
+        scale = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
+        w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * so + i, (x * scale * w).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, sg, su, so, BN: tl.constexpr):  # type: ignore[no-untyped-def]
+        r = tl.program_id(0)
+        i = tl.program_id(1) * BN + tl.arange(0, BN)
+        live = i < n
+        g = tl.load(g_ptr + r * sg + i, mask=live, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r * su + i, mask=live, other=0.0).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as silu alone rounds
+        tl.store(out_ptr + r * so + i, (silu * u).to(out_ptr.dtype.element_ty), mask=live)
+
+
+def rows_usable(*xs: Tensor) -> bool:
+    """2-d tensors of one float dtype and shape with contiguous rows, for add_rms_norm and silu_mul."""
+    return (usable(*xs) and all(x.dim() == 2 and x.shape == xs[0].shape and x.dtype == xs[0].dtype and x.stride(1) == 1
+                                for x in xs) and xs[0].dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def add_rms_norm(a: Tensor, b: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(a + b, rms_norm(a + b) * weight) over rows [S, H] in one pass: a layer's residual add and the norm that
+    reads it. The sum is rounded to the rows' dtype first, so both are what the two ops give apart."""
+    rows, n = a.shape
+    total = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
+    if rows:
+        _add_rms_norm_kernel[(rows,)](a, b, weight, total, out, n, a.stride(0), b.stride(0), total.stride(0),
+                                      out.stride(0), eps, BN=triton.next_power_of_2(n))
+    return total, out
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up over rows [S, I] (the SwiGLU of a Llama MLP) in one pass; silu rounded as it is alone."""
+    rows, n = gate.shape
+    out = torch.empty((rows, n), dtype=gate.dtype, device=gate.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), out.stride(0),
+                                                        BN=block)
+    return out
+
+
+def rope_half_usable(x: Tensor) -> bool:
+    """x [S, H, D] rotated over its whole head: D a power of two, the last axis contiguous."""
+    return usable(x) and x.dim() == 3 and _pow2(x.shape[2]) and x.stride(2) == 1
+
+
+def rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x * cos + roll(x, D/2) * sin over x [S, H, D] with cos, sin [S, 1, D] float32 (sin signed, see
+    torch_backend._half_table): a new [S, H, D] tensor in x's dtype."""
+    s, h, d = x.shape
+    out = torch.empty((s, h, d), dtype=x.dtype, device=x.device)
+    cos, sin = cos.reshape(s, d).contiguous(), sin.reshape(s, d).contiguous()
+    if s:
+        _rope_half_kernel[(s,)](x, cos, sin, out, h, x.stride(0), x.stride(1), out.stride(0), out.stride(1), d,
+                                D=d, BH=triton.next_power_of_2(h))
+    return out
+
+
+def paged_decode_usable(q: Tensor, k_pool: Tensor, v_pool: Tensor) -> bool:
+    """q [T, Hq, D] and pools [rows, Hkv, D] of one float dtype, D a power of two >= 16, last axes contiguous."""
+    return (usable(q, k_pool, v_pool) and _pow2(q.shape[2]) and q.dtype == k_pool.dtype == v_pool.dtype
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and q.stride(2) == k_pool.stride(2) == v_pool.stride(2) == 1 and k_pool.stride() == v_pool.stride())
+
+
+def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, pos: Tensor, block: int,
+                           scale: float) -> Tensor:
+    """Attention of one query row per sequence over its own blocks: q [T, Hq, D]; k_pool, v_pool [rows, Hkv, D]
+    (block b's keys are rows b*block ..); table [T, blocks] the pool blocks of each row's sequence; pos [T] each
+    row's position (it sees keys 0..pos). Returns [T, Hq, D] in q's dtype."""
+    t, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    group = hq // hkv
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if t:
+        table = table if table.stride(1) == 1 else table.contiguous()
+        _paged_decode_kernel[(t, hkv)](
+            q, k_pool, v_pool, table, pos, out, scale, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
+            table.stride(0), out.stride(0), out.stride(1), BLOCK=block, G=group, BG=max(16, triton.next_power_of_2(group)),
+            D=d, BN=64, HALF=q.dtype != torch.float32)
+    return out

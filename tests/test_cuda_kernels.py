@@ -1,0 +1,131 @@
+"""The Triton kernels of the torch backend's CUDA decode path (backends/cuda_kernels.py) against float64 references
+written here: rope over whole heads, and paged decode attention over ragged positions, shared and shuffled blocks,
+key counts either side of the kernel's 64-key tile. Skipped without a GPU (CI has none); run on the lent H200. With
+triton installed and TRITON_INTERPRET=1 they run on the host through Triton's interpreter instead (slowly).
+
+Pool rows that no query may see hold large finite garbage, as in test_paged_ops.py: a kernel that lets one through
+changes the result."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+cuda_kernels = pytest.importorskip("graphmesh_executor.backends.cuda_kernels")
+if cuda_kernels.triton is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if torch.cuda.is_available():
+    DEVICE = "cuda"
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICE = "cpu"
+else:
+    pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+
+TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+TOL = {"f32": 1e-5, "bf16": 2e-2, "f16": 4e-3}  # atol = rtol, against float64 on inputs already in the dtype
+BLOCK = 16
+gen = torch.Generator().manual_seed(20261203)
+
+
+def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return scale * torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: str) -> None:
+    torch.testing.assert_close(got.cpu().double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("heads", [9, 4, 1])
+def test_rope_half_matches_the_reference(heads: int, dtype: str) -> None:
+    from graphmesh_executor.backends.torch_backend import _half_table
+
+    rows, d = 7, 64
+    pos = torch.tensor([0, 1, 5, 17, 200, 4095, 9], dtype=torch.int64)
+    # x a view with a row stride wider than its heads, as a slice of the joined q, k, v product is
+    wide = rand(rows, heads * d + 96).to(TORCH_DTYPES[dtype]).to(DEVICE)
+    x = wide[:, 32 : 32 + heads * d].view(rows, heads, d)
+    cos, sin = _half_table(pos.to(DEVICE), 10000.0, d, torch.float32)
+    got = cuda_kernels.rope_half(x, cos, sin)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    c64, s64 = (t.cpu().double() for t in _half_table(pos, 10000.0, d, torch.float64))
+    x64 = x.cpu().double()
+    close(got, x64 * c64 + x64.roll(d // 2, -1) * s64, dtype)
+
+
+def paged_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                    pos: torch.Tensor, scale: float) -> torch.Tensor:
+    q, k_pool, v_pool = (x.cpu().double() for x in (q, k_pool, v_pool))
+    t, hq, d = q.shape
+    group = hq // k_pool.shape[1]
+    out = torch.zeros(t, hq, d, dtype=torch.float64)
+    for i in range(t):
+        rows = [int(table[i, j // BLOCK]) * BLOCK + j % BLOCK for j in range(int(pos[i]) + 1)]
+        k, v = k_pool[rows], v_pool[rows]
+        for h in range(hq):
+            w = torch.softmax(k[:, h // group] @ q[i, h] * scale, 0)
+            out[i, h] = w @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("heads", [(32, 4), (9, 3), (4, 4)], ids=["gqa8", "smollm2", "mha"])
+def test_paged_decode_attention_matches_the_reference(heads: tuple[int, int], dtype: str) -> None:
+    hq, hkv = heads
+    d, n_blocks, width = 64, 64, 24
+    # positions 0, one short of a tile, a tile, past it, two long ones, and a row sharing another's first blocks
+    pos = torch.tensor([0, 63, 64, 65, 150, 300, 40], dtype=torch.int64)
+    ids = torch.randperm(n_blocks - 1, generator=gen).to(torch.int32)  # 44 of them are owned, shuffled
+    table = torch.full((len(pos), width), n_blocks - 1, dtype=torch.int32)  # padding: the last block, garbage
+    used = 0
+    for i, p in enumerate(pos.tolist()[:-1]):
+        need = p // BLOCK + 1
+        table[i, :need] = ids[used : used + need]
+        used += need
+    table[-1, :3] = table[4, :3]  # a common prompt prefix: the same pool blocks
+    k_pool = rand(n_blocks * BLOCK, hkv, d, scale=30.0)
+    v_pool = rand(n_blocks * BLOCK, hkv, d, scale=30.0)
+    for i, p in enumerate(pos.tolist()):  # every visible row sane, the rest garbage
+        rows = [int(table[i, j // BLOCK]) * BLOCK + j % BLOCK for j in range(p + 1)]
+        k_pool[rows] = rand(len(rows), hkv, d)
+        v_pool[rows] = rand(len(rows), hkv, d)
+    dt = TORCH_DTYPES[dtype]
+    q, k_pool, v_pool = (x.to(dt).to(DEVICE) for x in (rand(len(pos), hq, d), k_pool, v_pool))
+    scale = 1.0 / math.sqrt(d)
+    got = cuda_kernels.paged_decode_attention(q, k_pool, v_pool, table.to(DEVICE), pos.to(DEVICE), BLOCK, scale)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    close(got, paged_reference(q, k_pool, v_pool, table, pos, scale), dtype)
+
+
+def test_paged_decode_attention_of_no_rows() -> None:
+    q = torch.zeros(0, 8, 64, device=DEVICE)
+    pool = torch.zeros(4 * BLOCK, 2, 64, device=DEVICE)
+    table = torch.zeros(0, 4, dtype=torch.int32, device=DEVICE)
+    got = cuda_kernels.paged_decode_attention(q, pool, pool, table, torch.zeros(0, dtype=torch.int64, device=DEVICE),
+                                              BLOCK, 0.125)
+    assert got.shape == (0, 8, 64)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("hidden", [2048, 576])
+def test_add_rms_norm_matches_the_reference(hidden: int, dtype: str) -> None:
+    dt, eps = TORCH_DTYPES[dtype], 1e-5
+    a, b = (rand(5, hidden).to(dt).to(DEVICE) for _ in range(2))
+    w = (1 + rand(hidden, scale=0.1)).to(dt).to(DEVICE)
+    total, normed = cuda_kernels.add_rms_norm(a, b, w, eps)
+    want = (a.double() + b.double()).to(dt).cpu().double()  # the sum as the add rounds it, then the norm of that
+    close(total, want, dtype)
+    close(normed, want / (want.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w.cpu().double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_silu_mul_over_the_halves_of_a_joined_product(dtype: str) -> None:
+    dt, n = TORCH_DTYPES[dtype], 5632
+    joined = rand(3, 2 * n, scale=3.0).to(dt).to(DEVICE)  # gate and up: column halves, row stride 2n
+    gate, up = joined[:, :n], joined[:, n:]
+    got = cuda_kernels.silu_mul(gate, up)
+    g = gate.cpu().double()
+    close(got, torch.nn.functional.silu(g).to(dt).double() * up.cpu().double(), dtype)
