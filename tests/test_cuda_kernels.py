@@ -129,3 +129,32 @@ def test_silu_mul_over_the_halves_of_a_joined_product(dtype: str) -> None:
     got = cuda_kernels.silu_mul(gate, up)
     g = gate.cpu().double()
     close(got, torch.nn.functional.silu(g).to(dt).double() * up.cpu().double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_rope_half_pair_is_each_rope_alone(dtype: str) -> None:
+    from graphmesh_executor.backends.torch_backend import _half_table
+
+    rows, d, dt = 6, 64, TORCH_DTYPES[dtype]
+    joined = rand(rows, (32 + 2 * 4) * d).to(dt).to(DEVICE)  # q, k, v of one product: views with its row stride
+    q, k = joined[:, : 32 * d].view(rows, 32, d), joined[:, 32 * d : 36 * d].view(rows, 4, d)
+    cos, sin = _half_table(torch.tensor([0, 3, 7, 8, 100, 2047], device=DEVICE), 10000.0, d, torch.float32)
+    q_rot, k_rot = cuda_kernels.rope_half_pair(q, k, cos, sin)
+    assert torch.equal(q_rot, cuda_kernels.rope_half(q, cos, sin))
+    assert torch.equal(k_rot, cuda_kernels.rope_half(k, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_scatter_pair_writes_both_pools_at_the_slots_only(dtype: str) -> None:
+    dt, width = TORCH_DTYPES[dtype], 256
+    k_pool, v_pool = (rand(40, width).to(dt).to(DEVICE) for _ in range(2))
+    before = k_pool.clone(), v_pool.clone()
+    k_rows = rand(5, width).to(dt).to(DEVICE)
+    v_rows = rand(5, 3 * width).to(dt).to(DEVICE)[:, width : 2 * width]  # a column slice, as v of a joined product
+    slots = torch.tensor([7, 0, 39, 8, 21], device=DEVICE)
+    cuda_kernels.scatter_pair(k_pool, v_pool, k_rows, v_rows, slots)
+    for pool, old, rows in ((k_pool, before[0], k_rows), (v_pool, before[1], v_rows)):
+        assert torch.equal(pool[slots], rows)
+        rest = torch.ones(40, dtype=torch.bool, device=DEVICE)
+        rest[slots] = False
+        assert torch.equal(pool[rest], old[rest])

@@ -770,18 +770,33 @@ def test_torch_keeps_q4_weights_packed_for_bf16_activations() -> None:
     assert set(src._params["wq"].__dict__[_CONVERTED]) == {"int4", *dense}
 
 
-def test_torch_runs_an_add_and_its_norm_and_a_silu_and_its_product_as_one_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_runs_fused_pairs_of_nodes_as_one_step_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's fused pairs (TorchExecutable._fusions; one Triton kernel each on CUDA, tested in test_cuda_kernels.py)
-    on the host, where a pair runs torch's two ops in one step: every output has the bits of the plan without them,
-    and inputs read again after the fused step are still there (the add's input x, the residual sum)."""
-    from graphmesh_executor.backends.torch_backend import TorchExecutable, _add_rms_norm, _silu_mul
+    on the host, where a pair runs torch's two ops in one step: an add and the norm of its sum, a silu and its
+    product, a layer's two ropes and its two KV writes. Every output has the bits of the plan without them, and
+    values read again after a fused step are still there (the add's input x, the residual sum, the positions)."""
+    from graphmesh_executor.backends.torch_backend import (
+        TorchExecutable,
+        _add_rms_norm,
+        _kv_scatter_pair,
+        _rope_pair,
+        _silu_mul,
+    )
 
     g = GraphBuilder("pairs")
     x, r, gate, up = g.input("x", (4, 64)), g.input("r", (4, 64)), g.input("gate", (4, 32)), g.input("up", (4, 32))
+    q, k, v = g.input("q", (4, 4, 16)), g.input("k", (4, 2, 16)), g.input("v", (4, 32))
+    pos, slots = g.input("pos", (4,), "i64"), g.input("slots", (4,), "i64")
+    k_pool, v_pool = g.input("k_pool", (16, 32)), g.input("v_pool", (16, 32))
     total = g.add(x, r)
     normed = g.rms_norm(total, g.param("w", (64,)), 1e-5)
-    g.output(g.add(total, normed), g.mul(g.silu(gate), up), g.mul(x, normed))
-    inputs = {"x": f32(4, 64), "r": f32(4, 64), "gate": f32(4, 32), "up": f32(4, 32)}
+    q_rot, k_rot = g.rope(q, pos), g.rope(k, pos)
+    k_out = g.kv_scatter(k_pool, g.reshape(k_rot, (4, 32)), slots)
+    v_out = g.kv_scatter(v_pool, v, slots)
+    g.output(g.add(total, normed), g.mul(g.silu(gate), up), g.mul(x, normed), q_rot, k_out, v_out, g.rope(q, pos))
+    inputs = {"x": f32(4, 64), "r": f32(4, 64), "gate": f32(4, 32), "up": f32(4, 32), "q": f32(4, 4, 16),
+              "k": f32(4, 2, 16), "v": f32(4, 32), "pos": np.array([3, 0, 9, 4]), "slots": np.array([5, 0, 15, 6]),
+              "k_pool": f32(16, 32), "v_pool": f32(16, 32)}
     w = f32(64) + 1
     runs = {}
     for fuse in (False, True):
@@ -789,7 +804,8 @@ def test_torch_runs_an_add_and_its_norm_and_a_silu_and_its_product_as_one_step(m
         ex = compile_("torch", g)
         ex.set_param("w", w)
         kernels = [step.kernel for step in ex._steps]  # type: ignore[attr-defined]
-        assert (kernels.count(_add_rms_norm), kernels.count(_silu_mul)) == ((1, 1) if fuse else (0, 0))
+        fused = [kernels.count(f) for f in (_add_rms_norm, _silu_mul, _rope_pair, _kv_scatter_pair)]
+        assert fused == ([1, 1, 1, 1] if fuse else [0, 0, 0, 0])  # the third rope has no partner
         runs[fuse] = ex.run(inputs)
-    for fused, plain in zip(runs[True], runs[False]):
-        assert np.array_equal(fused, plain)
+    for fused_out, plain in zip(runs[True], runs[False], strict=True):
+        assert np.array_equal(fused_out, plain)

@@ -4,7 +4,9 @@ On a GPU a decode step of a few dozen rows is not bound by its arithmetic but by
 iteration of the 1.1B mesh (11 layers, 16 rows) was ~300 small kernels and ~1.1 ms of GPU time on an H200, where
 its weights alone read in ~0.12 ms. So the ops a layer repeats get one kernel each:
 
-- rope ("half" style over the whole head): torch's form is a product, a roll and an addcmul;
+- rope ("half" style over the whole head): torch's form is a product, a roll and an addcmul; a layer's q and k
+  rotate in one launch (TorchExecutable fuses the two nodes);
+- a layer's two KV writes (k and v rows into their pools at the same slots): one launch, not two index_copy_;
 - paged decode attention (one query row per sequence): torch's form gathers every sequence's blocks for keys and
   for values, then runs SDPA with an additive mask. Here each (sequence, kv head) walks its own blocks through the
   block table, up to its own position, with an online softmax: no gathered copy, no mask, no padded keys;
@@ -64,6 +66,39 @@ if triton is not None:
         cos = tl.load(cos_ptr + s * sc_s + d)
         sin = tl.load(sin_ptr + s * sc_s + d)
         tl.store(out_ptr + s * so_s + h * so_h + d, (x * cos + rolled * sin).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _rope_half_pair_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, xo_ptr, yo_ptr, x_heads, y_heads,  # type: ignore[no-untyped-def]
+                               sx_s, sx_h, sy_s, sy_h, sxo_s, sxo_h, syo_s, syo_h, sc_s, D: tl.constexpr, BH: tl.constexpr):
+        s = tl.program_id(0)
+        h = tl.arange(0, BH)[:, None]
+        d = tl.arange(0, D)[None, :]
+        cos = tl.load(cos_ptr + s * sc_s + d)
+        sin = tl.load(sin_ptr + s * sc_s + d)
+        if tl.program_id(1) == 0:
+            live = h < x_heads
+            at = x_ptr + s * sx_s + h * sx_h
+            x = tl.load(at + d, mask=live, other=0.0).to(tl.float32)
+            rolled = tl.load(at + (d + D // 2) % D, mask=live, other=0.0).to(tl.float32)
+            tl.store(xo_ptr + s * sxo_s + h * sxo_h + d, (x * cos + rolled * sin).to(xo_ptr.dtype.element_ty), mask=live)
+        else:
+            live = h < y_heads
+            at = y_ptr + s * sy_s + h * sy_h
+            y = tl.load(at + d, mask=live, other=0.0).to(tl.float32)
+            rolled = tl.load(at + (d + D // 2) % D, mask=live, other=0.0).to(tl.float32)
+            tl.store(yo_ptr + s * syo_s + h * syo_h + d, (y * cos + rolled * sin).to(yo_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _scatter_pair_kernel(k_ptr, v_ptr, k_rows_ptr, v_rows_ptr, slots_ptr, n, sk, sv, skr, svr,  # type: ignore[no-untyped-def]
+                             BN: tl.constexpr):
+        r = tl.program_id(0)
+        slot = tl.load(slots_ptr + r).to(tl.int64)
+        i = tl.arange(0, BN)
+        live = i < n
+        k = tl.load(k_rows_ptr + r * skr + i, mask=live, other=0.0)
+        v = tl.load(v_rows_ptr + r * svr + i, mask=live, other=0.0)
+        tl.store(k_ptr + slot * sk + i, k.to(k_ptr.dtype.element_ty), mask=live)
+        tl.store(v_ptr + slot * sv + i, v.to(v_ptr.dtype.element_ty), mask=live)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, scale,  # type: ignore[no-untyped-def]
@@ -176,6 +211,35 @@ def rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         _rope_half_kernel[(s,)](x, cos, sin, out, h, x.stride(0), x.stride(1), out.stride(0), out.stride(1), d,
                                 D=d, BH=triton.next_power_of_2(h))
     return out
+
+
+def rope_half_pair(x: Tensor, y: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """rope_half of x [S, Hx, D] and of y [S, Hy, D] at the same positions (a layer's q and k) in one launch."""
+    s, hx, d = x.shape
+    hy = y.shape[1]
+    xo = torch.empty((s, hx, d), dtype=x.dtype, device=x.device)
+    yo = torch.empty((s, hy, d), dtype=y.dtype, device=y.device)
+    cos, sin = cos.reshape(s, d).contiguous(), sin.reshape(s, d).contiguous()
+    if s:
+        _rope_half_pair_kernel[(s, 2)](x, y, cos, sin, xo, yo, hx, hy, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+                                       xo.stride(0), xo.stride(1), yo.stride(0), yo.stride(1), d, D=d,
+                                       BH=triton.next_power_of_2(max(hx, hy)))
+    return xo, yo
+
+
+def scatter_pair_usable(k_pool: Tensor, v_pool: Tensor, k_rows: Tensor, v_rows: Tensor) -> bool:
+    """Pools [slots, W] and rows [S, W] (any float dtypes), each with contiguous rows."""
+    return (usable(k_pool, v_pool, k_rows, v_rows)
+            and all(t.dim() == 2 and t.shape[1] == k_pool.shape[1] and t.stride(1) == 1 and t.is_floating_point()
+                    for t in (k_pool, v_pool, k_rows, v_rows)) and k_rows.shape[0] == v_rows.shape[0])
+
+
+def scatter_pair(k_pool: Tensor, v_pool: Tensor, k_rows: Tensor, v_rows: Tensor, slots: Tensor) -> None:
+    """k_pool[slots] = k_rows and v_pool[slots] = v_rows, in place, in one launch (a layer's two KV writes)."""
+    rows, n = k_rows.shape
+    if rows:
+        _scatter_pair_kernel[(rows,)](k_pool, v_pool, k_rows, v_rows, slots, n, k_pool.stride(0), v_pool.stride(0),
+                                      k_rows.stride(0), v_rows.stride(0), BN=triton.next_power_of_2(n))
 
 
 def paged_decode_usable(q: Tensor, k_pool: Tensor, v_pool: Tensor) -> bool:

@@ -112,6 +112,31 @@ def _silu_mul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     return cuda_kernels.silu_mul(gate, up) if cuda_kernels.rows_usable(gate, up) else F.silu(gate) * up
 
 
+def _rope_pair(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """Two rope nodes at the same positions (TorchExecutable._fusions: a layer's k, then its q): one launch where
+    the Triton kernel serves both, else each alone."""
+    x, y, pos = xs
+    rot = a["rotary_dim"] or x.shape[2]
+    if (a["style"] == "half" and rot == x.shape[2] == y.shape[2] and cuda_kernels.rope_half_usable(x)
+            and cuda_kernels.rope_half_usable(y)):
+        cos, sin = _memo(pos, ("rope-half", a["theta"], rot, torch.float32),
+                         lambda: _half_table(pos, a["theta"], rot, torch.float32))
+        return cuda_kernels.rope_half_pair(x, y, cos, sin)
+    return _rope(ctx, [x, pos], a), _rope(ctx, [y, pos], a)
+
+
+def _kv_scatter_pair(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """Two kv_scatters to the same slots (TorchExecutable._fusions: a layer's v pool, then its k pool): one launch
+    where the Triton kernel serves both, else each alone."""
+    v_pool, v_rows, slots, k_pool, k_rows = xs
+    if not cuda_kernels.scatter_pair_usable(k_pool, v_pool, k_rows, v_rows):
+        return _kv_scatter(ctx, [v_pool, v_rows, slots], a), _kv_scatter(ctx, [k_pool, k_rows, slots], a)
+    _check_indices(ctx, slots, min(k_pool.shape[0], v_pool.shape[0]), "kv_scatter slot")
+    k_out, v_out = _writable(ctx, k_pool), _writable(ctx, v_pool)
+    cuda_kernels.scatter_pair(k_out, v_out, k_rows, v_rows, slots)
+    return v_out, k_out
+
+
 def _div(x: Tensor, y: Tensor) -> Tensor:
     return torch.div(x, y) if x.is_floating_point() else torch.div(x, y, rounding_mode="trunc")
 
@@ -295,13 +320,18 @@ def _kv_write(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     return out
 
 
+def _writable(ctx: RunContext, pool: Tensor) -> Tensor:
+    """The pool a kv_scatter writes: in place when the executable donated it (the handle this output replaces) or
+    the run is static; a pool is the whole KV of every session on the stage, far too big to copy per layer per step."""
+    out = pool if pool.__dict__.pop(_DONATED, False) or _static(ctx) else pool.clone()
+    out.__dict__.pop(_MEMO, None)  # written in place: nothing derived from it before still holds
+    return out
+
+
 def _kv_scatter(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     pool, rows, slots = xs
     _check_indices(ctx, slots, pool.shape[0], "kv_scatter slot")
-    # In place when the executable donated the pool (the handle this output replaces): a pool is the whole KV of
-    # every session on the stage, far too big to copy per layer per step.
-    out = pool if pool.__dict__.pop(_DONATED, False) or _static(ctx) else pool.clone()
-    out.__dict__.pop(_MEMO, None)
+    out = _writable(ctx, pool)
     # Every layer scatters to the same slots: their index form is made once a run (a kernel on CUDA).
     index = _memo(slots, "index", lambda: slots.reshape(-1).long())
     return out.index_copy_(0, index, rows if rows.dtype == out.dtype else rows.to(out.dtype))
@@ -745,8 +775,9 @@ class TorchExecutable(Executable[Tensor]):
 
     def _fusions(self, graph: Graph) -> dict[str, tuple[str, Node]]:
         """Pairs of nodes that run as one Triton kernel on CUDA (see cuda_kernels), by the node whose place the kernel
-        takes: ("add_rms_norm", the rms_norm reading that add's sum), or ("silu_mul", the silu whose output only
-        that mul reads). A layer of a Llama has two of the first and one of the second."""
+        takes: ("add_rms_norm", the rms_norm reading that add's sum), ("silu_mul", the silu whose output only that
+        mul reads), ("rope_pair", the rope before it) or ("kv_scatter_pair", the kv_scatter before it). A layer of a
+        Llama has two of the first and one of each other: six launches fewer."""
         fuse = self.fuse_pairs
         if fuse is None:
             fuse = self._device.type == "cuda" and cuda_kernels.usable(torch.empty(0, device=self._device))
@@ -769,14 +800,52 @@ class TorchExecutable(Executable[Tensor]):
                 if (silu is not None and silu.op == "silu" and len(readers[silu.name]) == 1 and silu.name not in graph.outputs
                         and graph.type_of(silu.inputs[0]).shape == graph.type_of(node.inputs[1]).shape):
                     fused[node.name] = ("silu_mul", silu)
+        # Same-op pairs in graph order: a layer's rope of q then of k (same positions and attributes), and its
+        # kv_scatter of k then of v (same slots), each at the second's place.
+        index = {node.name: i for i, node in enumerate(graph.nodes)}
+        series: dict[tuple[str, ...], list[Node]] = {}
+        for node in graph.nodes:
+            if node.op == "rope":
+                series.setdefault(("rope_pair", node.inputs[1], repr(sorted(node.attrs.items()))), []).append(node)
+            elif node.op == "kv_scatter":
+                series.setdefault(("kv_scatter_pair", node.inputs[2]), []).append(node)
+        for (kind, *_), nodes in series.items():
+            i = 0
+            while i + 1 < len(nodes):
+                first, second = nodes[i], nodes[i + 1]
+                if self._pairable(first, second, index, producer, readers) and first.inputs[0] != second.inputs[0]:
+                    fused[second.name] = (kind, first)
+                    i += 2
+                else:
+                    i += 1
         return fused
 
+    @staticmethod
+    def _pairable(first: Node, second: Node, index: dict[str, int], producer: dict[str, Node],
+                  readers: dict[str, list[Node]]) -> bool:
+        """Whether `first` may run at `second`'s place: nothing `second` reads comes from it, and nothing reads its
+        output before that place."""
+        if any(index[r.name] <= index[second.name] for r in readers.get(first.name, [])):
+            return False
+        todo = [name for name in second.inputs if name in producer]
+        while todo:  # second's ancestors after first: none may be first
+            node = producer[todo.pop()]
+            if node is first:
+                return False
+            if index[node.name] > index[first.name]:
+                todo += [name for name in node.inputs if name in producer]
+        return True
+
     def _fused_step(self, i: int, node: Node, kind: str, other: Node, slots: dict[str, int], keep: set[str]) -> _Step:
-        """The step of a fused pair (see _fusions) at `node`'s place (the add, or the mul after its silu). It frees
-        what no later node reads: the absorbed node reads nothing of the step's inputs but the silu's (read earlier)."""
+        """The step of a fused pair (see _fusions) at `node`'s place: the add, or the second of the others. It frees
+        what no later node reads (what only the absorbed node read, earlier, included)."""
+        pair, attrs = slots[other.name], node.attrs
         if kind == "add_rms_norm":
-            names, pair, attrs = [*node.inputs, other.inputs[1]], slots[other.name], other.attrs
-            kernel = cast(Kernel, _add_rms_norm)  # returns the pair (see _Step.pair)
+            names, kernel, attrs = [*node.inputs, other.inputs[1]], cast(Kernel, _add_rms_norm), other.attrs
+        elif kind == "rope_pair":
+            names, kernel = [node.inputs[0], other.inputs[0], node.inputs[1]], cast(Kernel, _rope_pair)
+        elif kind == "kv_scatter_pair":
+            names, kernel = [*node.inputs, *other.inputs[:2]], cast(Kernel, _kv_scatter_pair)
         else:
             names, pair, kernel, attrs = [other.inputs[0], node.inputs[1]], -1, _silu_mul, {}
         free = tuple(slots[n] for n in dict.fromkeys(names) if self._last_use.get(n, i) <= i and n not in keep)
