@@ -33,10 +33,14 @@ RUN pip install --no-cache-dir /src/clients/python "/src/services/executor[mlx]"
 
 # The torch backend's CPU decode kernels (backends/cpu_kernels.c), built here so the running image needs no
 # compiler; where the build host lacks AVX2 they are skipped and the executor runs torch's matmul and attention.
+# A CUDA image keeps the compiler: Triton (a dependency of torch's CUDA wheels) builds the launchers of the CUDA
+# decode kernels (backends/cuda_kernels.py) at first use, and without one the executor runs torch's ops instead.
 ENV GRAPHMESH_KERNEL_CACHE=/opt/graphmesh/kernels
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && python -m graphmesh_executor.backends.cpu_kernels \
- && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
+ && if python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \
+      apt-get purge -y gcc libc6-dev && apt-get autoremove -y; fi \
+ && rm -rf /var/lib/apt/lists/*
 
 RUN groupadd --system --gid 10001 graphmesh \
  && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin graphmesh

@@ -1,28 +1,23 @@
 """The Triton kernels of the torch backend's CUDA decode path (backends/cuda_kernels.py) against float64 references
-written here: rope over whole heads, and paged decode attention over ragged positions, shared and shuffled blocks,
-key counts either side of the kernel's 64-key tile. Skipped without a GPU (CI has none); run on the lent H200. With
-triton installed and TRITON_INTERPRET=1 they run on the host through Triton's interpreter instead (slowly).
+written here (rope, paged decode attention over ragged positions, shared and shuffled blocks, key counts either side
+of the kernel's 64-key tile, the fused add + RMS norm and silu * up) or against the unfused kernel (the rope pair,
+the KV-write pair). Skipped without a GPU (CI has none); run on the lent H200. tests/test_executable.py checks on the
+host that the executable wires the fused pairs of nodes into its plan.
 
 Pool rows that no query may see hold large finite garbage, as in test_paged_ops.py: a kernel that lets one through
 changes the result."""
 
-from __future__ import annotations
-
 import math
-import os
 
 import pytest
 import torch
 
 cuda_kernels = pytest.importorskip("graphmesh_executor.backends.cuda_kernels")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
 if cuda_kernels.triton is None:
-    pytest.skip("triton is not installed", allow_module_level=True)
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1)", allow_module_level=True)
+    pytest.fail("torch sees a GPU but triton is not installed: the CUDA path would run without its kernels")
+DEVICE = "cuda"
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 TOL = {"f32": 1e-5, "bf16": 2e-2, "f16": 4e-3}  # atol = rtol, against float64 on inputs already in the dtype
