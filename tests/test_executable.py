@@ -809,3 +809,24 @@ def test_torch_runs_fused_pairs_of_nodes_as_one_step_with_the_same_bits(monkeypa
         runs[fuse] = ex.run(inputs)
     for fused_out, plain in zip(runs[True], runs[False], strict=True):
         assert np.array_equal(fused_out, plain)
+
+
+def test_the_cuda_kernels_stand_down_without_triton_or_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton builds its launchers with the host's C compiler at first use: without triton, without a compiler or
+    with GRAPHMESH_CUDA_KERNELS=0 the CUDA path runs torch's ops instead of failing at its first launch."""
+    from graphmesh_executor.backends import cuda_kernels
+
+    enabled = cuda_kernels._enabled.__wrapped__
+    monkeypatch.delenv("GRAPHMESH_CUDA_KERNELS", raising=False)
+    monkeypatch.setattr(cuda_kernels, "triton", object())
+    monkeypatch.setenv("CC", "cc")
+    assert enabled()
+    monkeypatch.setenv("GRAPHMESH_CUDA_KERNELS", "0")
+    assert not enabled()
+    monkeypatch.delenv("GRAPHMESH_CUDA_KERNELS")
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert not enabled()
+    monkeypatch.setenv("CC", "cc")
+    monkeypatch.setattr(cuda_kernels, "triton", None)
+    assert not enabled()

@@ -337,13 +337,6 @@ def _kv_scatter(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     return out.index_copy_(0, index, rows if rows.dtype == out.dtype else rows.to(out.dtype))
 
 
-def _hiding_bias(positions: Tensor, keys: int, dtype: torch.dtype) -> Tensor:
-    """[*positions.shape, keys]: 0 where a query at that position sees the key, -inf past it. Additive, in the
-    queries' dtype: SDPA converts a boolean mask inside every layer's call."""
-    hide = torch.arange(keys, device=positions.device) > positions[..., None]
-    return torch.zeros(hide.shape, dtype=dtype, device=positions.device).masked_fill_(hide, -math.inf)
-
-
 def _paged_rows(table: Tensor, blocks: int) -> Tensor:
     """Pool block ids of the first `blocks` blocks of every sequence, flattened [B * blocks]; once a run."""
     return _memo(table, ("paged-rows", blocks), lambda: table[:, :blocks].reshape(-1).long())  # type: ignore[no-any-return]
@@ -374,7 +367,11 @@ def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
             # kernel count): each kv head's group of query heads is that head's query axis, so no kv head is
             # repeated; every (sequence, kv head) is its own problem, whatever the other rows of the batch.
             # Additive, in q's dtype, made once a run: a boolean mask is converted inside every layer's call.
-            bias = _memo(pos, ("paged-bias", keys, q.dtype), lambda: _hiding_bias(pos, keys, q.dtype)[:, None, None, :])
+            def additive() -> Tensor:
+                hide = (torch.arange(keys, device=q.device)[None, :] > pos[:, None])[:, None, None, :]
+                return torch.zeros(hide.shape, dtype=q.dtype, device=q.device).masked_fill_(hide, -math.inf)
+
+            bias = _memo(pos, ("paged-bias", keys, q.dtype), additive)
             attended = F.scaled_dot_product_attention(q.reshape(t, hkv, hq // hkv, d), k.transpose(1, 2),
                                                       v.transpose(1, 2), attn_mask=bias, scale=scale)
             return attended.reshape(t, hq, d)
@@ -441,7 +438,8 @@ def _prompt_runs_batched(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, table: T
         at = torch.tensor([r * rows + i for r, (_, start, end, _, _) in enumerate(runs) for i in range(end - start)],
                           device=q.device)
         padded_pos = torch.zeros(n * rows, dtype=pos.dtype, device=q.device).index_copy_(0, at, pos).view(n, rows)
-        bias = _hiding_bias(padded_pos, blocks * block, q.dtype)
+        hide = torch.arange(blocks * block, device=q.device)[None, None, :] > padded_pos[:, :, None]
+        bias = torch.zeros(hide.shape, dtype=q.dtype, device=q.device).masked_fill_(hide, -math.inf)
         seqs = torch.tensor([seq for seq, *_ in runs], device=q.device)
         ids = table.index_select(0, seqs)[:, :blocks].reshape(-1).long()
         return at, bias[:, None].repeat(1, 1, group, 1), ids  # padded rows see key 0: no row is all -inf
