@@ -798,6 +798,7 @@ class TorchExecutable(Executable[Tensor]):
             elif node.op == "mul" and len(graph.type_of(node.name).shape) == 2:
                 silu = producer.get(node.inputs[0])
                 if (silu is not None and silu.op == "silu" and len(readers[silu.name]) == 1 and silu.name not in graph.outputs
+                        and node.inputs[1] != silu.name
                         and graph.type_of(silu.inputs[0]).shape == graph.type_of(node.inputs[1]).shape):
                     fused[node.name] = ("silu_mul", silu)
         # Same-op pairs in graph order: a layer's rope of q then of k (same positions and attributes), and its
