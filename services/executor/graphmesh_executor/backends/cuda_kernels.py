@@ -53,7 +53,7 @@ def _enabled() -> bool:
 
 
 def usable(*xs: Tensor) -> bool:
-    """Whether these tensors take the Triton kernels: on a CUDA device, with triton importable and not turned off."""
+    """Whether these tensors take the Triton kernels: on a CUDA device, where they may run (see _enabled)."""
     return all(x.is_cuda for x in xs) and _enabled()
 
 
