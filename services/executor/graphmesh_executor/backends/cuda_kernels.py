@@ -15,7 +15,8 @@ its weights alone read in ~0.12 ms. So the ops a layer repeats get one kernel ea
 They compute in float32 and round once at the end, except where an op alone would round an intermediate that
 another op reads (the residual sum, silu's output): that is rounded as the op rounds it. They run under a captured
 CUDA graph like any other kernel: their launch parameters (shapes, strides) are those of the captured run. Without
-triton, or with GRAPHMESH_CUDA_KERNELS=0, callers use torch's ops (the reference they are tested against on the GPU).
+triton or a C compiler for it, or with GRAPHMESH_CUDA_KERNELS=0, callers use torch's ops (the reference they are
+tested against on the GPU).
 """
 
 import functools
@@ -148,7 +149,6 @@ if triton is not None:
         out = acc / total[:, None]
         tl.store(out_ptr + t * so_t + heads[:, None] * so_h + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=(g < G)[:, None])
-
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _add_rms_norm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, out_ptr, n, sa, sb, ss, so, eps,  # type: ignore[no-untyped-def]
