@@ -54,7 +54,8 @@ def _enabled() -> bool:
 
 
 def usable(*xs: Tensor) -> bool:
-    """Whether these tensors take the Triton kernels: on a CUDA device, where they may run (see _enabled)."""
+    """Whether these tensors take the Triton kernels: on a CUDA device, where they may run (see _enabled). With no
+    tensors: whether the kernels may run at all (TorchExecutable asks before fusing pairs of nodes for them)."""
     return all(x.is_cuda for x in xs) and _enabled()
 
 
@@ -65,38 +66,36 @@ def _pow2(n: int) -> bool:
 if triton is not None:
     # Triton reads a kernel's annotations itself: only its constexprs carry one.
     @triton.jit  # type: ignore[untyped-decorator]
-    def _rope_half_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sx_s, sx_h, so_s, so_h, sc_s,  # type: ignore[no-untyped-def]
-                          D: tl.constexpr, BH: tl.constexpr):
-        s = tl.program_id(0)
+    def _rotate_half(x_ptr, out_ptr, heads, cos, sin, s, sx_s, sx_h, so_s, so_h, D: tl.constexpr,  # type: ignore[no-untyped-def]
+                     BH: tl.constexpr):
+        """Row s of x [S, heads, D] rotated: x * cos + roll(x, D/2) * sin, cos and sin [1, D] float32."""
         h = tl.arange(0, BH)[:, None]
         d = tl.arange(0, D)[None, :]
         live = h < heads
-        x = tl.load(x_ptr + s * sx_s + h * sx_h + d, mask=live, other=0.0).to(tl.float32)
-        rolled = tl.load(x_ptr + s * sx_s + h * sx_h + (d + D // 2) % D, mask=live, other=0.0).to(tl.float32)
-        cos = tl.load(cos_ptr + s * sc_s + d)
-        sin = tl.load(sin_ptr + s * sc_s + d)
+        at = x_ptr + s * sx_s + h * sx_h
+        x = tl.load(at + d, mask=live, other=0.0).to(tl.float32)
+        rolled = tl.load(at + (d + D // 2) % D, mask=live, other=0.0).to(tl.float32)
         tl.store(out_ptr + s * so_s + h * so_h + d, (x * cos + rolled * sin).to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _rope_half_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sx_s, sx_h, so_s, so_h, sc_s,  # type: ignore[no-untyped-def]
+                          D: tl.constexpr, BH: tl.constexpr):
+        s = tl.program_id(0)
+        d = tl.arange(0, D)[None, :]
+        _rotate_half(x_ptr, out_ptr, heads, tl.load(cos_ptr + s * sc_s + d), tl.load(sin_ptr + s * sc_s + d), s,
+                     sx_s, sx_h, so_s, so_h, D, BH)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _rope_half_pair_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, xo_ptr, yo_ptr, x_heads, y_heads,  # type: ignore[no-untyped-def]
                                sx_s, sx_h, sy_s, sy_h, sxo_s, sxo_h, syo_s, syo_h, sc_s, D: tl.constexpr, BH: tl.constexpr):
         s = tl.program_id(0)
-        h = tl.arange(0, BH)[:, None]
         d = tl.arange(0, D)[None, :]
         cos = tl.load(cos_ptr + s * sc_s + d)
         sin = tl.load(sin_ptr + s * sc_s + d)
         if tl.program_id(1) == 0:
-            live = h < x_heads
-            at = x_ptr + s * sx_s + h * sx_h
-            x = tl.load(at + d, mask=live, other=0.0).to(tl.float32)
-            rolled = tl.load(at + (d + D // 2) % D, mask=live, other=0.0).to(tl.float32)
-            tl.store(xo_ptr + s * sxo_s + h * sxo_h + d, (x * cos + rolled * sin).to(xo_ptr.dtype.element_ty), mask=live)
+            _rotate_half(x_ptr, xo_ptr, x_heads, cos, sin, s, sx_s, sx_h, sxo_s, sxo_h, D, BH)
         else:
-            live = h < y_heads
-            at = y_ptr + s * sy_s + h * sy_h
-            y = tl.load(at + d, mask=live, other=0.0).to(tl.float32)
-            rolled = tl.load(at + (d + D // 2) % D, mask=live, other=0.0).to(tl.float32)
-            tl.store(yo_ptr + s * syo_s + h * syo_h + d, (y * cos + rolled * sin).to(yo_ptr.dtype.element_ty), mask=live)
+            _rotate_half(y_ptr, yo_ptr, y_heads, cos, sin, s, sy_s, sy_h, syo_s, syo_h, D, BH)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _scatter_pair_kernel(k_ptr, v_ptr, k_rows_ptr, v_rows_ptr, slots_ptr, n, sk, sv, skr, svr,  # type: ignore[no-untyped-def]

@@ -119,8 +119,7 @@ def _rope_pair(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> tuple[Te
     rot = a["rotary_dim"] or x.shape[2]
     if (a["style"] == "half" and rot == x.shape[2] == y.shape[2] and cuda_kernels.rope_half_usable(x)
             and cuda_kernels.rope_half_usable(y)):
-        cos, sin = _memo(pos, ("rope-half", a["theta"], rot, torch.float32),
-                         lambda: _half_table(pos, a["theta"], rot, torch.float32))
+        cos, sin = _half_table(pos, a["theta"], rot, torch.float32)
         return cuda_kernels.rope_half_pair(x, y, cos, sin)
     return _rope(ctx, [x, pos], a), _rope(ctx, [y, pos], a)
 
@@ -225,9 +224,12 @@ def _rope_table(pos: Tensor, theta: float, rot: int, dtype: torch.dtype) -> tupl
 
 
 def _half_table(pos: Tensor, theta: float, rot: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin over the whole head, sin signed so that rope = x * cos + roll(x, rot/2) * sin."""
-    cos, sin = _rope_table(pos, theta, rot, dtype)
-    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    """cos and sin over the whole head, sin signed so that rope = x * cos + roll(x, rot/2) * sin; made once a run
+    for these positions (a stage's layers all rotate at them)."""
+    def make() -> tuple[Tensor, Tensor]:
+        cos, sin = _rope_table(pos, theta, rot, dtype)
+        return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
+    return _memo(pos, ("rope-half", theta, rot, dtype), make)  # type: ignore[no-any-return]
 
 
 def _rope(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
@@ -238,7 +240,7 @@ def _rope(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
         # Four kernels instead of ten; the same products and sums as the halves below (the sign is exact).
         triton_rope = cuda_kernels.rope_half_usable(x)  # one kernel, not three: GPU time is kernel count there
         dtype = torch.float32 if triton_rope else y.dtype
-        cos, sin = _memo(pos, ("rope-half", a["theta"], rot, dtype), lambda: _half_table(pos, a["theta"], rot, dtype))
+        cos, sin = _half_table(pos, a["theta"], rot, dtype)
         if triton_rope:
             return cuda_kernels.rope_half(x, cos, sin)
         if y.is_cuda:  # three kernels, not four
@@ -366,12 +368,7 @@ def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
             # One fused attention kernel where the products below take ~10 (a decode step's GPU time is mostly
             # kernel count): each kv head's group of query heads is that head's query axis, so no kv head is
             # repeated; every (sequence, kv head) is its own problem, whatever the other rows of the batch.
-            # Additive, in q's dtype, made once a run: a boolean mask is converted inside every layer's call.
-            def additive() -> Tensor:
-                hide = (torch.arange(keys, device=q.device)[None, :] > pos[:, None])[:, None, None, :]
-                return torch.zeros(hide.shape, dtype=q.dtype, device=q.device).masked_fill_(hide, -math.inf)
-
-            bias = _memo(pos, ("paged-bias", keys, q.dtype), additive)
+            bias = _memo(pos, ("paged-bias", keys, q.dtype), lambda: _hiding_bias(pos, keys, q.dtype)[:, None, None])
             attended = F.scaled_dot_product_attention(q.reshape(t, hkv, hq // hkv, d), k.transpose(1, 2),
                                                       v.transpose(1, 2), attn_mask=bias, scale=scale)
             return attended.reshape(t, hq, d)
@@ -400,6 +397,13 @@ def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
                                            enable_gqa=hq != hkv)
         out.append(o[0].transpose(0, 1))
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def _hiding_bias(pos: Tensor, keys: int, dtype: torch.dtype) -> Tensor:
+    """[*pos.shape, keys]: 0 where a query at `pos` sees the key, -inf past it. SDPA's fused CUDA kernels take it
+    additive, in q's dtype, made once a run: a boolean mask is converted inside every layer's call."""
+    hide = torch.arange(keys, device=pos.device) > pos[..., None]
+    return torch.zeros(hide.shape, dtype=dtype, device=pos.device).masked_fill_(hide, -math.inf)
 
 
 Run = tuple[int, int, int, int, bool]  # (sequence, first row, end row, keys, its rows are positions 0.. in order)
@@ -438,8 +442,7 @@ def _prompt_runs_batched(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, table: T
         at = torch.tensor([r * rows + i for r, (_, start, end, _, _) in enumerate(runs) for i in range(end - start)],
                           device=q.device)
         padded_pos = torch.zeros(n * rows, dtype=pos.dtype, device=q.device).index_copy_(0, at, pos).view(n, rows)
-        hide = torch.arange(blocks * block, device=q.device)[None, None, :] > padded_pos[:, :, None]
-        bias = torch.zeros(hide.shape, dtype=q.dtype, device=q.device).masked_fill_(hide, -math.inf)
+        bias = _hiding_bias(padded_pos, blocks * block, q.dtype)
         seqs = torch.tensor([seq for seq, *_ in runs], device=q.device)
         ids = table.index_select(0, seqs)[:, :blocks].reshape(-1).long()
         return at, bias[:, None].repeat(1, 1, group, 1), ids  # padded rows see key 0: no row is all -inf
@@ -780,7 +783,7 @@ class TorchExecutable(Executable[Tensor]):
         Llama has two of the first and one of each other: six launches fewer."""
         fuse = self.fuse_pairs
         if fuse is None:
-            fuse = self._device.type == "cuda" and cuda_kernels.usable(torch.empty(0, device=self._device))
+            fuse = self._device.type == "cuda" and cuda_kernels.usable()  # no tensors: whether the kernels may run at all
         if not fuse:
             return {}
         readers: dict[str, list[Node]] = {}
