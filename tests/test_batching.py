@@ -147,7 +147,7 @@ def test_kill_9_of_a_stage_while_sixteen_sessions_generate(prompts: list[str],
 
 def test_a_pool_too_small_for_all_sessions_preempts_and_every_session_finishes_unchanged(
         prompts: list[str], solo: dict[str, list[list[int]]]) -> None:
-    # 8 blocks of 16 tokens on the first stage (19 layers): two or three sessions at a time, not sixteen.
+    # 9 blocks of 16 tokens on the first stage (18 layers): two or three sessions at a time, not sixteen.
     with LocalMesh(2, "torch", "smollm2-135m", kvstore=False, extra_executor_args=("--kv-cache-bytes", "4Mi")) as m:
         got = _concurrently(m.coordinator_address, [_job(i, prompts) for i in range(STREAMS)])
         assert got == solo["greedy"]

@@ -8,7 +8,7 @@ import pytest
 
 from graphmesh.errors import InvalidArgument
 from graphmesh.models.config import ModelConfig
-from graphmesh_coordinator.planner import PACKED_LAYER_EXTRA, head_bytes, layer_bytes, plan, stage_costs
+from graphmesh_coordinator.planner import LAYER_EXTRA, head_bytes, layer_bytes, plan, stage_costs
 
 SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, n_layers=30, n_heads=9, n_kv_heads=3,
                       head_dim=64, intermediate_size=1536, norm_eps=1e-5, tie_word_embeddings=True, max_position=8192)
@@ -25,25 +25,27 @@ def test_split_covers_every_layer_once_in_order() -> None:
 
 def test_balance_charges_the_lm_head_to_the_last_stage() -> None:
     first, last = plan(SMOLLM2, ["a", "b"])
-    cost = [(s.layer_end - s.layer_start) * layer_bytes(SMOLLM2) for s in (first, last)]
-    cost[1] += head_bytes(SMOLLM2)
+    layer, head = stage_costs(SMOLLM2)
+    cost = [(s.layer_end - s.layer_start) * layer for s in (first, last)]
+    cost[1] += head
     assert first.layer_end - first.layer_start > last.layer_end - last.layer_start
-    assert abs(cost[0] - cost[1]) <= layer_bytes(SMOLLM2)  # within one layer of even
+    assert abs(cost[0] - cost[1]) <= layer  # within one layer of even
 
 
-def test_packed_weights_charge_a_layer_its_work_beyond_its_weights() -> None:
-    """Packed weights are compute-bound: a layer costs its products and the attention, norms and rope beside them,
-    the head its product alone, so the last stage takes more layers than with f32 (SmolLM2: 17+13 against 19+11,
-    the faster split of each in bench runs) and the costs stay within one layer of even."""
-    layer, head = stage_costs(SMOLLM2, "packed")
-    assert layer == layer_bytes(SMOLLM2) * (1 + PACKED_LAYER_EXTRA) and head == head_bytes(SMOLLM2)
-    assert stage_costs(SMOLLM2, "f32") == (layer_bytes(SMOLLM2), head_bytes(SMOLLM2))
-    first, last = plan(SMOLLM2, ["a", "b"], weights="packed")
-    assert (first.layer_end - first.layer_start, last.layer_end - last.layer_start) == (17, 13)
+@pytest.mark.parametrize(("weights", "split"), [("f32", (18, 12)), ("packed", (17, 13)), ("packed-bf16", (17, 13))])
+def test_a_layer_is_charged_its_work_beyond_its_weights(weights: str, split: tuple[int, int]) -> None:
+    """A layer costs its products and the attention, norms and rope beside them, the head its product alone, so
+    the last stage takes more layers than by bytes alone (19+11 for SmolLM2), more so with packed weights, whose
+    products read a fifth of the bytes (the faster split of each in bench runs); the costs stay within one layer
+    of even."""
+    layer, head = stage_costs(SMOLLM2, weights)
+    extra = LAYER_EXTRA["packed" if weights.startswith("packed") else "f32"]
+    assert layer == layer_bytes(SMOLLM2) * (1 + extra) and head == head_bytes(SMOLLM2)
+    first, last = plan(SMOLLM2, ["a", "b"], weights=weights)
+    assert (first.layer_end - first.layer_start, last.layer_end - last.layer_start) == split
     cost = [(s.layer_end - s.layer_start) * layer for s in (first, last)]
     cost[1] += head
     assert abs(cost[0] - cost[1]) <= layer
-    assert [(s.layer_end - s.layer_start) for s in plan(SMOLLM2, ["a", "b"], weights="f32")] == [19, 11]
 
 
 def test_explicit_split_and_bad_splits() -> None:

@@ -1,15 +1,18 @@
 """Partition planning: contiguous layer ranges, balanced by what bounds each stage's decode step.
 
-With dense weights a decode step is memory-bound, so a stage's cost is the weight bytes it reads per token: every
-layer's weights, plus the LM head on the last stage. The embedding costs one row per token and is left out:
-balancing on plain parameter bytes would give the first stage far too few layers. The stages of one machine share
-its memory bus, which is what two f32 stages of SmolLM2 saturate at 16 streams on the 2-core VM: 19+11 (by bytes)
-and 18+12 served 134 and 135 tok/s (medians of 9 interleaved runs), 17+13 only 111.
+A stage's decode step is its layers' products (the weight bytes they read, at the speed its kernels read them)
+plus the work that reads no weights: a decoder layer also runs attention, norms and rope, while the head is one
+product. That work is charged to each layer as a fraction of its products' time at 8 rows (a micro-batch of 16
+streams over two stages), measured per weight format; the embedding costs one row per token and is left out:
+balancing on plain parameter bytes would give the first stage far too few layers.
 
-Packed GGUF weights (--weights packed, packed-bf16) are a fifth of those bytes, and the arithmetic bounds the step
-instead: a decoder layer also runs attention, norms and rope, which read no weights and take about
-PACKED_LAYER_EXTRA of its products' time at 8 rows, while the head is one product. Charged that way SmolLM2 splits
-17+13, which served 147 tok/s where 19+11 served 132 and 18+12 139 (the same 9 runs each).
+- f32: LAYER_EXTRA["f32"] = 0.40 (SmolLM2's first 19 layers, 8 rows, one core: 28.6 ms of products, 11.3 ms of
+  the rest). SmolLM2 splits 18+12. While the f32 product read its weights at half the memory's speed, the step was
+  bound by bytes alone (19+11 and 18+12 served 134 and 135 tok/s, 17+13 only 111); since it prefetches into L2 it
+  reads them ~1.5x faster, and 18+12 and 17+13 served 118 and 120 tok/s where 19+11 served 112 (medians of 4
+  interleaved runs, 16 streams).
+- packed GGUF weights (--weights packed, packed-bf16): 0.65, since the products read a fifth of the bytes. SmolLM2
+  splits 17+13, which served 147 tok/s where 19+11 served 132 and 18+12 139 (the same 9 runs each).
 
 The stages become the decoder groups of the plan's DAG (graphmesh.plan); a model with an encoder gets it as an
 optional root group on the last rank, feeding the first stage: a prefill keeps the first rank the busiest one (it
@@ -39,7 +42,9 @@ class StagePlan:
         return self.rank == 0
 
 
-PACKED_LAYER_EXTRA = 0.65  # a layer's work that reads no weights, in units of its products' (SmolLM2, 8 rows: 0.61-0.72)
+# A layer's work that reads no weights, in units of its products' time at 8 rows, by weight format (SmolLM2 on the
+# 2-core VM: f32 0.40; packed 0.61-0.72).
+LAYER_EXTRA = {"f32": 0.40, "packed": 0.65}
 
 
 def layer_bytes(config: ModelConfig) -> int:
@@ -52,7 +57,7 @@ def head_bytes(config: ModelConfig) -> int:
 
 def stage_costs(config: ModelConfig, weights: str = "f32") -> tuple[float, float]:
     """(a decoder layer, the head) in the units the split balances, for the mesh's weight format."""
-    extra = PACKED_LAYER_EXTRA if weights.startswith("packed") else 0.0
+    extra = LAYER_EXTRA["packed" if weights.startswith("packed") else "f32"]
     return layer_bytes(config) * (1.0 + extra), float(head_bytes(config))
 
 
