@@ -74,7 +74,8 @@ static void tile_1_1(const float *x, size_t ldx, const float *w, size_t ldw, flo
                      size_t k, const float *next) { tile(1, 1, x, ldx, w, ldw, out, ldo, k8, k, next); }
 
 /* gemm_xwt with 3-row weight tiles for quads of x rows (m >= QUAD_ROWS). The rows a quad leaves go as one group
- * of 3 or 2, and a lone last row joins the quad before it as 3 + 2: one row alone keeps only 3 FMA chains busy. */
+ * of 3 or 2, and a lone last row joins the quad before it as 3 + 2: one row alone keeps only 3 FMA chains busy.
+ * Only the first quad prefetches the next tile: the groups after it read this one from L1. */
 #define QUAD_TILES(N)                                                                                        \
     static void tiles_##N(int m, const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, \
                           size_t k8, size_t k, const float *next) {                                          \
@@ -83,11 +84,11 @@ static void tile_1_1(const float *x, size_t ldx, const float *w, size_t ldw, flo
         int i = 0;                                                                                           \
         for (; i < quads * QMT; i += QMT) tile(4, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, i ? 0 : next); \
         if (rest == 5) {                                                                                     \
-            tile(3, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, next);                           \
+            tile(3, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, 0);                              \
             i += 3, rest = 2;                                                                                \
         }                                                                                                    \
-        if (rest == 3) tile(3, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, next);                \
-        if (rest == 2) tile(2, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, next);                \
+        if (rest == 3) tile(3, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, 0);                   \
+        if (rest == 2) tile(2, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, 0);                   \
     }
 QUAD_TILES(3)
 QUAD_TILES(1)
