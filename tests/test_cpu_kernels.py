@@ -1,4 +1,4 @@
-"""cpu_kernels: the torch backend's x86-64 decode kernels (small-M x @ w.T, paged decode attention) against float64.
+"""cpu_kernels: the torch backend's x86-64 kernels (x @ w.T from panels, paged decode attention) against float64.
 
 Besides the numbers, it must be batch-invariant: a row's outputs are bit-identical whatever other rows share
 the product and however its columns are split over threads, which is what keeps a session's tokens the same
@@ -23,7 +23,8 @@ RUNNABLE = (platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"
             and shutil.which("cc") is not None)
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs an x86-64 CPU with AVX2 + FMA + F16C and a C compiler")
 SHAPES = [(1, 576, 576), (2, 7, 5), (3, 13, 13), (5, 576, 1536), (16, 1536, 576), (32, 100, 49), (7, 8, 6),
-          (8, 32, 9), (11, 9, 7), (17, 64, 10), (30, 576, 1536)]  # from 8 rows: quads, and their 3- and 2-row tails
+          (8, 32, 9), (11, 9, 7), (17, 64, 10), (30, 576, 1536), (5, 24, 48), (100, 576, 200)]
+# quads of rows and their 3-, 2- and 1-row tails (5 rows: 3 + 2), partial and whole panels of 24, a prompt chunk
 
 
 def _rand(*shape: int, seed: int) -> torch.Tensor:
@@ -43,7 +44,8 @@ def test_matches_the_float64_product(m: int, k: int, n: int) -> None:
     np.testing.assert_allclose(out.double().numpy(), ref.numpy(), rtol=1e-5, atol=1e-6 * k ** 0.5 * 4)
 
 
-@pytest.mark.parametrize("m,k,n", [(16, 576, 1536), (9, 13, 13), (32, 1536, 576), (17, 576, 1536), (14, 40, 7)])
+@pytest.mark.parametrize("m,k,n", [(16, 576, 1536), (9, 13, 13), (32, 1536, 576), (17, 576, 1536), (14, 40, 7),
+                                   (70, 64, 50)])
 def test_a_row_gets_the_same_bits_in_any_batch_and_any_split(m: int, k: int, n: int) -> None:
     x, w = _rand(m, k, seed=3), _rand(n, k, seed=4)
     whole = cpu_kernels.matmul_xwt(x, w)
@@ -62,7 +64,7 @@ def test_a_row_gets_the_same_bits_in_any_batch_and_any_split(m: int, k: int, n: 
 def test_usable_only_for_what_it_computes() -> None:
     x, w = _rand(4, 8, seed=1), _rand(6, 8, seed=2)
     assert cpu_kernels.usable(x, w)
-    assert not cpu_kernels.usable(_rand(cpu_kernels.MAX_ROWS + 1, 8, seed=1), w)  # prompt chunks: MKL's blocked gemm
+    assert cpu_kernels.usable(_rand(cpu_kernels.MAX_ROWS + 1, 8, seed=1), w)  # prompt chunks too
     assert not cpu_kernels.usable(x, w.T.contiguous().T)  # column-major weight
     assert not cpu_kernels.usable(x.double(), w.double())
     assert not cpu_kernels.usable(x, _rand(6, 9, seed=2))
@@ -74,8 +76,26 @@ def test_the_torch_backend_runs_its_weights_through_the_kernel() -> None:
     exe = compile_graph(parse(g.build()), "torch", "cpu")
     w, x = _rand(1536, 576, seed=5), _rand(4, 576, seed=6)
     exe.set_param("w", w.numpy())
+    assert cpu_kernels.has_fpanels(exe._params["w"])  # type: ignore[attr-defined]  # made when set, not by a request
     out = exe.run({"x": x.numpy()})[0]
     assert np.array_equal(out, cpu_kernels.matmul_xwt(x, w).numpy())  # the kernel's exact bits, not MKL's
+
+
+def test_a_prompt_row_gets_the_bits_of_a_decode_row() -> None:
+    """Prompt chunks go through the same panels as decode rows: a token's activations do not depend on whether it
+    came in a prompt of 40 or alone."""
+    g = GraphBuilder("proj")
+    g.output(g.matmul(g.input("x", (40, 576)), g.param("w", (1536, 576)), transpose_b=True))
+    prompt = compile_graph(parse(g.build()), "torch", "cpu")
+    g = GraphBuilder("proj")
+    g.output(g.matmul(g.input("x", (1, 576)), g.param("w", (1536, 576)), transpose_b=True))
+    decode = compile_graph(parse(g.build()), "torch", "cpu")
+    w, x = _rand(1536, 576, seed=7), _rand(40, 576, seed=8)
+    for exe in (prompt, decode):
+        exe.set_param("w", w.numpy())
+    whole = prompt.run({"x": x.numpy()})[0]
+    for i in (0, 17, 39):
+        assert np.array_equal(decode.run({"x": x[i:i + 1].numpy()})[0][0], whole[i])
 
 
 def _decode_case(t: int, seed: int, hq: int = 9, hkv: int = 3, d: int = 64) -> tuple[torch.Tensor, ...]:

@@ -1,32 +1,16 @@
-/* The torch backend's hand-written CPU kernels (f32, AVX2 + FMA), for what a decode step of a few rows spends
- * its time on: x @ w.T over f32 weights (gemm_xwt) and over GGUF blocks (gemm_qpanels), and paged attention
+/* The torch backend's hand-written CPU kernels (f32, AVX2 + FMA), for what a step of a few rows spends its time
+ * on: x @ w.T over f32 weights (gemm_fpanels) and over GGUF blocks (gemm_qpanels), and paged attention
  * (paged_decode_attention). cpu_kernels.py builds them.
  *
- * gemm_xwt: out[m, n] = sum_k x[m, k] * w[n, k] for a few rows x and a weight w stored [n, k] row-major.
- * Decode multiplies a handful of rows by weights far bigger than the cache: the cost is reading w once from
- * memory, and MKL's small-M gemm on this machine (Zen 3) reads it at half the speed of its one-row product.
- * Here each tile of weight rows is read from memory once and kept in L1 while every group of x rows takes its
- * 12 dot products from it, and the next tile is prefetched meanwhile so its memory reads overlap this tile's
- * arithmetic (8 rows: 75 -> 55-62 ms for SmolLM2's layers). The prefetch goes to L2, not L1, and only during
- * the tile's first group of rows (the later groups read it from L1): prefetched into L1 it evicted the tile and
- * the x rows being used. SmolLM2's 30 layers and head, cold, one core (medians of 7): 1 row 45.7 -> 27.7 ms
- * (11.8 -> 19.4 GB/s), 8 rows 73.7 -> 49.8 ms, 16 rows 131.6 -> 96.7 ms, the same bits. Below 8
- * rows a tile is 6 weight rows for pairs of x rows; from 8 rows on it is 3 weight rows for quads: each weight
- * vector loaded then feeds 4 FMAs instead of 2, and a tile and the x rows fit L1 together (16 rows of
- * SmolLM2's 1536x576 weights, one core: 126 -> 92-108 ms).
- * Every out[m, n] is summed in the same order whatever M is and wherever row m sits in the batch (8 lanes
- * over k, then a fixed horizontal sum), so a session's numbers never depend on which other sessions share its
- * step. */
+ * Both products read their weight in panels of PANEL weight rows laid out column by column, [k][PANEL], made
+ * once when the weight is set: a panel is one sequential stream that the hardware prefetcher keeps ahead of the
+ * arithmetic, and a tile of 4 x rows by one panel is 12 accumulators fed by one broadcast of x and three weight
+ * vectors, with no horizontal sums. */
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 
-#define NT 6 /* weight rows per tile */
-#define MT 2 /* x rows per tile: 12 accumulators + 6 weight vectors + 1 x vector fit the 16 ymm registers */
-#define QUAD_ROWS 8 /* from this many x rows on, tiles are QNT x QMT: 12 accumulators + 3 + 1 vectors */
-#define QNT 3
-#define QMT 4
-#define PREFETCH_ROWS 16 /* up to this many x rows, the next 6-row tile is prefetched */
+#define PANEL 24 /* weight rows of a panel: three 8-lane vectors */
 
 /* Bytes [p, p + n) into L2: a tile or slice the product reads next. */
 static inline void prefetch_l2(const void *p, size_t n) {
@@ -39,93 +23,64 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* An mt x nt tile of out (mt <= QMT, nt <= NT); the compiler unrolls it for each constant pair below. */
-static inline __attribute__((always_inline)) void tile(int mt, int nt, const float *x, size_t ldx,
-                                                       const float *w, size_t ldw, float *out, size_t ldo,
-                                                       size_t k8, size_t k, const float *next) {
-    __m256 acc[QMT][NT];
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < nt; j++) acc[i][j] = _mm256_setzero_ps();
-    for (size_t p = 0; p < k8; p += 8) {
-        __m256 wv[NT];
-        if (next && (p & 15) == 0) /* one 64-byte line of each of the next tile's rows every 16 floats */
-            for (int j = 0; j < NT; j++) _mm_prefetch((const char *)(next + j * ldw + p), _MM_HINT_T1);
-        for (int j = 0; j < nt; j++) wv[j] = _mm256_loadu_ps(w + j * ldw + p);
-        for (int i = 0; i < mt; i++) {
-            __m256 xv = _mm256_loadu_ps(x + i * ldx + p);
-            for (int j = 0; j < nt; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+/* acc[mr rows][PANEL] (+)= x[mr rows, 0..kc) . w[0..kc)[PANEL]; acc starts from zero on a panel's first slice. */
+static inline __attribute__((always_inline)) void panel_tile(int mr, int kc, const float *x, size_t ldx,
+                                                             const float *w, float *acc_rows, int first) {
+    __m256 acc[4][3];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < 3; j++) acc[i][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_rows + i * PANEL + 8 * j);
+    for (int p = 0; p < kc; p++) {
+        __m256 w0 = _mm256_loadu_ps(w + p * PANEL), w1 = _mm256_loadu_ps(w + p * PANEL + 8);
+        __m256 w2 = _mm256_loadu_ps(w + p * PANEL + 16);
+        for (int i = 0; i < mr; i++) {
+            __m256 xv = _mm256_broadcast_ss(x + i * ldx + p);
+            acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
+            acc[i][2] = _mm256_fmadd_ps(xv, w2, acc[i][2]);
         }
     }
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < nt; j++) {
-            float s = hsum(acc[i][j]);
-            for (size_t p = k8; p < k; p++) s += x[i * ldx + p] * w[j * ldw + p];
-            out[i * ldo + j] = s;
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < 3; j++) _mm256_storeu_ps(acc_rows + i * PANEL + 8 * j, acc[i][j]);
+}
+
+/* gemm_fpanels: out[m, n] = sum_k x[m, k] * w[n, k] for an f32 weight held as panels (repack_f32), any m.
+ * Each tile keeps its 12 accumulators in registers over the whole of k, so each output is one FMA chain over k
+ * in order, from zero: a row's outputs never depend on how many rows share the call, where the row sits, or
+ * how the columns are split over threads (nor on whether it is a prompt's row or a decode's). The weights
+ * they replace were read row-major, 6 or 3 weight rows a tile, each output 8 lanes and a horizontal sum; on
+ * SmolLM2's layers (18 of them, one core, cold) that took 30 ms for 8 rows where panels take 19-22 ms, 59
+ * against 32-40 ms for 16, and on its 49152x576 head MKL's one-row product took 9.2 ms against 3.6; for
+ * prompt chunks the panels beat MKL's blocked gemm too (640 rows: 86 against 79 GFLOP/s). */
+
+/* f32 rows [n, k] -> panels [ceil(n / PANEL)][k][PANEL]; rows past n are zero. */
+void repack_f32(int n, int k, const float *w, float *dst) {
+    for (int panel = 0; panel < (n + PANEL - 1) / PANEL; panel++)
+        for (int r = 0; r < PANEL; r++) {
+            int row = panel * PANEL + r;
+            float *col = dst + (size_t)panel * k * PANEL + r;
+            for (int c = 0; c < k; c++) col[(size_t)c * PANEL] = row < n ? w[(size_t)row * k + c] : 0.0f;
         }
 }
 
-static void tile_2_6(const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, size_t k8,
-                     size_t k, const float *next) { tile(2, 6, x, ldx, w, ldw, out, ldo, k8, k, next); }
-static void tile_1_6(const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, size_t k8,
-                     size_t k, const float *next) { tile(1, 6, x, ldx, w, ldw, out, ldo, k8, k, next); }
-static void tile_2_1(const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, size_t k8,
-                     size_t k, const float *next) { tile(2, 1, x, ldx, w, ldw, out, ldo, k8, k, next); }
-static void tile_1_1(const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, size_t k8,
-                     size_t k, const float *next) { tile(1, 1, x, ldx, w, ldw, out, ldo, k8, k, next); }
-
-/* gemm_xwt with 3-row weight tiles for quads of x rows (m >= QUAD_ROWS). The rows a quad leaves go as one group
- * of 3 or 2, and a lone last row joins the quad before it as 3 + 2: one row alone keeps only 3 FMA chains busy.
- * Only the first quad prefetches the next tile: the groups after it read this one from L1. */
-#define QUAD_TILES(N)                                                                                        \
-    static void tiles_##N(int m, const float *x, size_t ldx, const float *w, size_t ldw, float *out, size_t ldo, \
-                          size_t k8, size_t k, const float *next) {                                          \
-        int quads = m / QMT, rest = m % QMT;                                                                 \
-        if (rest == 1) quads--, rest = QMT + 1;                                                              \
-        int i = 0;                                                                                           \
-        for (; i < quads * QMT; i += QMT) tile(4, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, i ? 0 : next); \
-        if (rest == 5) {                                                                                     \
-            tile(3, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, 0);                              \
-            i += 3, rest = 2;                                                                                \
-        }                                                                                                    \
-        if (rest == 3) tile(3, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, 0);                   \
-        if (rest == 2) tile(2, N, x + i * ldx, ldx, w, ldw, out + i * ldo, ldo, k8, k, 0);                   \
-    }
-QUAD_TILES(3)
-QUAD_TILES(1)
-
-static void gemm_xwt_quads(int m, size_t k8, int k, const float *x, int ldx, const float *w, int ldw, float *out,
-                           int ldo, int n0, int n1) {
-    int n = n0;
-    for (; n + QNT <= n1; n += QNT) {
-        /* Prefetched at any m: without it 17 rows ran slower than in pairs of 6-row tiles (195 vs 171 ms). */
-        const float *next = n + 2 * QNT <= n1 ? w + (size_t)(n + QNT) * ldw : 0;
-        tiles_3(m, x, ldx, w + (size_t)n * ldw, ldw, out + n, ldo, k8, k, next);
-    }
-    for (; n < n1; n++) tiles_1(m, x, ldx, w + (size_t)n * ldw, ldw, out + n, ldo, k8, k, 0);
-}
-
-/* Rows [n0, n1) of the output's columns: callers split n across threads. Strides are in elements. */
-void gemm_xwt(int m, int k, const float *x, int ldx, const float *w, int ldw, float *out, int ldo, int n0, int n1) {
-    size_t k8 = (size_t)k & ~(size_t)7;
-    if (m >= QUAD_ROWS) {
-        gemm_xwt_quads(m, k8, k, x, ldx, w, ldw, out, ldo, n0, n1);
-        return;
-    }
-    int n = n0;
-    for (; n + NT <= n1; n += NT) {
-        const float *next = m <= PREFETCH_ROWS && n + 2 * NT <= n1 ? w + (size_t)(n + NT) * ldw : 0;
-        int i = 0;
-        for (; i + MT <= m; i += MT)
-            tile_2_6(x + (size_t)i * ldx, ldx, w + (size_t)n * ldw, ldw, out + (size_t)i * ldo + n, ldo, k8, k, i ? 0 : next);
-        for (; i < m; i++)
-            tile_1_6(x + (size_t)i * ldx, ldx, w + (size_t)n * ldw, ldw, out + (size_t)i * ldo + n, ldo, k8, k, i ? 0 : next);
-    }
-    for (; n < n1; n++) {
-        int i = 0;
-        for (; i + MT <= m; i += MT)
-            tile_2_1(x + (size_t)i * ldx, ldx, w + (size_t)n * ldw, ldw, out + (size_t)i * ldo + n, ldo, k8, k, 0);
-        for (; i < m; i++)
-            tile_1_1(x + (size_t)i * ldx, ldx, w + (size_t)n * ldw, ldw, out + (size_t)i * ldo + n, ldo, k8, k, 0);
+/* Rows [n0, n1) of the output's columns (n0 a multiple of PANEL: callers split n across threads). A lone last
+ * row goes with the quad before it as 3 + 2: one row alone keeps only 3 FMA chains busy. Strides in elements. */
+void gemm_fpanels(int m, int k, const float *x, int ldx, const float *w, float *out, int ldo, int n0, int n1) {
+    float acc[4 * PANEL] __attribute__((aligned(32)));
+    size_t panel_floats = (size_t)k * PANEL;
+    for (int n = n0; n < n1; n += PANEL) {
+        const float *panel = w + (size_t)(n / PANEL) * panel_floats;
+        int cols = n1 - n < PANEL ? n1 - n : PANEL;
+        for (int i = 0; i < m;) {
+            int mr = m - i >= 4 ? (m - i == 5 ? 3 : 4) : m - i;
+            const float *xs = x + (size_t)i * ldx;
+            if (mr == 4) panel_tile(4, k, xs, ldx, panel, acc, 1);
+            else if (mr == 3) panel_tile(3, k, xs, ldx, panel, acc, 1);
+            else if (mr == 2) panel_tile(2, k, xs, ldx, panel, acc, 1);
+            else panel_tile(1, k, xs, ldx, panel, acc, 1);
+            for (int r = 0; r < mr; r++)
+                for (int j = 0; j < cols; j++) out[(size_t)(i + r) * ldo + n + j] = acc[r * PANEL + j];
+            i += mr;
+        }
     }
 }
 
@@ -143,7 +98,6 @@ void gemm_xwt(int m, int k, const float *x, int ldx, const float *w, int ldw, fl
  * is exact). Every out[m, n] is one FMA chain over k in order, from zero, whatever M is and wherever row m sits:
  * a session's numbers never depend on which other sessions share its step. */
 enum { SCHEME_Q4_0 = 0, SCHEME_Q4_1 = 1, SCHEME_Q8_0 = 2 };
-#define PANEL 24    /* weight rows of a panel: three 8-lane vectors */
 #define KC 192      /* columns dequantized at a time, a multiple of 32: a [KC][PANEL] slice is 18 KiB of L1 */
 #define PANEL_ROWS 32 /* x rows a call takes at most (cpu_kernels.MAX_ROWS) */
 
@@ -216,26 +170,6 @@ static void dequantize_slice(int scheme, const unsigned char *src, int kc, float
                 _mm256_storeu_ps(dst + (2 * c + 1) * PANEL + 8 * g, _mm256_fmadd_ps(d[g], hi, m[g]));
             }
     }
-}
-
-/* acc[mr rows][PANEL] (+)= x[mr rows, 0..kc) . w[0..kc)[PANEL]; acc starts from zero on a panel's first slice. */
-static inline __attribute__((always_inline)) void panel_tile(int mr, int kc, const float *x, size_t ldx,
-                                                             const float *w, float *acc_rows, int first) {
-    __m256 acc[4][3];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < 3; j++) acc[i][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_rows + i * PANEL + 8 * j);
-    for (int p = 0; p < kc; p++) {
-        __m256 w0 = _mm256_loadu_ps(w + p * PANEL), w1 = _mm256_loadu_ps(w + p * PANEL + 8);
-        __m256 w2 = _mm256_loadu_ps(w + p * PANEL + 16);
-        for (int i = 0; i < mr; i++) {
-            __m256 xv = _mm256_broadcast_ss(x + i * ldx + p);
-            acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
-            acc[i][2] = _mm256_fmadd_ps(xv, w2, acc[i][2]);
-        }
-    }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < 3; j++) _mm256_storeu_ps(acc_rows + i * PANEL + 8 * j, acc[i][j]);
 }
 
 /* Rows [n0, n1) of the output's columns (n0 a multiple of PANEL: callers split n across threads); m <= PANEL_ROWS;

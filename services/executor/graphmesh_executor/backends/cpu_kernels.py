@@ -1,12 +1,12 @@
-"""The torch backend's CPU kernels for decode on x86-64 with AVX2 + FMA + F16C (cpu_kernels.c, compiled at first
-use): x @ w.T for a few f32 rows, with w f32 or packed GGUF blocks, and paged attention of one query row per
-sequence.
+"""The torch backend's CPU kernels on x86-64 with AVX2 + FMA + F16C (cpu_kernels.c, compiled at first use):
+x @ w.T for f32 rows, with w f32 or packed GGUF blocks, and paged attention of one query row per sequence.
 
 A decode step multiplies a handful of rows (one per session) by every weight of its layers. That is the cost
-of a step on CPU, and MKL's small-M product reads the weights at half the speed of its one-row product: on
-SmolLM2's 30 layers, one core, 8 rows take 98 ms against 70 ms here, 2 rows 90 against 50 (bench_cpu_kernels.py
-measures whole decode steps both ways). Like tinygrad's CPU backend, the C source ships with the package and is built
-by the system's C compiler into a per-user cache; without a compiler or the instructions, callers use torch.
+of a step on CPU, and MKL's small-M product reads the weights at half the speed of its one-row product. Both
+products here read their weight in panels made once per weight (f32: fpanels; GGUF: panels); the f32 one serves
+any number of rows, prompt chunks too (bench_cpu_kernels.py measures whole decode steps against torch's ops).
+Like tinygrad's CPU backend, the C source ships with the package and is built by the system's C compiler into a
+per-user cache; without a compiler or the instructions, callers use torch.
 
     python -m graphmesh_executor.backends.cpu_kernels   # builds it now (an image build), prints where or why not
 """
@@ -32,11 +32,13 @@ from graphmesh.serving import cpu_flags, user_dir
 
 log = logging.getLogger("graphmesh.executor.cpu_kernels")
 
-MAX_ROWS = 32  # past this MKL's blocked gemm is as fast (equal at 32 rows, faster for prompt chunks)
+MAX_ROWS = 32  # rows a packed product takes at most: prompt chunks dequantize for MKL's blocked gemm
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
 _LIBS = ["-lm"]
-_TILE_ROWS = 6  # weight rows per tile of gemm_xwt in cpu_kernels.c: a thread's share of n is a multiple of it
+PANEL = 24  # weight rows of a panel in cpu_kernels.c: a thread's share of a product is whole panels
+_PANELS = "_graphmesh_panels"  # a packed tensor's panel form, in its __dict__
+_FPANELS = "_graphmesh_fpanels"  # an f32 weight's panel form, in its __dict__
 _HEADS_AT_ONCE = 3  # query heads paged_decode_attention scores at once: its scores buffer holds one row each
 _MIN_SHARE = 384  # output columns a thread takes at least: fewer cost more in the handoff than they save
 
@@ -88,8 +90,10 @@ def library() -> ctypes.CDLL | None:
                     extra={"error": detail})
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
-    lib.gemm_xwt.argtypes = [i, i, p, i, p, i, p, i, i, i]
-    lib.gemm_xwt.restype = None
+    lib.repack_f32.argtypes = [i, i, p, p]
+    lib.repack_f32.restype = None
+    lib.gemm_fpanels.argtypes = [i, i, p, i, p, p, i, i, i]
+    lib.gemm_fpanels.restype = None
     lib.panel_block_bytes.argtypes = [i]
     lib.panel_block_bytes.restype = ctypes.c_size_t
     lib.repack_blocks.argtypes = [i, i, i, p, p]
@@ -111,22 +115,42 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether matmul_xwt computes x @ w.T here: f32 on the host, a few rows of x, w [n, k] row-major."""
-    return (x.shape[0] <= MAX_ROWS and x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype == torch.float32
-            and x.is_cpu and w.is_cpu and x.shape[1] == w.shape[1] and w.is_contiguous()
-            and library() is not None)
+    """Whether matmul_xwt computes x @ w.T here: f32 rows on the host, w [n, k] row-major f32."""
+    return (x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype == torch.float32 and x.is_cpu and w.is_cpu
+            and x.shape[1] == w.shape[1] and w.is_contiguous() and library() is not None)
+
+
+def has_fpanels(w: torch.Tensor) -> bool:
+    """Whether `w` carries its panel form (fpanels): a weight laid out for matmul_xwt, not an activation."""
+    return _FPANELS in w.__dict__
+
+
+def fpanels(w: torch.Tensor) -> torch.Tensor:
+    """An f32 weight [n, k] laid out again in panels of PANEL rows, [ceil(n / PANEL)][k][PANEL] (cpu_kernels.c's
+    repack_f32), the form gemm_fpanels reads. Made once per tensor and kept with it (weights are never written in
+    place): TorchExecutable makes it when a weight is set, so that no request waits for it."""
+    made: torch.Tensor | None = w.__dict__.get(_FPANELS)
+    if made is None:
+        lib = library()
+        assert lib is not None
+        n, k = w.shape
+        made = torch.empty(-(-n // PANEL) * k * PANEL, dtype=torch.float32)
+        lib.repack_f32(n, k, w.contiguous().data_ptr(), made.data_ptr())
+        w.__dict__[_FPANELS] = made
+    return made
 
 
 def matmul_xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T (x [m, k], w [n, k] contiguous, f32, m <= MAX_ROWS), split over torch's intra-op threads.
-    Every output element is summed in one order whatever m and the split are (cpu_kernels.c)."""
+    """x @ w.T (x [m, k], w [n, k] contiguous, f32), read from w's panels (fpanels), split over torch's intra-op
+    threads. Every output element is one FMA chain over k in order, whatever m, the row's place and the split
+    are (cpu_kernels.c): a session's numbers never depend on the other rows of its step."""
     lib = library()
     assert lib is not None
     x = x.contiguous()
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    args = (m, k, x.data_ptr(), k, w.data_ptr(), k, out.data_ptr(), n)
-    _run_shares(_shares(n, _TILE_ROWS), lambda i, a, b: lib.gemm_xwt(*args, a, b))
+    args = (m, k, x.data_ptr(), k, fpanels(w).data_ptr(), out.data_ptr(), n)
+    _run_shares(_shares(n, PANEL), lambda i, a, b: lib.gemm_fpanels(*args, a, b))
     return out
 
 
@@ -156,8 +180,6 @@ def _run_shares(shares: tuple[tuple[int, int], ...], run: Callable[[int, int, in
 
 
 PACKED_SCHEMES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # cpu_kernels.c's scheme numbers
-PANEL = 24  # weight rows of a panel in cpu_kernels.c: a thread's share of a packed product is whole panels
-_PANELS = "_graphmesh_panels"  # a packed tensor's panel form, in its __dict__
 
 
 def packed_usable(x: torch.Tensor, packed: torch.Tensor, scheme: str) -> bool:

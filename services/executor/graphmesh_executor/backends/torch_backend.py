@@ -143,11 +143,9 @@ def _div(x: Tensor, y: Tensor) -> Tensor:
 def _matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, w = xs
     if a["transpose_b"] and not a["transpose_a"] and x.dim() == 2:
-        forms = w.__dict__.get(_CONVERTED, {})  # the other layouts of a weight (see TorchExecutable._lay_out)
-        if x.shape[0] == 1 and "one_row" in forms:
-            return torch.matmul(x, forms["one_row"])
-        if cpu_kernels.usable(x, w):
+        if cpu_kernels.has_fpanels(w) and cpu_kernels.usable(x, w):  # an f32 weight laid out (_lay_out): any rows
             return cpu_kernels.matmul_xwt(x, w)
+        forms = w.__dict__.get(_CONVERTED, {})  # the other layouts of a weight (see TorchExecutable._lay_out)
         if x.shape[0] > 1 and "rows" in forms:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), forms["rows"], None, "none", [], "")
     return torch.matmul(x.mT if a["transpose_a"] else x, w.mT if a["transpose_b"] else w)
@@ -176,10 +174,11 @@ def _joined_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tens
     if x.is_cpu:
         # cpu_kernels sums each output alone, in one order whatever rows of the weight a call covers: one call
         # over the joined weight gives every member's exact bits for a third of the calls. Where the kernels do
-        # not serve the rows (a prompt), each member runs as it would alone, so its bits do not change either.
+        # not serve the rows (a packed prompt), each member runs as it would alone, so its bits do not change either.
         if joined is not None and "scheme" in a and cpu_kernels.packed_usable(x, joined.whole, a["scheme"]):
             return cpu_kernels.matmul_xwt_packed(x, joined.whole, a["scheme"], joined.whole.shape[0])
-        if joined is not None and "scheme" not in a and cpu_kernels.usable(x, joined.whole):
+        if joined is not None and "scheme" not in a and cpu_kernels.has_fpanels(joined.whole) \
+                and cpu_kernels.usable(x, joined.whole):
             return cpu_kernels.matmul_xwt(x, joined.whole)
         if "scheme" in a:
             return torch.cat([_dequant_matmul(ctx, [x, w], {**a, "n": w.shape[0]}) for w in weights], -1)
@@ -723,8 +722,8 @@ class TorchExecutable(Executable[Tensor]):
         self._donors = {n.inputs[0]: graph.outputs.index(n.name) for n in graph.nodes
                         if n.op in ("kv_write", "kv_scatter") and n.inputs[0] in graph.inputs and n.name in graph.outputs
                         and readers[n.inputs[0]] == 1 and n.inputs[0] not in graph.outputs}
-        # Weights read only as W in x @ W.T are kept as W.T contiguous (a view of the declared shape): MKL's
-        # one-row product reads that layout faster (7.2 vs 10.2 ms for SmolLM2's 49152x576 head on one core).
+        # Weights read only as W in x @ W.T get the layout their product reads fastest (_weight_order): f32 ones
+        # cpu_kernels' panels, others W.T contiguous (a view of the declared shape) for MKL's one-row product.
         self._transposed = {n.inputs[1] for n in graph.nodes if n.op == "matmul" and n.attrs["transpose_b"]
                             and not n.attrs["transpose_a"] and n.inputs[1] in graph.params
                             and len(graph.params[n.inputs[1]].shape) == 2 and readers[n.inputs[1]] == 1
@@ -738,10 +737,10 @@ class TorchExecutable(Executable[Tensor]):
             if self._device.type == "cpu" and cpu_kernels.library() is not None else {}
         # Weights joined for one product (see _joins): the panels are the joined weight's, made at the join.
         self._join_groups = self._joins(graph)
-        for members in self._join_groups:
-            for node in graph.nodes:
-                if node.name in members:
-                    self._panelled.pop(node.inputs[1], None)
+        self._joined_weights = {node.inputs[1] for members in self._join_groups for node in graph.nodes
+                                if node.name in members}
+        for name in self._joined_weights:
+            self._panelled.pop(name, None)
         # The base interpreter counts MoE expert calls and captures top-k ids: graphs with those ops keep it.
         self._planned = not any(n.op in ("grouped_matmul", "top_k") for n in graph.nodes)
         self._slots, self._steps = self._plan(graph)
@@ -1043,8 +1042,8 @@ class TorchExecutable(Executable[Tensor]):
         self._captures, self._seen = {}, {}
 
     def _weight_order(self, name: str) -> Literal["C", "F"]:
-        """The host layout of a weight read as W in x @ W.T: [n, k] rows for cpu_kernels' f32 product where it runs
-        (it reads them at memory speed for up to 32 rows), else [k, n] for MKL's one-row product."""
+        """The host layout of a weight read as W in x @ W.T: [n, k] rows where cpu_kernels' f32 product runs (it
+        reads them as panels made from those rows, for any number of rows), else [k, n] for MKL's one-row product."""
         if name not in self._transposed:
             return "C"
         return "C" if self._param_type(name).dtype == "f32" and cpu_kernels.library() is not None else "F"
@@ -1056,10 +1055,8 @@ class TorchExecutable(Executable[Tensor]):
             weight = self._params[name]
             if self._weight_order(name) == "C":
                 weight = self._params[name] = weight.contiguous()
-                if weight.numel() >= _BOTH_LAYOUTS:
-                    # MKL's one-row product over the [k, n] layout beats the kernel on a head this big (SmolLM2's
-                    # 49152x576, 1 core: 7.1 vs 12.7 ms): one row of a big weight reads a second form.
-                    weight.__dict__[_CONVERTED] = {"one_row": weight.mT.contiguous()}
+                if name not in self._joined_weights:  # a joined weight's panels are the whole's, made at the join
+                    cpu_kernels.fpanels(weight)
             else:
                 if not weight.mT.is_contiguous():
                     weight = self._params[name] = weight.mT.contiguous().mT
@@ -1094,6 +1091,9 @@ class TorchExecutable(Executable[Tensor]):
             joined = _joined([self._params[node.inputs[1]] for node in nodes if node.inputs[1] in self._params])
             if joined is not None and nodes[0].op == "dequant_matmul":  # the panels a decode reads (see _lay_out)
                 cpu_kernels.panels(joined.whole, nodes[0].attrs["scheme"], joined.whole.shape[0], nodes[0].attrs["k"])
+            elif joined is not None and nodes[0].inputs[1] in self._transposed and \
+                    self._weight_order(nodes[0].inputs[1]) == "C":
+                cpu_kernels.fpanels(joined.whole)
         return super().finalize_params()
 
     def _join(self, names: tuple[str, ...]) -> None:
