@@ -18,7 +18,7 @@ from tests.model_fixtures import VOCAB, make_tiny_llama
 from tests.test_metrics import scrape, value
 
 CONTEXT = 8192
-CHUNK = 256  # the coordinator's default --max-step-tokens
+CHUNK = 128  # the coordinator's default --max-step-tokens on CPU executors
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,11 @@ MAX_RECOVERIES = 3  # in a row, for one session
 # The longest decode run when none is set: on GPUs a step's compute is ~1 ms and its round trips several, so longer
 # runs pay; on CPUs compute dominates and a run's tokens reach the client in one burst, so shorter ones.
 DECODE_STEPS_CUDA, DECODE_STEPS_CPU = 8, 4
+# The token budget of a step when none is set. On a GPU a chunk costs about the same up to hundreds of tokens, so
+# prompts go in big chunks. On CPUs a token costs the same in a chunk of 128 as in one of 256, and smaller chunks
+# let the stages work on different ones at once: 16 prompts of 40 tokens over SmolLM2's 2 executors reach their
+# first tokens ~30% sooner (TTFT p50 ~950 against ~1340 ms), 16 streams 156 against 143 tok/s (medians of 5).
+STEP_TOKENS_CUDA, STEP_TOKENS_CPU = 256, 128
 MAX_ARCH_RETRIES = 1  # of a session's row alone, after the rollback
 
 
@@ -116,13 +121,14 @@ class _Row:
 
 
 class Scheduler:
-    def __init__(self, mesh: Mesh, max_step_tokens: int = 256, max_step_seqs: int = 64, workers: int = 8,
+    def __init__(self, mesh: Mesh, max_step_tokens: int = 0, max_step_seqs: int = 64, workers: int = 8,
                  steps_in_flight: int = 0, decode_steps: int = 0) -> None:
         self.mesh = mesh
         self.steps_in_flight = steps_in_flight  # 0: one per stage
         # The longest decode run (tokens per row of a step without prompts); 0: by the roster's devices
         self.decode_steps = decode_steps
-        self.max_step_tokens, self.max_step_seqs = max_step_tokens, max_step_seqs
+        self.max_step_tokens = max_step_tokens  # a step's token budget; 0: by the roster's devices
+        self.max_step_seqs = max_step_seqs
         self._cond = threading.Condition()
         self._seqs: list[Sequence] = []  # arrival order
         self._in_flight = 0
@@ -218,7 +224,7 @@ class Scheduler:
         if not ready:
             return None
         for solo in (s for s in ready if s.solo):  # alone, to learn whether its row caused a shared ARCH failure
-            row = self._row(solo, self.max_step_tokens)
+            row = self._row(solo, self._step_tokens())
             if row is not None:
                 solo.busy = True
                 return [row], 1
@@ -240,7 +246,7 @@ class Scheduler:
         steps = 1
         if decoding and not others and kind == (stage_pb2.OUTPUT_KIND_TOKEN, False):
             steps = min(self._longest_run(), *(s.remaining for s in decoding))  # any of them may take a row
-        budget = self.max_step_tokens
+        budget = self._step_tokens()
         step: list[_Row] = []
         for s in decoding + others:
             if len(step) >= cap or budget <= 0:
@@ -256,10 +262,14 @@ class Scheduler:
         return (step, steps) if step else None
 
     def _longest_run(self) -> int:
-        if self.decode_steps:
-            return self.decode_steps
+        return self.decode_steps or (DECODE_STEPS_CUDA if self._on_gpus() else DECODE_STEPS_CPU)
+
+    def _step_tokens(self) -> int:
+        return self.max_step_tokens or (STEP_TOKENS_CUDA if self._on_gpus() else STEP_TOKENS_CPU)
+
+    def _on_gpus(self) -> bool:
         ranks = self.mesh.ranks
-        return DECODE_STEPS_CUDA if ranks and all(r.device.startswith("cuda") for r in ranks) else DECODE_STEPS_CPU
+        return bool(ranks) and all(r.device.startswith("cuda") for r in ranks)
 
     def _row(self, s: Sequence, budget: int, steps: int = 1) -> _Row | None:
         """The row of `s` for the next step (a decode run of `steps` tokens when `s` is decoding), its KV blocks

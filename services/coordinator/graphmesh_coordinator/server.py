@@ -58,7 +58,7 @@ class CoordinatorConfig:
     metrics_port: int = 0  # Prometheus /metrics; 0: off
     security: ServerSecurity = field(default_factory=ServerSecurity)
     dtype: str = ""  # stage dtype: f32, bf16, f16; "" is bf16 on CUDA executors, f32 on CPU ones
-    max_step_tokens: int = 256  # tokens per step (decode rows and prompt chunks together)
+    max_step_tokens: int = 0  # tokens per step (decode rows and prompt chunks together); 0: by the ranks' devices
     max_step_seqs: int = 64  # sessions per step
     http_listen: str = ""  # HOST:PORT of the OpenAI HTTP API; "": off
     http_ready_wait_s: float = 10.0  # how long an HTTP request waits out a recovery before its 503
@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
     parser.add_argument("--dtype", default="", choices=["", "f32", "bf16", "f16"],
                         help="stage dtype (default: bf16 on CUDA executors, f32 on CPU ones)")
-    parser.add_argument("--max-step-tokens", type=int, default=256, help="token budget of one step")
+    parser.add_argument("--max-step-tokens", type=int, default=0,
+                        help="token budget of one step (default: 256 on CUDA executors, 128 on CPUs)")
     parser.add_argument("--max-step-seqs", type=int, default=64, help="sessions in one step at most")
     parser.add_argument("--health-window", type=float, default=1.0,
                         help="seconds without an answered health probe after which an executor is lost (detection "
