@@ -10,7 +10,8 @@ balancing on plain parameter bytes would give the first stage far too few layers
   the rest). SmolLM2 splits 18+12. While the f32 product read its weights at half the memory's speed, the step was
   bound by bytes alone (19+11 and 18+12 served 134 and 135 tok/s, 17+13 only 111); since it prefetches into L2 it
   reads them ~1.5x faster, and 18+12 and 17+13 served 118 and 120 tok/s where 19+11 served 112 (medians of 4
-  interleaved runs, 16 streams).
+  interleaved runs, 16 streams). Since it reads them as panels (a first stage's step at 8 rows ~40 -> ~27 ms, the
+  head ~2.4x faster) 18+12 and 19+11 served 172 and 170 tok/s (medians of 6 interleaved runs): the split stays.
 - packed GGUF weights (--weights packed, packed-bf16): 0.65, since the products read a fifth of the bytes. SmolLM2
   splits 17+13, which served 147 tok/s where 19+11 served 132 and 18+12 139 (the same 9 runs each).
 
