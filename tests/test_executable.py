@@ -811,6 +811,37 @@ def test_torch_runs_fused_pairs_of_nodes_as_one_step_with_the_same_bits(monkeypa
         assert np.array_equal(fused_out, plain)
 
 
+def test_a_llama_stage_fuses_every_layer_s_pairs(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The model builder declares a layer's nodes in an order that lets each pair fuse, and parse keeps it: a paged
+    Llama stage gets one rope pair and one KV scatter pair a layer (parse once moved the v scatter to right after
+    its product, before the k rope, and the scatter pair never formed: two index_copy kernels a layer on CUDA)."""
+    from graphmesh import plan as dag
+    from graphmesh_executor.backends.torch_backend import TorchExecutable, _kv_scatter_pair, _rope_pair
+    from graphmesh_executor.stage import StageRuntime, StageSpec, StepRow
+    from tests.model_fixtures import make_tiny_llama
+
+    monkeypatch.setattr(TorchExecutable, "fuse_pairs", True)
+    path = make_tiny_llama(tmp_path)
+    rt = StageRuntime("torch", "cpu", pusher=lambda *a: a[-1](None), kv_cache_bytes=8 << 20)
+    rt.install(1, 0, 1, StageSpec(str(path), 0, 2, True, True), dag.pipeline([(0, 2)], ["0"], 64))
+    rt.execute_step(1, 1, [StepRow("a", 1, 0, 0, [1, 2, 3])], False, 30.0)
+    rt.execute_step(1, 2, [StepRow("a", 2, 1, 3, [4])], False, 30.0)
+    assert rt._executables  # type: ignore[attr-defined]
+    for exe in rt._executables.values():  # type: ignore[attr-defined]
+        kernels = [step.kernel for step in exe._steps]
+        assert (kernels.count(_rope_pair), kernels.count(_kv_scatter_pair)) == (2, 2)  # 2 layers
+
+
+def test_parse_keeps_a_valid_declaration_order() -> None:
+    g = GraphBuilder("order")
+    x = g.input("x", (2, 4))
+    a = g.exp(x)
+    b = g.exp(a)
+    c = g.exp(x)  # ready as early as a: Kahn's algorithm in first-ready order would run it second
+    g.output(g.add(b, c))
+    assert [n.name for n in parse(g.build()).nodes] == [a.name, b.name, c.name, "add_4"]
+
+
 def test_the_cuda_kernels_stand_down_without_triton_or_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton builds its launchers with the host's C compiler at first use: without triton, without a compiler or
     with GRAPHMESH_CUDA_KERNELS=0 the CUDA path runs torch's ops instead of failing at its first launch."""
