@@ -828,7 +828,7 @@ def test_a_llama_stage_fuses_every_layer_s_pairs(monkeypatch: pytest.MonkeyPatch
     rt.execute_step(1, 2, [StepRow("a", 2, 1, 3, [4])], False, 30.0)
     assert rt._executables  # type: ignore[attr-defined]
     for exe in rt._executables.values():  # type: ignore[attr-defined]
-        kernels = [step.kernel for step in exe._steps]
+        kernels = [step.kernel for step in exe._steps]  # type: ignore[attr-defined]
         assert (kernels.count(_rope_pair), kernels.count(_kv_scatter_pair)) == (2, 2)  # 2 layers
 
 
