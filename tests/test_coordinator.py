@@ -201,3 +201,13 @@ def test_grpc_reflection_lists_the_coordinator_service(tmp_path: Path) -> None:
         reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in reply.list_services_response.service}
     assert "graphmesh.v1.CoordinatorService" in names and "grpc.health.v1.Health" in names
+
+
+@pytest.mark.parametrize("flag", ["--decode-steps", "--max-step-tokens"])
+def test_a_negative_step_setting_is_refused_at_start(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from graphmesh_coordinator.server import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([flag, "-1"])
+    assert exit_.value.code == 2
+    assert f"{flag} must be >= 0" in capsys.readouterr().err

@@ -305,8 +305,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds an HTTP request waits for a recovering mesh before a 503")
     security.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
-    if args.decode_steps < 0:
-        parser.error(f"--decode-steps must be >= 0 (0: by the executors' devices), not {args.decode_steps}")
+    for flag, value in (("--decode-steps", args.decode_steps), ("--max-step-tokens", args.max_step_tokens)):
+        if value < 0:  # a negative budget would schedule no step at all: every request would wait forever
+            parser.error(f"{flag} must be >= 0 (0: by the executors' devices), not {value}")
     logs.configure("coordinator")
     telemetry.setup("graphmesh-coordinator")
     try:
