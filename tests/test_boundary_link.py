@@ -92,6 +92,51 @@ def test_a_push_that_is_never_taken_fails_at_its_deadline_and_breaks_the_link() 
     assert not link.push(b"third", 1.0, lambda _: None)  # a broken link sends nothing more
 
 
+class _StalledListener:
+    """A link listener that admits any ticket, reads nothing until `resume` is set, then takes every push."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.resume = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.server.accept()
+        kind, _ = read_frame(conn, 64)
+        assert kind == HELLO
+        conn.sendall(frame(ACK, status_pb2.Status().SerializeToString()))
+        self.resume.wait()
+        try:
+            while True:
+                kind, _ = read_frame(conn, 1 << 20)
+                conn.sendall(frame(ACK, status_pb2.Status().SerializeToString()))
+        except LinkError:
+            pass
+
+
+def test_a_push_now_never_blocks_on_a_next_rank_that_stopped_reading() -> None:
+    """push_now is how the engine sends: it must decline (send nothing) once the link's buffers are full, never
+    block; what it sent is taken, and acknowledged in order, when the next rank reads again."""
+    listener = _StalledListener()
+    link = BoundaryLink.connect(listener.address, b"t" * 32, 5.0)
+    payload = b"x" * (256 << 10)
+    delivered: list[Future[Exception | None]] = []
+    for _ in range(1000):  # the send buffer (4 MiB) and the peer's receive buffer fill long before this
+        done: Future[Exception | None] = Future()
+        if not link.push_now(payload, 30.0, done.set_result):
+            break
+        delivered.append(done)
+    else:
+        pytest.fail("push_now kept sending to a next rank that reads nothing")
+    assert delivered, "an idle link took nothing at once"
+    assert not any(d.done() for d in delivered)
+    listener.resume.set()
+    assert [d.result(timeout=30) for d in delivered] == [None] * len(delivered)
+    assert link.push_now(payload, 30.0, lambda _: None)  # room again once the next rank reads
+    assert link.broken is None
+
+
 def test_an_idle_row_copy_link_whose_executor_went_away_is_not_used_again(linkless_executor: str) -> None:
     """A row copy (an executor's PushSessionKv, the store's seeds) reuses an idle link unless its executor closed it
     (it restarted): a copy on that link would fail, failing a seed that a fresh link (or gRPC) would carry."""

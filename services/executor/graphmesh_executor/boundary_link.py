@@ -24,10 +24,12 @@ after another.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import secrets
 import socket
 import struct
+import termios
 import threading
 import time
 from collections import deque
@@ -71,6 +73,9 @@ TICKET_TTL_S = 30.0
 HELLO_TIMEOUT_S = 5.0  # for a new connection to present its ticket
 MAX_HANDSHAKES = 16  # connections at once that have not presented a ticket yet: more are closed at once
 WATCH_PERIOD_S = 0.1  # how often pushes are checked against their deadlines
+# A link's send buffer (SO_SNDBUF; the kernel doubles it for its bookkeeping): pushes that fit in what is free
+# are sent on the pushing thread, without blocking it (BoundaryLink.push_now).
+SEND_BUFFER_BYTES = 4 << 20
 _OK = status_pb2.Status().SerializeToString()
 
 Delivered = Callable[[Exception | None], None]
@@ -255,6 +260,7 @@ class BoundaryLink:
     def __init__(self, sock: socket.socket, address: str) -> None:
         self.address = address
         self._sock = sock
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._lock = threading.Lock()
         self._pending: deque[tuple[float, Delivered]] = deque()  # (deadline, delivered) in the order sent
         self.broken: GraphmeshError | None = None
@@ -281,6 +287,35 @@ class BoundaryLink:
                 reason = str(e)
         self.fail(Unavailable(f"boundary link to {self.address} broke: {reason}", "BOUNDARY_LINK_BROKEN"))
         return True
+
+    def push_now(self, request: bytes, timeout_s: float, delivered: Delivered) -> bool:
+        """Sends a serialized PushBoundaryRequest only if that cannot block: the link is free (no sender is in
+        `push`) and its send buffer has room for the frame. False: nothing was sent (push it the blocking way)."""
+        data = frame(PUSH, request)
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self.broken is not None or self._room() < len(data):
+                return False
+            self._pending.append((time.monotonic() + timeout_s, delivered))
+            try:
+                self._sock.sendall(data)
+                return True
+            except OSError as e:
+                reason = str(e)
+        finally:
+            self._lock.release()
+        self.fail(Unavailable(f"boundary link to {self.address} broke: {reason}", "BOUNDARY_LINK_BROKEN"))
+        return True
+
+    def _room(self) -> int:
+        """Bytes the send buffer takes now without blocking: half the kernel's figure (the rest is its bookkeeping)
+        less what is queued and not yet acknowledged by the peer; 0 where that cannot be read."""
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(self._sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+            return self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2 - queued
+        except (OSError, AttributeError):  # TIOCOUTQ (SIOCOUTQ on a socket) is Linux's
+            return 0
 
     def fail(self, error: GraphmeshError) -> None:
         """Breaks the link: every push it carries fails with `error` (the first cause given, when several threads
