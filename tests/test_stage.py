@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -87,14 +88,22 @@ def test_two_stage_greedy_matches_transformers(tiny_llama: Path) -> None:
         assert len(runtime.pool.table("s")) == 5
 
 
-def _run_pipeline(path: Path, ranks: int, abort_at: int = 0) -> list[StageRuntime]:
+def _run_pipeline(path: Path, ranks: int, abort_at: int = 0, delay_s: float = 0.0) -> list[StageRuntime]:
     """`ranks` stages over the tiny model's 2 layers, wired so the last can feed a decode run's tokens to the first.
-    `abort_at` > 0: instead of feeding back the tokens of that iteration, the first run is aborted on every rank."""
+    `abort_at` > 0: instead of feeding back the tokens of that iteration, the first run is aborted on every rank.
+    `delay_s` > 0: every bundle between ranks arrives that much later (a link's latency)."""
     runtimes: list[StageRuntime] = []
     aborts = [abort_at] if abort_at else []
 
     def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float,
              delivered: Callable[[Exception | None], None]) -> None:
+        if delay_s:
+            threading.Timer(delay_s, deliver, (address, incarnation, boundary, delivered)).start()
+        else:
+            deliver(address, incarnation, boundary, delivered)
+
+    def deliver(address: str, incarnation: int, boundary: Boundary,
+                delivered: Callable[[Exception | None], None]) -> None:
         if dag.ACTIVATION not in boundary.values and boundary.iteration in aborts:
             aborts.clear()
             for r in runtimes:
@@ -149,6 +158,33 @@ def test_a_decode_run_samples_what_single_steps_do_and_commits_or_rolls_back_who
     for r in runtimes:
         assert _txn(r, "a") == (SessionPhase.IN_TXN, 3, 8) and _txn(r, "b") == (SessionPhase.IN_TXN, 3, 7)
         assert dict(r.sessions())["a"].tokens == prompts["a"] + want["a"][:5]  # every rank knows the run's tokens
+
+
+def test_a_decode_run_builds_each_next_iteration_while_its_boundary_is_on_the_way(tiny_llama: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank waiting for a decode run's next boundary builds that iteration's run ahead (its rows, positions,
+    slots, tables) and runs it when the boundary comes: the same tokens as when nothing was built ahead."""
+    built: list[int] = []
+    run_inputs = StageRuntime._run_inputs
+
+    def spy(self: StageRuntime, rows: list[StepRow], sample: bool, iteration: int, encoded: bool = False) -> Any:
+        built.append(iteration)
+        return run_inputs(self, rows, sample, iteration, encoded)
+    monkeypatch.setattr(StageRuntime, "_run_inputs", spy)
+    sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    prepare = StageRuntime._prepare
+    runs = []
+    for ahead in (False, True):
+        monkeypatch.setattr(StageRuntime, "_prepare", prepare if ahead else lambda *_: None)
+        runtimes = _run_pipeline(tiny_llama, 2, delay_s=0.02)
+        first = _run(runtimes, [StepRow("a", 1, 0, 0, [5, 17, 99]), StepRow("b", 1, 0, 0, [8, 9], sampled)], 1)
+        built.clear()
+        rows = [StepRow("a", 2, 1, 3, [first.tokens[0]]), StepRow("b", 2, 1, 2, [first.tokens[1]], sampled)]
+        runs.append((first.tokens, _run(runtimes, rows, 5).run_tokens))
+        # each rank builds its first iteration when the step (or its activation) comes, and every later one ahead,
+        # once: the rows, positions and tables built ahead are the ones run
+        assert sorted(built) == ([0, 0, 1, 1, 2, 2, 3, 3, 4, 4] if ahead else [0] * 10), built
+    assert runs[0] == runs[1]
 
 
 def test_a_decode_run_rolled_back_part_way_leaves_every_rank_where_it_was(tiny_llama: Path) -> None:
