@@ -6,7 +6,8 @@ shared by every step of the same bucketed shape (tokens, sequences, blocks per s
 rows into the pools in place (kv_scatter), so no KV is ever copied on the hot path. All device work runs on
 the executor's one engine thread (engine.Engine): handler threads begin and commit the rows' epochs, and each
 iteration of a step (one, or a decode run's several) is an engine task posted by whoever brings its input, its
-boundary pushed on by sender threads.
+boundary pushed on (stage_servicer.BoundaryPusher). While a decode run waits for its next boundary, the engine
+builds that iteration's inputs (_prepare), so the boundary's arrival starts the run at once.
 """
 
 from __future__ import annotations
