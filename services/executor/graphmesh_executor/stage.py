@@ -195,7 +195,11 @@ class _Prepared:
     exe: Executable[Any]
     inputs: dict[str, np.ndarray]
     tokens: int  # token rows of the run (a bucket)
+    seqs: int  # sequences of the run (a bucket)
+    blocks: int  # blocks per sequence of its block table (a rung of the ladder)
     extent: tuple[int, int] | None
+
+
 BlockWriter = Callable[["KvBlocks"], None]  # hands committed blocks to the write-behind (kv_writer.KvWriteBehind)
 
 
@@ -932,7 +936,7 @@ class StageRuntime:
             padded[:total] = hidden
             inputs["hidden_in"] = padded
         exe = run.exe
-        with telemetry.span("stage.run", tokens=tokens, rows=len(rows)):
+        with telemetry.span("stage.run", tokens=tokens, seqs=run.seqs, blocks=run.blocks, rows=len(rows)):
             own = exe.swap_handles(self._pools)
             try:
                 return exe.run(inputs, read_indices=[0], typed=True, extent=run.extent)[0]
@@ -981,7 +985,7 @@ class StageRuntime:
         # Only the real rows are computed (the padding is a bucket's, for a handful of executables), except in a CUDA
         # decode: that replays a captured graph of the whole bucket, far cheaper than an eager run of fewer rows.
         extent = (total, tokens) if total < tokens and not (decode and self.device.startswith("cuda")) else None
-        return _Prepared(iteration, rows, sample, exe, inputs, tokens, extent)
+        return _Prepared(iteration, rows, sample, exe, inputs, tokens, seqs, blocks, extent)
 
     def _forget_step(self, step_id: int) -> None:
         """Drops what was pushed for `step_id` and not taken (under the lock): a run that failed part-way."""
