@@ -56,13 +56,18 @@ def test_a_rank_without_a_link_is_pushed_to_over_grpc(linkless_executor: str) ->
     assert not pusher._links
 
 
-class _SilentListener:
-    """A link listener that admits any ticket and then never acknowledges a push (a frozen next rank)."""
+class _Listener:
+    """A link listener that admits any ticket, then reads pushes (once `reading` is set: at once unless `stalled`)
+    and acknowledges them if `acks` (a frozen next rank never does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, acks: bool, stalled: bool = False) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
         self.frames: list[int] = []
+        self.acks = acks
+        self.reading = threading.Event()
+        if not stalled:
+            self.reading.set()
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -70,16 +75,19 @@ class _SilentListener:
         kind, _ = read_frame(conn, 64)
         assert kind == HELLO
         conn.sendall(frame(ACK, status_pb2.Status().SerializeToString()))
+        self.reading.wait()
         try:
             while True:
                 kind, _ = read_frame(conn, 1 << 20)
                 self.frames.append(kind)
+                if self.acks:
+                    conn.sendall(frame(ACK, status_pb2.Status().SerializeToString()))
         except LinkError:
             pass  # the sender gave up on this link
 
 
 def test_a_push_that_is_never_taken_fails_at_its_deadline_and_breaks_the_link() -> None:
-    listener = _SilentListener()
+    listener = _Listener(acks=False)
     link = BoundaryLink.connect(listener.address, b"t" * 32, 5.0)
     results: list[Future[Exception | None]] = [Future(), Future()]
     t0 = time.monotonic()
@@ -92,33 +100,10 @@ def test_a_push_that_is_never_taken_fails_at_its_deadline_and_breaks_the_link() 
     assert not link.push(b"third", 1.0, lambda _: None)  # a broken link sends nothing more
 
 
-class _StalledListener:
-    """A link listener that admits any ticket, reads nothing until `resume` is set, then takes every push."""
-
-    def __init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
-        self.resume = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        conn, _ = self.server.accept()
-        kind, _ = read_frame(conn, 64)
-        assert kind == HELLO
-        conn.sendall(frame(ACK, status_pb2.Status().SerializeToString()))
-        self.resume.wait()
-        try:
-            while True:
-                kind, _ = read_frame(conn, 1 << 20)
-                conn.sendall(frame(ACK, status_pb2.Status().SerializeToString()))
-        except LinkError:
-            pass
-
-
 def test_a_push_now_never_blocks_on_a_next_rank_that_stopped_reading() -> None:
     """push_now is how the engine sends: it must decline (send nothing) once the link's buffers are full, never
     block; what it sent is taken, and acknowledged in order, when the next rank reads again."""
-    listener = _StalledListener()
+    listener = _Listener(acks=True, stalled=True)
     link = BoundaryLink.connect(listener.address, b"t" * 32, 5.0)
     payload = b"x" * (256 << 10)
     delivered: list[Future[Exception | None]] = []
@@ -131,7 +116,7 @@ def test_a_push_now_never_blocks_on_a_next_rank_that_stopped_reading() -> None:
         pytest.fail("push_now kept sending to a next rank that reads nothing")
     assert delivered, "an idle link took nothing at once"
     assert not any(d.done() for d in delivered)
-    listener.resume.set()
+    listener.reading.set()
     assert [d.result(timeout=30) for d in delivered] == [None] * len(delivered)
     assert link.push_now(payload, 30.0, lambda _: None)  # room again once the next rank reads
     assert link.broken is None
