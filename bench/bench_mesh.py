@@ -46,6 +46,7 @@ from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh_coordinator.scheduler import DECODE_STEPS_CPU
 from graphmesh_executor.stage import StageRuntime, StageSpec, StepRow
 
 MODEL = "smollm2-135m"
@@ -59,7 +60,8 @@ PROFILE_STEP_IDS = itertools.count(1 << 62)
 
 @dataclass
 class Run:
-    """One generation: when the request left and when each token arrived (perf_counter seconds)."""
+    """One generation: when the request left and when each chunk of its tokens arrived (perf_counter seconds; a
+    mesh may stream a decode run's tokens together)."""
 
     started: float
     arrivals: list[float] = field(default_factory=list)
@@ -72,7 +74,8 @@ class Run:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return (len(self.arrivals) - 1) / (self.arrivals[-1] - self.arrivals[0])
+        """From the first token (the prompt's, alone in its chunk) to the last."""
+        return (len(self.tokens) - 1) / (self.arrivals[-1] - self.arrivals[0])
 
     @property
     def ms_per_token(self) -> float:
@@ -199,9 +202,10 @@ def concurrent(mesh: LocalMesh, prompt: list[int], sessions: int, tokens: int) -
 
 @dataclass
 class Profile:
-    """Per decode token, in seconds: the client's gap between streamed tokens, a decode step driven directly
-    (every rank's ExecuteStep of one row, commit folded in), and each rank's graph time
-    (ExecuteStepResponse.compute_us)."""
+    """Per decode token, in seconds: the client's time (a run's decode time over its decode tokens: a mesh streams
+    a decode run's tokens in one chunk, so the gaps between chunks are not a token's time), a decode run driven
+    directly (every rank's ExecuteStep of one row and the coordinator's run length on CPUs, commit folded in, over
+    its tokens), and each rank's graph time (ExecuteStepResponse.compute_us over the run's tokens)."""
 
     client: list[float] = field(default_factory=list)
     direct: list[float] = field(default_factory=list)
@@ -211,8 +215,7 @@ class Profile:
 def profile_round(mesh: LocalMesh, prompt: list[int], tokens: int, out: Profile) -> None:
     """Generates once through the coordinator, then drives the mesh's executors as the coordinator does (under
     its incarnation, with a session of our own)."""
-    run = mesh_engine(mesh)(prompt, tokens)
-    out.client += [b - a for a, b in itertools.pairwise(run.arrivals)]
+    out.client.append(mesh_engine(mesh)(prompt, tokens).ms_per_token / 1e3)
     with CoordinatorClient(mesh.coordinator_address) as client:
         status = client.status()
     channels = [security.channel(s.address, None, mesh_token=mesh.mesh_token)  # as the coordinator: a mesh member
@@ -220,21 +223,24 @@ def profile_round(mesh: LocalMesh, prompt: list[int], tokens: int, out: Profile)
     stubs = [stage_pb2_grpc.StageServiceStub(c) for c in channels]
     out.compute = out.compute or [[] for _ in stubs]
     session = f"bench-profile-{uuid.uuid4().hex}"
-    pending, start, commit = list(prompt), 0, 0
-    for epoch in range(1, tokens + 1):
+    pending, start, commit, epoch, made = list(prompt), 0, 0, 0, 0
+    while made < tokens:
+        steps = 1 if epoch == 0 else min(DECODE_STEPS_CPU, tokens - made)  # the prompt, then decode runs
+        epoch += 1
         row = stage_pb2.StepRow(session_id=session, epoch=epoch, commit_epoch=commit, start_position=start,
                                 token_ids=pending)
         request = stage_pb2.ExecuteStepRequest(
             incarnation=status.incarnation, step_id=next(PROFILE_STEP_IDS), rows=[row],
-            output=stage_pb2.OUTPUT_KIND_TOKEN, boundary_timeout_ms=30_000)
+            output=stage_pb2.OUTPUT_KIND_TOKEN, boundary_timeout_ms=30_000, decode_steps=steps)
         t0 = time.perf_counter()
         calls = [stub.ExecuteStep.future(request, timeout=60) for stub in reversed(stubs)][::-1]
         replies = [c.result() for c in calls]
-        if epoch > 1:  # decode steps only
-            out.direct.append(time.perf_counter() - t0)
+        if epoch > 1:  # decode runs only
+            out.direct.append((time.perf_counter() - t0) / steps)
             for samples, reply in zip(out.compute, replies):
-                samples.append(reply.compute_us / 1e6)
-        start, pending, commit = start + len(pending), [int(replies[-1].rows[0].token)], epoch
+                samples.append(reply.compute_us / 1e6 / steps)
+        sampled = list(replies[-1].rows[0].tokens) or [int(replies[-1].rows[0].token)]
+        start, pending, commit, made = start + len(pending) + steps - 1, [sampled[-1]], epoch, made + steps
     header = stage_pb2.FencingHeader(incarnation=status.incarnation, session_id=session)
     for stub in stubs:
         stub.ReleaseSession(stage_pb2.ReleaseSessionRequest(header=header), timeout=30)
@@ -313,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(a.rounds):
             for name in inprocess:
                 run = engines[name](prompt, a.tokens)
-                profiles[name].client += [b - a_ for a_, b in itertools.pairwise(run.arrivals)]
+                profiles[name].client.append(run.ms_per_token / 1e3)
                 profiles[name].compute[0] += [us / 1e6 for us in run.compute_us[1:]]
             for n in sizes:
                 profile_round(meshes[n], prompt, a.tokens, profiles[f"mesh, {n} executor{'s' if n > 1 else ''}"])
@@ -388,9 +394,10 @@ def report(a: argparse.Namespace, prompt: list[int], threads: int, load: tuple[f
                            "coordinator_and_client_ms": client - direct if mesh else None}
     print("\nwhere a decode token's time goes, in ms (median per token, measured after the table above in rounds of "
           "their own: each engine once, each mesh through the client and then driven directly with the stage "
-          "protocol; compute: graph runs summed over the ranks, from compute_us; stage runtime + protocol: a directly "
-          "driven step minus compute = the runtime's Python, the ExecuteStep RPCs and the boundary pushes; "
-          "coordinator + client: the client's gap minus a directly driven step; 'worker thread': the in-process "
+          "protocol in decode runs as long as the coordinator's; compute: graph runs summed over the ranks, from "
+          "compute_us; stage runtime + protocol: a directly driven run minus compute = the runtime's Python, the "
+          "ExecuteStep RPCs and the boundary pushes; "
+          "coordinator + client: the client's time minus a directly driven run's; 'worker thread': the in-process "
           "engine called from a thread that is not the main one, as an executor's gRPC handler is):")
     print(table(["engine", "ms/token", "compute", "stage runtime + protocol", "coordinator + client"], prof_rows))
 
