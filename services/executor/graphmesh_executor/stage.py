@@ -777,10 +777,11 @@ class StageRuntime:
         return [replace(r, start=r.start + 1, token_ids=[0], encoder_input=None, encoded_offsets=()) for r in rows]
 
     def _prepare(self, step: _InFlight, iteration: int) -> None:
-        """Builds `iteration`'s run ahead of its boundary (engine thread), if the step still waits for it; a run
-        that cannot be built now is built when the boundary comes, where its error counts."""
+        """Builds `iteration`'s run ahead of its boundary (engine thread), unless the step is over or that
+        iteration already ran (a boundary that came meanwhile posted it behind this task: it runs what was built
+        here). A run that cannot be built now is built when the boundary comes, where its error counts."""
         assert self.spec is not None
-        if step.done.done() or step.iteration != iteration or step.waiting_since is None:
+        if step.done.done() or step.iteration != iteration or step.prepared is not None:
             return
         try:
             rows = self._next_rows(step.rows)
