@@ -1,7 +1,8 @@
 """Serving on a GPU through the real mesh: a random-weight Llama of TinyLlama-1.1B's shape, bf16, over 2 torch
 executors on one CUDA device and a coordinator, driven by concurrent CoordinatorClient streams (ignore_eos).
 
-Per concurrency: aggregate tokens/s, TTFT and inter-token latency (p50/p99), and the recoveries the mesh went
+Per concurrency: aggregate tokens/s, TTFT and inter-token latency (p50/p99; the gap between streamed chunks, each
+chunk the tokens that were ready together), and the recoveries the mesh went
 through meanwhile (the incarnation must not move: concurrency must never look like a failure). Each stream's
 greedy tokens are compared with the same prompt decoded alone (bf16 batched GEMMs may round differently from a
 batch of one, so this is reported, not asserted). Writes bench/results/gpu_mesh.json (or --out).
@@ -51,7 +52,9 @@ def stream(address: str, prompt: list[int], tokens: int) -> dict[str, Any]:
         for chunk in client.generate(prompt_token_ids=prompt, max_tokens=tokens, ignore_eos=True):
             stamps.append(time.perf_counter())
             ids += list(chunk.token_ids)
-    return {"ttft": stamps[0] - t0, "gaps": np.diff(stamps).tolist(), "ids": ids, "start": t0, "end": stamps[-1]}
+    # the gaps between chunks, as vLLM's serving benchmark measures them: tokens that came together are one chunk
+    return {"ttft": stamps[0] - t0, "gaps": np.diff(stamps).tolist(), "ids": ids, "start": t0, "end": stamps[-1],
+            "chunks": len(stamps)}
 
 
 def run_level(address: str, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
@@ -68,7 +71,8 @@ def run_level(address: str, prompts: list[list[int]], tokens: int) -> dict[str, 
     return {"tok_s": sum(len(r["ids"]) for r in runs) / wall, "ttft_p50_ms": 1e3 * float(np.percentile(ttfts, 50)),
             "ttft_p99_ms": 1e3 * float(np.percentile(ttfts, 99)),
             "itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)) if gaps else 0.0,
-            "itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)) if gaps else 0.0, "ids": [r["ids"] for r in runs]}
+            "itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)) if gaps else 0.0, "ids": [r["ids"] for r in runs],
+            "tokens_per_chunk": sum(len(r["ids"]) for r in runs) / sum(r["chunks"] for r in runs)}
 
 
 def run_mesh(a: argparse.Namespace, model: str, transport: str, levels: list[int],
@@ -98,7 +102,8 @@ def run_mesh(a: argparse.Namespace, model: str, transport: str, levels: list[int
                 reps.append(run_level(address, prompts[:n], a.tokens))
             same = sum(ids == solo[i] for rep in reps for i, ids in enumerate(rep["ids"][:len(solo)]))
             rows.append({"streams": n, **{k: median([x[k] for x in reps]) for k in
-                                          ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")},
+                                          ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                                           "tokens_per_chunk")},
                          "same_as_solo": f"{same}/{sum(min(n, len(solo)) for _ in reps)}"})
         with CoordinatorClient(address) as client:
             after = client.status().incarnation
@@ -175,7 +180,7 @@ def main() -> None:
                     name = transport + ("+mps" if setting == "on" else "")
                     by_transport[name] = run_mesh(a, tmp, transport, levels, prompts, name)
     cols = ["streams", "tok_s", "vs_one_stream", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-            "same_as_solo"]
+            "tokens_per_chunk", "same_as_solo"]
     for name, run in by_transport.items():
         print(f"boundaries over {name.replace('+mps', ' (MPS on)')}:")
         print(table(cols, [[row[c] for c in cols] for row in run["rows"]]))
