@@ -238,14 +238,15 @@ class Mesh:
         self.state.record(*(Decision(row.session_id, row.commit_epoch, "COMMITTED") for row in request.rows
                             if row.commit_epoch))
         calls = []
-        for r in reversed(ranks):
+        # The first rank first: it alone can start the step. A later rank's first bundle that comes before the
+        # step waits in its mailbox; the last rank first made every step start a call later (~0.3 ms each on GPUs).
+        for r in ranks:
             span = telemetry.start_span("mesh.execute_step", rank=r.plan.rank, address=r.plan.address,
                                         last=r.plan.rank == len(ranks) - 1)
             with telemetry.use(span):
                 call = r.stub.ExecuteStep.future(request, timeout=self.rpc_timeout_s * max(1, request.decode_steps) + 5.0)
             telemetry.end_when_done(span, call)
             calls.append(call)
-        calls.reverse()
         with self._lock:
             self._in_flight.update(calls)
         failures: list[InvocationFailed] = []
