@@ -109,6 +109,8 @@ class Mesh:
         self._watch_stop = threading.Event()
         # Executors the health watch found not answering: recovery and fencing do not wait for them again
         self._lost: frozenset[str] = frozenset()
+        # Per executor, a call kept open on its channel (see _hold_channel)
+        self._held: dict[str, grpc.RpcContext] = {}
 
     def set_members(self, addresses: Sequence[str]) -> None:
         """The executors this mesh may plan over from now on (membership: the static list and the executors
@@ -472,6 +474,7 @@ class Mesh:
                 members, watched = self.addresses, self._known()  # membership may change between rounds
                 for address in watched:
                     probe(address)
+                    self._hold_channel(address)
                 with lock:
                     silent = {a for a in watched if now - last_ok.setdefault(a, 0.0) > window_s}
                     fresh = {a for a in watched if now - last_ok[a] <= 2 * interval_s + 0.05}
@@ -507,6 +510,16 @@ class Mesh:
                                          daemon=True).start()
 
         threading.Thread(target=loop, name="health-watch", daemon=True).start()
+
+    def _hold_channel(self, address: str) -> None:
+        """Keeps a call open on the executor's channel (a health Watch stream, never read): a grpc channel runs a
+        thread to complete its calls only while it has one, so without it the first call after an idle moment
+        (most steps: a rank's reply often leaves its channel with none) created and started a thread first,
+        ~1 ms on a coordinator whose threads contend for the GIL. Reopened once it ended (an executor restart)."""
+        held = self._held.get(address)
+        if held is None or not held.is_active():
+            self._held[address] = health_pb2_grpc.HealthStub(self.channels[address]).Watch(
+                health_pb2.HealthCheckRequest())
 
     def _answering(self, addresses: Sequence[str], timeout_s: float) -> list[str]:
         """The addresses that answer a health check, all probed at once. One the health watch found lost is not
@@ -630,6 +643,8 @@ class Mesh:
 
     def close(self) -> None:
         self._watch_stop.set()
+        for held in self._held.values():
+            held.cancel()
         if self.kvstore is not None:
             self.kvstore.close()
         for channel in self.channels.values():
