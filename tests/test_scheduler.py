@@ -15,7 +15,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -29,7 +29,7 @@ from graphmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from graphmesh.protocol import ErrorClass
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
-from graphmesh_coordinator.scheduler import Scheduler, SessionInfo
+from graphmesh_coordinator.scheduler import Output, Scheduler, SessionInfo
 from graphmesh_coordinator.scheduler import Sequence as Seq
 
 BLOCK = 4
@@ -89,7 +89,7 @@ class FakeMesh:
         self.decode_run_steps = 0
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: int, incarnation: int,
-                     decode_steps: int = 1) -> stage_pb2.ExecuteStepResponse:
+                     decode_steps: int = 1, sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
         with self._lock:
             if incarnation != self.incarnation:  # what real ranks answer to an old incarnation
                 raise InvocationFailed(ErrorClass.COMM, -1, Unavailable("stale", "STALE_INCARNATION"))
@@ -114,6 +114,8 @@ class FakeMesh:
                     for r in rows:
                         rank.open.pop(r.session_id, None)
                 raise InvocationFailed(ErrorClass.ARCH, 0, e) from e
+        if sent is not None:
+            sent()
         time.sleep(random.random() * 0.002)  # let other steps overlap this one
         with self._lock:
             self._finish(ids)
@@ -387,3 +389,33 @@ def test_steps_of_decodes_alone_are_decode_runs_and_change_no_token() -> None:
     assert run(mesh, jobs, 64, decode_steps=4) == [solo(p, n) for p, n in jobs]
     assert not mesh.violations and mesh.decode_run_steps > 0
     assert mesh._steps < sum(n for _, n in jobs) // 2  # most steps took several tokens of each of their rows
+
+
+def test_a_steps_outputs_reach_the_session_once_its_next_step_is_on_its_way() -> None:
+    """The worker that ran a step sends the next one before it delivers the outputs: the sessions' streaming
+    threads, woken by them, must not hold the next step back."""
+    queued: list[tuple[int, int]] = []  # per step: the session's delivered outputs just before and after it was sent
+
+    class Watching(FakeMesh):
+        def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: int, incarnation: int,
+                         decode_steps: int = 1, sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
+            def watched() -> None:
+                before = seq.events.qsize()
+                if sent is not None:
+                    sent()
+                queued.append((before, seq.events.qsize()))
+            return super().execute_step(rows, output, incarnation, decode_steps, watched)
+
+    scheduler = Scheduler(cast(Mesh, Watching(2, 64)), decode_steps=1)
+    seq = Seq(SessionInfo("s"), [1, 2, 3], stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, 3,
+              max_tokens_total=6)
+    try:
+        scheduler.submit(seq)
+        deadline = time.monotonic() + 30
+        while seq.events.qsize() < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [cast(Output, seq.events.get_nowait()).token for _ in range(3)] == solo([1, 2, 3], 3)
+        assert queued == [(0, 0), (0, 1), (1, 2)]  # step k + 1's send delivers step k's token
+    finally:
+        scheduler.close()
+

@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -212,11 +212,12 @@ class Mesh:
             rank.model_identity, rank.kv_pool_blocks = reply.model_identity, reply.kv_pool_blocks
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: stage_pb2.OutputKind.ValueType,
-                     incarnation: int, decode_steps: int = 1) -> stage_pb2.ExecuteStepResponse:
+                     incarnation: int, decode_steps: int = 1,
+                     sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
         """Runs one step, scheduled for the roster of `incarnation`, on every rank and returns the last stage's
         answer (one result per row, in order). `decode_steps` > 1: a decode run of that many tokens per row. A
         step of a roster already replaced fails as COMM at once (its rows are restored and replayed like any
-        other after a recovery)."""
+        other after a recovery). `sent` is called once the step is on its way to every rank."""
         ranks = self.ranks
         if incarnation != self.incarnation:
             raise InvocationFailed(ErrorClass.COMM, -1, Unavailable(
@@ -231,10 +232,10 @@ class Mesh:
             boundary_timeout_ms=int(self.rpc_timeout_s * 1000), decode_steps=decode_steps, active_groups=active)
         with telemetry.span("mesh.step", step=step_id, incarnation=incarnation, rows=len(rows), tokens=tokens,
                             decode_steps=decode_steps):
-            return self._execute(ranks, incarnation, request)
+            return self._execute(ranks, incarnation, request, sent)
 
-    def _execute(self, ranks: Sequence[Rank], incarnation: int,
-                 request: stage_pb2.ExecuteStepRequest) -> stage_pb2.ExecuteStepResponse:
+    def _execute(self, ranks: Sequence[Rank], incarnation: int, request: stage_pb2.ExecuteStepRequest,
+                 sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
         # Write-ahead: the step's folded commits are durable before any rank can apply one, so an epoch the log does
         # not hold committed was committed nowhere (a resolution presumes it aborted). One group commit a step.
         self.state.record(*(Decision(row.session_id, row.commit_epoch, "COMMITTED") for row in request.rows
@@ -251,6 +252,8 @@ class Mesh:
             calls.append(call)
         with self._lock:
             self._in_flight.update(calls)
+        if sent is not None:
+            sent()
         failures: list[InvocationFailed] = []
         replies: list[stage_pb2.ExecuteStepResponse] = []
         aborted = False
