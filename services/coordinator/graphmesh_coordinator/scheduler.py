@@ -197,18 +197,26 @@ class Scheduler:
             with self._cond:
                 step: tuple[list[_Row], int] | None = None
                 while not self._stopped:
-                    try:
-                        step = self._schedule()
-                    except Exception:  # a bug here must not stop every session: log, back off, go on
-                        log.exception("scheduling failed")
+                    step = self._next_step()
                     if step:
                         break
                     self._cond.wait(0.2)
                 if self._stopped:
                     return
-                self._in_flight += 1
             assert step
             self._workers.submit(self._run, *step, self._incarnation)
+
+    def _next_step(self) -> tuple[list[_Row], int] | None:
+        """The next step, counted in flight (under the lock), or None. A bug in scheduling must not stop every
+        session: it is logged, and the scheduler tries again later."""
+        try:
+            step = self._schedule()
+        except Exception:
+            log.exception("scheduling failed")
+            return None
+        if step:
+            self._in_flight += 1
+        return step
 
     def _schedule(self) -> tuple[list[_Row], int] | None:
         """The next step's rows and its decode run's length (1: one token per row)."""
@@ -487,15 +495,9 @@ class Scheduler:
                 if s.done:
                     self._drop(s)
             self._in_flight -= 1
-            if not self._stopped:
-                try:
-                    scheduled = self._schedule()
-                except Exception:  # as in _loop: logged, and the loop tries again
-                    log.exception("scheduling failed")
-                    scheduled = None
-                if scheduled:
-                    self._in_flight += 1
-                    next_step = (*scheduled, self._incarnation)
+            scheduled = None if self._stopped else self._next_step()
+            if scheduled:
+                next_step = (*scheduled, self._incarnation)
             self._cond.notify_all()
         return next_step, [r.seq for r in step]
 
