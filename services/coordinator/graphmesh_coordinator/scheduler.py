@@ -299,7 +299,9 @@ class Scheduler:
         elif donor is not None:
             need = blocks_for(shareable + min(len(tokens) - shareable, budget), block)  # the shared blocks count too
         else:
-            need = blocks_for(start + n + (0 if restore else steps - 1), block) - (0 if restore else s.blocks)
+            # never below what it holds: a rank's table only grows (a decode run rolled back and retried as one
+            # token keeps the blocks the run reserved), and a count that shrank would over-admit
+            need = max(0, blocks_for(start + n + (0 if restore else steps - 1), block) - (0 if restore else s.blocks))
         if self.used_blocks + need > capacity and not self._preempt(s, need):
             return None
         if restore:
