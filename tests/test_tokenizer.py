@@ -6,11 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import tokenizers
 from transformers import AutoTokenizer
 
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.tokenizer import Tokenizer
+from graphmesh_coordinator.generation import Detokenizer
 from tests import model_fixtures
 
 PROMPTS = [
@@ -77,3 +80,34 @@ def test_hf_directory_tokenizer(hf_tok: Any, tmp_path: Path) -> None:
 def test_plain_format_without_a_template(tok: Tokenizer) -> None:
     bare = Tokenizer(tok.backend, None, tok.special, tok.eos_token_ids)
     assert bare.apply_chat_template([{"role": "user", "content": "hi"}]) == "user: hi\nassistant: "
+
+
+def _decode_everything_each_time(tok: Tokenizer, ids: list[int]) -> list[str]:
+    """The reference: each token decodes the whole completion and emits what it adds (unless it ends inside a
+    UTF-8 sequence)."""
+    out, emitted = [], ""
+    for n in range(1, len(ids) + 1):
+        text = tok.decode(ids[:n])
+        if text.endswith("\ufffd"):
+            out.append("")
+            continue
+        out.append(text[len(emitted):])
+        emitted = text
+    return out
+
+
+def test_incremental_detokenizing_emits_what_decoding_everything_each_time_emits(tok: Tokenizer) -> None:
+    """Per token, the same text as the reference, for SmolLM2's byte-level BPE (multi-byte characters split over
+    tokens, random ids that make invalid UTF-8) and a SentencePiece-style tokenizer (a word's leading space depends
+    on the token before)."""
+    rng = np.random.default_rng(7)
+    spm = tokenizers.SentencePieceBPETokenizer()
+    spm.train_from_iterator(PROMPTS * 20, vocab_size=120, show_progress=False)
+    spm_tok = Tokenizer(spm._tokenizer, None, {}, ())
+    cases = [(tok, tok.encode("".join(PROMPTS)))]
+    cases += [(tok, rng.integers(0, tok.backend.get_vocab_size(), 60).tolist()) for _ in range(20)]
+    cases += [(spm_tok, spm_tok.encode(text)) for text in PROMPTS]
+    cases += [(spm_tok, rng.integers(0, spm.get_vocab_size(), 40).tolist()) for _ in range(10)]
+    for t, ids in cases:
+        detok = Detokenizer(t)
+        assert [detok.push(i) for i in ids] == _decode_everything_each_time(t, ids), ids

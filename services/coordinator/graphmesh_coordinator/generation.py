@@ -81,20 +81,31 @@ class Event:
 
 @dataclass
 class Detokenizer:
-    """Emits text only once it is final: a token that ends inside a UTF-8 sequence waits for the next."""
+    """Emits text only once it is final: a token that ends inside a UTF-8 sequence waits for the next.
+
+    Incremental: each push decodes only the tokens of the last emitted piece and those after it, and emits what
+    they add to that piece's own text. Decoding the whole completion per token cost 183 us a token over 2,000
+    tokens (SmolLM2's tokenizer on this VM), quadratic in the length. The piece before keeps what depends on
+    context (a SentencePiece word's leading space) and always starts on a character, since a piece is emitted
+    only when it ends on one."""
 
     tokenizer: Tokenizer | None
     ids: list[int] = field(default_factory=list)
     emitted: str = ""
+    _piece: int = 0  # where the last emitted piece's tokens start in `ids`
+    _read: int = 0  # where the tokens not yet emitted start
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        before = self.tokenizer.decode(self.ids[self._piece:self._read])
+        text = self.tokenizer.decode(self.ids[self._piece:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        new, self.emitted = text[len(self.emitted):], text
+        new = text[len(before):]
+        self._piece, self._read = self._read, len(self.ids)
+        self.emitted += new
         return new
 
 
