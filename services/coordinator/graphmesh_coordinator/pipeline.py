@@ -648,7 +648,7 @@ class Mesh:
 
     def close(self) -> None:
         self._watch_stop.set()
-        for held in self._held.values():
+        for held in list(self._held.values()):  # a copy: the health watch may still be adding one
             held.cancel()
         if self.kvstore is not None:
             self.kvstore.close()
