@@ -2,10 +2,10 @@
 executors on one CUDA device and a coordinator, driven by concurrent CoordinatorClient streams (ignore_eos).
 
 Per concurrency: aggregate tokens/s, TTFT and inter-token latency (p50/p99; the gap between streamed chunks, each
-chunk the tokens that were ready together), and the recoveries the mesh went
-through meanwhile (the incarnation must not move: concurrency must never look like a failure). Each stream's
-greedy tokens are compared with the same prompt decoded alone (bf16 batched GEMMs may round differently from a
-batch of one, so this is reported, not asserted). Writes bench/results/gpu_mesh.json (or --out).
+chunk the tokens that were ready together), and the recoveries the mesh went through meanwhile (the incarnation
+must not move: concurrency must never look like a failure). Each stream's greedy tokens are compared with the same
+prompt decoded alone (bf16 batched GEMMs may round differently from a batch of one, so this is reported, not
+asserted). Writes bench/results/gpu_mesh.json (or --out).
 
 --transports links,grpc runs the whole table once per way boundaries travel between the executors, one mesh
 after the other in the same run: over boundary links (the default) and over PushBoundary calls (executors

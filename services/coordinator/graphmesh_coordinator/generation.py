@@ -223,7 +223,6 @@ class Generator:
         for token in resumed:  # the text already delivered: stop strings and UTF-8 boundaries span the break
             detok.push(token)
         t0 = last = time.perf_counter()
-        completion = detok.emitted
         with self._lock:
             self.sessions[session.session_id] = session
         try:
@@ -252,11 +251,10 @@ class Generator:
                             finish = "eos"
                             break
                         piece = detok.push(token)
-                        completion += piece
                         text += piece
-                        hit = next((s for s in request.stop if s in completion), None)
+                        hit = next((s for s in request.stop if s in detok.emitted), None)
                         if hit is not None:
-                            overshoot = len(completion) - completion.index(hit)
+                            overshoot = len(detok.emitted) - detok.emitted.index(hit)
                             text, finish = text[: max(0, len(text) - overshoot)], "stop"
                             break
                         if step == budget:
