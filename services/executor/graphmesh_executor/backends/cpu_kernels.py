@@ -1,12 +1,17 @@
-"""The torch backend's CPU kernels on x86-64 with AVX2 + FMA + F16C (cpu_kernels.c, compiled at first use):
-x @ w.T for f32 rows, with w f32 or packed GGUF blocks, and paged attention of one query row per sequence.
+"""The torch backend's CPU kernels on x86-64 (cpu_kernels.c, compiled at first use): x @ w.T for f32 rows, with w
+f32 or packed GGUF blocks, and paged attention of one query row per sequence.
 
 A decode step multiplies a handful of rows (one per session) by every weight of its layers. That is the cost
 of a step on CPU, and MKL's small-M product reads the weights at half the speed of its one-row product. Both
-products here read their weight in panels made once per weight (f32: fpanels; GGUF: panels); the f32 one serves
-any number of rows, prompt chunks too (bench_cpu_kernels.py measures whole decode steps against torch's ops).
+products here read their weight in panels made once per weight (f32: fpanels; GGUF: panels) and serve any number
+of rows, prompt chunks too (bench_cpu_kernels.py measures whole decode steps against torch's ops).
 Like tinygrad's CPU backend, the C source ships with the package and is built by the system's C compiler into a
 per-user cache; without a compiler or the instructions, callers use torch.
+
+The build is chosen per host (isa()): AVX-512 (f, bw, vl, dq) where the CPU has it, else AVX2 + FMA + F16C;
+GRAPHMESH_CPU_ISA=avx2 pins the AVX2 build on any host (tests run both where both run). The two builds give the
+same bits for every kernel: a product's output is one FMA chain over k in order whatever the vector width, and
+attention and the norms keep their 8-lane sums in both.
 
     python -m graphmesh_executor.backends.cpu_kernels   # builds it now (an image build), prints where or why not
 """
@@ -32,15 +37,28 @@ from graphmesh.serving import cpu_flags, user_dir
 
 log = logging.getLogger("graphmesh.executor.cpu_kernels")
 
-MAX_ROWS = 32  # rows a packed product takes at most: prompt chunks dequantize for MKL's blocked gemm
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"]
+_ISA_FLAGS = {  # what each build may use; the C source picks its vectors by __AVX512F__
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+}
+_ISA_CPU = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+_FLAGS = ["-O3", "-shared", "-fPIC"]
 _LIBS = ["-lm"]
-PANEL = 24  # weight rows of a panel in cpu_kernels.c: a thread's share of a product is whole panels
-_PANELS = "_graphmesh_panels"  # a packed tensor's panel form, in its __dict__
-_FPANELS = "_graphmesh_fpanels"  # an f32 weight's panel form, in its __dict__
+_PANELS = "_graphmesh_panels"  # a packed tensor's panel form, in its __dict__ (by panel width)
+_FPANELS = "_graphmesh_fpanels"  # an f32 weight's panel form, in its __dict__ (by panel width)
 _HEADS_AT_ONCE = 3  # query heads paged_decode_attention scores at once: its scores buffer holds one row each
 _MIN_SHARE = 384  # output columns a thread takes at least: fewer cost more in the handoff than they save
+
+
+def isa() -> str:
+    """The build this host runs: GRAPHMESH_CPU_ISA if set (avx2 or avx512), else the widest the CPU has."""
+    return os.environ.get("GRAPHMESH_CPU_ISA") or _widest()
+
+
+@functools.cache  # asked at every product: /proc/cpuinfo is read once
+def _widest() -> str:
+    return "avx512" if _ISA_CPU["avx512"] <= cpu_flags() else "avx2"
 
 
 def _cache_dir() -> Path:
@@ -51,38 +69,61 @@ def _cache_dir() -> Path:
     return user_dir("XDG_CACHE_HOME", ".cache") / "graphmesh" / "kernels"
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where they cannot run here (logged once with the reason)."""
+    """The compiled kernels of this host's build (isa()), or None where they cannot run here (logged once with the
+    reason)."""
+    return _library(isa())
+
+
+def compiled(build: str, compiler: str | None) -> Path | None:
+    """The shared library of `build` (a key of _ISA_FLAGS), compiled now unless the cache has it; None where it
+    is not cached and there is no compiler. Compiling needs no CPU that runs it: an image builds every build (and
+    drops its compiler), and the executor loads the one its host runs."""
+    flags = _FLAGS + _ISA_FLAGS[build]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags + _LIBS).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"cpu_kernels-{build}-{digest}.so"
+    if not path.exists():
+        if compiler is None:
+            return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Built beside its final name and renamed: executors starting together never load a half-written file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *flags, str(_SOURCE), "-o", tmp, *_LIBS], check=True, capture_output=True,
+                           timeout=120)
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        log.info("cpu kernels compiled", extra={"path": str(path), "compiler": compiler, "isa": build})
+    return path
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@functools.cache
+def _library(build: str) -> ctypes.CDLL | None:
     why = ""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if os.environ.get("GRAPHMESH_CPU_KERNELS", "1") == "0":
         why = "off (GRAPHMESH_CPU_KERNELS=0)"
     elif platform.machine().lower() not in ("x86_64", "amd64"):
         why = f"not an x86-64 CPU ({platform.machine()})"
-    elif not {"avx2", "fma", "f16c"} <= cpu_flags():
-        why = "the CPU has no AVX2 + FMA + F16C"
-    elif compiler is None:
-        why = "no C compiler (cc) on PATH"
+    elif build not in _ISA_FLAGS:
+        why = f"GRAPHMESH_CPU_ISA={build!r} is not one of {', '.join(_ISA_FLAGS)}"
+    elif not _ISA_CPU[build] <= cpu_flags():
+        why = f"the CPU lacks {', '.join(sorted(_ISA_CPU[build] - cpu_flags()))} for the {build} build"
     if why:
         log.info("cpu kernels unavailable: torch serves every matmul and attention", extra={"reason": why})
         return None
-    assert compiler is not None
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_FLAGS + _LIBS).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"cpu_kernels-{digest}.so"
     try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Built beside its final name and renamed: executors starting together never load a half-written file.
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-            os.close(fd)
-            try:
-                subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, *_LIBS], check=True, capture_output=True, timeout=120)
-                os.replace(tmp, path)
-            finally:
-                Path(tmp).unlink(missing_ok=True)
-            log.info("cpu kernels compiled", extra={"path": str(path), "compiler": compiler})
+        path = compiled(build, compiler)
+        if path is None:
+            log.info("cpu kernels unavailable: torch serves every matmul and attention",
+                     extra={"reason": "no C compiler (cc) on PATH and no build in the cache"})
+            return None
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = e.stderr.decode(errors="replace")[-500:] if isinstance(e, subprocess.CalledProcessError) else str(e)
@@ -90,6 +131,8 @@ def library() -> ctypes.CDLL | None:
                     extra={"error": detail})
         return None
     p, i = ctypes.c_void_p, ctypes.c_int
+    lib.panel_width.argtypes = []
+    lib.panel_width.restype = i
     lib.repack_f32.argtypes = [i, i, p, p]
     lib.repack_f32.restype = None
     lib.gemm_fpanels.argtypes = [i, i, p, i, p, p, i, i, i]
@@ -109,6 +152,18 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def panel() -> int:
+    """Weight rows of a panel in this host's build: a thread's share of a product is whole panels."""
+    lib = library()
+    assert lib is not None
+    return _panel_width(lib)
+
+
+@functools.cache
+def _panel_width(lib: ctypes.CDLL) -> int:
+    return int(lib.panel_width())
+
+
 @functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="cpu-kernels")
@@ -121,36 +176,38 @@ def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def has_fpanels(w: torch.Tensor) -> bool:
-    """Whether `w` carries its panel form (fpanels): a weight laid out for matmul_xwt, not an activation."""
-    return _FPANELS in w.__dict__
+    """Whether `w` carries its panel form (fpanels) for this host's build: a weight laid out for matmul_xwt, not an
+    activation."""
+    return library() is not None and f"{_FPANELS}{panel()}" in w.__dict__
 
 
 def fpanels(w: torch.Tensor) -> torch.Tensor:
-    """An f32 weight [n, k] laid out again in panels of PANEL rows, [ceil(n / PANEL)][k][PANEL] (cpu_kernels.c's
+    """An f32 weight [n, k] laid out again in panels of panel() rows, [ceil(n / P)][k][P] (cpu_kernels.c's
     repack_f32), the form gemm_fpanels reads. Made once per tensor and kept with it (weights are never written in
     place): TorchExecutable makes it when a weight is set, so that no request waits for it."""
-    made: torch.Tensor | None = w.__dict__.get(_FPANELS)
+    width = panel()
+    made: torch.Tensor | None = w.__dict__.get(f"{_FPANELS}{width}")
     if made is None:
         lib = library()
         assert lib is not None
         n, k = w.shape
-        made = torch.empty(-(-n // PANEL) * k * PANEL, dtype=torch.float32)
+        made = torch.empty(-(-n // width) * k * width, dtype=torch.float32)
         lib.repack_f32(n, k, w.contiguous().data_ptr(), made.data_ptr())
-        w.__dict__[_FPANELS] = made
+        w.__dict__[f"{_FPANELS}{width}"] = made
     return made
 
 
 def matmul_xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T (x [m, k], w [n, k] contiguous, f32), read from w's panels (fpanels), split over torch's intra-op
-    threads. Every output element is one FMA chain over k in order, whatever m, the row's place and the split
-    are (cpu_kernels.c): a session's numbers never depend on the other rows of its step."""
+    threads. Every output element is one FMA chain over k in order, whatever m, the row's place, the split and the
+    build are (cpu_kernels.c): a session's numbers never depend on the other rows of its step."""
     lib = library()
     assert lib is not None
     x = x.contiguous()
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     args = (m, k, x.data_ptr(), k, fpanels(w).data_ptr(), out.data_ptr(), n)
-    _run_shares(_shares(n, PANEL), lambda i, a, b: lib.gemm_fpanels(*args, a, b))
+    _run_shares(_shares(n, panel()), lambda i, a, b: lib.gemm_fpanels(*args, a, b))
     return out
 
 
@@ -183,37 +240,39 @@ PACKED_SCHEMES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # cpu_kernels.c's scheme num
 
 
 def packed_usable(x: torch.Tensor, packed: torch.Tensor, scheme: str) -> bool:
-    """Whether matmul_xwt_packed computes x @ w.T here: a few f32 rows of x on the host, w packed GGUF blocks."""
-    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.is_cpu
+    """Whether matmul_xwt_packed computes x @ w.T here: f32 rows of x on the host (any number: a decode's or a
+    prompt chunk's), w packed GGUF blocks."""
+    return (x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu
             and packed.is_cpu and packed.dtype == torch.uint8 and packed.is_contiguous()
             and scheme in PACKED_SCHEMES and x.shape[1] % 32 == 0 and library() is not None)
 
 
 def panels(packed: torch.Tensor, scheme: str, n: int, k: int) -> torch.Tensor:
-    """GGUF blocks [n, k/32 * block bytes] laid out again in panels of PANEL rows, the form gemm_qpanels reads
+    """GGUF blocks [n, k/32 * block bytes] laid out again in panels of panel() rows, the form gemm_qpanels reads
     (cpu_kernels.c's repack_blocks): the same bytes, give or take the last panel's padding. Made once per tensor
     and kept with it (weights are never written in place)."""
-    made: torch.Tensor | None = packed.__dict__.get(_PANELS)
+    width = panel()
+    made: torch.Tensor | None = packed.__dict__.get(f"{_PANELS}{width}")
     if made is None:
         lib = library()
         assert lib is not None
-        made = torch.empty(-(-n // PANEL) * (k // 32) * lib.panel_block_bytes(PACKED_SCHEMES[scheme]), dtype=torch.uint8)
+        made = torch.empty(-(-n // width) * (k // 32) * lib.panel_block_bytes(PACKED_SCHEMES[scheme]), dtype=torch.uint8)
         lib.repack_blocks(PACKED_SCHEMES[scheme], n, k, packed.contiguous().data_ptr(), made.data_ptr())
-        packed.__dict__[_PANELS] = made
+        packed.__dict__[f"{_PANELS}{width}"] = made
     return made
 
 
 def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int) -> torch.Tensor:
     """x @ w.T for w [n, k] held as GGUF blocks (packed [n, k/32 * block bytes]), read in panels (panels()):
     w's values are exactly gguf's dequantization, and each output is one FMA chain over k in order, whatever
-    the row count and the thread split."""
+    the row count, the thread split and the build: the bits of matmul_xwt over the dequantized weight."""
     lib = library()
     assert lib is not None
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
     args = (m, k, x.data_ptr(), k, panels(packed, scheme, n, k).data_ptr(), PACKED_SCHEMES[scheme], out.data_ptr(), n)
-    _run_shares(_shares(n, PANEL), lambda i, a, b: lib.gemm_qpanels(*args, a, b))
+    _run_shares(_shares(n, panel()), lambda i, a, b: lib.gemm_qpanels(*args, a, b))
     return out
 
 
@@ -276,4 +335,8 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    print(f"cpu kernels: {library() or 'unavailable (see the log line above)'}")
+    cc = _compiler()
+    if platform.machine().lower() in ("x86_64", "amd64") and cc is not None:
+        for each in _ISA_FLAGS:  # every build, for whichever host the image lands on
+            print(f"cpu kernels, {each} build: {compiled(each, cc)}")
+    print(f"cpu kernels on this host: {library() or 'unavailable (see the log line above)'}")

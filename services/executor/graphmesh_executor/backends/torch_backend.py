@@ -174,7 +174,8 @@ def _joined_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tens
     if x.is_cpu:
         # cpu_kernels sums each output alone, in one order whatever rows of the weight a call covers: one call
         # over the joined weight gives every member's exact bits for a third of the calls. Where the kernels do
-        # not serve the rows (a packed prompt), each member runs as it would alone, so its bits do not change either.
+        # not serve the rows, or a member was set on its own since the join, each member runs as it would alone
+        # (a member set on its own gets its own panels, see _lay_out), so its bits do not change either.
         if joined is not None and "scheme" in a and cpu_kernels.packed_usable(x, joined.whole, a["scheme"]):
             return cpu_kernels.matmul_xwt_packed(x, joined.whole, a["scheme"], joined.whole.shape[0])
         if joined is not None and "scheme" not in a and cpu_kernels.has_fpanels(joined.whole) \
@@ -530,8 +531,10 @@ def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
     x, packed = xs
     scheme, n, k = a["scheme"], a["n"], a["k"]
     if cpu_kernels.packed_usable(x, packed, scheme):
-        # A decode's few f32 rows: the kernel reads the blocks in panels, made when the param was set (see
-        # TorchExecutable._lay_out) or at the first product of a weight that is not a param.
+        # f32 rows, a decode's or a prompt chunk's: the kernel reads the blocks in panels, made when the param was
+        # set (see TorchExecutable._lay_out) or at the first product of a weight that is not a param. One kernel
+        # for every row count keeps a row's bits independent of the rows beside it (MKL's differ by row count on
+        # AVX-512 hosts).
         return cpu_kernels.matmul_xwt_packed(x, packed, scheme, n)
     converted: dict[Any, Any] = packed.__dict__.setdefault(_CONVERTED, {})
     # The packed int4 kernel is fast only with bf16 activations (f32/f16 take a slow path there), and it
@@ -739,8 +742,11 @@ class TorchExecutable(Executable[Tensor]):
         self._join_groups = self._joins(graph)
         self._joined_weights = {node.inputs[1] for members in self._join_groups for node in graph.nodes
                                 if node.name in members}
+        self._join_partners = {node.inputs[1]: [n.inputs[1] for n in graph.nodes if n.name in members]
+                               for members in self._join_groups for node in graph.nodes if node.name in members}
         for name in self._joined_weights:
             self._panelled.pop(name, None)
+        self._joins_made = False  # set by finalize_params: from then on a member set on its own is read alone
         # The base interpreter counts MoE expert calls and captures top-k ids: graphs with those ops keep it.
         self._planned = not any(n.op in ("grouped_matmul", "top_k") for n in graph.nodes)
         self._slots, self._steps = self._plan(graph)
@@ -1055,8 +1061,15 @@ class TorchExecutable(Executable[Tensor]):
             weight = self._params[name]
             if self._weight_order(name) == "C":
                 weight = self._params[name] = weight.contiguous()
-                if name not in self._joined_weights:  # a joined weight's panels are the whole's, made at the join
+                # A joined weight's panels are the whole's, made at the join. One set on its own after the join
+                # (ExecutorService.SetParam) breaks it: from then on every member is read alone (_joined_matmul)
+                # and needs panels of its own, or torch's product would serve it with other bits.
+                if name not in self._joined_weights:
                     cpu_kernels.fpanels(weight)
+                elif self._joins_made:
+                    for member in self._join_partners[name]:
+                        if member in self._params:
+                            cpu_kernels.fpanels(self._params[member])
             else:
                 if not weight.mT.is_contiguous():
                     weight = self._params[name] = weight.mT.contiguous().mT
@@ -1085,6 +1098,7 @@ class TorchExecutable(Executable[Tensor]):
         return super().copy_params_from(src)
 
     def finalize_params(self) -> list[str]:
+        self._joins_made = True
         for members in self._join_groups:
             nodes = [node for node in self.graph.nodes if node.name in members]
             self._join(tuple(node.inputs[1] for node in nodes))
