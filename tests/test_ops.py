@@ -256,20 +256,22 @@ for dt in ALL_DTYPES:
 
 
 # -- transformer ops ------------------------------------------------------------------------------------
-def rope_ref(x: np.ndarray, pos: np.ndarray, theta: float, style: str, rotary_dim: int) -> np.ndarray:
-    """HF rotate_half for "half", GPT-J complex pairs for "interleaved"; dims past rotary_dim pass through."""
+def rope_ref(x: np.ndarray, pos: np.ndarray, theta: float, style: str, rotary_dim: int,
+             inv_freq: tuple[float, ...] = (), scale: float = 1.0) -> np.ndarray:
+    """HF rotate_half for "half", GPT-J complex pairs for "interleaved"; dims past rotary_dim pass through.
+    inv_freq replaces theta's frequencies and scale multiplies cos and sin (the scaled variants)."""
     x64 = f64(x)
     rot = rotary_dim or x.shape[2]
-    inv = 1.0 / theta ** (np.arange(0, rot, 2) / rot)
+    inv = np.array(inv_freq, np.float64) if inv_freq else 1.0 / theta ** (np.arange(0, rot, 2) / rot)
     freqs = pos.astype(np.float64)[:, None] * inv[None, :]  # [S, rot/2]
     out = x64.copy()
     if style == "half":
         emb = np.concatenate([freqs, freqs], -1)[:, None, :]
         xr = x64[..., :rot]
         rotated = np.concatenate([-xr[..., rot // 2:], xr[..., : rot // 2]], -1)
-        out[..., :rot] = xr * np.cos(emb) + rotated * np.sin(emb)
+        out[..., :rot] = (xr * np.cos(emb) + rotated * np.sin(emb)) * scale
     else:
-        z = (x64[..., 0:rot:2] + 1j * x64[..., 1:rot:2]) * np.exp(1j * freqs)[:, None, :]
+        z = (x64[..., 0:rot:2] + 1j * x64[..., 1:rot:2]) * np.exp(1j * freqs)[:, None, :] * scale
         out[..., 0:rot:2], out[..., 1:rot:2] = z.real, z.imag
     return out
 
@@ -284,6 +286,17 @@ for dt in FLOATS:
                  rotary_dim=rotary_dim)
 x, pos = rand((2, 2, 4)), np.array([1, 2])
 case("rope", [x, pos], rope_ref(x, pos, 10000.0, "half", 0), label="defaults")
+# scaled variants: given frequencies (whole head and partial) and a cos/sin factor, in both styles; their own
+# generator, so the cases after them draw what they drew before
+scaled_rng = np.random.default_rng(38)
+for dt in FLOATS:
+    for style in ("half", "interleaved"):
+        for (s, h, d), rotary_dim, inv_freq, scale in (((5, 2, 8), 0, (1.0, 0.3, 0.01, 1e-4), 0.8),
+                                                      ((4, 3, 12), 8, (0.9, 0.05, 0.002, 3e-5), 1.2)):
+            x = scaled_rng.uniform(-2.0, 2.0, (s, h, d)).astype(dtypes.to_numpy(dt))
+            pos = (4000 + scaled_rng.permutation(s)).astype(np.int64)
+            case("rope", [x, pos], rope_ref(x, pos, 10000.0, style, rotary_dim, inv_freq, scale), style=style,
+                 rotary_dim=rotary_dim, inv_freq=inv_freq, scale=scale, label=f"{dt}-{style}-scaled-{d}")
 
 
 def attention_ref(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray | None, scale: float) -> np.ndarray:
@@ -643,6 +656,8 @@ SPEC_ERRORS: list[tuple[str, list[tuple[tuple[int, ...], str]], dict[str, Any]]]
     ("rope", [x_((3, 2, 8)), x_((3,), "i64")], {"rotary_dim": 3}),
     ("rope", [x_((3, 2, 8)), x_((3,), "i64")], {"style": "neox"}),
     ("rope", [x_((3, 16)), x_((3,), "i64")], {}),
+    ("rope", [x_((3, 2, 8)), x_((3,), "i64")], {"inv_freq": (1.0, 0.5)}),
+    ("rope", [x_((3, 2, 8)), x_((3,), "i64")], {"scale": math.inf}),
     ("attention", [x_((2, 3, 4)), x_((5, 2, 4)), x_((5, 2, 4)), x_((2,), "i64")], {}),
     ("attention", [x_((2, 2, 4)), x_((5, 2, 4)), x_((5, 2, 4))], {}),
     ("attention", [x_((2, 2, 4)), x_((5, 2, 4)), x_((5, 2, 4)), x_((3,), "i64")], {}),
@@ -692,6 +707,8 @@ def _attr_proto(kind: str, value: Any) -> graph_pb2.AttrValue:
         return graph_pb2.AttrValue(i=value)
     if isinstance(value, float):
         return graph_pb2.AttrValue(f=value)
+    if isinstance(value, tuple) and kind == "floats":
+        return graph_pb2.AttrValue(floats=graph_pb2.FloatList(values=value))
     if isinstance(value, tuple):
         return graph_pb2.AttrValue(ints=graph_pb2.IntList(values=value))
     if kind == "dtype":

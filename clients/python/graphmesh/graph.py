@@ -333,8 +333,10 @@ class GraphBuilder:
         return self.node("constant", [], name=name, value=np.asarray(value))
 
     def rope(self, x: Value, positions: Value, theta: float = 10000.0, style: str = "half",
-             rotary_dim: int = 0) -> Value:
-        return self.node("rope", [x, positions], theta=theta, style=style, rotary_dim=rotary_dim)
+             rotary_dim: int = 0, inv_freq: tuple[float, ...] = (), scale: float = 1.0) -> Value:
+        # the scaled variants' attributes only where set: an unscaled rope's node stays as it was
+        extra: dict[str, Any] = ({"inv_freq": inv_freq} if inv_freq else {}) | ({"scale": scale} if scale != 1.0 else {})
+        return self.node("rope", [x, positions], theta=theta, style=style, rotary_dim=rotary_dim, **extra)
 
     def attention(self, q: Value, k: Value, v: Value, q_positions: Value | None = None, causal: bool = True,
                   scale: float = 0.0) -> Value:

@@ -233,6 +233,11 @@ def _rope(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
         raise _fail(f"rotary_dim {rot} must be even and <= head_dim {x.shape[2]}")
     if attrs["style"] not in ("half", "interleaved"):
         raise _fail(f"rope style must be 'half' or 'interleaved', got {attrs['style']!r}")
+    inv_freq = attrs["inv_freq"]
+    if inv_freq and len(inv_freq) != rot // 2:
+        raise _fail(f"rope inv_freq has {len(inv_freq)} frequencies; rotary_dim {rot} wants {rot // 2}")
+    if not all(math.isfinite(f) for f in (*inv_freq, attrs["scale"])):
+        raise _fail("rope inv_freq and scale must be finite")
     return x
 
 
@@ -404,8 +409,11 @@ _register(
     OpSpec("slice", 1, 1, _slice, {"axis": Attr("int"), "start": Attr("int"), "end": Attr("int")}),
     OpSpec("cast", 1, 1, _cast, {"dtype": Attr("dtype")}),
     OpSpec("constant", 0, 0, _constant, {"value": Attr("tensor")}),
+    # inv_freq (empty: theta ** (-2i / rotary_dim)) and scale (multiplies cos and sin) carry the scaled variants
+    # (llama3, linear, YaRN, longrope), made on the host from the model's config (graphmesh.models.rope).
     OpSpec("rope", 2, 2, _rope, {"theta": Attr("float", 10000.0), "style": Attr("str", "half"),
-                                 "rotary_dim": Attr("int", 0)}),
+                                 "rotary_dim": Attr("int", 0), "inv_freq": Attr("floats", ()),
+                                 "scale": Attr("float", 1.0)}),
     OpSpec("attention", 3, 4, _attention, {"causal": Attr("bool", True), "scale": Attr("float", 0.0)}),
     OpSpec("kv_write", 3, 3, _kv_write),
     OpSpec("kv_scatter", 3, 3, _kv_scatter),

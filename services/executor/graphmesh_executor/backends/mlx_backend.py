@@ -169,11 +169,17 @@ def _slice(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
 
 
 @functools.lru_cache(maxsize=16)
-def _rope_table(positions: bytes, theta: float, rot: int, dtype: str) -> tuple[Array, Array]:
-    """cos, sin [S, 1, rot/2] from float64 angles; every layer of a run reuses the same positions."""
+def _rope_table(positions: bytes, theta: float, rot: int, dtype: str, inv_freq: tuple[float, ...] = (),
+                scale: float = 1.0) -> tuple[Array, Array]:
+    """cos, sin [S, 1, rot/2] from float64 angles; every layer of a run reuses the same positions. inv_freq and
+    scale: a scaled variant's frequencies and cos/sin factor (the rope op's attributes)."""
     pos = np.frombuffer(positions, np.int64).astype(np.float64)
-    angles = pos[:, None, None] * theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)[None, None, :]
-    return mx.array(np.cos(angles), dtype=_MX[dtype]), mx.array(np.sin(angles), dtype=_MX[dtype])
+    freqs = np.array(inv_freq, np.float64) if inv_freq else theta ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)
+    angles = pos[:, None, None] * freqs[None, None, :]
+    cos, sin = np.cos(angles), np.sin(angles)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return mx.array(cos, dtype=_MX[dtype]), mx.array(sin, dtype=_MX[dtype])
 
 
 def _rope(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
@@ -181,7 +187,8 @@ def _rope(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     seq, heads, dim = x.shape
     rot = a["rotary_dim"] or dim
     compute = "f64" if x.dtype == mx.float64 else "f32"
-    cos, sin = _rope_table(to_numpy(pos).astype(np.int64).tobytes(), a["theta"], rot, compute)
+    cos, sin = _rope_table(to_numpy(pos).astype(np.int64).tobytes(), a["theta"], rot, compute, a["inv_freq"],
+                           a["scale"])
     y = x.astype(_MX[compute])
     if a["style"] == "half":
         x1, x2 = y[..., : rot // 2], y[..., rot // 2 : rot]

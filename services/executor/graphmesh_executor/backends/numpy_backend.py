@@ -83,9 +83,13 @@ def _gather(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
 def _rope(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     x, pos = xs
     rot = a["rotary_dim"] or x.shape[2]
-    inv_freq = a["theta"] ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)
+    # inv_freq given: a scaled variant's frequencies, made on the host from the model's config
+    inv_freq = np.array(a["inv_freq"], np.float64) if a["inv_freq"] else \
+        a["theta"] ** (-np.arange(0, rot, 2, dtype=np.float64) / rot)
     angles = pos.astype(np.float64)[:, None, None] * inv_freq[None, None, :]  # [S, 1, rot/2]
     cos, sin = np.cos(angles), np.sin(angles)
+    if a["scale"] != 1.0:  # YaRN / longrope attention factor
+        cos, sin = cos * a["scale"], sin * a["scale"]
     y = _up(x).astype(np.float64)
     out = y.copy()
     if a["style"] == "half":

@@ -119,7 +119,7 @@ def _rope_pair(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> tuple[Te
     rot = a["rotary_dim"] or x.shape[2]
     if (a["style"] == "half" and rot == x.shape[2] == y.shape[2] and cuda_kernels.rope_half_usable(x)
             and cuda_kernels.rope_half_usable(y)):
-        cos, sin = _half_table(pos, a["theta"], rot, torch.float32)
+        cos, sin = _half_table(pos, a, rot, torch.float32)
         return cuda_kernels.rope_half_pair(x, y, cos, sin)
     return _rope(ctx, [x, pos], a), _rope(ctx, [y, pos], a)
 
@@ -217,19 +217,31 @@ def _gather(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     return rows.reshape(*table.shape[:axis], *idx.shape, *table.shape[axis + 1:])
 
 
-def _rope_table(pos: Tensor, theta: float, rot: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    inv_freq = theta ** (-torch.arange(0, rot, 2, dtype=torch.float64, device=pos.device) / rot)
+def _rope_table(pos: Tensor, a: dict[str, Any], rot: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [S, 1, rot/2] of the rope attributes `a`: theta's frequencies, or a scaled variant's inv_freq
+    (made on the host from the model's config) and its cos/sin factor."""
+    if a["inv_freq"]:
+        inv_freq = torch.tensor(a["inv_freq"], dtype=torch.float64, device=pos.device)
+    else:
+        inv_freq = a["theta"] ** (-torch.arange(0, rot, 2, dtype=torch.float64, device=pos.device) / rot)
     angles = pos.to(torch.float64)[:, None, None] * inv_freq  # [S, 1, rot/2]; float64 keeps far positions exact
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if a["scale"] != 1.0:  # YaRN / longrope attention factor
+        cos, sin = cos * a["scale"], sin * a["scale"]
+    return cos.to(dtype), sin.to(dtype)
 
 
-def _half_table(pos: Tensor, theta: float, rot: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _rope_key(a: dict[str, Any], rot: int) -> tuple[Any, ...]:
+    return a["theta"], a["inv_freq"], a["scale"], rot
+
+
+def _half_table(pos: Tensor, a: dict[str, Any], rot: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin over the whole head, sin signed so that rope = x * cos + roll(x, rot/2) * sin; made once a run
     for these positions (a stage's layers all rotate at them)."""
     def make() -> tuple[Tensor, Tensor]:
-        cos, sin = _rope_table(pos, theta, rot, dtype)
+        cos, sin = _rope_table(pos, a, rot, dtype)
         return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
-    return _memo(pos, ("rope-half", theta, rot, dtype), make)  # type: ignore[no-any-return]
+    return _memo(pos, ("rope-half", *_rope_key(a, rot), dtype), make)  # type: ignore[no-any-return]
 
 
 def _rope(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
@@ -240,14 +252,14 @@ def _rope(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
         # Four kernels instead of ten; the same products and sums as the halves below (the sign is exact).
         triton_rope = cuda_kernels.rope_half_usable(x)  # one kernel, not three: GPU time is kernel count there
         dtype = torch.float32 if triton_rope else y.dtype
-        cos, sin = _half_table(pos, a["theta"], rot, dtype)
+        cos, sin = _half_table(pos, a, rot, dtype)
         if triton_rope:
             return cuda_kernels.rope_half(x, cos, sin)
         if y.is_cuda:  # three kernels, not four
             return torch.addcmul(y * cos, y.roll(rot // 2, -1), sin)
         fused = cpu_kernels.rope_half(y, cos, sin)  # the same bits in one call instead of four
         return (fused if fused is not None else y * cos + y.roll(rot // 2, -1) * sin).to(x.dtype)
-    cos, sin = _memo(pos, ("rope", a["theta"], rot, y.dtype), lambda: _rope_table(pos, a["theta"], rot, y.dtype))
+    cos, sin = _memo(pos, ("rope", *_rope_key(a, rot), y.dtype), lambda: _rope_table(pos, a, rot, y.dtype))
     if a["style"] == "half":
         x1, x2 = y[..., : rot // 2], y[..., rot // 2 : rot]
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
