@@ -66,6 +66,65 @@ def make_tiny_qwen2(path: Path, seed: int = 1) -> Path:
     return _save(Qwen2ForCausalLM(config), path, max_shard_size="200KB")
 
 
+# -- issue 38's families and rope variants: small original contexts, so the scaling moves the first positions --
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 64}
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.7, 3.1, 5.3], "long_factor": [1.0, 4.0, 9.0, 16.0]}
+
+
+def make_tiny_llama3_rope(path: Path, seed: int = 4, layers: int = 2) -> Path:
+    """Llama 3.1-style rope scaling (rope_type llama3) on the tiny Llama shape."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, initializer_range=INIT, tie_word_embeddings=False,
+                         rope_parameters=dict(LLAMA3_ROPE), bos_token_id=1, eos_token_id=2)
+    return _save(LlamaForCausalLM(config), path)
+
+
+def make_tiny_qwen2_yarn(path: Path, seed: int = 5) -> Path:
+    """Qwen2.5 long-context style: YaRN (factor 4 over 64 original positions, attention factor 1.139)."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, initializer_range=INIT, tie_word_embeddings=True,
+                         rope_parameters=dict(YARN_ROPE), bos_token_id=1, eos_token_id=2)
+    return _save(Qwen2ForCausalLM(config), path)
+
+
+def make_tiny_qwen3(path: Path, seed: int = 6, layers: int = 2) -> Path:
+    """Qwen3 dense: per-head q/k norms, explicit head_dim (32: q_dim 128 != hidden 64), no bias, tied head."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, intermediate_size=128, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, initializer_range=INIT, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, bos_token_id=1, eos_token_id=2)
+    return _save(Qwen3ForCausalLM(config), path)
+
+
+def make_tiny_phi3(path: Path, seed: int = 7) -> Path:
+    """Phi-3.5/Phi-4-mini style: fused qkv_proj and gate_up_proj, longrope over 64 original positions (of 256),
+    half of each head rotary."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Phi3Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                        original_max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=INIT,
+                        tie_word_embeddings=False, rope_parameters=dict(LONGROPE), bos_token_id=1,
+                        eos_token_id=2, pad_token_id=0)
+    return _save(Phi3ForCausalLM(config), path)
+
+
+FAMILY_MODELS = {"llama3-rope": make_tiny_llama3_rope, "qwen2-yarn": make_tiny_qwen2_yarn, "qwen3": make_tiny_qwen3,
+                 "phi3-longrope": make_tiny_phi3}
+
+
 def make_tiny_gpt2(path: Path, seed: int = 2) -> Path:
     """GPT-2, 2 layers, hidden 64, 4 heads, tied head."""
     torch.manual_seed(seed)

@@ -49,7 +49,7 @@ class Stage:
 
 
 def make_stages(ckpt: Checkpoint, config: ModelConfig, split: list[range], bucket: int, cache: int,
-                sample: bool = False, quantized: bool = False) -> list[Stage]:
+                sample: bool = False, quantized: bool = False, backend: str = "numpy") -> list[Stage]:
     stages = []
     schemes = ckpt.packed_schemes() if quantized else None
     for n, layers in enumerate(split):
@@ -58,7 +58,7 @@ def make_stages(ckpt: Checkpoint, config: ModelConfig, split: list[range], bucke
         for seq_len in (bucket, 1):
             proto = models.build_stage(config, layers, seq_len, cache, first, last, sample=sample, quantized=quantized,
                                        packed_schemes=schemes)
-            exe = compile_graph(parse(proto), "numpy")
+            exe = compile_graph(parse(proto), backend)
             for i in range(len(layers)):
                 for j, kind in enumerate("kv"):
                     exe.bind_handle(f"past_{kind}_{i}", np.zeros((cache, config.kv_dim), np.float32))

@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType
 from graphmesh import dtypes
 from graphmesh.errors import InvalidArgument, NotFound
 from graphmesh.models.config import ModelConfig
+from graphmesh.models.rope import rope_from_gguf
 from graphmesh.ops import packed_shape
 
 PACKED_SCHEMES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
@@ -255,21 +256,29 @@ def config_from_gguf(metadata: dict[str, Any], tensors: list[_GgufTensor]) -> Mo
     def key(k: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{k}", default)
 
-    scaling = key("rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise InvalidArgument(f"GGUF rope scaling {scaling!r} is not supported", "UNSUPPORTED_MODEL")
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     if "token_embd.weight" not in shapes:
         raise InvalidArgument("GGUF file has no token_embd.weight", "BAD_CHECKPOINT")
+    head_dim = int(key("attention.key_length") or hidden // heads)
+    max_position = int(key("context_length", 2048))
+    # llama3's scaled frequencies arrive as the rope_freqs tensor (each default frequency's divisor)
+    freqs = next((t.data for t in tensors if t.name == "rope_freqs.weight" and t.ggml_type in _GGUF_PLAIN_DTYPES), None)
+    if any(t.name == "rope_freqs.weight" for t in tensors) and freqs is None:
+        raise InvalidArgument("GGUF rope_freqs.weight is quantized; graphmesh reads it as plain floats",
+                              "UNSUPPORTED_MODEL")
+    factor = key("rope.scaling.factor")
+    inv_freq = () if arch == "gpt2" else rope_from_gguf(
+        float(key("rope.freq_base", 10000.0)), head_dim, max_position, key("rope.scaling.type"),
+        None if factor is None else float(factor), None if freqs is None else np.asarray(freqs).reshape(-1)).inv_freq
     eos = [metadata.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
     return ModelConfig(
         arch="gpt2" if arch == "gpt2" else "llama", vocab_size=shapes["token_embd.weight"][1], hidden_size=hidden,
         n_layers=int(key("block_count")), n_heads=heads, n_kv_heads=int(key("attention.head_count_kv") or heads),
-        head_dim=int(key("attention.key_length") or hidden // heads),
-        intermediate_size=int(key("feed_forward_length")),
+        head_dim=head_dim, intermediate_size=int(key("feed_forward_length")),
         norm_eps=float(key("attention.layer_norm_epsilon") if arch == "gpt2" else key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)), qkv_bias="blk.0.attn_q.bias" in shapes,
-        tie_word_embeddings="output.weight" not in shapes, max_position=int(key("context_length", 2048)),
+        rope_theta=float(key("rope.freq_base", 10000.0)), rope_inv_freq=inv_freq,
+        qkv_bias="blk.0.attn_q.bias" in shapes, tie_word_embeddings="output.weight" not in shapes,
+        max_position=max_position,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         hidden_act="gelu_tanh" if arch == "gpt2" else "silu")

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphmesh.errors import InvalidArgument
+from graphmesh.models.rope import rope_from_hf
 
 ARCHS = ("llama", "gpt2")
+LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3", "phi3")  # model_types built by graphmesh.models.llama
 ENCODER_KEY = "graphmesh_encoder"  # the config.json key of the encoder group
 
 
@@ -54,7 +56,12 @@ class ModelConfig:
     norm_eps: float
     rope_theta: float = 10000.0
     rope_style: str = "half"  # HF Llama layout: rotate the two halves of each head
+    rotary_dim: int = 0  # 0: rotate whole heads; else the first rotary_dim dims (Phi-3 partial_rotary_factor)
+    rope_inv_freq: tuple[float, ...] = ()  # a scaled rope's frequencies (graphmesh.models.rope); empty: theta's
+    rope_scale: float = 1.0  # YaRN/longrope attention factor on cos and sin
     qkv_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool = False  # Qwen3: per-head RMS norms of q and k (self_attn.q_norm/k_norm) before rope
+    fused_proj: bool = False  # Phi-3: self_attn.qkv_proj and mlp.gate_up_proj, each one matmul
     tie_word_embeddings: bool = False
     max_position: int = 2048  # context length in tokens
     bos_token_id: int | None = None
@@ -88,7 +95,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """From the config.json of LlamaForCausalLM, Qwen2ForCausalLM or GPT2LMHeadModel."""
+        """From the config.json of LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM,
+        Phi3ForCausalLM or GPT2LMHeadModel."""
         model_type = cfg.get("model_type", "")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -108,27 +116,35 @@ class ModelConfig:
                        intermediate_size=cfg.get("n_inner") or 4 * hidden, norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
                        tie_word_embeddings=cfg.get("tie_word_embeddings", True), max_position=cfg["n_positions"],
                        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, hidden_act=acts[act])
-        if model_type not in ("llama", "qwen2", "mistral"):
-            raise InvalidArgument(f"model_type {model_type!r} is not supported; expected llama, qwen2, mistral or gpt2",
-                                  "UNSUPPORTED_MODEL")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise InvalidArgument(f"rope scaling {rope} is not supported (the rope op has no scaling)", "UNSUPPORTED_MODEL")
-        if model_type != "qwen2" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-            raise InvalidArgument("Llama with attention_bias/mlp_bias is not supported", "UNSUPPORTED_MODEL")
-        if cfg.get("use_sliding_window") or (model_type == "mistral" and cfg.get("sliding_window")):
-            raise InvalidArgument("sliding-window attention is not supported", "UNSUPPORTED_MODEL")
+        if model_type not in LLAMA_FAMILY:
+            raise InvalidArgument(f"model_type {model_type!r} is not supported; expected one of "
+                                  f"{', '.join(LLAMA_FAMILY)} or gpt2", "UNSUPPORTED_MODEL")
+        for key in ("attention_bias", "mlp_bias"):  # Qwen2's q/k/v bias is implied by its model_type, not a field
+            if cfg.get(key):
+                raise InvalidArgument(f"{key} {cfg[key]!r} is not supported for model_type {model_type}",
+                                      "UNSUPPORTED_MODEL")
+        if cfg.get("use_sliding_window"):
+            raise InvalidArgument(f"use_sliding_window {cfg['use_sliding_window']!r} is not supported: graphmesh has "
+                                  "no sliding-window attention", "UNSUPPORTED_MODEL")
         if cfg.get("hidden_act", "silu") != "silu":
             raise InvalidArgument(f"hidden_act {cfg.get('hidden_act')!r} is not supported", "UNSUPPORTED_MODEL")
         heads = cfg["num_attention_heads"]
+        # Phi-3's attention takes head_dim from hidden_size / heads only
+        head_dim = (None if model_type == "phi3" else cfg.get("head_dim")) or cfg["hidden_size"] // heads
+        rope = rope_from_hf(cfg, model_type, head_dim, partial_rotary=model_type == "phi3")
+        window = cfg.get("sliding_window")
+        # Mistral always applies its window; Phi-3 does where set, which is no window within a shorter context
+        if window is not None and (model_type == "mistral" or (model_type == "phi3" and window < rope.max_position)):
+            raise InvalidArgument(f"sliding_window {window!r} is not supported: graphmesh has no sliding-window "
+                                  f"attention (context {rope.max_position})", "UNSUPPORTED_MODEL")
         return cls(arch="llama", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
                    n_layers=cfg["num_hidden_layers"], n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
-                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                   intermediate_size=cfg["intermediate_size"], norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                   rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
-                   qkv_bias=model_type == "qwen2", tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                   max_position=cfg.get("max_position_embeddings", 2048), bos_token_id=cfg.get("bos_token_id"),
-                   eos_token_ids=eos_ids, encoder=encoder_config(cfg))
+                   head_dim=head_dim, intermediate_size=cfg["intermediate_size"],
+                   norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=rope.theta, rotary_dim=rope.rotary_dim,
+                   rope_inv_freq=rope.inv_freq, rope_scale=rope.scale, qkv_bias=model_type == "qwen2",
+                   qk_norm=model_type == "qwen3", fused_proj=model_type == "phi3",
+                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), max_position=rope.max_position,
+                   bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, encoder=encoder_config(cfg))
 
     def layer_params(self) -> int:
         """Parameter count of one decoder block."""
@@ -136,7 +152,8 @@ class ModelConfig:
         if self.arch == "gpt2":
             return 4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
         bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
-        return 2 * h + h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h + 3 * h * i + bias
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        return 2 * h + h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h + 3 * h * i + bias + qk_norm
 
     def param_bytes(self, layers: range) -> int:
         """f32 bytes of the params of a stage over `layers`: the embedding comes with layer 0 and the head

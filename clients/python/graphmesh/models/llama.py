@@ -1,4 +1,5 @@
-"""Llama-family stage graphs (Llama, SmolLM, Qwen2 with qkv bias), and the stage I/O contract every
+"""Llama-family stage graphs (Llama, SmolLM, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norms, Phi-3 with fused
+projections and partial rotary), and the stage I/O contract every
 architecture shares.
 
 A stage runs the local layers `layers` (global indices) of the model on S rows. The same builder makes the
@@ -149,21 +150,38 @@ def _linear(g: GraphBuilder, x: Value, name: str, n: int, k: int, schemes: dict[
     return g.add(y, g.param(name.removesuffix("weight") + "bias", (n,), p.dtype)) if bias else y
 
 
+def _rope(g: GraphBuilder, c: ModelConfig, x: Value, positions: Value) -> Value:
+    return g.rope(x, positions, c.rope_theta, c.rope_style, c.rotary_dim, c.rope_inv_freq, c.rope_scale)
+
+
 def _block(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, layer: int, x: Value, schemes: dict[str, str],
            precision: _Precision) -> tuple[Value, Value, Value]:
     p = f"model.layers.{layer}."
     s, h, dt = x.shape[0], c.hidden_size, precision.dtype
     a = g.rms_norm(x, g.param(p + "input_layernorm.weight", (h,), dt), c.norm_eps)
-    q = _linear(g, a, p + "self_attn.q_proj.weight", c.q_dim, h, schemes, c.qkv_bias, precision)
-    k = _linear(g, a, p + "self_attn.k_proj.weight", c.kv_dim, h, schemes, c.qkv_bias, precision)
-    v = _linear(g, a, p + "self_attn.v_proj.weight", c.kv_dim, h, schemes, c.qkv_bias, precision)
-    q = g.rope(g.reshape(q, (s, c.n_heads, c.head_dim)), io.positions, c.rope_theta, c.rope_style)
-    k = g.rope(g.reshape(k, (s, c.n_kv_heads, c.head_dim)), io.positions, c.rope_theta, c.rope_style)
+    if c.fused_proj:  # Phi-3 stores q/k/v as one weight: one matmul, then its column ranges
+        qkv = _linear(g, a, p + "self_attn.qkv_proj.weight", c.q_dim + 2 * c.kv_dim, h, schemes, precision=precision)
+        q, k = g.slice(qkv, 1, 0, c.q_dim), g.slice(qkv, 1, c.q_dim, c.q_dim + c.kv_dim)
+        v = g.slice(qkv, 1, c.q_dim + c.kv_dim, c.q_dim + 2 * c.kv_dim)
+    else:
+        q = _linear(g, a, p + "self_attn.q_proj.weight", c.q_dim, h, schemes, c.qkv_bias, precision)
+        k = _linear(g, a, p + "self_attn.k_proj.weight", c.kv_dim, h, schemes, c.qkv_bias, precision)
+        v = _linear(g, a, p + "self_attn.v_proj.weight", c.kv_dim, h, schemes, c.qkv_bias, precision)
+    q, k = g.reshape(q, (s, c.n_heads, c.head_dim)), g.reshape(k, (s, c.n_kv_heads, c.head_dim))
+    if c.qk_norm:  # Qwen3: each head of q and k RMS-normed over head_dim before rope
+        q = g.rms_norm(q, g.param(p + "self_attn.q_norm.weight", (c.head_dim,), dt), c.norm_eps)
+        k = g.rms_norm(k, g.param(p + "self_attn.k_norm.weight", (c.head_dim,), dt), c.norm_eps)
+    q, k = _rope(g, c, q, io.positions), _rope(g, c, k, io.positions)
     attn, k_cache, v_cache = cached_attention(g, c, io, i, q, g.reshape(k, (s, c.kv_dim)), v)
     x = g.add(x, _linear(g, attn, p + "self_attn.o_proj.weight", h, c.q_dim, schemes, precision=precision))
     m = g.rms_norm(x, g.param(p + "post_attention_layernorm.weight", (h,), dt), c.norm_eps)
-    gate = _linear(g, m, p + "mlp.gate_proj.weight", c.intermediate_size, h, schemes, precision=precision)
-    up = _linear(g, m, p + "mlp.up_proj.weight", c.intermediate_size, h, schemes, precision=precision)
+    if c.fused_proj:  # Phi-3's gate_up_proj: gate rows first, then up
+        n = c.intermediate_size
+        gate_up = _linear(g, m, p + "mlp.gate_up_proj.weight", 2 * n, h, schemes, precision=precision)
+        gate, up = g.slice(gate_up, 1, 0, n), g.slice(gate_up, 1, n, 2 * n)
+    else:
+        gate = _linear(g, m, p + "mlp.gate_proj.weight", c.intermediate_size, h, schemes, precision=precision)
+        up = _linear(g, m, p + "mlp.up_proj.weight", c.intermediate_size, h, schemes, precision=precision)
     x = g.add(x, _linear(g, g.mul(g.silu(gate), up), p + "mlp.down_proj.weight", h, c.intermediate_size, schemes,
                          precision=precision))
     return x, k_cache, v_cache
