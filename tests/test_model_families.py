@@ -245,3 +245,37 @@ def test_family_over_one_and_two_executors_matches_transformers(name: str, tmp_p
                 got = [t for chunk in client.generate(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True)
                        for t in chunk.token_ids]
         assert got == want, f"{name} over {n} executors"
+
+
+def _chat_dir(path: Path, template: str, eos_token: str, generation_eos: Any) -> Path:
+    """A tiny Llama beside a byte-level tokenizer with Llama 3's, Gemma's and Phi-3's end-of-turn tokens."""
+    import json
+
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    model_fixtures.write_tiny_tokenizer(model_fixtures.make_tiny_llama(path))
+    tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t in ("<|eot_id|>", "<end_of_turn>", "<|end|>")])  # ids 258, 259, 260
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": eos_token}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    return path
+
+
+@pytest.mark.parametrize("template,eos_token,generation_eos,want", [
+    # ChatML (Qwen2.5): config.json's eos 2, the tokenizer's <|im_end|> 257, generation_config's extra 7
+    (model_fixtures.CHATML, "<|im_end|>", [2, 7], (2, 7, 257)),
+    # Llama 3 instruct: eos_token <|end_of_text|>-like (here 2), the template's <|eot_id|> stops too
+    ("{% for m in messages %}{{ m['content'] + '<|eot_id|>' }}{% endfor %}", "<|im_start|>", None, (2, 256, 258)),
+    # Gemma: <end_of_turn> from the template; Phi-3: <|end|>; a marker absent from the template is not a stop
+    ("{% for m in messages %}{{ m['content'] + '<end_of_turn>\n' }}{% endfor %}", "<|im_start|>", 2, (2, 256, 259)),
+    ("{% for m in messages %}{{ m['content'] + '<|end|>\n' }}{% endfor %}", "<|im_start|>", 2, (2, 256, 260)),
+])
+def test_end_of_turn_tokens_stop_generation(tmp_path: Path, template: str, eos_token: str, generation_eos: Any,
+                                            want: tuple[int, ...]) -> None:
+    from graphmesh.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_checkpoint(open_checkpoint(_chat_dir(tmp_path / "m", template, eos_token, generation_eos)))
+    assert tok.eos_token_ids == want

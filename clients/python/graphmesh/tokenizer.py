@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from datetime import datetime
 from functools import cache
 from pathlib import Path
@@ -78,6 +79,26 @@ def _token_text(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+# End-of-turn markers that chat templates write after each turn: Llama 3 (<|eot_id|>, and <|eom_id|> after a tool
+# call), ChatML (<|im_end|>: Qwen, SmolLM), Gemma (<end_of_turn>), Phi-3 (<|end|>). A chat model ends its reply
+# with one, and checkpoints often list it only in generation_config.json, or nowhere (GGUF keeps one eos and eot).
+END_OF_TURN = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>")
+
+
+def _ids(value: Any) -> list[int]:
+    """eos_token_id as config files write it: an id, a list of ids, or null."""
+    values = value if isinstance(value, list) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def stop_token_ids(tokenizer: HFTokenizer, chat_template: str | None, eos_token_ids: Sequence[int]) -> tuple[int, ...]:
+    """eos_token_ids, then each end-of-turn marker that the chat template writes and the vocabulary holds as a
+    special token: the ids that end a generation."""
+    specials = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    implied = [specials[m] for m in END_OF_TURN if chat_template and m in chat_template and m in specials]
+    return tuple(dict.fromkeys([*eos_token_ids, *implied]))
+
+
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, special: dict[str, str | None],
                  eos_token_ids: tuple[int, ...], add_bos: bool = False) -> None:
@@ -106,7 +127,8 @@ class Tokenizer:
                 ("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding"))}
             special = {k: tokens[i] if i is not None else None for k, i in ids.items()}
             eos = ckpt.config.eos_token_ids if ckpt.config else ()
-            return cls(tok, meta.get("tokenizer.chat_template"), special, eos, add_bos)
+            template = meta.get("tokenizer.chat_template")
+            return cls(tok, template, special, stop_token_ids(tok, template, eos), add_bos)
         if ckpt.format == "hf":
             return cls.from_hf_dir(ckpt.path, ckpt.config.eos_token_ids if ckpt.config else ())
         raise NotFound(f"{ckpt.path}: a bare .safetensors file carries no tokenizer", "TOKENIZER_NOT_FOUND")
@@ -122,11 +144,15 @@ class Tokenizer:
         template_file = path / "chat_template.jinja"
         template = template_file.read_text() if template_file.exists() else config.get("chat_template")
         special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        if not eos_token_ids and special["eos_token"] is not None:
-            eos_id = tok.token_to_id(special["eos_token"])
-            eos_token_ids = () if eos_id is None else (eos_id,)
+        # Every source of eos the checkpoint has: config.json's (given), generation_config.json's (what transformers'
+        # generate stops on; Llama 3 and Qwen2.5 instruct list their end-of-turn token there), the tokenizer's.
+        generation_file = path / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.exists() else {}
+        eos_id = tok.token_to_id(special["eos_token"]) if special["eos_token"] is not None else None
+        eos = [*eos_token_ids, *_ids(generation.get("eos_token_id")), *_ids(eos_id)]
+        template = template if isinstance(template, str) else None
         # tokenizer.json's own post-processor already adds BOS where the model wants it.
-        return cls(tok, template if isinstance(template, str) else None, special, eos_token_ids)
+        return cls(tok, template, special, stop_token_ids(tok, template, eos))
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self.backend.encode(text).ids
