@@ -11,6 +11,10 @@ The synchronous servicers and interceptors of the mesh (grpc.ServerInterceptor, 
 in the pool with a `SyncContext` that gives the grpc.ServicerContext interface over the call's aio context.
 Async behaviors get the identity checks (`gates`) on the loop and count against admission themselves, per unit
 of work (ModelStreamInfer admits each request it reads, not the stream).
+
+A synchronous streaming behavior whose context has `yields_waits` may yield a `Wait` instead of blocking (a
+Generate waiting for its next token, or for KV cache): its thread goes back to the pool, and the call asks for
+its next response once the Wait is woken. So thousands of waiting streams hold no thread each.
 """
 
 from __future__ import annotations
@@ -43,6 +47,71 @@ class _Undecodable:
         self.error = error
 
 
+class Wait:
+    """What a synchronous stream yields instead of blocking (where its context's `yields_waits` is True, or under
+    aiterate): its server asks for the next item once wake() was called (from any thread) or `timeout_s` passed,
+    whichever comes first; the stream then checks again whatever it waits for. Arm whatever calls wake() before
+    checking the condition, so that a wake-up between the check and the yield is not lost."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._woken = False
+        self._callback: Callable[[], None] | None = None
+
+    def wake(self) -> None:
+        with self._lock:
+            self._woken, callback = True, self._callback
+        if callback is not None:
+            callback()
+
+    async def wait(self) -> None:
+        """On the event loop: returns once woken, or after timeout_s."""
+        loop, event = asyncio.get_running_loop(), asyncio.Event()
+
+        def woken() -> None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the loop closed: nobody waits any more
+                pass
+        with self._lock:
+            if self._woken:
+                return
+            self._callback = woken
+        try:
+            await asyncio.wait_for(event.wait(), self.timeout_s)
+        except TimeoutError:
+            pass
+
+
+async def aiterate(pool: futures.Executor, make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
+    """The items of the synchronous iterator `make()` returns, each computed on `pool`, its Waits awaited on the loop
+    (none is yielded): a stream that mostly waits holds a thread only while its code runs. When the consumer stops
+    early (or is cancelled), the iterator is closed on the pool once its item in progress, if any, is done (closing
+    a generator while it runs would fail)."""
+    work: futures.Future[Any] | None = None
+    items: Iterator[Any] | None = None
+    try:
+        work = pool.submit(make)
+        items = it = await asyncio.wrap_future(work)
+        while True:
+            work = pool.submit(next, it, _END)
+            item = await asyncio.wrap_future(work)
+            if item is _END:
+                return
+            if isinstance(item, Wait):
+                await item.wait()
+                continue
+            yield item
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            if work is None or work.done():
+                pool.submit(close)
+            else:
+                work.add_done_callback(lambda _: pool.submit(close))
+
+
 class _Aborted(Exception):
     """Raised in a pool thread by SyncContext.abort; the loop side sends the status (aio's abort is a coroutine)."""
 
@@ -52,6 +121,8 @@ class SyncContext:
 
     Getters read the aio context directly; what would change the call (abort, codes, trailing metadata) is
     recorded here and applied by the loop side when the behavior returns or raises."""
+
+    yields_waits = True  # a streaming behavior may yield Wait instead of blocking (the module's docstring)
 
     def __init__(self, context: grpc.aio.ServicerContext[Any, Any], loop: asyncio.AbstractEventLoop) -> None:
         self._context, self._loop = context, loop
@@ -283,6 +354,9 @@ class _Bridge(grpc.aio.ServerInterceptor):
                         item = await asyncio.wrap_future(work)
                         if item is _END:
                             break
+                        if isinstance(item, Wait):  # the behavior waits: no thread is held meanwhile
+                            await item.wait()
+                            continue
                         yield item
                 except _Aborted:
                     sync.finish()

@@ -26,6 +26,7 @@ import logging
 import math
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -112,6 +113,14 @@ class Sequence:
     context: telemetry.Context | None = None  # the trace context of the request (its steps join its trace)
     links: list[bytes] = field(default_factory=list)  # chain links of its whole blocks committed on every rank
     encoded: Encoded | None = None  # its encoder input, when its prompt has placeholders
+    # Called (from a scheduler thread) after outputs or an error were put on `events`: a reader that waits without
+    # a thread of its own (an asynchronous stream) is woken by it instead of blocking on the queue.
+    waker: Callable[[], None] | None = None
+
+    def wake(self) -> None:
+        waker = self.waker
+        if waker is not None:
+            waker()
 
 
 @dataclass
@@ -444,6 +453,8 @@ class Scheduler:
     def _flush(s: Sequence) -> None:
         for out in s.outbox:
             s.events.put(out)
+        if s.outbox:
+            s.wake()
         s.outbox.clear()
 
     def _execute(self, step: list[_Row], decode_steps: int, incarnation: int,
@@ -533,6 +544,7 @@ class Scheduler:
                 s.done = True
                 self._flush(s)
                 s.events.put(error)
+                s.wake()
                 self._drop(s)
             self._in_flight -= 1
             self._cond.notify_all()
@@ -543,6 +555,7 @@ class Scheduler:
                 r.seq.busy, r.seq.done = False, True
                 self._flush(r.seq)
                 r.seq.events.put(error)
+                r.seq.wake()
                 self._drop(r.seq)
             self._in_flight -= 1
             self._cond.notify_all()
