@@ -26,6 +26,8 @@ A mesh service's own channels (`channel()`) carry its mesh token, so callers ins
 Admission. At most --max-concurrent-rpcs calls run at once (default: the service's handler threads);
 beyond that a call gets RESOURCE_EXHAUSTED at once instead of queueing. The thread pool has HEADROOM
 threads more than that limit, so health checks (never counted) and refusals always find a thread.
+Generation streams (QUEUED) are not counted: the coordinator queues them itself, bounded by its
+--max-waiting-requests, and a queued stream holds no thread (aio_serving.Wait).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerRefl
 # Never counted by admission control: a probe must get its answer however loaded the service is. Watch is a
 # stream that lives as long as its client, so it is counted like any other call.
 UNCOUNTED = frozenset({"/grpc.health.v1.Health/Check"})
+# Not counted either: the serving code queues these itself, in order, with a bound of its own (the coordinator's
+# --max-waiting-requests), and they hold no thread while they wait. Counting them refused the 65th concurrent
+# Generate of a coordinator whose KV cache had room for far more.
+QUEUED = frozenset({"/graphmesh.v1.CoordinatorService/Generate"})
 HEADROOM = 8  # handler threads beyond the admission limit, for health checks and refusals
 
 MESH_TOKEN_KEY = "x-graphmesh-mesh-token"
@@ -289,7 +295,8 @@ class MeshRoles(grpc.ServerInterceptor):
 
 
 class Admission(grpc.ServerInterceptor):
-    """At most `limit` calls at once (health checks aside); the next gets RESOURCE_EXHAUSTED at once. A slot is
+    """At most `limit` calls at once (health checks and QUEUED generation aside); the next gets RESOURCE_EXHAUSTED
+    at once. A slot is
     taken when the handler starts and given back when the call ends however it ends (done, failed, cancelled),
     so an idle stream holds its slot exactly as long as it is open."""
 
@@ -317,7 +324,7 @@ class Admission(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Continuation, details: grpc.HandlerCallDetails) -> Handler | None:
         handler = continuation(details)
-        if details.method in UNCOUNTED:
+        if details.method in UNCOUNTED or details.method in QUEUED:
             return handler
 
         def around(behavior: Behavior, streaming: bool) -> Behavior:
@@ -639,7 +646,10 @@ def add_arguments(parser: argparse.ArgumentParser, auth_token: bool = False, exe
     parser.add_argument("--allow-insecure-remote", action="store_true",
                         help="listen beyond loopback even with no credentials configured (anyone may call)")
     parser.add_argument("--max-concurrent-rpcs", type=int, default=0,
-                        help="calls served at once; more get RESOURCE_EXHAUSTED (default: the handler threads)")
+                        help="calls served at once on handler threads; more get RESOURCE_EXHAUSTED (default: the "
+                             "handler threads). Health checks never count; on the coordinator neither do generation "
+                             "requests (Generate, KServe text inference, the HTTP API), which queue instead, up to "
+                             "--max-waiting-requests")
     if auth_token:
         parser.add_argument("--auth-token-file", default="", help="file holding the bearer token clients must send")
     if executor_service:

@@ -13,14 +13,16 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 from prometheus_client import Counter, Histogram
 
 from graphmesh import telemetry
-from graphmesh.errors import Cancelled, InvalidArgument
+from graphmesh.aio_serving import Wait
+from graphmesh.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
 from graphmesh.models.config import EncoderConfig
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import stage_pb2
@@ -161,11 +163,24 @@ def _validate_encoder_input(request: GenerationRequest, encoder: EncoderConfig |
                               {"parameter": "encoder_input"})
 
 
+def _not_ready(waited_s: float) -> Unavailable:
+    return Unavailable(f"the mesh has not been ready for {waited_s:.0f} s (starting or recovering)", "MESH_NOT_READY")
+
+
 def _logprob(token: int, row: stage_pb2.StepRowResult) -> TokenLogprob:
     return TokenLogprob(token, row.logprob, tuple((t.token_id, t.logprob) for t in row.top_logprobs))
 
 
 CLIENT_POLL_S = 0.2  # how often a session waiting for its next token checks that its client is still there
+READY_POLL_S = 0.25  # how often a request waiting (without a thread) for a recovering mesh looks again
+# Generation requests that may wait for their first token (for the mesh, for KV cache, in prefill) at once; more get
+# RESOURCE_EXHAUSTED. A waiting request costs its prompt and its call's buffers (kilobytes), no thread: the bound
+# caps memory and how long the queue can take, not concurrency. vLLM queues without bound; this is the same order.
+DEFAULT_MAX_WAITING = 4096
+
+
+def _gone(seq: SchedulerSequence) -> Cancelled:
+    return Cancelled(f"the client of session {seq.session.session_id} went away", "CLIENT_GONE")
 
 
 def _next_events(seq: SchedulerSequence, alive: Callable[[], bool] | None) -> list[Output | BaseException]:
@@ -178,8 +193,13 @@ def _next_events(seq: SchedulerSequence, alive: Callable[[], bool] | None) -> li
             break
         except queue.Empty:
             if alive is not None and not alive():
-                raise Cancelled(f"the client of session {seq.session.session_id} went away", "CLIENT_GONE") from None
-    while not isinstance(events[-1], BaseException):
+                raise _gone(seq) from None
+    return _behind(seq, events)
+
+
+def _behind(seq: SchedulerSequence, events: list[Output | BaseException]) -> list[Output | BaseException]:
+    """`events` and every output already queued behind them (up to an error, which ends them)."""
+    while not events or not isinstance(events[-1], BaseException):
         try:
             events.append(seq.events.get_nowait())
         except queue.Empty:
@@ -189,20 +209,87 @@ def _next_events(seq: SchedulerSequence, alive: Callable[[], bool] | None) -> li
 
 class Generator:
     def __init__(self, mesh: Mesh, tokenizer: Tokenizer | None, eos_token_ids: Sequence[int], context_tokens: int,
-                 scheduler: Scheduler | None = None) -> None:
+                 scheduler: Scheduler | None = None, max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+        if max_waiting < 1:
+            raise InvalidArgument(f"--max-waiting-requests must be >= 1, got {max_waiting}", "BAD_LIMIT")
         self.mesh, self.tokenizer = mesh, tokenizer
         self.scheduler = scheduler or Scheduler(mesh)
         self.eos = frozenset(eos_token_ids)
         self.context_tokens = context_tokens
+        self.max_waiting = max_waiting
+        self.waiting = 0  # requests without their first output yet (for the mesh, for KV cache, in prefill)
+        self.queue_full = 0  # requests refused because `max_waiting` already waited (a metric)
         self.sessions: dict[str, SessionInfo] = {}
         self._lock = threading.Lock()
 
-    def generate(self, request: GenerationRequest, session_id: str = "",
-                 alive: Callable[[], bool] | None = None) -> collections.abc.Generator[Event, None, None]:
-        """The session's events. `alive` (the call's is_active): a client that leaves while no token comes (a long
-        prefill, a wait for admission) ends its session within CLIENT_POLL_S, its chunks unscheduled on every
-        stage, instead of when the next token would have come."""
+    def generate(self, request: GenerationRequest, session_id: str = "", alive: Callable[[], bool] | None = None,
+                 ready_wait_s: float = 0.0) -> collections.abc.Generator[Event, None, None]:
+        """The session's events, blocking while none is ready. `alive` (the call's is_active): a client that leaves
+        while no token comes (a long prefill, a wait for admission) ends its session within CLIENT_POLL_S, its
+        chunks unscheduled on every stage, instead of when the next token would have come. ready_wait_s: how long
+        to wait out a mesh that is not ready (starting, recovering) before UNAVAILABLE; 0: do not wait."""
+        return cast(collections.abc.Generator[Event, None, None],
+                    self._generate(request, session_id, alive, ready_wait_s, waits=False))
+
+    def generate_waiting(self, request: GenerationRequest, session_id: str = "", alive: Callable[[], bool] | None = None,
+                         ready_wait_s: float = 0.0) -> collections.abc.Generator[Event | Wait, None, None]:
+        """generate(), yielding a Wait (aio_serving) where it would block: for a server that gives the thread back
+        meanwhile (AioServer's streams, aiterate), so that thousands of queued requests hold no thread each."""
+        return self._generate(request, session_id, alive, ready_wait_s, waits=True)
+
+    def _admit(self) -> None:
+        with self._lock:
+            if self.waiting >= self.max_waiting:
+                self.queue_full += 1
+                raise ResourceExhausted(f"the waiting queue is full: {self.max_waiting} generation requests already "
+                                        "wait for the mesh or for KV cache (--max-waiting-requests); retry later",
+                                        "QUEUE_FULL", {"limit": str(self.max_waiting)})
+            self.waiting += 1
+
+    def _started(self) -> None:
+        with self._lock:
+            self.waiting -= 1
+
+    def _wait_ready(self, ready_wait_s: float, alive: Callable[[], bool] | None,
+                    waits: bool) -> Iterator[Wait]:
+        """Waits out a mesh that is not ready (a recovery delays a request rather than refusing it)."""
+        if self.mesh.ready:
+            return
+        if not waits:
+            if not self.mesh.wait_ready(ready_wait_s):
+                raise _not_ready(ready_wait_s)
+            return
+        deadline = time.monotonic() + ready_wait_s
+        while not self.mesh.ready:
+            if time.monotonic() >= deadline:
+                raise _not_ready(ready_wait_s)
+            if alive is not None and not alive():
+                raise Cancelled("the client went away while the mesh was not ready", "CLIENT_GONE")
+            yield Wait(READY_POLL_S)  # polled: nothing signals readiness to a waiter without a thread
+
+    def _generate(self, request: GenerationRequest, session_id: str, alive: Callable[[], bool] | None,
+                  ready_wait_s: float, waits: bool) -> collections.abc.Generator[Event | Wait, None, None]:
         validate(request, self.context_tokens, self.mesh.config.vocab_size, self.mesh.config.encoder)
+        self._admit()
+        counted = True  # in `waiting` until its first output, or its end
+        session: collections.abc.Generator[Event | Wait, None, None] | None = None
+        try:
+            if ready_wait_s > 0:
+                yield from self._wait_ready(ready_wait_s, alive, waits)
+            session = self._session(request, session_id, alive, waits)
+            for item in session:
+                if counted and isinstance(item, Event):
+                    counted = False
+                    self._started()
+                yield item
+        finally:
+            if session is not None:
+                session.close()  # now, not when collected: its end releases the session's KV
+            if counted:
+                self._started()
+
+    def _session(self, request: GenerationRequest, session_id: str, alive: Callable[[], bool] | None,
+                 waits: bool) -> collections.abc.Generator[Event | Wait, None, None]:
         session = SessionInfo(session_id or uuid.uuid4().hex)
         resumed = list(request.resume_ids)
         total = min(request.max_tokens, self.context_tokens - len(request.prompt_ids))
@@ -231,7 +318,17 @@ class Generator:
                 self.scheduler.submit(seq)
                 step = 0
                 while step < budget:
-                    outs = _next_events(seq, alive)
+                    if waits:
+                        wait = Wait(CLIENT_POLL_S)
+                        seq.waker = wait.wake  # before looking: an output put after the look wakes it
+                        outs = _behind(seq, [])
+                        if not outs:
+                            if alive is not None and not alive():
+                                raise _gone(seq)
+                            yield wait
+                            continue
+                    else:
+                        outs = _next_events(seq, alive)
                     now = time.perf_counter()
                     first, tokens, text, logprobs, finish = step == 0, [], "", [], ""
                     error: BaseException | None = None

@@ -5,9 +5,11 @@ GET /v1/models, /health (200 only while the mesh can serve) and /metrics (every 
 Requests are checked the way Generate checks them (generation.validate); errors come back in OpenAI's JSON shape,
 with the status a client library retries on (429, 503) or does not (400, 401, 404).
 
-FastAPI serves on uvicorn's event loop in a thread of its own. The Generator blocks (each session waits on its
-scheduler queue), so every choice of a request generates on a thread of its own and hands its events to the loop;
-when a client goes away the choice's thread closes its session at the next token, which releases its KV.
+FastAPI serves on uvicorn's event loop in a thread of its own. Every choice of a request is a task there that runs
+the Generator's code on a small pool only while it computes (aiterate), so a request waiting for the mesh, for KV
+cache or for its tokens holds no thread; when a client goes away its tasks are cancelled, which ends their sessions
+and releases their KV. Requests are never refused for load: they queue with the gRPC ones, and get 429 only past
+--max-waiting-requests.
 Extensions to OpenAI's parameters, as vLLM names them: top_k and ignore_eos.
 """
 
@@ -24,12 +26,12 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import anyio.to_thread
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,11 +42,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graphmesh import telemetry
+from graphmesh.aio_serving import Wait, aiterate
 from graphmesh.errors import (
     GraphmeshError,
     Internal,
     NotFound,
-    ResourceExhausted,
     Unauthenticated,
     Unavailable,
 )
@@ -70,6 +72,7 @@ MAX_STOP = 16  # stop strings
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _SEED_MASK = (1 << 64) - 1
 _DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
+HTTP_WORKERS = 16
 MAX_BODY_BYTES = 64 << 20  # FastAPI reads a whole body before anything checks it: bigger ones are refused first
 
 # gRPC code name -> (HTTP status, OpenAI error type). RESOURCE_EXHAUSTED is 429 (retry later) except for a request
@@ -278,63 +281,48 @@ class _Choice:
 
 
 class _Sessions:
-    """The sessions of one request, each generated on a thread of its own (the Generator blocks); their events
-    come to the event loop through one queue as (choice index, Event | the error that ended it | None at the end).
-    `on_done` runs when the last thread has ended: the request's admission slot is held exactly that long, even when
-    a stream's body is never iterated (a client gone before the first byte) and so never cancels them."""
+    """The sessions of one request, each an asyncio task on the server's loop; their events come to the request
+    through one queue as (choice index, Event | the error that ended it | None at the end). A session's code runs on
+    `pool` only while it computes (aiterate): one that waits for the mesh, for KV cache or for its tokens holds no
+    thread, so thousands of queued requests cost no thread each."""
 
     def __init__(self, generator: Generator, requests: Sequence[GenerationRequest], span: Span,
-                 on_done: Callable[[], None]) -> None:
-        self.loop = asyncio.get_running_loop()
+                 pool: ThreadPoolExecutor, ready_wait_s: float) -> None:
         self.queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
-        self.cancelled = threading.Event()
-        self.generator, self.span, self._on_done = generator, span, on_done
-        self._live, self._lock = len(requests), threading.Lock()
-        for index, request in enumerate(requests):
-            threading.Thread(target=self._run, args=(index, request), name=f"http-session-{index}", daemon=True).start()
+        self.cancelled = False
+        self.generator, self.span, self.pool, self.ready_wait_s = generator, span, pool, ready_wait_s
+        self._tasks = [asyncio.create_task(self._run(index, request)) for index, request in enumerate(requests)]
 
-    def _run(self, index: int, request: GenerationRequest) -> None:
-        try:
-            with telemetry.use(self.span):  # the Generator's spans and the steps join the request's trace
-                events = self.generator.generate(request, alive=lambda: not self.cancelled.is_set())
-                try:
-                    for event in events:
-                        self._put(index, event)
-                        if self.cancelled.is_set():
-                            return  # closing the generator (below) ends the session: its rows stop, its KV is released
-                        # (while no token comes, a long prefill, the Generator polls `alive` and ends it itself)
-                    self._put(index, None)
-                except Exception as e:
-                    self._put(index, e)
-                finally:
-                    events.close()
-        finally:
-            with self._lock:
-                self._live -= 1
-                last = self._live == 0
-            if last:
-                self._on_done()
+    def _events(self, request: GenerationRequest) -> Iterator[Event | Wait]:
+        with telemetry.use(self.span):  # the Generator's spans and the steps join the request's trace
+            yield from self.generator.generate_waiting(request, alive=lambda: not self.cancelled,
+                                                       ready_wait_s=self.ready_wait_s)
 
-    def _put(self, index: int, item: Event | BaseException | None) -> None:
+    async def _run(self, index: int, request: GenerationRequest) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, item))
-        except RuntimeError:  # the loop is closed: the server is stopping, nobody reads this any more
-            self.cancelled.set()
+            async for event in aiterate(self.pool, lambda: self._events(request)):
+                self.queue.put_nowait((index, event))
+            self.queue.put_nowait((index, None))
+        except Exception as e:
+            self.queue.put_nowait((index, e))
+        # cancelled (cancel()): aiterate closes the session's generator, which ends the session and releases its KV
 
     def cancel(self) -> None:
-        self.cancelled.set()
+        self.cancelled = True
+        for task in self._tasks:
+            task.cancel()
 
 
 # -- the server ----------------------------------------------------------------------------------------------
 class OpenAIServer:
     def __init__(self, generator: Generator, mesh: Mesh, model_name: str, auth_token: str = "",
-                 max_concurrent: int = 64, ready_wait_s: float = 10.0,
+                 ready_wait_s: float = 10.0,
                  leader_gate: Callable[[], None] | None = None) -> None:
         self.generator, self.mesh, self.model_name = generator, mesh, model_name
         self.leader_gate = leader_gate  # raises NOT_LEADER (503 here) on a standby, naming the leader
         self._expected = f"Bearer {auth_token}" if auth_token else ""
-        self._slots = threading.BoundedSemaphore(max_concurrent)
-        self.max_concurrent = max_concurrent
+        # the requests' code while it runs (parsing, tokenizing, detokenizing); none waits on it
+        self._pool = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="http-generate")
         self.ready_wait_s = ready_wait_s
         self.created = int(time.time())
         self.address, self.port = "", 0
@@ -489,10 +477,6 @@ class OpenAIServer:
     async def _serve(self, operation: Literal["chat", "text_completion"], body: ChatCompletionRequest | CompletionRequest,
                      request: Request) -> Response:
         t0 = time.perf_counter()
-        if not self._slots.acquire(blocking=False):
-            raise api_error(ResourceExhausted(f"{self.max_concurrent} requests are in progress; retry later",
-                                              "TOO_MANY_REQUESTS"))
-        owns_slot = True  # until the request's sessions take it over
         response_id = ("chatcmpl-" if operation == "chat" else "cmpl-") + uuid.uuid4().hex
         usage = genai.Usage()
         span = telemetry.start_request_span(genai.span_name(operation, body.model), dict(request.headers),
@@ -500,13 +484,11 @@ class OpenAIServer:
         try:
             if self.leader_gate is not None:
                 self.leader_gate()
-            call = await anyio.to_thread.run_sync(self._parse, operation, body)
-            if not await anyio.to_thread.run_sync(self.mesh.wait_ready, self.ready_wait_s):
-                raise api_error(Unavailable(f"the mesh has not been ready for {self.ready_wait_s:.0f} s "
-                                            "(starting or recovering)", "MESH_NOT_READY"))
+            call = await asyncio.get_running_loop().run_in_executor(self._pool, self._parse, operation, body)
             usage.input_tokens = sum(len(p) for p in call.prompts)
-            sessions = _Sessions(self.generator, call.requests, span, self._slots.release)
-            owns_slot = False
+            # Queued with every other generation (the Generator's --max-waiting-requests: 429 past it), waiting out
+            # a mesh that is not ready for ready_wait_s (503 after)
+            sessions = _Sessions(self.generator, call.requests, span, self._pool, self.ready_wait_s)
             choices = [_Choice(i, len(call.prompts[i // body.n])) for i in range(len(call.requests))]
             try:
                 first = await sessions.queue.get()  # an error before the first token is an HTTP status, not an event
@@ -529,9 +511,6 @@ class OpenAIServer:
         except asyncio.CancelledError:
             self._failed(operation, usage, response_id, span, t0, "cancelled")
             raise
-        finally:
-            if owns_slot:
-                self._slots.release()
 
     def _failed(self, operation: str, usage: genai.Usage, response_id: str, span: Span, t0: float,
                 error_type: str) -> None:

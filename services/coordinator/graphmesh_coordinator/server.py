@@ -28,7 +28,7 @@ from graphmesh.serving import run_until_signalled
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator.election import Election, EtcdState, LeaderMesh, not_leader
-from graphmesh_coordinator.generation import Generator
+from graphmesh_coordinator.generation import DEFAULT_MAX_WAITING, Generator
 from graphmesh_coordinator.kserve import KServeServicer
 from graphmesh_coordinator.openai_api import OpenAIServer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
@@ -51,7 +51,7 @@ class CoordinatorConfig:
     state_dir: str = field(default_factory=lambda: str(default_state_dir()))
     kvstore: str = ""
     split: list[int] = field(default_factory=list)
-    weights: str = "f32"
+    weights: str = "packed"
     startup_timeout_s: float = 60.0
     rpc_timeout_s: float = 60.0
     max_context_tokens: int = 0
@@ -70,6 +70,7 @@ class CoordinatorConfig:
     lease_ttl_s: float = 2.0  # the leader's etcd lease in seconds (etcd rounds it to whole seconds, >= its minimum)
     advertise: str = ""  # the address clients reach this coordinator at, stored in etcd by the leader; "": listen
     min_executors: int = 1  # with etcd: the members (static and registered) a new leader waits for before planning
+    max_waiting_requests: int = DEFAULT_MAX_WAITING  # generation requests that may wait for their first token
 
 
 @dataclass
@@ -124,9 +125,11 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
     scheduler = Scheduler(mesh, config.max_step_tokens, config.max_step_seqs, steps_in_flight=config.steps_in_flight,
                           decode_steps=config.decode_steps)
-    generator = Generator(mesh, tokenizer, eos, context, scheduler)
-    # 64 calls at once (Generate streams hold one each); --max-concurrent-rpcs changes it. Asynchronous: streams
-    # that hold no work (an idle ModelStreamInfer) hold no thread, and health is answered on the event loop.
+    generator = Generator(mesh, tokenizer, eos, context, scheduler, config.max_waiting_requests)
+    # 64 calls at once on handler threads; --max-concurrent-rpcs changes it. Generation is not counted there: it
+    # queues in the Generator (--max-waiting-requests). Asynchronous: streams that hold no work (an idle
+    # ModelStreamInfer, a Generate waiting for KV cache or tokens) hold no thread, and health is answered on the
+    # event loop.
     # Clients that can resume on another coordinator ping their streams (CoordinatorClient: every second) to find a
     # frozen leader, whose connections stay open; without these a server answers such pings with GOAWAY.
     server = config.security.server(64, [("grpc.max_send_message_length", 64 << 20),
@@ -154,8 +157,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
                                      LIVENESS_SERVICE: health_pb2.HealthCheckResponse.SERVING})
     http = None
     if config.http_listen:
-        http = OpenAIServer(generator, mesh, config.model, config.security.auth_token,
-                            config.security.max_concurrent_rpcs or 64, config.http_ready_wait_s, gate)
+        http = OpenAIServer(generator, mesh, config.model, config.security.auth_token, config.http_ready_wait_s, gate)
         http.start(_http_listen(config), config.security.tls)
         log.info("HTTP API", extra={"http_listen": config.http_listen, "port": http.port})
     if config.metrics_port or http is not None:  # the HTTP API serves /metrics too
@@ -166,6 +168,10 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
             ("graphmesh_active_sessions", "gauge", "Generation sessions in progress", lambda: len(generator.sessions)),
             ("graphmesh_running_sessions", "gauge", "Sessions holding KV blocks", lambda: scheduler.running),
             ("graphmesh_waiting_sessions", "gauge", "Sessions waiting for admission", lambda: scheduler.waiting),
+            ("graphmesh_waiting_requests", "gauge", "Generation requests without their first token yet (the queue "
+             "that --max-waiting-requests bounds)", lambda: generator.waiting),
+            ("graphmesh_queue_full_refusals", "counter", "Generation requests refused because the waiting queue "
+             "was full", lambda: generator.queue_full),
             ("graphmesh_kv_blocks_used", "gauge", "KV blocks lent to sessions (every rank)", lambda: scheduler.used_blocks),
             ("graphmesh_kv_blocks_total", "gauge", "KV blocks of the smallest stage pool", lambda: mesh.kv_pool_blocks),
             ("graphmesh_kv_cache_usage_ratio", "gauge", "Share of the KV blocks lent to sessions (0 to 1)",
@@ -278,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
                              "coordinator, else ~/.local/state/graphmesh/coordinator)")
     parser.add_argument("--kvstore", default="")
     parser.add_argument("--split", default="", help="layers per executor, e.g. 15,15 (default: balanced)")
-    parser.add_argument("--weights", default="f32", choices=["f32", "packed", "packed-bf16"])
+    parser.add_argument("--weights", default="packed", choices=["f32", "packed", "packed-bf16"],
+                        help="packed (default): a GGUF's quantized blocks kept packed (on CPUs the same tokens as f32, faster); f32: dequantized; packed-bf16: bf16 activations into them")
     parser.add_argument("--startup-timeout", type=float, default=60.0)
     parser.add_argument("--rpc-timeout", type=float, default=60.0)
     parser.add_argument("--max-context", type=int, default=0, help="cap on tokens per session (0: the model's)")
@@ -303,8 +310,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--http-listen", default="", help="HOST:PORT of the OpenAI-compatible HTTP API (default: off)")
     parser.add_argument("--http-ready-wait", type=float, default=10.0,
                         help="seconds an HTTP request waits for a recovering mesh before a 503")
+    parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
+                        help="generation requests (gRPC Generate, KServe text inference, the HTTP API together) that "
+                             "may wait at once for their first token: for a recovering mesh, for KV cache, in "
+                             "prefill. They wait in order, each holding its prompt and its call's buffers "
+                             "(kilobytes) but no thread; one more gets RESOURCE_EXHAUSTED (HTTP 429, reason "
+                             f"QUEUE_FULL). Not --max-concurrent-rpcs, which counts no generation (default "
+                             f"{DEFAULT_MAX_WAITING})")
     security.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
+    if args.max_waiting_requests < 1:
+        parser.error(f"--max-waiting-requests must be >= 1, not {args.max_waiting_requests}")
     for flag, value in (("--decode-steps", args.decode_steps), ("--max-step-tokens", args.max_step_tokens)):
         if value < 0:  # a negative budget would schedule no step at all: every request would wait forever
             parser.error(f"{flag} must be >= 0 (0: by the executors' devices), not {value}")
@@ -320,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
                                    health_window_s=args.health_window,
                                    etcd=[u for u in args.etcd.split(",") if u], cluster_name=args.cluster_name,
                                    lease_ttl_s=args.lease_ttl, advertise=args.advertise,
-                                   min_executors=args.min_executors)
+                                   min_executors=args.min_executors, max_waiting_requests=args.max_waiting_requests)
         telemetry.serve_metrics(config.metrics_port)
         running = build_server(config)
     except Exception as e:

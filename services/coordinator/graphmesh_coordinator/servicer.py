@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
 from graphmesh import plan as dag
 from graphmesh import tensors
+from graphmesh.aio_serving import Wait
 from graphmesh.errors import FailedPrecondition, GraphmeshError, Internal, InvalidArgument, NotFound, Unavailable
 from graphmesh.protocol import Action
 from graphmesh.security import MESH, ServerSecurity
@@ -65,18 +67,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.security = security or ServerSecurity()
         self.leader_gate = leader_gate
 
-    def _check_model(self, model: str) -> None:
+    def _check_model(self, model: str, wait_ready: bool = True) -> None:
         if self.leader_gate is not None:
             self.leader_gate()
         if model and model != self.model_name:
             raise NotFound(f"unknown model {model!r}; this coordinator serves {self.model_name!r}", "UNKNOWN_MODEL")
-        if not self.mesh.wait_ready(RECOVERY_WAIT_S):
+        if wait_ready and not self.mesh.wait_ready(RECOVERY_WAIT_S):
             raise Unavailable(f"the mesh has not been ready for {RECOVERY_WAIT_S:.0f} s", "MESH_NOT_READY")
 
     def Generate(self, request: coordinator_pb2.GenerateRequest,
-                 context: grpc.ServicerContext) -> Iterator[coordinator_pb2.GenerateResponse]:
+                 context: grpc.ServicerContext) -> Iterator[Any]:  # GenerateResponses, and Waits (an AioServer's)
+        """Not behind the admission limit (security.QUEUED): the Generator queues it (--max-waiting-requests).
+        Served by an AioServer, it yields Waits instead of blocking, so a queued stream holds no thread."""
         try:
-            self._check_model(request.model)
+            self._check_model(request.model, wait_ready=False)  # the Generator waits for the mesh, as queued
             prompt_ids = prompt_token_ids(self.generator.tokenizer, self.model_name, prompt=request.prompt,
                                           raw=request.raw, messages=[(m.role, m.content) for m in request.messages],
                                           token_ids=request.prompt_token_ids,
@@ -87,7 +91,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                     encoder_input=tensors.from_proto(request.encoder_input)
                                     if request.HasField("encoder_input") else None)
             first = True
-            for event in self.generator.generate(gen, alive=context.is_active):
+            events = (self.generator.generate_waiting if getattr(context, "yields_waits", False)
+                      else self.generator.generate)(gen, alive=context.is_active, ready_wait_s=RECOVERY_WAIT_S)
+            for event in events:
+                if isinstance(event, Wait):
+                    yield event
+                    continue
                 yield self._response(event, prompt_ids if first else None)
                 first = False
         except Exception as e:
