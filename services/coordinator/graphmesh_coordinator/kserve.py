@@ -16,16 +16,18 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from importlib import metadata
+from typing import TypeVar
 
 import grpc
 import grpc.aio
 import numpy as np
 
+from graphmesh.aio_serving import Wait, aiterate
 from graphmesh.errors import GraphmeshError, InvalidArgument, NotFound, Unavailable
 from graphmesh.kserve import grpc_service_pb2 as pb
 from graphmesh.kserve import grpc_service_pb2_grpc as pb_grpc
 from graphmesh.security import Admission
-from graphmesh_coordinator.generation import GenerationRequest, Generator
+from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.servicer import RECOVERY_WAIT_S, as_status, prompt_token_ids
 
@@ -33,7 +35,10 @@ MODEL_VERSION = "1"
 TEXT_INPUT, TEXT_OUTPUT, IDS_INPUT, LOGITS_OUTPUT = "text_input", "text_output", "input_ids", "logits"
 DEFAULT_MAX_TOKENS = 64  # as `graphmesh generate`
 FINAL = "triton_final_response"
-STREAM_WORKERS = 32  # requests of all streams generating at once; the mesh bounds invocations in flight anyway
+# Threads for the inference requests' code while it runs (parsing, tokenizing, detokenizing, a logits call): a
+# generation waiting for its tokens holds none, so thousands of queued requests share these.
+STREAM_WORKERS = 32
+T = TypeVar("T")
 
 _LENGTH = struct.Struct("<I")
 _INT32_MAX, _UINT64_MAX = 2**31 - 1, 2**64 - 1
@@ -155,10 +160,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                                         inputs=inputs, outputs=outputs)
 
     def _parse(self, request: pb.ModelInferRequest) -> list[int] | GenerationRequest:
-        """The token ids of a logits request, or the generation a text request asks for."""
+        """The token ids of a logits request, or the generation a text request asks for (the mesh's readiness is
+        waited for later: a generation waits for it queued, without a thread)."""
         self._check_model(request.model_name, request.model_version)
-        if not self.mesh.wait_ready(RECOVERY_WAIT_S):
-            raise Unavailable(f"the mesh has not been ready for {RECOVERY_WAIT_S:.0f} s", "MESH_NOT_READY")
         if len(request.inputs) != 1:
             raise InvalidArgument(f"the request has {len(request.inputs)} inputs; send one: {TEXT_INPUT!r} (BYTES [1]) "
                                   f"or {IDS_INPUT!r} (INT64 [1, n])", "BAD_INPUT_COUNT")
@@ -232,6 +236,8 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     def _logits(self, token_ids: list[int]) -> Output:
+        if not self.mesh.wait_ready(RECOVERY_WAIT_S):
+            raise Unavailable(f"the mesh has not been ready for {RECOVERY_WAIT_S:.0f} s", "MESH_NOT_READY")
         logits = np.ascontiguousarray(self.generator.logits(token_ids), "<f4").reshape(1, -1)  # [1, vocab]
         return Output(LOGITS_OUTPUT, "FP32", list(logits.shape), logits.tobytes())
 
@@ -239,28 +245,52 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def _text_output(text: str) -> Output:
         return Output(TEXT_OUTPUT, "BYTES", [1], pack_bytes([text.encode("utf-8")]))
 
-    def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.ServicerContext) -> pb.ModelInferResponse:
+    def _generation_events(self, call: GenerationRequest, active: Callable[[], bool]) -> Iterator[Event | Wait]:
+        return self.generator.generate_waiting(call, alive=active, ready_wait_s=RECOVERY_WAIT_S)
+
+    async def _admitted(self, work: Callable[[], T]) -> T:
+        """`work` (a logits request: compute, not a queued generation) on the pool, within an admission slot."""
+        if self.admission is not None and not self.admission.enter():
+            raise self.admission.error()
         try:
-            call = self._parse(request)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+        finally:
+            if self.admission is not None:
+                self.admission.leave()
+
+    async def ModelInfer(self, request: pb.ModelInferRequest,
+                         context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
+                         ) -> pb.ModelInferResponse:
+        """Async, on the server's event loop: a text request queues with the other generations (not behind the
+        admission limit) and holds a thread only while its code runs; a logits request is admitted as any call."""
+        try:
+            call = await asyncio.get_running_loop().run_in_executor(self._pool, self._parse, request)
             if not isinstance(call, GenerationRequest):
-                return self._response(request, self._logits(call), {})
+                ids = call
+                return await self._admitted(lambda: self._response(request, self._logits(ids), {}))
             text, finish = "", ""
-            for event in self.generator.generate(call, alive=context.is_active):
+            async for event in aiterate(self._pool, lambda: self._generation_events(call, lambda: not context.done())):
                 text, finish = text + event.text, event.finish_reason or finish
             return self._response(request, self._text_output(text),
                                   {"finish_reason": pb.InferParameter(string_param=finish)})
         except Exception as e:
-            context.abort_with_status(as_status(e))
-            raise
+            status = as_status(e)
+        await context.abort(status.code, status.details, status.trailing_metadata)
+        raise AssertionError("abort returns by raising")
 
-    def _stream(self, request: pb.ModelInferRequest, active: Callable[[], bool]) -> Iterator[pb.ModelInferResponse]:
-        call = self._parse(request)
+    def _logits_response(self, request: pb.ModelInferRequest, token_ids: list[int]) -> pb.ModelInferResponse:
+        return self._response(request, self._logits(token_ids), {FINAL: pb.InferParameter(bool_param=True)})
+
+    async def _stream(self, request: pb.ModelInferRequest,
+                      active: Callable[[], bool]) -> AsyncIterator[pb.ModelInferResponse]:
+        call = await asyncio.get_running_loop().run_in_executor(self._pool, self._parse, request)
         if not isinstance(call, GenerationRequest):
-            yield self._response(request, self._logits(call), {FINAL: pb.InferParameter(bool_param=True)})
+            ids = call
+            yield await self._admitted(lambda: self._logits_response(request, ids))
             return
-        for event in self.generator.generate(call, alive=active):
+        async for event in aiterate(self._pool, lambda: self._generation_events(call, active)):
             if not active():
-                return  # the client left: closing the generator ends the session
+                return  # the client left: closing the iterator ends the session
             final = bool(event.finish_reason)
             if event.text or final:
                 parameters = {FINAL: pb.InferParameter(bool_param=final)}
@@ -276,36 +306,27 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         Async, on the server's event loop: an open stream that sends nothing holds no thread and no admission
         slot (tritonclient keeps one open per client, so counting open streams would let idle clients lock the
-        others out). Each request is admitted on its own, or refused in-band with RESOURCE_EXHAUSTED, and holds a
-        slot and a thread only while it runs."""
-        loop = asyncio.get_running_loop()
+        others out). A text request queues with the other generations (--max-waiting-requests) and a logits request
+        is admitted on its own (--max-concurrent-rpcs); either is refused in-band with RESOURCE_EXHAUSTED past its
+        bound, and holds a thread only while its code runs."""
         out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-
-        def put(response: pb.ModelStreamInferResponse) -> None:  # from the pool's threads
-            loop.call_soon_threadsafe(out.put_nowait, response)
 
         def failed(request: pb.ModelInferRequest, error: Exception) -> pb.ModelStreamInferResponse:
             return pb.ModelStreamInferResponse(error_message=_message(error),
                                                infer_response=pb.ModelInferResponse(id=request.id))
 
-        def serve(request: pb.ModelInferRequest) -> None:
+        async def serve(request: pb.ModelInferRequest) -> None:
             try:
-                for response in self._stream(request, lambda: not context.done()):
-                    put(pb.ModelStreamInferResponse(infer_response=response))
+                async for response in self._stream(request, lambda: not context.done()):
+                    out.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             except Exception as e:
-                put(failed(request, e))
-            finally:
-                if self.admission is not None:
-                    self.admission.leave()
+                out.put_nowait(failed(request, e))
 
         async def read() -> None:
-            running: list[asyncio.Future[None]] = []
+            running: list[asyncio.Task[None]] = []
             try:
                 async for request in request_iterator:
-                    if self.admission is not None and not self.admission.enter():
-                        out.put_nowait(failed(request, self.admission.error()))
-                        continue
-                    running.append(loop.run_in_executor(self._pool, serve, request))
+                    running.append(asyncio.create_task(serve(request)))
             finally:
                 # the client may have cancelled the stream: the running requests see it and stop
                 await asyncio.gather(*running, return_exceptions=True)
