@@ -17,6 +17,8 @@ from typing import Any
 
 import grpc
 
+from graphmesh.serving import cpu_flags
+
 MIB = 1 << 20
 GIB = 1 << 30
 OPTIONS = [("grpc.max_receive_message_length", 64 * MIB), ("grpc.max_send_message_length", 64 * MIB)]
@@ -77,9 +79,19 @@ def git_commit() -> str:
     return head.strip() + ("+dirty" if dirty.strip() else "")
 
 
+def cpu_model() -> str:
+    """lscpu's model name: the figures of one host kind do not carry over to another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
 def machine(load_at_start: tuple[float, float, float], **extra: Any) -> dict[str, Any]:
     """Where and under what load the numbers were taken: other processes on a small machine move them."""
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+    return {"cpus": os.cpu_count(), "cpu": cpu_model(), "cpu_flags": sorted(cpu_flags()),
+            "platform": platform.platform(), "python": platform.python_version(),
             "grpcio": grpc.__version__, "git_commit": git_commit(), "load_average_at_start": list(load_at_start),
             "load_average_at_end": list(os.getloadavg()), **extra}
 

@@ -373,7 +373,7 @@ def test_model_and_plan_reach_the_coordinator_from_the_configmap(rendered: dict[
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--set", "executor.gpu.enabled=true"], "numpy backend runs on the CPU only"),
+        (["--set", "executor.gpu.enabled=true", "--set", "executor.backend=numpy"], "numpy backend runs on the CPU only"),
         (["--set", "tls.enabled=true"], "tls.enabled needs"),
         (["--set", "auth.enabled=true"], "auth.enabled needs"),
         (["--set", "executor.replicaz=3"], "replicaz"),

@@ -40,7 +40,8 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
                                                 "(default: the fastest installed)")
     p.add_argument("--model", default="smollm2-135m", help="bundled model name or checkpoint path")
     p.add_argument("--split", default="", help="layers per executor, e.g. 20,10 (default: balanced)")
-    p.add_argument("--weights", default="f32", choices=["f32", "packed", "packed-bf16"])
+    p.add_argument("--weights", default="packed", choices=["f32", "packed", "packed-bf16"],
+                   help="packed (default): quantized blocks kept packed, the same tokens as f32 and faster on CPUs")
 
 
 def _mesh(args: argparse.Namespace, listen: str = "", http_listen: str = "") -> LocalMesh:

@@ -110,7 +110,7 @@ class LocalMesh:
     backend: str | Sequence[str] = ""
     model: str = "smollm2-135m"
     split: Sequence[int] = ()
-    weights: str = "f32"
+    weights: str = "packed"
     log_dir: str = ""
     state_dir: str = ""
     extra_coordinator_args: Sequence[str] = ()
