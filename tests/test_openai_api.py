@@ -325,14 +325,14 @@ def test_a_mesh_that_cannot_serve_answers_503_a_full_one_429_and_tls_wants_a_cli
     tls = ("--tls-cert", server.cert, "--tls-key", server.key, "--tls-ca", ca.cert)
     context = ssl.create_default_context(cafile=ca.cert)
     context.load_cert_chain(client.cert, client.key)
-    with coordinator_without_a_mesh(tmp_path, *tls, "--http-ready-wait", "2", "--max-concurrent-rpcs", "1") as http:
+    with coordinator_without_a_mesh(tmp_path, *tls, "--http-ready-wait", "2", "--max-waiting-requests", "1") as http:
         url = f"https://{http}/v1/chat/completions"
         assert get(f"https://{http}/health", context)[0] == 503
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         waiting: list[tuple[int, dict[str, Any]]] = []
         first = threading.Thread(target=lambda: waiting.append(post(url, body, None, context)))
         first.start()
-        time.sleep(0.7)  # the first request now holds the one slot, waiting for the mesh
+        time.sleep(0.7)  # the first request now holds the one place in the queue, waiting for the mesh
         status, refused = post(url, body, None, context)
         assert status == 429 and refused["error"]["type"] == "rate_limit_error", refused
         first.join(30)

@@ -1,7 +1,8 @@
 """Overload of the coordinator, against real processes: 256 idle ModelStreamInfer streams (tritonclient keeps one
 open per client) and 200 concurrent Generate calls at once. Health answers within a second throughout, the idle
-streams hold neither a handler thread nor an admission slot, calls beyond --max-concurrent-rpcs get
-RESOURCE_EXHAUSTED at once, and every admitted call completes with the tokens of a solo run."""
+streams hold neither a handler thread nor an admission slot, and every Generate completes with the tokens of a solo
+run: generation queues (--max-waiting-requests) instead of counting against --max-concurrent-rpcs, so a burst of
+several times that limit is served in full, not refused."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from graphmesh.launcher import LocalMesh
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from tests.model_fixtures import make_tiny_llama
 
-LIMIT = 32  # the coordinator's --max-concurrent-rpcs
+LIMIT = 32  # the coordinator's --max-concurrent-rpcs: non-generation calls; GENERATES is several times it
 IDLE_STREAMS = 256
 GENERATES = 200
 MAX_TOKENS = 4
@@ -130,11 +131,9 @@ def test_idle_streams_and_a_burst_leave_health_answering(mesh: LocalMesh) -> Non
     # the idle streams hold no handler thread each (a few for the connections at most)
     assert after - before < 16, f"{IDLE_STREAMS} idle streams took {after - before} threads"
     refused = [r for r in results if isinstance(r, str)]
-    completed = [(i, r) for i, r in enumerate(results) if not isinstance(r, str)]
-    assert set(refused) <= {"RESOURCE_EXHAUSTED"}, set(refused)
-    assert refused, "the burst never exceeded the limit: the test proves nothing"
-    assert len(completed) >= LIMIT  # at least one full round of the limit was admitted while the streams idled
-    assert all(r == solo[i % len(PROMPTS)] for i, r in completed)  # every admitted call completed, unchanged
+    assert not refused, f"{len(refused)} of {GENERATES} calls beyond --max-concurrent-rpcs were refused: {set(refused)}"
+    # every call, LIMIT and the rest queued behind them while the streams idled, completed unchanged
+    assert all(r == solo[i % len(PROMPTS)] for i, r in enumerate(results))
     assert not failures, failures[:5]
     assert latencies and max(latencies) < 1.0, f"health took {max(latencies):.2f} s under load"
     assert _solo(mesh, PROMPTS[0]) == solo[0]  # and the coordinator serves on
@@ -142,9 +141,9 @@ def test_idle_streams_and_a_burst_leave_health_answering(mesh: LocalMesh) -> Non
 
 
 def test_clients_that_leave_mid_stream_give_their_slots_and_sessions_back(mesh: LocalMesh) -> None:
-    """LIMIT Generate streams, each cancelled after its first token: their sessions end and their admission
-    slots come back (a cancelled call's slot waits for its handler thread, it is never lent twice), so a second
-    round of LIMIT calls is admitted in full."""
+    """LIMIT Generate streams, each cancelled after its first token: their sessions end and their places come
+    back (a cancelled call's end waits for its code on the pool, so nothing is given back twice), so a second
+    round of LIMIT calls completes in full."""
     async def leave_early() -> None:
         async with grpc.aio.insecure_channel(mesh.coordinator_address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
@@ -159,7 +158,7 @@ def test_clients_that_leave_mid_stream_give_their_slots_and_sessions_back(mesh: 
     asyncio.run(leave_early())
     deadline = time.monotonic() + 20
     with CoordinatorClient(mesh.coordinator_address, timeout=60) as c:
-        while True:  # Status counts too: refused while the slots are still coming back
+        while True:  # Status is admitted as any non-generation call: refused only past --max-concurrent-rpcs
             try:
                 if not c.status().active_sessions:
                     break
