@@ -25,7 +25,7 @@ A mesh service's own channels (`channel()`) carry its mesh token, so callers ins
 
 Admission. At most --max-concurrent-rpcs calls run at once (default: the service's handler threads);
 beyond that a call gets RESOURCE_EXHAUSTED at once instead of queueing. The thread pool has HEADROOM
-threads more than that limit, so health checks (never counted) and refusals always find a thread.
+threads more than that limit, so health checks and admin calls (UNCOUNTED) and refusals always find a thread.
 Generation streams (QUEUED) are not counted: the coordinator queues them itself, bounded by its
 --max-waiting-requests, and a queued stream holds no thread (aio_serving.Wait).
 """
@@ -65,7 +65,11 @@ OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerRefl
                  "/grpc.reflection.v1.ServerReflection/")
 # Never counted by admission control: a probe must get its answer however loaded the service is. Watch is a
 # stream that lives as long as its client, so it is counted like any other call.
-UNCOUNTED = frozenset({"/grpc.health.v1.Health/Check"})
+UNCOUNTED = frozenset({"/grpc.health.v1.Health/Check",
+                       # admin: an operator must see the coordinator's state whatever its load (quick, read-only)
+                       "/graphmesh.v1.CoordinatorService/Status",
+                       "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                       "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"})
 # Not counted either: the serving code queues these itself, in order, with a bound of its own (the coordinator's
 # --max-waiting-requests), and they hold no thread while they wait. Counting them refused the 65th concurrent
 # Generate of a coordinator whose KV cache had room for far more.
@@ -647,9 +651,9 @@ def add_arguments(parser: argparse.ArgumentParser, auth_token: bool = False, exe
                         help="listen beyond loopback even with no credentials configured (anyone may call)")
     parser.add_argument("--max-concurrent-rpcs", type=int, default=0,
                         help="calls served at once on handler threads; more get RESOURCE_EXHAUSTED (default: the "
-                             "handler threads). Health checks never count; on the coordinator neither do generation "
-                             "requests (Generate, KServe text inference, the HTTP API), which queue instead, up to "
-                             "--max-waiting-requests")
+                             "handler threads). Health checks, reflection and the coordinator's Status never count, "
+                             "nor do its generation requests (Generate, KServe text inference, the HTTP API), which "
+                             "queue instead, up to --max-waiting-requests")
     if auth_token:
         parser.add_argument("--auth-token-file", default="", help="file holding the bearer token clients must send")
     if executor_service:
