@@ -25,7 +25,8 @@ from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import GraphmeshError
 from graphmesh.models.config import ModelConfig
 from graphmesh.v1 import stage_pb2
-from graphmesh_coordinator.pipeline import Mesh
+from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
+from graphmesh_coordinator.scheduler import MAX_ARCH_RETRIES
 from graphmesh_coordinator.state import Decision, DurableState
 from graphmesh_executor import stage as stage_module
 from graphmesh_executor.executable import RngOptions
@@ -34,6 +35,7 @@ from graphmesh_executor.server import ExecutorConfig, build_server
 from graphmesh_executor.stage import Boundary
 from graphmesh_executor.stage_servicer import BoundaryPusher, StageServicer
 from tests.model_fixtures import make_tiny_llama
+from tests.test_scheduler import FakeMesh, FakeRank, run, solo
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 TOKEN = stage_pb2.OUTPUT_KIND_TOKEN
@@ -74,6 +76,66 @@ def test_record_fsyncs_the_log_holding_the_decisions_before_it_returns(tmp_path:
     assert {"session_id": "a", "epoch": 3, "outcome": "COMMITTED"} in lines
     assert {"session_id": "b", "epoch": 5, "outcome": "COMMITTED"} in lines
     state.close()
+
+
+def test_an_incarnation_is_fsynced_with_its_directory_before_it_is_issued(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Guarantee: an incarnation is persisted with fsync before it is used, so a restarted coordinator never issues
+    it twice: the file holding the new number is fsynced, renamed over incarnation.json, and the directory fsynced
+    (the rename durable), all before next_incarnation() returns. Catches: the file's fsync removed from
+    _fsync_write, next_incarnation writing with fsync=False, or the directory's fsync dropped."""
+    state = DurableState(tmp_path)
+    real_fsync, real_replace = os.fsync, os.replace
+    returned = threading.Event()
+    events: list[tuple[str, Path, bytes, bool]] = []  # (fsync | replace, path, a file's bytes, returned already)
+
+    def fsync(fd: int) -> None:
+        path = Path(os.readlink(f"/proc/self/fd/{_fd(fd)}"))
+        events.append(("fsync", path, path.read_bytes() if path.is_file() else b"", returned.is_set()))
+        real_fsync(fd)
+
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        real_replace(src, dst)
+        events.append(("replace", Path(dst).resolve(), b"", returned.is_set()))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    for issued in (1, 2):
+        events.clear()
+        returned.clear()
+        assert state.next_incarnation() == issued
+        returned.set()
+        target = (tmp_path / "incarnation.json").resolve()
+        kinds = [(kind, path) for kind, path, _, _ in events]
+        assert ("replace", target) in kinds, kinds
+        renamed = kinds.index(("replace", target))
+        synced_file = [data for kind, path, data, _ in events[:renamed] if kind == "fsync" and path.is_relative_to(
+            tmp_path.resolve())]
+        assert any(json.loads(data or b"{}").get("incarnation") == issued for data in synced_file), events
+        assert ("fsync", tmp_path.resolve()) in kinds[renamed:], f"the directory was not fsynced after the rename: {kinds}"
+        assert not any(late for _, _, _, late in events)
+    state.close()
+    assert DurableState(tmp_path).incarnation == 2
+
+
+def test_a_decision_appended_after_a_torn_line_survives_the_next_restart(tmp_path: Path) -> None:
+    """Guarantee: a commit fsynced to the decision log is read back after any restart. A crash can leave the last
+    line without its newline (all of its JSON written, the newline not): that line was never acknowledged, and it
+    must be cut away at start, or the next decision is appended onto it and the line they make is unreadable, losing
+    that fsynced commit at the following restart. Catches: the newline check removed from DurableState's reader
+    (the other torn-line test tears inside the JSON, which the JSON parser alone refuses)."""
+    state = DurableState(tmp_path)
+    state.record(Decision("a", 1, "COMMITTED"))
+    state.close()
+    with open(tmp_path / "decisions.jsonl", "a") as f:
+        f.write(json.dumps({"session_id": "b", "epoch": 1, "outcome": "COMMITTED"}))  # the crash: no newline
+    again = DurableState(tmp_path)
+    assert again.outcome("a", 1) == "COMMITTED"
+    again.record(Decision("c", 4, "COMMITTED"))
+    again.close()
+    last = DurableState(tmp_path)
+    assert last.outcome("a", 1) == "COMMITTED" and last.outcome("c", 4) == "COMMITTED"
+    last.close()
 
 
 # -- a mesh of two in-process executors ------------------------------------------------------------------
@@ -228,6 +290,31 @@ def test_a_boundary_bundle_of_the_wrong_dtype_is_refused_on_arrival_over_a_link(
         mesh.state.close()
 
 
+def test_a_boundary_bundle_on_a_route_that_does_not_lead_to_the_rank_is_refused_on_arrival(cluster: Cluster) -> None:
+    """Guarantee: the receiver checks the route of an arriving bundle (the plan's, and ending at this rank) before
+    anything else (CONTRACT: poisoned). Route 0's bundle, with route 0's own schema identity and a good activation,
+    pushed over a link to rank 0, where route 0 does not lead. Catches: the destination check removed from the
+    stage's _breach (the identity and admits() checks pass such a bundle)."""
+    mesh = _mesh(cluster)
+    pusher = BoundaryPusher()
+    try:
+        assert mesh.plan is not None
+        route = mesh.plan.routes[0]
+        wrong = next(r for r in mesh.ranks if r.plan.rank != route.destination_rank)
+        done: Future[Exception | None] = Future()
+        pusher(wrong.plan.address, mesh.incarnation, Boundary(10**6, 0, route.id, {dag.ACTIVATION: np.zeros(
+            (2, HIDDEN), np.float32)}, route.schema.identity), 10.0, done.set_result)
+        error = done.result(timeout=30)
+        assert isinstance(error, GraphmeshError), error
+        assert (error.reason, error.metadata.get("error_class")) == ("SCHEMA_MISMATCH", "CONTRACT"), error
+        assert "does not lead to rank" in error.message
+        status = wrong.stub.Status(stage_pb2.StageServiceStatusRequest(), timeout=10)
+        assert status.state == stage_pb2.AUTHORITY_STATE_POISONED
+    finally:
+        mesh.close()
+        mesh.state.close()
+
+
 def test_each_sampled_token_is_drawn_with_the_seed_of_its_own_position(cluster: Cluster) -> None:
     """Guarantee: sampling is seeded per session and position (stage.seed_for), so a replay draws the same tokens
     and no two positions of a session share a draw. End to end through the mesh: every token a sampled stream gets
@@ -273,3 +360,97 @@ def test_each_sampled_token_is_drawn_with_the_seed_of_its_own_position(cluster: 
 
     assert stream == drawn(lambda p: stage_module.seed_for(7, p))
     assert stream != drawn(lambda p: stage_module.seed_for(7, len(PROMPT)))  # one seed for every position
+
+
+def test_a_rank_undecided_about_a_logged_commit_is_told_committed(cluster: Cluster) -> None:
+    """Guarantee (INDETERMINATE resolution): a rank that ran an epoch but never learned its decision refuses the
+    session until the coordinator sends the outcome its decision log holds; an epoch the log holds committed is
+    committed there, its rows kept. Through Mesh.execute_step's own resolution (_resolve): both ranks hold epoch 1
+    voted, the log holds it committed (its folding step was lost on the way to every rank), and a row that does not
+    fold it arrives. Catches: _resolve sending ABORTED (or anything but the log's outcome); the other tests only
+    resolve epochs the log holds aborted this way."""
+    mesh = _mesh(cluster)
+    try:
+        k = mesh.incarnation
+        greedy = stage_pb2.SamplingParams()
+        mesh.execute_step([_row("s", 1, 0, 0, PROMPT, greedy)], TOKEN, k)
+        mesh.state.record(Decision("s", 1, "COMMITTED"))  # the write-ahead of the step that was lost
+        with pytest.raises(InvocationFailed) as failed:
+            mesh.execute_step([_row("s", 2, 0, 0, PROMPT, greedy)], TOKEN, k)
+        assert failed.value.error_class == "INDETERMINATE"
+        for rank in mesh.ranks:
+            status = next(s for s in rank.stub.Status(stage_pb2.StageServiceStatusRequest(), timeout=10).sessions
+                          if s.session_id == "s")
+            assert (status.phase, status.last_outcome, status.kv_length) == (
+                stage_pb2.SESSION_PHASE_IDLE, stage_pb2.EPOCH_OUTCOME_COMMITTED, len(PROMPT))
+        assert mesh.incarnation == k
+    finally:
+        mesh.close()
+        mesh.state.close()
+
+
+def test_a_step_scheduled_for_a_replaced_roster_fails_as_comm_without_reaching_a_rank(cluster: Cluster) -> None:
+    """Guarantee (stale incarnations): a step scheduled for an incarnation the mesh no longer runs fails as COMM at
+    once, so its sessions are restored and replayed, and no rank is sent it. Catches: the incarnation check removed
+    from Mesh.execute_step (the ranks would be sent the stale step)."""
+    mesh = _mesh(cluster)
+    received: list[int] = []
+    cluster.probe.hook = lambda request: received.append(request.incarnation)
+    try:
+        k = mesh.incarnation
+        with pytest.raises(InvocationFailed) as failed:
+            mesh.execute_step([_row("s", 1, 0, 0, PROMPT, stage_pb2.SamplingParams())], TOKEN, k - 1)
+        assert (failed.value.error_class, failed.value.cause.reason) == ("COMM", "STALE_INCARNATION")
+        assert received == []
+    finally:
+        cluster.probe.hook = None
+        mesh.close()
+        mesh.state.close()
+
+
+# -- ARCH failures retry alone ---------------------------------------------------------------------------
+
+MARK = 999  # a prompt starting with it is the bad session's
+
+
+class OneBadSession(FakeMesh):
+    """test_scheduler's simulated mesh, where one session's rows fail ARCH from its first decode on (every rank rolls
+    the step back, as for an invalid row), a deterministic failure of that session alone. After a few such failures
+    of shared steps it stops failing, so a scheduler that never isolates the row still ends (and the test says why)."""
+
+    GIVE_UP = 4
+
+    def __init__(self) -> None:
+        super().__init__(ranks=2, blocks=64)
+        self.bad: set[str] = set()
+        self.shared_failures = self.solo_failures = 0
+
+    def _begin(self, rank: FakeRank, r: stage_pb2.StepRow, decode_steps: int) -> None:
+        if r.start_position == 0 and r.token_ids and r.token_ids[0] == MARK:
+            self.bad.add(r.session_id)
+        super()._begin(rank, r, decode_steps)
+
+    def _finish(self, ids: list[str]) -> None:
+        super()._finish(ids)
+        fails = any(s in self.bad and self._ranks[0].kv.get(s, 0) > 0 for s in ids) \
+            and self.shared_failures < self.GIVE_UP
+        if fails:
+            self.shared_failures += len(ids) > 1
+            self.solo_failures += len(ids) == 1
+        self.arch_every = 1 if fails else 0  # read by execute_step right after this, under the same lock
+
+
+def test_an_arch_failure_of_a_shared_step_is_retried_alone_and_fails_only_its_own_session() -> None:
+    """Guarantee: a deterministic (ARCH) failure rolls every row of the step back on every rank and each of its
+    sessions is retried alone, so a bad row fails only its own session; the others keep their solo tokens. Catches:
+    the scheduler not marking a failed shared step's sessions solo (the bad row is then retried among the others,
+    failing them again and again; test_scheduler's injected ARCH failures are transient, so a shared retry passed)."""
+    jobs = [([MARK, 5, 6], 8), ([1, 2, 3], 8), ([7, 8], 8), ([9, 10, 11, 12], 8)]
+    mesh = OneBadSession()
+    results = run(mesh, jobs, 64)
+    assert not mesh.violations, mesh.violations[:3]
+    bad, *good = results
+    assert isinstance(bad, InvocationFailed) and bad.error_class == "ARCH", bad
+    assert good == [solo(p, n) for p, n in jobs[1:]]
+    assert mesh.shared_failures <= 1, f"the bad row failed {mesh.shared_failures} shared steps: it was not isolated"
+    assert mesh.solo_failures == 1 + MAX_ARCH_RETRIES
