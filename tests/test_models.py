@@ -18,6 +18,7 @@ from graphmesh.checkpoints import Checkpoint, open_checkpoint
 from graphmesh.errors import InvalidArgument
 from graphmesh.graph import parse
 from graphmesh.models import ModelConfig
+from graphmesh.models.moe import read_param
 from graphmesh.tokenizer import Tokenizer
 from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.executable import Executable
@@ -35,7 +36,7 @@ def load_params(exe: Executable[Any], ckpt: Checkpoint) -> None:
             assert packed is not None, name
             exe.set_param_typed(name, packed[1])
         else:
-            exe.set_param(name, ckpt.tensor(name))
+            exe.set_param(name, read_param(ckpt, name))  # MoE experts: stacked from the checkpoint's
     assert exe.finalize_params() == []
 
 

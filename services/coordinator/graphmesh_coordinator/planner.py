@@ -4,7 +4,8 @@ A stage's decode step is its layers' products (the weight bytes they read, at th
 plus the work that reads no weights: a decoder layer also runs attention, norms and rope, while the head is one
 product. That work is charged to each layer as a fraction of its products' time at 8 rows (a micro-batch of 16
 streams over two stages), measured per weight format; the embedding costs one row per token and is left out:
-balancing on plain parameter bytes would give the first stage far too few layers.
+balancing on plain parameter bytes would give the first stage far too few layers. A sparse-MoE layer (Mixtral,
+Qwen3-MoE) counts the experts a token reads (top_k of n_experts), not all it holds.
 
 - f32: LAYER_EXTRA["f32"] = 0.40 (SmolLM2's first 19 layers, 8 rows, one core: 28.6 ms of products, 11.3 ms of
   the rest). SmolLM2 splits 18+12. While the f32 product read its weights at half the memory's speed, the step was
@@ -49,7 +50,9 @@ LAYER_EXTRA = {"f32": 0.40, "packed": 0.65}
 
 
 def layer_bytes(config: ModelConfig) -> int:
-    return 4 * config.layer_params()
+    """f32 bytes a decoder layer's products read per token, averaged over the layers: a sparse-MoE layer reads
+    its router and top_k of its experts (the stage still holds all of them: ModelConfig.param_bytes)."""
+    return round(sum(4 * config.layer_params(i, active=True) for i in range(config.n_layers)) / config.n_layers)
 
 
 def head_bytes(config: ModelConfig) -> int:

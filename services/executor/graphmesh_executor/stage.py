@@ -43,6 +43,7 @@ from graphmesh.errors import (
 from graphmesh.graph import parse
 from graphmesh.kvkeys import blocks_for
 from graphmesh.models.config import ModelConfig
+from graphmesh.models.moe import read_param
 from graphmesh.protocol import ACTIONS, METADATA_KEY, Action, ErrorClass, ProtocolError
 from graphmesh.serving import available_memory_bytes
 from graphmesh_executor.backends import compile_graph
@@ -396,11 +397,12 @@ class StageRuntime:
         ckpt = open_checkpoint(path)
         every = models.stage_params(config, range(0, config.n_layers), first=True, last=True)
         standby = self._standby
+        available = set(ckpt.names())
         for name, t in every.items():
             if self._standby is not standby:
                 return  # another model was installed meanwhile
             if name not in held and name not in standby:
-                standby[name] = ckpt.tensor(name, t.dtype)
+                standby[name] = read_param(ckpt, name, t.dtype, available)  # MoE experts: stacked
         if self._standby is standby:
             self.standby_ready.set()
         log.info("standby weights read", extra={"params": len(self._standby)})

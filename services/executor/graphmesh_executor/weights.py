@@ -19,6 +19,7 @@ import numpy as np
 from graphmesh import dtypes
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from graphmesh.models.moe import has_param, read_param
 from graphmesh_executor.executable import Executable
 
 log = logging.getLogger("graphmesh.executor")
@@ -57,7 +58,7 @@ def load_params(executable: Executable[Any], target: Path, name_map: Mapping[str
     params = executable.graph.params
     sources = {name: name_map.get(name, name) for name in params}
     missing = [f"{name!r} (as {src!r})" if src != name else repr(name) for name, src in sources.items()
-               if src not in available]
+               if not has_param(src, available)]
     if missing:
         raise NotFound(f"{target.name} has no tensor for param(s) {', '.join(missing)}", "PARAM_NOT_IN_CHECKPOINT",
                        {"path": target.name})
@@ -75,7 +76,7 @@ def load_params(executable: Executable[Any], target: Path, name_map: Mapping[str
                                       "stored in a packed scheme", "NOT_PACKED", {"param": name})
             array = packed[1]
         else:
-            array = ckpt.tensor(src, want.dtype)
+            array = read_param(ckpt, src, want.dtype, available)  # MoE experts: stacked from the checkpoint's
         if tuple(array.shape) != want.shape:
             raise InvalidArgument(f"param {name!r} is declared {list(want.shape)} but {src!r} in {target.name} has "
                                   f"shape {list(array.shape)}", "SHAPE_MISMATCH", {"param": name})

@@ -10,7 +10,13 @@ from graphmesh.errors import InvalidArgument
 from graphmesh.models.rope import rope_from_hf
 
 ARCHS = ("llama", "gpt2")
-LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3", "phi3")  # model_types built by graphmesh.models.llama
+MOE_FAMILY = ("mixtral", "qwen3_moe")  # sparse-MoE model_types, also built by graphmesh.models.llama
+LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3", "phi3", *MOE_FAMILY)  # built by graphmesh.models.llama
+# Config fields of MoE variants graphmesh does not build (shared experts, grouped routing, sparse attention...):
+# refused at start by field and value rather than served wrong.
+MOE_REFUSED = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts", "moe_layer_freq",
+               "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor", "scoring_func",
+               "topk_method", "moe_shared_expert_intermediate_size")
 ENCODER_KEY = "graphmesh_encoder"  # the config.json key of the encoder group
 
 
@@ -44,6 +50,41 @@ def encoder_config(cfg: dict[str, Any]) -> EncoderConfig | None:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The sparse-MoE MLP of some layers (graphmesh.models.moe builds it): a router picks `top_k` of `n_experts`
+    SwiGLU experts per token (softmax, then top-k, then, with norm_topk_prob, renormalised to sum 1)."""
+
+    n_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    layers: tuple[int, ...]  # the sparse layers (global indices); the others keep the dense MLP
+    naming: str  # checkpoint names: "mixtral" (block_sparse_moe.experts.E.w1/w2/w3) | "qwen3_moe" (mlp.experts.E.*)
+
+
+def moe_config(cfg: dict[str, Any], model_type: str) -> MoeConfig | None:
+    """The MoE block of a mixtral / qwen3_moe config.json dict; None for a dense model_type."""
+    if model_type not in MOE_FAMILY:
+        return None
+    # transformers 5 writes num_local_experts for both (num_experts is its alias); Qwen's own files say num_experts
+    n_experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    if not isinstance(n_experts, int) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+        raise InvalidArgument(f"{model_type}: num_experts_per_tok {top_k!r} must be in [1, num_experts "
+                              f"{n_experts!r}]", "BAD_CONFIG")
+    n_layers = cfg["num_hidden_layers"]
+    if model_type == "mixtral":
+        return MoeConfig(n_experts, top_k, cfg["intermediate_size"], True, tuple(range(n_layers)), "mixtral")
+    step = cfg.get("decoder_sparse_step", 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    if not isinstance(step, int) or step < 1:
+        raise InvalidArgument(f"decoder_sparse_step {step!r} must be a positive integer", "BAD_CONFIG")
+    layers = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)  # as Qwen3MoeDecoderLayer
+    return MoeConfig(n_experts, top_k, cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False)), layers,
+                     "qwen3_moe")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str  # "llama" (also Qwen2, Mistral-style) | "gpt2"
     vocab_size: int
@@ -68,8 +109,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"  # gpt2: "gelu_tanh" | "gelu"
     encoder: EncoderConfig | None = None  # llama family only: an encoder group feeding the first stage
+    moe: MoeConfig | None = None  # llama family only: sparse-MoE MLPs in moe.layers
 
     def __post_init__(self) -> None:
+        if self.moe is not None and self.arch != "llama":
+            raise InvalidArgument(f"MoE blocks exist for the llama family only, not {self.arch}", "UNSUPPORTED_MODEL")
         if self.arch not in ARCHS:
             raise InvalidArgument(f"unknown architecture {self.arch!r}; expected one of {ARCHS}", "UNSUPPORTED_MODEL")
         if self.n_heads <= 0 or self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
@@ -96,7 +140,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
         """From the config.json of LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM,
-        Phi3ForCausalLM or GPT2LMHeadModel."""
+        Phi3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM or GPT2LMHeadModel."""
         model_type = cfg.get("model_type", "")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -116,6 +160,10 @@ class ModelConfig:
                        intermediate_size=cfg.get("n_inner") or 4 * hidden, norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
                        tie_word_embeddings=cfg.get("tie_word_embeddings", True), max_position=cfg["n_positions"],
                        bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, hidden_act=acts[act])
+        for key in MOE_REFUSED:
+            if cfg.get(key):
+                raise InvalidArgument(f"{key} {cfg[key]!r} (model_type {model_type!r}) is not supported: graphmesh's "
+                                      f"MoE is {' and '.join(MOE_FAMILY)}'s routed experts only", "UNSUPPORTED_MODEL")
         if model_type not in LLAMA_FAMILY:
             raise InvalidArgument(f"model_type {model_type!r} is not supported; expected one of "
                                   f"{', '.join(LLAMA_FAMILY)} or gpt2", "UNSUPPORTED_MODEL")
@@ -133,8 +181,10 @@ class ModelConfig:
         head_dim = (None if model_type == "phi3" else cfg.get("head_dim")) or cfg["hidden_size"] // heads
         rope = rope_from_hf(cfg, model_type, head_dim, partial_rotary=model_type == "phi3")
         window = cfg.get("sliding_window")
-        # Mistral always applies its window; Phi-3 does where set, which is no window within a shorter context
-        if window is not None and (model_type == "mistral" or (model_type == "phi3" and window < rope.max_position)):
+        # Mistral and Mixtral always apply their window; Phi-3 does where set, which is no window within a shorter
+        # context
+        always = model_type in ("mistral", "mixtral")
+        if window is not None and (always or (model_type == "phi3" and window < rope.max_position)):
             raise InvalidArgument(f"sliding_window {window!r} is not supported: graphmesh has no sliding-window "
                                   f"attention (context {rope.max_position})", "UNSUPPORTED_MODEL")
         return cls(arch="llama", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
@@ -142,24 +192,31 @@ class ModelConfig:
                    head_dim=head_dim, intermediate_size=cfg["intermediate_size"],
                    norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=rope.theta, rotary_dim=rope.rotary_dim,
                    rope_inv_freq=rope.inv_freq, rope_scale=rope.scale, qkv_bias=model_type == "qwen2",
-                   qk_norm=model_type == "qwen3", fused_proj=model_type == "phi3",
+                   qk_norm=model_type in ("qwen3", "qwen3_moe"), fused_proj=model_type == "phi3",
                    tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), max_position=rope.max_position,
-                   bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, encoder=encoder_config(cfg))
+                   bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, encoder=encoder_config(cfg),
+                   moe=moe_config(cfg, model_type))
 
-    def layer_params(self) -> int:
-        """Parameter count of one decoder block."""
+    def layer_params(self, layer: int = 0, active: bool = False) -> int:
+        """Parameter count of decoder block `layer`; with `active`, of what one token reads there (a sparse
+        layer's router and its top_k experts of n_experts)."""
         h, i = self.hidden_size, self.intermediate_size
         if self.arch == "gpt2":
             return 4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
         bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
         qk_norm = 2 * self.head_dim if self.qk_norm else 0
-        return 2 * h + h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h + 3 * h * i + bias + qk_norm
+        if self.moe is not None and layer in self.moe.layers:
+            experts = self.moe.top_k if active else self.moe.n_experts
+            mlp = self.moe.n_experts * h + experts * 3 * h * self.moe.intermediate_size
+        else:
+            mlp = 3 * h * i
+        return 2 * h + h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h + mlp + bias + qk_norm
 
     def param_bytes(self, layers: range) -> int:
         """f32 bytes of the params of a stage over `layers`: the embedding comes with layer 0 and the head
         (final norm + lm_head, counted even when tied: the stage loads it as its own param) with the last layer."""
         h, v = self.hidden_size, self.vocab_size
-        count = len(layers) * self.layer_params()
+        count = sum(self.layer_params(layer) for layer in layers)
         if layers.start == 0:
             count += v * h + (self.max_position * h if self.arch == "gpt2" else 0)
         if layers.stop == self.n_layers:

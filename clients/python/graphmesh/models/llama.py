@@ -1,6 +1,6 @@
 """Llama-family stage graphs (Llama, SmolLM, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norms, Phi-3 with fused
-projections and partial rotary), and the stage I/O contract every
-architecture shares.
+projections and partial rotary; Mixtral and Qwen3-MoE with sparse-MoE MLPs, graphmesh.models.moe), and the stage
+I/O contract every architecture shares.
 
 A stage runs the local layers `layers` (global indices) of the model on S rows. The same builder makes the
 prefill graph (S = bucket) and the decode graph (S = 1). Contract, in order:
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from graphmesh.errors import InvalidArgument
 from graphmesh.graph import GraphBuilder, Value
 from graphmesh.models.config import ModelConfig
+from graphmesh.models.moe import moe_mlp
 from graphmesh.ops import packed_shape
 from graphmesh.v1 import graph_pb2
 
@@ -175,6 +176,8 @@ def _block(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, layer: int, x: 
     attn, k_cache, v_cache = cached_attention(g, c, io, i, q, g.reshape(k, (s, c.kv_dim)), v)
     x = g.add(x, _linear(g, attn, p + "self_attn.o_proj.weight", h, c.q_dim, schemes, precision=precision))
     m = g.rms_norm(x, g.param(p + "post_attention_layernorm.weight", (h,), dt), c.norm_eps)
+    if c.moe is not None and layer in c.moe.layers:  # Mixtral / Qwen3-MoE sparse layer: router, top-k, experts
+        return g.add(x, moe_mlp(g, c, m, layer, dt)), k_cache, v_cache
     if c.fused_proj:  # Phi-3's gate_up_proj: gate rows first, then up
         n = c.intermediate_size
         gate_up = _linear(g, m, p + "mlp.gate_up_proj.weight", 2 * n, h, schemes, precision=precision)
