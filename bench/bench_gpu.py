@@ -75,7 +75,7 @@ def make_model(shape: dict[str, Any], device: str, path: Path) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**shape, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    config = LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=2)
     with torch.device(device):
         model: Any = LlamaForCausalLM(config)

@@ -1,21 +1,27 @@
-"""Serving on a GPU through the real mesh: a random-weight Llama of TinyLlama-1.1B's shape, bf16, over 2 torch
-executors on one CUDA device and a coordinator, driven by concurrent CoordinatorClient streams (ignore_eos).
+"""Serving on a GPU through the real mesh against one compiled process on the same GPU: a random-weight Llama of a
+real shape (`--shape tinyllama`: TinyLlama-1.1B, `llama8b`: Llama-3-8B; `small` for a dry run), bf16, over 1 and 2
+torch executors on one CUDA device and a coordinator, driven by concurrent CoordinatorClient streams (ignore_eos).
 
-Per concurrency: aggregate tokens/s, TTFT and inter-token latency (p50/p99; the gap between streamed chunks, each
-chunk the tokens that were ready together), and the recoveries the mesh went through meanwhile (the incarnation
-must not move: concurrency must never look like a failure). Each stream's greedy tokens are compared with the same
-prompt decoded alone (bf16 batched GEMMs may round differently from a batch of one, so this is reported, not
-asserted). Writes bench/results/gpu_mesh.json (or --out).
+The peer (bench/gpu_peer.py, run first in a process of its own) is gpt-fast style: the same checkpoint, plain model
+code, a static KV cache per batch size, SDPA, the decode step compiled with torch.compile(mode="reduce-overhead");
+its figure is steady decode tok/s at each concurrency. The mesh's is all tokens over the wall time of the level.
 
---transports links,grpc runs the whole table once per way boundaries travel between the executors, one mesh
-after the other in the same run: over boundary links (the default) and over PushBoundary calls (executors
-started with --boundary-link-port off), the peer the links are measured against.
+Per mesh and concurrency: aggregate tokens/s and its ratio to the peer, TTFT and inter-token latency (p50/p99; the
+gap between streamed chunks, each chunk the tokens that were ready together), and the recoveries the mesh went
+through meanwhile (the incarnation must not move: concurrency must never look like a failure). Each stream's
+greedy tokens are compared with the same prompt decoded alone (bf16 batched GEMMs may round differently from a
+batch of one, so this is reported, not asserted; `--dtype f32` makes them comparable).
 
---mps off,on runs it again with NVIDIA's Multi-Process Service (a daemon the benchmark starts and stops): without
-it the two executors' CUDA contexts take the GPU in turns; with it their kernels run side by side.
+`--workload poisson` adds a serving run per mesh: `--requests` requests arriving as a Poisson process at `--rate`
+a second, prompts of 64 to 2,048 tokens and outputs of 32 to 512 drawn uniformly (seeded); it reports TTFT and ITL
+p50/p99, tokens/s and goodput (the tokens of requests whose TTFT was within 2 s and whose ITL p99 within 200 ms,
+per second).
 
-    python bench/bench_gpu_mesh.py                                # on a machine with a GPU
-    python bench/bench_gpu_mesh.py --small --device cpu --concurrency 1,4   # a dry run on a tiny model
+--transports links,grpc runs the whole table once per way boundaries travel between the executors (boundary links,
+the default, or PushBoundary calls). --mps off,on runs it again with NVIDIA's Multi-Process Service.
+
+    python bench/bench_gpu_mesh.py --shape tinyllama --executors 1,2 --concurrency 1,32,128,256
+    python bench/bench_gpu_mesh.py --shape small --device cpu --concurrency 1,4 --no-peer   # a dry run on the CPU
 """
 
 from __future__ import annotations
@@ -75,11 +81,56 @@ def run_level(address: str, prompts: list[list[int]], tokens: int) -> dict[str, 
             "tokens_per_chunk": sum(len(r["ids"]) for r in runs) / sum(r["chunks"] for r in runs)}
 
 
-def run_mesh(a: argparse.Namespace, model: str, transport: str, levels: list[int],
-             prompts: list[list[int]], label: str) -> dict[str, Any]:
+LLAMA8B: dict[str, Any] = {"vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
+                           "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
+                           "rope_theta": 500000.0}
+SHAPES = {"small": SMALL, "tinyllama": TINYLLAMA, "llama8b": LLAMA8B}
+GOOD_TTFT_S, GOOD_ITL_P99_S = 2.0, 0.2  # a request counts toward goodput within both
+
+
+def run_peer(a: argparse.Namespace, model: str, levels: list[int]) -> dict[int, dict[str, Any]]:
+    """The compiled single process's steady decode tok/s per batch size, in a process of its own."""
+    cmd = [sys.executable, str(Path(__file__).with_name("gpu_peer.py")), model, "--batches", ",".join(map(str, levels)),
+           "--prompt-tokens", str(a.prompt_tokens), "--tokens", str(a.tokens), "--dtype", a.dtype,
+           "--device", a.device]
+    progress("== the compiled single process (gpu_peer.py), " + ", ".join(map(str, levels)) + " sequences")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {int(r["batch"]): r for r in rows}
+
+
+def poisson(address: str, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """A serving run: Poisson arrivals, prompt and output lengths drawn uniformly (seeded), as vLLM's serving
+    benchmark drives a server."""
+    rng = np.random.default_rng(1)
+    gaps = rng.exponential(1.0 / a.rate, a.requests)
+    reqs = [(rng.integers(3, vocab, int(rng.integers(64, 2049))).tolist(), int(rng.integers(32, 513)))
+            for _ in range(a.requests)]
+    t0 = time.perf_counter()
+
+    def one(i: int) -> dict[str, Any]:
+        delay = t0 + float(gaps[: i + 1].sum()) - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return stream(address, *reqs[i])
+    with ThreadPoolExecutor(a.requests) as pool:
+        runs = list(pool.map(one, range(a.requests)))
+    wall = max(r["end"] for r in runs) - t0
+    ttfts = [r["ttft"] for r in runs]
+    gaps_all = [g for r in runs for g in r["gaps"]]
+    good = [r for r in runs if r["ttft"] <= GOOD_TTFT_S and (not r["gaps"] or np.percentile(r["gaps"], 99) <= GOOD_ITL_P99_S)]
+    return {"requests": a.requests, "rate": a.rate, "tok_s": sum(len(r["ids"]) for r in runs) / wall,
+            "goodput_tok_s": sum(len(r["ids"]) for r in good) / wall, "good_requests": len(good),
+            "ttft_p50_ms": 1e3 * float(np.percentile(ttfts, 50)), "ttft_p99_ms": 1e3 * float(np.percentile(ttfts, 99)),
+            "itl_p50_ms": 1e3 * float(np.percentile(gaps_all, 50)) if gaps_all else 0.0,
+            "itl_p99_ms": 1e3 * float(np.percentile(gaps_all, 99)) if gaps_all else 0.0}
+
+
+def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, levels: list[int],
+             prompts: list[list[int]], label: str, vocab: int) -> dict[str, Any]:
     """Every concurrency level through one mesh whose executors pass boundaries over `transport`."""
     link_args = [] if transport == "links" else ["--boundary-link-port", "off"]
-    mesh = LocalMesh(a.executors, "torch", model, kvstore=False, startup_timeout_s=600,
+    mesh = LocalMesh(executors, "torch", model, kvstore=False, startup_timeout_s=900,
                      extra_executor_args=["--device", a.device, "--kv-cache-bytes", a.kv_cache_bytes, *link_args],
                      extra_coordinator_args=["--dtype", a.dtype, "--max-step-tokens", "2048",
                                              "--steps-in-flight", str(a.steps_in_flight),
@@ -105,12 +156,16 @@ def run_mesh(a: argparse.Namespace, model: str, transport: str, levels: list[int
                                           ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                                            "tokens_per_chunk")},
                          "same_as_solo": f"{same}/{sum(min(n, len(solo)) for _ in reps)}"})
+        served = None
+        if a.workload == "poisson":
+            progress(f"== {label}: Poisson arrivals, {a.requests} requests at {a.rate}/s")
+            served = poisson(address, a, vocab)
         with CoordinatorClient(address) as client:
             after = client.status().incarnation
     one = float(rows[0]["tok_s"]) if rows and rows[0]["streams"] == 1 else 0.0
     for row in rows:
         row["vs_one_stream"] = float(row["tok_s"]) / one if one else 0.0
-    return {"recoveries": after - before, "rows": rows}
+    return {"recoveries": after - before, "rows": rows, "poisson": served}
 
 
 @contextlib.contextmanager
@@ -143,12 +198,12 @@ def mps_daemon(on: bool) -> Iterator[None]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--small", action="store_true", help="a tiny model (dry run)")
-    p.add_argument("--concurrency", default="1,4,8,16,32,64")
+    p.add_argument("--shape", default="tinyllama", choices=sorted(SHAPES), help="the random model's shape")
+    p.add_argument("--concurrency", default="1,32,128,256")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--executors", type=int, default=2)
+    p.add_argument("--executors", default="1,2", help="comma-separated executor counts, one mesh each")
     p.add_argument("--kv-cache-bytes", default="8Gi")
     p.add_argument("--dtype", default="bf16", help="stage dtype; f32 shows batched == solo tokens without bf16 rounding")
     p.add_argument("--steps-in-flight", type=int, default=0, help="the coordinator's --steps-in-flight (0: one per stage)")
@@ -157,11 +212,19 @@ def main() -> None:
     p.add_argument("--transports", default="links",
                    help="comma-separated: links (boundary links, the default) and/or grpc (PushBoundary calls)")
     p.add_argument("--mps", default="off", help="comma-separated: off and/or on (NVIDIA MPS for the executors)")
+    p.add_argument("--no-peer", action="store_true", help="the meshes only (the peer needs CUDA)")
+    p.add_argument("--peer-from", default="", help="a results file of this lease whose peer rows to reuse (the peer "
+                   "is not run again: a lease's 10-minute calls hold the peer or a mesh or two, not all)")
+    p.add_argument("--workload", default="levels", choices=["levels", "poisson"],
+                   help="poisson: a serving run with Poisson arrivals after the levels, per mesh")
+    p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals a second")
+    p.add_argument("--requests", type=int, default=64, help="requests of the Poisson run")
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu_mesh.json"))
     a = p.parse_args()
     levels = [int(x) for x in a.concurrency.split(",")]
+    counts = [int(x) for x in a.executors.split(",")]
     load = os.getloadavg()
-    shape = SMALL if a.small else TINYLLAMA
+    shape = SHAPES[a.shape]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, shape["vocab_size"], a.prompt_tokens).tolist() for _ in range(max(levels))]
     transports = a.transports.split(",")
@@ -170,28 +233,41 @@ def main() -> None:
     mps = a.mps.split(",")
     if not set(mps) <= {"off", "on"}:
         raise SystemExit(f"--mps takes off and/or on, not {a.mps!r}")
-    by_transport: dict[str, dict[str, Any]] = {}  # by transport, "+mps" where MPS ran
+    runs: dict[str, dict[str, Any]] = {}  # by mesh: executors, transport, "+mps" where MPS ran
+    peer: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        progress(f"== writing a random {('tiny' if a.small else '1.1B')} Llama (bf16) to {tmp}")
-        make_model(shape, "cpu", Path(tmp))
+        progress(f"== writing a random {a.shape} Llama (bf16) to {tmp}")
+        make_model(shape, a.device if a.device.startswith("cuda") else "cpu", Path(tmp))
+        import torch  # the writer's copy on the GPU goes before the peer and the meshes take it
+
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if a.peer_from:
+            peer = {int(r["batch"]): r for r in json.loads(Path(a.peer_from).read_text())["peer"]["rows"]}
+        elif not a.no_peer:
+            peer = run_peer(a, tmp, levels)
         for setting in mps:
             with mps_daemon(setting == "on"):
-                for transport in transports:
-                    name = transport + ("+mps" if setting == "on" else "")
-                    by_transport[name] = run_mesh(a, tmp, transport, levels, prompts, name)
-    cols = ["streams", "tok_s", "vs_one_stream", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-            "tokens_per_chunk", "same_as_solo"]
-    for name, run in by_transport.items():
-        print(f"boundaries over {name.replace('+mps', ' (MPS on)')}:")
+                for n in counts:
+                    for transport in transports:
+                        name = f"{n} executor{'s' if n > 1 else ''}, {transport}" + (", MPS" if setting == "on" else "")
+                        runs[name] = run_mesh(a, tmp, n, transport, levels, prompts, name, shape["vocab_size"])
+    for run in runs.values():
+        for row in run["rows"]:
+            row["peer_tok_s"] = peer[row["streams"]]["tok_s"] if row["streams"] in peer else float("nan")
+            row["x_peer"] = row["tok_s"] / row["peer_tok_s"] if row["streams"] in peer else float("nan")
+    cols = ["streams", "tok_s", "peer_tok_s", "x_peer", "vs_one_stream", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+            "itl_p99_ms", "tokens_per_chunk", "same_as_solo"]
+    for name, run in runs.items():
+        print(f"\n{a.shape}, {a.dtype}, {name}; recoveries during the run: {run['recoveries']}")
         print(table(cols, [[row[c] for c in cols] for row in run["rows"]]))
-        print(f"recoveries during the run: {run['recoveries']}")
-    first = next(iter(by_transport.values()))
-    result = {"benchmark": "gpu_mesh", "machine": machine(load), "model": "random Llama, TinyLlama-1.1B shape" if not
-              a.small else "tiny", "dtype": a.dtype, "executors": a.executors, "device": a.device,
-              "tokens_per_stream": a.tokens, "prompt_tokens": a.prompt_tokens, "repeats": a.repeats,
-              "steps_in_flight": a.steps_in_flight or a.executors, "decode_steps": a.decode_steps,
-              "transport": transports[0], "mps": mps[0] == "on", "recoveries": first["recoveries"], "rows": first["rows"],
-              "transports": by_transport,
+        if run["poisson"]:
+            print("Poisson serving run: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                                      for k, v in run["poisson"].items()))
+    result = {"benchmark": "gpu_mesh", "machine": machine(load), "shape": a.shape, "model": f"random Llama, {a.shape} shape",
+              "dtype": a.dtype, "device": a.device, "tokens_per_stream": a.tokens, "prompt_tokens": a.prompt_tokens,
+              "repeats": a.repeats, "decode_steps": a.decode_steps, "peer": {"kind": "gpu_peer.py: torch.compile("
+              "mode='reduce-overhead'), static KV cache, SDPA", "rows": list(peer.values())}, "meshes": runs,
+              "recoveries": sum(r["recoveries"] for r in runs.values()),
               "env": {k: v for k, v in os.environ.items() if k.startswith(("CUDA", "NCCL", "GRAPHMESH"))}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
