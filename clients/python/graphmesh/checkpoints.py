@@ -3,8 +3,9 @@
 Every tensor is presented under its Hugging Face name and in HF layout (Linear weights [out, in], llama.cpp's
 Q/K row permutation undone, GPT-2 Conv1D weights [in, out]) and read from a memory map, so opening a
 checkpoint costs nothing and a stage reads only its own layers. GGUF Q4_0/Q4_1/Q8_0 weights can also be
-handed out packed, as the raw blocks the dequant_matmul op consumes. No torch or transformers here: the
-executor imports this module.
+handed out packed, as the raw blocks the dequant_matmul op consumes; the other block types read (Q5_0/Q5_1, the
+K-quants Q2_K-Q6_K, BF16) are always dequantized, so a Q4_K_M file served packed keeps its Q4_0/Q4_1/Q8_0 tensors
+packed and holds the rest as floats. No torch or transformers here: the executor imports this module.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from graphmesh.ops import packed_shape
 
 PACKED_SCHEMES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
 _PLAIN_GGML = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64)
+# Block types read by dequantizing to f32 with gguf.quants (llama.cpp's own reference code); the PACKED_SCHEMES
+# ones can also stay packed. Others (IQ*, TQ*, Q8_K ...) are refused when the file is opened, not mid-load.
+_DEQUANTIZED_GGML = (*PACKED_SCHEMES, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1, GGMLQuantizationType.BF16,
+                     GGMLQuantizationType.Q2_K, GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K,
+                     GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 
 _ST_DTYPES: dict[str, np.dtype[Any]] = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": dtypes.to_numpy("bf16"),
@@ -43,6 +49,7 @@ _GGUF_LLAMA = {
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     **{f"blk.{{i}}.attn_{a}.{kind}": f"model.layers.{{i}}.self_attn.{a}_proj.{kind}"
        for a in "qkv" for kind in ("weight", "bias")},
+    **{f"blk.{{i}}.attn_{a}_norm.weight": f"model.layers.{{i}}.self_attn.{a}_norm.weight" for a in "qk"},  # Qwen3
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
     **{f"blk.{{i}}.ffn_{m}.weight": f"model.layers.{{i}}.mlp.{m}_proj.weight" for m in ("gate", "up", "down")},
 }
@@ -58,7 +65,7 @@ _GGUF_GPT2 = {
 _GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # GGUF architectures whose converter permutes Q/K rows for llama.cpp's interleaved rope.
 _PERMUTED_ARCHS = ("llama", "mistral")
-_LLAMA_ARCHS = ("llama", "mistral", "qwen2", "smollm")
+_LLAMA_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm")
 
 
 @dataclass(frozen=True)
@@ -251,15 +258,26 @@ def config_from_gguf(metadata: dict[str, Any], tensors: list[_GgufTensor]) -> Mo
     arch = metadata.get("general.architecture")
     shapes = {t.name: list(t.dims) for t in tensors}  # ggml order: fastest dimension first
     if arch not in (*_LLAMA_ARCHS, "gpt2"):
-        raise InvalidArgument(f"GGUF architecture {arch!r} is not supported", "UNSUPPORTED_MODEL")
+        raise InvalidArgument(f"GGUF general.architecture {arch!r} is not supported; graphmesh reads "
+                              f"{', '.join((*_LLAMA_ARCHS, 'gpt2'))}", "UNSUPPORTED_MODEL")
 
     def key(k: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{k}", default)
+
+    def refuse(k: str, why: str) -> InvalidArgument:
+        return InvalidArgument(f"GGUF {arch}.{k} {key(k)!r} is not supported: {why}", "UNSUPPORTED_MODEL")
 
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     if "token_embd.weight" not in shapes:
         raise InvalidArgument("GGUF file has no token_embd.weight", "BAD_CHECKPOINT")
     head_dim = int(key("attention.key_length") or hidden // heads)
+    # What the llama graph does not have: experts (Mixtral-style llama files), v heads of another width, partial rope
+    if int(key("expert_count") or 0) > 0:
+        raise refuse("expert_count", "graphmesh reads dense GGUF models only")
+    if int(key("attention.value_length") or head_dim) != head_dim:
+        raise refuse("attention.value_length", f"values must be as wide as keys ({head_dim})")
+    if arch != "gpt2" and int(key("rope.dimension_count") or head_dim) != head_dim:
+        raise refuse("rope.dimension_count", f"graphmesh rotates whole {head_dim}-dim heads of {arch}")
     max_position = int(key("context_length", 2048))
     # llama3's scaled frequencies arrive as the rope_freqs tensor (each default frequency's divisor)
     freqs = next((t.data for t in tensors if t.name == "rope_freqs.weight" and t.ggml_type in _GGUF_PLAIN_DTYPES), None)
@@ -277,7 +295,8 @@ def config_from_gguf(metadata: dict[str, Any], tensors: list[_GgufTensor]) -> Mo
         head_dim=head_dim, intermediate_size=int(key("feed_forward_length")),
         norm_eps=float(key("attention.layer_norm_epsilon") if arch == "gpt2" else key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)), rope_inv_freq=inv_freq,
-        qkv_bias="blk.0.attn_q.bias" in shapes, tie_word_embeddings="output.weight" not in shapes,
+        qkv_bias="blk.0.attn_q.bias" in shapes, qk_norm="blk.0.attn_q_norm.weight" in shapes,
+        tie_word_embeddings="output.weight" not in shapes,
         max_position=max_position,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
@@ -299,6 +318,11 @@ def _open_gguf(path: Path) -> Checkpoint:
         raise _bad(path, str(e)) from e
     config = config_from_gguf(metadata, gguf_tensors)
     arch = metadata.get("general.architecture")
+    for t in gguf_tensors:
+        if t.ggml_type not in _GGUF_PLAIN_DTYPES and t.ggml_type not in _DEQUANTIZED_GGML:
+            readable = [q.name for q in (*_PLAIN_GGML, *_DEQUANTIZED_GGML)]
+            raise InvalidArgument(f"GGUF tensor {t.name!r} type {t.ggml_type.name} is not supported; graphmesh reads "
+                                  f"{', '.join(readable)}", "UNSUPPORTED_MODEL")
     table = _GGUF_GPT2 if config.arch == "gpt2" else _GGUF_LLAMA
     tensors: dict[str, _Tensor] = {}
     for t in gguf_tensors:

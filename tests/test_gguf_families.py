@@ -1,0 +1,267 @@
+"""Issue 38's checkpoints: sharded bf16/f16 Hugging Face folders, and GGUF files of the families served from HF
+folders (Llama 3 with rope_freqs, Qwen2, Qwen3 with q/k norms) written in the test as llama.cpp's converter
+writes them, F32 and in a Q4_K_M-style K-quant mix, greedy-decoded through the stage graphs (numpy, torch) and one
+real mesh against transformers.
+
+Reference: transformers f32 holding the weights the GGUF file dequantizes to (for F32 files, the original ones).
+The comparison is then exact up to float rounding: prompt logits within LOGIT_TOL (1e-4) and 20 greedy tokens
+identical, for F32 and K-quant files alike."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import AutoModelForCausalLM
+
+from graphmesh.checkpoints import PACKED_SCHEMES, Checkpoint, open_checkpoint
+from graphmesh.errors import InvalidArgument
+from tests import gguf_fixtures, model_fixtures
+from tests.test_models import BUCKET, CACHE, LOGIT_TOL, NEW_TOKENS, PROMPT_LEN, SPLITS, generate, make_stages
+
+
+def _prompt() -> list[int]:
+    return np.random.default_rng(8).integers(3, model_fixtures.VOCAB, PROMPT_LEN).tolist()
+
+
+def _reference(hf: Any, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        logits = hf(ids).logits[0, -1].numpy()
+        out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return logits, out[0, len(prompt):].tolist()
+
+
+def _hf_with(hf_dir: Path, ckpt: Checkpoint) -> Any:
+    """transformers' model of hf_dir holding the weights `ckpt` reads (a GGUF file's dequantized ones)."""
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    state = hf.state_dict()
+    assert set(state) == set(ckpt.names()) - {"rope_freqs.weight"}
+    hf.load_state_dict({name: torch.from_numpy(np.array(ckpt.tensor(name))) for name in state})
+    return hf
+
+
+# -- 1. sharded safetensors in bf16 / f16 -------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_sharded_half_precision_hf_dir_matches_transformers(dtype: torch.dtype, tmp_path: Path) -> None:
+    """save_pretrained in bf16/f16 across 20 KB shards with model.safetensors.index.json: every tensor read as
+    transformers reads it (upcast to f32), and the served greedy tokens are transformers' on those weights."""
+    src = model_fixtures.make_tiny_qwen3(tmp_path / "src")
+    AutoModelForCausalLM.from_pretrained(src, dtype=dtype).save_pretrained(tmp_path / "half", max_shard_size="20KB")
+    path = tmp_path / "half"
+    assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) > 5
+    ckpt = open_checkpoint(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    for name, v in hf.state_dict().items():
+        np.testing.assert_array_equal(ckpt.tensor(name), v.numpy(), err_msg=name)
+    config = ckpt.config
+    assert config is not None and config.qk_norm
+    prompt = _prompt()
+    want_logits, want = _reference(hf, prompt)
+    logits, tokens = generate(make_stages(ckpt, config, SPLITS[2], BUCKET, CACHE), config, prompt, NEW_TOKENS, BUCKET)
+    assert np.abs(logits[0] - want_logits).max() < LOGIT_TOL
+    assert tokens == want
+
+
+# -- 2, 3. GGUF families, F32 and K-quants ------------------------------------------------------------------
+
+def test_k_quantizers_make_blocks_gguf_dequantizes() -> None:
+    """The fixture's Q4_K/Q5_K/Q6_K blocks, read back by gguf-py's dequantize: within half a quantization step of
+    the input (what a correct layout gives; a wrong one is off by whole sub-blocks)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(0.0, 0.05, (8, 512)).astype(np.float32)
+    x[0, :256] = 0.0
+    x[1] = np.abs(x[1])
+    for qtype, levels in ((Q.Q4_K, 15), (Q.Q5_K, 31), (Q.Q6_K, 62)):
+        blocks = gguf_fixtures.quantize(x, qtype)
+        assert blocks.shape == (8, 2 * gguf.GGML_QUANT_SIZES[qtype][1])
+        back = gguf.quants.dequantize(blocks, qtype)
+        assert np.abs(back[0, :256]).max() == 0.0
+        # step = range / levels, after rounding the 6/8-bit scales: allow 0.6 of one step of the whole row's range
+        bound = 0.6 * (x.max(axis=1) - np.minimum(x.min(axis=1), 0)) / levels * (2 if qtype == Q.Q6_K else 1)
+        assert (np.abs(back - x).max(axis=1) <= bound).all(), qtype.name
+
+
+@dataclasses.dataclass
+class GgufCase:
+    name: str
+    hf_dir: Path
+    gguf: Path
+    ckpt: Checkpoint
+    prompt: list[int]
+    logits: np.ndarray
+    tokens: list[int]
+
+
+CASES: dict[str, tuple[Callable[[Path], Path], str, gguf_fixtures.TypePicker]] = {
+    "llama3-f32": (model_fixtures.make_tiny_llama3_rope, "llama", gguf_fixtures.f32_only),
+    "qwen2-f32": (model_fixtures.make_tiny_qwen2, "qwen2", gguf_fixtures.f32_only),
+    "qwen3-f32": (model_fixtures.make_tiny_qwen3, "qwen3", gguf_fixtures.f32_only),
+    "llama3-q4_k_m": (gguf_fixtures.make_wide_llama3, "llama", gguf_fixtures.q4_k_m),
+    "qwen3-q4_k_m": (gguf_fixtures.make_wide_qwen3, "qwen3", gguf_fixtures.q4_k_m),
+}
+
+
+def _make_case(name: str, root: Path) -> GgufCase:
+    make, arch, types = CASES[name]
+    hf_dir = make(root / "hf")
+    path = gguf_fixtures.write_gguf(hf_dir, root / f"{name}.gguf", arch, types)
+    ckpt = open_checkpoint(path)
+    hf = _hf_with(hf_dir, ckpt)
+    if types is gguf_fixtures.f32_only:  # the file holds the very weights: transformers on the HF folder
+        original = open_checkpoint(hf_dir)
+        for n in original.names():
+            np.testing.assert_array_equal(ckpt.tensor(n), original.tensor(n), err_msg=n)
+    prompt = _prompt()
+    logits, tokens = _reference(hf, prompt)
+    if types is not gguf_fixtures.f32_only:  # the quantization matters: the reference must be on its weights
+        plain = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+        assert np.abs(_reference(plain, prompt)[0] - logits).max() > 100 * LOGIT_TOL
+    return GgufCase(name, hf_dir, path, ckpt, prompt, logits, tokens)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> GgufCase:
+    return _make_case(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_gguf_config_is_the_hf_config(case: GgufCase) -> None:
+    """What config_from_gguf reads is what the HF folder says (llama3's frequencies through rope_freqs, to f32)."""
+    g, h = case.ckpt.config, open_checkpoint(case.hf_dir).config
+    assert g is not None and h is not None
+    same = ("arch", "vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
+            "rope_theta", "qkv_bias", "qk_norm", "tie_word_embeddings", "bos_token_id", "eos_token_ids", "hidden_act")
+    assert {f: getattr(g, f) for f in same} == {f: getattr(h, f) for f in same}
+    assert g.norm_eps == pytest.approx(h.norm_eps)
+    assert len(g.rope_inv_freq) == len(h.rope_inv_freq)
+    np.testing.assert_allclose(g.rope_inv_freq, h.rope_inv_freq, rtol=1e-6)
+    types = {t.tensor_type for t in gguf.GGUFReader(case.gguf).tensors}
+    if case.name.endswith("q4_k_m"):
+        assert {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.F32} <= types
+    else:
+        assert types == {Q.F32}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_gguf_greedy_matches_transformers(case: GgufCase, backend: str) -> None:
+    """Prompt logits within 1e-4 and 20 greedy tokens identical to transformers on the file's weights, split
+    two ways, with every weight read as f32 (--weights f32)."""
+    config = case.ckpt.config
+    assert config is not None
+    logits, tokens = generate(make_stages(case.ckpt, config, SPLITS[2], BUCKET, CACHE, backend=backend), config,
+                              case.prompt, NEW_TOKENS, BUCKET)
+    assert np.abs(logits[0] - case.logits).max() < LOGIT_TOL
+    assert tokens == case.tokens
+
+
+@pytest.mark.parametrize("name", ["llama3-q4_k_m", "qwen3-q4_k_m"])
+def test_k_quant_served_packed_keeps_its_packed_blocks(name: str, tmp_path: Path) -> None:
+    """--weights packed on a K-quant mix: the Q4_0/Q8_0 tensors stay packed (dequant_matmul), the K-quants are
+    dequantized to f32; same logits and tokens as transformers on the dequantized weights."""
+    c = _make_case(name, tmp_path)
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(c.gguf).tensors}
+    packed = [t for t in types.values() if t in PACKED_SCHEMES]
+    schemes = c.ckpt.packed_schemes()
+    assert types["token_embd.weight"] == Q.Q4_K  # so the tied head of Qwen3 is no packed alias
+    assert len(schemes) == len(packed) > 0 and set(schemes.values()) == {PACKED_SCHEMES[t] for t in packed}
+    config = c.ckpt.config
+    assert config is not None
+    logits, tokens = generate(make_stages(c.ckpt, config, SPLITS[2], BUCKET, CACHE, quantized=True), config,
+                              c.prompt, NEW_TOKENS, BUCKET)
+    assert np.abs(logits[0] - c.logits).max() < LOGIT_TOL
+    assert tokens == c.tokens
+
+
+def test_k_quant_gguf_over_two_executors_matches_transformers(tmp_path: Path) -> None:
+    """The real mesh (coordinator, 2 executor processes, paged engine, --weights packed) on the Llama 3 Q4_K_M-style
+    file: greedy tokens identical to transformers on the dequantized weights."""
+    from graphmesh.coordinator_client import CoordinatorClient
+    from graphmesh.launcher import LocalMesh
+
+    c = _make_case("llama3-q4_k_m", tmp_path)
+    hf = _hf_with(c.hf_dir, c.ckpt)
+    prompt = [5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1]
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    want = out[0, len(prompt):].tolist()
+    with LocalMesh(2, "numpy", str(c.gguf), startup_timeout_s=120, weights="packed",
+                   extra_executor_args=("--kv-cache-bytes", "4Mi")) as mesh:
+        with CoordinatorClient(mesh.coordinator_address) as client:
+            got = [t for chunk in client.generate(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True)
+                   for t in chunk.token_ids]
+    assert got == want
+
+
+# -- what is still refused, at open, by field and value ----------------------------------------------------
+
+def _rewrite(src: Path, dst: Path, arch: str | None = None, extra: dict[str, int] | None = None,
+             retype: tuple[str, Q] | None = None) -> Path:
+    """src's tensors and metadata in a new file: another architecture name, extra integer keys, or one tensor
+    given another type (its bytes replaced by zeros of that type's size)."""
+    reader = gguf.GGUFReader(src)
+    old_arch = str(reader.fields["general.architecture"].contents())
+    new_arch = arch or old_arch
+    w = gguf.GGUFWriter(str(dst), new_arch)
+    replaced = {key.replace("{arch}", new_arch) for key in extra or {}}
+    for key, field in reader.fields.items():
+        name = key.replace(f"{old_arch}.", f"{new_arch}.", 1)
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment") or name in replaced:
+            continue
+        value = field.contents()
+        if isinstance(value, int):
+            w.add_uint32(name, value)
+        elif isinstance(value, float):
+            w.add_float32(name, value)
+    for key, v in (extra or {}).items():
+        w.add_uint32(key.replace("{arch}", new_arch), v)
+    for t in reader.tensors:
+        if retype and t.name == retype[0]:
+            block, size = gguf.GGML_QUANT_SIZES[retype[1]]
+            rows, cols = int(t.shape[1]), int(t.shape[0])
+            w.add_tensor(t.name, np.zeros((rows, cols // block * size), np.uint8), raw_dtype=retype[1])
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def wide_q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("wide")
+    return gguf_fixtures.write_gguf(gguf_fixtures.make_wide_qwen3(root / "hf"), root / "q.gguf", "qwen3",
+                                    gguf_fixtures.q4_k_m)
+
+
+def test_rewritten_file_still_opens(wide_q4_k_m: Path, tmp_path: Path) -> None:
+    """_rewrite itself changes nothing else: the refusals below are the change they make."""
+    same = open_checkpoint(_rewrite(wide_q4_k_m, tmp_path / "same.gguf"))
+    assert same.config == open_checkpoint(wide_q4_k_m).config
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"arch": "gemma2"}, ["general.architecture", "'gemma2'"]),
+    ({"retype": ("blk.0.ffn_up.weight", Q.Q8_K)}, ["'blk.0.ffn_up.weight'", "Q8_K"]),
+    ({"retype": ("blk.0.attn_q.weight", Q.IQ4_NL)}, ["'blk.0.attn_q.weight'", "IQ4_NL"]),
+    ({"extra": {"{arch}.expert_count": 8}}, ["qwen3.expert_count", "8"]),
+    ({"extra": {"{arch}.rope.dimension_count": 16}}, ["qwen3.rope.dimension_count", "16"]),
+    ({"extra": {"{arch}.attention.value_length": 64}}, ["qwen3.attention.value_length", "64"]),
+])
+def test_unsupported_gguf_is_refused_by_field_and_value(wide_q4_k_m: Path, tmp_path: Path, change: dict[str, object],
+                                                        words: list[str]) -> None:
+    path = _rewrite(wide_q4_k_m, tmp_path / "bad.gguf", **change)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument) as e:
+        open_checkpoint(path)
+    assert e.value.reason == "UNSUPPORTED_MODEL"
+    assert all(w in str(e.value) for w in words), str(e.value)
