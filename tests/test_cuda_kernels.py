@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 if cuda_kernels.triton is None:
     pytest.fail("torch sees a GPU but triton is not installed: the CUDA path would run without its kernels")
 DEVICE = "cuda"
+THETA = {"theta": 10000.0, "inv_freq": (), "scale": 1.0}  # an unscaled rope node's attributes
 
 TORCH_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 TOL = {"f32": 1e-5, "bf16": 2e-2, "f16": 4e-3}  # atol = rtol, against float64 on inputs already in the dtype
@@ -43,10 +44,10 @@ def test_rope_half_matches_the_reference(heads: int, dtype: str) -> None:
     # x a view with a row stride wider than its heads, as a slice of the joined q, k, v product is
     wide = rand(rows, heads * d + 96).to(TORCH_DTYPES[dtype]).to(DEVICE)
     x = wide[:, 32 : 32 + heads * d].view(rows, heads, d)
-    cos, sin = _half_table(pos.to(DEVICE), 10000.0, d, torch.float32)
+    cos, sin = _half_table(pos.to(DEVICE), THETA, d, torch.float32)
     got = cuda_kernels.rope_half(x, cos, sin)
     assert got.dtype == x.dtype and got.shape == x.shape
-    c64, s64 = (t.cpu().double() for t in _half_table(pos, 10000.0, d, torch.float64))
+    c64, s64 = (t.cpu().double() for t in _half_table(pos, THETA, d, torch.float64))
     x64 = x.cpu().double()
     close(got, x64 * c64 + x64.roll(d // 2, -1) * s64, dtype)
 
@@ -133,7 +134,7 @@ def test_rope_half_pair_is_each_rope_alone(dtype: str) -> None:
     rows, d, dt = 6, 64, TORCH_DTYPES[dtype]
     joined = rand(rows, (32 + 2 * 4) * d).to(dt).to(DEVICE)  # q, k, v of one product: views with its row stride
     q, k = joined[:, : 32 * d].view(rows, 32, d), joined[:, 32 * d : 36 * d].view(rows, 4, d)
-    cos, sin = _half_table(torch.tensor([0, 3, 7, 8, 100, 2047], device=DEVICE), 10000.0, d, torch.float32)
+    cos, sin = _half_table(torch.tensor([0, 3, 7, 8, 100, 2047], device=DEVICE), THETA, d, torch.float32)
     q_rot, k_rot = cuda_kernels.rope_half_pair(q, k, cos, sin)
     assert torch.equal(q_rot, cuda_kernels.rope_half(q, cos, sin))
     assert torch.equal(k_rot, cuda_kernels.rope_half(k, cos, sin))
