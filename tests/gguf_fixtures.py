@@ -154,7 +154,7 @@ def _llama3_rope_freqs(rope: dict[str, Any], theta: float, head_dim: int) -> np.
 
 
 def write_gguf(hf_dir: Path, path: Path, arch: str, types: TypePicker = f32_only) -> Path:
-    """The HF checkpoint at hf_dir (Llama, Qwen2 or Qwen3) as llama.cpp's converter writes it for `arch`."""
+    """The HF checkpoint at hf_dir (Llama, Qwen2, Qwen3 or Phi-3) as llama.cpp's converter writes it for `arch`."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     ckpt = open_checkpoint(hf_dir)
     c = ckpt.config
@@ -166,10 +166,11 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, types: TypePicker = f32_only
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.n_heads)
     w.add_head_count_kv(c.n_kv_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
+    if arch != "phi3":  # Phi3MiniModel writes its own keys, without key_length
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
     w.add_rope_freq_base(c.rope_theta)
-    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_dimension_count(c.rotary_dim or c.head_dim)
     w.add_layer_norm_rms_eps(c.norm_eps)
     w.add_bos_token_id(c.bos_token_id or 0)
     w.add_eos_token_id(c.eos_token_ids[0])
@@ -180,7 +181,16 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, types: TypePicker = f32_only
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, c.rope_theta, c.head_dim))
-    table = {hf: g for g, hf in checkpoints._GGUF_LLAMA.items()}
+    if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
+        original = cfg.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+        if rope.get("long_factor"):
+            scale = cfg["max_position_embeddings"] / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+    table = {hf: g for g, hf in (checkpoints._GGUF_PHI3 if arch == "phi3" else checkpoints._GGUF_LLAMA).items()}
     for name in ckpt.names():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue

@@ -1,7 +1,7 @@
 """Issue 38's checkpoints: sharded bf16/f16 Hugging Face folders, and GGUF files of the families served from HF
-folders (Llama 3 with rope_freqs, Qwen2, Qwen3 with q/k norms) written in the test as llama.cpp's converter
-writes them, F32 and in a Q4_K_M-style K-quant mix, greedy-decoded through the stage graphs (numpy, torch) and one
-real mesh against transformers.
+folders (Llama 3 with rope_freqs, Qwen2, Qwen3 with q/k norms, Phi-3 with fused projections and longrope) written
+in the test as llama.cpp's converter writes them, F32 and in a Q4_K_M-style K-quant mix, greedy-decoded through
+the stage graphs (numpy, torch) and one real mesh against transformers.
 
 Reference: transformers f32 holding the weights the GGUF file dequantizes to (for F32 files, the original ones).
 The comparison is then exact up to float rounding: prompt logits within LOGIT_TOL (1e-4) and 20 greedy tokens
@@ -43,7 +43,8 @@ def _hf_with(hf_dir: Path, ckpt: Checkpoint) -> Any:
     """transformers' model of hf_dir holding the weights `ckpt` reads (a GGUF file's dequantized ones)."""
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     state = hf.state_dict()
-    assert set(state) == set(ckpt.names()) - {"rope_freqs.weight"}
+    assert set(state) == set(ckpt.names()) - {"rope_freqs.weight", "rope_factors_long.weight",
+                                              "rope_factors_short.weight"}
     hf.load_state_dict({name: torch.from_numpy(np.array(ckpt.tensor(name))) for name in state})
     return hf
 
@@ -105,6 +106,7 @@ CASES: dict[str, tuple[Callable[[Path], Path], str, gguf_fixtures.TypePicker]] =
     "llama3-f32": (model_fixtures.make_tiny_llama3_rope, "llama", gguf_fixtures.f32_only),
     "qwen2-f32": (model_fixtures.make_tiny_qwen2, "qwen2", gguf_fixtures.f32_only),
     "qwen3-f32": (model_fixtures.make_tiny_qwen3, "qwen3", gguf_fixtures.f32_only),
+    "phi3-longrope-f32": (model_fixtures.make_tiny_phi3, "phi3", gguf_fixtures.f32_only),
     "llama3-q4_k_m": (gguf_fixtures.make_wide_llama3, "llama", gguf_fixtures.q4_k_m),
     "qwen3-q4_k_m": (gguf_fixtures.make_wide_qwen3, "qwen3", gguf_fixtures.q4_k_m),
 }
@@ -138,9 +140,10 @@ def test_gguf_config_is_the_hf_config(case: GgufCase) -> None:
     g, h = case.ckpt.config, open_checkpoint(case.hf_dir).config
     assert g is not None and h is not None
     same = ("arch", "vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate_size",
-            "rope_theta", "qkv_bias", "qk_norm", "tie_word_embeddings", "bos_token_id", "eos_token_ids", "hidden_act")
+            "rope_theta", "rotary_dim", "max_position", "qkv_bias", "qk_norm", "fused_proj", "tie_word_embeddings",
+            "bos_token_id", "eos_token_ids", "hidden_act")
     assert {f: getattr(g, f) for f in same} == {f: getattr(h, f) for f in same}
-    assert g.norm_eps == pytest.approx(h.norm_eps)
+    assert g.norm_eps == pytest.approx(h.norm_eps) and g.rope_scale == pytest.approx(h.rope_scale, rel=1e-6)
     assert len(g.rope_inv_freq) == len(h.rope_inv_freq)
     np.testing.assert_allclose(g.rope_inv_freq, h.rope_inv_freq, rtol=1e-6)
     types = {t.tensor_type for t in gguf.GGUFReader(case.gguf).tensors}
@@ -257,6 +260,8 @@ def test_rewritten_file_still_opens(wide_q4_k_m: Path, tmp_path: Path) -> None:
     ({"extra": {"{arch}.expert_count": 8}}, ["qwen3.expert_count", "8"]),
     ({"extra": {"{arch}.rope.dimension_count": 16}}, ["qwen3.rope.dimension_count", "16"]),
     ({"extra": {"{arch}.attention.value_length": 64}}, ["qwen3.attention.value_length", "64"]),
+    ({"extra": {"{arch}.attention.sliding_window": 64}}, ["qwen3.attention.sliding_window", "64"]),
+    ({"extra": {"{arch}.rope.scaling.type": 0}}, ["rope.scaling.type", "0"]),
 ])
 def test_unsupported_gguf_is_refused_by_field_and_value(wide_q4_k_m: Path, tmp_path: Path, change: dict[str, object],
                                                         words: list[str]) -> None:

@@ -53,6 +53,9 @@ _GGUF_LLAMA = {
     "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
     **{f"blk.{{i}}.ffn_{m}.weight": f"model.layers.{{i}}.mlp.{m}_proj.weight" for m in ("gate", "up", "down")},
 }
+# Phi-3's converter keeps HF's fused projections: attn_qkv is qkv_proj, ffn_up is gate_up_proj (gate rows first)
+_GGUF_PHI3 = {**_GGUF_LLAMA, "blk.{i}.attn_qkv.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+              "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.gate_up_proj.weight"}
 _GGUF_GPT2 = {
     "token_embd.weight": "transformer.wte.weight", "position_embd.weight": "transformer.wpe.weight",
     "output.weight": "lm_head.weight",
@@ -65,7 +68,7 @@ _GGUF_GPT2 = {
 _GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # GGUF architectures whose converter permutes Q/K rows for llama.cpp's interleaved rope.
 _PERMUTED_ARCHS = ("llama", "mistral")
-_LLAMA_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "smollm")
+_LLAMA_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm")
 
 
 @dataclass(frozen=True)
@@ -276,26 +279,44 @@ def config_from_gguf(metadata: dict[str, Any], tensors: list[_GgufTensor]) -> Mo
         raise refuse("expert_count", "graphmesh reads dense GGUF models only")
     if int(key("attention.value_length") or head_dim) != head_dim:
         raise refuse("attention.value_length", f"values must be as wide as keys ({head_dim})")
-    if arch != "gpt2" and int(key("rope.dimension_count") or head_dim) != head_dim:
-        raise refuse("rope.dimension_count", f"graphmesh rotates whole {head_dim}-dim heads of {arch}")
+    rotary = int(key("rope.dimension_count") or head_dim)
+    if arch != "gpt2" and rotary != head_dim and (arch != "phi3" or rotary % 2 or not 2 <= rotary < head_dim):
+        raise refuse("rope.dimension_count", f"graphmesh rotates whole {head_dim}-dim heads of {arch}"
+                     + (" or an even part of them" if arch == "phi3" else ""))
+
+    def plain(name: str) -> np.ndarray | None:
+        t = next((t for t in tensors if t.name == name), None)
+        if t is not None and t.ggml_type not in _GGUF_PLAIN_DTYPES:
+            raise InvalidArgument(f"GGUF {name} is {t.ggml_type.name}; graphmesh reads it as plain floats",
+                                  "UNSUPPORTED_MODEL")
+        return None if t is None else np.asarray(t.data).reshape(-1)
+
     max_position = int(key("context_length", 2048))
-    # llama3's scaled frequencies arrive as the rope_freqs tensor (each default frequency's divisor)
-    freqs = next((t.data for t in tensors if t.name == "rope_freqs.weight" and t.ggml_type in _GGUF_PLAIN_DTYPES), None)
-    if any(t.name == "rope_freqs.weight" for t in tensors) and freqs is None:
-        raise InvalidArgument("GGUF rope_freqs.weight is quantized; graphmesh reads it as plain floats",
-                              "UNSUPPORTED_MODEL")
-    factor = key("rope.scaling.factor")
-    inv_freq = () if arch == "gpt2" else rope_from_gguf(
+    factor, attn_factor, original = key("rope.scaling.factor"), key("rope.scaling.attn_factor"), \
+        key("rope.scaling.original_context_length")
+    # llama3's scaled frequencies arrive as the rope_freqs tensor (each default frequency's divisor); Phi-3's
+    # longrope as rope_factors_short/long, of which graphmesh serves the short range (as from config.json)
+    rope = None if arch == "gpt2" else rope_from_gguf(
         float(key("rope.freq_base", 10000.0)), head_dim, max_position, key("rope.scaling.type"),
-        None if factor is None else float(factor), None if freqs is None else np.asarray(freqs).reshape(-1)).inv_freq
+        None if factor is None else float(factor), plain("rope_freqs.weight"),
+        rotary_dim=0 if rotary == head_dim else rotary, short_factors=plain("rope_factors_short.weight"),
+        attn_factor=None if attn_factor is None else float(attn_factor),
+        original_context=None if original is None else int(original))
+    if rope is not None:
+        max_position = rope.max_position
+    window = int(key("attention.sliding_window") or 0)  # Phi-3 writes 0 for none
+    if 0 < window < max_position:
+        raise refuse("attention.sliding_window", f"graphmesh has no sliding-window attention (context {max_position})")
     eos = [metadata.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
     return ModelConfig(
         arch="gpt2" if arch == "gpt2" else "llama", vocab_size=shapes["token_embd.weight"][1], hidden_size=hidden,
         n_layers=int(key("block_count")), n_heads=heads, n_kv_heads=int(key("attention.head_count_kv") or heads),
         head_dim=head_dim, intermediate_size=int(key("feed_forward_length")),
         norm_eps=float(key("attention.layer_norm_epsilon") if arch == "gpt2" else key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(key("rope.freq_base", 10000.0)), rope_inv_freq=inv_freq,
+        rope_theta=float(key("rope.freq_base", 10000.0)), rope_inv_freq=() if rope is None else rope.inv_freq,
+        rotary_dim=0 if rope is None else rope.rotary_dim, rope_scale=1.0 if rope is None else rope.scale,
         qkv_bias="blk.0.attn_q.bias" in shapes, qk_norm="blk.0.attn_q_norm.weight" in shapes,
+        fused_proj=arch == "phi3",
         tie_word_embeddings="output.weight" not in shapes,
         max_position=max_position,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
@@ -323,7 +344,7 @@ def _open_gguf(path: Path) -> Checkpoint:
             readable = [q.name for q in (*_PLAIN_GGML, *_DEQUANTIZED_GGML)]
             raise InvalidArgument(f"GGUF tensor {t.name!r} type {t.ggml_type.name} is not supported; graphmesh reads "
                                   f"{', '.join(readable)}", "UNSUPPORTED_MODEL")
-    table = _GGUF_GPT2 if config.arch == "gpt2" else _GGUF_LLAMA
+    table = _GGUF_GPT2 if config.arch == "gpt2" else _GGUF_PHI3 if arch == "phi3" else _GGUF_LLAMA
     tensors: dict[str, _Tensor] = {}
     for t in gguf_tensors:
         name = _hf_name(t.name, table) or t.name

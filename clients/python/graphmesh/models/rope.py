@@ -148,17 +148,26 @@ def _yarn_attention_factor(params: dict[str, Any], factor: float, rope_type: str
 
 
 def rope_from_gguf(theta: float, head_dim: int, max_position: int, scaling: str | None, factor: float | None,
-                   freq_factors: np.ndarray | None) -> Rope:
+                   freq_factors: np.ndarray | None, rotary_dim: int = 0, short_factors: np.ndarray | None = None,
+                   attn_factor: float | None = None, original_context: int | None = None) -> Rope:
     """The rope of GGUF metadata: llama.rope.scaling.type none or linear (with .factor), and llama3's
-    rope_freqs tensor (llama.cpp divides each default frequency by its entry)."""
-    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    rope_freqs tensor (llama.cpp divides each default frequency by its entry). Phi-3 (longrope): rotary_dim from
+    rope.dimension_count, the rope_factors_short tensor, rope.scaling.attn_factor and .original_context_length,
+    served as from config.json: the short-factor range only (see the module docstring)."""
+    dim = rotary_dim or head_dim
+    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     if scaling not in (None, "none", "linear"):
         raise _refuse("GGUF rope.scaling.type", scaling, "graphmesh reads none and linear (and llama3's rope_freqs)")
-    changed = False
+    changed, scale = False, 1.0
     if scaling == "linear" and factor not in (None, 0.0, 1.0):
         inv, changed = inv / float(factor), True  # type: ignore[arg-type]
-    if freq_factors is not None:
-        if freq_factors.shape != (head_dim // 2,):
-            raise _refuse("GGUF rope_freqs shape", freq_factors.shape, f"expected ({head_dim // 2},)")
-        inv, changed = inv / freq_factors.astype(np.float64), True
-    return Rope(theta, 0, tuple(float(f) for f in inv) if changed else (), 1.0, max_position)
+    for name, factors in (("rope_freqs", freq_factors), ("rope_factors_short", short_factors)):
+        if factors is not None:
+            if factors.shape != (dim // 2,):
+                raise _refuse(f"GGUF {name} shape", factors.shape, f"expected ({dim // 2},)")
+            inv, changed = inv / factors.astype(np.float64), True
+    if short_factors is not None:
+        scale = 1.0 if attn_factor is None else float(attn_factor)
+        max_position = min(max_position, original_context or max_position)
+    return Rope(theta, 0 if dim == head_dim else dim, tuple(float(f) for f in inv) if changed else (), scale,
+                max_position)
