@@ -50,7 +50,8 @@ class Stage:
 
 
 def make_stages(ckpt: Checkpoint, config: ModelConfig, split: list[range], bucket: int, cache: int,
-                sample: bool = False, quantized: bool = False, backend: str = "numpy") -> list[Stage]:
+                sample: bool = False, quantized: bool = False, backend: str = "numpy", device: str = "cpu",
+                ) -> list[Stage]:
     stages = []
     schemes = ckpt.packed_schemes() if quantized else None
     for n, layers in enumerate(split):
@@ -59,7 +60,7 @@ def make_stages(ckpt: Checkpoint, config: ModelConfig, split: list[range], bucke
         for seq_len in (bucket, 1):
             proto = models.build_stage(config, layers, seq_len, cache, first, last, sample=sample, quantized=quantized,
                                        packed_schemes=schemes)
-            exe = compile_graph(parse(proto), backend)
+            exe = compile_graph(parse(proto), backend, device)
             for i in range(len(layers)):
                 for j, kind in enumerate("kv"):
                     exe.bind_handle(f"past_{kind}_{i}", np.zeros((cache, config.kv_dim), np.float32))

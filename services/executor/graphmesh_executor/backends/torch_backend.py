@@ -480,13 +480,24 @@ def _take_along_axis(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
 
 
 def _grouped_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
+    """Rows sorted by expert once (a stable argsort, one index_select), each present expert's contiguous run of rows
+    times its weight (one matmul each, after one host read of the run lengths), then the results put back in row
+    order (index_copy_): never a gathered [M, K, N] weight copy. torch's grouped GEMM (torch._grouped_mm, one
+    kernel over the runs) was slower on the H200: Mixtral's w1 shape (8 experts, 4096 x 14336, bf16), 32 and 1024
+    rows, 0.46 and 0.60 ms against this loop's 0.38 and 0.51 (a boolean mask per expert, a host read each: 1.07
+    and 1.10, the same bits)."""
     x, w, ids = xs
     _check_indices(ctx, ids, w.shape[0], "expert")
-    out = x.new_empty((x.shape[0], w.shape[2]))
-    for e in torch.unique(ids).tolist():  # one matmul per expert present, never a gathered [M, K, N] weight copy
-        rows = ids == e
-        out[rows] = x[rows] @ w[e]
-    return out
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    rows = x.index_select(0, order)
+    done = x.new_empty((x.shape[0], w.shape[2]))
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=w.shape[0]).tolist()):
+        if n:
+            done[start:start + n] = rows[start:start + n] @ w[e]
+        start += n
+    return torch.empty_like(done).index_copy_(0, order, done)
 
 
 def _sample(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
