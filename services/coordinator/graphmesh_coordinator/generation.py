@@ -26,6 +26,7 @@ from graphmesh.errors import Cancelled, InvalidArgument, ResourceExhausted, Unav
 from graphmesh.models.config import EncoderConfig
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import stage_pb2
+from graphmesh_coordinator.guided import Grammars, Guide, GuidedSpec
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.scheduler import Encoded, Output, Scheduler, SessionInfo
 from graphmesh_coordinator.scheduler import Sequence as SchedulerSequence
@@ -58,6 +59,9 @@ class GenerationRequest:
     # f32 [n, input_dim]: the features of the prompt's n encoder placeholder tokens, in order (a model with an
     # encoder): the plan's encoder group runs on them in the prompt's steps
     encoder_input: np.ndarray | None = field(default=None, compare=False)
+    # Guided decoding (guided.py): what the completion must be (a JSON schema, any JSON object, a regex, a grammar, a
+    # tool call); None: free text
+    guided: GuidedSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,9 @@ def validate(request: GenerationRequest, context_tokens: int, vocab_size: int,
         raise InvalidArgument(f"resume_token_ids holds {len(request.resume_ids)} tokens: the completion of "
                               f"{budget} tokens has nothing left to generate", "RESUME_COMPLETE",
                               {"parameter": "resume_token_ids"})
+    if request.guided is not None and request.ignore_eos:
+        raise InvalidArgument("ignore_eos cannot be combined with guided decoding: a finished grammar allows only the "
+                              "end of sequence", "BAD_GUIDED_DECODING", {"parameter": "ignore_eos"})
     check_finite_sampling(temperature=request.temperature, top_p=request.top_p)
     if request.temperature < 0 or request.top_k < 0 or not 0.0 <= request.top_p <= 1.0:
         raise InvalidArgument(f"bad sampling: temperature {request.temperature} (>= 0), top_k {request.top_k} (>= 0), "
@@ -221,6 +228,18 @@ class Generator:
         self.queue_full = 0  # requests refused because `max_waiting` already waited (a metric)
         self.sessions: dict[str, SessionInfo] = {}
         self._lock = threading.Lock()
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
+
+    def guide(self, spec: GuidedSpec) -> Guide:
+        """A fresh matcher for `spec` (compiled once per spec; INVALID_ARGUMENT when it does not compile)."""
+        if self.tokenizer is None:
+            raise InvalidArgument("guided decoding needs the model's tokenizer; this model has none",
+                                  "BAD_GUIDED_DECODING", {"parameter": "guided"})
+        with self._grammars_lock:  # the tokenizer's vocabulary is read once, by the first guided request
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.mesh.config.vocab_size)
+        return self._grammars.guide(spec)
 
     def generate(self, request: GenerationRequest, session_id: str = "", alive: Callable[[], bool] | None = None,
                  ready_wait_s: float = 0.0) -> collections.abc.Generator[Event, None, None]:
@@ -270,13 +289,14 @@ class Generator:
     def _generate(self, request: GenerationRequest, session_id: str, alive: Callable[[], bool] | None,
                   ready_wait_s: float, waits: bool) -> collections.abc.Generator[Event | Wait, None, None]:
         validate(request, self.context_tokens, self.mesh.config.vocab_size, self.mesh.config.encoder)
+        guide = self.guide(request.guided) if request.guided is not None else None
         self._admit()
         counted = True  # in `waiting` until its first output, or its end
         session: collections.abc.Generator[Event | Wait, None, None] | None = None
         try:
             if ready_wait_s > 0:
                 yield from self._wait_ready(ready_wait_s, alive, waits)
-            session = self._session(request, session_id, alive, waits)
+            session = self._session(request, session_id, alive, waits, guide)
             for item in session:
                 if counted and isinstance(item, Event):
                     counted = False
@@ -289,7 +309,7 @@ class Generator:
                 self._started()
 
     def _session(self, request: GenerationRequest, session_id: str, alive: Callable[[], bool] | None,
-                 waits: bool) -> collections.abc.Generator[Event | Wait, None, None]:
+                 waits: bool, guide: Guide | None = None) -> collections.abc.Generator[Event | Wait, None, None]:
         session = SessionInfo(session_id or uuid.uuid4().hex)
         resumed = list(request.resume_ids)
         total = min(request.max_tokens, self.context_tokens - len(request.prompt_ids))
@@ -306,6 +326,10 @@ class Generator:
             assert self.mesh.config.encoder is not None  # validate() refused it otherwise
             token = self.mesh.config.encoder.token_id
             seq.encoded = Encoded([i for i, t in enumerate(request.prompt_ids) if t == token], request.encoder_input)
+        if guide is not None:
+            for token in resumed:  # the grammar's state after the tokens already delivered
+                guide.accept(token)
+            seq.guide = guide
         detok = Detokenizer(self.tokenizer)
         for token in resumed:  # the text already delivered: stop strings and UTF-8 boundaries span the break
             detok.push(token)

@@ -2,7 +2,9 @@
 
 The coordinator's model answers two kinds of request, told apart by the input's name:
 - "text_input" (BYTES, shape [1]) generates text: "text_output" (BYTES, shape [1]); the request's parameters
-  max_tokens, temperature, top_k, top_p, seed, raw and ignore_eos mean what they mean for Generate.
+  max_tokens, temperature, top_k, top_p, seed, raw and ignore_eos mean what they mean for Generate; guided decoding
+  takes one of guided_json (a JSON Schema's text), guided_json_object (bool), guided_regex, guided_grammar (EBNF),
+  as vLLM names them (Generate's `guided`).
 - "input_ids" (INT64, shape [1, n]) runs one prefill: "logits" (FP32, shape [1, vocab]) of the last position.
 ModelStreamInfer answers a text request with one response per new piece of text, Triton's decoupled way: every
 response carries the bool parameter triton_final_response, true on the last one only.
@@ -27,6 +29,7 @@ from graphmesh.errors import GraphmeshError, InvalidArgument, NotFound, Unavaila
 from graphmesh.kserve import grpc_service_pb2 as pb
 from graphmesh.kserve import grpc_service_pb2_grpc as pb_grpc
 from graphmesh.security import Admission
+from graphmesh_coordinator import guided
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.servicer import RECOVERY_WAIT_S, as_status, prompt_token_ids
@@ -35,6 +38,7 @@ MODEL_VERSION = "1"
 TEXT_INPUT, TEXT_OUTPUT, IDS_INPUT, LOGITS_OUTPUT = "text_input", "text_output", "input_ids", "logits"
 DEFAULT_MAX_TOKENS = 64  # as `graphmesh generate`
 FINAL = "triton_final_response"
+GUIDED_PARAMETERS = ("guided_json", "guided_json_object", "guided_regex", "guided_grammar")
 # Threads for the inference requests' code while it runs (parsing, tokenizing, detokenizing, a logits call): a
 # generation waiting for its tokens holds none, so thousands of queued requests share these.
 STREAM_WORKERS = 32
@@ -73,7 +77,7 @@ class Output:
 
 
 def _parameter(params: dict[str, pb.InferParameter], key: str, kinds: tuple[str, ...],
-               default: bool | int | float) -> bool | int | float:
+               default: bool | int | float | str) -> bool | int | float | str:
     if key not in params:
         return default
     kind = params[key].WhichOneof("parameter_choice")
@@ -99,6 +103,10 @@ def _float(params: dict[str, pb.InferParameter], key: str, default: float) -> fl
 
 def _bool(params: dict[str, pb.InferParameter], key: str) -> bool:
     return bool(_parameter(params, key, ("bool_param",), False))
+
+
+def _str(params: dict[str, pb.InferParameter], key: str) -> str:
+    return str(_parameter(params, key, ("string_param",), ""))
 
 
 def _message(error: Exception) -> str:
@@ -226,7 +234,10 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return GenerationRequest(ids, _int(p, "max_tokens", DEFAULT_MAX_TOKENS, 1, _INT32_MAX),
                                  _float(p, "temperature", 0.0), _int(p, "top_k", 0, 0, _INT32_MAX),
                                  _float(p, "top_p", 1.0) or 1.0, _int(p, "seed", 0, 0, _UINT64_MAX),
-                                 ignore_eos=_bool(p, "ignore_eos"))
+                                 ignore_eos=_bool(p, "ignore_eos"),
+                                 guided=guided.from_fields(_str(p, "guided_json"), _bool(p, "guided_json_object"),
+                                                           _str(p, "guided_regex"), _str(p, "guided_grammar"),
+                                                           names=GUIDED_PARAMETERS))
 
     def _response(self, request: pb.ModelInferRequest, output: Output,
                   parameters: dict[str, pb.InferParameter]) -> pb.ModelInferResponse:

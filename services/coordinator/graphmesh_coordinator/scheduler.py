@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,6 +39,9 @@ from graphmesh.kvkeys import blocks_for
 from graphmesh.protocol import Action
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
+
+if TYPE_CHECKING:
+    from graphmesh_coordinator.guided import Guide
 
 log = logging.getLogger("graphmesh.coordinator.scheduler")
 
@@ -116,6 +120,9 @@ class Sequence:
     # Called (from a scheduler thread) after outputs or an error were put on `events`: a reader that waits without
     # a thread of its own (an asynchronous stream) is woken by it instead of blocking on the queue.
     waker: Callable[[], None] | None = None
+    # Guided decoding (guided.py): the session's grammar matcher. Each row that samples carries the mask of its
+    # token; the matcher advances on the tokens delivered, so a replay asks with the same mask again.
+    guide: Guide | None = None
 
     def wake(self) -> None:
         waker = self.waker
@@ -250,10 +257,10 @@ class Scheduler:
         if not ready:
             return None
         self._seed_waiting(ready)
-        # Rows with logprobs are sampled on the last stage's host, from the logits graph: they share steps only
-        # with each other, so no other session's tokens ever come from a different graph.
-        kind = (ready[0].output, ready[0].sampling.logprobs)
-        ready = [s for s in ready if (s.output, s.sampling.logprobs) == kind]
+        # Rows with logprobs, and guided rows, are sampled on the last stage's host, from the logits graph: they share
+        # steps only with each other, so no other session's tokens ever come from a different graph.
+        kind = (ready[0].output, ready[0].sampling.logprobs or ready[0].guide is not None)
+        ready = [s for s in ready if (s.output, s.sampling.logprobs or s.guide is not None) == kind]
         live = sum(1 for s in self._seqs if not s.done)
         cap = min(self.max_step_seqs, max(1, math.ceil(live / in_flight)))
         decoding = [s for s in ready if len(s.pending) == 1 and s.session.incarnation == mesh.incarnation
@@ -329,6 +336,8 @@ class Scheduler:
         row = stage_pb2.StepRow(session_id=session.session_id, epoch=session.epoch,
                                 commit_epoch=session.delivered_epoch, start_position=start,
                                 token_ids=s.pending[:n], sampling=s.sampling)
+        if s.guide is not None and n == len(s.pending):  # the row samples: its token's mask (never a decode run)
+            row.allowed_tokens = s.guide.mask()
         if s.encoded is not None:
             offsets, features = s.encoded.slice(start, start + n)
             if offsets:
@@ -499,6 +508,8 @@ class Scheduler:
                 s.computed += len(r.row.token_ids)
                 if r.final and not s.done:
                     for token in sampled:
+                        if s.guide is not None:
+                            s.guide.accept(token)
                         s.outbox.append(Output(token, None if logits is None else logits[i], s.computed, result))
                         s.computed, s.pending, s.remaining = 0, [token], s.remaining - 1
                         if s.remaining <= 0 or token in s.stop_ids:

@@ -16,6 +16,7 @@ from graphmesh.protocol import Action
 from graphmesh.security import MESH, ServerSecurity
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from graphmesh_coordinator import guided
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 
@@ -89,7 +90,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             gen = GenerationRequest(prompt_ids, request.max_tokens, s.temperature, s.top_k, s.top_p or 1.0, s.seed,
                                     tuple(request.stop), request.ignore_eos, resume_ids=tuple(request.resume_token_ids),
                                     encoder_input=tensors.from_proto(request.encoder_input)
-                                    if request.HasField("encoder_input") else None)
+                                    if request.HasField("encoder_input") else None,
+                                    guided=guided.from_fields(request.guided.json_schema, request.guided.json_object,
+                                                              request.guided.regex, request.guided.grammar))
             first = True
             events = (self.generator.generate_waiting if getattr(context, "yields_waits", False)
                       else self.generator.generate)(gen, alive=context.is_active, ready_wait_s=RECOVERY_WAIT_S)

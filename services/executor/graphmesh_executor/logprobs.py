@@ -25,6 +25,7 @@ class RowSampling:
     seed: int
     logprobs: bool
     top_logprobs: int
+    allowed_tokens: bytes = b""  # guided decoding: a little-endian uint32 bitmask of the tokens it may sample
 
 
 @dataclass(frozen=True)
@@ -51,12 +52,31 @@ def top_tokens(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
     return [(int(t), float(logprobs[t])) for t in order]
 
 
+def allowed(mask: bytes, vocab: int) -> np.ndarray:
+    """bool [vocab]: the tokens a guided row may sample (bit i % 32 of little-endian uint32 word i // 32)."""
+    bits = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little").astype(bool)
+    out = np.zeros(vocab, bool)
+    out[: min(vocab, bits.size)] = bits[:vocab]
+    return out
+
+
+def masked(logits: np.ndarray, mask: bytes) -> np.ndarray:
+    """The row's logits with every token the mask forbids at -inf: sample_row never picks one (a grammar allows at
+    least one token where it is not finished; a mask of none leaves the row as it was rather than pick at random)."""
+    keep = allowed(mask, logits.shape[-1])
+    if not keep.any():
+        return logits
+    return np.where(keep, logits, -np.inf).astype(logits.dtype, copy=False)
+
+
 def sample_with_logprobs(rng: RngOptions, logits: np.ndarray,
                          rows: list[RowSampling]) -> tuple[list[int], list[RowLogprobs | None]]:
     """logits: [rows, vocab] (a step's last positions) -> each row's token and, where it asked, its logprobs."""
     tokens: list[int] = []
     out: list[RowLogprobs | None] = []
     for row_logits, s in zip(logits, rows):
+        if s.allowed_tokens:
+            row_logits = masked(row_logits, s.allowed_tokens)
         token = sample_row(row_logits, s.temperature, s.top_k, s.top_p, uniform(rng, s.seed, 0))
         tokens.append(token)
         if not s.logprobs:

@@ -116,6 +116,9 @@ class StepRow:
     # token_ids (stage.proto StepRow)
     encoder_input: np.ndarray | None = None
     encoded_offsets: tuple[int, ...] = ()
+    # The guided-decoding mask of the token the row samples (stage.proto StepRow.allowed_tokens): a little-endian
+    # uint32 bitmask over the vocabulary; empty: every token. Such a row is sampled on the host (logprobs.py).
+    allowed_tokens: bytes = b""
 
 
 @dataclass
@@ -537,11 +540,17 @@ class StageRuntime:
         if len({row.session_id for row in rows}) != len(rows):
             raise ProtocolError(ErrorClass.ARCH, InvalidArgument("a session appears twice in one step",
                                                                  "DUPLICATE_SESSION"))
-        if decode_steps > 1 and (logits or any(len(r.token_ids) != 1 or r.sampling.logprobs for r in rows)):
+        if decode_steps > 1 and (logits or any(len(r.token_ids) != 1 or r.sampling.logprobs or r.allowed_tokens
+                                               for r in rows)):
             raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
-                "a decode run takes rows of one token each, sampled in the graph (no logits, no logprobs)",
-                "BAD_DECODE_RUN"))
+                "a decode run takes rows of one token each, sampled in the graph (no logits, no logprobs, no "
+                "allowed_tokens)", "BAD_DECODE_RUN"))
+        words = -(-self.config.vocab_size // 32)
         for row in rows:
+            if row.allowed_tokens and len(row.allowed_tokens) != 4 * words:
+                raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
+                    f"row of session {row.session_id!r}: allowed_tokens holds {len(row.allowed_tokens)} bytes; the "
+                    f"vocabulary of {self.config.vocab_size} takes {4 * words}", "BAD_ALLOWED_TOKENS"))
             n = len(row.token_ids)
             if n == 0:
                 raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
@@ -818,7 +827,7 @@ class StageRuntime:
             raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
                 f"step {step.step_id} reached rank {self.rank} without an activation", "SCHEMA_MISMATCH"))
         sample = self._samples(step, rows)
-        host = spec.last and not step.want_logits and not sample  # logprobs: sampled from the logits on the host
+        host = spec.last and not step.want_logits and not sample  # logprobs, guided: sampled on the host
         t0 = time.perf_counter()
         with telemetry.span("stage.compute", step=step.step_id, iteration=step.iteration, rows=len(rows)):
             out = self._guarded(lambda: self._compute(rows, hidden, sample, encoded, step.prepared))
@@ -838,16 +847,17 @@ class StageRuntime:
             result.tokens, result.logprobs = sample_with_logprobs(RngOptions(), out[: len(rows)], [
                 RowSampling(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p,
                             seed_for(r.sampling.seed, r.start + len(r.token_ids)), r.sampling.logprobs,
-                            r.sampling.top_logprobs) for r in rows])
+                            r.sampling.top_logprobs, r.allowed_tokens) for r in rows])
         else:
             result.tokens = [int(t) for t in out[: len(rows)]]
         return out
 
     def _samples(self, step: _InFlight, rows: list[StepRow]) -> bool:
-        """Whether the run samples in the graph: a step for tokens, unless a row wants logprobs (then the last stage
-        runs the logits graph and samples on the host)."""
+        """Whether the run samples in the graph: a step for tokens, unless a row wants logprobs or is guided (then the
+        last stage runs the logits graph and samples on the host)."""
         assert self.spec is not None
-        return not step.want_logits and not (self.spec.last and any(r.sampling.logprobs for r in rows))
+        return not step.want_logits and not (self.spec.last and any(r.sampling.logprobs or r.allowed_tokens
+                                                                    for r in rows))
 
     def _guarded(self, compute: Callable[[], np.ndarray]) -> np.ndarray:
         """Runs a group's compute, its failure classified: a bad shape or input is ARCH, a device error COMM."""

@@ -80,6 +80,7 @@ class GenerateRequest(_message.Message):
     PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     ENCODER_INPUT_FIELD_NUMBER: _builtins.int
+    GUIDED_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """model names the model; empty uses the coordinator's model."""
     prompt: _builtins.str
@@ -131,6 +132,12 @@ class GenerateRequest(_message.Message):
         encoder, or the prompt does not hold exactly n placeholders.
         """
 
+    @_builtins.property
+    def guided(self) -> Global___GuidedDecoding:
+        """guided constrains the completion to a JSON schema, any JSON object, a
+        regular expression or a grammar (guided decoding); unset: free text.
+        """
+
     def __init__(
         self,
         *,
@@ -146,14 +153,53 @@ class GenerateRequest(_message.Message):
         parse_special_tokens: _builtins.bool = ...,
         resume_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         encoder_input: _tensor_pb2.Tensor | None = ...,
+        guided: Global___GuidedDecoding | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class GuidedDecoding(_message.Message):
+    """GuidedDecoding constrains what a completion may say: each token is sampled
+    among those the grammar allows after the tokens before it. One of the fields.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """json_schema is a JSON Schema (as JSON text) the completion must satisfy."""
+    json_object: _builtins.bool
+    """json_object asks for any JSON object."""
+    regex: _builtins.str
+    """regex is a regular expression the whole completion must match."""
+    grammar: _builtins.str
+    """grammar is a context-free grammar in xgrammar's EBNF (GBNF-like, the
+    start rule named root).
+    """
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        regex: _builtins.str = ...,
+        grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GuidedDecoding: _TypeAlias = GuidedDecoding  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):

@@ -704,6 +704,7 @@ class StepRow(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     ENCODER_INPUT_FIELD_NUMBER: _builtins.int
     ENCODED_OFFSETS_FIELD_NUMBER: _builtins.int
+    ALLOWED_TOKENS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     epoch: _builtins.int
     """epoch is the session's commit epoch for this row, starting at 1."""
@@ -714,6 +715,16 @@ class StepRow(_message.Message):
     start_position: _builtins.int
     """start_position is the session's KV length before this row, in tokens;
     it must equal the rank's committed KV length.
+    """
+    allowed_tokens: _builtins.bytes
+    """allowed_tokens, when not empty, is the guided-decoding mask of the token
+    this row samples (the coordinator's grammar matcher for the session): a
+    little-endian bitmask of uint32 words, bit (i % 32) of word i / 32 set
+    when token i may be sampled; tokens past its end may not. The last stage
+    then samples this row on the host from the logits graph, every other
+    token's logit set to -inf, by the same function as in-graph sampling; a
+    step carries only rows that agree on whether they are guided, and never
+    as a decode run (one mask per token).
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -743,10 +754,11 @@ class StepRow(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         encoder_input: _tensor_pb2.Tensor | None = ...,
         encoded_offsets: _abc.Iterable[_builtins.int] | None = ...,
+        allowed_tokens: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_epoch", b"commit_epoch", "encoded_offsets", b"encoded_offsets", "encoder_input", b"encoder_input", "epoch", b"epoch", "sampling", b"sampling", "session_id", b"session_id", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_tokens", b"allowed_tokens", "commit_epoch", b"commit_epoch", "encoded_offsets", b"encoded_offsets", "encoder_input", b"encoder_input", "epoch", b"epoch", "sampling", b"sampling", "session_id", b"session_id", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
