@@ -59,7 +59,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.common import machine, median, progress, table, write_results
-from bench.peers import LLAMACPP, LLAMACPP_CMAKE_ARGS, PEER_NAMES, VLLM, LlamaCppServer, VllmServer, ensure_hf_model
+from bench.peers import LLAMACPP, PEER_NAMES, VLLM, LlamaCppServer, VllmServer, ensure_hf_model, llamacpp_recipe
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.coordinator_client import CoordinatorClient
@@ -474,7 +474,8 @@ def report(a: argparse.Namespace, prompt: list[int], tokens: int, repeats: int, 
                        "prompt": "token ids", "ignore_eos": True}
     if LLAMA in loads and llama is not None:
         peers[LLAMA] = {
-            "package": LLAMACPP, "cmake_args": LLAMACPP_CMAKE_ARGS, "weights": "Q4_1, the GGUF as stored",
+            "package": LLAMACPP, "cmake_args": llamacpp_recipe()["CMAKE_ARGS"],
+            "cpu_flags_used": llamacpp_recipe()["cpu_flags_used"], "weights": "Q4_1, the GGUF as stored",
             "n_threads": llama.threads, "n_ctx": llama.n_ctx, "interrupt_requests": False, "logits_all": False,
             "requests": "one at a time: the server's lock around its one context; concurrent streams queue",
             "prefix_reuse": "always: the previous request's KV for a shared prefix (no switch)",

@@ -5,9 +5,41 @@ move the product's. It wants a Hugging Face model directory, so the bundled Smol
 transformers and saved as a plain f32 checkpoint.
 
 llama.cpp comes as llama-cpp-python (`llama-cpp-python[server]`, its OpenAI-compatible server), in a second venv:
-the package builds llama.cpp from source (cmake and a C++ compiler, installed from Debian's packages when missing)
-with -march=native (GGML_NATIVE), so the venv belongs to the CPU it was built on and its recipe names that CPU.
+the package builds llama.cpp from source (cmake and a C++ compiler, installed from Debian's packages when missing),
+so the venv belongs to the CPU it was built on and its recipe names that CPU and the flags it was built for.
 It serves the bundled GGUF itself, as stored (Q4_1): no conversion.
+
+The llama.cpp build is not -march=native (GGML_NATIVE) on x86: that build died with a general protection fault in
+libggml-cpu.so on an Intel AVX-512+AMX host on any prompt of more than one token. The failing path is ggml's AMX
+back end (ggml-cpu/amx/, most likely; nothing here has AMX to reproduce it on). The evidence:
+- -march=native on an AMX CPU defines __AMX_INT8__ and __AVX512VNNI__. Only then is ggml-cpu/amx compiled in, and
+  its "AMX" buffer type is put first among the extra buffer types that llama.cpp puts weights in by default
+  (use_extra_bufts; llama-cpp-python's server has no switch for it). qtype_has_amx_kernels names Q4_1, so the
+  GGUF's 210 Q4_1 weights are repacked into it and every MUL_MAT on them runs ggml_backend_amx_mul_mat. On this
+  Zen 4 (AVX-512, no AMX) and on AVX2 hosts, none of this is compiled.
+- ggml_backend_amx_mul_mat takes tinygemm_kernel_vnni (AVX512-VNNI only, no tile instruction) when the batch has
+  one row (M == 1: a 1-token prompt, and every decode step). With more rows, that is a prompt of more than one
+  token, each worker thread runs ggml_tile_config_init (LDTILECFG) and the tile kernels (tinygemm_kernel_amx).
+  That is exactly the split the crash shows: a 1-token prompt works, a longer one dies.
+- LDTILECFG of an invalid tile configuration raises #GP, which the kernel logs as a "general protection
+  fault". llama.cpp PR #26954 (open) reports crashes on that call. Its causes are the stack tile config, which
+  the compiler can drop, and the XTILEDATA permission requested by the main thread only. Issue #20824 reports a
+  segfault in ggml_backend_amx_mul_mat that depends on the machine, and dspy PR #10079 saw the same on Sapphire
+  Rapids runners. PR #16315 found wrong results and unaligned access in the AMX Q4_0/Q4_1 kernels.
+- ggml's repack buffer ("CPU_REPACK", GGML_CPU_REPACK) is not implicated: in this llama.cpp it has no Q4_1
+  layout, and no Q8_0 one on x86 (ggml_repack_get_optimal_repack_type). On this host the server's log says that
+  token_embd (q8_0) "and 272 others cannot be used with preferred buffer type CPU_REPACK": no weight of this
+  GGUF goes there on an x86 host.
+So on x86 the build is GGML_NATIVE=OFF with ggml's instruction options chosen from /proc/cpuinfo's flags (each
+on only when the CPU has every flag it needs), and GGML_AMX_TILE/INT8/BF16 always off. Without __AMX_INT8__ the
+AMX back end is not compiled, and Q4_1 runs ggml's AVX-512 (or AVX2) kernels. Per host kind:
+- AVX2-only (Zen 3): SSE4.2, AVX, AVX2, FMA, F16C, BMI2. No AVX-512, no AMX (as -march=native gave).
+- AVX-512 without AMX (this Zen 4): the above plus AVX512 (F, CD, VL, DQ, BW), AVX512_VBMI, AVX512_VNNI and
+  AVX512_BF16. That is what -march=native gave, less what ggml does not use.
+- AVX-512 with AMX (the Intel Xeon): the same AVX-512 options, plus AVX_VNNI where the CPU has it, and AMX off.
+The stamp records the flags used and the cmake arguments. After the build, ggml's own report
+(llama_print_system_info) must name every option turned on and no AMX_INT8, or the build fails. Other CPUs
+(aarch64, ...) keep GGML_NATIVE.
 
 Every step is idempotent: a venv or directory that finished building (its stamp file says so, with the recipe it
 was built from) is reused, a half-built one is redone.
@@ -59,11 +91,19 @@ TCMALLOC_APT = "libtcmalloc-minimal4"
 
 LLAMACPP_VENV = PEERS / "llamacpp"
 LLAMACPP = "llama-cpp-python[server]==0.3.36"
-# llama.cpp's cmake options, through the CMAKE_ARGS that llama-cpp-python's build passes on (its README).
-# GGML_NATIVE: -march=native, the instructions of this CPU (ggml's default unless SOURCE_DATE_EPOCH is set or
-# the build is a cross one; said here so that neither can turn it off). LLAVA_BUILD=OFF skips the multimodal
-# library (mtmd), which text completions never load (llama_cpp imports it only for its vision chat handlers).
-LLAMACPP_CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
+# llama.cpp's cmake options go through the CMAKE_ARGS that llama-cpp-python's build passes on (its README).
+# LLAVA_BUILD=OFF skips the multimodal library (mtmd), which text completions never load (llama_cpp imports it only
+# for its vision chat handlers). On x86: GGML_NATIVE=OFF and the options below, each on when /proc/cpuinfo has every
+# flag it names, and AMX off (the module docstring says why). Elsewhere: GGML_NATIVE=ON, -march=native (ggml's
+# default unless SOURCE_DATE_EPOCH is set or the build is a cross one; said here so that neither can turn it off).
+LLAMACPP_BASE_ARGS = "-DLLAVA_BUILD=OFF"
+_AVX512 = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")  # GGML_AVX512's -mavx512{f,cd,vl,dq,bw}
+LLAMACPP_X86_OPTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("GGML_SSE42", ("sse4_2",)), ("GGML_AVX", ("avx",)), ("GGML_AVX2", ("avx2",)), ("GGML_FMA", ("fma",)),
+    ("GGML_F16C", ("f16c",)), ("GGML_BMI2", ("bmi2",)), ("GGML_AVX_VNNI", ("avx_vnni",)),
+    ("GGML_AVX512", _AVX512), ("GGML_AVX512_VBMI", (*_AVX512, "avx512vbmi")),
+    ("GGML_AVX512_VNNI", (*_AVX512, "avx512_vnni")), ("GGML_AVX512_BF16", (*_AVX512, "avx512_bf16")))
+LLAMACPP_NO_AMX = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 BUILD_APT = ("cmake", "build-essential")
 
 
@@ -175,24 +215,61 @@ def llamacpp_python() -> Path:
     return LLAMACPP_VENV / "bin" / "python"
 
 
-def _cpu() -> str:
-    """The CPU a native build is for: its model and the SIMD extensions -march=native picks from."""
-    model, flags = platform.machine(), ""
+def _cpu_flags() -> set[str]:
+    """/proc/cpuinfo's flags (x86) or Features (ARM) of the first CPU; empty where there is no such file."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == platform.machine():
-                model = f"{platform.machine()} {value.strip()}"
-            elif key.strip() in ("flags", "Features") and not flags:
-                simd = re.compile(r"(avx|amx|fma|f16c|sse|ssse|vnni|bmi|asimd|sve|neon|i8mm|dotprod)")
-                flags = " ".join(sorted(f for f in value.split() if simd.match(f)))
+            if key.strip() in ("flags", "Features"):
+                return set(value.split())
     except OSError:
         pass
+    return set()
+
+
+def _cpu() -> str:
+    """The CPU a build is for: its model and its SIMD extensions."""
+    model = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = f"{platform.machine()} {value.strip()}"
+                break
+    except OSError:
+        pass
+    simd = re.compile(r"(avx|amx|fma|f16c|sse|ssse|vnni|bmi|asimd|sve|neon|i8mm|dotprod)")
+    flags = " ".join(sorted(f for f in _cpu_flags() if simd.match(f)))
     return f"{model}: {flags}" if flags else model
 
 
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def llamacpp_options(flags: set[str] | None = None) -> list[str]:
+    """The ggml instruction options an x86 build turns on: those whose /proc/cpuinfo flags the CPU all has."""
+    have = _cpu_flags() if flags is None else flags
+    return [option for option, needs in LLAMACPP_X86_OPTIONS if all(f in have for f in needs)]
+
+
+def llamacpp_cmake_args(flags: set[str] | None = None, x86: bool | None = None) -> str:
+    """CMAKE_ARGS for this CPU (or for `flags`, /proc/cpuinfo's, on x86 or not): on x86 GGML_NATIVE=OFF, every
+    option of LLAMACPP_X86_OPTIONS on or off by the flags, AMX off; elsewhere GGML_NATIVE=ON."""
+    if not (_x86() if x86 is None else x86):
+        return f"-DGGML_NATIVE=ON {LLAMACPP_BASE_ARGS}"
+    on = llamacpp_options(flags)
+    options = [f"-D{option}={'ON' if option in on else 'OFF'}" for option, _ in LLAMACPP_X86_OPTIONS]
+    return " ".join(["-DGGML_NATIVE=OFF", *options, *(f"-D{option}=OFF" for option in LLAMACPP_NO_AMX),
+                     LLAMACPP_BASE_ARGS])
+
+
 def llamacpp_recipe() -> dict[str, str]:
-    return {"package": LLAMACPP, "CMAKE_ARGS": LLAMACPP_CMAKE_ARGS, "cpu": _cpu()}
+    """What the venv is built from: the package, the cmake arguments, and the CPU with the flags they came from
+    (the /proc/cpuinfo flags that turned an option on)."""
+    used = sorted({f for option, needs in LLAMACPP_X86_OPTIONS if option in llamacpp_options() for f in needs})
+    return {"package": LLAMACPP, "CMAKE_ARGS": llamacpp_cmake_args(), "cpu": _cpu(),
+            "cpu_flags_used": " ".join(used) if _x86() else "-march=native"}
 
 
 def _build_tools() -> None:
@@ -232,27 +309,48 @@ def ensure_llamacpp_venv() -> Path:
     recipe = llamacpp_recipe()
     if _stamped(LLAMACPP_VENV, recipe) and llamacpp_python().exists():
         return llamacpp_python()
-    progress(f"building the llama.cpp venv in {LLAMACPP_VENV} ({LLAMACPP} compiles llama.cpp with "
-             f"{LLAMACPP_CMAKE_ARGS}: several minutes on a small machine)")
+    cmake_args = recipe["CMAKE_ARGS"]
+    progress(f"building the llama.cpp venv in {LLAMACPP_VENV} ({LLAMACPP} compiles llama.cpp with {cmake_args}: "
+             f"several minutes on a small machine)")
     t0 = time.perf_counter()
     _build_tools()
     if LLAMACPP_VENV.exists():  # a half-built one, or one built for another CPU or recipe
         shutil.rmtree(LLAMACPP_VENV)
     LLAMACPP_VENV.parent.mkdir(parents=True, exist_ok=True)
     _run([sys.executable, "-m", "venv", str(LLAMACPP_VENV)], "venv")
-    env = {**os.environ, "CMAKE_ARGS": LLAMACPP_CMAKE_ARGS,
-           "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
-    env.pop("SOURCE_DATE_EPOCH", None)  # it turns ggml's native default off (the flag above wins anyway)
+    env = {**os.environ, "CMAKE_ARGS": cmake_args, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+    env.pop("SOURCE_DATE_EPOCH", None)  # it turns ggml's native default off (the flags above win anyway)
     # -v: pip shows the build's output, which carries the progress; --no-cache-dir: a wheel that pip cached from
     # another build of the same version (other CMAKE_ARGS, another CPU) would otherwise be reused as it is
     _run([str(llamacpp_python()), "-m", "pip", "install", "-v", "--no-cache-dir", LLAMACPP], "pip install",
          env=env, log=PEERS / "llamacpp-build.log", show=_build_progress())
-    _run([str(llamacpp_python()), "-c", "import llama_cpp, llama_cpp.server.app; print('llama_cpp', "
-          "llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())"], "import check")
+    _check_llamacpp_build()
     seconds = time.perf_counter() - t0
     _stamp(LLAMACPP_VENV, recipe, seconds)
     progress(f"llama.cpp venv ready in {seconds:.0f} s")
     return llamacpp_python()
+
+
+def _check_llamacpp_build() -> None:
+    """Imports the server and reads ggml's report of the CPU features it was compiled with
+    (llama_print_system_info: "AVX512 = 1 | ..."). On x86 every option the recipe turned on must be there
+    (GGML_SSE42 excepted: ggml does not report it), and AMX_INT8 must not."""
+    progress("  import check: llama_cpp, llama_cpp.server.app, llama_print_system_info()")
+    check = subprocess.run([str(llamacpp_python()), "-c", "import llama_cpp, llama_cpp.server.app; "
+                            "print(llama_cpp.__version__, llama_cpp.llama_print_system_info().decode())"],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        sys.stderr.write(check.stdout + check.stderr)
+        raise RuntimeError("the llama.cpp venv does not import; see above")
+    info = check.stdout.strip()
+    progress(f"  llama_cpp {info}")
+    if not _x86():
+        return
+    reported = set(re.findall(r"(\w+) = 1", info))
+    missing = [o for o in llamacpp_options() if o != "GGML_SSE42" and o.removeprefix("GGML_") not in reported]
+    if missing or "AMX_INT8" in reported:
+        raise RuntimeError(f"llama.cpp was not built as its recipe says: missing {missing}, AMX_INT8 "
+                           f"{'on' if 'AMX_INT8' in reported else 'off'} (see {PEERS / 'llamacpp-build.log'})")
 
 
 # -- the model directory ---------------------------------------------------------------------------------------
