@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jsonschema
 import openai
@@ -87,3 +89,65 @@ def test_host_sampling_applies_only_its_rows_mask() -> None:
         tokens, lps = sample_with_logprobs(RngOptions(), logits, [guided, free])
         assert tokens[0] in (3, 50, 97) and lps[0] is not None and all(t in (3, 50, 97) for t, _ in lps[0].top)
         assert tokens[1] == sample_with_logprobs(RngOptions(), logits[1:], [free])[0][0]
+
+
+def _person(client: openai.OpenAI, seed: int, max_tokens: int = 48) -> Any:
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Invent a person and their pet."}], temperature=1.0,
+        seed=seed, max_tokens=max_tokens,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+
+
+def test_json_schema_validates_for_20_seeds(client: openai.OpenAI) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda seed: _person(client, seed), range(20)))
+    for reply in replies:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+    assert len({r.choices[0].message.content for r in replies}) > 1  # sampled, not one forced answer
+
+
+def test_json_object_on_completions_and_chat_stream(client: openai.OpenAI) -> None:
+    text = client.completions.create(model=MODEL, prompt="A JSON object describing a cat:", max_tokens=40,
+                                     temperature=0.0, extra_body={"response_format": {"type": "json_object"}},
+                                     ).choices[0]
+    if text.finish_reason == "stop":
+        assert isinstance(json.loads(text.text), dict)
+    else:  # cut at max_tokens: still a JSON object's beginning
+        assert text.text.lstrip().startswith("{")
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Invent a person."}],
+                                            temperature=1.0, seed=5, max_tokens=48, stream=True,
+                                            response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "p", "schema": PERSON}})
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in stream if c.choices)), PERSON)
+
+
+def test_bad_response_format_and_tool_choice_are_400(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                       response_format={"type": "xml"})  # type: ignore[arg-type,typeddict-item]
+    with pytest.raises(openai.BadRequestError, match="does not compile"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(["}}})
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_constrained_rows_leave_batched_streams_token_identical(client: openai.OpenAI) -> None:
+    """16 concurrent requests, half constrained: each unconstrained stream is exactly what it was alone."""
+    def free(seed: int) -> str:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Tell me a story about the number {seed}."}],
+            temperature=1.0, seed=seed, max_tokens=24, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    solo = [free(seed) for seed in range(8)]
+    with ThreadPoolExecutor(16) as pool:
+        guided = [pool.submit(_person, client, 100 + seed) for seed in range(8)]
+        batched = list(pool.map(free, range(8)))
+        for reply in guided:
+            jsonschema.validate(json.loads(reply.result().choices[0].message.content or ""), PERSON)
+    assert batched == solo

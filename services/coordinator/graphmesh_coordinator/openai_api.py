@@ -52,7 +52,7 @@ from graphmesh.errors import (
 )
 from graphmesh.protocol import Action
 from graphmesh.security import Tls
-from graphmesh_coordinator import genai
+from graphmesh_coordinator import genai, structured, tool_calls
 from graphmesh_coordinator.generation import (
     MAX_TOP_LOGPROBS,
     Event,
@@ -100,6 +100,8 @@ class ContentPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (tool_calls.py renders them back)
+    tool_call_id: str | None = None  # a tool message's answer to a call
 
 
 class StreamOptions(_Body):
@@ -122,6 +124,7 @@ class _Generation(_Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema: guided decoding (structured.py)
 
 
 class ChatCompletionRequest(_Generation):
@@ -130,6 +133,8 @@ class ChatCompletionRequest(_Generation):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_Generation):
@@ -223,8 +228,6 @@ def _check_unsupported(body: _Generation) -> None:
             raise _bad(f"{name} is not supported (only 0)", name, "unsupported_parameter")
     if body.logit_bias:
         raise _bad("logit_bias is not supported", "logit_bias", "unsupported_parameter")
-    if isinstance(body, ChatCompletionRequest) and body.tools:
-        raise _bad("tools are not supported", "tools", "unsupported_parameter")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise _bad("echo is not supported", "echo", "unsupported_parameter")
@@ -258,6 +261,8 @@ class _Call:
     logprobs: bool
     top_logprobs: int
     max_tokens: int | None  # as asked (None: up to the context)
+    tools: bool = False  # chat with tools offered: completions are parsed for tool calls (tool_calls.py)
+    parallel_tool_calls: bool = True
 
     @property
     def stream(self) -> bool:
@@ -422,6 +427,15 @@ class OpenAIServer:
             if not body.messages:
                 raise _bad("messages must not be empty", "messages")
             chat = [_message_text(m, i) for i, m in enumerate(body.messages)]
+            functions = tool_calls.functions(body.tools)
+            choice, guided = structured.tool_choice(body.tool_choice, functions)
+            offered = functions if choice != "none" else []
+            if offered or any(m.tool_calls or m.role == "tool" for m in body.messages):
+                if tokenizer is None:
+                    raise _bad("tools need the model's tokenizer", "tools")
+                rendered = tool_calls.render(tokenizer, [{"role": r, "content": c, "tool_calls": m.tool_calls}
+                                                         for (r, c), m in zip(chat, body.messages)], offered)
+                chat = [(m["role"], m["content"]) for m in rendered]
             prompts = [prompt_token_ids(tokenizer, model, messages=chat)]
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             logprobs, top = body.logprobs, body.top_logprobs or 0
@@ -444,6 +458,15 @@ class OpenAIServer:
             logprobs, top = body.logprobs is not None, body.logprobs or 0
         if len(prompts) * body.n > MAX_CHOICES:
             raise _bad(f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices", "n")
+        formatted = structured.response_format(body.response_format)
+        if isinstance(body, ChatCompletionRequest):
+            if guided is not None and formatted is not None:
+                raise _bad("response_format cannot be combined with a required or named tool_choice", "response_format")
+            kind = "tool_call" if guided is not None else formatted.kind if formatted is not None else \
+                "tools" if offered else "text"
+            guided = guided or formatted
+        else:
+            guided, kind = formatted, formatted.kind if formatted is not None else "text"
         stop = _stop_strings(body.stop)
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
@@ -461,10 +484,13 @@ class OpenAIServer:
                 seed = (body.seed + i) & _SEED_MASK if body.seed is not None else secrets.randbits(63)
                 budget = max_tokens if max_tokens is not None else self._room(len(ids))
                 request = GenerationRequest(ids, budget, temperature, body.top_k or 0, top_p, seed, stop,
-                                            body.ignore_eos, logprobs, top)
+                                            body.ignore_eos, logprobs, top, guided=guided)
                 validate(request, self.generator.context_tokens, self.mesh.config.vocab_size)
                 requests.append(request)
-        return _Call(operation, body, prompts, requests, logprobs, top, max_tokens)
+        structured.count(kind)
+        tools = isinstance(body, ChatCompletionRequest) and kind in ("tool_call", "tools")
+        parallel = not isinstance(body, ChatCompletionRequest) or body.parallel_tool_calls is not False
+        return _Call(operation, body, prompts, requests, logprobs, top, max_tokens, tools, parallel)
 
     def _room(self, prompt_tokens: int) -> int:
         """The default max_tokens: up to the context, or what one session may hold of the KV pool when that is
@@ -603,8 +629,16 @@ class OpenAIServer:
         out: list[dict[str, Any]] = []
         for c in choices:
             if call.operation == "chat":
-                out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": self._logprobs(call, c.logprobs), "finish_reason": c.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                finish = c.finish_reason
+                if call.tools:
+                    content, calls = tool_calls.parse(c.text)
+                    if calls:
+                        calls = calls if call.parallel_tool_calls else calls[:1]
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                        finish = "tool_calls" if finish == "stop" else finish
+                out.append({"index": c.index, "message": message, "logprobs": self._logprobs(call, c.logprobs),
+                            "finish_reason": finish})
             else:
                 out.append({"index": c.index, "text": c.text, "logprobs": self._logprobs(call, c.logprobs),
                             "finish_reason": c.finish_reason})
@@ -630,6 +664,29 @@ class OpenAIServer:
         return {"index": index, "text": text, "logprobs": self._logprobs(call, logprobs) if logprobs else None,
                 "finish_reason": finish}
 
+    def _tool_deltas(self, call: _Call, parser: tool_calls.StreamParser, index: int,
+                     event: Event) -> list[dict[str, Any]]:
+        """A chat choice's deltas when tools were offered: content as soon as it cannot be the start of a call, each
+        call whole once it closes (OpenAI's tool_calls deltas), finish_reason tool_calls when there were any."""
+        had = len(parser.calls)
+        text, calls = parser.feed(event.text)
+        if not call.parallel_tool_calls:
+            calls = calls[: max(0, 1 - had)]
+            del parser.calls[1:]
+        if event.finish_reason:
+            text += parser.finish()
+        deltas = []
+        if text or (call.logprobs and event.logprobs):
+            deltas.append(self._delta(call, index, text, event.logprobs, None))
+        if calls:
+            deltas.append({"index": index, "delta": {"tool_calls": tool_calls.call_deltas(calls, had)},
+                           "logprobs": None, "finish_reason": None})
+        if event.finish_reason:
+            finish = _FINISH.get(event.finish_reason, "stop")
+            deltas.append(self._delta(call, index, "", [], "tool_calls" if parser.calls and finish == "stop"
+                                      else finish))
+        return deltas
+
     async def _stream(self, call: _Call, sessions: _Sessions, choices: list[_Choice],
                       first: tuple[int, Event | BaseException | None], response_id: str, usage: genai.Usage, span: Span,
                       t0: float) -> AsyncIterator[bytes]:
@@ -639,6 +696,7 @@ class OpenAIServer:
             if call.operation == "chat":  # OpenAI opens every choice with the assistant's role
                 yield self._chunk(call, response_id, created, [self._delta(call, c.index, "", [], None, role=True)
                                                                for c in choices])
+            parsers = {c.index: tool_calls.StreamParser() for c in choices} if call.tools else {}
             item: tuple[int, Event | BaseException | None] | None = first
             while not all(c.done for c in choices):
                 index, event = item if item is not None else await sessions.queue.get()
@@ -654,6 +712,10 @@ class OpenAIServer:
                     self._end(call, choice)
                     continue
                 self._apply(call, choice, event, t0)
+                if index in parsers:
+                    for delta in self._tool_deltas(call, parsers[index], index, event):
+                        yield self._chunk(call, response_id, created, [delta])
+                    continue
                 if event.text or event.finish_reason or (call.logprobs and event.logprobs):
                     finish = _FINISH.get(event.finish_reason, "stop") if event.finish_reason else None
                     yield self._chunk(call, response_id, created,
