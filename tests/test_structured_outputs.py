@@ -25,12 +25,12 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
                                            "pet": {"type": "string", "enum": ["cat", "dog", "fish"]}},
           "required": ["name", "age", "pet"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {
+WEATHER: Any = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
                                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
+TIME: Any = {"type": "function", "function": {
     "name": "get_time", "description": "The local time in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
                    "required": ["city"], "additionalProperties": False}}}
@@ -125,12 +125,12 @@ def test_json_object_on_completions_and_chat_stream(client: openai.OpenAI) -> No
 
 def test_bad_response_format_and_tool_choice_are_400(client: openai.OpenAI) -> None:
     messages: Any = [{"role": "user", "content": "hi"}]
+    xml: Any = {"type": "xml"}
     with pytest.raises(openai.BadRequestError, match="response_format"):
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
-                                       response_format={"type": "xml"})  # type: ignore[arg-type,typeddict-item]
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format=xml)
+    broken: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(["}}}
     with pytest.raises(openai.BadRequestError, match="does not compile"):
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(["}}})
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, response_format=broken)
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
@@ -151,3 +151,81 @@ def test_constrained_rows_leave_batched_streams_token_identical(client: openai.O
         for reply in guided:
             jsonschema.validate(json.loads(reply.result().choices[0].message.content or ""), PERSON)
     assert batched == solo
+
+
+def _params(name: str) -> Any:
+    return next(t["function"]["parameters"] for t in (WEATHER, TIME) if t["function"]["name"] == name)
+
+
+def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
+    """A required call is one of the tools with valid arguments; a named one is that function, streamed as OpenAI
+    streams tool-call deltas."""
+    messages: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for seed in range(3):
+        reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                               tool_choice="required", temperature=1.0, seed=seed, max_tokens=64)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), _params(call.function.name))
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], stream=True,
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                            temperature=1.0, seed=1, max_tokens=64)
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        for d in delta.tool_calls or []:
+            entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            entry["name"] += (d.function.name or "") if d.function else ""
+            entry["arguments"] += (d.function.arguments or "") if d.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0] and calls[0]["name"] == "get_time"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), _params("get_time"))
+
+
+def test_tool_choice_auto_ends_well_formed_and_tool_results_render(client: openai.OpenAI) -> None:
+    messages: Any = [{"role": "user", "content": "What is the weather in Paris? Use the tools."}]
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], stream=True,
+                                                         temperature=0.0, max_tokens=48))
+            finish = chunks[-1].choices[0].finish_reason
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            names = [d.function.name for c in chunks for d in c.choices[0].delta.tool_calls or [] if d.function]
+        else:
+            choice = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
+                                                    temperature=0.0, max_tokens=48).choices[0]
+            finish, content = choice.finish_reason, choice.message.content or ""
+            names = [c.function.name for c in choice.message.tool_calls or []]  # type: ignore[union-attr]
+        assert finish in ("stop", "length", "tool_calls")
+        assert (finish == "tool_calls") == bool(names) and all(n == "get_weather" for n in names)
+        assert "<tool_call>" not in content or finish != "tool_calls"
+    # the call and its result go back through the template, and the answer is an assistant message
+    messages += [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                     "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temperature": 21})}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                           temperature=0.0, max_tokens=24)
+    assert reply.choices[0].message.role == "assistant" and not reply.choices[0].message.tool_calls
+    assert reply.usage is not None and reply.usage.prompt_tokens > 100  # the tools' description and the turns
+
+
+def test_tool_call_parsing() -> None:
+    from graphmesh_coordinator import tool_calls
+
+    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", ' \
+           '"arguments": "{\\"b\\": 2}"}\n</tool_call>'
+    content, calls = tool_calls.parse(text)
+    assert content == "Sure." and [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"b": 2}
+    assert tool_calls.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    parser, out = tool_calls.StreamParser(), ""
+    got: list[dict[str, Any]] = []
+    for piece in [text[i:i + 3] for i in range(0, len(text), 3)]:
+        more, new = parser.feed(piece)
+        out, got = out + more, got + new
+    assert (out + parser.finish()).strip() == "Sure." and [c["function"]["name"] for c in got] == ["f", "g"]
+    parser = tool_calls.StreamParser()
+    assert parser.feed("a <tool") == ("a ", []) and parser.feed("box>") == ("<toolbox>", [])
