@@ -229,3 +229,47 @@ def test_tool_call_parsing() -> None:
     assert (out + parser.finish()).strip() == "Sure." and [c["function"]["name"] for c in got] == ["f", "g"]
     parser = tool_calls.StreamParser()
     assert parser.feed("a <tool") == ("a ", []) and parser.feed("box>") == ("<toolbox>", [])
+
+
+def test_responses_api_text_stream_and_chain(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, instructions="Answer in one short sentence.",
+                                    input="What is the capital of France?", temperature=0.0, max_output_tokens=24)
+    assert first.id.startswith("resp_") and first.status in ("completed", "incomplete") and first.output_text
+    assert first.usage is not None and first.usage.output_tokens > 0
+    # chained: the previous turns come from the store, so the prompt is longer than this input alone
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input="And of Italy?",
+                                     temperature=0.0, max_output_tokens=16)
+    assert second.previous_response_id == first.id and second.output_text
+    assert second.usage is not None and second.usage.input_tokens > first.usage.input_tokens
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    events = list(client.responses.create(model=MODEL, previous_response_id=first.id, input="And of Italy?",
+                                          temperature=0.0, max_output_tokens=16, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] in ("response.completed",
+                                                                                       "response.incomplete")
+    assert "".join(getattr(e, "delta", "") for e in events if e.type == "response.output_text.delta") == \
+        second.output_text  # greedy: the same text streamed
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_api_function_call_and_refusals(client: openai.OpenAI) -> None:
+    tool: Any = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    for stream in (False, True):
+        if stream:
+            events = list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool],
+                                                  tool_choice="required", temperature=1.0, extra_body={"seed": 2},
+                                                  max_output_tokens=64, stream=True))
+            done = [e for e in events if e.type == "response.completed"]
+            assert done
+            output = done[0].response.output  # type: ignore[union-attr]
+        else:
+            output = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool],
+                                             tool_choice="required", temperature=1.0, extra_body={"seed": 2},
+                                             max_output_tokens=64).output
+        calls = [o for o in output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].arguments), tool["parameters"])
+    with pytest.raises(openai.BadRequestError, match="reasoning"):
+        client.responses.create(model=MODEL, input="hi", reasoning={"effort": "high"})
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_missing")

@@ -52,7 +52,7 @@ from graphmesh.errors import (
 )
 from graphmesh.protocol import Action
 from graphmesh.security import Tls
-from graphmesh_coordinator import genai, structured, tool_calls
+from graphmesh_coordinator import genai, responses, structured, tool_calls
 from graphmesh_coordinator.generation import (
     MAX_TOP_LOGPROBS,
     Event,
@@ -343,6 +343,7 @@ class OpenAIServer:
         authorized = [Depends(self._authorize)]
         app.post("/v1/chat/completions", dependencies=authorized)(self.chat_completions)
         app.post("/v1/completions", dependencies=authorized)(self.completions)
+        responses.ResponsesAPI(self).mount(app, authorized)  # POST /v1/responses, GET /v1/responses/{id}
         app.get("/v1/models", dependencies=authorized)(self.models)
         app.get("/v1/models/{model:path}", dependencies=authorized)(self.model)
         app.get("/health")(self.health)
