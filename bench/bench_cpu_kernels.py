@@ -38,7 +38,7 @@ PROMPT = list(range(100, 140))
 def use(engine: str) -> None:
     """Which kernels the backend finds: set before each engine's step (and before its weights are laid out)."""
     os.environ["GRAPHMESH_CPU_KERNELS"] = "0" if engine == "torch" else "1"
-    os.environ["GRAPHMESH_CPU_ISA"] = engine if engine != "torch" else "avx2"
+    cpu_kernels.select(engine if engine != "torch" else "avx2")
     cpu_kernels._library.cache_clear()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -33,10 +34,11 @@ SHAPES = [(1, 576, 576), (2, 7, 5), (3, 13, 13), (5, 576, 1536), (16, 1536, 576)
 
 
 @pytest.fixture(autouse=True, params=BUILDS or ["avx2"])
-def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def build(request: pytest.FixtureRequest) -> Iterator[str]:
     """The kernel build each test runs on (see the module's docstring)."""
-    monkeypatch.setenv("GRAPHMESH_CPU_ISA", request.param)
-    return str(request.param)
+    cpu_kernels.select(request.param)
+    yield str(request.param)
+    cpu_kernels.select(None)
 
 
 def _rand(*shape: int, seed: int) -> torch.Tensor:
@@ -60,7 +62,7 @@ def test_a_build_in_the_cache_loads_without_a_compiler(build: str, monkeypatch: 
 
 
 @pytest.mark.skipif(len(BUILDS) < 2, reason="one kernel build runs on this host (no AVX-512): nothing to compare")
-def test_the_avx2_and_avx512_builds_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_avx2_and_avx512_builds_give_the_same_bits() -> None:
     """A session's tokens do not depend on which host kind served it: every kernel's outputs are bit-identical
     between the two builds (each product output is one FMA chain over k in order; attention and the norms keep
     8-lane sums in both)."""
@@ -70,7 +72,7 @@ def test_the_avx2_and_avx512_builds_give_the_same_bits(monkeypatch: pytest.Monke
     norm_w, cos, sin = _rand(576, seed=5), _rand(PROMPT_ROWS, 1, 64, seed=6), _rand(PROMPT_ROWS, 1, 64, seed=7)
     results = []
     for b in BUILDS:
-        monkeypatch.setenv("GRAPHMESH_CPU_ISA", b)
+        cpu_kernels.select(b)
         w2, blocks2 = w.clone(), blocks.clone()  # fresh tensors: panels of each build's own width
         results.append([cpu_kernels.matmul_xwt(x, w2), cpu_kernels.matmul_xwt(x[:3], w2),
                         cpu_kernels.matmul_xwt_packed(x, blocks2, "q4_1", 200),

@@ -51,14 +51,21 @@ _HEADS_AT_ONCE = 3  # query heads paged_decode_attention scores at once: its sco
 _MIN_SHARE = 384  # output columns a thread takes at least: fewer cost more in the handoff than they save
 
 
+_chosen: str | None = None  # the build of this process, once asked (isa() runs at every product)
+
+
 def isa() -> str:
     """The build this host runs: GRAPHMESH_CPU_ISA if set (avx2 or avx512), else the widest the CPU has."""
-    return os.environ.get("GRAPHMESH_CPU_ISA") or _widest()
+    global _chosen
+    if _chosen is None:
+        _chosen = os.environ.get("GRAPHMESH_CPU_ISA") or ("avx512" if _ISA_CPU["avx512"] <= cpu_flags() else "avx2")
+    return _chosen
 
 
-@functools.cache  # asked at every product: /proc/cpuinfo is read once
-def _widest() -> str:
-    return "avx512" if _ISA_CPU["avx512"] <= cpu_flags() else "avx2"
+def select(build: str | None) -> None:
+    """Pins the build this process runs from now on (tests and benchmarks run each); None: isa()'s choice."""
+    global _chosen
+    _chosen = build
 
 
 def _cache_dir() -> Path:
