@@ -273,3 +273,16 @@ def test_responses_api_function_call_and_refusals(client: openai.OpenAI) -> None
         client.responses.create(model=MODEL, input="hi", reasoning={"effort": "high"})
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_missing")
+
+
+def test_metrics(mesh: LocalMesh, client: openai.OpenAI) -> None:
+    """Grammar compile time, mask time per token, and requests by response_format kind."""
+    import urllib.request
+
+    _person(client, 0, max_tokens=8)
+    with urllib.request.urlopen(mesh.http_url.removesuffix("/v1") + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    counts = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines() if not line.startswith("#")}
+    assert counts["graphmesh_grammar_compile_seconds_count"] >= 1
+    assert counts["graphmesh_grammar_mask_seconds_count"] >= 8
+    assert counts['graphmesh_openai_requests_by_response_format_total{kind="json_schema"}'] >= 1
