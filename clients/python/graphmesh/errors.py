@@ -18,6 +18,12 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 DOMAIN = "graphmesh.dev"
+MAX_MESSAGE_CHARS = 1024  # of an error's message on the wire
+
+
+def _clip(text: str, limit: int) -> str:
+    text = str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class GraphmeshError(Exception):
@@ -34,9 +40,13 @@ class GraphmeshError(Exception):
         return rpc_status.to_status(self.to_status_proto())
 
     def to_status_proto(self) -> status_pb2.Status:
-        """The google.rpc.Status a gRPC status carries, for transports without one (executors' boundary links)."""
-        info = error_details_pb2.ErrorInfo(reason=self.reason, domain=DOMAIN, metadata=self.metadata)
-        status = status_pb2.Status(code=self.code.value[0], message=self.message)
+        """The google.rpc.Status a gRPC status carries, for transports without one (executors' boundary links).
+        Message and metadata are cut short and made valid UTF-8: they often quote what a caller sent (a model
+        name, a path), and a status over gRPC's 8 KiB of trailing metadata reached the client as RESOURCE_EXHAUSTED
+        instead of the error."""
+        info = error_details_pb2.ErrorInfo(reason=self.reason, domain=DOMAIN,
+                                           metadata={_clip(k, 64): _clip(v, 256) for k, v in self.metadata.items()})
+        status = status_pb2.Status(code=self.code.value[0], message=_clip(self.message, MAX_MESSAGE_CHARS))
         status.details.add().Pack(info)
         return status
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 from typing import Any
 
@@ -37,9 +38,43 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+class RateLimit(logging.Filter):
+    """Passes at most `burst` records of one cause (logger, level, message template) per `window_s`; the first
+    record of a cause after a window in which some were dropped says how many. A flood of one error (accept()
+    failing 20,000 times a second) then costs a few lines, not hundreds of megabytes of log."""
+
+    def __init__(self, burst: int = 50, window_s: float = 10.0) -> None:
+        super().__init__()
+        self.burst, self.window_s = burst, window_s
+        self._causes: dict[tuple[str, int, str], list[float]] = {}  # cause -> [window start, passed, dropped]
+        self._lock = threading.Lock()  # handlers filter before they take their own lock
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with self._lock:
+            return self._filter(record)
+
+    def _filter(self, record: logging.LogRecord) -> bool:
+        cause = (record.name, record.levelno, str(record.msg))
+        entry = self._causes.get(cause)
+        if entry is None or record.created - entry[0] >= self.window_s:
+            dropped = int(entry[2]) if entry is not None else 0
+            if len(self._causes) > 1024:  # causes are templates, few; a bound anyway
+                self._causes.clear()
+            self._causes[cause] = [record.created, 1, 0]
+            if dropped:
+                record.suppressed = dropped  # the JSON formatter writes extras
+            return True
+        if entry[1] < self.burst:
+            entry[1] += 1
+            return True
+        entry[2] += 1
+        return False
+
+
 def configure(service: str, level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service))
+    handler.addFilter(RateLimit())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

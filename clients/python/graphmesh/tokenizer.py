@@ -27,6 +27,14 @@ from graphmesh.errors import InvalidArgument, NotFound
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
+
+def _encode(tokenizer: HFTokenizer, text: str, add_special_tokens: bool = True) -> Encoding:
+    """tokenizer.encode(text), through encode_batch: the Rust tokenizer releases the GIL there (and holds it for the
+    whole of encode), so a long prompt being tokenized never stops the process's other threads (health answers,
+    the executors' health probes, the scheduler). A 1 MiB prompt held the GIL ~1 s through encode."""
+    encodings: list[Encoding] = tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+    return encodings[0]
+
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -116,6 +124,27 @@ class Tokenizer:
         specials = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special),
                           key=len, reverse=True)  # longest first, as the tokenizer matches them
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # The most UTF-8 bytes of text one call tokenizes (0: no limit): the coordinator sets it from the model's
+        # context (--max-prompt-bytes), so an oversized prompt is refused before any work is done for it.
+        self.max_input_bytes = 0
+
+    def check_text(self, *texts: str) -> None:
+        """Refuses text that is not valid Unicode (a lone surrogate, which JSON's \\udfff escapes can spell) or,
+        all together, longer than max_input_bytes: INVALID_ARGUMENT before any tokenizing."""
+        limit, total = self.max_input_bytes, 0
+        for text in texts:
+            if limit and len(text) > limit:  # characters never outnumber UTF-8 bytes: refused without encoding
+                total = len(text)
+                break
+            try:
+                total += len(text.encode("utf-8"))
+            except UnicodeEncodeError as e:
+                raise InvalidArgument(f"the text is not valid Unicode: {e.reason} at character {e.start}",
+                                      "INVALID_UNICODE") from None
+        if limit and total > limit:
+            raise InvalidArgument(f"the prompt's text is {total} bytes or more; this server tokenizes at most {limit} "
+                                  "(--max-prompt-bytes)", "PROMPT_TOO_LARGE",
+                                  {"limit_bytes": str(limit)})
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> Tokenizer:
@@ -155,11 +184,13 @@ class Tokenizer:
         return cls(tok, template, special, stop_token_ids(tok, template, eos))
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = self.backend.encode(text).ids
+        self.check_text(text)
+        ids: list[int] = _encode(self.backend, text).ids
         return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
 
     def encode_text(self, text: str) -> list[int]:
         """User text: special-token spellings in it ("<|im_start|>") are text, never control tokens."""
+        self.check_text(text)
         return self._encode_pieces([(text, True)])
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -167,6 +198,7 @@ class Tokenizer:
         """A conversation through the chat template. Unless parse_special, the control tokens come from the
         template alone: the messages' contents are tokenized as text (the same ids as encode() would give
         when they hold no special-token spelling), and a role that spells one is refused."""
+        self.check_text(*(str(m.get(k, "")) for m in messages for k in ("role", "content")))
         if parse_special:
             return self.encode(self.apply_chat_template(messages, add_generation_prompt))
         for m in messages:
@@ -198,11 +230,11 @@ class Tokenizer:
         at = 0
         for start, end in cuts:
             if start > at:
-                encodings.append(self.literal.encode(text[at:start], add_special_tokens=False))
-            encodings.append(self.backend.encode(text[start:end], add_special_tokens=False))
+                encodings.append(_encode(self.literal, text[at:start], add_special_tokens=False))
+            encodings.append(_encode(self.backend, text[start:end], add_special_tokens=False))
             at = end
         if at < len(text) or not encodings:
-            encodings.append(self.literal.encode(text[at:], add_special_tokens=False))
+            encodings.append(_encode(self.literal, text[at:], add_special_tokens=False))
         # the post-processor (a Hugging Face tokenizer's BOS template) applies once, to the whole
         ids: list[int] = self.backend.post_process(Encoding.merge(encodings, growing_offsets=True)).ids
         return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids

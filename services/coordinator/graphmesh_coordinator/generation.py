@@ -39,6 +39,8 @@ INTER_TOKEN_SECONDS = Histogram("graphmesh_inter_token_seconds", "Time between c
                                 buckets=_LATENCY_BUCKETS)
 TOKENS_GENERATED = Counter("graphmesh_tokens_generated", "Tokens generated and streamed to clients")
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+INT32_MAX = (1 << 31) - 1  # top_k and max_tokens travel to the executors as 32-bit fields
+UINT64_MAX = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -120,8 +122,9 @@ def validate(request: GenerationRequest, context_tokens: int, vocab_size: int,
     """Everything that would make a request's rows fail, refused before it joins a step with other sessions."""
     if not request.prompt_ids:
         raise InvalidArgument("the prompt is empty", "EMPTY_PROMPT")
-    if request.max_tokens <= 0:
-        raise InvalidArgument(f"max_tokens must be >= 1, got {request.max_tokens}", "BAD_MAX_TOKENS")
+    if not 0 < request.max_tokens <= INT32_MAX:
+        raise InvalidArgument(f"max_tokens must be in [1, {INT32_MAX}], got {request.max_tokens}", "BAD_MAX_TOKENS",
+                              {"parameter": "max_tokens"})
     if len(request.prompt_ids) >= context_tokens:
         raise InvalidArgument(f"the prompt has {len(request.prompt_ids)} tokens; the context holds {context_tokens}",
                               "PROMPT_TOO_LONG")
@@ -141,9 +144,12 @@ def validate(request: GenerationRequest, context_tokens: int, vocab_size: int,
         raise InvalidArgument("ignore_eos cannot be combined with guided decoding: a finished grammar allows only the "
                               "end of sequence", "BAD_GUIDED_DECODING", {"parameter": "ignore_eos"})
     check_finite_sampling(temperature=request.temperature, top_p=request.top_p)
-    if request.temperature < 0 or request.top_k < 0 or not 0.0 <= request.top_p <= 1.0:
-        raise InvalidArgument(f"bad sampling: temperature {request.temperature} (>= 0), top_k {request.top_k} (>= 0), "
-                              f"top_p {request.top_p} (in [0, 1])", "BAD_SAMPLING")
+    if not 0 <= request.seed <= UINT64_MAX:
+        raise InvalidArgument(f"seed must be in [0, {UINT64_MAX}], got {request.seed}", "BAD_SEED",
+                              {"parameter": "seed"})
+    if request.temperature < 0 or not 0 <= request.top_k <= INT32_MAX or not 0.0 <= request.top_p <= 1.0:
+        raise InvalidArgument(f"bad sampling: temperature {request.temperature} (>= 0), top_k {request.top_k} "
+                              f"(in [0, {INT32_MAX}]), top_p {request.top_p} (in [0, 1])", "BAD_SAMPLING")
     if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}",
                               "BAD_LOGPROBS", {"parameter": "top_logprobs"})

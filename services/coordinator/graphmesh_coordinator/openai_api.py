@@ -52,7 +52,7 @@ from graphmesh.errors import (
 )
 from graphmesh.protocol import Action
 from graphmesh.security import Tls
-from graphmesh_coordinator import genai, responses, structured, tool_calls
+from graphmesh_coordinator import genai, http_limits, responses, structured, tool_calls
 from graphmesh_coordinator.generation import (
     MAX_TOP_LOGPROBS,
     Event,
@@ -733,9 +733,12 @@ class OpenAIServer:
                 self._failed(call.operation, usage, response_id, span, t0, error)
 
     # -- lifecycle --
-    def start(self, listen: str, tls: Tls | None = None) -> int:
+    def start(self, listen: str, tls: Tls | None = None, max_connections: int = 0) -> int:
         """Binds `listen` (HOST:PORT; port 0 picks one) and serves in a thread; returns the port. With TLS the
-        API serves the coordinator's certificate and, under mutual TLS, requires a client certificate of its CA."""
+        API serves the coordinator's certificate and, under mutual TLS, requires a client certificate of its CA.
+        At most `max_connections` connections are open (0: http_limits.default_max_connections()); more are closed
+        as they are accepted, and one that completes no request's headers within http_limits.REQUEST_TIMEOUT_S
+        is closed, on plain HTTP as under TLS."""
         host, _, port_text = listen.rpartition(":")
         host = host.strip("[]") or "0.0.0.0"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -744,8 +747,11 @@ class OpenAIServer:
         sock.bind((host, int(port_text)))  # here, so a port in use fails the coordinator's start, not a thread
         sock.listen(2048)
         tls_args = self._tls_args(tls) if tls is not None else {}
+        cap = max_connections or http_limits.default_max_connections()
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2, **tls_args)
+                                timeout_graceful_shutdown=2, http=http_limits.guarded_protocol(cap),
+                                timeout_keep_alive=5, h11_max_incomplete_event_size=http_limits.H11_MAX_HEADER_BYTES,
+                                backlog=2048, **tls_args)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
         self._thread.start()

@@ -71,6 +71,8 @@ class CoordinatorConfig:
     advertise: str = ""  # the address clients reach this coordinator at, stored in etcd by the leader; "": listen
     min_executors: int = 1  # with etcd: the members (static and registered) a new leader waits for before planning
     max_waiting_requests: int = DEFAULT_MAX_WAITING  # generation requests that may wait for their first token
+    max_prompt_bytes: int = 0  # UTF-8 bytes of prompt text tokenized for one request; 0: by the context
+    http_max_connections: int = 0  # open HTTP connections at most; 0: by the descriptor limit
 
 
 @dataclass
@@ -80,6 +82,17 @@ class Coordinator:
     mesh: Mesh
     http: OpenAIServer | None = None
     election: Election | None = None
+
+
+PROMPT_BYTES_PER_TOKEN = 16  # a prompt of context tokens fits (a token is a few bytes of text; 16 leaves room)
+MIN_PROMPT_BYTES = 1 << 20
+
+
+def prompt_bytes_limit(flag: int, context_tokens: int) -> int:
+    """--max-prompt-bytes, or by the context: a prompt longer than the context in tokens can never be served, and
+    no token is spelled by more than a few bytes, so text beyond 16 bytes a context token (at least 1 MiB) is
+    refused before it is tokenized. Tokenizing costs about 1 s a MiB: the limit is what one request can cost."""
+    return flag if flag > 0 else max(MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN * context_tokens)
 
 
 def _http_listen(config: CoordinatorConfig) -> str:
@@ -122,6 +135,8 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
                     config.rpc_timeout_s, max_context_tokens=config.max_context_tokens, dtype=config.dtype,
                     kvstore=config.kvstore, tls=config.security.tls)
     context = config.max_context_tokens or ckpt.config.max_position
+    if tokenizer is not None:
+        tokenizer.max_input_bytes = prompt_bytes_limit(config.max_prompt_bytes, context)
     eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
     scheduler = Scheduler(mesh, config.max_step_tokens, config.max_step_seqs, steps_in_flight=config.steps_in_flight,
                           decode_steps=config.decode_steps)
@@ -158,7 +173,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     http = None
     if config.http_listen:
         http = OpenAIServer(generator, mesh, config.model, config.security.auth_token, config.http_ready_wait_s, gate)
-        http.start(_http_listen(config), config.security.tls)
+        http.start(_http_listen(config), config.security.tls, max_connections=config.http_max_connections)
         log.info("HTTP API", extra={"http_listen": config.http_listen, "port": http.port})
     if config.metrics_port or http is not None:  # the HTTP API serves /metrics too
         telemetry.expose(
@@ -285,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kvstore", default="")
     parser.add_argument("--split", default="", help="layers per executor, e.g. 15,15 (default: balanced)")
     parser.add_argument("--weights", default="packed", choices=["f32", "packed", "packed-bf16"],
-                        help="packed (default): a GGUF's quantized blocks kept packed (on CPUs the same tokens as f32, faster); f32: dequantized; packed-bf16: bf16 activations into them")
+                        help="packed (default): a GGUF's quantized blocks kept packed (on CPUs the same tokens as f32, "
+                             "faster); f32: dequantized; packed-bf16: bf16 activations into them")
     parser.add_argument("--startup-timeout", type=float, default=60.0)
     parser.add_argument("--rpc-timeout", type=float, default=60.0)
     parser.add_argument("--max-context", type=int, default=0, help="cap on tokens per session (0: the model's)")
@@ -317,13 +333,22 @@ def main(argv: list[str] | None = None) -> None:
                              "(kilobytes) but no thread; one more gets RESOURCE_EXHAUSTED (HTTP 429, reason "
                              f"QUEUE_FULL). Not --max-concurrent-rpcs, which counts no generation (default "
                              f"{DEFAULT_MAX_WAITING})")
+    parser.add_argument("--max-prompt-bytes", type=int, default=0,
+                        help="UTF-8 bytes of prompt text one request may have tokenized (chat messages together); "
+                             "more is refused (INVALID_ARGUMENT / HTTP 400, reason PROMPT_TOO_LARGE) before any "
+                             f"work. Default 0: {PROMPT_BYTES_PER_TOKEN} bytes per context token, at least 1 MiB")
+    parser.add_argument("--http-max-connections", type=int, default=0,
+                        help="open connections the HTTP API keeps at most; more are closed as they are accepted. "
+                             "Default 0: a quarter of the process's descriptor limit, at most 4096")
     security.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
     if args.max_waiting_requests < 1:
         parser.error(f"--max-waiting-requests must be >= 1, not {args.max_waiting_requests}")
-    for flag, value in (("--decode-steps", args.decode_steps), ("--max-step-tokens", args.max_step_tokens)):
+    for flag, value in (("--decode-steps", args.decode_steps), ("--max-step-tokens", args.max_step_tokens),
+                        ("--max-prompt-bytes", args.max_prompt_bytes),
+                        ("--http-max-connections", args.http_max_connections)):
         if value < 0:  # a negative budget would schedule no step at all: every request would wait forever
-            parser.error(f"{flag} must be >= 0 (0: by the executors' devices), not {value}")
+            parser.error(f"{flag} must be >= 0 (0: the default), not {value}")
     logs.configure("coordinator")
     telemetry.setup("graphmesh-coordinator")
     try:
@@ -336,7 +361,9 @@ def main(argv: list[str] | None = None) -> None:
                                    health_window_s=args.health_window,
                                    etcd=[u for u in args.etcd.split(",") if u], cluster_name=args.cluster_name,
                                    lease_ttl_s=args.lease_ttl, advertise=args.advertise,
-                                   min_executors=args.min_executors, max_waiting_requests=args.max_waiting_requests)
+                                   min_executors=args.min_executors, max_waiting_requests=args.max_waiting_requests,
+                                   max_prompt_bytes=args.max_prompt_bytes,
+                                   http_max_connections=args.http_max_connections)
         telemetry.serve_metrics(config.metrics_port)
         running = build_server(config)
     except Exception as e:
