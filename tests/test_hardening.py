@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -46,7 +48,7 @@ def mesh(model: Path) -> Iterator[LocalMesh]:
         yield m
 
 
-def _member(mesh: LocalMesh, address: str) -> grpc.Channel:
+def _member(mesh: LocalMesh, address: str) -> grpc.Channel:  # a channel as a mesh member opens it
     return security.channel(address, None, mesh_token=mesh.mesh_token)
 
 
@@ -337,5 +339,51 @@ def test_grpc_and_kserve_fields_swept_with_boundary_values(mesh: LocalMesh) -> N
     assert _status(mesh).ready
 
 
-def _unused() -> None:  # keep imports referenced for later sections
-    _ = (stage_pb2, stage_pb2_grpc, _member)
+# -- 6: token files are checked at start -------------------------------------------------------------------------
+def test_a_weak_token_file_is_refused_and_a_readable_one_warned_about(
+        mesh: LocalMesh, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    weak = tmp_path / "weak"
+    weak.write_text("x\n")
+    weak.chmod(0o644)
+    run = subprocess.run([sys.executable, "-m", "graphmesh_executor.server", "--listen", f"127.0.0.1:{free_port()}",
+                          "--backend", "numpy", "--mesh-token-file", str(weak)], capture_output=True, timeout=60)
+    assert run.returncode != 0 and b"at least 16" in run.stdout + run.stderr, run.stderr[-2000:]
+    readable = tmp_path / "readable"
+    readable.write_text("a-long-enough-random-token\n")
+    readable.chmod(0o644)
+    with caplog.at_level("WARNING", logger="graphmesh.security"):
+        assert security.read_token(str(readable)) == "a-long-enough-random-token"
+    assert any("readable by its group or everyone" in r.getMessage() for r in caplog.records)
+    # what `graphmesh up` (LocalMesh) writes passes both checks
+    assert len(mesh.mesh_token.encode()) >= security.MIN_TOKEN_BYTES
+    assert Path(mesh.mesh_token_file).stat().st_mode & 0o077 == 0
+
+
+# -- 3: a Fence far ahead (a mesh-token holder may send one) leaves the mesh serving within seconds -----------------
+def _generate(mesh: LocalMesh, prompt: list[int]) -> list[int]:
+    with grpc.insecure_channel(mesh.coordinator_address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompt, max_tokens=4, ignore_eos=True)
+        return [t for r in stub.Generate(request, timeout=30) for t in r.token_ids]
+
+
+def test_a_far_ahead_fence_is_recovered_from_in_one_step(mesh: LocalMesh) -> None:
+    prompt = list(range(10, 30))
+    expected = _generate(mesh, prompt)
+    before = _status(mesh)
+    ahead = before.incarnation + (1 << 20)  # the most an executor accepts beyond what it has seen
+    with _member(mesh, mesh.executor_addresses[0]) as channel:
+        stage_pb2_grpc.StageServiceStub(channel).Fence(stage_pb2.FenceRequest(incarnation=ahead, reason="attack"),
+                                                       timeout=10)
+    t0, last = time.monotonic(), None
+    while time.monotonic() - t0 < 5.0:
+        try:
+            assert _generate(mesh, prompt) == expected
+            break
+        except grpc.RpcError as e:
+            last = e
+            time.sleep(0.1)
+    else:
+        raise AssertionError(f"the mesh did not serve within 5 s of the fence: {last}")
+    after = _status(mesh)
+    assert after.ready and after.incarnation == ahead + 1, (before.incarnation, after.incarnation)

@@ -22,7 +22,7 @@ from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage
 from tests.model_fixtures import make_tiny_llama
 from tests.pki import Pem, issue, issue_mesh
 
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-of-the-tls-tests"
 PROMPT = list(range(100, 140))  # two whole 16-token KV blocks: the second generation seeds them from the store
 
 
@@ -46,6 +46,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     rogue = issue(rogue_dir, "client", issue(rogue_dir, "rogue-ca"))
     token = d / "token"
     token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
     return Pki(mesh.ca.cert, mesh.coordinator, mesh.kvstore, mesh.executor, mesh.client, rogue, str(token))
 
 

@@ -661,13 +661,27 @@ def add_arguments(parser: argparse.ArgumentParser, auth_token: bool = False, exe
                             help="clients (not only mesh members) may call ExecutorService")
 
 
+MIN_TOKEN_BYTES = 16  # a token anyone could guess is no credential: `graphmesh up` writes 43 random characters
+
+
 def read_token(path: str) -> str:
-    """The token in the file at `path` (surrounding whitespace dropped); empty for an empty path."""
+    """The token in the file at `path` (surrounding whitespace dropped); empty for an empty path. A token shorter
+    than MIN_TOKEN_BYTES is refused (WEAK_TOKEN); a file that its group or everyone may read is accepted with a
+    warning (whoever reads it holds every role of the mesh, or its clients' access)."""
     if not path:
         return ""
-    token = Path(path).read_text().strip()
+    file = Path(path)
+    token = file.read_text().strip()
     if not token:
         raise InvalidArgument(f"{path} holds no token", "EMPTY_TOKEN")
+    if len(token.encode()) < MIN_TOKEN_BYTES:
+        raise InvalidArgument(f"the token in {path} is {len(token.encode())} bytes; at least {MIN_TOKEN_BYTES} are "
+                              "needed (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)",
+                              "WEAK_TOKEN")
+    mode = file.stat().st_mode & 0o777
+    if mode & 0o077:
+        log.warning("the token file is readable by its group or everyone: chmod 600 it",
+                    extra={"path": path, "mode": oct(mode)})
     return token
 
 

@@ -265,6 +265,11 @@ class EtcdState(DurableState):
         self.incarnation = self.election.current_incarnation()
         return self.incarnation
 
+    def advance_to(self, floor: int) -> None:
+        with self._lock:
+            self.election.advance_to(floor)
+            self.incarnation = max(self.incarnation, floor)
+
     def next_incarnation(self) -> int:
         with self._lock:
             issued = self.election.next_incarnation()

@@ -143,6 +143,22 @@ class Mesh:
         return list(dict.fromkeys([*self.addresses, *(r.plan.address for r in self.ranks)]))
 
     def install(self, addresses: Sequence[str] | None = None, replacing: int = 0) -> None:
+        """_install, once more when an executor refused the incarnation as stale: its refusal names the highest
+        incarnation it has seen (a Fence far ahead from a token holder, a counter lost with the state dir), the
+        counter moves there and the next install issues the one above it, in one step rather than one
+        incarnation per retry (~1M retries, 30 h, after a Fence 2^20 ahead)."""
+        try:
+            self._install(addresses, replacing)
+        except Unavailable as e:
+            highest = int(e.metadata.get("highest_seen", "0") or 0)
+            if highest < self.state.incarnation:
+                raise
+            log.warning("an executor has seen a newer incarnation: issuing the next one above it",
+                        extra={"incarnation": self.state.incarnation, "highest_seen": highest})
+            self.state.advance_to(highest)
+            self._install(addresses, replacing)
+
+    def _install(self, addresses: Sequence[str] | None = None, replacing: int = 0) -> None:
         """Issues a new incarnation and installs the plan on the executors (they load their own weights).
 
         replacing: the incarnation of a roster that still serves, re-planned because membership changed. Executors
@@ -206,8 +222,9 @@ class Mesh:
             except grpc.RpcError as e:
                 rank.healthy = False
                 error = from_rpc_error(e)
+                seen = error.metadata.get("highest_seen", "") if error.reason == "STALE_INCARNATION" else ""
                 raise Unavailable(f"executor {rank.plan.address} (rank {rank.plan.rank}) failed to install: "
-                                  f"{error.message}", "INSTALL_FAILED") from e
+                                  f"{error.message}", "INSTALL_FAILED", {"highest_seen": seen} if seen else None) from e
             rank.backend, rank.device, rank.param_bytes = reply.backend, reply.device, reply.param_bytes
             rank.model_identity, rank.kv_pool_blocks = reply.model_identity, reply.kv_pool_blocks
 

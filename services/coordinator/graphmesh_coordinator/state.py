@@ -101,6 +101,14 @@ class DurableState:
             with self._lock:
                 self._compact()  # a log written before it was bounded, or by a run that crashed before compacting
 
+    def advance_to(self, floor: int) -> None:
+        """Moves the counter up to `floor` (an incarnation an executor has seen), durably, so that the next one
+        issued is above it; never down: no value is issued twice."""
+        with self._lock:
+            if floor > self.incarnation:
+                _fsync_write(self._incarnation_path, json.dumps({"incarnation": floor}))
+                self.incarnation = floor
+
     def next_incarnation(self) -> int:
         """Issues a new incarnation, durable before it is returned."""
         with self._lock:

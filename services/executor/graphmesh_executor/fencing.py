@@ -54,7 +54,8 @@ class Authority:
         if incarnation <= self.highest_seen:
             raise FailedPrecondition(
                 f"incarnation {incarnation} is not newer than {self.highest_seen}, the highest this executor has seen",
-                "STALE_INCARNATION", {"current_incarnation": str(self.incarnation)})
+                "STALE_INCARNATION", {"current_incarnation": str(self.incarnation),
+                                      "highest_seen": str(self.highest_seen)})
         self._check_in_range(incarnation)
 
     def _check_in_range(self, incarnation: int) -> None:
