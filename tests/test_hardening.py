@@ -387,3 +387,31 @@ def test_a_far_ahead_fence_is_recovered_from_in_one_step(mesh: LocalMesh) -> Non
         raise AssertionError(f"the mesh did not serve within 5 s of the fence: {last}")
     after = _status(mesh)
     assert after.ready and after.incarnation == ahead + 1, (before.incarnation, after.incarnation)
+
+
+# -- 4 (executor): malformed LoadParams are INVALID_ARGUMENT, never INTERNAL ----------------------------------------
+def test_executor_load_params_with_malformed_files_is_invalid_argument(tmp_path: Path) -> None:
+    import struct
+
+    import numpy as np
+
+    from graphmesh import ExecutorClient, GraphBuilder, errors
+    from tests.conftest import executor_args, start_process
+
+    root = tmp_path / "models"
+    root.mkdir()
+    for name, header in (("list", b"[1, 2]"), ("deep", b"[" * 100_000 + b"]" * 100_000),
+                         ("deepobj", b'{"a":' * 100_000 + b"1" + b"}" * 100_000), ("number", b"7")):
+        (root / f"{name}.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    address = f"127.0.0.1:{free_port()}"
+    with start_process(executor_args(address, "--model-root", str(root)), address, log_path=tmp_path / "executor.log",
+                       env={"OMP_NUM_THREADS": "1"}), ExecutorClient(address) as client:
+        g = GraphBuilder("mlp")
+        g.output(g.matmul(g.input("x", (4, 8)), g.param("w", (8, 3))))
+        exe = client.compile(g.build())
+        for path in ("list.safetensors", "deep.safetensors", "deepobj.safetensors", "number.safetensors", "a\x00b",
+                     "\x00"):
+            with pytest.raises(errors.InvalidArgument):
+                exe.load_params(path)
+        exe.set_param("w", np.ones((8, 3), np.float32))
+        np.testing.assert_array_equal(exe.run({"x": np.ones((4, 8), np.float32)})[0], np.full((4, 3), 8, np.float32))

@@ -33,6 +33,8 @@ def resolve_under_root(root: Path | None, path: str) -> Path:
     if root is None:
         raise FailedPrecondition("this executor has no --model-root, so it cannot load params from files",
                                  "NO_MODEL_ROOT")
+    if "\x00" in path:  # the OS refuses it with a ValueError, which would answer INTERNAL
+        raise InvalidArgument(f"path {path!r} contains a NUL character", "BAD_PATH", {"path": path})
     real_root = root.resolve()
     target = (real_root / path).resolve()  # an absolute `path` replaces the root here and is then refused below
     if not target.is_relative_to(real_root):
@@ -53,7 +55,12 @@ def load_params(executable: Executable[Any], target: Path, name_map: Mapping[str
                 skip: Collection[str] = ()) -> tuple[list[str], int]:
     """Sets every declared param from the checkpoint, but those in `skip` (already set); returns (names, bytes
     loaded)."""
-    ckpt = open_checkpoint(target)
+    try:
+        ckpt = open_checkpoint(target)
+    except (AttributeError, RecursionError, LookupError, TypeError, ValueError, OverflowError) as e:
+        # a header of the wrong JSON type (a list), nested 100k deep, ...: the caller's file, not this executor's bug
+        raise InvalidArgument(f"{target.name} is not a readable checkpoint: {type(e).__name__}: {str(e)[:200]}",
+                              "BAD_CHECKPOINT", {"path": target.name}) from None
     available = set(ckpt.names())
     params = executable.graph.params
     sources = {name: name_map.get(name, name) for name in params}
