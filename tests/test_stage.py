@@ -163,14 +163,28 @@ def test_a_decode_run_samples_what_single_steps_do_and_commits_or_rolls_back_who
 def test_a_decode_run_builds_each_next_iteration_while_its_boundary_is_on_the_way(tiny_llama: Path,
                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank waiting for a decode run's next boundary builds that iteration's run ahead (its rows, positions,
-    slots, tables) and runs it when the boundary comes: the same tokens as when nothing was built ahead."""
-    built: list[int] = []
-    run_inputs = StageRuntime._run_inputs
+    slots, tables) and runs it when the boundary comes: the same tokens as when nothing was built ahead. Only a
+    run's first iteration is built row by row; each later one follows the run before it with array operations,
+    and its inputs are exactly what the row-by-row build gives."""
+    built: list[tuple[str, int]] = []
+    run_inputs, next_run = StageRuntime._run_inputs, StageRuntime._next_run
 
-    def spy(self: StageRuntime, rows: list[StepRow], sample: bool, iteration: int, encoded: bool = False) -> Any:
-        built.append(iteration)
+    def spy_rows(self: StageRuntime, rows: list[StepRow], sample: bool, iteration: int, encoded: bool = False) -> Any:
+        built.append(("rows", iteration))
         return run_inputs(self, rows, sample, iteration, encoded)
-    monkeypatch.setattr(StageRuntime, "_run_inputs", spy)
+
+    def spy_next(self: StageRuntime, prev: Any, rows: list[StepRow], iteration: int) -> Any:
+        run = next_run(self, prev, rows, iteration)
+        full = run_inputs(self, rows, prev.sample, iteration)
+        assert run is not None and run.inputs.keys() == full.inputs.keys()
+        for name, value in run.inputs.items():
+            assert np.array_equal(value, full.inputs[name]), name
+        assert (run.exe, run.tokens, run.seqs, run.blocks, run.extent) == \
+            (full.exe, full.tokens, full.seqs, full.blocks, full.extent)
+        built.append(("next", iteration))
+        return run
+    monkeypatch.setattr(StageRuntime, "_run_inputs", spy_rows)
+    monkeypatch.setattr(StageRuntime, "_next_run", spy_next)
     sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
     prepare = StageRuntime._prepare
     runs = []
@@ -181,9 +195,9 @@ def test_a_decode_run_builds_each_next_iteration_while_its_boundary_is_on_the_wa
         built.clear()
         rows = [StepRow("a", 2, 1, 3, [first.tokens[0]]), StepRow("b", 2, 1, 2, [first.tokens[1]], sampled)]
         runs.append((first.tokens, _run(runtimes, rows, 5).run_tokens))
-        # each rank builds its first iteration when the step (or its activation) comes, and every later one ahead,
-        # once: the rows, positions and tables built ahead are the ones run
-        assert sorted(built) == ([0, 0, 1, 1, 2, 2, 3, 3, 4, 4] if ahead else [0] * 10), built
+        # each rank builds its first iteration when the step (or its activation) comes, and every later one once,
+        # ahead where it may: the rows, positions and tables built ahead are the ones run
+        assert sorted(built) == [("next", i) for i in (1, 1, 2, 2, 3, 3, 4, 4)] + [("rows", 0)] * 2, built
     assert runs[0] == runs[1]
 
 

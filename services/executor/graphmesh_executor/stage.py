@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -71,9 +71,12 @@ def bucket(n: int, minimum: int) -> int:
     return size
 
 
+_SEED_MASK = (1 << 63) - 1
+
+
 def seed_for(session_seed: int, position: int) -> int:
     """The sample op's seed for the token at `position`: a replay of the same session draws the same."""
-    return (session_seed * 1_000_003 + position) & ((1 << 63) - 1)
+    return (session_seed * 1_000_003 + position) & _SEED_MASK
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,7 @@ class _InFlight:
     computed: bool = False  # every iteration ran
     done: Future[StepResult] = field(default_factory=Future)
     prepared: _Prepared | None = None  # the next iteration's run, built while its boundary was on the way
+    last_run: _Prepared | None = None  # the run of the iteration that ran last: a decode run's next one follows it
 
 
 @dataclass(eq=False)
@@ -784,8 +788,17 @@ class StageRuntime:
 
     @staticmethod
     def _next_rows(rows: list[StepRow]) -> list[StepRow]:
-        """The rows of a decode run's next iteration, one position on, each with a token to be written in."""
-        return [replace(r, start=r.start + 1, token_ids=[0], encoder_input=None, encoded_offsets=()) for r in rows]
+        """The rows of a decode run's next iteration, one position on, each with a token to be written in. Made
+        by copying each row's fields, not through dataclasses.replace: that re-ran __init__ for every row of every
+        iteration, the largest host cost of a 256-row decode iteration (profile_stage.py)."""
+        out = []
+        for r in rows:
+            nxt = object.__new__(StepRow)
+            fields = nxt.__dict__
+            fields.update(r.__dict__)
+            fields.update(start=r.start + 1, token_ids=[0], encoder_input=None, encoded_offsets=())
+            out.append(nxt)
+        return out
 
     def _prepare(self, step: _InFlight, iteration: int) -> None:
         """Builds `iteration`'s run ahead of its boundary (engine thread), unless the step is over or that
@@ -796,7 +809,7 @@ class StageRuntime:
             return
         try:
             rows = self._next_rows(step.rows)
-            step.prepared = self._run_inputs(rows, self._samples(step, rows), iteration)
+            step.prepared = self._inputs_for(step, rows, self._samples(step, rows), iteration)
         except Exception as e:
             log.debug("iteration not prepared", extra={"step": step.step_id, "error": repr(e)})
 
@@ -830,8 +843,11 @@ class StageRuntime:
         host = spec.last and not step.want_logits and not sample  # logprobs, guided: sampled on the host
         t0 = time.perf_counter()
         with telemetry.span("stage.compute", step=step.step_id, iteration=step.iteration, rows=len(rows)):
-            out = self._guarded(lambda: self._compute(rows, hidden, sample, encoded, step.prepared))
-        step.prepared = None
+            prepared = step.prepared
+            run = prepared if prepared is not None and prepared.rows is rows and prepared.sample == sample and \
+                encoded is None else self._inputs_for(step, rows, sample, step.iteration, encoded is not None)
+            out = self._guarded(lambda: self._compute(rows, hidden, encoded, run))
+        step.prepared, step.last_run = None, run
         result.compute_us += (time.perf_counter() - t0) * 1e6
         result.computed_tokens += total
         if not spec.last:
@@ -918,17 +934,15 @@ class StageRuntime:
         log.error("device failure", extra={"device": self.device, "error": what})
         return ProtocolError(ErrorClass.COMM, Internal(f"device {self.device} failed: {what}", "DEVICE_FAILURE"))
 
-    def _compute(self, rows: list[StepRow], hidden: np.ndarray | None, sample: bool,
-                 encoded: np.ndarray | None = None, prepared: _Prepared | None = None) -> np.ndarray:
-        """One run over every row, on the engine thread (its inputs from `prepared` when that was built for these
-        rows). `encoded`: the encoder's rows for the rows' placeholder tokens, in order (first stage), which
-        replace those tokens' embeddings."""
+    def _compute(self, rows: list[StepRow], hidden: np.ndarray | None, encoded: np.ndarray | None,
+                 run: _Prepared) -> np.ndarray:
+        """One run over every row, on the engine thread, with `run`'s executable and inputs. `encoded`: the
+        encoder's rows for the rows' placeholder tokens, in order (first stage), which replace those tokens'
+        embeddings."""
         assert self.spec is not None and self.config is not None
         if self._take_fault("device"):
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
         spec, config = self.spec, self.config
-        run = prepared if prepared is not None and prepared.rows is rows and prepared.sample == sample and \
-            encoded is None else self._run_inputs(rows, sample, 0, encoded is not None)
         inputs, tokens = dict(run.inputs), run.tokens
         counts = [len(row.token_ids) for row in rows]
         total = sum(counts)
@@ -955,6 +969,42 @@ class StageRuntime:
                 return exe.run(inputs, read_indices=[0], typed=True, extent=run.extent)[0]
             finally:
                 self._pools = exe.swap_handles(own)
+
+    def _inputs_for(self, step: _InFlight, rows: list[StepRow], sample: bool, iteration: int,
+                    encoded: bool = False) -> _Prepared:
+        """`iteration`'s run: from the run before it where that was the same decode run's (each row one position
+        on: array operations over all rows), else built row by row."""
+        prev = step.last_run
+        if (prev is not None and not encoded and iteration == prev.iteration + 1 and prev.sample == sample
+                and len(prev.rows) == len(rows) and prev.tokens == prev.seqs):
+            run = self._next_run(prev, rows, iteration)
+            if run is not None:
+                return run
+        return self._run_inputs(rows, sample, iteration, encoded)
+
+    def _next_run(self, prev: _Prepared, rows: list[StepRow], iteration: int) -> _Prepared | None:
+        """The run of a decode run's next iteration from the run of the one before: the same executable, block
+        tables and sampling, each real row one position on (its slot from its table, its seed seed_for's next).
+        None where a row's next position is in no block of its table (the row-by-row build reports it)."""
+        n, block = len(rows), self.pool.block_tokens
+        positions = prev.inputs["positions"].copy()
+        positions[:n] += 1
+        table = prev.inputs["block_table"]
+        at = positions[:n] // block
+        if (at >= table.shape[1]).any():
+            return None
+        owned = table[np.arange(n), at]
+        if (owned == SCRATCH_BLOCK).any():
+            return None
+        slots = prev.inputs["slots"].copy()
+        slots[:n] = owned * block + positions[:n] % block
+        inputs = {**prev.inputs, "positions": positions, "slots": slots}
+        if "seed" in inputs:  # seed_for(s, p + 1) == (seed_for(s, p) + 1) mod 2^63
+            seed = inputs["seed"].copy()
+            seed[:n] = (seed[:n] + 1) & _SEED_MASK
+            inputs["seed"] = seed
+        return _Prepared(iteration, rows, prev.sample, prev.exe, inputs, prev.tokens, prev.seqs, prev.blocks,
+                         prev.extent)
 
     def _run_inputs(self, rows: list[StepRow], sample: bool, iteration: int, encoded: bool = False) -> _Prepared:
         """A run's executable and every input but those a boundary brings. Shapes are bucketed (powers of two) so
