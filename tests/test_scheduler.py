@@ -222,9 +222,9 @@ class FakeMesh:
 
 
 def run(mesh: FakeMesh, jobs: list[tuple[list[int], int]], budget: int, steps_in_flight: int = 0,
-        decode_steps: int = 1) -> list[list[int] | BaseException]:
+        decode_steps: int = 1, max_step_seqs: int = 0) -> list[list[int] | BaseException]:
     scheduler = Scheduler(cast(Mesh, mesh), max_step_tokens=budget, steps_in_flight=steps_in_flight,
-                          decode_steps=decode_steps)
+                          decode_steps=decode_steps, max_step_seqs=max_step_seqs)
 
     def one(job: tuple[list[int], int]) -> list[int] | BaseException:
         prompt, n = job
@@ -394,6 +394,29 @@ def test_steps_of_decodes_alone_are_decode_runs_and_change_no_token() -> None:
     assert run(mesh, jobs, 64, decode_steps=4) == [solo(p, n) for p, n in jobs]
     assert not mesh.violations and mesh.decode_run_steps > 0
     assert mesh._steps < sum(n for _, n in jobs) // 2  # most steps took several tokens of each of their rows
+
+
+def test_decodes_that_fill_a_step_run_as_decode_runs_while_prompts_wait() -> None:
+    """12 sessions, 4 a step: once 4 are decoding no prompt can join their step, so their steps are decode runs
+    (before, a waiting prompt kept every step to one token a row until the first 4 had finished)."""
+    jobs = [([i + 1] * 3, 20) for i in range(12)]
+    mesh = FakeMesh(1, 500)
+    assert run(mesh, jobs, 64, decode_steps=4, max_step_seqs=4) == [solo(p, n) for p, n in jobs]
+    assert not mesh.violations
+    # 240 tokens, 4 rows a step: runs of 4 need ~15 decode steps and 3 prompt steps; a token a step would need 60
+    assert mesh._steps < 240 // (4 * 2), mesh._steps
+
+
+def test_a_step_takes_256_sessions_on_gpus_and_64_on_cpus_by_default() -> None:
+    for device, seqs in (("cuda:0", 256), ("cpu", 64)):
+        mesh = FakeMesh(2, 100)
+        mesh.ranks = [SimpleNamespace(device=device)] * 2
+        default, pinned = Scheduler(cast(Mesh, mesh)), Scheduler(cast(Mesh, mesh), max_step_seqs=7)
+        try:
+            assert (default._step_seqs(), pinned._step_seqs()) == (seqs, 7)
+        finally:
+            default.close()
+            pinned.close()
 
 
 def test_a_steps_outputs_reach_the_session_once_its_next_step_is_on_its_way() -> None:

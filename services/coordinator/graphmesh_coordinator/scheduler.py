@@ -54,6 +54,10 @@ DECODE_STEPS_CUDA, DECODE_STEPS_CPU = 8, 4
 # let the stages work on different ones at once: 16 prompts of 40 tokens over SmolLM2's 2 executors reach their
 # first tokens ~30% sooner (TTFT p50 ~950 against ~1340 ms), 16 streams 156 against 143 tok/s (medians of 5).
 STEP_TOKENS_CUDA, STEP_TOKENS_CPU = 256, 128
+# Sessions in one step at most when none is set. On a GPU a decode row costs next to nothing up to hundreds of rows
+# (the executor captures a CUDA graph per batch bucket up to 256): a cap of 64 left 192 of 256 streams waiting for
+# the first 64 to finish. On CPUs a row costs its share of the products, and 64 keeps a step's latency in bounds.
+STEP_SEQS_CUDA, STEP_SEQS_CPU = 256, 64
 MAX_ARCH_RETRIES = 1  # of a session's row alone, after the rollback
 
 
@@ -138,18 +142,19 @@ class _Row:
 
 
 class Scheduler:
-    def __init__(self, mesh: Mesh, max_step_tokens: int = 0, max_step_seqs: int = 64, workers: int = 8,
+    def __init__(self, mesh: Mesh, max_step_tokens: int = 0, max_step_seqs: int = 0, workers: int = 8,
                  steps_in_flight: int = 0, decode_steps: int = 0) -> None:
         self.mesh = mesh
         self.steps_in_flight = steps_in_flight  # 0: one per stage
         # The longest decode run (tokens per row of a step without prompts); 0: by the roster's devices
         self.decode_steps = decode_steps
         self.max_step_tokens = max_step_tokens  # a step's token budget; 0: by the roster's devices
-        self.max_step_seqs = max_step_seqs
+        self.max_step_seqs = max_step_seqs  # sessions per step; 0: by the roster's devices
         self._cond = threading.Condition()
         self._seqs: list[Sequence] = []  # arrival order
         self._in_flight = 0
         self._releasing = 0  # blocks of ended sessions that the ranks are still releasing
+        self._used: int | None = None  # used_blocks during one scheduling pass (_schedule), kept as rows take blocks
         self._incarnation = 0  # the incarnation the block counts are for
         self.steps = 0
         self.run_tokens = 0  # tokens decode runs produced past each row's first: no step of their own
@@ -230,6 +235,8 @@ class Scheduler:
         except Exception:
             log.exception("scheduling failed")
             return None
+        finally:
+            self._used = None  # counted again by the next pass: releases and a new roster change it meanwhile
         if step:
             self._in_flight += 1
         return step
@@ -262,14 +269,16 @@ class Scheduler:
         kind = (ready[0].output, ready[0].sampling.logprobs or ready[0].guide is not None)
         ready = [s for s in ready if (s.output, s.sampling.logprobs or s.guide is not None) == kind]
         live = sum(1 for s in self._seqs if not s.done)
-        cap = min(self.max_step_seqs, max(1, math.ceil(live / in_flight)))
+        cap = min(self._step_seqs(), max(1, math.ceil(live / in_flight)))
         decoding = [s for s in ready if len(s.pending) == 1 and s.session.incarnation == mesh.incarnation
                     and not (s.encoded is not None and s.encoded.positions[-1] >= s.session.tokens)]
-        others = [s for s in ready if s not in decoding]
-        # A step of decodes alone, with no prompt waiting to join, is a decode run: its rows take several tokens
-        # in a row without a round trip here between them (none longer than any row may still grow).
+        chosen = {id(s) for s in decoding}
+        others = [s for s in ready if id(s) not in chosen]
+        # A step of decodes alone is a decode run: its rows take several tokens in a row without a round trip here
+        # between them (none longer than any row may still grow). Only when no prompt waits to join, or when the
+        # decodes fill the step's rows anyway (a waiting prompt could not join it).
         steps = 1
-        if decoding and not others and kind == (stage_pb2.OUTPUT_KIND_TOKEN, False):
+        if decoding and (not others or len(decoding) >= cap) and kind == (stage_pb2.OUTPUT_KIND_TOKEN, False):
             steps = min(self._longest_run(), *(s.remaining for s in decoding))  # any of them may take a row
         budget = self._step_tokens()
         step: list[_Row] = []
@@ -288,6 +297,16 @@ class Scheduler:
 
     def _longest_run(self) -> int:
         return self.decode_steps or (DECODE_STEPS_CUDA if self._on_gpus() else DECODE_STEPS_CPU)
+
+    def _step_seqs(self) -> int:
+        return self.max_step_seqs or (STEP_SEQS_CUDA if self._on_gpus() else STEP_SEQS_CPU)
+
+    def _used_blocks(self) -> int:
+        """used_blocks, summed once a scheduling pass: each row of a step asked for it (a sum over every session,
+        per row: quadratic in the sessions)."""
+        if self._used is None:
+            self._used = self.used_blocks
+        return self._used
 
     def _step_tokens(self) -> int:
         return self.max_step_tokens or (STEP_TOKENS_CUDA if self._on_gpus() else STEP_TOKENS_CPU)
@@ -318,7 +337,7 @@ class Scheduler:
             # never below what it holds: a rank's table only grows (a decode run rolled back and retried as one
             # token keeps the blocks the run reserved), and a count that shrank would over-admit
             need = max(0, blocks_for(start + n + (0 if restore else steps - 1), block) - (0 if restore else s.blocks))
-        if self.used_blocks + need > capacity and not self._preempt(s, need):
+        if self._used_blocks() + need > capacity and not self._preempt(s, need):
             return None
         if restore:
             # New, preempted or recovered: share what a live session holds, else seed what the KV store holds,
@@ -332,6 +351,8 @@ class Scheduler:
             n = len(s.pending) if len(s.pending) == 1 else min(len(s.pending), budget)
             need = blocks_for(start + n, block) - s.blocks
         s.blocks += need
+        if self._used is not None:
+            self._used += need
         session.epoch += 1
         row = stage_pb2.StepRow(session_id=session.session_id, epoch=session.epoch,
                                 commit_epoch=session.delivered_epoch, start_position=start,
@@ -351,6 +372,7 @@ class Scheduler:
         self._forget(s)  # after a recovery its old links name nothing: they are indexed again as it commits
         session.history, s.pending, session.delivered_epoch = tokens[:seeded], tokens[seeded:], 0
         session.incarnation, s.blocks = self.mesh.incarnation, blocks_for(seeded, self.mesh.kv_block_tokens)
+        self._used = None  # its count was set, not added to
 
     def _seed_waiting(self, ready: list[Sequence]) -> None:
         """Seeds from the KV store, all at once, the sessions waiting to start (new, preempted, or every session a

@@ -59,7 +59,7 @@ class CoordinatorConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     dtype: str = ""  # stage dtype: f32, bf16, f16; "" is bf16 on CUDA executors, f32 on CPU ones
     max_step_tokens: int = 0  # tokens per step (decode rows and prompt chunks together); 0: by the ranks' devices
-    max_step_seqs: int = 64  # sessions per step
+    max_step_seqs: int = 0  # sessions per step; 0: by the devices (scheduler.STEP_SEQS_*)
     http_listen: str = ""  # HOST:PORT of the OpenAI HTTP API; "": off
     http_ready_wait_s: float = 10.0  # how long an HTTP request waits out a recovery before its 503
     steps_in_flight: int = 0  # steps in flight at most; 0: one per stage
@@ -310,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="stage dtype (default: bf16 on CUDA executors, f32 on CPU ones)")
     parser.add_argument("--max-step-tokens", type=int, default=0,
                         help="token budget of one step (default: 256 on CUDA executors, 128 on CPUs)")
-    parser.add_argument("--max-step-seqs", type=int, default=64, help="sessions in one step at most")
+    parser.add_argument("--max-step-seqs", type=int, default=0,
+                        help="sessions in one step at most (default 0: 256 when every executor is on CUDA, else 64)")
     parser.add_argument("--health-window", type=float, default=1.0,
                         help="seconds without an answered health probe after which an executor is lost (detection "
                              "takes about this plus 0.1 s; below ~0.5 s a loaded machine gets needless re-plans)")
@@ -345,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_waiting_requests < 1:
         parser.error(f"--max-waiting-requests must be >= 1, not {args.max_waiting_requests}")
     for flag, value in (("--decode-steps", args.decode_steps), ("--max-step-tokens", args.max_step_tokens),
+                        ("--max-step-seqs", args.max_step_seqs),
                         ("--max-prompt-bytes", args.max_prompt_bytes),
                         ("--http-max-connections", args.http_max_connections)):
         if value < 0:  # a negative budget would schedule no step at all: every request would wait forever
