@@ -213,8 +213,9 @@ def main() -> None:
                    help="comma-separated: links (boundary links, the default) and/or grpc (PushBoundary calls)")
     p.add_argument("--mps", default="off", help="comma-separated: off and/or on (NVIDIA MPS for the executors)")
     p.add_argument("--no-peer", action="store_true", help="the meshes only (the peer needs CUDA)")
-    p.add_argument("--peer-from", default="", help="a results file of this lease whose peer rows to reuse (the peer "
-                   "is not run again: a lease's 10-minute calls hold the peer or a mesh or two, not all)")
+    p.add_argument("--peer-from", default="", help="an earlier results file whose peer rows to reuse (the peer is "
+                   "not run again: a 10-minute call holds the peer or a mesh or two, not all); the JSON records the "
+                   "file, since its peer ran in another call, perhaps on another machine")
     p.add_argument("--workload", default="levels", choices=["levels", "poisson"],
                    help="poisson: a serving run with Poisson arrivals after the levels, per mesh")
     p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals a second")
@@ -265,8 +266,9 @@ def main() -> None:
                                                       for k, v in run["poisson"].items()))
     result = {"benchmark": "gpu_mesh", "machine": machine(load), "shape": a.shape, "model": f"random Llama, {a.shape} shape",
               "dtype": a.dtype, "device": a.device, "tokens_per_stream": a.tokens, "prompt_tokens": a.prompt_tokens,
-              "repeats": a.repeats, "decode_steps": a.decode_steps, "peer": {"kind": "gpu_peer.py: torch.compile("
-              "mode='reduce-overhead'), static KV cache, SDPA", "rows": list(peer.values())}, "meshes": runs,
+              "repeats": a.repeats, "decode_steps": a.decode_steps,
+              "peer": {"kind": "gpu_peer.py: torch.compile(mode='reduce-overhead'), static KV cache, SDPA",
+                       "rows": list(peer.values()), "from": a.peer_from or "this run"}, "meshes": runs,
               "recoveries": sum(r["recoveries"] for r in runs.values()),
               "env": {k: v for k, v in os.environ.items() if k.startswith(("CUDA", "NCCL", "GRAPHMESH"))}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
