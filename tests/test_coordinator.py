@@ -176,6 +176,16 @@ def test_cli_embedded_mesh_says_why_a_text_prompt_needs_a_tokenizer(tmp_path: Pa
     assert run.returncode == 2 and "FAILED_PRECONDITION" in run.stderr and "prompt_token_ids" in run.stderr
 
 
+@pytest.mark.parametrize("command", [["status"], ["generate", "--prompt", "hi"]])
+def test_cli_says_in_one_line_when_no_coordinator_answers(command: list[str]) -> None:
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    run = subprocess.run([sys.executable, "-m", "graphmesh.cli", *command, "--coordinator", address],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip() == (f"graphmesh: no coordinator answers at {address}: start a mesh with `graphmesh up`, "
+                                  f"or pass --coordinator HOST:PORT"), run.stderr
+
+
 @pytest.mark.slow
 def test_cli_generate_json_on_smollm2(smollm2_mesh: LocalMesh) -> None:
     import json

@@ -14,7 +14,7 @@ from types import FrameType
 
 from graphmesh import security
 from graphmesh.coordinator_client import CoordinatorClient
-from graphmesh.errors import GraphmeshError
+from graphmesh.errors import GraphmeshError, Unavailable
 from graphmesh.launcher import LocalMesh, fastest_backend
 from graphmesh.v1 import stage_pb2
 
@@ -183,6 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _sigterm_unwinds():
             return {"up": cmd_up, "generate": cmd_generate, "status": cmd_status}[args.command](args)
+    except Unavailable as e:
+        where = getattr(args, "coordinator", "") or DEFAULT_COORDINATOR
+        if "failed to connect" in e.message:  # nothing listens there: say so, not grpc's connection log
+            print(f"graphmesh: no coordinator answers at {where}: start a mesh with `graphmesh up`, or pass "
+                  f"--coordinator HOST:PORT", file=sys.stderr)
+        else:
+            print(f"graphmesh: {e.code.name}: {e.message}", file=sys.stderr)
+        return 2
     except GraphmeshError as e:
         print(f"graphmesh: {e.code.name}: {e.message}", file=sys.stderr)
         return 2
