@@ -271,6 +271,7 @@ class StageRuntime:
         self.pool = KvPool(2, 16)
         self._loaded_key: StageSpec | None = None
         self._packed_schemes: dict[str, str] = {}
+        self._packed = False  # the installed stage keeps packed blocks (see install)
 
     # -- install ---------------------------------------------------------------------------------------
     def install(self, incarnation: int, rank: int, world_size: int, spec: StageSpec,
@@ -333,6 +334,10 @@ class StageRuntime:
             raise InvalidArgument(f"dtype must be 'f32', 'bf16' or 'f16', got {dtype!r}", "BAD_DTYPE")
         self.config, self.spec, self.dtype = config, spec, dtype
         self._packed_schemes = ckpt.packed_schemes()
+        # "packed" (the default) keeps a GGUF's quantized blocks packed where the family's stages consume them; a
+        # checkpoint with none, or another family (GPT-2), is read as f32 then, so the default serves every model.
+        self._packed = spec.weights in ("packed", "packed-bf16") and bool(self._packed_schemes) and \
+            models.quantizable(config)
         recent = list(self._executables)[-WARM_SHAPES:]  # most recently used last
         self._executables.clear()
         block = spec.kv_block_tokens or 16
@@ -357,7 +362,7 @@ class StageRuntime:
         log.info("stage loaded", extra={"layers": f"{spec.layer_start}-{spec.layer_end}", "dtype": dtype,
                                         "kv_pool_blocks": pool.lendable, "kv_block_tokens": block,
                                         "warmed_shapes": len(recent)})
-        if spec.weights == "f32" and not self.standby_ready.is_set() and self._wants_standby(config):
+        if not self._packed and not self.standby_ready.is_set() and self._wants_standby(config):
             threading.Thread(target=self._read_standby, args=(path, config, set(holder.graph.params)), daemon=True,
                              name="standby-weights").start()
 
@@ -436,7 +441,7 @@ class StageRuntime:
         spec = self.spec
         # "packed": GGUF blocks stay packed, consumed by dequant_matmul (exact); "packed-bf16" also runs those
         # matmuls on bf16 activations, which torch's int4 kernel needs to be fast (not token-exact).
-        packed = spec.weights in ("packed", "packed-bf16")
+        packed = self._packed
         layout = models.PagedLayout(seqs, blocks, self.pool.block_tokens, self.pool.blocks, decode)
         proto = models.build_stage(self.config, range(spec.layer_start, spec.layer_end), seq_len=tokens, cache_len=0,
                                    first=spec.first, last=spec.last, sample=sample, quantized=packed,
@@ -448,7 +453,8 @@ class StageRuntime:
             # A re-plan (recovery, rebalancing) keeps the layers this rank already holds and reads only the new ones.
             kept = set(exe.copy_params_from(reuse) if reuse is not None else [])
             for name in exe.graph.params.keys() - kept:
-                if name in self._standby:
+                # standby weights are f32 (dequantized): a packed stage's blocks come from the checkpoint
+                if name in self._standby and exe.graph.params[name].dtype != "u8":
                     exe.set_param_typed(name, self._standby[name])
                     kept.add(name)
             load_params(exe, weights, {}, skip=kept)

@@ -10,7 +10,12 @@ from graphmesh.models.llama import PagedLayout
 from graphmesh.ops import TensorType
 from graphmesh.v1 import graph_pb2
 
-__all__ = ["ModelConfig", "PagedLayout", "build_stage", "stage_params"]
+__all__ = ["ModelConfig", "PagedLayout", "build_stage", "quantizable", "stage_params"]
+
+
+def quantizable(config: ModelConfig) -> bool:
+    """Whether the family's stages can consume packed GGUF blocks (dequant_matmul): the llama family's."""
+    return config.arch != "gpt2"
 
 
 def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int, first: bool, last: bool,
@@ -35,7 +40,7 @@ def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int
         if encoded:
             raise InvalidArgument("encoded stages (an encoder's rows as input embeddings) exist for the llama family "
                                   "only", "UNSUPPORTED_MODEL")
-        if quantized:
+        if quantized and not quantizable(config):
             raise InvalidArgument("quantized stages exist for the llama family only", "UNSUPPORTED_MODEL")
         return gpt2.build_stage(config, layers, seq_len, cache_len, first, last, sample, name, dtype, paged)
     return llama.build_stage(config, layers, seq_len, cache_len, first, last, sample, name, quantized, packed_schemes,
