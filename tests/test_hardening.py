@@ -16,13 +16,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from graphmesh import security
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
@@ -30,6 +28,7 @@ from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator.http_limits import REQUEST_TIMEOUT_S
+from tests.health_probe import HealthProbe
 from tests.model_fixtures import make_tiny_llama, write_tiny_tokenizer
 
 HTTP_CAP = 48  # --http-max-connections of the mesh under test: small, so that the test reaches it in bounded time
@@ -75,47 +74,6 @@ def _post(mesh: LocalMesh, path: str, body: bytes, timeout: float = 30.0) -> tup
             return e.code, {"raw": raw.decode(errors="replace")}
 
 
-@dataclass
-class HealthProbe:
-    """Checks the coordinator's gRPC health (1 s deadline) and (with http) /health every 50 ms in a thread: the
-    slowest answer and every failure while the block runs."""
-
-    mesh: LocalMesh
-    http: bool = True
-    slowest_s: float = 0.0
-    failures: list[str] = field(default_factory=list)
-    probes: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        with grpc.insecure_channel(self.mesh.coordinator_address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while not self._stop.is_set():
-                t0 = time.monotonic()
-                try:
-                    answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-                    if answer.status != health_pb2.HealthCheckResponse.SERVING:
-                        self.failures.append(f"grpc health {answer.status}")
-                    if self.http:
-                        with urllib.request.urlopen(f"http://{self.mesh.http_listen}/health", timeout=1.0) as r:
-                            if r.status != 200:
-                                self.failures.append(f"/health {r.status}")
-                except Exception as e:  # every failure is a finding
-                    self.failures.append(f"{type(e).__name__}: {e}")
-                self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
-                self.probes += 1
-                self._stop.wait(0.05)
-
-    def __enter__(self) -> HealthProbe:
-        self._thread = threading.Thread(target=self.run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
 def _code(call: Callable[[], Any]) -> grpc.StatusCode:
     try:
         call()
@@ -128,7 +86,7 @@ def _code(call: Callable[[], Any]) -> grpc.StatusCode:
 def test_huge_prompts_are_refused_at_once_and_health_answers(mesh: LocalMesh) -> None:
     before = _status(mesh)
     huge = "a" * (16 << 20)
-    with HealthProbe(mesh) as probe:
+    with HealthProbe(mesh.coordinator_address, f"http://{mesh.http_listen}") as probe:
         t0 = time.monotonic()
         status, body = _post(mesh, "/v1/completions", json.dumps({"model": before.model, "prompt": huge}).encode())
         http_s = time.monotonic() - t0
@@ -175,7 +133,7 @@ def test_idle_connections_past_the_cap_are_refused_at_accept(mesh: LocalMesh) ->
     port, extra = _http_port(mesh), 1000
     held: list[socket.socket] = []
     try:
-        with HealthProbe(mesh, http=False) as probe:  # the HTTP API is full: gRPC health answers
+        with HealthProbe(mesh.coordinator_address) as probe:  # the HTTP API is full: gRPC health answers
             for _ in range(HTTP_CAP + extra):
                 held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
             time.sleep(0.5)

@@ -22,7 +22,7 @@ from graphmesh.errors import InvalidArgument
 from graphmesh.models import ModelConfig
 from graphmesh.models.rope import rope_from_hf
 from tests import model_fixtures
-from tests.test_models import BUCKET, CACHE, LOGIT_TOL, NEW_TOKENS, PROMPT_LEN, SPLITS, generate, make_stages
+from tests.test_models import BUCKET, CACHE, LOGIT_TOL, NEW_TOKENS, SPLITS, generate, hf_reference, make_stages
 
 SMALL: dict[str, Any] = {"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 32, "max_position_embeddings": 16384}
@@ -109,13 +109,8 @@ class FamilyRef:
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> FamilyRef:
     name = request.param
     path = model_fixtures.FAMILY_MODELS[name](tmp_path_factory.mktemp(name))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    prompt = np.random.default_rng(8).integers(3, model_fixtures.VOCAB, PROMPT_LEN).tolist()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logits = hf(ids).logits[0, -1].numpy()
-        out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return FamilyRef(name, path, prompt, logits, out[0, PROMPT_LEN:].tolist())
+    _, prompt, logits, tokens = hf_reference(path, 8)
+    return FamilyRef(name, path, prompt, logits, tokens)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])

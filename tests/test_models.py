@@ -117,17 +117,24 @@ class Reference:
     tokens: list[int]  # NEW_TOKENS greedy tokens
 
 
-@pytest.fixture(scope="module", params=list(model_fixtures.TINY_MODELS))
-def ref(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    name = request.param
-    path = model_fixtures.TINY_MODELS[name](tmp_path_factory.mktemp(name))
+def hf_reference(path: Path, seed: int) -> tuple[PreTrainedModel, list[int], np.ndarray, list[int]]:
+    """transformers' f32 model of the checkpoint at `path`, a random prompt of PROMPT_LEN tokens (seeded), its
+    last position's logits and NEW_TOKENS greedy tokens: what every family's test compares against."""
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    prompt = np.random.default_rng(5).integers(3, model_fixtures.VOCAB, PROMPT_LEN).tolist()
+    prompt = np.random.default_rng(seed).integers(3, model_fixtures.VOCAB, PROMPT_LEN).tolist()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         logits = hf(ids).logits[0, -1].numpy()
         out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return Reference(name, path, open_checkpoint(path), hf, prompt, logits, out[0, PROMPT_LEN:].tolist())
+    return hf, prompt, logits, out[0, PROMPT_LEN:].tolist()
+
+
+@pytest.fixture(scope="module", params=list(model_fixtures.TINY_MODELS))
+def ref(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    name = request.param
+    path = model_fixtures.TINY_MODELS[name](tmp_path_factory.mktemp(name))
+    hf, prompt, logits, tokens = hf_reference(path, 5)
+    return Reference(name, path, open_checkpoint(path), hf, prompt, logits, tokens)
 
 
 @pytest.mark.parametrize("ways", sorted(SPLITS))

@@ -23,7 +23,7 @@ from graphmesh.models import ModelConfig
 from graphmesh.models.moe import read_param
 from graphmesh_coordinator.planner import layer_bytes, plan
 from tests import model_fixtures
-from tests.test_models import BUCKET, CACHE, LOGIT_TOL, NEW_TOKENS, PROMPT_LEN, generate, make_stages
+from tests.test_models import BUCKET, CACHE, LOGIT_TOL, NEW_TOKENS, generate, hf_reference, make_stages
 
 ATTN: dict[str, Any] = {"vocab_size": model_fixtures.VOCAB, "hidden_size": 64, "num_attention_heads": 4,
                         "num_key_value_heads": 2, "max_position_embeddings": 256,
@@ -82,13 +82,8 @@ class MoeRef:
 def moe_ref(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> MoeRef:
     name = request.param
     path = MOE_MODELS[name](tmp_path_factory.mktemp(name))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    prompt = np.random.default_rng(9).integers(3, model_fixtures.VOCAB, PROMPT_LEN).tolist()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logits = hf(ids).logits[0, -1].numpy()
-        out = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return MoeRef(name, path, prompt, logits, out[0, PROMPT_LEN:].tolist())
+    _, prompt, logits, tokens = hf_reference(path, 9)
+    return MoeRef(name, path, prompt, logits, tokens)
 
 
 def _two_stages(n_layers: int) -> list[range]:

@@ -1,0 +1,58 @@
+"""A coordinator's health, probed from a thread of its own while a test loads the coordinator: what a kubelet's
+probe would see."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass
+class HealthProbe:
+    """Checks gRPC health at `address` (1 s deadline) and, given `http_url`, its /health, every 50 ms while the
+    block runs: the slowest answer and every failure."""
+
+    address: str
+    http_url: str = ""
+    slowest_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+    probes: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if answer.status != health_pb2.HealthCheckResponse.SERVING:
+                        self.failures.append(f"grpc health {answer.status}")
+                    if self.http_url:
+                        with urllib.request.urlopen(f"{self.http_url}/health", timeout=1.0) as r:
+                            if r.status != 200:
+                                self.failures.append(f"/health {r.status}")
+                except Exception as e:  # every failure is a finding
+                    self.failures.append(f"{type(e).__name__}: {e}")
+                self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
+                self.probes += 1
+                self._stop.wait(0.05)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread = threading.Thread(target=self.run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def check(self) -> None:
+        """Asserts health answered, and within 1 s, every time it was asked."""
+        assert self.probes, "health was never probed"
+        assert not self.failures and self.slowest_s < 1.0, (self.failures[:5], self.slowest_s)
