@@ -556,8 +556,8 @@ def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
     if cpu_kernels.packed_usable(x, packed, scheme):
         # f32 rows, a decode's or a prompt chunk's: the kernel reads the blocks in panels, made when the param was
         # set (see TorchExecutable._lay_out) or at the first product of a weight that is not a param. One kernel
-        # for every row count keeps a row's bits independent of the rows beside it (MKL's differ by row count on
-        # AVX-512 hosts).
+        # for every row count keeps a row's bits independent of the rows beside it: a prompt chunk's rows went
+        # through MKL over a dequantized copy, another summation order (and a dense copy packing meant to avoid).
         return cpu_kernels.matmul_xwt_packed(x, packed, scheme, n)
     converted: dict[Any, Any] = packed.__dict__.setdefault(_CONVERTED, {})
     # The packed int4 kernel is fast only with bf16 activations (f32/f16 take a slow path there), and it
