@@ -186,6 +186,34 @@ def test_cli_says_in_one_line_when_no_coordinator_answers(command: list[str]) ->
                                   f"or pass --coordinator HOST:PORT"), run.stderr
 
 
+def test_a_backgrounded_graphmesh_up_stops_on_sigint(tmp_path: Path) -> None:
+    """A shell's background job starts with SIGINT ignored; `kill -INT` must still stop the mesh, children too."""
+    import signal
+
+    path = _tiny("gpt2", tmp_path / "gpt2")
+    up = subprocess.Popen([sys.executable, "-m", "graphmesh.cli", "up", "--model", str(path), "--backend", "numpy",
+                           "--executors", "1", "--listen", f"127.0.0.1:{free_port()}", "--http-listen", ""],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert up.stdout is not None
+        lines = []
+        for line in up.stdout:  # the mesh is up once it says how to stop it
+            lines.append(line)
+            if "Ctrl-C to stop" in line:
+                break
+        assert any("Ctrl-C to stop" in line for line in lines), lines
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:  # SIGTERM unwinds the CLI's mesh, children included; kill only what still stands
+            up.terminate()
+            try:
+                up.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+
+
 @pytest.mark.slow
 def test_cli_generate_json_on_smollm2(smollm2_mesh: LocalMesh) -> None:
     import json

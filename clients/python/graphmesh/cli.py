@@ -141,15 +141,23 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
 @contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
     """SIGTERM (kill, systemd, Kubernetes) unwinds the stack as Ctrl-C does, so the `with` of an embedded mesh
-    stops every child process; Python's default would exit at once and leave them running."""
+    stops every child process; Python's default would exit at once and leave them running. SIGINT does so too,
+    also in a background job."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # A shell starts a background job with SIGINT ignored, and Python then installs no handler of its own: `kill
+    # -INT` of a backgrounded `graphmesh up` did nothing.
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def main(argv: list[str] | None = None) -> int:
