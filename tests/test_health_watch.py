@@ -73,3 +73,25 @@ def test_a_frozen_executor_is_lost_at_once_and_never_waited_for_again(
     while [r.plan.address for r in m.ranks] != [survivor, victim] or not m.ready:
         assert time.monotonic() < deadline, "the thawed executor was never taken back"
         time.sleep(0.05)
+
+
+def test_a_paused_executor_on_an_idle_mesh_is_healthy_again_once_it_answers(
+        mesh: tuple[Mesh, list[subprocess.Popen[bytes]]]) -> None:
+    """No step runs, so nothing recovers the mesh: the watch itself marks the executor healthy again (Status kept
+    showing it unhealthy while it served, until the next recovery)."""
+    m, processes = mesh
+    time.sleep(0.5)
+    incarnation = m.incarnation
+    faults.freeze(processes[1])
+    try:
+        deadline = time.monotonic() + 10
+        while m.ranks[1].healthy:
+            assert time.monotonic() < deadline, "the watch never noticed the paused executor"
+            time.sleep(0.01)
+    finally:
+        faults.thaw(processes[1])
+    deadline = time.monotonic() + 10
+    while not m.ranks[1].healthy:
+        assert time.monotonic() < deadline, "the executor answers again but stays unhealthy"
+        time.sleep(0.05)
+    assert m.incarnation == incarnation and [r.healthy for r in m.ranks] == [True, True]

@@ -513,6 +513,11 @@ class Mesh:
                             lost, self._in_flight = list(self._in_flight), set()
                         for call in lost:
                             call.cancel()
+                    elif address in fresh and not rank.healthy and ready:
+                        # silent for a while (a pause, a long compile) on an idle mesh, where no step failed to
+                        # recover it: it serves again, and Status must not keep calling it unhealthy
+                        log.warning("executor answers again", extra={"address": address, "rank": rank.plan.rank})
+                        rank.healthy = True
                 # An executor left out of the roster (it froze, or was down when the roster was rebuilt) that
                 # answers again is taken back: the mesh re-plans over every healthy executor, as a recovery
                 # does, so its layers and KV pool are used again instead of idling until the next failure.
