@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,9 @@ from grpc_health.v1 import health_pb2
 from safetensors.numpy import save_file
 
 from graphmesh import ExecutorClient, GraphBuilder, RemoteExecutable, errors
+from graphmesh.errors import FailedPrecondition, rpc
 from graphmesh.launcher import free_port
+from graphmesh.protocol import ErrorClass, ProtocolError
 from graphmesh.v1 import executor_pb2, graph_pb2, tensor_pb2
 from graphmesh_executor.weights import resolve_under_root
 from tests.conftest import executor_args, health_status, start_process
@@ -224,3 +227,22 @@ def test_streamed_params_over_the_cap(client: ExecutorClient) -> None:
     assert e.value.reason == "TOO_MANY_BYTES"
     assert exe.finalize_params() == ["w"]
     exe.release()
+
+
+def test_a_handler_that_fails_after_its_caller_left_returns_without_raising() -> None:
+    """A recovering coordinator cancels the steps in flight; the rank's handler then fails on the stale incarnation
+    with nobody to read its status. It must return, not raise (grpc logged that as 'Exception calling
+    application', a crash of the handler)."""
+    class Gone:
+        def is_active(self) -> bool:
+            return False
+
+        def abort_with_status(self, status: Any) -> None:
+            raise AssertionError("a status for a caller that left")
+
+    class Servicer:
+        @rpc
+        def ExecuteStep(self, request: Any, context: Any) -> Any:
+            raise ProtocolError(ErrorClass.COMM, FailedPrecondition("incarnation 3 is stale", "STALE_INCARNATION"))
+
+    assert Servicer().ExecuteStep(None, Gone()) is None

@@ -203,6 +203,9 @@ def rpc(fn: F) -> F:
             return fn(self, request, context)
         except Exception as e:
             if not context.is_active():
-                raise  # the client is gone (a cancelled client stream); nobody reads a status
+                # The caller is gone (it cancelled: a coordinator recovering the mesh cancels the steps in flight),
+                # so nobody reads a status. Raising would have grpc log the failure as a crash of the handler.
+                log.info("call failed after its caller left", extra={"method": fn.__name__, "error": repr(e)})
+                return None
             context.abort_with_status(to_status(e, fn.__name__))
     return cast(F, unary)
