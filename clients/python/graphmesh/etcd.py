@@ -1,6 +1,14 @@
 """The few etcd v3 calls graphmesh makes (coordinator election, executor membership), over etcd's JSON gRPC gateway
 (/v3/...) of any of the cluster's members: plain HTTP through urllib. The gateway speaks JSON with base64 keys and
 values and int64 fields as strings.
+
+Why not etcd3gw (PyPI), which speaks the same gateway: tried (2.7.0, against the etcd 3.4 the Makefile installs),
+its calls work, but an `Etcd3Client` talks to one host and port. --etcd names every member of the cluster and
+this client fails over to the next when one is down (tests/test_election.py: "etcd losing a member changes
+nothing"); with etcd3gw, stopping the member it was given made every call fail (ConnectionFailedError). Its timeout
+is fixed per client, while a keepalive here must return within a third of its lease, and its lease() drops the TTL
+etcd granted, which the election schedules its renewals by. Wrapping one client per member and per timeout would be
+more code than these 100 lines, and would add requests, futurist, pbr and debtcollector to every service.
 """
 
 from __future__ import annotations
