@@ -21,6 +21,32 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _SpeculativeMethod:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SpeculativeMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpeculativeMethod.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SPECULATIVE_METHOD_UNSPECIFIED: _SpeculativeMethod.ValueType  # 0
+    """SPECULATIVE_METHOD_UNSPECIFIED: the coordinator's default."""
+    SPECULATIVE_METHOD_OFF: _SpeculativeMethod.ValueType  # 1
+    SPECULATIVE_METHOD_PROMPT_LOOKUP: _SpeculativeMethod.ValueType  # 2
+    """SPECULATIVE_METHOD_PROMPT_LOOKUP: n-gram matches over the session's
+    prompt and output (no extra weights).
+    """
+
+class SpeculativeMethod(_SpeculativeMethod, metaclass=_SpeculativeMethodEnumTypeWrapper):
+    """SpeculativeMethod is how a session proposes tokens to verify."""
+
+SPECULATIVE_METHOD_UNSPECIFIED: SpeculativeMethod.ValueType  # 0
+"""SPECULATIVE_METHOD_UNSPECIFIED: the coordinator's default."""
+SPECULATIVE_METHOD_OFF: SpeculativeMethod.ValueType  # 1
+SPECULATIVE_METHOD_PROMPT_LOOKUP: SpeculativeMethod.ValueType  # 2
+"""SPECULATIVE_METHOD_PROMPT_LOOKUP: n-gram matches over the session's
+prompt and output (no extra weights).
+"""
+Global___SpeculativeMethod: _TypeAlias = SpeculativeMethod  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -81,6 +107,7 @@ class GenerateRequest(_message.Message):
     RESUME_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     ENCODER_INPUT_FIELD_NUMBER: _builtins.int
     GUIDED_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """model names the model; empty uses the coordinator's model."""
     prompt: _builtins.str
@@ -138,6 +165,14 @@ class GenerateRequest(_message.Message):
         regular expression or a grammar (guided decoding); unset: free text.
         """
 
+    @_builtins.property
+    def speculative(self) -> Global___SpeculativeDecoding:
+        """speculative overrides the coordinator's --speculative default for this
+        request; unset: the default. It never changes the tokens (greedy or
+        seeded sampling give exactly what plain decoding gives), only how many
+        come from one pass through the stages.
+        """
+
     def __init__(
         self,
         *,
@@ -154,14 +189,44 @@ class GenerateRequest(_message.Message):
         resume_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         encoder_input: _tensor_pb2.Tensor | None = ...,
         guided: Global___GuidedDecoding | None = ...,
+        speculative: Global___SpeculativeDecoding | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "speculative", b"speculative", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class SpeculativeDecoding(_message.Message):
+    """SpeculativeDecoding: k proposed tokens verified in one pass through every
+    stage. Guided rows (a grammar) and rows with logprobs do not speculate.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METHOD_FIELD_NUMBER: _builtins.int
+    MAX_PROPOSED_FIELD_NUMBER: _builtins.int
+    method: Global___SpeculativeMethod.ValueType
+    max_proposed: _builtins.int
+    """max_proposed caps the tokens proposed a pass (k), 1..16; 0: the
+    coordinator's default. k adapts per session to its acceptance rate.
+    """
+    def __init__(
+        self,
+        *,
+        method: Global___SpeculativeMethod.ValueType = ...,
+        max_proposed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_proposed", b"max_proposed", "method", b"method"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SpeculativeDecoding: _TypeAlias = SpeculativeDecoding  # noqa: Y015
 
 @_typing.final
 class GuidedDecoding(_message.Message):
@@ -390,6 +455,7 @@ class StatusResponse(_message.Message):
     READY_FIELD_NUMBER: _builtins.int
     ACTIVE_SESSIONS_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     incarnation: _builtins.int
     recoveries: _builtins.int
@@ -397,6 +463,10 @@ class StatusResponse(_message.Message):
     ready: _builtins.bool
     active_sessions: _builtins.int
     """active_sessions is the number of sessions in progress (for every caller)."""
+    speculative: _builtins.str
+    """speculative is the coordinator's default speculative decoding
+    ("prompt-lookup" or "off"), with its maximum k ("prompt-lookup k=4").
+    """
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageAssignment]: ...
     @_builtins.property
@@ -422,10 +492,11 @@ class StatusResponse(_message.Message):
         ready: _builtins.bool = ...,
         active_sessions: _builtins.int = ...,
         plan: _stage_pb2.PartitionPlan | None = ...,
+        speculative: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "incarnation", b"incarnation", "model", b"model", "plan", b"plan", "ready", b"ready", "recoveries", b"recoveries", "sessions", b"sessions", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "incarnation", b"incarnation", "model", b"model", "plan", b"plan", "ready", b"ready", "recoveries", b"recoveries", "sessions", b"sessions", "speculative", b"speculative", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -122,6 +122,30 @@ OUTPUT_KIND_LOGITS: OutputKind.ValueType  # 2
 """OUTPUT_KIND_LOGITS returns the f32 logits of the last position."""
 Global___OutputKind: _TypeAlias = OutputKind  # noqa: Y015
 
+class _Proposer:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ProposerEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Proposer.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PROPOSER_UNSPECIFIED: _Proposer.ValueType  # 0
+    PROPOSER_PROMPT_LOOKUP: _Proposer.ValueType  # 1
+    """PROPOSER_PROMPT_LOOKUP: an n-gram of the session's prompt and output
+    matched earlier in them, and the tokens that followed it there (no
+    weights, deterministic).
+    """
+
+class Proposer(_Proposer, metaclass=_ProposerEnumTypeWrapper):
+    """Proposer is where a row's proposed tokens come from."""
+
+PROPOSER_UNSPECIFIED: Proposer.ValueType  # 0
+PROPOSER_PROMPT_LOOKUP: Proposer.ValueType  # 1
+"""PROPOSER_PROMPT_LOOKUP: an n-gram of the session's prompt and output
+matched earlier in them, and the tokens that followed it there (no
+weights, deterministic).
+"""
+Global___Proposer: _TypeAlias = Proposer  # noqa: Y015
+
 class _BoundaryRole:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -705,6 +729,8 @@ class StepRow(_message.Message):
     ENCODER_INPUT_FIELD_NUMBER: _builtins.int
     ENCODED_OFFSETS_FIELD_NUMBER: _builtins.int
     ALLOWED_TOKENS_FIELD_NUMBER: _builtins.int
+    PREDICTION_TARGET_FIELD_NUMBER: _builtins.int
+    COMMIT_LENGTH_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     epoch: _builtins.int
     """epoch is the session's commit epoch for this row, starting at 1."""
@@ -726,6 +752,12 @@ class StepRow(_message.Message):
     step carries only rows that agree on whether they are guided, and never
     as a decode run (one mask per token).
     """
+    commit_length: _builtins.int
+    """commit_length, when non-zero, bounds the folded commit: after committing
+    commit_epoch the session keeps only its first commit_length KV rows on
+    this rank (a verified chunk's rejected proposals are released). It must
+    equal start_position.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """token_ids are the row's new tokens (a decode token or a prompt chunk);
@@ -743,6 +775,22 @@ class StepRow(_message.Message):
 
     @_builtins.property
     def encoded_offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def prediction_target(self) -> Global___PredictionTarget:
+        """prediction_target, when set, makes the row's last `proposed` token_ids a
+        proposer's guesses at the session's next tokens (speculative decoding):
+        every stage computes all of the row's tokens as usual, and the rank that
+        owns the prediction target (the last decoder group's, which samples)
+        samples every position of the row, each with that position's own seed
+        (exactly what plain decoding would draw there), and keeps the proposals
+        up to the first that differs from its sample. StepRowResult.tokens are
+        then the samples of the accepted positions and the one after them
+        (accepted_tokens + 1 tokens). The rows of the rejected proposals stay
+        written until the next row's commit_length rolls them back. Refused
+        (ARCH, BAD_PREDICTION_TARGET) in a decode run, with logits, logprobs or
+        allowed_tokens, or with proposed >= len(token_ids).
+        """
+
     def __init__(
         self,
         *,
@@ -755,14 +803,45 @@ class StepRow(_message.Message):
         encoder_input: _tensor_pb2.Tensor | None = ...,
         encoded_offsets: _abc.Iterable[_builtins.int] | None = ...,
         allowed_tokens: _builtins.bytes = ...,
+        prediction_target: Global___PredictionTarget | None = ...,
+        commit_length: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "prediction_target", b"prediction_target", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_tokens", b"allowed_tokens", "commit_epoch", b"commit_epoch", "encoded_offsets", b"encoded_offsets", "encoder_input", b"encoder_input", "epoch", b"epoch", "sampling", b"sampling", "session_id", b"session_id", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_tokens", b"allowed_tokens", "commit_epoch", b"commit_epoch", "commit_length", b"commit_length", "encoded_offsets", b"encoded_offsets", "encoder_input", b"encoder_input", "epoch", b"epoch", "prediction_target", b"prediction_target", "sampling", b"sampling", "session_id", b"session_id", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepRow: _TypeAlias = StepRow  # noqa: Y015
+
+@_typing.final
+class PredictionTarget(_message.Message):
+    """PredictionTarget names a row's speculative part: the target model's
+    distribution at each of its positions is captured on the owner rank and
+    the proposals are verified against it there (the prediction-only operation),
+    while every other rank computes the rows as a chunk of the session.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROPOSED_FIELD_NUMBER: _builtins.int
+    PROPOSER_FIELD_NUMBER: _builtins.int
+    proposed: _builtins.int
+    """proposed is how many of the row's last token_ids are proposals, >= 1."""
+    proposer: Global___Proposer.ValueType
+    def __init__(
+        self,
+        *,
+        proposed: _builtins.int = ...,
+        proposer: Global___Proposer.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["proposed", b"proposed", "proposer", b"proposer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PredictionTarget: _TypeAlias = PredictionTarget  # noqa: Y015
 
 @_typing.final
 class ExecuteStepRequest(_message.Message):
@@ -856,6 +935,7 @@ class StepRowResult(_message.Message):
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
+    ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     token: _builtins.int
     """token is the row's sampled token (last stage, OUTPUT_KIND_TOKEN)."""
     kv_length: _builtins.int
@@ -864,6 +944,10 @@ class StepRowResult(_message.Message):
     """logprob is the log-probability of `token` under the model's distribution
     at that position (log-softmax of the logits, before temperature, top_k
     and top_p); 0 unless the row's sampling asked for logprobs (last stage).
+    """
+    accepted_tokens: _builtins.int
+    """accepted_tokens is how many of a prediction-target row's proposals the
+    owner rank accepted (tokens then holds accepted_tokens + 1 tokens).
     """
     @_builtins.property
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
@@ -874,7 +958,9 @@ class StepRowResult(_message.Message):
     @_builtins.property
     def tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """tokens are the tokens a decode run sampled for the row, in order
-        (decode_steps of them; `token` is the first). Empty for a single step.
+        (decode_steps of them; `token` is the first), or a prediction-target
+        row's accepted proposals and the sample after them. Empty for a single
+        step.
         """
 
     def __init__(
@@ -885,10 +971,11 @@ class StepRowResult(_message.Message):
         logprob: _builtins.float = ...,
         top_logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         tokens: _abc.Iterable[_builtins.int] | None = ...,
+        accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_length", b"kv_length", "logprob", b"logprob", "token", b"token", "tokens", b"tokens", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_tokens", b"accepted_tokens", "kv_length", b"kv_length", "logprob", b"logprob", "token", b"token", "tokens", b"tokens", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
