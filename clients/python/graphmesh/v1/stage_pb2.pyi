@@ -182,6 +182,38 @@ output.
 """
 Global___BoundaryRole: _TypeAlias = BoundaryRole  # noqa: Y015
 
+class _BoundaryTransport:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _BoundaryTransportEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BoundaryTransport.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    BOUNDARY_TRANSPORT_UNSPECIFIED: _BoundaryTransport.ValueType  # 0
+    BOUNDARY_TRANSPORT_TCP: _BoundaryTransport.ValueType  # 1
+    """BOUNDARY_TRANSPORT_TCP: each bundle is a frame on the boundary link."""
+    BOUNDARY_TRANSPORT_CUDA_IPC: _BoundaryTransport.ValueType  # 2
+    """BOUNDARY_TRANSPORT_CUDA_IPC: a bundle's bytes go through a GPU buffer of
+    the sender that the receiver maps (CUDA IPC, same host); only its header
+    is a frame on the link, which still orders and acknowledges every push.
+    """
+    BOUNDARY_TRANSPORT_GRPC: _BoundaryTransport.ValueType  # 3
+    """BOUNDARY_TRANSPORT_GRPC: PushBoundary calls (no listener, or TLS)."""
+
+class BoundaryTransport(_BoundaryTransport, metaclass=_BoundaryTransportEnumTypeWrapper):
+    """BoundaryTransport is how a rank's bundles reach the next rank."""
+
+BOUNDARY_TRANSPORT_UNSPECIFIED: BoundaryTransport.ValueType  # 0
+BOUNDARY_TRANSPORT_TCP: BoundaryTransport.ValueType  # 1
+"""BOUNDARY_TRANSPORT_TCP: each bundle is a frame on the boundary link."""
+BOUNDARY_TRANSPORT_CUDA_IPC: BoundaryTransport.ValueType  # 2
+"""BOUNDARY_TRANSPORT_CUDA_IPC: a bundle's bytes go through a GPU buffer of
+the sender that the receiver maps (CUDA IPC, same host); only its header
+is a frame on the link, which still orders and acknowledges every push.
+"""
+BOUNDARY_TRANSPORT_GRPC: BoundaryTransport.ValueType  # 3
+"""BOUNDARY_TRANSPORT_GRPC: PushBoundary calls (no listener, or TLS)."""
+Global___BoundaryTransport: _TypeAlias = BoundaryTransport  # noqa: Y015
+
 class _EpochOutcome:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -1228,12 +1260,21 @@ Global___PushBoundaryResponse: _TypeAlias = PushBoundaryResponse  # noqa: Y015
 class OpenBoundaryLinkRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    SENDER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sender(self) -> Global___BoundaryLinkEnd:
+        """sender describes the pushing end, so the receiver can choose the link's
+        transport (graphmesh_executor/transport.py); unset: TCP frames.
+        """
+
     def __init__(
         self,
+        *,
+        sender: Global___BoundaryLinkEnd | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sender", b"sender"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sender", b"sender"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1245,6 +1286,9 @@ class OpenBoundaryLinkResponse(_message.Message):
 
     ADDRESS_FIELD_NUMBER: _builtins.int
     TICKET_FIELD_NUMBER: _builtins.int
+    RECEIVER_FIELD_NUMBER: _builtins.int
+    TRANSPORT_FIELD_NUMBER: _builtins.int
+    TRANSPORT_REASON_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """address is HOST:PORT of the link listener; an empty HOST means the host
     this call reached.
@@ -1253,19 +1297,107 @@ class OpenBoundaryLinkResponse(_message.Message):
     """ticket is 32 random bytes the link's first frame must carry; it opens one
     link, once, within 30 s.
     """
+    transport: Global___BoundaryTransport.ValueType
+    """transport is how the link's bundles travel, chosen by the receiver from
+    both ends; UNSPECIFIED (an older receiver) means TCP frames.
+    """
+    transport_reason: _builtins.str
+    """transport_reason says why, e.g. "ranks on different hosts"."""
+    @_builtins.property
+    def receiver(self) -> Global___BoundaryLinkEnd:
+        """receiver describes this end."""
+
     def __init__(
         self,
         *,
         address: _builtins.str = ...,
         ticket: _builtins.bytes = ...,
+        receiver: Global___BoundaryLinkEnd | None = ...,
+        transport: Global___BoundaryTransport.ValueType = ...,
+        transport_reason: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["receiver", b"receiver"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "receiver", b"receiver", "ticket", b"ticket", "transport", b"transport", "transport_reason", b"transport_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___OpenBoundaryLinkResponse: _TypeAlias = OpenBoundaryLinkResponse  # noqa: Y015
+
+@_typing.final
+class BoundaryLinkEnd(_message.Message):
+    """BoundaryLinkEnd is what one end of a boundary link tells the other in
+    OpenBoundaryLink.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_ID_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    GPU_UUID_FIELD_NUMBER: _builtins.int
+    VISIBLE_GPU_UUIDS_FIELD_NUMBER: _builtins.int
+    TCP_ONLY_FIELD_NUMBER: _builtins.int
+    host_id: _builtins.str
+    """host_id is the machine's boot id and host name: ends with the same
+    host_id share a kernel, so they can share GPU memory.
+    """
+    device: _builtins.str
+    """device is the executor's device: "cpu", "cuda:0"."""
+    gpu_uuid: _builtins.str
+    """gpu_uuid is the UUID of the GPU the executor computes on; empty off CUDA."""
+    tcp_only: _builtins.bool
+    """tcp_only: this end was started with GRAPHMESH_BOUNDARY_TRANSPORT=tcp."""
+    @_builtins.property
+    def visible_gpu_uuids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """visible_gpu_uuids are the GPUs whose memory this process can map, in its
+        CUDA device order (CUDA_VISIBLE_DEVICES).
+        """
+
+    def __init__(
+        self,
+        *,
+        host_id: _builtins.str = ...,
+        device: _builtins.str = ...,
+        gpu_uuid: _builtins.str = ...,
+        visible_gpu_uuids: _abc.Iterable[_builtins.str] | None = ...,
+        tcp_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device", b"device", "gpu_uuid", b"gpu_uuid", "host_id", b"host_id", "tcp_only", b"tcp_only", "visible_gpu_uuids", b"visible_gpu_uuids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BoundaryLinkEnd: _TypeAlias = BoundaryLinkEnd  # noqa: Y015
+
+@_typing.final
+class BoundaryLinkStatus(_message.Message):
+    """BoundaryLinkStatus is the transport of this rank's pushes to one next rank."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    TRANSPORT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """address is the next rank's gRPC address."""
+    transport: Global___BoundaryTransport.ValueType
+    reason: _builtins.str
+    """reason says why this transport was chosen."""
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        transport: Global___BoundaryTransport.ValueType = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "reason", b"reason", "transport", b"transport"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BoundaryLinkStatus: _TypeAlias = BoundaryLinkStatus  # noqa: Y015
 
 @_typing.final
 class CommitRequest(_message.Message):
@@ -1816,6 +1948,7 @@ class StageServiceStatusResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     MODEL_IDENTITY_FIELD_NUMBER: _builtins.int
     KV_DIM_FIELD_NUMBER: _builtins.int
+    LINKS_FIELD_NUMBER: _builtins.int
     state: Global___AuthorityState.ValueType
     incarnation: _builtins.int
     poison_cause: _builtins.str
@@ -1831,6 +1964,12 @@ class StageServiceStatusResponse(_message.Message):
     def stage(self) -> Global___StageSpec: ...
     @_builtins.property
     def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageSessionStatus]: ...
+    @_builtins.property
+    def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___BoundaryLinkStatus]:
+        """links are the transports this rank pushes boundaries over, per next rank
+        it has pushed to.
+        """
+
     def __init__(
         self,
         *,
@@ -1844,10 +1983,11 @@ class StageServiceStatusResponse(_message.Message):
         device: _builtins.str = ...,
         model_identity: _builtins.str = ...,
         kv_dim: _builtins.int = ...,
+        links: _abc.Iterable[Global___BoundaryLinkStatus] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "incarnation", b"incarnation", "kv_dim", b"kv_dim", "model_identity", b"model_identity", "poison_cause", b"poison_cause", "rank", b"rank", "sessions", b"sessions", "stage", b"stage", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "incarnation", b"incarnation", "kv_dim", b"kv_dim", "links", b"links", "model_identity", b"model_identity", "poison_cause", b"poison_cause", "rank", b"rank", "sessions", b"sessions", "stage", b"stage", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
