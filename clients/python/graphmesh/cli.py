@@ -121,7 +121,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         from google.protobuf import json_format
         print(json_format.MessageToJson(s, preserving_proto_field_name=True))
         return 0
-    print(f"model {s.model}  incarnation {s.incarnation}  ready {s.ready}  recoveries {s.recoveries}")
+    print(f"model {s.model}  incarnation {s.incarnation}  ready {s.ready}  recoveries {s.recoveries}"
+          f"  speculative {s.speculative or 'off'}")
     for st in s.stages:
         print(f"  rank {st.rank} {st.address:21s} layers [{st.layer_start}, {st.layer_end})  {st.backend}/{st.device}"
               f"  {st.param_bytes / 2**20:.0f} MiB  {'healthy' if st.healthy else 'UNHEALTHY'}")

@@ -99,7 +99,8 @@ class CoordinatorClient:
                  prompt_token_ids: Sequence[int] = (), messages: Sequence[dict[str, str]] = (),
                  ignore_eos: bool = False, model: str = "", parse_special_tokens: bool = False,
                  encoder_input: np.ndarray | None = None,
-                 guided: coordinator_pb2.GuidedDecoding | None = None) -> Iterator[Chunk]:
+                 guided: coordinator_pb2.GuidedDecoding | None = None,
+                 speculative: coordinator_pb2.SpeculativeDecoding | None = None) -> Iterator[Chunk]:
         """Streams the completion; raises graphmesh.errors types on a bad request. parse_special_tokens: special
         tokens spelled in the prompt or messages ("<|im_start|>") are control tokens, not text. encoder_input: f32
         [n, input_dim], the features of the prompt's n encoder placeholder tokens (a model with an encoder)."""
@@ -113,6 +114,8 @@ class CoordinatorClient:
             request.encoder_input.CopyFrom(tensors.to_proto(np.asarray(encoder_input)))
         if guided is not None:  # a JSON schema, any JSON object, a regex or a grammar the completion must follow
             request.guided.CopyFrom(guided)
+        if speculative is not None:  # speculative decoding for this request (unset: the coordinator's default)
+            request.speculative.CopyFrom(speculative)
         delivered: list[int] = []  # every token yielded so far: what a resumed request carries
         attempts, broke_at, finished = 0, 0.0, False
         while True:

@@ -30,6 +30,7 @@ from graphmesh_coordinator.guided import Grammars, Guide, GuidedSpec
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.scheduler import Encoded, Output, Scheduler, SessionInfo
 from graphmesh_coordinator.scheduler import Sequence as SchedulerSequence
+from graphmesh_coordinator.speculative import OFF, Mode, Speculation
 from graphmesh_coordinator.validation import check_finite_sampling
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -64,6 +65,8 @@ class GenerationRequest:
     # Guided decoding (guided.py): what the completion must be (a JSON schema, any JSON object, a regex, a grammar, a
     # tool call); None: free text
     guided: GuidedSpec | None = None
+    # Speculative decoding for this request (speculative.py); None: the coordinator's default. Never changes tokens.
+    speculative: Mode | None = None
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,7 @@ class Generator:
         self._lock = threading.Lock()
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
+        self.speculative = OFF  # the default of requests that do not choose (--speculative)
 
     def guide(self, spec: GuidedSpec) -> Guide:
         """A fresh matcher for `spec` (compiled once per spec; INVALID_ARGUMENT when it does not compile)."""
@@ -336,6 +340,9 @@ class Generator:
             for token in resumed:  # the grammar's state after the tokens already delivered
                 guide.accept(token)
             seq.guide = guide
+        mode = request.speculative or self.speculative
+        if mode.on and guide is None and not request.logprobs:
+            seq.speculation = Speculation(mode.max_k)
         detok = Detokenizer(self.tokenizer)
         for token in resumed:  # the text already delivered: stop strings and UTF-8 boundaries span the break
             detok.push(token)

@@ -42,6 +42,7 @@ from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 
 if TYPE_CHECKING:
     from graphmesh_coordinator.guided import Guide
+    from graphmesh_coordinator.speculative import Speculation
 
 log = logging.getLogger("graphmesh.coordinator.scheduler")
 
@@ -60,6 +61,10 @@ STEP_TOKENS_CUDA, STEP_TOKENS_CPU = 256, 128
 STEP_SEQS_CUDA, STEP_SEQS_CPU = 256, 64
 MAX_ARCH_RETRIES = 1  # of a session's row alone, after the rollback
 
+# Decodes in a step at most for its rows to carry proposals (speculative.py). A verified chunk of k + 1 rows costs
+# about a decode row on a GPU and on a CPU a share of the products per row: past this many decodes the step is busy
+# already and speculation would only slow it, so it steps aside.
+SPEC_SEQS_CUDA, SPEC_SEQS_CPU = 16, 2
 
 @dataclass
 class SessionInfo:
@@ -128,6 +133,10 @@ class Sequence:
     # token; the matcher advances on the tokens delivered, so a replay asks with the same mask again.
     guide: Guide | None = None
 
+    # Speculative decoding (speculative.py): its proposer state; None: plain decoding. verified_epoch is the epoch of
+    # its last verified chunk: the next row's folded commit keeps only the accepted rows of it (commit_length).
+    speculation: Speculation | None = None
+    verified_epoch: int = 0
     def wake(self) -> None:
         waker = self.waker
         if waker is not None:
@@ -140,6 +149,7 @@ class _Row:
     row: stage_pb2.StepRow
     final: bool  # the row consumes the rest of `pending`: its output is real
 
+    proposed: int = 0  # its last token_ids are proposals to verify (a prediction target)
 
 class Scheduler:
     def __init__(self, mesh: Mesh, max_step_tokens: int = 0, max_step_seqs: int = 0, workers: int = 8,
@@ -278,14 +288,17 @@ class Scheduler:
         # between them (none longer than any row may still grow). Only when no prompt waits to join, or when the
         # decodes fill the step's rows anyway (a waiting prompt could not join it).
         steps = 1
-        if decoding and (not others or len(decoding) >= cap) and kind == (stage_pb2.OUTPUT_KIND_TOKEN, False):
+        proposals = self._proposals(decoding[:cap], others, kind)
+        if proposals:
+            pass  # a verified chunk is one pass: its step is no decode run
+        elif decoding and (not others or len(decoding) >= cap) and kind == (stage_pb2.OUTPUT_KIND_TOKEN, False):
             steps = min(self._longest_run(), *(s.remaining for s in decoding))  # any of them may take a row
         budget = self._step_tokens()
         step: list[_Row] = []
         for s in decoding + others:
             if len(step) >= cap or budget <= 0:
                 break
-            row = self._row(s, budget, steps)
+            row = self._row(s, budget, steps, proposals.get(id(s), []))
             if row is None:
                 if s in others:
                     break  # first come first served: a waiting session that does not fit holds back later ones
@@ -296,6 +309,26 @@ class Scheduler:
         return (step, steps) if step else None
 
     def _longest_run(self) -> int:
+    def _proposals(self, decoding: list[Sequence], others: list[Sequence],
+                   kind: tuple[int, bool]) -> dict[int, list[int]]:
+        """The proposals of this step's speculating decodes, by id, when the step has room for verified chunks: no
+        prompt waits to join and few decodes share it (on a busy mesh the step is full already). Guided rows and
+        rows with logprobs never speculate."""
+        limit = SPEC_SEQS_CUDA if self._on_gpus() else SPEC_SEQS_CPU
+        if others or not decoding or len(decoding) > limit or kind != (stage_pb2.OUTPUT_KIND_TOKEN, False):
+            return {}
+        budget = self._step_tokens() - len(decoding)
+        out: dict[int, list[int]] = {}
+        for s in decoding:
+            spec = s.speculation
+            if spec is None or s.guide is not None or budget <= 0:
+                continue
+            proposed = spec.proposals(s.session.history + s.pending, min(s.remaining - 1, budget))
+            if proposed:
+                out[id(s)] = proposed
+                budget -= len(proposed)
+        return out
+
         return self.decode_steps or (DECODE_STEPS_CUDA if self._on_gpus() else DECODE_STEPS_CPU)
 
     def _step_seqs(self) -> int:
@@ -315,17 +348,18 @@ class Scheduler:
         ranks = self.mesh.ranks
         return bool(ranks) and all(r.device.startswith("cuda") for r in ranks)
 
-    def _row(self, s: Sequence, budget: int, steps: int = 1) -> _Row | None:
-        """The row of `s` for the next step (a decode run of `steps` tokens when `s` is decoding), its KV blocks
-        lent; None when they cannot be had now."""
+    def _row(self, s: Sequence, budget: int, steps: int = 1, proposals: list[int] | None = None) -> _Row | None:
+        """The row of `s` for the next step (a decode run of `steps` tokens when `s` is decoding; its last token and
+        `proposals` to verify when given), its KV blocks lent; None when they cannot be had now."""
         mesh, session, block = self.mesh, s.session, self.mesh.kv_block_tokens
         capacity = mesh.kv_pool_blocks
         restore = session.incarnation != mesh.incarnation
         if restore and steps > 1:
+        proposals = [] if restore or len(s.pending) != 1 else (proposals or [])[:max(0, budget - 1)]
             # preempted earlier in this pass, for another row of this decode run: its restore is a prompt, and a
             # run takes one token per row (an executor refuses anything else), so it waits for the next step
             return None
-        tokens = session.history + s.pending if restore else s.pending
+        tokens = session.history + s.pending if restore else s.pending + proposals
         start = 0 if restore else session.tokens
         n = len(tokens) if len(tokens) == 1 else min(len(tokens), budget)
         donor, shareable = self._shareable(s, tokens) if restore else (None, 0)
@@ -356,7 +390,12 @@ class Scheduler:
         session.epoch += 1
         row = stage_pb2.StepRow(session_id=session.session_id, epoch=session.epoch,
                                 commit_epoch=session.delivered_epoch, start_position=start,
-                                token_ids=s.pending[:n], sampling=s.sampling)
+                                token_ids=tokens[:n] if proposals else s.pending[:n], sampling=s.sampling)
+        if proposals:
+            row.prediction_target.proposed = len(proposals)
+            row.prediction_target.proposer = stage_pb2.PROPOSER_PROMPT_LOOKUP
+        if s.verified_epoch and s.verified_epoch == session.delivered_epoch and not restore:
+            row.commit_length = start  # the verified chunk it commits keeps its accepted rows only
         if s.guide is not None and n == len(s.pending):  # the row samples: its token's mask (never a decode run)
             row.allowed_tokens = s.guide.mask()
         if s.encoded is not None:
@@ -364,7 +403,7 @@ class Scheduler:
             if offsets:
                 row.encoded_offsets.extend(offsets)
                 row.encoder_input.CopyFrom(tensors.to_proto(features))
-        return _Row(s, row, n == len(s.pending))
+        return _Row(s, row, n == len(s.pending) + len(proposals), len(proposals))
 
     def _start(self, s: Sequence, tokens: list[int], seeded: int) -> None:
         """`s` starts on this roster with its first `seeded` tokens already in every rank's KV (shared or seeded)."""
@@ -523,7 +562,15 @@ class Scheduler:
                 s, session, result = r.seq, r.seq.session, reply.rows[i]
                 self._register(s)  # what the ranks committed: everything before this row (its commit was folded)
                 sampled = [int(t) for t in result.tokens] or [int(result.token)]  # a decode run's, or the one
-                session.history += list(r.row.token_ids) + sampled[:-1]  # the KV rows the ranks now hold
+                if r.proposed:  # a verified chunk: the ranks keep its accepted rows once its commit is folded
+                    session.history += list(r.row.token_ids[:len(sampled)])
+                    s.verified_epoch = r.row.epoch
+                    if s.speculation is not None:
+                        s.speculation.verified(r.proposed, len(sampled) - 1)
+                else:
+                    session.history += list(r.row.token_ids) + sampled[:-1]  # the KV rows the ranks now hold
+                    if s.speculation is not None and r.final:
+                        s.speculation.plain(len(sampled))
                 session.delivered_epoch = r.row.epoch
                 s.pending = s.pending[len(r.row.token_ids):]
                 s.solo, s.recoveries = False, 0

@@ -16,7 +16,8 @@ from graphmesh.protocol import Action
 from graphmesh.security import MESH, ServerSecurity
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
-from graphmesh_coordinator import guided
+from graphmesh_coordinator import guided, speculative
+from graphmesh_coordinator.failures import public_error
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 
@@ -92,7 +93,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                     encoder_input=tensors.from_proto(request.encoder_input)
                                     if request.HasField("encoder_input") else None,
                                     guided=guided.from_fields(request.guided.json_schema, request.guided.json_object,
-                                                              request.guided.regex, request.guided.grammar))
+                                                              request.guided.regex, request.guided.grammar),
+                                    speculative=speculative.from_proto(request.speculative, self.generator.speculative)
+                                    if request.HasField("speculative") else None)
             first = True
             events = (self.generator.generate_waiting if getattr(context, "yields_waits", False)
                       else self.generator.generate)(gen, alive=context.is_active, ready_wait_s=RECOVERY_WAIT_S)
@@ -130,7 +133,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                context: grpc.ServicerContext) -> coordinator_pb2.StatusResponse:
         mesh = self.mesh
         response = coordinator_pb2.StatusResponse(model=self.model_name, incarnation=mesh.incarnation,
-                                                  recoveries=mesh.recoveries, ready=mesh.ready)
+                                                  recoveries=mesh.recoveries, ready=mesh.ready,
+                                                  speculative=str(self.generator.speculative))
         if mesh.plan is not None:
             response.plan.CopyFrom(dag.to_proto(mesh.plan))
         for rank in mesh.ranks:

@@ -122,6 +122,11 @@ class StepRow:
     # The guided-decoding mask of the token the row samples (stage.proto StepRow.allowed_tokens): a little-endian
     # uint32 bitmask over the vocabulary; empty: every token. Such a row is sampled on the host (logprobs.py).
     allowed_tokens: bytes = b""
+    # Its last `proposed` token_ids are a proposer's guesses (stage.proto StepRow.prediction_target): the last stage
+    # samples every position and keeps the proposals its samples agree with.
+    proposed: int = 0
+    # The folded commit keeps only this many KV rows (a verified chunk's rejected proposals roll back); 0: all.
+    commit_length: int = 0
 
 
 @dataclass
@@ -142,6 +147,7 @@ class StepResult:
     logits: np.ndarray | None = None  # f32 [rows, vocab] (last stage, logits)
     logprobs: list[RowLogprobs | None] = field(default_factory=list)  # per row (last stage, rows that asked)
     kv_lengths: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # per row, the proposals the last stage accepted
     compute_us: float = 0.0
     computed_tokens: int = 0
     waves: list[tuple[int, int, bool]] = field(default_factory=list)  # (wave, group, worked) this rank took part in
@@ -497,8 +503,11 @@ class StageRuntime:
             waves = plan.schedule(active_groups)
             self._begin(incarnation, rows, decode_steps)
         ends = [row.start + len(row.token_ids) + decode_steps - 1 for row in rows]
+        # A prediction-target row runs as one single-token row per position (same session, same block table): each is
+        # computed, and sampled with its own seed, exactly as a plain decode of that position would be.
+        run_rows = [p for row in rows for p in _positions(row)] if any(r.proposed for r in rows) else rows
         try:
-            result = self._run_step(incarnation, step_id, rows, logits, timeout_s, decode_steps, waves)
+            result = self._run_step(incarnation, step_id, run_rows, logits, timeout_s, decode_steps, waves)
         except ProtocolError as e:
             if plan.cross_stage_collective_waves and e.error_class is ErrorClass.ARCH:
                 # peers may wait inside a wave's collective this rank never joined: nothing is provable any more
@@ -514,6 +523,8 @@ class StageRuntime:
             raise e
         result.waves = [(w.ordinal, w.group.id, w.group.rank == self.rank) for w in waves
                         if w.group.rank == self.rank or plan.cross_stage_collective_waves]
+        if run_rows is not rows and result.tokens:
+            _verify(rows, result)
         with self._lock:
             for row, end in zip(rows, ends):
                 self._sessions[row.session_id].txn.advance(row.epoch, end)
@@ -555,6 +566,17 @@ class StageRuntime:
             raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
                 "a decode run takes rows of one token each, sampled in the graph (no logits, no logprobs, no "
                 "allowed_tokens)", "BAD_DECODE_RUN"))
+        for row in rows:
+            if row.proposed and (decode_steps > 1 or logits or row.sampling.logprobs or row.allowed_tokens
+                                 or row.proposed >= len(row.token_ids)):
+                raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
+                    f"row of session {row.session_id!r} proposes {row.proposed} of its {len(row.token_ids)} tokens; "
+                    "a prediction target takes fewer proposals than tokens, sampled in the graph (no decode run, "
+                    "logits, logprobs or allowed_tokens)", "BAD_PREDICTION_TARGET"))
+            if row.commit_length and row.commit_length != row.start:
+                raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
+                    f"row of session {row.session_id!r} commits to {row.commit_length} rows but starts at {row.start}",
+                    "BAD_COMMIT_LENGTH"))
         words = -(-self.config.vocab_size // 32)
         for row in rows:
             if row.allowed_tokens and len(row.allowed_tokens) != 4 * words:
@@ -620,6 +642,8 @@ class StageRuntime:
                 session = self._session(row.session_id)
                 if row.commit_epoch:
                     self._commit(incarnation, row.session_id, session, row.commit_epoch)
+                    if row.commit_length:
+                        self._truncate(session, row.commit_length)
                 try:
                     # before the length check: an undecided epoch explains a mismatch, and is what to resolve
                     session.txn.check_decided(row.epoch)
@@ -1109,6 +1133,19 @@ class StageRuntime:
             session.txn.commit(epoch)
             self._committed(incarnation, session_id, session, epoch)
 
+    def _truncate(self, session: StageSession, length: int) -> None:
+        """Rolls a committed verified chunk back to its accepted rows (under the lock; idempotent): the rows past
+        `length` are no longer the session's. Its blocks stay lent to it (the coordinator counts them until it ends,
+        and its next chunk writes them again); blocks already written behind hold the tokens they were keyed by,
+        whatever was accepted, so only the count of stored tokens moves back."""
+        txn = session.txn
+        if txn.phase is not SessionPhase.IDLE or length >= txn.kv_length:
+            return
+        txn.kv_length = txn.pending_length = length
+        del session.tokens[length:]
+        block = self.pool.block_tokens
+        session.stored_tokens = min(session.stored_tokens, length // block * block)
+
     def _committed(self, incarnation: int, session_id: str, session: StageSession, epoch: int) -> None:
         """What follows a commit of `epoch` (folded, or resolved): its tokens are recorded, its blocks written behind."""
         session.tokens += session.pending_tokens
@@ -1274,9 +1311,9 @@ class StageRuntime:
                 self._fail(step, ProtocolError(ErrorClass.ARCH, FailedPrecondition(
                     f"step {step_id} was aborted", "EPOCH_ABORTED")))
         for row in rows:
-            self.abort(incarnation, row.session_id, row.epoch, row.commit_epoch)
+            self.abort(incarnation, row.session_id, row.epoch, row.commit_epoch, row.commit_length)
 
-    def abort(self, incarnation: int, session_id: str, epoch: int, commit_epoch: int = 0) -> int:
+    def abort(self, incarnation: int, session_id: str, epoch: int, commit_epoch: int = 0, commit_length: int = 0) -> int:
         """Local rollback of one session's epoch; allowed under poison (but not for an older incarnation)."""
         with self._lock:
             if incarnation != self.authority.incarnation:
@@ -1286,6 +1323,8 @@ class StageRuntime:
                 return 0
             if commit_epoch and session.txn.epoch == commit_epoch:
                 self._commit(incarnation, session_id, session, commit_epoch)  # tokens recorded, blocks written behind
+                if commit_length:
+                    self._truncate(session, commit_length)
             session.txn.abort(epoch)
             return session.txn.kv_length
 
@@ -1342,6 +1381,42 @@ class StageRuntime:
         with self._lock:
             return list(self._sessions.items())
 
+
+
+def _positions(row: StepRow) -> list[StepRow]:
+    """A prediction-target row as the single-token rows of its positions; any other row as itself."""
+    if not row.proposed:
+        return [row]
+    return [StepRow(row.session_id, row.epoch, row.commit_epoch, row.start + i, [t], row.sampling)
+            for i, t in enumerate(row.token_ids)]
+
+
+def _verify(rows: list[StepRow], result: StepResult) -> None:
+    """The prediction-only operation on the owner rank: regroups the samples of each row's positions and keeps a
+    prediction-target row's proposals while each equals the sample drawn before it. Greedy, that is the target's
+    argmax; sampled, the proposal is accepted with the target's probability of it and otherwise the sample is a
+    draw from the rest of the distribution: speculative sampling's rule for a deterministic proposer, and the
+    very token plain decoding would have drawn there with the same seed."""
+    samples = iter(result.tokens)
+    tokens: list[int] = []
+    runs: list[list[int]] = []
+    accepted: list[int] = []
+    for row in rows:
+        if not row.proposed:
+            tokens.append(next(samples))
+            runs.append([])
+            accepted.append(0)
+            continue
+        drawn = [next(samples) for _ in row.token_ids]
+        base = len(row.token_ids) - row.proposed  # drawn[base - 1] follows the last real token
+        a = 0
+        while a < row.proposed and drawn[base - 1 + a] == row.token_ids[base + a]:
+            a += 1
+        kept = drawn[base - 1: base + a]
+        tokens.append(kept[0])
+        runs.append(kept)
+        accepted.append(a)
+    result.tokens, result.run_tokens, result.accepted = tokens, runs, accepted
 
 
 def _runs(slots: np.ndarray) -> list[tuple[int, int]]:

@@ -179,7 +179,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                                                         for w, g, worked in result.waves])
         for i, length in enumerate(result.kv_lengths):
             row = response.rows.add(token=result.tokens[i] if result.tokens else 0, kv_length=length,
-                                    tokens=result.run_tokens[i] if result.run_tokens else ())
+                                    tokens=result.run_tokens[i] if result.run_tokens else (),
+                                    accepted_tokens=result.accepted[i] if result.accepted else 0)
             lp = result.logprobs[i] if result.logprobs else None
             if lp is not None:
                 row.logprob = lp.logprob
@@ -364,7 +365,8 @@ def step_rows(rows: Iterable[stage_pb2.StepRow]) -> list[StepRow]:
                     Sampling(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.seed,
                              r.sampling.logprobs, r.sampling.top_logprobs),
                     tensors.from_proto(r.encoder_input) if r.HasField("encoder_input") else None,
-                    tuple(r.encoded_offsets), r.allowed_tokens) for r in rows]
+                    tuple(r.encoded_offsets), r.allowed_tokens, r.prediction_target.proposed, r.commit_length)
+            for r in rows]
 
 _FAULTS = {stage_pb2.FAULT_KIND_ARCH_FAILURE: "arch", stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY: "corrupt",
            stage_pb2.FAULT_KIND_DEVICE_FAILURE: "device"}
