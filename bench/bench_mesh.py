@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.common import cpu_seconds, machine, median, progress, table, write_results
-from graphmesh import security
+from graphmesh import channels
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.coordinator_client import CoordinatorClient
@@ -218,9 +218,9 @@ def profile_round(mesh: LocalMesh, prompt: list[int], tokens: int, out: Profile)
     out.client.append(mesh_engine(mesh)(prompt, tokens).ms_per_token / 1e3)
     with CoordinatorClient(mesh.coordinator_address) as client:
         status = client.status()
-    channels = [security.channel(s.address, None, mesh_token=mesh.mesh_token)  # as the coordinator: a mesh member
+    stage_channels = [channels.channel(s.address, None, mesh_token=mesh.mesh_token)  # as the coordinator: a mesh member
                 for s in sorted(status.stages, key=lambda s: s.rank)]
-    stubs = [stage_pb2_grpc.StageServiceStub(c) for c in channels]
+    stubs = [stage_pb2_grpc.StageServiceStub(c) for c in stage_channels]
     out.compute = out.compute or [[] for _ in stubs]
     session = f"bench-profile-{uuid.uuid4().hex}"
     pending, start, commit, epoch, made = list(prompt), 0, 0, 0, 0
@@ -244,7 +244,7 @@ def profile_round(mesh: LocalMesh, prompt: list[int], tokens: int, out: Profile)
     header = stage_pb2.FencingHeader(incarnation=status.incarnation, session_id=session)
     for stub in stubs:
         stub.ReleaseSession(stage_pb2.ReleaseSessionRequest(header=header), timeout=30)
-    for channel in channels:
+    for channel in stage_channels:
         channel.close()
 
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from google.rpc import status_pb2
 
+from graphmesh import channels
 from graphmesh import plan as dag
-from graphmesh import security
 from graphmesh.errors import DeadlineExceeded, GraphmeshError, from_rpc_error
 from graphmesh.launcher import free_port
 from graphmesh.links import ACK, HELLO, PUSH, KvLink, KvLinks, LinkError, frame, read_frame
@@ -42,7 +42,7 @@ def _pushed(pusher: BoundaryPusher, address: str, boundary: Boundary) -> Excepti
 
 
 def test_a_rank_without_a_link_is_pushed_to_over_grpc(linkless_executor: str) -> None:
-    stub = stage_pb2_grpc.StageServiceStub(security.channel(linkless_executor, None))
+    stub = stage_pb2_grpc.StageServiceStub(channels.channel(linkless_executor, None))
     with pytest.raises(grpc.RpcError) as e:
         stub.OpenBoundaryLink(stage_pb2.OpenBoundaryLinkRequest(), timeout=10)
     assert from_rpc_error(e.value).reason == "NO_BOUNDARY_LINK"
@@ -126,7 +126,7 @@ def test_an_idle_row_copy_link_whose_executor_went_away_is_not_used_again(linkle
     """A row copy (an executor's PushSessionKv, the store's seeds) reuses an idle link unless its executor closed it
     (it restarted): a copy on that link would fail, failing a seed that a fresh link (or gRPC) would carry."""
     server = socket.create_server(("127.0.0.1", 0))
-    stub = stage_pb2_grpc.StageServiceStub(security.channel(linkless_executor, None))
+    stub = stage_pb2_grpc.StageServiceStub(channels.channel(linkless_executor, None))
     links = KvLinks(tls=False)
     with server:
         kept, dropped = (KvLink(socket.create_connection(server.getsockname()), linkless_executor) for _ in range(2))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from graphmesh import faults, security, tensors
+from graphmesh import channels, faults, tensors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
 from graphmesh.launcher import LocalMesh
@@ -93,7 +93,7 @@ def _status(mesh: LocalMesh) -> Any:
 
 def _stage(mesh: LocalMesh, address: str) -> stage_pb2_grpc.StageServiceStub:
     """StageService of one of the mesh's executors, called as a mesh member (with its mesh token)."""
-    return stage_pb2_grpc.StageServiceStub(security.channel(address, None, mesh_token=mesh.mesh_token))
+    return stage_pb2_grpc.StageServiceStub(channels.channel(address, None, mesh_token=mesh.mesh_token))
 
 
 def _link(mesh: LocalMesh, address: str) -> tuple[str, bytes]:

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import pytest
 
-from graphmesh import security
+from graphmesh import channels, security
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.launcher import LocalMesh, free_port
@@ -48,7 +48,7 @@ def mesh(model: Path) -> Iterator[LocalMesh]:
 
 
 def _member(mesh: LocalMesh, address: str) -> grpc.Channel:  # a channel as a mesh member opens it
-    return security.channel(address, None, mesh_token=mesh.mesh_token)
+    return channels.channel(address, None, mesh_token=mesh.mesh_token)
 
 
 def _status(mesh: LocalMesh) -> coordinator_pb2.StatusResponse:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from graphmesh import security
+from graphmesh import channels
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -35,7 +35,7 @@ def _prompt(n: int) -> list[int]:
 def _stage_sessions(mesh: LocalMesh) -> list[int]:
     out = []
     for address in mesh.executor_addresses:
-        stub = stage_pb2_grpc.StageServiceStub(security.channel(address, None, mesh_token=mesh.mesh_token))
+        stub = stage_pb2_grpc.StageServiceStub(channels.channel(address, None, mesh_token=mesh.mesh_token))
         out.append(len(stub.Status(stage_pb2.StageServiceStatusRequest(), timeout=5).sessions))
     return out
 

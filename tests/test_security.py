@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from graphmesh import errors, kvkeys, security, tensors
+from graphmesh import channels, errors, kvkeys, security, tensors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.kvstore_client import CircuitBreaker
 from graphmesh.launcher import LocalMesh, free_port
-from graphmesh.security import MESH, Role, allowed_roles, role_of
+from graphmesh.security.policy import MESH, Role, allowed_roles, role_of
 from graphmesh.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -129,14 +129,14 @@ def setup(request: pytest.FixtureRequest, model: Path, pki: MeshPki) -> Iterator
     mode: str = request.param
     with _mesh(mode, model, pki) as mesh:
         if mode == "token":
-            s = Setup(mode, mesh, lambda a: security.channel(a, None, mesh_token=mesh.mesh_token),
+            s = Setup(mode, mesh, lambda a: channels.channel(a, None, mesh_token=mesh.mesh_token),
                       {"nothing": grpc.insecure_channel,
-                       "a guessed token": lambda a: security.channel(a, None, mesh_token="guessed")},
+                       "a guessed token": lambda a: channels.channel(a, None, mesh_token="guessed")},
                       (grpc.StatusCode.UNAUTHENTICATED, "MESH_TOKEN_REQUIRED"), None, [])
         else:
             def dial(pem: Any, token: str = "") -> Dial:
                 creds = security.credentials(pki.ca.cert, pem.cert, pem.key)
-                return lambda a: security.as_mesh_member(grpc.secure_channel(a, creds), token)
+                return lambda a: channels.as_mesh_member(grpc.secure_channel(a, creds), token)
 
             # under mutual TLS the certificate decides: even the real mesh token makes no client a mesh member
             s = Setup(mode, mesh, dial(pki.coordinator),

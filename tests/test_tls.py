@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from graphmesh import errors, security
+from graphmesh import bootstrap, errors, security
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.launcher import LocalMesh, free_port
@@ -163,10 +163,10 @@ def test_an_executor_obeys_only_the_allowed_peers(mtls_mesh: LocalMesh, pki: Pki
 
 
 def test_server_security_flags_are_checked(tmp_path: Path, pki: Pki) -> None:
-    def parse(*argv: str) -> security.ServerSecurity:
+    def parse(*argv: str) -> bootstrap.ServerSecurity:
         p = argparse.ArgumentParser()
-        security.add_arguments(p, auth_token=True)
-        return security.from_args(p.parse_args(argv))
+        bootstrap.add_arguments(p, auth_token=True)
+        return bootstrap.from_args(p.parse_args(argv))
 
     with pytest.raises(errors.InvalidArgument, match="--tls-key"):
         parse("--tls-cert", pki.client.cert)

@@ -32,19 +32,13 @@ from grpc_health.v1 import _async as aio_health
 from grpc_health.v1 import health
 
 from graphmesh.errors import GraphmeshError
+from graphmesh.security.interceptors import MAKE_HANDLER, Undecodable, behavior_of, lenient, undecodable_error
 
 T = TypeVar("T")
 _END = object()  # the end of a response iterator, as next(iterator, _END) returns it
 
 # (method, context) -> a refusal or None: the identity checks an async behavior is subject to
 Gate = Callable[[grpc.HandlerCallDetails, Any], "GraphmeshError | None"]
-# (method, the parse error) -> the status of a request message that does not parse
-Garbage = Callable[[str, Exception], grpc.Status]
-
-
-class _Undecodable:
-    def __init__(self, error: Exception) -> None:
-        self.error = error
 
 
 class Wait:
@@ -224,11 +218,6 @@ class SyncContext:
         await self._context.abort(code, details, trailing)
 
 
-def _behavior(handler: grpc.RpcMethodHandler[Any, Any]) -> Any:
-    return next(b for b in (handler.unary_unary, handler.unary_stream, handler.stream_unary, handler.stream_stream)
-                if b is not None)
-
-
 def _returning(handler: Any) -> Callable[[grpc.HandlerCallDetails], Any]:
     """A continuation for a synchronous interceptor: the handler the inner ones made."""
     return lambda _: handler
@@ -238,23 +227,19 @@ def _is_async(behavior: Any) -> bool:
     return inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)
 
 
-_MAKE = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
-         (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-
-
 class _Bridge(grpc.aio.ServerInterceptor):
     """Runs the synchronous interceptors and behaviors on the pool, the async ones on the loop (see the module)."""
 
     def __init__(self, interceptors: Sequence[grpc.ServerInterceptor], gates: Sequence[Gate],
-                 pool: futures.ThreadPoolExecutor, garbage: Garbage | None = None) -> None:
-        self.interceptors, self.gates, self.pool, self.garbage = list(interceptors), list(gates), pool, garbage
+                 pool: futures.ThreadPoolExecutor) -> None:
+        self.interceptors, self.gates, self.pool = list(interceptors), list(gates), pool
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         if handler is None:
             return None
-        if _is_async(_behavior(handler)):
+        if _is_async(behavior_of(handler)):
             return self._gated(handler, details)
         for interceptor in reversed(self.interceptors):  # the first is outermost, as in grpc.server(interceptors=)
             handler = interceptor.intercept_service(_returning(handler), details)
@@ -263,21 +248,15 @@ class _Bridge(grpc.aio.ServerInterceptor):
         return self._pooled(handler)
 
     def _gated(self, handler: Any, details: grpc.HandlerCallDetails) -> Any:
-        behavior, parse, garbage = _behavior(handler), handler.request_deserializer, self.garbage
+        behavior, parse = behavior_of(handler), handler.request_deserializer
 
-        def deserialize(data: bytes) -> Any:  # a message that does not parse is the caller's error, not INTERNAL
-            try:
-                return parse(data)
-            except Exception as e:
-                return _Undecodable(e)
-
-        async def abort_garbage(context: grpc.aio.ServicerContext[Any, Any], bad: _Undecodable) -> None:
-            status = garbage(details.method, bad.error) if garbage else grpc.Status()
+        async def abort_garbage(context: grpc.aio.ServicerContext[Any, Any], bad: Undecodable) -> None:
+            status = undecodable_error(details.method, bad).to_status()
             await context.abort(status.code, status.details, status.trailing_metadata)
 
         async def parsed(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             async for request in requests:
-                if isinstance(request, _Undecodable):
+                if isinstance(request, Undecodable):
                     await abort_garbage(context, request)
                 yield request
 
@@ -297,7 +276,7 @@ class _Bridge(grpc.aio.ServerInterceptor):
             async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
                 if await refused(context):
                     return
-                if isinstance(request, _Undecodable):
+                if isinstance(request, Undecodable):
                     await abort_garbage(context, request)
                 async for response in behavior(checked_request(request, context), context):
                     yield response
@@ -306,15 +285,15 @@ class _Bridge(grpc.aio.ServerInterceptor):
             async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 if await refused(context):
                     return None
-                if isinstance(request, _Undecodable):
+                if isinstance(request, Undecodable):
                     await abort_garbage(context, request)
                 return await behavior(checked_request(request, context), context)
             checked = unary
-        return _MAKE[(handler.request_streaming, handler.response_streaming)](
-            checked, deserialize if parse is not None and garbage is not None else parse, handler.response_serializer)
+        return MAKE_HANDLER[(handler.request_streaming, handler.response_streaming)](
+            checked, lenient(parse) if parse is not None else None, handler.response_serializer)
 
     def _pooled(self, handler: Any) -> Any:
-        behavior, pool = _behavior(handler), self.pool
+        behavior, pool = behavior_of(handler), self.pool
 
         def sync_requests(requests: AsyncIterator[Any], loop: asyncio.AbstractEventLoop) -> Iterator[Any]:
             """The aio request stream as the iterator a synchronous behavior reads, from its pool thread."""
@@ -386,7 +365,7 @@ class _Bridge(grpc.aio.ServerInterceptor):
                 finally:
                     after(work, sync.finish, loop)
             pooled = unary
-        return _MAKE[(handler.request_streaming, handler.response_streaming)](
+        return MAKE_HANDLER[(handler.request_streaming, handler.response_streaming)](
             pooled, handler.request_deserializer, handler.response_serializer)
 
 
@@ -399,13 +378,12 @@ class AioServer(grpc.Server):
     servicers, `add_*Servicer_to_server`, reflection and run_until_signalled use it as any server."""
 
     def __init__(self, pool: futures.ThreadPoolExecutor, interceptors: Sequence[grpc.ServerInterceptor] = (),
-                 gates: Sequence[Gate] = (), options: Sequence[tuple[str, Any]] = (), admission: Any = None,
-                 garbage: Garbage | None = None) -> None:
+                 gates: Sequence[Gate] = (), options: Sequence[tuple[str, Any]] = (), admission: Any = None) -> None:
         self.pool, self.admission = pool, admission  # admission: what async behaviors count their work against
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
         self._thread.start()
-        bridge = _Bridge(interceptors, gates, pool, garbage)
+        bridge = _Bridge(interceptors, gates, pool)
 
         async def create() -> grpc.aio.Server:
             return grpc.aio.server(migration_thread_pool=pool, interceptors=[bridge], options=list(options))

@@ -17,10 +17,10 @@ import numpy.typing as npt
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from graphmesh import dtypes, errors, tensors
-from graphmesh.security import bearer, open_channel
+from graphmesh.channels import open_channel
+from graphmesh.security import bearer
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, graph_pb2, tensor_pb2
 
-MAX_MESSAGE_BYTES = 64 << 20
 _RNG_BACKENDS = {"splitmix": executor_pb2.RNG_BACKEND_SPLITMIX, "zero": executor_pb2.RNG_BACKEND_ZERO}
 _FORMATS = {"": executor_pb2.CHECKPOINT_FORMAT_UNSPECIFIED, "gguf": executor_pb2.CHECKPOINT_FORMAT_GGUF,
             "safetensors": executor_pb2.CHECKPOINT_FORMAT_SAFETENSORS}
@@ -86,9 +86,7 @@ class ExecutorClient:
         self.address = address
         self.timeout = timeout
         self.metadata = (*metadata, *bearer(token))
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        self.channel = open_channel(address, credentials, options)
+        self.channel = open_channel(address, credentials)
         self.stub = executor_pb2_grpc.ExecutorServiceStub(self.channel)
 
     def __enter__(self) -> ExecutorClient:

@@ -17,8 +17,9 @@ import grpc
 import numpy as np
 
 from graphmesh import tensors
+from graphmesh.channels import MESSAGE_OPTIONS, open_channel
 from graphmesh.errors import GraphmeshError, from_rpc_error
-from graphmesh.security import bearer, open_channel
+from graphmesh.security import bearer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 _FINISH = {coordinator_pb2.FINISH_REASON_LENGTH: "length", coordinator_pb2.FINISH_REASON_EOS: "eos",
@@ -58,8 +59,7 @@ class CoordinatorClient:
     def __init__(self, address: str | Sequence[str], *, timeout: float = 600.0,
                  credentials: grpc.ChannelCredentials | None = None, metadata: Sequence[tuple[str, str]] = (),
                  token: str = "", resume_timeout_s: float | None = None) -> None:
-        options: list[tuple[str, int]] = [("grpc.max_send_message_length", 64 << 20),
-                                          ("grpc.max_receive_message_length", 64 << 20)]
+        options: list[tuple[str, int]] = list(MESSAGE_OPTIONS)
         self.addresses = _addresses(address)
         self.resume_timeout_s = (30.0 if len(self.addresses) > 1 else 0.0) if resume_timeout_s is None \
             else resume_timeout_s

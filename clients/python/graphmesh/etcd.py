@@ -13,6 +13,7 @@ more code than these 100 lines, and would add requests, futurist, pbr and debtco
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import urllib.error
@@ -46,6 +47,15 @@ def prefix_end(prefix: str) -> str:
     """The range_end that makes a range request cover every key starting with `prefix` (its last byte plus one)."""
     raw = prefix.encode()
     return base64.b64encode(raw[:-1] + bytes([raw[-1] + 1])).decode()
+
+
+def add_arguments(parser: argparse.ArgumentParser, here: str) -> None:
+    """--etcd and --cluster-name, as every service that finds its mesh in etcd takes them; `here`: what this
+    service does there. args.etcd is the list of URLs (empty: none)."""
+    parser.add_argument("--etcd", type=lambda text: [u for u in text.split(",") if u], default=[],
+                        help=f"comma-separated etcd client URLs (http://HOST:PORT): {here}")
+    parser.add_argument("--cluster-name", default="graphmesh",
+                        help="the mesh's name in etcd: its coordinators elect one leader, its executors register there")
 
 
 class EtcdUnavailable(Unavailable):

@@ -12,10 +12,10 @@ import grpc
 import numpy as np
 
 from graphmesh import dtypes, errors, tensors
-from graphmesh.security import as_mesh_member, bearer, open_channel
+from graphmesh.channels import as_mesh_member, open_channel
+from graphmesh.security import bearer
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, stage_pb2
 
-MAX_MESSAGE_BYTES = 64 << 20
 R = TypeVar("R")
 log = logging.getLogger("graphmesh.kvstore_client")
 
@@ -95,9 +95,7 @@ class KvStoreClient:
         self.address = address
         self.timeout = timeout
         self.metadata = (*metadata, *bearer(token))
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-        self._channel = grpc.intercept_channel(as_mesh_member(open_channel(address, credentials, options)), *interceptors)
+        self._channel = grpc.intercept_channel(as_mesh_member(open_channel(address, credentials)), *interceptors)
         self._stub = kvstore_pb2_grpc.KvStoreServiceStub(self._channel)
 
     def __enter__(self) -> KvStoreClient:

@@ -23,7 +23,7 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from graphmesh import security
+from graphmesh import channels, security
 from graphmesh.faults import TcpProxy
 
 
@@ -88,7 +88,7 @@ def wait_healthy(address: str, process: subprocess.Popen[bytes] | None, timeout_
 def _wait_healthy(address: str, process: subprocess.Popen[bytes] | None, timeout_s: float, what: str,
                   credentials: grpc.ChannelCredentials | None, service: str) -> None:
     deadline = time.monotonic() + timeout_s
-    with security.open_channel(address, credentials) as channel:
+    with channels.open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if process is not None and process.poll() is not None:

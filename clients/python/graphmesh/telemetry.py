@@ -37,7 +37,15 @@ from prometheus_client import REGISTRY, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from graphmesh.security import OPEN_SERVICES, Behavior, CallDetails, Continuation, Handler, wrap_handler
+from graphmesh.security.interceptors import (
+    Behavior,
+    CallDetails,
+    Continuation,
+    ForwardingClientInterceptor,
+    Handler,
+    wrap_handler,
+)
+from graphmesh.security.policy import OPEN_SERVICES
 
 log = logging.getLogger("graphmesh.telemetry")
 _tracer = trace.get_tracer("graphmesh")
@@ -164,13 +172,12 @@ def _end_client_span(span_: Span, call: Any) -> None:
     span_.end()
 
 
-class _ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _ClientTracing(ForwardingClientInterceptor):
     """A CLIENT span per call, its context injected into the metadata (W3C traceparent). Unlike the
     instrumentation package's client interceptor, this returns grpc's own call objects, so futures,
     cancel() (the coordinator's health watch, the kvstore's row copies) and streams behave as without it."""
 
-    def _call(self, continuation: Callable[[Any, Any], Any], details: grpc.ClientCallDetails, request: Any) -> Any:
+    def intercept(self, continuation: Callable[[Any, Any], Any], details: grpc.ClientCallDetails, request: Any) -> Any:
         if details.method.startswith(OPEN_SERVICES):  # the health watch polls 4x a second: not worth a trace each
             return continuation(details, request)
         service, _, method = details.method.lstrip("/").partition("/")
@@ -184,22 +191,8 @@ class _ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
         call.add_done_callback(lambda done: _end_client_span(span_, done))
         return call
 
-    def intercept_unary_unary(self, continuation: Any, client_call_details: grpc.ClientCallDetails, request: Any) -> Any:
-        return self._call(continuation, client_call_details, request)
 
-    def intercept_unary_stream(self, continuation: Any, client_call_details: grpc.ClientCallDetails, request: Any) -> Any:
-        return self._call(continuation, client_call_details, request)
-
-    def intercept_stream_unary(self, continuation: Any, client_call_details: grpc.ClientCallDetails,
-                               request_iterator: Any) -> Any:
-        return self._call(continuation, client_call_details, request_iterator)
-
-    def intercept_stream_stream(self, continuation: Any, client_call_details: grpc.ClientCallDetails,
-                                request_iterator: Any) -> Any:
-        return self._call(continuation, client_call_details, request_iterator)
-
-
-def client_interceptors() -> list[grpc.UnaryUnaryClientInterceptor]:
+def client_interceptors() -> list[ForwardingClientInterceptor]:
     """Trace propagation for a channel to another service: none when tracing is off."""
     return [_ClientTracing()] if enabled() else []
 

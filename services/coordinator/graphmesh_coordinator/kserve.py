@@ -28,7 +28,7 @@ from graphmesh.aio_serving import Wait, aiterate
 from graphmesh.errors import GraphmeshError, InvalidArgument, NotFound, Unavailable
 from graphmesh.kserve import grpc_service_pb2 as pb
 from graphmesh.kserve import grpc_service_pb2_grpc as pb_grpc
-from graphmesh.security import Admission
+from graphmesh.security.interceptors import Admission
 from graphmesh_coordinator import guided
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import Mesh

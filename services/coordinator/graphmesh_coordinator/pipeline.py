@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from graphmesh import kvkeys, security, telemetry
+from graphmesh import channels, kvkeys, security, telemetry
 from graphmesh import plan as dag
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
 from graphmesh.kvstore_client import CircuitBreaker, KvStoreClient
@@ -50,8 +50,6 @@ KV_REGISTER_TIMEOUT_S = 5.0
 SHARE_TIMEOUT_S = 2.0  # ShareSessionKv on every rank: bookkeeping, awaited under the scheduler's lock
 REJOIN_CHECKS = 4  # health checks in a row an executor back from a failure must pass before the mesh re-plans
 JOIN_CHECKS = 2  # and a new member (it registered itself once it served: no flapping to wait out)
-
-_CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 class InvocationFailed(Exception):
@@ -95,7 +93,7 @@ class Mesh:
         self.rpc_timeout_s, self.install_timeout_s = rpc_timeout_s, install_timeout_s
         self.tls = tls
         # One channel per executor ever a member, kept when it leaves (a StatefulSet brings it back at the same address)
-        self.channels = {a: telemetry.traced(security.channel(a, tls, _CHANNEL_OPTIONS)) for a in self.addresses}
+        self.channels = {a: telemetry.traced(channels.channel(a, tls)) for a in self.addresses}
         self.ranks: list[Rank] = []
         self.plan: dag.Plan | None = None  # the roster's DAG (groups, routes, schemas), as every rank has it
         self.incarnation = 0
@@ -124,7 +122,7 @@ class Mesh:
                 return
             for address in addresses:
                 if address not in self.channels:
-                    self.channels[address] = telemetry.traced(security.channel(address, self.tls, _CHANNEL_OPTIONS))
+                    self.channels[address] = telemetry.traced(channels.channel(address, self.tls))
             joined = [a for a in addresses if a not in self.addresses]
             left = [a for a in self.addresses if a not in addresses]
             self.addresses = addresses  # replaced, never changed in place: readers hold a consistent list
@@ -701,7 +699,7 @@ def wait_for_executors(addresses: Sequence[str], timeout_s: float, tls: security
     with futures.ThreadPoolExecutor(max(1, len(pending))) as pool:
         while pending:
             def ok(address: str) -> bool:
-                with security.channel(address, tls) as channel:
+                with channels.channel(address, tls) as channel:
                     return _healthy(channel, 2.0)
             results = list(pool.map(ok, pending))
             pending = [a for a, good in zip(pending, results) if not good]

@@ -15,15 +15,16 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2
 
-from graphmesh import logs, membership, security, telemetry
+from graphmesh import bootstrap, etcd, logs, membership, telemetry
 from graphmesh.aio_serving import AioServer, MirroredHealth
+from graphmesh.bootstrap import ServerSecurity
 from graphmesh.bundled import resolve_model
+from graphmesh.channels import MESSAGE_OPTIONS
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import InvalidArgument, NotFound, Unavailable
 from graphmesh.etcd import EtcdClient
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
-from graphmesh.security import ServerSecurity
 from graphmesh.serving import run_until_signalled
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -34,9 +35,9 @@ from graphmesh_coordinator.openai_api import OpenAIServer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
 from graphmesh_coordinator.scheduler import Scheduler
 from graphmesh_coordinator.servicer import CoordinatorServicer
+from graphmesh_coordinator.speculative import parse_mode
 from graphmesh_coordinator.state import DurableState, default_state_dir
 
-from graphmesh_coordinator.speculative import parse_mode
 log = logging.getLogger("graphmesh.coordinator")
 # grpc.health.v1 service name that is SERVING while this process is worth keeping: a standby too (it waits to lead),
 # not a leader that stepped down (a restart makes it a standby again). "" is SERVING only on the leader, with its
@@ -102,7 +103,7 @@ def _http_listen(config: CoordinatorConfig) -> str:
     only unless --allow-insecure-remote says otherwise."""
     host, _, port = config.http_listen.rpartition(":")
     sec = config.security
-    if sec.authenticated or sec.allow_insecure_remote or security._is_loopback(host):
+    if sec.authenticated or sec.allow_insecure_remote or bootstrap.is_loopback(host):
         return config.http_listen
     log.warning("no credentials configured: the HTTP API listens on loopback only; --allow-insecure-remote "
                 "listens as asked", extra={"http_listen": config.http_listen})
@@ -150,8 +151,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     # event loop.
     # Clients that can resume on another coordinator ping their streams (CoordinatorClient: every second) to find a
     # frozen leader, whose connections stay open; without these a server answers such pings with GOAWAY.
-    server = config.security.server(64, [("grpc.max_send_message_length", 64 << 20),
-                                         ("grpc.max_receive_message_length", 64 << 20),
+    server = config.security.server(64, [*MESSAGE_OPTIONS,
                                          ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
                                          ("grpc.http2.max_ping_strikes", 0), ("grpc.keepalive_permit_without_calls", 1)],
                                     telemetry.server_interceptors(config.metrics_port > 0), "coordinator-rpc",
@@ -287,10 +287,8 @@ def main(argv: list[str] | None = None) -> None:
                              "started with --etcd register themselves and are planned after these, as they join)")
     parser.add_argument("--min-executors", type=int, default=1,
                         help="with --etcd: how many executors must be members before a leader plans the mesh")
-    parser.add_argument("--etcd", default="", help="comma-separated etcd client URLs (http://HOST:PORT): elect one "
-                                                   "leader among the coordinators of --cluster-name (default: this "
-                                                   "coordinator alone, its incarnation in --state-dir)")
-    parser.add_argument("--cluster-name", default="graphmesh", help="the coordinators that elect one leader in etcd")
+    etcd.add_arguments(parser, "elect one leader among the coordinators of --cluster-name (default: this coordinator "
+                               "alone, its incarnation in --state-dir)")
     parser.add_argument("--lease-ttl", type=float, default=2.0,
                         help="seconds the leader's etcd lease lasts without a renewal: how long a dead leader holds "
                              "up failover (whole seconds in etcd, at least its minimum)")
@@ -349,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--http-max-connections", type=int, default=0,
                         help="open connections the HTTP API keeps at most; more are closed as they are accepted. "
                              "Default 0: a quarter of the process's descriptor limit, at most 4096")
-    security.add_arguments(parser, auth_token=True)
+    bootstrap.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
     if args.max_waiting_requests < 1:
         parser.error(f"--max-waiting-requests must be >= 1, not {args.max_waiting_requests}")
@@ -365,11 +363,11 @@ def main(argv: list[str] | None = None) -> None:
         config = CoordinatorConfig(args.listen, [a for a in args.executors.split(",") if a], args.model, args.state_dir,
                                    args.kvstore, [int(x) for x in args.split.split(",") if x], args.weights,
                                    args.startup_timeout, args.rpc_timeout, args.max_context, args.metrics_port,
-                                   security.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs,
+                                   bootstrap.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs,
                                    http_listen=args.http_listen, http_ready_wait_s=args.http_ready_wait,
                                    steps_in_flight=args.steps_in_flight, decode_steps=args.decode_steps,
                                    health_window_s=args.health_window,
-                                   etcd=[u for u in args.etcd.split(",") if u], cluster_name=args.cluster_name,
+                                   etcd=args.etcd, cluster_name=args.cluster_name,
                                    lease_ttl_s=args.lease_ttl, advertise=args.advertise,
                                    min_executors=args.min_executors, max_waiting_requests=args.max_waiting_requests,
                                    max_prompt_bytes=args.max_prompt_bytes,

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from graphmesh import security, telemetry
+from graphmesh import channels, security, telemetry
+from graphmesh.channels import MAX_MESSAGE_BYTES
 from graphmesh.errors import GraphmeshError, InvalidArgument
 from graphmesh.links import KvLinks
 from graphmesh.session_kv import WRITE_SESSION_KV, executor_error, raw, write_requests
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
-
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -53,9 +52,8 @@ class KvPusher:
                                             stage_pb2_grpc.StageServiceStub]:
         with self._lock:
             if address not in self._writes:
-                channel = telemetry.traced(security.channel(
-                    address, self.tls, [("grpc.max_send_message_length", self.max_message_bytes),
-                                        ("grpc.max_receive_message_length", self.max_message_bytes)]))
+                channel = telemetry.traced(channels.channel(
+                    address, self.tls, channels.message_options(self.max_message_bytes)))
                 self._writes[address] = (channel.stream_unary(
                     WRITE_SESSION_KV, request_serializer=raw,
                     response_deserializer=stage_pb2.WriteSessionKvResponse.FromString),

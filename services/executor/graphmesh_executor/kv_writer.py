@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
-from graphmesh import kvkeys, security, telemetry, tensors
+from graphmesh import channels, kvkeys, security, telemetry, tensors
 from graphmesh.errors import from_rpc_error
 from graphmesh.kvstore_client import CircuitBreaker
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -75,7 +75,7 @@ class KvWriteBehind:
 
     def _put(self, blocks: KvBlocks) -> None:
         if blocks.address not in self._stubs:
-            channel = security.channel(blocks.address, self.tls, [("grpc.max_send_message_length", 64 << 20)])
+            channel = channels.channel(blocks.address, self.tls)
             self._stubs[blocks.address] = kvstore_pb2_grpc.KvStoreServiceStub(telemetry.traced(channel))
         ns = kvkeys.namespace(blocks.model_identity, blocks.layer_start, blocks.layer_end, blocks.kv_dim,
                               block_tokens=blocks.block_tokens)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import grpc
 
-from graphmesh import logs, security, telemetry
+from graphmesh import bootstrap, channels, etcd, logs, telemetry
+from graphmesh.bootstrap import ServerSecurity
 from graphmesh.etcd import EtcdClient
 from graphmesh.membership import Registration
-from graphmesh.security import ServerSecurity
 from graphmesh.serving import byte_size, fits_in_memory, memory_bytes, run_until_signalled
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
 from graphmesh_executor.backends import NAMES
@@ -49,7 +49,7 @@ class ExecutorConfig:
     device: str = "cpu"
     model_root: Path | None = None
     threads: int | None = None  # compute threads of the backend; None keeps the library default
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = channels.MAX_MESSAGE_BYTES
     max_param_bytes: int = DEFAULT_MAX_PARAM_BYTES
     workers: int = 64  # calls served at once; stage waiters hold one each (the coordinator bounds them)
     enable_fault_injection: bool = False  # StageService.InjectFault, for tests and benchmarks only
@@ -99,8 +99,7 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, StageRuntime
     if config.threads:
         _set_threads(config.backend, config.threads)
     registry = ExecutableRegistry(config.backend, config.device)
-    options = [("grpc.max_receive_message_length", config.max_message_bytes),
-               ("grpc.max_send_message_length", config.max_message_bytes)]
+    options = channels.message_options(config.max_message_bytes)
     server = config.security.server(config.workers, options, telemetry.server_interceptors(config.metrics_port > 0),
                                     "executor-rpc")
     executor_pb2_grpc.add_ExecutorServiceServicer_to_server(
@@ -148,7 +147,8 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--model-root", type=Path, help="directory LoadParams may read checkpoints from")
     p.add_argument("--threads", type=int, help="compute threads of the backend")
-    p.add_argument("--max-message-bytes", type=byte_size, default=64 << 20, help="largest gRPC message (e.g. 64Mi)")
+    p.add_argument("--max-message-bytes", type=byte_size, default=channels.MAX_MESSAGE_BYTES,
+                   help="largest gRPC message (e.g. 64Mi)")
     p.add_argument("--max-param-bytes", type=byte_size, default=DEFAULT_MAX_PARAM_BYTES,
                    help="largest SetParams/BindHandle stream (default: 64Gi or half the memory, whichever is less)")
     p.add_argument("--workers", type=int, default=64, help="calls served at once (--max-concurrent-rpcs overrides)")
@@ -159,10 +159,8 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
     p.add_argument("--kv-cache-bytes", type=byte_size, default=0,
                    help="size of the stage's paged KV pool (e.g. 2Gi); 0: from free memory")
-    p.add_argument("--etcd", default="", help="comma-separated etcd client URLs: register as an executor of "
-                                              "--cluster-name there, so the leading coordinator plans over it "
-                                              "(default: none; the coordinator's --executors names it)")
-    p.add_argument("--cluster-name", default="graphmesh", help="the mesh this executor joins in etcd")
+    etcd.add_arguments(p, "register as an executor of --cluster-name there, so the leading coordinator plans over it "
+                          "(default: none; the coordinator's --executors names it)")
     p.add_argument("--advertise", default="", help="HOST:PORT the coordinator and the other executors reach this "
                                                    "executor at (default: --listen; required when it listens on "
                                                    "0.0.0.0)")
@@ -181,7 +179,7 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--boundary-link-advertise", default="",
                    help="HOST:PORT previous ranks reach the boundary link at (default: the host they reach this "
                         "executor at, the listener's port)")
-    security.add_arguments(p, executor_service=True)
+    bootstrap.add_arguments(p, executor_service=True)
     a = p.parse_args(argv)
     if a.boundary_link_port != "off" and not a.boundary_link_port.isdigit():
         p.error(f"--boundary-link-port takes a port or 'off', not {a.boundary_link_port!r}")
@@ -189,8 +187,8 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
                           threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,
                           workers=a.workers, enable_fault_injection=a.enable_fault_injection,
                           standby_weights=STANDBY_WEIGHTS[a.standby_weights], metrics_port=a.metrics_port,
-                          kv_cache_bytes=a.kv_cache_bytes, security=security.from_args(a),
-                          etcd=tuple(u for u in a.etcd.split(",") if u), cluster_name=a.cluster_name,
+                          kv_cache_bytes=a.kv_cache_bytes, security=bootstrap.from_args(a),
+                          etcd=tuple(a.etcd), cluster_name=a.cluster_name,
                           advertise=a.advertise, registration_ttl_s=a.registration_ttl,
                           drain_timeout_s=a.drain_timeout, preload_model=a.preload_model,
                           boundary_link_port=None if a.boundary_link_port == "off" else int(a.boundary_link_port),

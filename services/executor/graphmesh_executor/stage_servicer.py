@@ -11,7 +11,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from graphmesh import dtypes, security, telemetry, tensors
+from graphmesh import channels, dtypes, security, telemetry, tensors
 from graphmesh import plan as dag
 from graphmesh.errors import GraphmeshError, InvalidArgument, Unavailable, from_rpc_error, rpc
 from graphmesh.links import LinkOpener
@@ -60,8 +60,7 @@ class BoundaryPusher:
             return
         with self._lock:
             if address not in self._senders:
-                channel = security.channel(address, self.tls, [("grpc.max_send_message_length", 64 << 20),
-                                                               ("grpc.max_receive_message_length", 64 << 20)])
+                channel = channels.channel(address, self.tls)
                 self._senders[address] = (stage_pb2_grpc.StageServiceStub(telemetry.traced(channel)),
                                           ThreadPoolExecutor(self.SENDERS, thread_name_prefix=f"push-{address}"))
             stub, senders = self._senders[address]

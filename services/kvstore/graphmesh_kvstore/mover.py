@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from graphmesh import errors, security, telemetry
+from graphmesh import channels, errors, security, telemetry
 from graphmesh.errors import GraphmeshError, InvalidArgument, PermissionDenied
 from graphmesh.links import KvLink, KvLinks
 from graphmesh.session_kv import STAGE_SERVICE, WRITE_SESSION_KV, executor_error, raw, write_requests
@@ -36,9 +36,7 @@ class _Stage:
     PushSessionKv, and OpenBoundaryLink (through the stub) for a seed's link."""
 
     def __init__(self, address: str, max_message_bytes: int, tls: security.Tls | None = None) -> None:
-        self.channel = telemetry.traced(security.channel(
-            address, tls, [("grpc.max_send_message_length", max_message_bytes),
-                           ("grpc.max_receive_message_length", max_message_bytes)]))
+        self.channel = telemetry.traced(channels.channel(address, tls, channels.message_options(max_message_bytes)))
         self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
         self.write = self.channel.stream_unary(
             WRITE_SESSION_KV, request_serializer=raw,
@@ -69,7 +67,7 @@ class _Stored:
 
 
 class Mover:
-    def __init__(self, store: Store, timeout_s: float = 120.0, max_message_bytes: int = 64 << 20,
+    def __init__(self, store: Store, timeout_s: float = 120.0, max_message_bytes: int = channels.MAX_MESSAGE_BYTES,
                  tls: security.Tls | None = None) -> None:
         self.store = store
         self.timeout_s = timeout_s

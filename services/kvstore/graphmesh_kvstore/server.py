@@ -15,8 +15,8 @@ from pathlib import Path
 
 import grpc
 
-from graphmesh import logs, security, telemetry
-from graphmesh.security import ServerSecurity
+from graphmesh import bootstrap, channels, logs, telemetry
+from graphmesh.bootstrap import ServerSecurity
 from graphmesh.serving import byte_size, run_until_signalled
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from graphmesh_kvstore.mover import Mover
@@ -37,7 +37,7 @@ class KvStoreConfig:
     disk_capacity_bytes: int = 0  # 0: unbounded
     block_tokens: int = 16  # the only block size accepted; 0 accepts any
     max_put_bytes: int = DEFAULT_MAX_PUT_BYTES
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = channels.MAX_MESSAGE_BYTES
     executor_timeout_s: float = 120.0  # for seeds and copies whose caller set no deadline
     workers: int = 16
     metrics_port: int = 0  # Prometheus /metrics; 0: off
@@ -55,8 +55,7 @@ def build_server(config: KvStoreConfig) -> tuple[grpc.Server, int, Store]:
     store = Store(config.capacity_bytes, config.directory, config.disk_capacity_bytes, config.block_tokens,
                   config.max_put_bytes, shared)
     mover = Mover(store, config.executor_timeout_s, config.max_message_bytes, config.security.tls)
-    options = [("grpc.max_receive_message_length", config.max_message_bytes),
-               ("grpc.max_send_message_length", config.max_message_bytes)]
+    options = channels.message_options(config.max_message_bytes)
     server = config.security.server(config.workers, options, telemetry.server_interceptors(config.metrics_port > 0),
                                     "kvstore-rpc")
     kvstore_pb2_grpc.add_KvStoreServiceServicer_to_server(KvStoreServicer(store, mover), server)
@@ -92,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> KvStoreConfig:
     p.add_argument("--disk-capacity-bytes", type=byte_size, default=0, help="disk tier size; 0 is unbounded")
     p.add_argument("--block-tokens", type=int, default=16, help="the block size accepted; 0 accepts any")
     p.add_argument("--max-put-bytes", type=byte_size, default=DEFAULT_MAX_PUT_BYTES, help="largest PutBlocks")
-    p.add_argument("--max-message-bytes", type=byte_size, default=64 << 20, help="largest gRPC message")
+    p.add_argument("--max-message-bytes", type=byte_size, default=channels.MAX_MESSAGE_BYTES, help="largest gRPC message")
     p.add_argument("--executor-timeout", type=float, default=120.0, help="seconds for a seed or copy without deadline")
     p.add_argument("--workers", type=int, default=16, help="calls served at once (--max-concurrent-rpcs overrides)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
@@ -100,14 +99,14 @@ def parse_args(argv: list[str] | None = None) -> KvStoreConfig:
     p.add_argument("--redis-password-file", type=Path, help="file holding the shared tier's password")
     p.add_argument("--redis-ttl", type=float, default=0.0, help="seconds an entry lives in the shared tier; 0: until evicted")
     p.add_argument("--redis-timeout", type=float, default=0.25, help="seconds per shared-tier call before it is a miss")
-    security.add_arguments(p)
+    bootstrap.add_arguments(p)
     a = p.parse_args(argv)
     return KvStoreConfig(listen=a.listen, capacity_bytes=a.capacity_bytes, directory=a.dir,
                          disk_capacity_bytes=a.disk_capacity_bytes, block_tokens=a.block_tokens,
                          max_put_bytes=a.max_put_bytes, max_message_bytes=a.max_message_bytes,
                          executor_timeout_s=a.executor_timeout, workers=a.workers, metrics_port=a.metrics_port,
                          redis_url=a.redis_url, redis_password_file=a.redis_password_file, redis_ttl_s=a.redis_ttl,
-                         redis_timeout_s=a.redis_timeout, security=security.from_args(a))
+                         redis_timeout_s=a.redis_timeout, security=bootstrap.from_args(a))
 
 
 def main(argv: list[str] | None = None) -> None:

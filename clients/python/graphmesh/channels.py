@@ -1,0 +1,69 @@
+"""The channels every client and service opens: one factory, one set of message-size options, and the mesh token
+that a service's own channels carry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from graphmesh.security import Tls, mesh_metadata
+from graphmesh.security.interceptors import CallDetails, ForwardingClientInterceptor
+
+MAX_MESSAGE_BYTES = 64 << 20  # tensors, KV rows and logits travel in one message up to this size (services' default)
+
+
+def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """grpc's channel and server options that let messages of up to `max_bytes` through both ways."""
+    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
+
+
+MESSAGE_OPTIONS = message_options()
+
+# The mesh token of the service this process runs (set by bootstrap.ServerSecurity.server): one process is one mesh
+# member, so every channel it opens to the mesh carries the same identity without each caller passing it along.
+_process_mesh_token = ""
+
+
+def use_mesh_token(token: str) -> None:
+    """Makes this process's mesh channels (channel(), as_mesh_member()) carry `token`."""
+    global _process_mesh_token
+    _process_mesh_token = token
+
+
+class _MeshIdentity(ForwardingClientInterceptor):
+    """Adds the mesh token to every call's metadata: `token`, or (None) this process's at the time of the call, so
+    channels opened before the service's server was built carry it too."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+
+    def intercept(self, continuation: Callable[[Any, Any], Any], d: grpc.ClientCallDetails, request: Any) -> Any:
+        metadata = mesh_metadata(_process_mesh_token if self.token is None else self.token)
+        if not metadata:
+            return continuation(d, request)
+        return continuation(CallDetails(d.method, d.timeout, [*(d.metadata or ()), *metadata], d.credentials,
+                                        d.wait_for_ready, d.compression), request)
+
+
+def as_mesh_member(channel: grpc.Channel, token: str | None = None) -> grpc.Channel:
+    """`channel` with every call carrying the mesh token: `token`, or (None) this process's."""
+    return grpc.intercept_channel(channel, _MeshIdentity(token)) if token != "" else channel
+
+
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None,
+                 options: Sequence[tuple[str, Any]] = MESSAGE_OPTIONS) -> grpc.Channel:
+    """The one channel factory: TLS with `credentials` when given, else plaintext (loopback, or a mesh behind its
+    own network policy)."""
+    if credentials is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return grpc.secure_channel(address, credentials, options=list(options))
+
+
+def channel(address: str, tls: Tls | None, options: Sequence[tuple[str, Any]] = MESSAGE_OPTIONS,
+            mesh_token: str | None = None) -> grpc.Channel:
+    """A channel from one service to another: TLS with this service's certificate when it has one, and the mesh
+    token (`mesh_token`, or by default this process's) on every call."""
+    return as_mesh_member(open_channel(address, tls.channel_credentials() if tls else None, options), mesh_token)
+
