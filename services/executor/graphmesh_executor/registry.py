@@ -5,8 +5,13 @@ RPC that touches an executable holds that entry's lock for the whole call
 (streams included). Calls that touch two executables take both locks in id
 order, so two such calls in opposite directions cannot deadlock.
 
-The registry is plain Python with no gRPC in it: the executor servicer and
-the stage protocol servicer share one instance.
+The registry is plain Python with no gRPC in it, and belongs to ExecutorService
+alone (servicer.py): the ExecutableGraph trait over gRPC, the surface the op
+conformance tests, the SDK's ExecutorClient and bench_executor.py drive, for
+any graph of the op set. The stage protocol does not use it: StageRuntime
+(stage.py) compiles its stage graphs through backends.compile_graph and runs
+them on its engine thread, so ExecutorService neither lists nor touches what
+StageService runs.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The executor process: `graphmesh-executor --listen HOST:PORT --backend numpy|torch|mlx ...`.
 
 build_server() is the one place that creates the gRPC server and adds its
-services (executor, health, reflection); another servicer sharing the
-registry is added there too.
+services: StageService (the pipeline protocol the coordinator drives, with the
+stage's own executables), ExecutorService (the ExecutableGraph trait over its
+own registry: conformance tests and SDK clients; it does not see the stage's),
+health and reflection.
 """
 
 from __future__ import annotations
