@@ -1,0 +1,219 @@
+"""Speculative decoding by prompt lookup (issue 39): the proposer, the owner rank's verification, and real meshes.
+
+Speculation never changes a token: greedy and seeded streams are token-identical with it on and off, over 1, 2
+and 3 executors of SmolLM2 (f32), alone and 16 at once, and across a kill -9 of a stage while verified chunks are
+in flight. Sampled verification follows the target's distribution: a chi-square over many seeds against a tiny
+random model's exact next-token distribution (transformers, float64).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from graphmesh import faults
+from graphmesh.coordinator_client import CoordinatorClient
+from graphmesh.errors import InvalidArgument
+from graphmesh.launcher import LocalMesh
+from graphmesh.v1 import coordinator_pb2 as cpb
+from graphmesh_coordinator import speculative
+from graphmesh_coordinator.speculative import Mode, Speculation, parse_mode, propose
+from graphmesh_executor.stage import StepResult, StepRow, _positions, _verify
+from tests.test_metrics import scrape, value
+
+ON = cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_PROMPT_LOOKUP, max_proposed=4)
+OFF = cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_OFF)
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and wrote "
+           "the weather, the ships that passed and the state of the sea in a leather logbook.")
+GROUNDED = [f"Repeat this passage word for word: {PASSAGE}",
+            "Continue the list exactly as it goes: red, green, blue, red, green, blue, red, green, blue, red,",
+            "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"]
+
+
+# -- the proposer and k ----------------------------------------------------------------------------------------
+def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
+    assert propose([1, 2, 3, 4, 5, 1, 2], 3) == [3, 4, 5]
+    # the longest suffix wins: [7, 1, 2] occurs once, followed by 9; the bare [2] last occurred before 8
+    assert propose([7, 1, 2, 9, 9, 1, 2, 8, 0, 7, 1, 2], 2) == [9, 9]
+    assert propose([5, 6, 5, 6, 5], 4) == [6, 5]  # the latest occurrence, cut at what follows it
+    assert propose([1, 2, 3], 4) == []  # nothing repeats
+    assert propose([4, 4], 0) == [] and propose([4], 3) == []
+
+
+def test_k_adapts_to_acceptance_and_backs_off_to_plain_decoding() -> None:
+    spec = Speculation(4)
+    assert spec.proposals([1, 2, 3, 1, 2], 10) == [3, 1, 2]
+    assert spec.proposals([1, 2, 3, 1, 2], 1) == [3]  # never past what the session may still grow by
+    spec.verified(4, 1)
+    assert spec.k == 2  # the accepted prefix and one more
+    spec.verified(2, 2)
+    assert spec.k == 3
+    for _ in range(6):  # nothing accepted: k falls to 0 within a few passes
+        if spec.k:
+            spec.verified(spec.k, 0)
+    assert spec.k == 0 and spec.backoff > 0 and spec.proposals([1, 2, 1], 5) == []
+    spec.plain(spec.backoff)
+    assert spec.k == 1 and spec.proposals([1, 2, 1], 5) == [2]
+
+
+def test_modes_parse_and_refuse_clearly() -> None:
+    assert parse_mode("off") == speculative.OFF and not parse_mode("off").on
+    assert parse_mode("prompt-lookup") == Mode("prompt-lookup", speculative.DEFAULT_K)
+    assert parse_mode("prompt-lookup:7").max_k == 7
+    for bad in ("draft:smollm2-135m", "ngram", "prompt-lookup:0", "prompt-lookup:99", "prompt-lookup:x"):
+        with pytest.raises(InvalidArgument) as e:
+            parse_mode(bad)
+        assert e.value.reason == "BAD_SPECULATIVE"
+    default = Mode("prompt-lookup", 4)
+    assert speculative.from_json(None, default) == default
+    assert speculative.from_json("off", default) == speculative.OFF
+    assert speculative.from_json({"max_proposed": 2}, default) == Mode("prompt-lookup", 2)
+    assert speculative.from_proto(cpb.SpeculativeDecoding(), default) == default
+    assert speculative.from_proto(OFF, default).on is False
+    with pytest.raises(InvalidArgument):
+        speculative.from_json({"method": "draft"}, default)
+
+
+# -- the owner rank's verification ---------------------------------------------------------------------------
+def test_verification_keeps_proposals_while_the_samples_agree() -> None:
+    plain = StepRow("a", 3, 2, 10, [42])
+    chunk = StepRow("b", 5, 4, 20, [7, 8, 9, 6], proposed=3)
+    run_rows = [p for r in (plain, chunk) for p in _positions(r)]
+    assert [(r.start, r.token_ids) for r in run_rows] == [(10, [42]), (20, [7]), (21, [8]), (22, [9]), (23, [6])]
+    # the samples after 7, 8, 9, 6: 8 and 9 agree with the proposals, 5 does not (6 was proposed)
+    result = StepResult(tokens=[11, 8, 9, 5, 3])
+    _verify([plain, chunk], result)
+    assert result.tokens == [11, 8] and result.run_tokens == [[], [8, 9, 5]] and result.accepted == [0, 2]
+    result = StepResult(tokens=[11, 1, 9, 5, 3])  # the first proposal already rejected: the sample stands alone
+    _verify([plain, chunk], result)
+    assert result.run_tokens[1] == [1] and result.accepted[1] == 0
+    result = StepResult(tokens=[11, 8, 9, 6, 3])  # all accepted: the sample after the last proposal comes too
+    _verify([plain, chunk], result)
+    assert result.run_tokens[1] == [8, 9, 6, 3] and result.accepted[1] == 3
+
+
+# -- real meshes ----------------------------------------------------------------------------------------------
+def _generate(address: str, prompt: str, spec: cpb.SpeculativeDecoding, **kw: Any) -> list[int]:
+    with CoordinatorClient(address) as client:
+        return [t for chunk in client.generate(prompt, speculative=spec, ignore_eos=True, **kw)
+                for t in chunk.token_ids]
+
+
+def _passes(mesh: LocalMesh) -> tuple[float, float]:
+    samples = scrape(mesh.metrics_ports["coordinator"])
+    return (value(samples, "graphmesh_speculative_passes_total"),
+            value(samples, "graphmesh_speculative_accepted_tokens_total"))
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3])
+def mesh(request: pytest.FixtureRequest) -> Iterator[LocalMesh]:
+    with LocalMesh(request.param, "torch", "smollm2-135m", kvstore=False, metrics=True, fault_injection=True,
+                   extra_coordinator_args=["--speculative", "prompt-lookup"]) as m:
+        yield m
+
+
+@pytest.mark.slow
+def test_greedy_and_seeded_streams_equal_with_speculation_on_and_off(mesh: LocalMesh) -> None:
+    before = _passes(mesh)
+    for prompt in GROUNDED:
+        for sampling in ({}, {"temperature": 0.8, "top_k": 40, "seed": 11}):
+            off = _generate(mesh.coordinator_address, prompt, OFF, max_tokens=40, **sampling)
+            assert _generate(mesh.coordinator_address, prompt, ON, max_tokens=40, **sampling) == off
+    passes, accepted = (a - b for a, b in zip(_passes(mesh), before))
+    assert passes > 0 and accepted > 0  # verified chunks ran, and proposals were taken: equality is not vacuous
+
+
+@pytest.mark.slow
+def test_sixteen_streams_equal_their_solo_runs_without_speculation(mesh: LocalMesh) -> None:
+    """16 at once: speculation steps aside while the steps are busy and joins as they thin out; every stream is the
+    token sequence of its run alone with speculation off (the coordinator's default here is on)."""
+    prompts = [GROUNDED[i % len(GROUNDED)] + " " * (i // len(GROUNDED)) for i in range(16)]
+    jobs = [dict(max_tokens=8 + 4 * (i % 5), **({"temperature": 0.7, "seed": 100 + i} if i % 2 else {}))
+            for i in range(16)]
+    solo = [_generate(mesh.coordinator_address, p, OFF, **job) for p, job in zip(prompts, jobs)]
+    with ThreadPoolExecutor(16) as pool:
+        batched = list(pool.map(lambda pj: _generate(mesh.coordinator_address, pj[0], cpb.SpeculativeDecoding(),
+                                                     **pj[1]), zip(prompts, jobs)))
+    assert batched == solo
+
+
+@pytest.mark.slow
+def test_a_kill_9_while_chunks_are_verified_changes_no_token(mesh: LocalMesh) -> None:
+    if len(mesh.executor_processes) < 2:
+        pytest.skip("a kill -9 needs another executor to re-plan over")
+    prompt, n = GROUNDED[0], 60
+    baseline = _generate(mesh.coordinator_address, prompt, OFF, max_tokens=n)
+    out: list[int] = []
+    with CoordinatorClient(mesh.coordinator_address) as client:
+        for chunk in client.generate(prompt, speculative=ON, ignore_eos=True, max_tokens=n):
+            out += chunk.token_ids
+            if len(out) >= 12 and mesh.executor_processes[-1].poll() is None:
+                passes = _passes(mesh)[0]
+                faults.kill9(mesh.executor_processes[-1])  # the last stage: it holds the chunk's verification
+    assert out == baseline
+    assert passes > 0 and _passes(mesh)[0] > passes  # chunks were verified before the kill and after the re-plan
+
+
+# -- the distribution of sampled verification --------------------------------------------------------------------
+VOCAB = 16
+
+
+def _tiny(path: Path) -> Path:
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, initializer_range=0.3, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    return path
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at 1 - 0.001 (z = 3.09) by Wilson-Hilferty."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.slow
+def test_sampled_verification_follows_the_target_distribution(tmp_path: Path) -> None:
+    """The second token of each stream is sampled in a verified chunk [t0, proposal]: accepted with its probability,
+    else drawn from the rest. Over many seeds its counts must follow sum over t0 of p(t0) p(t1 | t0), exactly
+    from transformers; a verification that favoured its proposal would put far too many draws on it."""
+    path = _tiny(tmp_path / "models" / "tiny")
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2] * 2  # every token repeats: always a proposal
+    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float64).eval()  # type: ignore[no-untyped-call]
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1).numpy()
+        second = np.stack([torch.softmax(model(torch.tensor([[*prompt, t]])).logits[0, -1], -1).numpy()
+                           for t in range(VOCAB)])
+    expected_p = first @ second
+    n = 600
+    with LocalMesh(2, "torch", str(path), kvstore=False, metrics=True) as mesh:
+        def draw(seed: int) -> int:
+            with CoordinatorClient(mesh.coordinator_address) as client:
+                tokens = [t for c in client.generate(prompt_token_ids=prompt, max_tokens=3, temperature=1.0,
+                                                      seed=seed, ignore_eos=True, speculative=ON)
+                          for t in c.token_ids]
+            return tokens[1]
+        with ThreadPoolExecutor(2) as pool:  # two at once: few enough decodes a step for speculation to join
+            seconds = list(pool.map(draw, range(n)))
+        passes, accepted = _passes(mesh)
+    assert passes >= n * 0.9 and 0 < accepted < passes  # verified chunks, with proposals accepted and rejected
+    counts = np.bincount(seconds, minlength=VOCAB).astype(np.float64)
+    expected = expected_p * n
+    keep = expected >= 5  # the rare tokens pooled into one bin
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    assert chi2 < _chi2_critical(len(obs) - 1), (chi2, obs.tolist(), exp.round(1).tolist())
