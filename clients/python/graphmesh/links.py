@@ -187,8 +187,15 @@ class LinkOpener:
     def ticket(self, stub: stage_pb2_grpc.StageServiceStub, address: str, timeout_s: float) -> tuple[str, bytes] | None:
         """The listener address and a ticket for a link to the rank at `address`; None when it has no link (or
         could not answer: then the caller goes by gRPC this time)."""
+        opened = self.open(stub, address, timeout_s)
+        return None if opened is None else (opened[0], opened[1].ticket)
+
+    def open(self, stub: stage_pb2_grpc.StageServiceStub, address: str, timeout_s: float,
+             request: stage_pb2.OpenBoundaryLinkRequest | None = None,
+             ) -> tuple[str, stage_pb2.OpenBoundaryLinkResponse] | None:
+        """`ticket`, with the whole answer (the receiver's end and the transport it chose for `request`'s sender)."""
         try:
-            answer = stub.OpenBoundaryLink(stage_pb2.OpenBoundaryLinkRequest(), timeout=timeout_s)
+            answer = stub.OpenBoundaryLink(request or stage_pb2.OpenBoundaryLinkRequest(), timeout=timeout_s)
         except grpc.RpcError as e:
             error = from_rpc_error(e)
             if e.code() is grpc.StatusCode.UNIMPLEMENTED or error.reason == "NO_BOUNDARY_LINK":
@@ -197,7 +204,7 @@ class LinkOpener:
             log.info("no link: sending over gRPC", extra={"address": address, "reason": error.reason})
             return None
         host, port = answer.address.rsplit(":", 1)
-        return f"{host or address.rsplit(':', 1)[0]}:{port}", answer.ticket
+        return f"{host or address.rsplit(':', 1)[0]}:{port}", answer
 
 
 class KvLinks:

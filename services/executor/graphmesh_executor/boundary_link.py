@@ -65,6 +65,7 @@ from graphmesh.links import (
     read_into,
 )
 from graphmesh.v1 import stage_pb2
+from graphmesh_executor.transport import DEVICE_PUSH, DeviceReceiver, receiver_factory
 
 log = logging.getLogger("graphmesh.executor.boundary_link")
 
@@ -119,6 +120,9 @@ class LinkListener:
         self.address = advertise or f":{self.port}"
         self._accept = accept
         self._kv_writer = kv_writer
+        # Makes a link's end of the GPU path at its first DEVICE_PUSH (transport.py); listen_for_links gives it the
+        # executor's device. On the CPU it refuses: the receiver never chose that path.
+        self.device_receiver: Callable[[], DeviceReceiver] = receiver_factory("cpu")
         self._max_frame_bytes = max_frame_bytes
         self._tickets: dict[bytes, float] = {}  # ticket -> when it expires (monotonic)
         self._handshakes = 0
@@ -189,21 +193,31 @@ class LinkListener:
                 self._handshakes -= 1
 
     def _serve_pushes(self, conn: socket.socket) -> None:
-        while True:
-            kind, payload = read_frame(conn, self._max_frame_bytes)
-            if kind == KV_BEGIN and self._kv_writer is not None:
-                self._serve_kv_write(conn, payload)
-                continue
-            if kind != PUSH:
-                raise LinkError(f"a frame of kind {kind} where a push was expected")
-            try:
-                self._accept(stage_pb2.PushBoundaryRequest.FromString(payload))
-                with self._lock:
-                    self.pushes += 1
-                answer = _OK
-            except Exception as e:  # the sender's step fails with it; this link and everyone else go on
-                answer = _answer(e, "PushBoundaryRequest")
-            conn.sendall(frame(ACK, answer))
+        device: list[DeviceReceiver] = []  # the sender's GPU buffers this link mapped (transport.py), if any
+        try:
+            while True:
+                kind, payload = read_frame(conn, self._max_frame_bytes)
+                if kind == KV_BEGIN and self._kv_writer is not None:
+                    self._serve_kv_write(conn, payload)
+                    continue
+                if kind not in (PUSH, DEVICE_PUSH):
+                    raise LinkError(f"a frame of kind {kind} where a push was expected")
+                try:
+                    if kind == DEVICE_PUSH:  # the bundle's bytes are in the sender's GPU buffer
+                        device = device or [self.device_receiver()]
+                        request = device[0].request(payload)
+                    else:
+                        request = stage_pb2.PushBoundaryRequest.FromString(payload)
+                    self._accept(request)
+                    with self._lock:
+                        self.pushes += 1
+                    answer = _OK
+                except Exception as e:  # the sender's step fails with it; this link and everyone else go on
+                    answer = _answer(e, "PushBoundaryRequest")
+                conn.sendall(frame(ACK, answer))
+        finally:
+            for d in device:
+                d.close()
 
     def _serve_kv_write(self, conn: socket.socket, first: bytes) -> None:
         """One row copy: its first message checked and answered, then its pieces read into two buffers in turn,
@@ -274,14 +288,15 @@ class BoundaryLink:
         """Connects to the listener at `address` and presents `ticket`; raises what the listener answered."""
         return cls(connect(address, ticket, timeout_s), address)
 
-    def push(self, request: bytes, timeout_s: float, delivered: Delivered) -> bool:
-        """Sends a serialized PushBoundaryRequest; False (nothing sent) when the link is already broken."""
+    def push(self, request: bytes, timeout_s: float, delivered: Delivered, kind: int = PUSH) -> bool:
+        """Sends a serialized PushBoundaryRequest (or a DEVICE_PUSH payload, transport.py); False (nothing sent)
+        when the link is already broken."""
         with self._lock:
             if self.broken is not None:
                 return False
             self._pending.append((time.monotonic() + timeout_s, delivered))
             try:
-                self._sock.sendall(frame(PUSH, request))
+                self._sock.sendall(frame(kind, request))
                 return True
             except OSError as e:
                 reason = str(e)

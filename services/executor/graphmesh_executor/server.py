@@ -109,10 +109,11 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, StageRuntime
                          max_param_bytes=config.max_param_bytes), server)
     block_writer = KvWriteBehind(tls=config.security.tls)
     runtime = StageRuntime(config.backend, config.device, str(config.model_root) if config.model_root else None,
-                           pusher=BoundaryPusher(config.security.tls), block_writer=block_writer,
+                           pusher=(pusher := BoundaryPusher(config.security.tls, config.device)), block_writer=block_writer,
                            faults_enabled=config.enable_fault_injection, standby_weights=config.standby_weights,
                            kv_cache_bytes=config.kv_cache_bytes)
     stage = add_stage_service(server, runtime, KvPusher(config.security.tls, config.max_message_bytes))
+    stage.pusher = pusher  # Status reports its transport per next rank
     link = None
     if config.boundary_link_port is not None and config.security.tls is None:  # links are plain TCP
         link = listen_for_links(stage, config.listen.rsplit(":", 1)[0], config.boundary_link_port,

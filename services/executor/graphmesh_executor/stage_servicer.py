@@ -15,11 +15,13 @@ from graphmesh import channels, dtypes, security, telemetry, tensors
 from graphmesh import plan as dag
 from graphmesh.errors import GraphmeshError, InvalidArgument, Unavailable, from_rpc_error, rpc
 from graphmesh.links import LinkOpener
-from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
+from graphmesh_executor import transport
 from graphmesh_executor.boundary_link import BoundaryLink, KvWrite, LinkListener
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
 from graphmesh_executor.kv_push import KvPusher, KvSource
 from graphmesh_executor.stage import Boundary, Sampling, StageRuntime, StageSpec, StepRow
+from graphmesh_executor.transport import Choice, DeviceSender
 
 log = logging.getLogger("graphmesh.executor.stage")
 R = TypeVar("R")
@@ -46,13 +48,18 @@ class BoundaryPusher:
 
     SENDERS = 4  # per address: bundles in flight to one next rank at once
 
-    def __init__(self, tls: security.Tls | None = None) -> None:
+    def __init__(self, tls: security.Tls | None = None, device: str = "cpu") -> None:
         self._senders: dict[str, tuple[stage_pb2_grpc.StageServiceStub, ThreadPoolExecutor]] = {}
         self._links: dict[str, BoundaryLink] = {}
         self._opener = LinkOpener()
         self._lock = threading.Lock()
         self.tls = tls
         self.links = tls is None  # links are plain TCP: a TLS mesh keeps its boundaries on gRPC
+        # The transport per pair of ranks (transport.py): chosen by each next rank when a link opens.
+        self.device = device
+        self.transports: dict[str, Choice] = {}  # by next rank's address: what Status reports
+        self._device: dict[str, tuple[BoundaryLink, DeviceSender]] = {}  # links whose receiver chose CUDA IPC
+        self._strikes: dict[str, int] = {}  # failed device pushes in a row, by address
 
     def __call__(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float,
                  delivered: Callable[[Exception | None], None]) -> None:
@@ -75,21 +82,27 @@ class BoundaryPusher:
         (median) when the sender's engine went straight on to another iteration, 0.29 ms when it idled."""
         with self._lock:
             link = self._links.get(address)
+            device = self._device.get(address)
         if link is None or link.broken is not None:
             return False
+        if device is not None and device[0] is link and _nbytes(boundary) >= transport.DEVICE_MIN_BYTES:
+            return False  # for the GPU path, from a sender thread
         with telemetry.span("stage.push_boundary", step=boundary.step_id, iteration=boundary.iteration):
             request = self._request(incarnation, boundary)
             request.trace_context.update(telemetry.carrier(telemetry.current_context()))
             return link.push_now(request.SerializeToString(), timeout_s, delivered)
 
     @staticmethod
-    def _request(incarnation: int, boundary: Boundary) -> stage_pb2.PushBoundaryRequest:
+    def _request(incarnation: int, boundary: Boundary, data: bool = True) -> stage_pb2.PushBoundaryRequest:
+        """The bundle as PushBoundary takes it; without the tensors' bytes (`data` False) for the GPU path."""
         request = stage_pb2.PushBoundaryRequest(header=stage_pb2.FencingHeader(incarnation=incarnation),
                                                 step_id=boundary.step_id, iteration=boundary.iteration,
                                                 route_id=boundary.route_id, schema_identity=boundary.schema_identity,
                                                 wave=boundary.wave)
         for role, value in boundary.values.items():
-            request.tensors.add(role=dag.role_proto(role), tensor=tensors.to_proto(value))
+            tensor = tensors.to_proto(value) if data else tensor_pb2.Tensor(
+                dtype=dtypes.to_proto(dtypes.from_numpy(value.dtype)), shape=value.shape)
+            request.tensors.add(role=dag.role_proto(role), tensor=tensor)
         return request
 
     def _send(self, stub: stage_pb2_grpc.StageServiceStub, address: str, incarnation: int, boundary: Boundary,
@@ -101,11 +114,15 @@ class BoundaryPusher:
                 link = self._link(stub, address, timeout_s) if self.links else None
                 if link is not None:
                     request.trace_context.update(telemetry.carrier(telemetry.current_context()))
-                    if link.push(request.SerializeToString(), timeout_s, delivered):
+                    if self._push_on(link, address, incarnation, boundary, request, timeout_s, delivered):
                         return
                     link = self._link(stub, address, timeout_s)  # broke since: nothing was sent, so send it anew
-                    if link is not None and link.push(request.SerializeToString(), timeout_s, delivered):
+                    if link is not None and self._push_on(link, address, incarnation, boundary, request, timeout_s,
+                                                          delivered):
                         return
+                if address not in self.transports:
+                    self._chosen(address, Choice(transport.GRPC, "a TLS mesh" if not self.links else
+                                                 "the next rank has no boundary link listener"))
                 stub.PushBoundary(request, timeout=timeout_s)
         except grpc.RpcError as e:
             delivered(from_rpc_error(e))
@@ -114,6 +131,39 @@ class BoundaryPusher:
             delivered(e)
             return
         delivered(None)
+
+    def _push_on(self, link: BoundaryLink, address: str, incarnation: int, boundary: Boundary,
+                 request: stage_pb2.PushBoundaryRequest, timeout_s: float,
+                 delivered: Callable[[Exception | None], None]) -> bool:
+        """BoundaryLink.push, through the link's GPU buffers where its receiver chose CUDA IPC and the bundle is
+        large enough (transport.py); a TCP frame on the same link otherwise."""
+        with self._lock:
+            device = self._device.get(address)
+        sender = device[1] if device is not None and device[0] is link else None
+        framed = sender.frame(self._request(incarnation, boundary, data=False), list(boundary.values.values())) \
+            if sender is not None else None
+        if sender is None or framed is None:
+            return link.push(request.SerializeToString(), timeout_s, delivered)
+        payload, slot = framed
+
+        def answered(error: Exception | None) -> None:
+            sender.release(slot)
+            if error is None:
+                self._strikes.pop(address, None)
+            elif isinstance(error, GraphmeshError) and error.reason == transport.DEVICE_FAILED:
+                self._strikes[address] = self._strikes.get(address, 0) + 1
+                link.fail(error)  # this link's GPU path is unusable: the next push opens a new link, mapped anew
+            delivered(error)
+        if link.push(payload, timeout_s, answered, kind=transport.DEVICE_PUSH):
+            return True
+        sender.release(slot)
+        return False
+
+    def _chosen(self, address: str, choice: Choice) -> None:
+        if self.transports.get(address) != choice:
+            log.info("boundary transport chosen", extra={"address": address, "transport": transport.NAMES[
+                choice.transport], "reason": choice.reason})
+        self.transports[address] = choice
 
     def _link(self, stub: stage_pb2_grpc.StageServiceStub, address: str, timeout_s: float) -> BoundaryLink | None:
         """The open link to `address`, opening one if there is none; None when that rank has no link listener (or
@@ -125,10 +175,15 @@ class BoundaryPusher:
         if not self._opener.may_have_link(address):
             return None
         try:
-            ticket = self._opener.ticket(stub, address, min(timeout_s, 5.0))
-            if ticket is None:
+            end = transport.local_end(self.device)
+            opened = self._opener.open(stub, address, min(timeout_s, 5.0), stage_pb2.OpenBoundaryLinkRequest(sender=end))
+            if opened is None:
                 return None
-            link = BoundaryLink.connect(*ticket, min(timeout_s, 5.0))
+            link = BoundaryLink.connect(opened[0], opened[1].ticket, min(timeout_s, 5.0))
+            choice = Choice(opened[1].transport or transport.TCP, opened[1].transport_reason or "an older receiver")
+            if choice.transport == transport.CUDA_IPC and self._strikes.get(address, 0) >= transport.DEVICE_STRIKES:
+                choice = Choice(transport.TCP, f"the GPU path failed {self._strikes[address]} times in a row")
+            sender = DeviceSender(self.device, end.gpu_uuid) if choice.transport == transport.CUDA_IPC else None
         except (OSError, GraphmeshError, ValueError) as e:
             log.warning("boundary link failed to open: pushing over gRPC", extra={"address": address, "error": str(e)})
             return None
@@ -139,6 +194,12 @@ class BoundaryPusher:
             else:
                 keep, spare = link, None
                 self._links[address] = link
+                if sender is not None:
+                    self._device[address] = (link, sender)
+                else:
+                    self._device.pop(address, None)
+        if spare is None:
+            self._chosen(address, choice)
         if spare is not None:
             spare.fail(Unavailable("a spare boundary link", "BOUNDARY_LINK_SPARE"))
         log.info("boundary link open", extra={"address": address, "link": keep.address})
@@ -150,6 +211,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.runtime = runtime
         self.kv_pusher = kv_pusher or KvPusher()
         self.link: LinkListener | None = None  # where previous ranks open boundary links; None: PushBoundary only
+        self.pusher: BoundaryPusher | None = None  # this rank's: Status reports its transports
 
     @rpc
     def Install(self, request: stage_pb2.InstallRequest, context: grpc.ServicerContext) -> stage_pb2.InstallResponse:
@@ -217,7 +279,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         if self.link is None:
             raise Unavailable("this executor has no boundary link listener: push over PushBoundary",
                               "NO_BOUNDARY_LINK")
-        return stage_pb2.OpenBoundaryLinkResponse(address=self.link.address, ticket=self.link.ticket())
+        receiver = transport.local_end(self.runtime.device)
+        choice = transport.choose(request.sender, receiver) if request.HasField("sender") else \
+            Choice(transport.TCP, "the sender did not describe its end")
+        log.info("boundary link offered", extra={"transport": transport.NAMES[choice.transport],
+                                                 "reason": choice.reason, "sender_device": request.sender.device})
+        return stage_pb2.OpenBoundaryLinkResponse(address=self.link.address, ticket=self.link.ticket(),
+                                                  receiver=receiver, transport=choice.transport,
+                                                  transport_reason=choice.reason)
 
     @rpc
     def Commit(self, request: stage_pb2.CommitRequest, context: grpc.ServicerContext) -> stage_pb2.CommitResponse:
@@ -351,6 +420,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                                                         weights=s.weights, max_context_tokens=s.max_context_tokens,
                                                         kvstore_address=s.kvstore_address,
                                                         kv_block_tokens=s.kv_block_tokens, dtype=rt.dtype))
+        for address, choice in sorted((self.pusher.transports if self.pusher else {}).items()):
+            response.links.add(address=address, transport=choice.transport, reason=choice.reason)
         for session_id, session in rt.sessions():
             t = session.txn
             response.sessions.add(session_id=session_id, phase=_PHASE[t.phase], epoch=t.epoch,
@@ -381,4 +452,9 @@ def listen_for_links(servicer: StageServicer, host: str, port: int, max_frame_by
                      advertise: str = "") -> LinkListener:
     """Opens the executor's boundary link listener: previous ranks push to `servicer` through it."""
     servicer.link = LinkListener(host, port, servicer.accept_push, max_frame_bytes, advertise, servicer.open_kv_write)
+    servicer.link.device_receiver = transport.receiver_factory(servicer.runtime.device)
     return servicer.link
+
+
+def _nbytes(boundary: Boundary) -> int:
+    return sum(int(v.nbytes) for v in boundary.values.values())

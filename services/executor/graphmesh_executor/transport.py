@@ -1,0 +1,292 @@
+"""How a rank's boundary bundles reach the next rank, chosen per pair of ranks in the boundary link's handshake.
+
+OpenBoundaryLink carries the sender's end (host id, device, GPU UUIDs, BoundaryLinkEnd); the receiver answers its
+own and the transport it chose (`choose`), so both ends know it, and the sender reports it in Status:
+
+- CUDA IPC when both ends share a kernel (same /proc boot id and host name), both compute on CUDA, and the
+  receiver can map the sender's GPU (it is among the receiver's visible devices, and is the receiver's own or
+  peer access between the two is possible);
+- TCP frames on the link otherwise (other hosts, a rank on the CPU, a GPU the receiver cannot see), and whenever
+  GRAPHMESH_BOUNDARY_TRANSPORT=tcp is set at either end.
+
+Why CUDA IPC and not NCCL point-to-point: NCCL needs a process group (a rendezvous of every rank, a rank number
+each) made before the first send, and a communicator whose peer died can hang its collectives until a watchdog
+aborts the process; the mesh re-plans over whichever executors are healthy, any time. An IPC mapping belongs to
+one link: it is made when the link is, the link's TCP connection still orders and acknowledges every push (so a
+dead peer is the broken connection the link already reports: COMM, fence and rebuild), and a re-plan opens a new
+link and maps again.
+
+The CUDA path: the sender keeps a few device buffers (slots) per link. A bundle of at least DEVICE_MIN_BYTES is
+copied into a free slot on a stream of its own, that stream is synchronized, and a DEVICE_PUSH frame goes out
+with the slot's number, its IPC handle when the slot is new to the receiver, and the PushBoundaryRequest without
+its tensors' bytes. The receiver copies the bytes out of the mapped slot (synchronously) before it answers, and
+the slot is free again once the answer is back: a slot is never written while the receiver may read it. Smaller
+bundles (decode steps) stay TCP frames on the same link, in the same order: a frame costs less than a device
+synchronization. A failed device push breaks the link (COMM); after DEVICE_STRIKES in a row to one address the
+sender keeps that pair on TCP.
+
+Boundary values are host arrays today (the stage's runs return numpy), so a bundle is still copied from and to
+host memory at the two ends; a device tensor (torch, CUDA) is copied device to device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeAlias, cast
+
+import numpy as np
+
+from graphmesh import dtypes
+from graphmesh.errors import Unavailable
+from graphmesh.v1 import stage_pb2
+
+log = logging.getLogger("graphmesh.executor.transport")
+
+ENV = "GRAPHMESH_BOUNDARY_TRANSPORT"  # "tcp": never the GPU path; "auto" (default): choose per pair
+DEVICE_PUSH = 6  # frame kind, after graphmesh.links' 1..5: slot header + PushBoundaryRequest without tensor bytes
+# Smaller bundles go as TCP frames on the same link (the environment variable lets a test send every one through
+# the GPU path).
+DEVICE_MIN_BYTES = int(os.environ.get("GRAPHMESH_CUDA_IPC_MIN_BYTES", 1 << 20))
+SLOTS = 4  # device buffers per link: bundles in flight at once over the GPU path
+DEVICE_STRIKES = 3  # failed device pushes in a row to one address before its links stay on TCP
+ALIGN = 256  # each tensor's offset in a slot
+DEVICE_FAILED = "BOUNDARY_DEVICE_FAILED"
+_SLOT_HEADER = struct.Struct("<III")  # slot, generation, length of the handle that follows (0: mapped already)
+
+Transport: TypeAlias = stage_pb2.BoundaryTransport.ValueType
+TCP: Transport = stage_pb2.BOUNDARY_TRANSPORT_TCP
+CUDA_IPC: Transport = stage_pb2.BOUNDARY_TRANSPORT_CUDA_IPC
+GRPC: Transport = stage_pb2.BOUNDARY_TRANSPORT_GRPC
+NAMES: dict[Transport, str] = {TCP: "tcp", CUDA_IPC: "cuda_ipc", GRPC: "grpc",
+                               stage_pb2.BOUNDARY_TRANSPORT_UNSPECIFIED: "tcp"}
+
+
+def tcp_only() -> bool:
+    """Whether this process was told never to take the GPU path."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value not in ("auto", "tcp", ""):
+        raise ValueError(f"{ENV} is auto or tcp, not {value!r}")
+    return value == "tcp"
+
+
+def host_id() -> str:
+    """The kernel this process runs on: two processes with the same id can share GPU memory. The boot id alone
+    is shared by the containers of one node, which cannot map each other's memory; the host name tells them apart."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""  # not Linux: no CUDA IPC either, and an empty id never matches (see choose)
+    return f"{boot}/{socket.gethostname()}" if boot else ""
+
+
+def _torch_cuda() -> Any:
+    """torch, when it is installed and sees a CUDA device; else None. Never initializes CUDA on a CPU executor."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def local_end(device: str) -> stage_pb2.BoundaryLinkEnd:
+    """This executor's end of a link."""
+    end = stage_pb2.BoundaryLinkEnd(host_id=host_id(), device=device, tcp_only=tcp_only())
+    torch = _torch_cuda() if device.startswith("cuda") else None
+    if torch is not None:
+        uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        end.gpu_uuid = uuids[torch.device(device).index or 0]
+        end.visible_gpu_uuids.extend(uuids)
+    return end
+
+
+@dataclass(frozen=True)
+class Choice:
+    transport: Transport
+    reason: str
+
+
+def _peer_access(own: int, peer: int) -> bool:
+    torch = _torch_cuda()
+    return torch is not None and bool(torch.cuda.can_device_access_peer(own, peer))
+
+
+def choose(sender: stage_pb2.BoundaryLinkEnd, receiver: stage_pb2.BoundaryLinkEnd,
+           peer_access: Callable[[int, int], bool] = _peer_access) -> Choice:
+    """The transport of a link from `sender` to `receiver`, decided by the receiver (it must map the sender's
+    memory); `peer_access(own index, sender's index)` in the receiver's CUDA device order."""
+    if sender.tcp_only or receiver.tcp_only:
+        return Choice(TCP, f"{ENV}=tcp at the {'sender' if sender.tcp_only else 'receiver'}")
+    if not sender.host_id or sender.host_id != receiver.host_id:
+        return Choice(TCP, "ranks on different hosts")
+    for name, end in (("sender", sender), ("receiver", receiver)):
+        if not end.gpu_uuid:
+            return Choice(TCP, f"the {name} is on {end.device or 'cpu'}")
+    visible = list(receiver.visible_gpu_uuids)
+    if sender.gpu_uuid not in visible or receiver.gpu_uuid not in visible:
+        return Choice(TCP, f"the receiver cannot see the sender's GPU {sender.gpu_uuid}")
+    own, peer = visible.index(receiver.gpu_uuid), visible.index(sender.gpu_uuid)
+    if own == peer:
+        return Choice(CUDA_IPC, f"same host, same GPU {sender.gpu_uuid}")
+    if not peer_access(own, peer):
+        return Choice(TCP, f"no peer access from GPU {receiver.gpu_uuid} to {sender.gpu_uuid}")
+    return Choice(CUDA_IPC, f"same host, GPU {sender.gpu_uuid} to {receiver.gpu_uuid} (peer access)")
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(np.prod(tensor.shape, dtype=np.int64)) * dtypes.itemsize(dtypes.from_proto(tensor.dtype))
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _export(buffer: Any, gpu_uuid: str) -> bytes:
+    """An IPC handle of a device buffer, as torch.multiprocessing shares a CUDA tensor (its storage's handle,
+    offset in the allocation, reference counter and the event its writes are ordered by)."""
+    from torch.multiprocessing import reductions
+
+    _, args = cast(Any, reductions).reduce_tensor(buffer)
+    (_, size, _, _, _, _, _, handle, size_bytes, offset_bytes, _, counter, counter_offset, event, event_sync) = args
+    return json.dumps({"gpu": gpu_uuid, "size": int(size[0]), "handle": handle.hex(), "size_bytes": size_bytes,
+                       "offset_bytes": offset_bytes, "counter": counter.hex(), "counter_offset": counter_offset,
+                       "event": event.hex() if event else "", "event_sync": bool(event_sync)}).encode()
+
+
+class DeviceSender:
+    """The sending end of a link's GPU path: its slots, on the sender's device."""
+
+    def __init__(self, device: str, gpu_uuid: str) -> None:
+        import torch
+
+        self._torch: Any = torch
+        self._device = torch.device(device)
+        self._uuid = gpu_uuid
+        self._stream = self._torch.cuda.Stream(self._device)
+        self._slots: list[Any] = [None] * SLOTS
+        self._generations = [0] * SLOTS
+        self._announced = [0] * SLOTS  # the generation the receiver was last sent the handle of
+        self._free: deque[int] = deque(range(SLOTS))
+        self._lock = threading.Lock()
+
+    def frame(self, request: stage_pb2.PushBoundaryRequest, values: list[Any]) -> tuple[bytes, int] | None:
+        """A DEVICE_PUSH payload for `request` (its tensors without bytes) whose tensor bytes are `values` in
+        order (numpy arrays or torch tensors), and the slot it holds until `release`; None when the bundle is
+        under DEVICE_MIN_BYTES or every slot is in flight (then it goes as a TCP frame)."""
+        sizes = [_nbytes(t.tensor) for t in request.tensors]
+        need = sum(_aligned(n) for n in sizes)
+        if need < DEVICE_MIN_BYTES:
+            return None
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.popleft()
+        try:
+            return self._fill(slot, request, values, sizes, need), slot
+        except BaseException:
+            self.release(slot)
+            raise
+
+    def _fill(self, slot: int, request: stage_pb2.PushBoundaryRequest, values: list[Any], sizes: list[int],
+              need: int) -> bytes:
+        torch = self._torch
+        buffer = self._slots[slot]
+        if buffer is None or buffer.numel() < need:
+            # Grown by powers of two so a prompt's chunks of varying length do not re-map each time.
+            self._slots[slot] = buffer = torch.empty(1 << (need - 1).bit_length(), dtype=torch.uint8,
+                                                     device=self._device)
+            self._generations[slot] += 1
+        offset = 0
+        with torch.cuda.stream(self._stream):
+            for value, n in zip(values, sizes):
+                if isinstance(value, np.ndarray):
+                    source = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+                else:
+                    source = value.contiguous().reshape(-1).view(torch.uint8)
+                if source.numel() != n:
+                    raise ValueError(f"a boundary value of {source.numel()} bytes where its tensor needs {n}")
+                buffer[offset:offset + n].copy_(source, non_blocking=source.is_cuda)
+                offset += _aligned(n)
+        self._stream.synchronize()  # the bytes are in the slot before the receiver is told to read them
+        handle = b""
+        if self._announced[slot] != self._generations[slot]:
+            handle = _export(buffer, self._uuid)
+            self._announced[slot] = self._generations[slot]
+        return _SLOT_HEADER.pack(slot, self._generations[slot], len(handle)) + handle + request.SerializeToString()
+
+    def release(self, slot: int) -> None:
+        """The receiver answered the push that held `slot`: it has read it."""
+        with self._lock:
+            self._free.append(slot)
+
+
+class DeviceReceiver:
+    """The receiving end of one link's GPU path: the sender's slots it mapped, by slot number."""
+
+    def __init__(self, device: str) -> None:
+        torch = _torch_cuda() if device.startswith("cuda") else None
+        if torch is None:
+            raise Unavailable(f"a bundle over CUDA IPC reached an executor on {device}", DEVICE_FAILED)
+        self._torch = torch
+        self._uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        self._slots: dict[int, tuple[int, Any]] = {}  # slot -> (generation, the mapped buffer)
+
+    def request(self, payload: bytes) -> stage_pb2.PushBoundaryRequest:
+        """The PushBoundaryRequest a DEVICE_PUSH frame carries, its tensors' bytes copied out of the slot."""
+        try:
+            return self._request(payload)
+        except Unavailable:
+            raise
+        except Exception as e:  # a handle that does not map, a slot out of turn: the link's GPU path failed
+            raise Unavailable(f"a bundle over CUDA IPC could not be read: {type(e).__name__}: {e}",
+                              DEVICE_FAILED) from e
+
+    def _request(self, payload: bytes) -> stage_pb2.PushBoundaryRequest:
+        slot, generation, length = _SLOT_HEADER.unpack_from(payload)
+        at = _SLOT_HEADER.size
+        if length:
+            self._slots[slot] = (generation, self._map(json.loads(payload[at:at + length])))
+        mapped = self._slots.get(slot)
+        if mapped is None or mapped[0] != generation:
+            raise ValueError(f"slot {slot} generation {generation} was never mapped on this link")
+        buffer = mapped[1]
+        request = stage_pb2.PushBoundaryRequest.FromString(payload[at + length:])
+        offset = 0
+        for t in request.tensors:
+            n = _nbytes(t.tensor)
+            if offset + n > buffer.numel():
+                raise ValueError(f"the bundle's tensors need {offset + n} bytes, its slot holds {buffer.numel()}")
+            t.tensor.data = buffer[offset:offset + n].cpu().numpy().tobytes()  # a synchronous copy: read before
+            offset += _aligned(n)                                                # the answer frees the slot
+        return request
+
+    def _map(self, handle: dict[str, Any]) -> Any:
+        """The sender's buffer, mapped on the device that holds it in this process's order (a CUDA context there
+        on first use): torch then copies from it with the peer copy it makes between devices."""
+        from torch.multiprocessing import reductions
+
+        torch = self._torch
+        if handle["gpu"] not in self._uuids:
+            raise ValueError(f"the sender's GPU {handle['gpu']} is not visible here")
+        rebuild = cast(Any, reductions).rebuild_cuda_tensor
+        return rebuild(torch.Tensor, (handle["size"],), (1,), 0, torch.UntypedStorage, torch.uint8,
+                       self._uuids.index(handle["gpu"]), bytes.fromhex(handle["handle"]), handle["size_bytes"],
+                       handle["offset_bytes"], False, bytes.fromhex(handle["counter"]), handle["counter_offset"],
+                       bytes.fromhex(handle["event"]) or None, handle["event_sync"])
+
+    def close(self) -> None:
+        self._slots.clear()  # unmaps: the sender's reference counts drop, and it may free the slots
+
+
+def receiver_factory(device: str) -> Callable[[], DeviceReceiver]:
+    """What a link listener makes a link's DeviceReceiver with, at its first DEVICE_PUSH (off CUDA that raises
+    DEVICE_FAILED, and the push is refused: the receiver never chose the GPU path)."""
+    return lambda: DeviceReceiver(device)

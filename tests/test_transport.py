@@ -1,0 +1,193 @@
+"""The boundary transport chosen per pair of ranks (graphmesh_executor/transport.py): the decision from both ends of
+a link, what real executors choose and report in Status, the GPU path refused where the receiver never chose it,
+and meshes whose fast path is unavailable or forced off serving the same tokens over links. On a CUDA host, two
+executors on one GPU take the CUDA IPC path and serve the same tokens as over TCP."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from graphmesh import plan as dag
+from graphmesh import security, tensors
+from graphmesh.coordinator_client import CoordinatorClient
+from graphmesh.errors import GraphmeshError, Unavailable
+from graphmesh.launcher import LocalMesh
+from graphmesh.links import PUSH
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh_executor import transport
+from graphmesh_executor.boundary_link import BoundaryLink
+from graphmesh_executor.transport import CUDA_IPC, ENV, TCP, choose, local_end
+from tests.model_fixtures import make_tiny_llama
+
+PROMPT = [5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1]
+TOKENS = 24
+GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"
+
+
+def _end(host: str = "boot/host", device: str = "cuda:0", gpu: str = GPU_A, visible: tuple[str, ...] = (GPU_A, GPU_B),
+         tcp_only: bool = False) -> stage_pb2.BoundaryLinkEnd:
+    return stage_pb2.BoundaryLinkEnd(host_id=host, device=device, gpu_uuid=gpu, visible_gpu_uuids=visible,
+                                     tcp_only=tcp_only)
+
+
+@pytest.mark.parametrize(("sender", "receiver", "peer_access", "transport_", "reason"), [
+    (_end(gpu=GPU_A), _end(gpu=GPU_B), True, CUDA_IPC, f"GPU {GPU_A} to {GPU_B} (peer access)"),
+    (_end(gpu=GPU_A), _end(gpu=GPU_A), False, CUDA_IPC, f"same GPU {GPU_A}"),
+    (_end(gpu=GPU_A), _end(gpu=GPU_B), False, TCP, f"no peer access from GPU {GPU_B} to {GPU_A}"),
+    (_end(gpu=GPU_A), _end(gpu=GPU_B, visible=(GPU_B,)), True, TCP, f"cannot see the sender's GPU {GPU_A}"),
+    (_end(host="boot/a"), _end(host="boot/b", gpu=GPU_B), True, TCP, "ranks on different hosts"),
+    (_end(host=""), _end(host="", gpu=GPU_B), True, TCP, "ranks on different hosts"),  # no boot id: never shared
+    (_end(device="cpu", gpu="", visible=()), _end(gpu=GPU_B), True, TCP, "the sender is on cpu"),
+    (_end(gpu=GPU_A), _end(device="cpu", gpu="", visible=()), True, TCP, "the receiver is on cpu"),
+    (_end(gpu=GPU_A, tcp_only=True), _end(gpu=GPU_B), True, TCP, f"{ENV}=tcp at the sender"),
+    (_end(gpu=GPU_A), _end(gpu=GPU_B, tcp_only=True), True, TCP, f"{ENV}=tcp at the receiver"),
+])
+def test_the_receiver_chooses_from_both_ends(sender: stage_pb2.BoundaryLinkEnd, receiver: stage_pb2.BoundaryLinkEnd,
+                                             peer_access: bool, transport_: int, reason: str) -> None:
+    asked: list[tuple[int, int]] = []
+
+    def access(own: int, peer: int) -> bool:
+        asked.append((own, peer))
+        return peer_access
+
+    choice = choose(sender, receiver, access)
+    assert (choice.transport, reason in choice.reason) == (transport_, True), choice
+    if sender.gpu_uuid != receiver.gpu_uuid and choice.reason.startswith(("same host", "no peer")):
+        # asked in the receiver's device order: its own GPU, then the sender's
+        visible = list(receiver.visible_gpu_uuids)
+        assert asked == [(visible.index(receiver.gpu_uuid), visible.index(sender.gpu_uuid))]
+
+
+def test_this_host_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    end = local_end("cpu")
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert end.host_id == f"{boot}/{socket.gethostname()}" and end.device == "cpu"
+    assert not end.gpu_uuid and not end.visible_gpu_uuids and not end.tcp_only
+    monkeypatch.setenv(ENV, "tcp")
+    assert local_end("cpu").tcp_only
+    monkeypatch.setenv(ENV, "nvlink")
+    with pytest.raises(ValueError, match=f"{ENV} is auto or tcp, not 'nvlink'"):
+        local_end("cpu")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("transport-llama"), layers=4)
+
+
+def _mesh(model: Path, executors: int, env: dict[str, str] | None = None, backend: str = "numpy",
+          executor_args: tuple[str, ...] = (), coordinator_args: tuple[str, ...] = ()) -> LocalMesh:
+    return LocalMesh(executors, backend, str(model), weights="f32", kvstore=False, env=env or {},
+                     extra_executor_args=("--kv-cache-bytes", "8Mi", *executor_args),
+                     extra_coordinator_args=coordinator_args)
+
+
+def _tokens(mesh: LocalMesh, prompts: int = 3) -> list[list[int]]:
+    """Greedy, and seeded sampled, tokens of a few prompts."""
+    out = []
+    with CoordinatorClient(mesh.coordinator_address) as client:
+        for i in range(prompts):
+            ids: list[int] = []
+            for chunk in client.generate(prompt_token_ids=[*PROMPT, i + 20], max_tokens=TOKENS, ignore_eos=True,
+                                         temperature=0.8 if i % 2 else 0.0, top_k=40, seed=i + 1):
+                ids += chunk.token_ids
+            out.append(ids)
+    return out
+
+
+def _stage(mesh: LocalMesh, rank: int) -> tuple[stage_pb2_grpc.StageServiceStub, tuple[tuple[str, str], ...]]:
+    channel = grpc.insecure_channel(mesh.executor_addresses[rank])
+    return stage_pb2_grpc.StageServiceStub(channel), security.mesh_metadata(mesh.mesh_token)
+
+
+def _links(mesh: LocalMesh, rank: int) -> list[tuple[str, int, str]]:
+    stub, metadata = _stage(mesh, rank)
+    status = stub.Status(stage_pb2.StageServiceStatusRequest(), metadata=metadata, timeout=10)
+    return [(link.address, link.transport, link.reason) for link in status.links]
+
+
+@pytest.fixture(scope="module")
+def solo_tokens(model: Path) -> list[list[int]]:
+    with _mesh(model, 1) as mesh:
+        return _tokens(mesh)
+
+
+def test_cpu_ranks_choose_tcp_per_pair_and_say_why(model: Path, solo_tokens: list[list[int]]) -> None:
+    with _mesh(model, 3) as mesh:
+        assert _tokens(mesh) == solo_tokens
+        for rank in range(3):
+            # the last rank pushes back to the first only in a decode run (its sampled tokens)
+            links = _links(mesh, rank)
+            following = mesh.executor_addresses[(rank + 1) % 3]
+            assert (following, TCP, "the sender is on cpu") in links, (rank, links)
+
+
+def test_a_mesh_forced_off_the_fast_path_serves_the_same_tokens_over_links(model: Path,
+                                                                          solo_tokens: list[list[int]]) -> None:
+    with _mesh(model, 2, env={ENV: "tcp"}) as mesh:
+        assert _tokens(mesh) == solo_tokens
+        assert (mesh.executor_addresses[1], TCP, f"{ENV}=tcp at the sender") in _links(mesh, 0)
+
+
+def test_a_rank_without_a_listener_is_reported_on_grpc(model: Path, solo_tokens: list[list[int]]) -> None:
+    with _mesh(model, 2, executor_args=("--boundary-link-port", "off")) as mesh:
+        assert _tokens(mesh) == solo_tokens
+        assert (mesh.executor_addresses[1], transport.GRPC, "the next rank has no boundary link listener") in \
+            _links(mesh, 0)
+
+
+def test_a_gpu_push_to_a_cpu_executor_is_refused_and_the_link_goes_on(model: Path) -> None:
+    """The GPU path never runs where the receiver did not choose it: a DEVICE_PUSH frame is refused
+    (BOUNDARY_DEVICE_FAILED, which makes the sender break the link: COMM), and the connection still carries frames."""
+    with _mesh(model, 2) as mesh:
+        stub, metadata = _stage(mesh, 1)
+        answer = stub.OpenBoundaryLink(stage_pb2.OpenBoundaryLinkRequest(sender=local_end("cpu")), metadata=metadata,
+                                       timeout=10)
+        assert (answer.transport, answer.transport_reason) == (TCP, "the sender is on cpu")
+        assert answer.receiver.device == "cpu" and answer.receiver.host_id == local_end("cpu").host_id
+        link = BoundaryLink.connect(f"127.0.0.1:{answer.address.rsplit(':', 1)[1]}", answer.ticket, 10.0)
+        request = stage_pb2.PushBoundaryRequest(step_id=1)
+        request.tensors.add(role=dag.role_proto(dag.ACTIVATION), tensor=tensors.to_proto(np.zeros((2, 64), np.float32)))
+        errors = []
+        for kind, payload in ((transport.DEVICE_PUSH, b"\0" * 12 + request.SerializeToString()),
+                              (PUSH, request.SerializeToString())):
+            done: Future[Exception | None] = Future()
+            assert link.push(payload, 10.0, done.set_result, kind=kind)
+            errors.append(done.result(timeout=30))
+        assert isinstance(errors[0], GraphmeshError) and errors[0].reason == transport.DEVICE_FAILED
+        assert "reached an executor on cpu" in errors[0].message
+        # the plain push is answered on the same connection: the stage's own refusal (no such incarnation)
+        assert isinstance(errors[1], GraphmeshError) and errors[1].reason != transport.DEVICE_FAILED
+        assert link.broken is None
+        link.fail(Unavailable("the test is done", "TEST_DONE"))
+
+
+@pytest.fixture(scope="module")
+def cuda_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    yield make_tiny_llama(tmp_path_factory.mktemp("transport-cuda-llama"), layers=4)
+
+
+def test_two_executors_on_one_gpu_take_cuda_ipc_with_the_same_tokens(cuda_model: Path) -> None:
+    """Every bundle through the GPU path (GRAPHMESH_CUDA_IPC_MIN_BYTES=0), against the same mesh over TCP."""
+    args = ("--device", "cuda:0")
+    coordinator = ("--dtype", "f32")
+    with _mesh(cuda_model, 2, env={ENV: "tcp"}, backend="torch", executor_args=args,
+               coordinator_args=coordinator) as mesh:
+        over_tcp = _tokens(mesh, 4)
+    with _mesh(cuda_model, 2, env={"GRAPHMESH_CUDA_IPC_MIN_BYTES": "0"}, backend="torch", executor_args=args,
+               coordinator_args=coordinator) as mesh:
+        assert _tokens(mesh, 4) == over_tcp
+        links = _links(mesh, 0)
+        assert [(a, t) for a, t, _ in links] == [(mesh.executor_addresses[1], CUDA_IPC)], links
+        assert "same GPU" in links[0][2]
+        assert "boundary link offered" in mesh.log("executor-1").read_text()
