@@ -106,7 +106,7 @@ def test_an_executor_whose_port_is_taken_exits_saying_so(tmp_path: Path) -> None
         with pytest.raises(RuntimeError, match="exited with status 1 before serving") as failure:
             with start_process(executor_args(address), address, log_path=tmp_path / "executor.log"):
                 pass
-    assert f"graphmesh-executor: cannot listen on {address}: the port is in use" in str(failure.value)
+    assert f"graphmesh-executor: cannot listen on {address}: port {address.rsplit(':', 1)[1]} is in use" in str(failure.value)
     assert "Traceback" not in str(failure.value)
 
 

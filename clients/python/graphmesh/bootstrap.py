@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
+import socket
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass
@@ -26,6 +28,28 @@ log = logging.getLogger("graphmesh.security")
 HEADROOM = 8  # handler threads beyond the admission limit, for health checks and refusals
 
 _health_listeners: list[grpc.Server] = []
+
+
+def unbindable(listen: str, flag: str) -> str:
+    """Why HOST:PORT `listen` cannot be bound, and what to do, in one line: grpc says only "failed to bind", so the
+    cause is found by binding a plain socket the same way."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, int(port)))
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return (f"cannot listen on {listen}: port {port} is in use by another process; stop it, or pass {flag} "
+                    "with another port (port 0 picks a free one)")
+        if e.errno == errno.EADDRNOTAVAIL:
+            return f"cannot listen on {listen}: {host} is not an address of this machine; pass {flag} with one that is"
+        if e.errno == errno.EACCES:
+            return f"cannot listen on {listen}: ports below 1024 need privileges; pass {flag} with a higher port"
+        return f"cannot listen on {listen}: {e.strerror}; pass {flag} with another address"
+    except (ValueError, socket.gaierror):
+        return f"cannot listen on {listen}: {flag} takes HOST:PORT with a numeric port"
+    return f"cannot listen on {listen}: gRPC could not bind it (a plain socket can); pass {flag} with another port"
 
 
 def is_loopback(host: str) -> bool:
@@ -122,8 +146,7 @@ class ServerSecurity:
         except RuntimeError:
             port = 0
         if port == 0:
-            raise OSError(f"cannot listen on {listen}: the port is in use, or the host is not an address of this "
-                          "machine")
+            raise OSError(unbindable(listen, "--listen"))
         return int(port)
 
     def start(self, server: grpc.Server, listen: str, services: Sequence[str],
@@ -158,8 +181,12 @@ class ServerSecurity:
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health"))
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        if server.add_insecure_port(self.health_listen) == 0:
-            raise OSError(f"cannot listen on {self.health_listen}")
+        try:  # as in add_port: 0 or RuntimeError, by grpc version
+            bound = server.add_insecure_port(self.health_listen)
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise OSError(unbindable(self.health_listen, "--health-listen"))
         server.start()
         _health_listeners.append(server)
 

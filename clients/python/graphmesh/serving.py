@@ -6,12 +6,14 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 
 from graphmesh import telemetry
+from graphmesh.errors import GraphmeshError
 
 log = logging.getLogger("graphmesh")
 
@@ -63,6 +65,20 @@ def fits_in_memory(cap: int, share: float = 0.5) -> int:
     A limit larger than the memory turns an oversized request into an out-of-memory kill instead of a refusal."""
     total = memory_bytes()
     return min(cap, int(total * share)) if total else cap
+
+
+@contextmanager
+def starting(program: str) -> Iterator[None]:
+    """A service's start: what an operator can fix (a port in use, a file that cannot be read, a flag's bad value)
+    ends the process with one line on stderr, `program: what is wrong; what to do`, and exit status 1, instead of
+    a traceback."""
+    try:
+        yield
+    except GraphmeshError as e:
+        raise SystemExit(f"{program}: {e}") from e
+    except OSError as e:  # ours say what to do; the system's name the file and the cause
+        raise SystemExit(f"{program}: {e.strerror}: {e.filename}" if e.filename and e.strerror else f"{program}: {e}") \
+            from e
 
 
 def run_until_signalled(server: grpc.Server, grace_s: float, drain: Callable[[], None] | None = None) -> None:

@@ -269,7 +269,11 @@ def server_interceptors(metrics: bool) -> list[grpc.ServerInterceptor]:
 def serve_metrics(port: int, addr: str = "0.0.0.0") -> None:
     """Serves /metrics on `port` (0: off)."""
     if port:
-        start_http_server(port, addr=addr)
+        try:
+            start_http_server(port, addr=addr)
+        except OSError as e:
+            raise OSError(f"cannot serve metrics on {addr}:{port}: {e.strerror or e}; pass another --metrics-port, "
+                          "or 0 for none") from e
         log.info("metrics", extra={"port": port})
 
 

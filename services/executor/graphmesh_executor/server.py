@@ -24,7 +24,7 @@ from graphmesh import bootstrap, channels, etcd, logs, telemetry
 from graphmesh.bootstrap import ServerSecurity
 from graphmesh.etcd import EtcdClient
 from graphmesh.membership import Registration
-from graphmesh.serving import byte_size, fits_in_memory, memory_bytes, run_until_signalled
+from graphmesh.serving import byte_size, fits_in_memory, memory_bytes, run_until_signalled, starting
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
 from graphmesh_executor.backends import NAMES
 from graphmesh_executor.fencing import AuthorityState
@@ -212,20 +212,18 @@ def _preload_blas(backend: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_args(argv)
-    if argv is None:
-        _preload_blas(config.backend)
-    logs.configure("executor")
-    telemetry.setup("graphmesh-executor")
-    telemetry.serve_metrics(config.metrics_port)
-    tune_malloc()
-    started = time.monotonic()
-    try:
+    with starting("graphmesh-executor"):
+        config = parse_args(argv)
+        if argv is None:
+            _preload_blas(config.backend)
+        logs.configure("executor")
+        telemetry.setup("graphmesh-executor")
+        telemetry.serve_metrics(config.metrics_port)
+        tune_malloc()
+        started = time.monotonic()
         server, port, runtime = build_server(config)
-    except OSError as e:  # the port is taken: one line that says so, not a traceback
-        raise SystemExit(f"graphmesh-executor: {e}") from e
-    if config.preload_model:
-        runtime.preload(config.preload_model)
+        if config.preload_model:
+            runtime.preload(config.preload_model)
     host = config.listen.rsplit(":", 1)[0]
     log.info("serving", extra={"listen": f"{host}:{port}", "backend": config.backend, "device": config.device,
                                "model_root": str(config.model_root or ""), "max_message_bytes": config.max_message_bytes,

@@ -17,7 +17,7 @@ import grpc
 
 from graphmesh import bootstrap, channels, logs, telemetry
 from graphmesh.bootstrap import ServerSecurity
-from graphmesh.serving import byte_size, run_until_signalled
+from graphmesh.serving import byte_size, run_until_signalled, starting
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from graphmesh_kvstore.mover import Mover
 from graphmesh_kvstore.servicer import KvStoreServicer
@@ -110,15 +110,13 @@ def parse_args(argv: list[str] | None = None) -> KvStoreConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_args(argv)
-    logs.configure("kvstore")
-    telemetry.setup("graphmesh-kvstore")
-    telemetry.serve_metrics(config.metrics_port)
-    started = time.monotonic()
-    try:
+    with starting("graphmesh-kvstore"):
+        config = parse_args(argv)
+        logs.configure("kvstore")
+        telemetry.setup("graphmesh-kvstore")
+        telemetry.serve_metrics(config.metrics_port)
+        started = time.monotonic()
         server, port, store = build_server(config)
-    except OSError as e:  # the port is taken: one line that says so, not a traceback
-        raise SystemExit(f"graphmesh-kvstore: {e}") from e
     host = config.listen.rsplit(":", 1)[0]
     s = store.stats()
     log.info("serving", extra={"listen": f"{host}:{port}", "capacity_bytes": config.capacity_bytes,

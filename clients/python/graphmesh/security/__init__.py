@@ -104,7 +104,11 @@ def read_token(path: str) -> str:
     if not path:
         return ""
     file = Path(path)
-    token = file.read_text().strip()
+    try:
+        token = file.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidArgument(f"cannot read the token file {path}: {getattr(e, 'strerror', None) or e}",
+                              "BAD_TOKEN_FILE") from e
     if not token:
         raise InvalidArgument(f"{path} holds no token", "EMPTY_TOKEN")
     if len(token.encode()) < MIN_TOKEN_BYTES:
