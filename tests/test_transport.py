@@ -5,7 +5,10 @@ executors on one GPU take the CUDA IPC path and serve the same tokens as over TC
 
 from __future__ import annotations
 
+import re
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -19,7 +22,7 @@ from graphmesh import plan as dag
 from graphmesh import security, tensors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError, Unavailable
-from graphmesh.launcher import LocalMesh
+from graphmesh.launcher import LocalMesh, gpu_env, parse_gpus
 from graphmesh.links import PUSH
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor import transport
@@ -76,6 +79,37 @@ def test_this_host_end(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV, "nvlink")
     with pytest.raises(ValueError, match=f"{ENV} is auto or tcp, not 'nvlink'"):
         local_end("cpu")
+
+
+@pytest.mark.parametrize(("text", "gpus"), [("2", [0, 1]), ("1", [0]), ("0,1", [0, 1]), ("3,", [3]), ("2, 0", [2, 0])])
+def test_gpus_are_a_count_or_ids(text: str, gpus: list[int]) -> None:
+    assert parse_gpus(text) == gpus
+
+
+@pytest.mark.parametrize(("text", "message"), [("0", "starts no executor"), ("two", "a count (2) or GPU ids"),
+                                               ("1,1", "names a GPU twice"), (",", "a count (2) or GPU ids"),
+                                               ("-1", "a count (2) or GPU ids")])
+def test_bad_gpus_are_refused(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_gpus(text)
+
+
+def test_each_executor_sees_its_gpu_first_and_the_others_for_ipc() -> None:
+    assert [gpu_env([2, 5, 7], rank) for rank in range(3)] == [
+        {"CUDA_VISIBLE_DEVICES": "2,5,7"}, {"CUDA_VISIBLE_DEVICES": "5,2,7"}, {"CUDA_VISIBLE_DEVICES": "7,2,5"}]
+    with pytest.raises(ValueError, match=r"2 GPUs \[0, 1\] need 2 torch executors, not \['numpy', 'numpy'\]"):
+        LocalMesh(backend="numpy", gpus=[0, 1], kvstore=False).start()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--gpus", "2", "--executors", "3"], "--executors 3 and --gpus 2: one executor runs per GPU"),
+    (["--gpus", "2", "--backend", "numpy"], "--gpus runs torch executors, not --backend numpy"),
+    (["--gpus", "0"], "argument --gpus: --gpus 0 starts no executor"),
+])
+def test_graphmesh_up_refuses_gpus_it_cannot_pin(args: list[str], message: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "graphmesh.cli", "up", *args], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0 and message in run.stderr, run.stderr
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from types import FrameType
 from graphmesh import security
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError, Unavailable
-from graphmesh.launcher import LocalMesh, fastest_backend
+from graphmesh.launcher import LocalMesh, fastest_backend, parse_gpus
 from graphmesh.v1 import stage_pb2
 
 DEFAULT_COORDINATOR = "127.0.0.1:50050"
@@ -35,7 +35,9 @@ def _client(args: argparse.Namespace, address: str) -> CoordinatorClient:
 
 
 def _mesh_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--executors", type=int, default=2, help="executor processes (default 2)")
+    p.add_argument("--executors", type=int, default=0, help="executor processes (default 2, or one per --gpus)")
+    p.add_argument("--gpus", type=_gpus, default=[], help="one torch executor per GPU, pinned with "
+                   "CUDA_VISIBLE_DEVICES: a count (2: GPUs 0 and 1) or GPU ids (0,1; one id alone: 3,)")
     p.add_argument("--backend", default="", help="numpy, torch or mlx; comma-separated per executor "
                                                 "(default: the fastest installed)")
     p.add_argument("--model", default="smollm2-135m", help="bundled model name or checkpoint path")
@@ -46,10 +48,24 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
 
 def _mesh(args: argparse.Namespace, listen: str = "", http_listen: str = "") -> LocalMesh:
     backends = [b for b in args.backend.split(",") if b]
+    if args.gpus:
+        if args.executors and args.executors != len(args.gpus):
+            raise SystemExit(f"graphmesh: --executors {args.executors} and --gpus {len(args.gpus)}: one executor "
+                             f"runs per GPU, so give one of them")
+        if any(b != "torch" for b in backends):
+            raise SystemExit(f"graphmesh: --gpus runs torch executors, not --backend {args.backend}")
+        backends = ["torch"]
     backend: str | list[str] = backends if len(backends) > 1 else (backends[0] if backends else fastest_backend())
-    count = len(backends) if len(backends) > 1 else args.executors
+    count = len(backends) if len(backends) > 1 else (len(args.gpus) or args.executors or 2)
     return LocalMesh(count, backend, args.model, [int(x) for x in args.split.split(",") if x], args.weights,
-                     coordinator_listen=listen, http_listen=http_listen)
+                     coordinator_listen=listen, http_listen=http_listen, gpus=args.gpus)
+
+
+def _gpus(text: str) -> list[int]:
+    try:
+        return parse_gpus(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @contextmanager
@@ -57,7 +73,7 @@ def _coordinator(args: argparse.Namespace) -> Iterator[str]:
     if args.coordinator:
         yield args.coordinator
         return
-    print(f"starting an embedded mesh ({args.executors} executors)...", file=sys.stderr)
+    print(f"starting an embedded mesh ({len(args.gpus) or args.executors or 2} executors)...", file=sys.stderr)
     with _mesh(args) as mesh:
         yield mesh.coordinator_address
 
@@ -70,7 +86,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if mesh.kvstore_address:
             print(f"kvstore {mesh.kvstore_address}", flush=True)
         for rank, address in enumerate(mesh.executor_addresses):
-            print(f"executor {rank} {address}", flush=True)
+            print(f"executor {rank} {address}" + (f" on GPU {mesh.gpus[rank]}" if mesh.gpus else ""), flush=True)
         print(f"logs in {mesh.log_dir}; Ctrl-C to stop", flush=True)
         print(f"mesh token in {mesh.mesh_token_file} (for calls to executors and the kvstore)", flush=True)
         try:

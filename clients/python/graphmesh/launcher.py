@@ -61,6 +61,29 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port in {candidates.start}-{candidates.stop - 1}")
 
 
+def gpu_env(gpus: Sequence[int], rank: int) -> dict[str, str]:
+    """The environment that pins executor `rank` to GPU gpus[rank]: CUDA_VISIBLE_DEVICES lists its GPU first, so it
+    computes on cuda:0, then the mesh's other GPUs, which it never allocates on but whose memory a CUDA IPC boundary
+    link must be able to map (graphmesh_executor/transport.py); a process that sees one GPU cannot."""
+    own = gpus[rank]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in [own, *(g for g in gpus if g != own)])}
+
+
+def parse_gpus(text: str) -> list[int]:
+    """`--gpus`: a count ("2": GPUs 0 and 1) or comma-separated GPU ids ("0,1"; "3," is GPU 3 alone)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts if p) or not any(parts):
+        raise ValueError(f"--gpus takes a count (2) or GPU ids (0,1), not {text!r}")
+    if len(parts) == 1:
+        if int(parts[0]) == 0:
+            raise ValueError("--gpus 0 starts no executor: give a count of at least 1, or ids such as 0,")
+        return list(range(int(parts[0])))
+    ids = [int(p) for p in parts if p]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"--gpus names a GPU twice: {text!r}")
+    return ids
+
+
 def fastest_backend() -> str:
     for name in ("torch", "mlx"):
         if importlib.util.find_spec(name) is not None:
@@ -121,6 +144,7 @@ class LocalMesh:
     fault_injection: bool = False  # executors accept StageService.InjectFault
     proxied: bool = False  # the coordinator and the boundary pushes reach executors through fault proxies
     standby_weights: bool | None = None  # executors hold the whole model (None: their default, where it fits)
+    gpus: Sequence[int] = ()  # one executor per GPU id, in rank order (gpu_env); empty: executors' own --device
     # TLS for every service (PEM files): each serves with tls_cert and presents it to the others; with tls_ca
     # every hop is mutual TLS. The certificate must name 127.0.0.1.
     tls_cert: str = ""
@@ -148,7 +172,7 @@ class LocalMesh:
 
     def backends(self) -> list[str]:
         if isinstance(self.backend, str):
-            return [self.backend or fastest_backend()] * self.executors
+            return [self.backend or fastest_backend()] * (len(self.gpus) or self.executors)
         return list(self.backend)
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -213,6 +237,10 @@ class LocalMesh:
         self.mesh_token_file = str(path)
 
     def _start(self) -> None:
+        backends = self.backends()
+        if self.gpus and (len(backends) != len(self.gpus) or set(backends) != {"torch"}):
+            raise ValueError(f"one executor per GPU: {len(self.gpus)} GPUs {list(self.gpus)} need {len(self.gpus)} "
+                             f"torch executors, not {backends}")
         self._write_mesh_token()
         if self.kvstore and importlib.util.find_spec("graphmesh_kvstore") is not None:
             self.kvstore_address = f"127.0.0.1:{free_port()}"
@@ -227,6 +255,9 @@ class LocalMesh:
             args = ["graphmesh_executor.server", "--listen", address, "--backend", backend, "--threads", str(threads)]
             args += ["--enable-fault-injection"] if self.fault_injection else []
             args += [] if self.standby_weights is None else ["--standby-weights", "on" if self.standby_weights else "off"]
+            if self.gpus:
+                env.update(gpu_env(self.gpus, rank))
+                args += ["--device", "cuda:0"]
             if self.proxied:  # the previous rank's boundary link goes through the same proxy as its gRPC calls
                 proxy = TcpProxy(address)
                 link = f"127.0.0.1:{free_port()}"
