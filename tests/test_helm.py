@@ -170,6 +170,28 @@ def test_gpu_values_add_gpu_limits_and_placement(rendered: dict[str, list[Doc]])
         assert flag(container(one(rendered[name], "StatefulSet"))["args"], "--device") == "cpu"
 
 
+def test_one_executor_per_gpu_and_several_to_a_node(rendered: dict[str, list[Doc]]) -> None:
+    """A cuda device turns the GPU settings on as gpu.enabled does; every executor pod asks for exactly one GPU and
+    computes on cuda:0, and nothing keeps executor pods off a node that already runs one (no anti-affinity, no
+    spread constraint, no host port), so a node with four GPUs takes four executors."""
+    docs = rendered["multi-gpu-node-values"]
+    sts = one(docs, "StatefulSet", "executor")
+    assert sts["spec"]["replicas"] == values("multi-gpu-node-values")["executor"]["replicas"] == 4
+    c = container(sts)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in c["resources"].get("requests", {})
+    assert flag(c["args"], "--device") == "cuda:0"
+    assert c["image"].endswith(DEFAULTS["executor"]["gpu"]["image"]["tagSuffix"])
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.count": "4"}
+    assert all(t in pod["tolerations"] for t in DEFAULTS["executor"]["gpu"]["tolerations"])
+    assert "podAntiAffinity" not in pod.get("affinity", {}) and "topologySpreadConstraints" not in pod
+    assert not any("hostPort" in p for p in c["ports"])
+    for name in ("gpu-values", "multi-gpu-node-values"):
+        executor = container(one(rendered[name], "StatefulSet", "executor"))
+        assert executor["resources"]["limits"]["nvidia.com/gpu"] == 1, name
+
+
 def test_tls_values_mount_the_secret_and_pass_tls_flags(rendered: dict[str, list[Doc]]) -> None:
     docs = rendered["tls-values"]
     tls = values("tls-values")["tls"]
@@ -374,6 +396,8 @@ def test_model_and_plan_reach_the_coordinator_from_the_configmap(rendered: dict[
     ("args", "message"),
     [
         (["--set", "executor.gpu.enabled=true", "--set", "executor.backend=numpy"], "numpy backend runs on the CPU only"),
+        (["--set", "executor.device=cuda:0", "--set", "executor.backend=numpy"], "numpy backend runs on the CPU only"),
+        (["--set", "executor.gpu.enabled=true", "--set", "executor.gpu.count=2"], "executor.gpu.count must be 1"),
         (["--set", "tls.enabled=true"], "tls.enabled needs"),
         (["--set", "auth.enabled=true"], "auth.enabled needs"),
         (["--set", "executor.replicaz=3"], "replicaz"),

@@ -89,9 +89,14 @@ app.kubernetes.io/part-of: graphmesh
 {{- printf "%s%s:%s" .ctx.Values.image.registry .image.repository (default (default .ctx.Chart.AppVersion .ctx.Values.image.tag) .image.tag) -}}
 {{- end -}}
 
+{{/* "true" when executors compute on a GPU: gpu.enabled, or a cuda device. Each pod then gets one GPU. */}}
+{{- define "graphmesh.executorOnGpu" -}}
+{{- or .Values.executor.gpu.enabled (hasPrefix "cuda" .Values.executor.device) -}}
+{{- end -}}
+
 {{- define "graphmesh.executorImage" -}}
 {{- $gpu := .Values.executor.gpu -}}
-{{- if $gpu.enabled -}}
+{{- if eq (include "graphmesh.executorOnGpu" .) "true" -}}
 {{- $tag := default (printf "%s%s" (default (default .Chart.AppVersion .Values.image.tag) .Values.executor.image.tag) $gpu.image.tagSuffix) $gpu.image.tag -}}
 {{- printf "%s%s:%s" .Values.image.registry (default .Values.executor.image.repository $gpu.image.repository) $tag -}}
 {{- else -}}
