@@ -18,6 +18,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -53,6 +55,16 @@ def make_tiny_llama(path: Path, seed: int = 0, max_position: int = 256, layers: 
                          rms_norm_eps=1e-5, initializer_range=INIT, tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=2)
     return _save(LlamaForCausalLM(config), path)
+
+
+def make_tiny_mistral(path: Path, seed: int = 8, max_position: int = 256) -> Path:
+    """Mistral (the Llama shape under model_type mistral, no sliding window), untied head."""
+    torch.manual_seed(seed)
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, max_position_embeddings=max_position,
+                           rms_norm_eps=1e-5, initializer_range=INIT, tie_word_embeddings=False, sliding_window=None,
+                           bos_token_id=1, eos_token_id=2)
+    return _save(MistralForCausalLM(config), path)
 
 
 def make_tiny_qwen2(path: Path, seed: int = 1) -> Path:

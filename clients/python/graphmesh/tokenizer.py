@@ -194,27 +194,32 @@ class Tokenizer:
         return self._encode_pieces([(text, True)])
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    parse_special: bool = False) -> list[int]:
-        """A conversation through the chat template. Unless parse_special, the control tokens come from the
-        template alone: the messages' contents are tokenized as text (the same ids as encode() would give
-        when they hold no special-token spelling), and a role that spells one is refused."""
+                    parse_special: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """A conversation (and the tools offered, which the template renders) through the chat template. Unless
+        parse_special, the control tokens come from the template alone: the messages' contents are tokenized as
+        text (the same ids as encode() would give when they hold no special-token spelling), and a role that
+        spells one is refused."""
         self.check_text(*(str(m.get(k, "")) for m in messages for k in ("role", "content")))
         if parse_special:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
         for m in messages:
             if self._special_text is not None and self._special_text.search(str(m.get("role", ""))):
                 raise InvalidArgument(f"message role {m.get('role')!r} contains a special token", "BAD_ROLE")
         # Each content is rendered as a marker the template cannot produce by itself, so that the rendered
-        # text can be split into what the template wrote and what the user wrote.
-        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
-        rendered = self.apply_chat_template(marked, add_generation_prompt)
+        # text can be split into what the template wrote and what the user wrote. An empty or missing content
+        # stays as it is: templates test it ("if message.content").
+        contents = [m.get("content") for m in messages]
+        marked = [{**m, "content": f"\ue000{i}\ue001"} if isinstance(c, str) and c else m
+                  for i, (m, c) in enumerate(zip(messages, contents))]
+        rendered = self.apply_chat_template(marked, add_generation_prompt, tools)
         parts = re.split("\ue000(\\d+)\ue001", rendered)
         if any("\ue000" in p or "\ue001" in p for p in parts[::2]):  # a marker the template took apart
             raise InvalidArgument("the chat template rewrites the messages' contents; send parse_special_tokens "
                                   "or prompt token ids", "UNSUPPORTED_CHAT_TEMPLATE")
-        pieces = [(part, False) if j % 2 == 0 else (str(messages[int(part)].get("content", "")), True)
-                  for j, part in enumerate(parts)]
-        return self._encode_pieces(pieces)
+        if len(parts) == 1:
+            return self._encode_pieces([(rendered, False)])
+        plain = self.apply_chat_template(messages, add_generation_prompt, tools)
+        return self._encode_pieces(_align(parts, [str(c) for c in contents], plain))
 
     def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
         """Ids of the concatenated pieces, with special tokens recognised only in pieces not marked literal.
@@ -242,16 +247,49 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, rendered the way transformers renders chat templates."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for a conversation, rendered the way transformers renders chat templates: `tools`
+        (OpenAI's [{"type": "function", "function": {...}}]) is the template's `tools` variable, None when no tool
+        is offered, as transformers passes it."""
         if self.chat_template is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return text + ("assistant: " if add_generation_prompt else "")
         try:
             return _compile(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                       tools=tools,
                                                        **{k: v for k, v in self.special.items() if v is not None})
         except jinja2.TemplateError as e:
             raise InvalidArgument(f"chat template failed: {e}", "BAD_CHAT_TEMPLATE") from e
+
+
+def _align(parts: list[str], contents: list[str], plain: str) -> list[tuple[str, bool]]:
+    """The pieces of `plain` (the conversation rendered with its contents) as (text, literal): `parts` is the render
+    with markers split at them (template text, a message's index, template text, ...). A template may write a
+    content as it is, trimmed (Llama 3's `| trim`) or as a JSON string (`| tojson`, the marker then sits between the
+    template's quotes); the form that makes the template text around it line up is the one taken, and the pieces
+    must make up `plain` exactly, else the template is refused rather than guessed at."""
+    if not plain.startswith(parts[0]):
+        raise InvalidArgument("the chat template renders the messages' contents differently each time; send "
+                              "parse_special_tokens or prompt token ids", "UNSUPPORTED_CHAT_TEMPLATE")
+    pieces, at = [(parts[0], False)], len(parts[0])
+    for j in range(1, len(parts), 2):
+        content, after, last = contents[int(parts[j])], parts[j + 1], j + 2 >= len(parts)
+        trimmed = content.strip()
+        forms = dict.fromkeys((content, trimmed, json.dumps(content, ensure_ascii=False)[1:-1],
+                               json.dumps(trimmed, ensure_ascii=False)[1:-1]))
+        for form in forms:
+            end = at + len(form)
+            if plain.startswith(form, at) and plain.startswith(after, end) and \
+                    (not last or end + len(after) == len(plain)):
+                break
+        else:
+            raise InvalidArgument("the chat template writes a message's content in a form this server cannot "
+                                  "keep apart from the template's own text; send parse_special_tokens or prompt "
+                                  "token ids", "UNSUPPORTED_CHAT_TEMPLATE")
+        pieces += [(form, True), (after, False)]
+        at = end + len(after)
+    return pieces
 
 
 def _raise(message: str) -> None:

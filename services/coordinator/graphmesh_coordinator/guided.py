@@ -54,24 +54,25 @@ KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "grammar", "too
 CACHE_SIZE = 256  # compiled grammars kept (by kind and source)
 MAX_SOURCE_BYTES = 1 << 20  # a schema, regex or grammar longer than this is refused
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # the Hermes/Qwen format (tool_calls.py)
+TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True)
 class GuidedSpec:
     """What a completion must be. source: the JSON Schema's text (json_schema), the regex, the EBNF grammar, or for
-    tool_call the JSON list of functions [{"name", "parameters"}] one of which the completion calls; "" for
+    tool_call the format and the functions [{"name", "parameters"}] one of which the completion calls; "" for
     json_object."""
 
     kind: Kind
-    source: str = ""
+    source: str = ""  # tool_call: {"format": tool_calls' format, "functions": [...]}
 
     @staticmethod
     def json_schema(schema: Any) -> GuidedSpec:
         return GuidedSpec("json_schema", schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True))
 
     @staticmethod
-    def tool_call(functions: list[dict[str, Any]]) -> GuidedSpec:
-        return GuidedSpec("tool_call", json.dumps(functions, sort_keys=True))
+    def tool_call(functions: list[dict[str, Any]], fmt: str = "hermes") -> GuidedSpec:
+        return GuidedSpec("tool_call", json.dumps({"format": fmt, "functions": functions}, sort_keys=True))
 
 
 def bad(message: str, parameter: str = "guided") -> InvalidArgument:
@@ -131,26 +132,35 @@ class Grammars:
         if spec.kind == "grammar":
             return c.compile_grammar(spec.source)
         if spec.kind == "tool_call":
-            return c.compile_grammar(tool_call_grammar(json.loads(spec.source)))
+            source = json.loads(spec.source)
+            return c.compile_grammar(tool_call_grammar(source["functions"], source["format"]))
         raise bad(f"unknown guided decoding kind {spec.kind!r}")
 
     def guide(self, spec: GuidedSpec) -> Guide:
         return Guide(self.compile(spec), self.words)
 
 
-def tool_call_grammar(functions: list[dict[str, Any]]) -> Any:
-    """One Hermes/Qwen tool call of one of `functions`: `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`
-    with N one of the names and the arguments valid for that function's parameters."""
+def tool_call_grammar(functions: list[dict[str, Any]], fmt: str = "hermes") -> Any:
+    """One tool call of one of `functions` in format `fmt`, N one of the names and the arguments valid for that
+    function's parameters: hermes `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, llama3_json
+    `{"name": N, "parameters": {...}}` (bare, as Llama 3.1 writes calls to functions it was given), mistral
+    ` [{"name": N, "arguments": {...}}]` (the list after the `[TOOL_CALLS]` that ends the prompt:
+    tool_calls.encode)."""
     import xgrammar as xgr
 
+    if fmt not in TOOL_CALL_FORMATS:
+        raise bad(f"unknown tool call format {fmt!r}")
+    key = "parameters" if fmt == "llama3_json" else "arguments"
     calls = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                               "arguments": f.get("parameters") or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+                                               key: f.get("parameters") or {"type": "object"}},
+              "required": ["name", key], "additionalProperties": False} for f in functions]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_OPEN)}"),
-                              xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
-                                                           strict_mode=True),
-                              xgr.Grammar.from_ebnf(f"root ::= {json.dumps(TOOL_CALL_CLOSE)}"))
+    call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    opener, closer = {"hermes": (TOOL_CALL_OPEN, TOOL_CALL_CLOSE), "mistral": (" [", "]")}.get(fmt, ("", ""))
+    if not opener:
+        return call
+    return xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(opener)}"), call,
+                              xgr.Grammar.from_ebnf(f"root ::= {json.dumps(closer)}"))
 
 
 def _check_json(text: str, what: str) -> None:

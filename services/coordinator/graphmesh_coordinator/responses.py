@@ -9,8 +9,10 @@ answer and are not supported (reasoning, background, include, conversation, prom
 a tool other than a function, n) are refused with 400 rather than ignored.
 
 The store keeps each stored response and the conversation that led to it (without its instructions, which OpenAI does
-not carry over), up to STORE_LIMIT responses, the oldest dropped first. The coordinator has no Redis flag: the store is
-in memory (RedisStore is the same interface on a Redis URL, for when one is wired).
+not carry over): in memory, up to STORE_LIMIT responses, the oldest dropped first; or, with the coordinator's
+--redis-url, in Redis/Valkey, each for STORE_TTL_S, so that any coordinator on that Redis (a new leader, a restarted
+process) continues a conversation another one started. A Redis that does not answer is a 503 (STORE_UNAVAILABLE):
+a response that cannot be stored or read back is not answered as if it had been.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
@@ -29,14 +31,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from graphmesh import telemetry
-from graphmesh_coordinator import genai, tool_calls
+from graphmesh.errors import Unavailable
+from graphmesh_coordinator import genai
 from graphmesh_coordinator.generation import Event
+from graphmesh_coordinator.openai_protocol import APIError, ChatCompletionRequest, api_error
 
 if TYPE_CHECKING:
-    from graphmesh_coordinator.openai_api import OpenAIServer, _Call
+    from graphmesh_coordinator.openai_server import OpenAIServer, _Call
 
 STORE_LIMIT = 1024  # stored responses (memory), the oldest dropped first
 STORE_TTL_S = 24 * 3600  # Redis
+REDIS_TIMEOUT_S = 2.0  # a Redis call that takes longer fails the request (503) rather than holding it
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 SUPPORTED = {"model", "input", "instructions", "previous_response_id", "tools", "tool_choice", "parallel_tool_calls",
              "text", "max_output_tokens", "temperature", "top_p", "stream", "store", "metadata", "user", "seed",
@@ -90,18 +95,36 @@ class MemoryStore:
 class RedisStore:
     """The same store in Redis: each record a key with a TTL (Redis bounds it by memory policy and the TTL)."""
 
-    def __init__(self, url: str, ttl_s: int = STORE_TTL_S) -> None:
+    KEY = "graphmesh:response:"
+
+    def __init__(self, url: str, ttl_s: int = STORE_TTL_S, timeout_s: float = REDIS_TIMEOUT_S) -> None:
         import redis
 
-        self._redis = redis.Redis.from_url(url)
+        # from_url checks the scheme now (ValueError), so a bad --redis-url fails the coordinator's start
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._where = url.rpartition("@")[2]  # never a password in an error message
         self.ttl_s = ttl_s
 
     def put(self, response_id: str, record: dict[str, Any]) -> None:
-        self._redis.set(f"graphmesh:response:{response_id}", json.dumps(record), ex=self.ttl_s)
+        self._call(lambda: self._redis.set(self.KEY + response_id, json.dumps(record), ex=self.ttl_s))
 
     def get(self, response_id: str) -> dict[str, Any] | None:
-        text = self._redis.get(f"graphmesh:response:{response_id}")
-        return json.loads(text) if text else None  # type: ignore[arg-type]
+        text = self._call(lambda: self._redis.get(self.KEY + response_id))
+        return json.loads(text) if text else None
+
+    def _call(self, command: Callable[[], Any]) -> Any:
+        import redis
+
+        try:
+            return command()
+        except redis.RedisError as e:
+            raise Unavailable(f"the Responses API's store (Redis at {self._where}) did not answer: "
+                              f"{type(e).__name__}", "STORE_UNAVAILABLE") from None
+
+
+def open_store(redis_url: str) -> Store:
+    """The store the coordinator's flags ask for: Redis at `redis_url`, else memory."""
+    return RedisStore(redis_url) if redis_url else MemoryStore()
 
 
 def _text_of(content: Any) -> str:
@@ -118,9 +141,7 @@ def _text_of(content: Any) -> str:
     return ""
 
 
-def _bad(message: str, param: str) -> Exception:
-    from graphmesh_coordinator.openai_api import APIError
-
+def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, "invalid_request_error", "unsupported_parameter", param)
 
 
@@ -161,15 +182,12 @@ class ResponsesAPI:
     async def retrieve(self, response_id: str) -> Response:
         record = await asyncio.get_running_loop().run_in_executor(self.server._pool, self.store.get, response_id)
         if record is None:
-            from graphmesh_coordinator.openai_api import APIError
             raise APIError(404, f"no stored response {response_id!r}", "not_found_error", "response_not_found",
                            "response_id")
         return JSONResponse(record["response"])
 
     def _chat(self, body: ResponsesRequest) -> tuple[Any, list[dict[str, Any]]]:
         """The chat completion request of `body`, and the conversation (without instructions) it continues."""
-        from graphmesh_coordinator.openai_api import ChatCompletionRequest
-
         unsupported = sorted(k for k, v in (body.model_extra or {}).items() if k not in SUPPORTED and v is not None)
         if unsupported:
             raise _bad(f"{', '.join(unsupported)} is not supported by this server's Responses API", unsupported[0])
@@ -177,9 +195,8 @@ class ResponsesAPI:
             raise _bad(f"truncation {body.truncation!r} is not supported", "truncation")
         history: list[dict[str, Any]] = []
         if body.previous_response_id:
-            record = self.store.get(body.previous_response_id)
+            record = self.store.get(body.previous_response_id)  # on the server's pool (create)
             if record is None:
-                from graphmesh_coordinator.openai_api import APIError
                 raise APIError(404, f"previous_response_id {body.previous_response_id!r} is not stored (expired, "
                                "or made with store: false)", "not_found_error", "response_not_found",
                                "previous_response_id")
@@ -199,7 +216,7 @@ class ResponsesAPI:
         return chat, conversation
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
-        from graphmesh_coordinator.openai_api import _Sessions, api_error
+        from graphmesh_coordinator.openai_server import _Sessions  # the server imports this module
 
         server, t0 = self.server, time.perf_counter()
         response_id = "resp_" + uuid.uuid4().hex
@@ -232,7 +249,7 @@ class ResponsesAPI:
                     item = await sessions.queue.get()
             finally:
                 sessions.cancel()
-            response = run.finish()
+            response = await run.finish()
             genai.record("responses", server.model_name, usage, time.perf_counter() - t0)
             genai.finish_span(span, response_id, server.model_name, usage)
             return JSONResponse(response)
@@ -251,7 +268,7 @@ class _Run:
         self.api, self.body, self.call, self.conversation = api, body, call, conversation
         self.response_id, self.usage = response_id, usage
         self.created = int(time.time())
-        self.parser = tool_calls.StreamParser() if call.tools else None
+        self.parser = call.tool_parser() if call.tools else None
         self.text, self.finish_reason = "", ""
         self.calls: list[dict[str, Any]] = []
         self.message_id = "msg_" + uuid.uuid4().hex
@@ -301,15 +318,18 @@ class _Run:
                       "total_tokens": self.usage.input_tokens + self.usage.output_tokens,
                       "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
 
-    def finish(self) -> dict[str, Any]:
-        """The finished response, stored (with its conversation) unless store is false."""
+    async def finish(self) -> dict[str, Any]:
+        """The finished response, stored (with its conversation) unless store is false: on the server's pool, since
+        a Redis store answers over the network."""
         status = "incomplete" if self.finish_reason == "length" else "completed"
         response = self.response(status, self.output())
         if self.body.store:
             turn: dict[str, Any] = {"role": "assistant", "content": self.text or None}
             if self.calls:
                 turn["tool_calls"] = self.calls
-            self.api.store.put(self.response_id, {"response": response, "conversation": [*self.conversation, turn]})
+            record = {"response": response, "conversation": [*self.conversation, turn]}
+            await asyncio.get_running_loop().run_in_executor(self.api.server._pool, self.api.store.put,
+                                                             self.response_id, record)
         return response
 
     def _event(self, kind: str, **fields: Any) -> bytes:
@@ -328,7 +348,6 @@ class _Run:
             while True:
                 _, event = item
                 if isinstance(event, BaseException):
-                    from graphmesh_coordinator.openai_api import api_error
                     failure = api_error(event)
                     error = failure.code or failure.type
                     yield self._event("error", code=failure.code, message=failure.message, param=failure.param)
@@ -364,7 +383,13 @@ class _Run:
                 yield self._event("response.content_part.done", item_id=self.message_id, output_index=0,
                                   content_index=0, part=part)
                 yield self._event("response.output_item.done", output_index=0, item=self._message())
-            response = self.finish()
+            try:
+                response = await self.finish()
+            except Exception as e:  # the store did not take it: the client must not chain on it
+                failure = api_error(e)
+                error = failure.code or failure.type
+                yield self._event("error", code=failure.code, message=failure.message, param=failure.param)
+                return
             if not opened and not self.calls:  # an empty answer is still a message
                 response["output"] = [self._message()]
             kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"

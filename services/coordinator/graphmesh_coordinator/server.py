@@ -28,10 +28,11 @@ from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.serving import run_until_signalled
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from graphmesh_coordinator import responses
 from graphmesh_coordinator.election import Election, EtcdState, LeaderMesh, not_leader
 from graphmesh_coordinator.generation import DEFAULT_MAX_WAITING, Generator
 from graphmesh_coordinator.kserve import KServeServicer
-from graphmesh_coordinator.openai_api import OpenAIServer
+from graphmesh_coordinator.openai_server import OpenAIServer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
 from graphmesh_coordinator.scheduler import Scheduler
 from graphmesh_coordinator.servicer import CoordinatorServicer
@@ -76,6 +77,7 @@ class CoordinatorConfig:
     max_waiting_requests: int = DEFAULT_MAX_WAITING  # generation requests that may wait for their first token
     max_prompt_bytes: int = 0  # UTF-8 bytes of prompt text tokenized for one request; 0: by the context
     http_max_connections: int = 0  # open HTTP connections at most; 0: by the descriptor limit
+    redis_url: str = ""  # the Responses API's store: redis://HOST:PORT/DB; "": in memory
 
 
 @dataclass
@@ -175,7 +177,8 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
                                      LIVENESS_SERVICE: health_pb2.HealthCheckResponse.SERVING})
     http = None
     if config.http_listen:
-        http = OpenAIServer(generator, mesh, config.model, config.security.auth_token, config.http_ready_wait_s, gate)
+        http = OpenAIServer(generator, mesh, config.model, config.security.auth_token, config.http_ready_wait_s, gate,
+                            responses.open_store(config.redis_url))
         http.start(_http_listen(config), config.security.tls, max_connections=config.http_max_connections)
         log.info("HTTP API", extra={"http_listen": config.http_listen, "port": http.port})
     if config.metrics_port or http is not None:  # the HTTP API serves /metrics too
@@ -347,8 +350,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--http-max-connections", type=int, default=0,
                         help="open connections the HTTP API keeps at most; more are closed as they are accepted. "
                              "Default 0: a quarter of the process's descriptor limit, at most 4096")
+    parser.add_argument("--redis-url", default="",
+                        help="redis://HOST:PORT/DB (Redis or Valkey; rediss:// for TLS) keeping the Responses API's "
+                             "stored responses, so that every coordinator on it continues their conversations "
+                             "(previous_response_id). Default: in this process's memory")
     bootstrap.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
+    if args.redis_url and not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        parser.error(f"--redis-url must be redis://HOST:PORT/DB, rediss://... or unix://..., not {args.redis_url!r}")
     if args.max_waiting_requests < 1:
         parser.error(f"--max-waiting-requests must be >= 1, not {args.max_waiting_requests}")
     for flag, value in (("--decode-steps", args.decode_steps), ("--max-step-tokens", args.max_step_tokens),
@@ -372,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
                                    min_executors=args.min_executors, max_waiting_requests=args.max_waiting_requests,
                                    max_prompt_bytes=args.max_prompt_bytes,
                                    speculative=args.speculative,
-                                   http_max_connections=args.http_max_connections)
+                                   http_max_connections=args.http_max_connections, redis_url=args.redis_url)
         telemetry.serve_metrics(config.metrics_port)
         running = build_server(config)
     except Exception as e:

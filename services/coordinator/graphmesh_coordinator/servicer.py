@@ -12,15 +12,14 @@ from graphmesh import plan as dag
 from graphmesh import tensors
 from graphmesh.aio_serving import Wait
 from graphmesh.bootstrap import ServerSecurity
-from graphmesh.errors import FailedPrecondition, GraphmeshError, Internal, InvalidArgument, NotFound, Unavailable
-from graphmesh.protocol import Action
+from graphmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from graphmesh.security.policy import MESH
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_coordinator import guided, speculative
 from graphmesh_coordinator.failures import public_error
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
-from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
+from graphmesh_coordinator.pipeline import Mesh
 
 log = logging.getLogger("graphmesh.coordinator")
 RECOVERY_WAIT_S = 120.0
@@ -30,15 +29,9 @@ _FINISH: dict[str, coordinator_pb2.FinishReason.ValueType] = {
     "stop": coordinator_pb2.FINISH_REASON_STOP}
 
 
-def as_status(error: Exception) -> grpc.Status:
-    if isinstance(error, InvocationFailed):
-        if error.action is Action.ROLL_BACK:  # its rows were refused: the cause is the request's
-            return error.cause.to_status()
-        return Unavailable(f"the mesh lost an executor: {error}", "MESH_FENCED").to_status()
-    if isinstance(error, GraphmeshError):
-        return error.to_status()
-    log.exception("coordinator call failed", exc_info=error)
-    return Internal(f"{type(error).__name__}: {error}").to_status()
+def as_status(error: BaseException) -> grpc.Status:
+    """A failure as the gRPC status its caller gets (failures.public_error), here and on KServe."""
+    return public_error(error).to_status()
 
 
 def prompt_token_ids(tokenizer: Tokenizer | None, model_name: str, *, prompt: str = "", raw: bool = False,

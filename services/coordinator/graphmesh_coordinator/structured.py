@@ -49,23 +49,25 @@ def response_format(value: Any, parameter: str = "response_format") -> GuidedSpe
     raise bad(f"{parameter}.type {kind!r} is not one of text, json_object, json_schema", f"{parameter}.type")
 
 
-def tool_choice(choice: Any, tools: list[Function], parameter: str = "tool_choice") -> tuple[str, GuidedSpec | None]:
-    """("none" | "auto" | "required", the grammar of the call when one is required): a named function is required
-    with that function alone. OpenAI's default is auto with tools, none without."""
+def tool_choice(choice: Any, tools: list[Function], fmt: str = "hermes",
+                parameter: str = "tool_choice") -> tuple[str, GuidedSpec | None]:
+    """("none" | "auto" | "required", the grammar of the call when one is required, in tool-call format `fmt`
+    (tool_calls.format_of)): a named function is required with that function alone. OpenAI's default is auto with
+    tools, none without."""
     if choice is None:
         return ("auto" if tools else "none"), None
     if choice in ("none", "auto", "required"):
         if choice != "none" and not tools:
             raise bad(f"{parameter} {choice!r} needs tools", parameter)
         if choice == "required":
-            return "required", GuidedSpec.tool_call([{"name": f.name, "parameters": f.parameters} for f in tools])
+            return "required", GuidedSpec.tool_call([{"name": f.name, "parameters": f.parameters} for f in tools], fmt)
         return str(choice), None
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or choice).get("name")  # chat's nested form, or the Responses API's flat one
         picked = [f for f in tools if f.name == name]
         if not picked:
             raise bad(f"{parameter} names the function {name!r}, which is not among the tools", parameter)
-        return "required", GuidedSpec.tool_call([{"name": picked[0].name, "parameters": picked[0].parameters}])
+        return "required", GuidedSpec.tool_call([{"name": picked[0].name, "parameters": picked[0].parameters}], fmt)
     raise bad(f"{parameter} must be none, auto, required or {{\"type\": \"function\", ...}}", parameter)
 
 

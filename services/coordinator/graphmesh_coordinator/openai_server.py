@@ -1,9 +1,9 @@
-"""The OpenAI HTTP API (`--http-listen`) on the coordinator's Generator, beside gRPC, in the same process.
+"""The OpenAI HTTP API's server (`--http-listen`) on the coordinator's Generator, beside gRPC, in the same process.
 
 POST /v1/chat/completions and /v1/completions (streamed as Server-Sent Events ending in `data: [DONE]`, or not),
 GET /v1/models, /health (200 only while the mesh can serve) and /metrics (every Prometheus metric of the process).
-Requests are checked the way Generate checks them (generation.validate); errors come back in OpenAI's JSON shape,
-with the status a client library retries on (429, 503) or does not (400, 401, 404).
+Requests are checked the way Generate checks them (generation.validate); their schemas and the error shape are
+openai_protocol.py's.
 
 FastAPI serves on uvicorn's event loop in a thread of its own. Every choice of a request is a task there that runs
 the Generator's code on a small pool only while it computes (aiterate), so a request waiting for the mesh, for KV
@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
@@ -38,111 +38,37 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from opentelemetry.trace import Span
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from graphmesh import telemetry
 from graphmesh.aio_serving import Wait, aiterate
-from graphmesh.errors import (
-    GraphmeshError,
-    Internal,
-    NotFound,
-    Unauthenticated,
-    Unavailable,
-)
-from graphmesh.protocol import Action
+from graphmesh.errors import GraphmeshError, NotFound, Unauthenticated
 from graphmesh.security import Tls
-from graphmesh_coordinator import genai, http_limits, responses, structured, tool_calls
-from graphmesh_coordinator.generation import (
-    MAX_TOP_LOGPROBS,
-    Event,
-    GenerationRequest,
-    Generator,
-    TokenLogprob,
-    validate,
+from graphmesh_coordinator import genai, http_limits, responses, speculative, structured, tool_calls
+from graphmesh_coordinator.generation import Event, GenerationRequest, Generator, TokenLogprob, validate
+from graphmesh_coordinator.openai_protocol import (
+    FINISH,
+    MAX_CHOICES,
+    MAX_PROMPTS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationBody,
+    api_error,
+    bad,
+    check_unsupported,
+    message_text,
+    stop_strings,
 )
-from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
+from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.servicer import prompt_token_ids
 
 log = logging.getLogger("graphmesh.coordinator.http")
 
-MAX_CHOICES = 16  # n (times the prompts of a batch): each choice is a session of its own
-MAX_PROMPTS = 64  # prompts in one /v1/completions batch
-MAX_STOP = 16  # stop strings
-ROLES = ("system", "developer", "user", "assistant", "tool")
 _SEED_MASK = (1 << 64) - 1
 _DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
 HTTP_WORKERS = 16
 MAX_BODY_BYTES = 64 << 20  # FastAPI reads a whole body before anything checks it: bigger ones are refused first
-
-# gRPC code name -> (HTTP status, OpenAI error type). RESOURCE_EXHAUSTED is 429 (retry later) except for a request
-# that could never fit (KV_CAPACITY_EXCEEDED): no retry helps, so it is a bad request, as a too-long prompt is.
-_STATUS = {"INVALID_ARGUMENT": (400, "invalid_request_error"), "OUT_OF_RANGE": (400, "invalid_request_error"),
-           "FAILED_PRECONDITION": (400, "invalid_request_error"), "NOT_FOUND": (404, "not_found_error"),
-           "UNAUTHENTICATED": (401, "authentication_error"), "PERMISSION_DENIED": (403, "permission_error"),
-           "RESOURCE_EXHAUSTED": (429, "rate_limit_error"), "UNAVAILABLE": (503, "service_unavailable_error"),
-           "DEADLINE_EXCEEDED": (503, "service_unavailable_error"), "CANCELLED": (499, "cancelled")}
-_NEVER_FITS = {"KV_CAPACITY_EXCEEDED"}
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-
-
-# -- requests ------------------------------------------------------------------------------------------------
-class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers do: clients send many (user, metadata, store, ...).
-    model_config = ConfigDict(extra="ignore")
-
-
-class ContentPart(_Body):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(_Body):
-    role: str
-    content: str | list[ContentPart] | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (tool_calls.py renders them back)
-    tool_call_id: str | None = None  # a tool message's answer to a call
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _Generation(_Body):
-    model: str
-    max_tokens: int | None = None
-    temperature: float | None = None  # OpenAI's default is 1
-    top_p: float | None = None
-    top_k: int | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    # Accepted at their neutral values only: a client that asks for a penalty must not silently get none.
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None  # text, json_object, json_schema: guided decoding (structured.py)
-
-
-class ChatCompletionRequest(_Generation):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-
-
-class CompletionRequest(_Generation):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
 
 
 class _BodyLimit:
@@ -176,79 +102,6 @@ class _BodyLimit:
         await self.app(scope, limited, send)
 
 
-class APIError(Exception):
-    """An error as OpenAI sends it: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), self.status, headers=self.headers)
-
-
-def api_error(error: BaseException) -> APIError:
-    """The HTTP form of whatever a request raised: typed errors keep their meaning, anything else is a 500 (logged)."""
-    if isinstance(error, APIError):
-        return error
-    if isinstance(error, InvocationFailed):
-        error = error.cause if error.action is Action.ROLL_BACK else \
-            Unavailable(f"the mesh lost an executor: {error}", "MESH_FENCED")
-    if not isinstance(error, GraphmeshError):
-        log.error("request failed", exc_info=error)
-        error = Internal(f"{type(error).__name__}: {error}")
-    status, type_ = _STATUS.get(error.code.name, (500, "internal_error"))
-    if error.reason in _NEVER_FITS:
-        status, type_ = 400, "invalid_request_error"
-    headers = {"Retry-After": "1"} if status in (429, 503) else {}
-    return APIError(status, error.message, type_, error.reason.lower(), error.metadata.get("parameter"), headers)
-
-
-def _bad(message: str, param: str, code: str = "invalid_parameter") -> APIError:
-    return APIError(400, message, "invalid_request_error", code, param)
-
-
-def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
-    strings = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(strings) > MAX_STOP:
-        raise _bad(f"at most {MAX_STOP} stop strings, got {len(strings)}", "stop")
-    if any(not s for s in strings):
-        raise _bad("a stop string must not be empty (it would end every completion at once)", "stop")
-    return tuple(strings)
-
-
-def _check_unsupported(body: _Generation) -> None:
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(body, name):
-            raise _bad(f"{name} is not supported (only 0)", name, "unsupported_parameter")
-    if body.logit_bias:
-        raise _bad("logit_bias is not supported", "logit_bias", "unsupported_parameter")
-    if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise _bad("echo is not supported", "echo", "unsupported_parameter")
-        if body.best_of not in (None, 1, body.n):
-            raise _bad("best_of is not supported", "best_of", "unsupported_parameter")
-        if body.suffix:
-            raise _bad("suffix is not supported", "suffix", "unsupported_parameter")
-
-
-def _message_text(message: ChatMessage, index: int) -> tuple[str, str]:
-    if message.role not in ROLES:
-        raise _bad(f"messages[{index}].role {message.role!r} is not one of {', '.join(ROLES)}", f"messages[{index}].role")
-    content = message.content
-    if isinstance(content, list):
-        bad = next((p.type for p in content if p.type != "text"), None)
-        if bad is not None:
-            raise _bad(f"messages[{index}] has a {bad!r} part; only text is supported", f"messages[{index}].content")
-        content = "".join(p.text or "" for p in content)
-    role = "system" if message.role == "developer" else message.role  # OpenAI's newer name for a system message
-    return role, content or ""
-
 
 @dataclass
 class _Call:
@@ -263,6 +116,11 @@ class _Call:
     max_tokens: int | None  # as asked (None: up to the context)
     tools: bool = False  # chat with tools offered: completions are parsed for tool calls (tool_calls.py)
     parallel_tool_calls: bool = True
+    tool_format: str = tool_calls.HERMES  # the model's (tool_calls.format_of)
+    tool_prefix: str = ""  # what the prompt ends with that the completion continues (tool_calls.encode)
+
+    def tool_parser(self) -> tool_calls.StreamParser | tool_calls.JsonCallsParser:
+        return tool_calls.parser(self.tool_format, self.tool_prefix)
 
     @property
     def stream(self) -> bool:
@@ -321,14 +179,15 @@ class _Sessions:
 # -- the server ----------------------------------------------------------------------------------------------
 class OpenAIServer:
     def __init__(self, generator: Generator, mesh: Mesh, model_name: str, auth_token: str = "",
-                 ready_wait_s: float = 10.0,
-                 leader_gate: Callable[[], None] | None = None) -> None:
+                 ready_wait_s: float = 10.0, leader_gate: Callable[[], None] | None = None,
+                 responses_store: responses.Store | None = None) -> None:
         self.generator, self.mesh, self.model_name = generator, mesh, model_name
         self.leader_gate = leader_gate  # raises NOT_LEADER (503 here) on a standby, naming the leader
         self._expected = f"Bearer {auth_token}" if auth_token else ""
         # the requests' code while it runs (parsing, tokenizing, detokenizing); none waits on it
         self._pool = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="http-generate")
         self.ready_wait_s = ready_wait_s
+        self.responses_store = responses_store  # None: in memory (responses.MemoryStore)
         self.created = int(time.time())
         self.address, self.port = "", 0
         self._server: uvicorn.Server | None = None
@@ -343,7 +202,7 @@ class OpenAIServer:
         authorized = [Depends(self._authorize)]
         app.post("/v1/chat/completions", dependencies=authorized)(self.chat_completions)
         app.post("/v1/completions", dependencies=authorized)(self.completions)
-        responses.ResponsesAPI(self).mount(app, authorized)  # POST /v1/responses, GET /v1/responses/{id}
+        responses.ResponsesAPI(self, self.responses_store).mount(app, authorized)  # POST /v1/responses, GET /v1/responses/{id}
         app.get("/v1/models", dependencies=authorized)(self.models)
         app.get("/v1/models/{model:path}", dependencies=authorized)(self.model)
         app.get("/health")(self.health)
@@ -368,7 +227,7 @@ class OpenAIServer:
         where = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg', '')}"
                             for e in errors[:5])
-        return _bad(message or "the request body is not valid", ".".join(where) or "body").response()
+        return bad(message or "the request body is not valid", ".".join(where) or "body").response()
 
     async def _http_error(self, request: Request, error: Exception) -> Response:
         assert isinstance(error, StarletteHTTPException)
@@ -422,26 +281,30 @@ class OpenAIServer:
         """The request's prompts as token ids and its sessions, checked as Generate checks them. Runs on a worker
         thread: tokenizing a long prompt must not hold up every other stream on the event loop."""
         self._check_model(body.model)
-        _check_unsupported(body)
+        check_unsupported(body)
         tokenizer, model = self.generator.tokenizer, self.model_name
+        tool_format, tool_prefix = tool_calls.HERMES, ""
         if isinstance(body, ChatCompletionRequest):
             if not body.messages:
-                raise _bad("messages must not be empty", "messages")
-            chat = [_message_text(m, i) for i, m in enumerate(body.messages)]
+                raise bad("messages must not be empty", "messages")
+            chat = [message_text(m, i) for i, m in enumerate(body.messages)]
             functions = tool_calls.functions(body.tools)
-            choice, guided = structured.tool_choice(body.tool_choice, functions)
+            tool_format = tool_calls.format_of(tokenizer) if tokenizer is not None else tool_calls.HERMES
+            choice, guided = structured.tool_choice(body.tool_choice, functions, tool_format)
             offered = functions if choice != "none" else []
             if offered or any(m.tool_calls or m.role == "tool" for m in body.messages):
                 if tokenizer is None:
-                    raise _bad("tools need the model's tokenizer", "tools")
-                rendered = tool_calls.render(tokenizer, [{"role": r, "content": c, "tool_calls": m.tool_calls}
-                                                         for (r, c), m in zip(chat, body.messages)], offered)
-                chat = [(m["role"], m["content"]) for m in rendered]
-            prompts = [prompt_token_ids(tokenizer, model, messages=chat)]
+                    raise bad("tools need the model's tokenizer", "tools")
+                ids, tool_prefix = tool_calls.encode(
+                    tokenizer, [{"role": r, "content": c, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id}
+                                for (r, c), m in zip(chat, body.messages)], offered, tool_format, guided is not None)
+                prompts = [ids]
+            else:
+                prompts = [prompt_token_ids(tokenizer, model, messages=chat)]
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             logprobs, top = body.logprobs, body.top_logprobs or 0
             if top and not logprobs:
-                raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+                raise bad("top_logprobs needs logprobs: true", "top_logprobs")
         else:
             prompt = body.prompt
             if isinstance(prompt, str):
@@ -450,25 +313,25 @@ class OpenAIServer:
                 prompts = [[int(t) for t in prompt]]  # type: ignore[arg-type]
             else:
                 if not prompt:
-                    raise _bad("the prompt is empty", "prompt", "empty_prompt")
+                    raise bad("the prompt is empty", "prompt", "empty_prompt")
                 if len(prompt) > MAX_PROMPTS:
-                    raise _bad(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", "prompt")
+                    raise bad(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}", "prompt")
                 prompts = [prompt_token_ids(tokenizer, model, prompt=p, raw=True) if isinstance(p, str)
                            else [int(t) for t in p] if isinstance(p, list) else [p] for p in prompt]
             max_tokens = body.max_tokens
             logprobs, top = body.logprobs is not None, body.logprobs or 0
         if len(prompts) * body.n > MAX_CHOICES:
-            raise _bad(f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices", "n")
+            raise bad(f"{len(prompts)} prompts x n={body.n} is more than {MAX_CHOICES} choices", "n")
         formatted = structured.response_format(body.response_format)
         if isinstance(body, ChatCompletionRequest):
             if guided is not None and formatted is not None:
-                raise _bad("response_format cannot be combined with a required or named tool_choice", "response_format")
+                raise bad("response_format cannot be combined with a required or named tool_choice", "response_format")
             kind = "tool_call" if guided is not None else formatted.kind if formatted is not None else \
                 "tools" if offered else "text"
             guided = guided or formatted
         else:
             guided, kind = formatted, formatted.kind if formatted is not None else "text"
-        stop = _stop_strings(body.stop)
+        stop = stop_strings(body.stop)
         temperature = 1.0 if body.temperature is None else body.temperature
         top_p = 1.0 if body.top_p is None else body.top_p
         requests = []
@@ -485,13 +348,15 @@ class OpenAIServer:
                 seed = (body.seed + i) & _SEED_MASK if body.seed is not None else secrets.randbits(63)
                 budget = max_tokens if max_tokens is not None else self._room(len(ids))
                 request = GenerationRequest(ids, budget, temperature, body.top_k or 0, top_p, seed, stop,
-                                            body.ignore_eos, logprobs, top, guided=guided)
+                                            body.ignore_eos, logprobs, top, guided=guided,
+                                            speculative=speculative.from_json(body.speculative, self.generator.speculative))
                 validate(request, self.generator.context_tokens, self.mesh.config.vocab_size)
                 requests.append(request)
         structured.count(kind)
         tools = isinstance(body, ChatCompletionRequest) and kind in ("tool_call", "tools")
         parallel = not isinstance(body, ChatCompletionRequest) or body.parallel_tool_calls is not False
-        return _Call(operation, body, prompts, requests, logprobs, top, max_tokens, tools, parallel)
+        return _Call(operation, body, prompts, requests, logprobs, top, max_tokens, tools, parallel,
+                     tool_format, tool_prefix)
 
     def _room(self, prompt_tokens: int) -> int:
         """The default max_tokens: up to the context, or what one session may hold of the KV pool when that is
@@ -546,7 +411,7 @@ class OpenAIServer:
         genai.record(operation, self.model_name, usage, time.perf_counter() - t0, error_type)
         genai.finish_span(span, response_id, self.model_name, usage, error_type)
 
-    def _request_attributes(self, operation: str, body: _Generation, request: Request) -> dict[str, Any]:
+    def _request_attributes(self, operation: str, body: GenerationBody, request: Request) -> dict[str, Any]:
         max_tokens = body.max_completion_tokens if isinstance(body, ChatCompletionRequest) and \
             body.max_completion_tokens is not None else body.max_tokens
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -566,7 +431,7 @@ class OpenAIServer:
         choice.text += event.text
         choice.logprobs += event.logprobs
         if event.finish_reason:
-            choice.finish_reason = _FINISH.get(event.finish_reason, "stop")
+            choice.finish_reason = FINISH.get(event.finish_reason, "stop")
 
     def _end(self, call: _Call, choice: _Choice) -> None:
         choice.done = True
@@ -633,7 +498,7 @@ class OpenAIServer:
                 message: dict[str, Any] = {"role": "assistant", "content": c.text}
                 finish = c.finish_reason
                 if call.tools:
-                    content, calls = tool_calls.parse(c.text)
+                    content, calls = tool_calls.parse(c.text, call.tool_format, call.tool_prefix)
                     if calls:
                         calls = calls if call.parallel_tool_calls else calls[:1]
                         message = {"role": "assistant", "content": content, "tool_calls": calls}
@@ -665,7 +530,7 @@ class OpenAIServer:
         return {"index": index, "text": text, "logprobs": self._logprobs(call, logprobs) if logprobs else None,
                 "finish_reason": finish}
 
-    def _tool_deltas(self, call: _Call, parser: tool_calls.StreamParser, index: int,
+    def _tool_deltas(self, call: _Call, parser: tool_calls.StreamParser | tool_calls.JsonCallsParser, index: int,
                      event: Event) -> list[dict[str, Any]]:
         """A chat choice's deltas when tools were offered: content as soon as it cannot be the start of a call, each
         call whole once it closes (OpenAI's tool_calls deltas), finish_reason tool_calls when there were any."""
@@ -683,7 +548,7 @@ class OpenAIServer:
             deltas.append({"index": index, "delta": {"tool_calls": tool_calls.call_deltas(calls, had)},
                            "logprobs": None, "finish_reason": None})
         if event.finish_reason:
-            finish = _FINISH.get(event.finish_reason, "stop")
+            finish = FINISH.get(event.finish_reason, "stop")
             deltas.append(self._delta(call, index, "", [], "tool_calls" if parser.calls and finish == "stop"
                                       else finish))
         return deltas
@@ -697,7 +562,7 @@ class OpenAIServer:
             if call.operation == "chat":  # OpenAI opens every choice with the assistant's role
                 yield self._chunk(call, response_id, created, [self._delta(call, c.index, "", [], None, role=True)
                                                                for c in choices])
-            parsers = {c.index: tool_calls.StreamParser() for c in choices} if call.tools else {}
+            parsers = {c.index: call.tool_parser() for c in choices} if call.tools else {}
             item: tuple[int, Event | BaseException | None] | None = first
             while not all(c.done for c in choices):
                 index, event = item if item is not None else await sessions.queue.get()
@@ -718,7 +583,7 @@ class OpenAIServer:
                         yield self._chunk(call, response_id, created, [delta])
                     continue
                 if event.text or event.finish_reason or (call.logprobs and event.logprobs):
-                    finish = _FINISH.get(event.finish_reason, "stop") if event.finish_reason else None
+                    finish = FINISH.get(event.finish_reason, "stop") if event.finish_reason else None
                     yield self._chunk(call, response_id, created,
                                       [self._delta(call, index, event.text, event.logprobs, finish)])
             self._done(call, choices, usage, response_id, span, t0)
