@@ -27,15 +27,16 @@ from __future__ import annotations
 import fcntl
 import logging
 import secrets
+import selectors
 import socket
 import struct
 import termios
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from google.rpc import status_pb2
@@ -71,8 +72,12 @@ log = logging.getLogger("graphmesh.executor.boundary_link")
 
 TICKET_BYTES = 32
 TICKET_TTL_S = 30.0
-HELLO_TIMEOUT_S = 5.0  # for a new connection to present its ticket
-MAX_HANDSHAKES = 16  # connections at once that have not presented a ticket yet: more are closed at once
+HELLO_TIMEOUT_S = 5.0  # for a new connection to present its ticket, counted from its accept (not per byte)
+# Connections at once that have not presented a ticket yet. When all are taken, the oldest is closed to make room
+# for the newest: a sender with a ticket presents it at once, so the connection that has waited longest is the
+# least likely to be one, and a flood (junk, or one byte every few seconds) can never keep a legitimate link out.
+MAX_HANDSHAKES = 128
+ACCEPT_BACKLOG = 1024  # the kernel's queue of connections not yet accepted (capped by net.core.somaxconn)
 WATCH_PERIOD_S = 0.1  # how often pushes are checked against their deadlines
 # A link's send buffer (SO_SNDBUF; the kernel doubles it for its bookkeeping): pushes that fit in what is free
 # are sent on the pushing thread, without blocking it (BoundaryLink.push_now).
@@ -106,15 +111,39 @@ class KvWrite:
 KvWriter = Callable[[stage_pb2.WriteSessionKvRequest], KvWrite]  # checks a copy's first message, sets its buffer
 
 
+@dataclass
+class _Handshake:
+    """A connection that has not presented its ticket yet: the bytes of its HELLO frame read so far."""
+
+    conn: socket.socket
+    peer: str
+    deadline: float  # monotonic; closed then if it has not presented a ticket
+    received: bytearray = field(default_factory=bytearray)
+
+    def needed(self) -> int:
+        """Bytes still missing from the HELLO frame (its header first, then the length it announces)."""
+        if len(self.received) < HEADER.size:
+            return HEADER.size - len(self.received)
+        length, _ = HEADER.unpack_from(self.received)
+        return HEADER.size + length - len(self.received)
+
+
 class LinkListener:
     """The receiving end: accepts links from previous ranks and hands every pushed bundle to `accept` (what
-    PushBoundary runs), one connection thread per link."""
+    PushBoundary runs), one connection thread per link.
+
+    Connections that have not presented a ticket cost no thread: one thread accepts them and reads their HELLO
+    frames without blocking, so a flood of them (the listener is reachable by anyone who can reach the executor)
+    cannot delay a ticket's check. A HELLO that has arrived by the time its connection is accepted is checked at
+    once; the others wait in at most MAX_HANDSHAKES slots, for at most HELLO_TIMEOUT_S in all, the oldest closed
+    first when a new connection needs a slot."""
 
     def __init__(self, host: str, port: int, accept: Callable[[stage_pb2.PushBoundaryRequest], None],
                  max_frame_bytes: int, advertise: str = "", kv_writer: KvWriter | None = None) -> None:
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._server = socket.create_server((host, port), family=family, backlog=64)
+        self._server = socket.create_server((host, port), family=family, backlog=ACCEPT_BACKLOG)
+        self._server.setblocking(False)
         self.port = self._server.getsockname()[1]
         # An empty host: the sender connects to the host it reached this executor's gRPC port at.
         self.address = advertise or f":{self.port}"
@@ -125,10 +154,12 @@ class LinkListener:
         self.device_receiver: Callable[[], DeviceReceiver] = receiver_factory("cpu")
         self._max_frame_bytes = max_frame_bytes
         self._tickets: dict[bytes, float] = {}  # ticket -> when it expires (monotonic)
-        self._handshakes = 0
+        self._handshakes: OrderedDict[socket.socket, _Handshake] = OrderedDict()  # oldest first; accept thread only
+        self._selector = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self.links = 0  # links open now
         self.pushes = 0  # bundles taken over links
+        self.evicted = 0  # connections closed without a ticket: timed out, or the oldest when the slots were full
         threading.Thread(target=self._accept_loop, name="boundary-link-accept", daemon=True).start()
 
     def ticket(self) -> bytes:
@@ -145,25 +176,101 @@ class LinkListener:
         return until is not None and until > time.monotonic()
 
     def _accept_loop(self) -> None:
+        self._selector.register(self._server, selectors.EVENT_READ)
+        while True:
+            timeout = None
+            if self._handshakes:
+                timeout = max(0.0, next(iter(self._handshakes.values())).deadline - time.monotonic())
+            try:
+                ready = self._selector.select(timeout)
+            except (OSError, ValueError):
+                return  # closed
+            for key, _ in ready:
+                if key.fileobj is self._server:
+                    if not self._accept_all():
+                        return
+                else:
+                    self._read_hello(key.data)
+            now = time.monotonic()
+            while self._handshakes and next(iter(self._handshakes.values())).deadline <= now:
+                self._evict(next(iter(self._handshakes.values())), "no ticket in time")
+
+    def _accept_all(self) -> bool:
+        """Accepts every connection waiting; False once the listener is closed."""
         while True:
             try:
                 conn, peer = self._server.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                admitted = self._handshakes < MAX_HANDSHAKES
-                self._handshakes += admitted
-            if not admitted:
-                conn.close()
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError as e:
+                if self._server.fileno() == -1:
+                    return False
+                log.warning("boundary link accept failed", extra={"error": str(e)})  # out of descriptors: go on
+                return True
+            conn.setblocking(False)
+            pending = _Handshake(conn, f"{peer[0]}:{peer[1]}", time.monotonic() + HELLO_TIMEOUT_S)
+            if self._read_hello(pending, waiting=False):
                 continue
-            threading.Thread(target=self._serve, args=(nodelay(conn), f"{peer[0]}:{peer[1]}"),
-                             name="boundary-link", daemon=True).start()
+            if len(self._handshakes) >= MAX_HANDSHAKES:
+                self._evict(next(iter(self._handshakes.values())), "the slots were full and it was the oldest")
+            self._handshakes[conn] = pending
+            self._selector.register(conn, selectors.EVENT_READ, pending)
+
+    def _read_hello(self, pending: _Handshake, waiting: bool = True) -> bool:
+        """Reads what has arrived of `pending`'s HELLO, never more than the frame, and settles it once it is
+        whole: a link served on its own thread, or refused. True when it is settled (or closed)."""
+        while True:
+            try:
+                data = pending.conn.recv(pending.needed())
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError:
+                data = b""
+            if not data:  # closed by the peer before its ticket
+                self._settle(pending, waiting)
+                pending.conn.close()
+                return True
+            pending.received += data
+            length, kind = HEADER.unpack_from(pending.received) if len(pending.received) >= HEADER.size else (0, 0)
+            if length > TICKET_BYTES:  # not a HELLO: closed before the rest of it is read
+                self._settle(pending, waiting)
+                pending.conn.close()
+                return True
+            if len(pending.received) >= HEADER.size and pending.needed() == 0:
+                break
+        self._settle(pending, waiting)
+        ticket = bytes(pending.received[HEADER.size:])
+        if kind == HELLO and self._redeem(ticket):
+            threading.Thread(target=self._serve, args=(pending.conn, pending.peer), name="boundary-link",
+                             daemon=True).start()
+            return True
+        log.warning("boundary link refused: no valid ticket", extra={"peer": pending.peer})
+        try:  # a few hundred bytes into an empty send buffer: never blocks
+            pending.conn.send(frame(ACK, Unauthenticated("a boundary link must open with a ticket from "
+                                                         "OpenBoundaryLink", "BAD_LINK_TICKET")
+                                    .to_status_proto().SerializeToString()))
+        except OSError:
+            pass
+        pending.conn.close()
+        return True
+
+    def _settle(self, pending: _Handshake, waiting: bool) -> None:
+        """Takes `pending` out of the slots (it has presented its ticket, or is being closed)."""
+        if waiting and self._handshakes.pop(pending.conn, None) is not None:
+            self._selector.unregister(pending.conn)
+
+    def _evict(self, pending: _Handshake, why: str) -> None:
+        self._settle(pending, waiting=True)
+        pending.conn.close()
+        with self._lock:
+            self.evicted += 1
+        log.info("boundary link connection closed before its ticket", extra={"peer": pending.peer, "reason": why})
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
-            with conn:
-                if not self._handshake(conn, peer):
-                    return
+            with nodelay(conn):
+                conn.setblocking(True)
+                conn.sendall(frame(ACK, _OK))
                 with self._lock:
                     self.links += 1
                 try:
@@ -173,24 +280,6 @@ class LinkListener:
                         self.links -= 1
         except (OSError, LinkError, struct.error) as e:
             log.info("boundary link closed", extra={"peer": peer, "reason": str(e)})
-
-    def _handshake(self, conn: socket.socket, peer: str) -> bool:
-        try:
-            conn.settimeout(HELLO_TIMEOUT_S)
-            kind, ticket = read_frame(conn, TICKET_BYTES)
-            ok = kind == HELLO and self._redeem(ticket)
-            if not ok:
-                log.warning("boundary link refused: no valid ticket", extra={"peer": peer})
-                conn.sendall(frame(ACK, Unauthenticated("a boundary link must open with a ticket from "
-                                                        "OpenBoundaryLink", "BAD_LINK_TICKET")
-                                   .to_status_proto().SerializeToString()))
-                return False
-            conn.settimeout(None)
-            conn.sendall(frame(ACK, _OK))
-            return True
-        finally:
-            with self._lock:
-                self._handshakes -= 1
 
     def _serve_pushes(self, conn: socket.socket) -> None:
         device: list[DeviceReceiver] = []  # the sender's GPU buffers this link mapped (transport.py), if any

@@ -14,7 +14,7 @@ import numpy as np
 from graphmesh import channels, dtypes, security, telemetry, tensors
 from graphmesh import plan as dag
 from graphmesh.errors import GraphmeshError, InvalidArgument, Unavailable, from_rpc_error, rpc
-from graphmesh.links import LinkOpener
+from graphmesh.links import LinkError, LinkOpener
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from graphmesh_executor import transport
 from graphmesh_executor.boundary_link import BoundaryLink, KvWrite, LinkListener
@@ -184,7 +184,7 @@ class BoundaryPusher:
             if choice.transport == transport.CUDA_IPC and self._strikes.get(address, 0) >= transport.DEVICE_STRIKES:
                 choice = Choice(transport.TCP, f"the GPU path failed {self._strikes[address]} times in a row")
             sender = DeviceSender(self.device, end.gpu_uuid) if choice.transport == transport.CUDA_IPC else None
-        except (OSError, GraphmeshError, ValueError) as e:
+        except (OSError, GraphmeshError, ValueError, LinkError) as e:  # LinkError: closed before it answered
             log.warning("boundary link failed to open: pushing over gRPC", extra={"address": address, "error": str(e)})
             return None
         with self._lock:
