@@ -298,3 +298,25 @@ def _ticket(mesh: LocalMesh, address: str) -> bytes:
     with channels.channel(address, None, mesh_token=mesh.mesh_token) as channel:
         return stage_pb2_grpc.StageServiceStub(channel).OpenBoundaryLink(stage_pb2.OpenBoundaryLinkRequest(),
                                                                          timeout=10).ticket
+
+
+def test_a_link_closed_before_its_answer_falls_back_to_grpc() -> None:
+    """A listener that closes a new connection before answering its HELLO (as a flooded one did) is a link that
+    could not be opened: the row copy goes over gRPC (take answers None), it does not fail with LinkError."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def close_at_once() -> None:
+        conn, _ = server.accept()
+        conn.close()
+
+    class Stub:  # answers OpenBoundaryLink with that listener and a ticket
+        def OpenBoundaryLink(self, request: stage_pb2.OpenBoundaryLinkRequest,
+                             timeout: float) -> stage_pb2.OpenBoundaryLinkResponse:
+            return stage_pb2.OpenBoundaryLinkResponse(address=f"127.0.0.1:{server.getsockname()[1]}",
+                                                      ticket=b"t" * 32)
+
+    with server:
+        accepting = threading.Thread(target=close_at_once, daemon=True)
+        accepting.start()
+        assert KvLinks(tls=False).take("127.0.0.1:1", Stub(), 5.0) is None  # type: ignore[arg-type]
+        accepting.join(5)

@@ -235,7 +235,7 @@ class KvLinks:
         try:
             ticket = self._opener.ticket(stub, address, timeout_s)
             return None if ticket is None else KvLink.connect(*ticket, timeout_s)
-        except (OSError, GraphmeshError, ValueError) as e:
+        except (OSError, GraphmeshError, ValueError, LinkError) as e:  # LinkError: closed before it answered
             log.warning("row copy link failed to open: copying over gRPC", extra={"address": address, "error": str(e)})
             return None
 
