@@ -20,8 +20,26 @@ per second).
 --transports links,grpc runs the whole table once per way boundaries travel between the executors (boundary links,
 the default, or PushBoundary calls). --mps off,on runs it again with NVIDIA's Multi-Process Service.
 
+--gpus N puts one executor on each GPU (graphmesh.launcher.gpu_env: its GPU first in CUDA_VISIBLE_DEVICES): a mesh of
+n executors runs on GPUs 0..n-1, so boundaries cross GPUs (CUDA IPC between them where the link chooses it,
+graphmesh_executor/transport.py). Without it every executor shares --device. --shape llama70b (Llama-3-70B, bf16,
+~141 GB) fits no single GPU: run it with --gpus 2 or 4 and --no-peer (the compiled peer holds the model on one GPU).
+
+The random checkpoint is written tensor by tensor, in row pieces of at most --write-piece-bytes, straight into
+safetensors shards of --shard-bytes (the header first: offsets follow from the shapes): the host never holds more
+than one piece, whatever the shape. --write-only DIR writes it and prints the peak RSS growth against the piece and
+the largest shard, the check that the writer streams.
+
+--measure-boundary times a 32k-token prefill's boundary (f32 [32768, hidden], what a stage pushes) from this process
+to an executor on the next GPU (GPU 1 with --gpus 2 or more, else the same one), over each transport the pair can
+take (TCP frames, and CUDA IPC where the executors' handshake chooses it): median seconds and GB/s.
+
     python bench/bench_gpu_mesh.py --shape tinyllama --executors 1,2 --concurrency 1,32,128,256
+    python bench/bench_gpu_mesh.py --shape llama8b --gpus 2 --executors 1,2 --concurrency 1,32,128,256
+    python bench/bench_gpu_mesh.py --shape llama70b --gpus 4 --executors 2,4 --concurrency 1,32,128 --no-peer
+    python bench/bench_gpu_mesh.py --shape llama8b --gpus 2 --measure-boundary   # the boundary alone
     python bench/bench_gpu_mesh.py --shape small --device cpu --concurrency 1,4 --no-peer   # a dry run on the CPU
+    python bench/bench_gpu_mesh.py --shape medium --write-only /tmp/ckpt --shard-bytes 256Mi   # the writer alone
 """
 
 from __future__ import annotations
@@ -31,13 +49,14 @@ import contextlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +64,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
-from bench.bench_gpu import SMALL, TINYLLAMA, make_model
+from bench.bench_gpu import SMALL, TINYLLAMA
 from bench.common import RESULTS_DIR, machine, median, progress, table
 from graphmesh.coordinator_client import CoordinatorClient
-from graphmesh.launcher import LocalMesh
+from graphmesh.launcher import LocalMesh, free_port, gpu_env, wait_healthy
+from graphmesh.serving import byte_size
 
 
 def stream(address: str, prompt: list[int], tokens: int) -> dict[str, Any]:
@@ -84,7 +104,96 @@ def run_level(address: str, prompts: list[list[int]], tokens: int) -> dict[str, 
 LLAMA8B: dict[str, Any] = {"vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
                            "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336,
                            "rope_theta": 500000.0}
-SHAPES = {"small": SMALL, "tinyllama": TINYLLAMA, "llama8b": LLAMA8B}
+LLAMA70B: dict[str, Any] = {"vocab_size": 128256, "hidden_size": 8192, "num_hidden_layers": 80,
+                            "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 28672,
+                            "rope_theta": 500000.0}
+MEDIUM: dict[str, Any] = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
+                          "num_key_value_heads": 4, "intermediate_size": 4096}  # ~0.6 GB: the writer's CPU check
+SHAPES = {"small": SMALL, "medium": MEDIUM, "tinyllama": TINYLLAMA, "llama8b": LLAMA8B, "llama70b": LLAMA70B}
+BOUNDARY_TOKENS = 32768  # --measure-boundary: a 32k-token prefill
+
+
+def llama_tensors(shape: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a Llama of `shape` as transformers names it, in file order."""
+    h, inter, heads, kv = (shape[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                               "num_key_value_heads"))
+    hd = h // heads
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (shape["vocab_size"], h))]
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (heads * hd, h)),
+                (p + "self_attn.k_proj.weight", (kv * hd, h)), (p + "self_attn.v_proj.weight", (kv * hd, h)),
+                (p + "self_attn.o_proj.weight", (h, heads * hd)), (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                (p + "mlp.down_proj.weight", (h, inter))]
+    return [*out, ("model.norm.weight", (h,)), ("lm_head.weight", (shape["vocab_size"], h))]
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def write_random_llama(shape: dict[str, Any], device: str, path: Path, shard_bytes: int = 4 << 30,
+                       piece_bytes: int = 256 << 20) -> dict[str, Any]:
+    """A random bf16 Llama of `shape` as a Hugging Face directory (config, generation config, safetensors shards and
+    their index), written a row piece at a time: each shard's header comes first (every offset follows from the
+    shapes), then each tensor's rows, generated on `device` (N(0, 0.02) as transformers initializes, norms 1) in
+    pieces of at most `piece_bytes`. Returns the shards, the largest shard and the peak RSS growth (bytes)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
+                eos_token_id=2, dtype="bfloat16").save_pretrained(path)
+    # random weights: decode a fixed number of tokens, never an end of sequence
+    generation: Any = GenerationConfig
+    generation(bos_token_id=1, eos_token_id=None, pad_token_id=0).save_pretrained(path)
+    tensors = llama_tensors(shape)
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, dims in tensors:
+        n = 2 * int(np.prod(dims))
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, dims))
+        size += n
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    base, peak = _rss(), 0
+    generator = torch.Generator(device=device)
+    for index, (shard, file) in enumerate(zip(shards, files)):
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name, dims in shard:
+            n = 2 * int(np.prod(dims))
+            header[name] = {"dtype": "BF16", "shape": list(dims), "data_offsets": [offset, offset + n]}
+            offset += n
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        with open(path / file, "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head)
+            for t, (_, dims) in enumerate(shard):
+                row = 2 * int(np.prod(dims[1:]))
+                rows = max(1, piece_bytes // row) if len(dims) > 1 else 1
+                for r0 in range(0, dims[0] if len(dims) > 1 else 1, rows):
+                    if len(dims) == 1:  # a norm's weight
+                        piece = torch.ones(dims, dtype=torch.bfloat16)
+                    else:
+                        generator.manual_seed(hash((index, t, r0)) & 0x7FFFFFFF)
+                        piece = torch.randn((min(rows, dims[0] - r0), *dims[1:]), generator=generator,
+                                            dtype=torch.bfloat16, device=device).mul_(0.02).cpu()
+                    f.write(piece.view(torch.uint8).numpy().data)
+                    peak = max(peak, _rss() - base)
+                    del piece
+        progress(f"   shard {index + 1}/{len(shards)}: {offset / 2**30:.2f} GiB")
+    weight_map = {name: file for shard, file in zip(shards, files) for name, _ in shard}
+    total = sum(2 * int(np.prod(dims)) for _, dims in tensors)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}, indent=1))
+    largest = max(sum(2 * int(np.prod(d)) for _, d in shard) for shard in shards)
+    return {"bytes": total, "shards": len(shards), "largest_shard_bytes": largest, "piece_bytes": piece_bytes,
+            "peak_rss_growth_bytes": peak}
 GOOD_TTFT_S, GOOD_ITL_P99_S = 2.0, 0.2  # a request counts toward goodput within both
 
 
@@ -130,9 +239,14 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
              prompts: list[list[int]], label: str, vocab: int) -> dict[str, Any]:
     """Every concurrency level through one mesh whose executors pass boundaries over `transport`."""
     link_args = [] if transport == "links" else ["--boundary-link-port", "off"]
-    mesh = LocalMesh(executors, "torch", model, kvstore=False, startup_timeout_s=900,
-                     extra_executor_args=["--device", a.device, "--kv-cache-bytes", a.kv_cache_bytes, *link_args],
-                     extra_coordinator_args=["--dtype", a.dtype, "--max-step-tokens", "2048",
+    # With --gpus the launcher pins each executor to its GPU (cuda:0 in its own order). A prefill chunk's boundary
+    # of 2,048 tokens is 64 MiB at the 70B shape's width, f32: over the 64 MiB default frame limit.
+    device_args = [] if a.gpus else ["--device", a.device]
+    mesh = LocalMesh(executors, "torch", model, kvstore=False, startup_timeout_s=900, gpus=list(range(executors))
+                     if a.gpus else (),
+                     extra_executor_args=[*device_args, "--kv-cache-bytes", a.kv_cache_bytes,
+                                          "--max-message-bytes", "1Gi", *link_args],
+                     extra_coordinator_args=["--dtype", a.dtype,
                                              "--steps-in-flight", str(a.steps_in_flight),
                                              "--decode-steps", str(a.decode_steps)])
     with mesh:
@@ -166,6 +280,60 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
     for row in rows:
         row["vs_one_stream"] = float(row["tok_s"]) / one if one else 0.0
     return {"recoveries": after - before, "rows": rows, "poisson": served}
+
+
+def measure_boundary(a: argparse.Namespace, shape: dict[str, Any]) -> list[dict[str, Any]]:
+    """A 32k-token prefill's boundary, f32 [BOUNDARY_TOKENS, hidden], pushed from this process (on GPU 0, or
+    --device) to an executor on the next GPU, once per transport the pair can take; seconds from the push to the
+    receiver's answer, which it sends once it has read every byte. The executor holds no stage, so it answers
+    NOT_INSTALLED after reading the bundle: that answer is the expected one."""
+    import torch
+
+    from graphmesh import plan as dag
+    from graphmesh_executor.stage import Boundary
+    from graphmesh_executor.stage_servicer import BoundaryPusher
+    from graphmesh_executor.transport import ENV, NAMES
+
+    on_gpu = a.device.startswith("cuda") or bool(a.gpus)
+    sender_device = "cuda:0" if a.gpus else a.device
+    value = np.random.default_rng(0).standard_normal((BOUNDARY_TOKENS, shape["hidden_size"]), np.float32)
+    rows: list[dict[str, Any]] = []
+    for forced in (["tcp", "auto"] if on_gpu else ["tcp"]):
+        address = f"127.0.0.1:{free_port()}"
+        env = {**os.environ, ENV: forced, **(gpu_env([0, 1], 1) if a.gpus >= 2 else {})}
+        device = "cuda:0" if a.gpus else a.device
+        log = Path(tempfile.mkdtemp(prefix="boundary-")) / "executor.log"
+        with open(log, "wb") as out:
+            receiver = subprocess.Popen([sys.executable, "-m", "graphmesh_executor.server", "--listen", address,
+                                         "--backend", "torch", "--device", device, "--max-message-bytes", "2Gi"],
+                                        stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_healthy(address, receiver, 300.0, "the receiving executor", log=log)
+            pusher = BoundaryPusher(device=sender_device)
+            times, answers = [], set()
+            for i in range(a.boundary_repeats + 1):  # the first opens the link (and maps the slots): not counted
+                boundary = Boundary(i + 1, values={dag.ACTIVATION: value})
+                done: Future[Exception | None] = Future()
+                began = time.perf_counter()
+                pusher(address, 1, boundary, 120.0, done.set_result)
+                error = done.result(timeout=300)
+                if i:
+                    times.append(time.perf_counter() - began)
+                answers.add(getattr(error, "reason", repr(error)))
+            if answers != {"NOT_INSTALLED"}:
+                raise RuntimeError(f"the receiving executor answered {answers}, not NOT_INSTALLED: see {log}")
+            choice = pusher.transports[address]
+            seconds = median(times)
+            rows.append({"transport": NAMES[choice.transport], "reason": choice.reason, "tokens": BOUNDARY_TOKENS,
+                         "bytes": value.nbytes, "seconds": seconds, "gb_s": value.nbytes / seconds / 1e9,
+                         "sender": sender_device, "receiver_gpu": 1 if a.gpus >= 2 else 0 if on_gpu else None})
+            progress(f"   {rows[-1]['transport']}: {seconds * 1e3:.1f} ms, {rows[-1]['gb_s']:.2f} GB/s "
+                     f"({choice.reason})")
+        finally:
+            receiver.terminate()
+            receiver.wait(timeout=30)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
 
 
 @contextlib.contextmanager
@@ -220,12 +388,41 @@ def main() -> None:
                    help="poisson: a serving run with Poisson arrivals after the levels, per mesh")
     p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals a second")
     p.add_argument("--requests", type=int, default=64, help="requests of the Poisson run")
+    p.add_argument("--gpus", type=int, default=0, help="one executor per GPU: a mesh of n executors on GPUs 0..n-1 "
+                   "(default 0: every executor on --device)")
+    p.add_argument("--shard-bytes", type=byte_size, default=4 << 30, help="safetensors shard size of the random model")
+    p.add_argument("--write-piece-bytes", type=byte_size, default=256 << 20,
+                   help="the most the writer holds in host memory at once")
+    p.add_argument("--write-only", default="", help="write the random checkpoint to this directory and stop")
+    p.add_argument("--measure-boundary", action="store_true",
+                   help="time a 32k-token prefill boundary between two GPUs (or the device) and stop")
+    p.add_argument("--boundary-repeats", type=int, default=5)
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu_mesh.json"))
     a = p.parse_args()
+    shape = SHAPES[a.shape]
+    writer_device = "cuda:0" if a.gpus else (a.device if a.device.startswith("cuda") else "cpu")
+    if a.write_only:
+        progress(f"== writing a random {a.shape} Llama (bf16) to {a.write_only}")
+        stats = write_random_llama(shape, writer_device, Path(a.write_only), a.shard_bytes, a.write_piece_bytes)
+        print(json.dumps(stats))
+        print(f"peak RSS growth {stats['peak_rss_growth_bytes'] / 2**20:.0f} MiB while writing "
+              f"{stats['bytes'] / 2**30:.2f} GiB in {stats['shards']} shards (largest "
+              f"{stats['largest_shard_bytes'] / 2**20:.0f} MiB, pieces of {a.write_piece_bytes / 2**20:.0f} MiB)")
+        return
+    if a.measure_boundary:
+        progress(f"== a {BOUNDARY_TOKENS}-token prefill boundary, {a.shape} width")
+        boundary = measure_boundary(a, shape)
+        out = Path(a.out if a.out != str(RESULTS_DIR / "gpu_mesh.json") else RESULTS_DIR / "gpu_boundary.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"benchmark": "gpu_boundary", "machine": machine(os.getloadavg()), "shape": a.shape,
+                                   "gpus": a.gpus, "boundary": boundary}, indent=1) + "\n")
+        progress(f"== wrote {out}")
+        return
     levels = [int(x) for x in a.concurrency.split(",")]
     counts = [int(x) for x in a.executors.split(",")]
+    if a.gpus and max(counts) > a.gpus:
+        raise SystemExit(f"--gpus {a.gpus}: one executor per GPU, so no mesh of {max(counts)} executors")
     load = os.getloadavg()
-    shape = SHAPES[a.shape]
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, shape["vocab_size"], a.prompt_tokens).tolist() for _ in range(max(levels))]
     transports = a.transports.split(",")
@@ -238,7 +435,7 @@ def main() -> None:
     peer: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         progress(f"== writing a random {a.shape} Llama (bf16) to {tmp}")
-        make_model(shape, a.device if a.device.startswith("cuda") else "cpu", Path(tmp))
+        write_random_llama(shape, writer_device, Path(tmp), a.shard_bytes, a.write_piece_bytes)
         import torch  # the writer's copy on the GPU goes before the peer and the meshes take it
 
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -265,7 +462,8 @@ def main() -> None:
             print("Poisson serving run: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                       for k, v in run["poisson"].items()))
     result = {"benchmark": "gpu_mesh", "machine": machine(load), "shape": a.shape, "model": f"random Llama, {a.shape} shape",
-              "dtype": a.dtype, "device": a.device, "tokens_per_stream": a.tokens, "prompt_tokens": a.prompt_tokens,
+              "dtype": a.dtype, "device": a.device, "gpus": a.gpus, "tokens_per_stream": a.tokens,
+              "prompt_tokens": a.prompt_tokens,
               "repeats": a.repeats, "decode_steps": a.decode_steps,
               "peer": {"kind": "gpu_peer.py: torch.compile(mode='reduce-overhead'), static KV cache, SDPA",
                        "rows": list(peer.values()), "from": a.peer_from or "this run"}, "meshes": runs,

@@ -50,11 +50,12 @@ MAX_RECOVERIES = 3  # in a row, for one session
 # The longest decode run when none is set: on GPUs a step's compute is ~1 ms and its round trips several, so longer
 # runs pay; on CPUs compute dominates and a run's tokens reach the client in one burst, so shorter ones.
 DECODE_STEPS_CUDA, DECODE_STEPS_CPU = 8, 4
-# The token budget of a step when none is set. On a GPU a chunk costs about the same up to hundreds of tokens, so
-# prompts go in big chunks. On CPUs a token costs the same in a chunk of 128 as in one of 256, and smaller chunks
-# let the stages work on different ones at once: 16 prompts of 40 tokens over SmolLM2's 2 executors reach their
-# first tokens ~30% sooner (TTFT p50 ~950 against ~1340 ms), 16 streams 156 against 143 tok/s (medians of 5).
-STEP_TOKENS_CUDA, STEP_TOKENS_CPU = 256, 128
+# The token budget of a step when none is set; a decode row spends one token of it. On a GPU a step costs about the
+# same up to thousands of rows, and 256 decodes left no room for the prompts waiting behind them (256 streams waited
+# seconds for their first tokens), so the budget is vLLM's chunked-prefill budget. On CPUs a token costs the same
+# in a chunk of 128 as in one of 256, and smaller chunks let the stages work on different ones at once: 16 prompts
+# of 40 tokens over SmolLM2's 2 executors reach their first tokens ~30% sooner (TTFT p50 ~950 against ~1340 ms).
+STEP_TOKENS_CUDA, STEP_TOKENS_CPU = 2048, 128
 # Sessions in one step at most when none is set. On a GPU a decode row costs next to nothing up to hundreds of rows
 # (the executor captures a CUDA graph per batch bucket up to 256): a cap of 64 left 192 of 256 streams waiting for
 # the first 64 to finish. On CPUs a row costs its share of the products, and 64 keeps a step's latency in bounds.
@@ -132,11 +133,11 @@ class Sequence:
     # Guided decoding (guided.py): the session's grammar matcher. Each row that samples carries the mask of its
     # token; the matcher advances on the tokens delivered, so a replay asks with the same mask again.
     guide: Guide | None = None
-
     # Speculative decoding (speculative.py): its proposer state; None: plain decoding. verified_epoch is the epoch of
     # its last verified chunk: the next row's folded commit keeps only the accepted rows of it (commit_length).
     speculation: Speculation | None = None
     verified_epoch: int = 0
+
     def wake(self) -> None:
         waker = self.waker
         if waker is not None:
@@ -148,8 +149,8 @@ class _Row:
     seq: Sequence
     row: stage_pb2.StepRow
     final: bool  # the row consumes the rest of `pending`: its output is real
-
     proposed: int = 0  # its last token_ids are proposals to verify (a prediction target)
+
 
 class Scheduler:
     def __init__(self, mesh: Mesh, max_step_tokens: int = 0, max_step_seqs: int = 0, workers: int = 8,
@@ -308,7 +309,6 @@ class Scheduler:
             budget -= len(row.row.token_ids)
         return (step, steps) if step else None
 
-    def _longest_run(self) -> int:
     def _proposals(self, decoding: list[Sequence], others: list[Sequence],
                    kind: tuple[int, bool]) -> dict[int, list[int]]:
         """The proposals of this step's speculating decodes, by id, when the step has room for verified chunks: no
@@ -329,6 +329,7 @@ class Scheduler:
                 budget -= len(proposed)
         return out
 
+    def _longest_run(self) -> int:
         return self.decode_steps or (DECODE_STEPS_CUDA if self._on_gpus() else DECODE_STEPS_CPU)
 
     def _step_seqs(self) -> int:
@@ -354,8 +355,8 @@ class Scheduler:
         mesh, session, block = self.mesh, s.session, self.mesh.kv_block_tokens
         capacity = mesh.kv_pool_blocks
         restore = session.incarnation != mesh.incarnation
-        if restore and steps > 1:
         proposals = [] if restore or len(s.pending) != 1 else (proposals or [])[:max(0, budget - 1)]
+        if restore and steps > 1:
             # preempted earlier in this pass, for another row of this decode run: its restore is a prompt, and a
             # run takes one token per row (an executor refuses anything else), so it waits for the next step
             return None
