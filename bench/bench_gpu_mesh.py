@@ -305,7 +305,7 @@ def measure_boundary(a: argparse.Namespace, shape: dict[str, Any]) -> list[dict[
         log = Path(tempfile.mkdtemp(prefix="boundary-")) / "executor.log"
         with open(log, "wb") as out:
             receiver = subprocess.Popen([sys.executable, "-m", "graphmesh_executor.server", "--listen", address,
-                                         "--backend", "torch", "--device", device, "--max-message-bytes", "2Gi"],
+                                         "--backend", "torch", "--device", device, "--max-message-bytes", "2047Mi"],
                                         stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             wait_healthy(address, receiver, 300.0, "the receiving executor", log=log)
