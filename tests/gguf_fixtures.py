@@ -136,6 +136,16 @@ def q4_k_m(name: str, shape: tuple[int, ...]) -> Q:
     return Q.Q5_K if name.endswith("attn_k.weight") else Q.Q4_K
 
 
+def q4_k_m_packed(name: str, shape: tuple[int, ...]) -> Q:
+    """llama.cpp's Q4_K_M proper, whose blocks graphmesh keeps packed: Q6_K for the head, attn_v and ffn_down,
+    Q4_K for the rest, Q8_0 where rows are not a multiple of 256 values; norms and rope_freqs F32."""
+    if len(shape) < 2 or name.endswith("norm.weight"):
+        return Q.F32
+    if shape[-1] % QK_K:
+        return Q.Q8_0
+    return Q.Q6_K if name == "output.weight" or name.endswith(("attn_v.weight", "ffn_down.weight")) else Q.Q4_K
+
+
 def _llama3_rope_freqs(rope: dict[str, Any], theta: float, head_dim: int) -> np.ndarray:
     """convert_hf_to_gguf's LlamaModel.generate_extra_tensors: each default frequency's divisor."""
     factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import platform
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -68,15 +69,20 @@ def test_the_avx2_and_avx512_builds_give_the_same_bits() -> None:
     8-lane sums in both)."""
     x, w = _rand(PROMPT_ROWS, 576, seed=1), _rand(200, 576, seed=2)
     blocks = torch.from_numpy(_gguf_blocks("q4_1", 200, 576, seed=3))
+    xk = _rand(PROMPT_ROWS, 512, seed=8)
+    k_blocks = {scheme: torch.from_numpy(_k_blocks(scheme, 200, 512, seed=9)) for scheme in K_QUANTS}
     q, k_pool, v_pool, table, pos = _decode_case(6, seed=4)
     norm_w, cos, sin = _rand(576, seed=5), _rand(PROMPT_ROWS, 1, 64, seed=6), _rand(PROMPT_ROWS, 1, 64, seed=7)
     results = []
     for b in BUILDS:
         cpu_kernels.select(b)
         w2, blocks2 = w.clone(), blocks.clone()  # fresh tensors: panels of each build's own width
+        k_blocks2 = {scheme: t.clone() for scheme, t in k_blocks.items()}
         results.append([cpu_kernels.matmul_xwt(x, w2), cpu_kernels.matmul_xwt(x[:3], w2),
                         cpu_kernels.matmul_xwt_packed(x, blocks2, "q4_1", 200),
                         cpu_kernels.matmul_xwt_packed(x[:5], blocks2, "q4_1", 200),
+                        *(cpu_kernels.matmul_xwt_packed(rows, t, scheme, 200)
+                          for scheme, t in k_blocks2.items() for rows in (xk, xk[:5])),
                         cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, 16, 0.125),
                         cpu_kernels.rms_norm(x, norm_w, 1e-5), cpu_kernels.rope_half(x[:, :128].reshape(-1, 2, 64), cos, sin)])
     for a, b in zip(*results):
@@ -271,6 +277,110 @@ def test_a_packed_product_has_the_bits_of_the_f32_product_over_ggufs_dequantizat
                            cpu_kernels.matmul_xwt(x, dense))
 
 
+K_QUANTS = ["q4_k", "q6_k"]
+
+
+def _k_blocks(scheme: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Well-formed K-quant super-blocks [n, k/256 * block bytes]: finite f16 d (and dmin) of either sign, any
+    scale, min and quant bits."""
+    rng = np.random.default_rng(seed)
+    nb = k // 256
+    if scheme == "q4_k":  # d, dmin, then 12 bytes of 6-bit scales and mins and 128 of nibbles
+        d = rng.uniform(-0.01, 0.02, (n, nb, 2)).astype(np.float16).view(np.uint8)
+        return np.concatenate([d, rng.integers(0, 256, (n, nb, 140)).astype(np.uint8)], -1).reshape(n, -1)
+    d = rng.uniform(-0.002, 0.002, (n, nb, 1)).astype(np.float16).view(np.uint8)  # after ql, qh and int8 scales
+    return np.concatenate([rng.integers(0, 256, (n, nb, 208)).astype(np.uint8), d], -1).reshape(n, -1)
+
+
+def _ggufs(packed: np.ndarray, scheme: str) -> torch.Tensor:
+    """The f32 weight gguf's own dequantization (llama.cpp's reference code in gguf-py) makes of the blocks."""
+    import gguf
+
+    return torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType[scheme.upper()])
+                            .astype(np.float32)).contiguous()
+
+
+@pytest.mark.parametrize("scheme", K_QUANTS)
+def test_k_quant_products_have_the_bits_of_the_f32_product_over_ggufs_dequantization(scheme: str) -> None:
+    """Q4_K and Q6_K kept packed: for 1 to 64 rows (decode tiles, their 3-, 2- and 1-row tails, prompt chunks
+    past PANEL_ROWS) the product is bit for bit the f32 kernel's over gguf's dequantized weight, a row gets the
+    same bits alone, in another place of its tiles and over another thread split. 800 rows of w leave a partial
+    last panel in both builds; k of 3 super-blocks makes the decode's slices (KC columns) cross their bounds."""
+    n, k = 800, 768
+    packed = _k_blocks(scheme, n, k, seed=21)
+    blocks, dense = torch.from_numpy(packed), _ggufs(packed, scheme)
+    unit = torch.eye(k)[:256]  # row i picks column i of w: a whole super-block's values, exact
+    assert np.array_equal(cpu_kernels.matmul_xwt_packed(unit, blocks, scheme, n).numpy(), dense[:, :256].numpy().T)
+    assert np.array_equal(cpu_kernels.matmul_xwt_packed(unit[:7], blocks, scheme, n).numpy(), dense[:, :7].numpy().T)
+    x = _rand(64, k, seed=22)
+    assert cpu_kernels.packed_usable(x, blocks, scheme)
+    whole = cpu_kernels.matmul_xwt_packed(x, blocks, scheme, n)
+    for m in range(1, 65):
+        got = cpu_kernels.matmul_xwt_packed(x[:m], blocks, scheme, n)
+        assert torch.equal(got, cpu_kernels.matmul_xwt(x[:m], dense)), m
+        assert torch.equal(got, whole[:m]), m
+    for i in range(64):
+        assert torch.equal(cpu_kernels.matmul_xwt_packed(x[i:i + 1], blocks, scheme, n)[0], whole[i])
+    assert torch.equal(cpu_kernels.matmul_xwt_packed(x.flip(0), blocks, scheme, n).flip(0), whole)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            assert torch.equal(cpu_kernels.matmul_xwt_packed(x[:5], blocks, scheme, n), whole[:5])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_k_quants_need_whole_super_blocks() -> None:
+    """A K-quant row is whole super-blocks of 256 values: other widths are not the kernel's (the op refuses
+    them), and the 32-value schemes still take any multiple of 32."""
+    blocks = torch.from_numpy(_k_blocks("q4_k", 8, 512, seed=1))
+    assert cpu_kernels.packs("q4_k", 512) and cpu_kernels.packs("q6_k", 256) and cpu_kernels.packs("q4_0", 96)
+    assert not cpu_kernels.packs("q4_k", 288) and not cpu_kernels.packs("q6_k", 96) and not cpu_kernels.packs("q5_k", 256)
+    assert cpu_kernels.packed_usable(_rand(2, 512, seed=1), blocks, "q4_k")
+    assert not cpu_kernels.packed_usable(_rand(2, 288, seed=1), blocks, "q4_k")
+
+
+def test_the_torch_backend_multiplies_k_quants_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q4_K_M layer's products in the torch backend: q and k (Q4_K) joined into one call, v (Q6_K) alone,
+    panels made when the params are set, no dense copy, no torch product; every output has the bits of the f32
+    graph over gguf's dequantized weights, for a decode's rows and a prompt chunk's."""
+    from graphmesh.ops import packed_shape
+    from graphmesh_executor.backends.torch_backend import _CONVERTED, _joined_matmul
+
+    k, members = 512, (("q4_k", 96), ("q4_k", 48), ("q6_k", 48))
+    weights = {f"w{i}": _k_blocks(scheme, n, k, seed=30 + i) for i, (scheme, n) in enumerate(members)}
+    for rows in (4, PROMPT_ROWS):
+        graphs = []
+        for packed in (True, False):
+            g = GraphBuilder(f"qkv_{rows}")
+            x = g.input("x", (rows, k))
+            outs = []
+            for i, (scheme, n) in enumerate(members):
+                if packed:
+                    outs.append(g.dequant_matmul(x, g.param(f"w{i}", packed_shape(scheme, n, k), "u8"), scheme, n, k))
+                else:
+                    outs.append(g.matmul(x, g.param(f"w{i}", (n, k)), transpose_b=True))
+            g.output(*outs)
+            exe = compile_graph(parse(g.build()), "torch", "cpu")
+            for i, (scheme, _) in enumerate(members):
+                exe.set_param_typed(f"w{i}", weights[f"w{i}"] if packed else _ggufs(weights[f"w{i}"], scheme).numpy())
+            exe.finalize_params()
+            graphs.append(exe)
+        quantized, dense = graphs
+        assert sum(step.kernel is _joined_matmul for step in quantized._steps) == 1  # type: ignore[attr-defined]
+        assert any(key.startswith(cpu_kernels._PANELS) for key in quantized._params["w2"].__dict__)  # type: ignore[attr-defined]
+        xs = {"x": _rand(rows, k, seed=rows).numpy()}
+        with monkeypatch.context() as m:
+            m.setattr(torch, "matmul", None)  # the path under test: every product through the kernels
+            m.setattr(torch.nn.functional, "linear", None)
+            got = quantized.run(xs)
+        for a, b in zip(got, dense.run(xs)):
+            assert np.array_equal(a, b)
+        for i in range(len(members)):
+            assert _CONVERTED not in quantized._params[f"w{i}"].__dict__  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_products_of_the_same_rows_run_as_one_with_each_members_bits(packed: bool) -> None:
     """q, k, v over the same rows are one call over the joined weight (a third of the calls a layer): a decode's
@@ -347,3 +457,64 @@ def test_rms_norm_matches_float64_and_each_row_is_its_own(shape: tuple[int, ...]
         alone = cpu_kernels.rms_norm(rows[i:i + 1], w, 1e-5)
         assert alone is not None and torch.equal(alone[0], out.reshape(-1, shape[-1])[i])
     assert cpu_kernels.rms_norm(x.double(), w.double(), 1e-5) is None  # f64: torch serves it
+
+
+# -- a whole model: a Q4_K_M GGUF (Q4_K and Q6_K kept packed) against the f32 load of the same file -------------
+
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama 3 (hidden 256, 2 layers) written as llama.cpp's Q4_K_M: Q4_K and Q6_K weights, F32 norms."""
+    from tests import gguf_fixtures
+
+    root = tmp_path_factory.mktemp("q4_k_m")
+    return gguf_fixtures.write_gguf(gguf_fixtures.make_wide_llama3(root / "hf"), root / "llama3-q4_k_m.gguf", "llama",
+                                    gguf_fixtures.q4_k_m_packed)
+
+
+def test_a_q4_k_m_model_served_packed_has_the_f32_loads_bits(q4_k_m_gguf: Path) -> None:
+    """The stages of --weights packed multiply by the Q4_K/Q6_K blocks themselves (dequant_matmul of those
+    schemes), and their prompt logits and greedy tokens are bit for bit those of the stages that read the same
+    file dequantized to f32."""
+    from graphmesh import models
+    from graphmesh.checkpoints import open_checkpoint
+    from tests.test_models import BUCKET, CACHE, NEW_TOKENS, SPLITS, generate, make_stages
+
+    ckpt = open_checkpoint(q4_k_m_gguf)
+    config = ckpt.config
+    assert config is not None
+    schemes = ckpt.packed_schemes()
+    assert schemes["model.layers.0.self_attn.q_proj.weight"] == "q4_k" and schemes["lm_head.weight"] == "q6_k"
+    assert schemes["model.layers.1.mlp.down_proj.weight"] == "q6_k"
+    graph = models.build_stage(config, range(0, 2), 1, 1, True, True, quantized=True, packed_schemes=schemes)
+    assert {n.attrs["scheme"].s for n in graph.nodes if n.op == "dequant_matmul"} == {"q4_k", "q6_k"}
+    prompt = [5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1]
+    runs = [generate(make_stages(ckpt, config, SPLITS[2], BUCKET, CACHE, quantized=quantized, backend="torch"),
+                     config, prompt, NEW_TOKENS, BUCKET) for quantized in (True, False)]
+    (packed_logits, packed_tokens), (f32_logits, f32_tokens) = runs
+    assert np.array_equal(packed_logits, f32_logits)
+    assert packed_tokens == f32_tokens
+
+
+@pytest.fixture(scope="module")
+def f32_mesh_tokens(q4_k_m_gguf: Path) -> list[int]:
+    """Greedy tokens of a torch mesh reading the Q4_K_M file as f32 (--weights f32)."""
+    return _mesh_tokens(q4_k_m_gguf, "f32", {})
+
+
+def _mesh_tokens(path: Path, weights: str, env: dict[str, str]) -> list[int]:
+    from graphmesh.coordinator_client import CoordinatorClient
+    from graphmesh.launcher import LocalMesh
+
+    with LocalMesh(2, "torch", str(path), startup_timeout_s=120, weights=weights, env=env,
+                   extra_executor_args=("--kv-cache-bytes", "4Mi")) as mesh:
+        with CoordinatorClient(mesh.coordinator_address) as client:
+            return [t for chunk in client.generate(prompt_token_ids=[5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1],
+                                                   max_tokens=24, ignore_eos=True) for t in chunk.token_ids]
+
+
+def test_a_q4_k_m_gguf_over_two_executors_packed_gives_the_f32_loads_tokens(build: str, q4_k_m_gguf: Path,
+                                                                          f32_mesh_tokens: list[int]) -> None:
+    """The real mesh (coordinator, 2 torch executor processes on this build, paged engine) serving the Q4_K_M
+    file with --weights packed: the same greedy tokens as the mesh that reads it as f32."""
+    tokens = _mesh_tokens(q4_k_m_gguf, "packed", {"GRAPHMESH_CPU_ISA": build})
+    assert len(tokens) == 24 and tokens == f32_mesh_tokens

@@ -167,14 +167,16 @@ def test_gguf_greedy_matches_transformers(case: GgufCase, backend: str) -> None:
 
 @pytest.mark.parametrize("name", ["llama3-q4_k_m", "qwen3-q4_k_m"])
 def test_k_quant_served_packed_keeps_its_packed_blocks(name: str, tmp_path: Path) -> None:
-    """--weights packed on a K-quant mix: the Q4_0/Q8_0 tensors stay packed (dequant_matmul), the K-quants are
-    dequantized to f32; same logits and tokens as transformers on the dequantized weights."""
+    """--weights packed on a K-quant mix: the Q4_0/Q8_0, Q4_K and Q6_K tensors stay packed (dequant_matmul), Q5_K
+    is dequantized to f32; same logits and tokens as transformers on the dequantized weights."""
     c = _make_case(name, tmp_path)
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(c.gguf).tensors}
     packed = [t for t in types.values() if t in PACKED_SCHEMES]
     schemes = c.ckpt.packed_schemes()
-    assert types["token_embd.weight"] == Q.Q4_K  # so the tied head of Qwen3 is no packed alias
-    assert len(schemes) == len(packed) > 0 and set(schemes.values()) == {PACKED_SCHEMES[t] for t in packed}
+    assert types["token_embd.weight"] == Q.Q4_K  # Qwen3's tied head: the embedding's blocks, packed
+    tied = "output.weight" not in types
+    assert len(schemes) == len(packed) + tied > 0 and set(schemes.values()) == {PACKED_SCHEMES[t] for t in packed}
+    assert {"q4_k", "q6_k"} <= set(schemes.values()) and Q.Q5_K not in PACKED_SCHEMES
     config = c.ckpt.config
     assert config is not None
     logits, tokens = generate(make_stages(c.ckpt, config, SPLITS[2], BUCKET, CACHE, quantized=True), config,

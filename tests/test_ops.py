@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from graphmesh import dtypes, ops
+from graphmesh.checkpoints import dequantize_packed
 from graphmesh.errors import OutOfRange
 from graphmesh.graph import GraphBuilder, GraphError, parse
 from graphmesh.ops import OpError
@@ -510,13 +511,31 @@ def quantize(w: np.ndarray, scheme: str) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([head, nibbles], -1).reshape(n, -1), decoded.reshape(n, k)
 
 
-for scheme in ops.QUANT_BLOCKS:
+def k_quant_blocks(scheme: str, n: int, k: int) -> np.ndarray:
+    """Well-formed K-quant super-blocks of w [n, k] (u8 [n, k/256 * block bytes]): f16 d (and dmin) small and
+    positive, any 6-bit scales, mins and codes (q4_k: d, dmin, 12 scale bytes, 128 of nibbles; q6_k: 128 bytes
+    of low nibbles, 64 of high bits, 16 int8 scales, d)."""
+    nb = k // 256
+    d = rng.uniform(0.0005, 0.002, (n, nb, 2 if scheme == "q4_k" else 1)).astype("<f2").view(np.uint8)
+    codes = rng.integers(0, 256, (n, nb, 140 if scheme == "q4_k" else 208)).astype(np.uint8)
+    return np.concatenate([d, codes] if scheme == "q4_k" else [codes, d], -1).reshape(n, -1)
+
+
+for scheme in ("q4_0", "q4_1", "q8_0"):
     for dt in FLOATS:
         for xshape, n in (((3, 64), 5), ((2, 2, 64), 16), ((1, 64), 32), ((4, 32), 48)):
             kdim = xshape[-1]
             packed, w = quantize(rand((n, kdim), "f32", -1, 1), scheme)
             x = rand(xshape, dt)
             case("dequant_matmul", [x, packed], f64(x) @ w.reshape(n, kdim).T, scheme=scheme, n=n, k=kdim)
+for scheme in ("q4_k", "q6_k"):  # the reference: gguf's own dequantization of the super-blocks, in float64
+    for dt in FLOATS:
+        for xshape, n in (((3, 256), 5), ((2, 2, 512), 16), ((1, 256), 50)):
+            kdim = xshape[-1]
+            packed = k_quant_blocks(scheme, n, kdim)
+            w = f64(dequantize_packed(packed, scheme, n, kdim))
+            x = rand(xshape, dt)
+            case("dequant_matmul", [x, packed], f64(x) @ w.T, scheme=scheme, n=n, k=kdim)
 
 
 # -- the tests ------------------------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 Every tensor is presented under its Hugging Face name and in HF layout (Linear weights [out, in], llama.cpp's
 Q/K row permutation undone, GPT-2 Conv1D weights [in, out]) and read from a memory map, so opening a
-checkpoint costs nothing and a stage reads only its own layers. GGUF Q4_0/Q4_1/Q8_0 weights can also be
-handed out packed, as the raw blocks the dequant_matmul op consumes; the other block types read (Q5_0/Q5_1, the
-K-quants Q2_K-Q6_K, BF16) are always dequantized, so a Q4_K_M file served packed keeps its Q4_0/Q4_1/Q8_0 tensors
-packed and holds the rest as floats. No torch or transformers here: the executor imports this module.
+checkpoint costs nothing and a stage reads only its own layers. GGUF Q4_0/Q4_1/Q8_0 weights and the K-quants
+Q4_K and Q6_K can also be handed out packed, as the raw blocks the dequant_matmul op consumes; the other block types
+read (Q5_0/Q5_1, Q2_K, Q3_K, Q5_K, BF16) are always dequantized, so a Q4_K_M file (Q4_K and Q6_K) served packed
+keeps nearly all of its weights packed. No torch or transformers here: the executor imports this module.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from graphmesh.models.config import ModelConfig
 from graphmesh.models.rope import rope_from_gguf
 from graphmesh.ops import packed_shape
 
-PACKED_SCHEMES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0"}
+PACKED_SCHEMES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0",
+                  GGMLQuantizationType.Q4_K: "q4_k", GGMLQuantizationType.Q6_K: "q6_k"}
+_SCHEME_TYPES = {scheme: t for t, scheme in PACKED_SCHEMES.items()}
 _PLAIN_GGML = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64)
 # Block types read by dequantizing to f32 with gguf.quants (llama.cpp's own reference code); the PACKED_SCHEMES
 # ones can also stay packed. Others (IQ*, TQ*, Q8_K ...) are refused when the file is opened, not mid-load.
@@ -125,8 +127,9 @@ class Checkpoint:
         return np.ascontiguousarray(out.astype(dtypes.to_numpy(dtype), copy=False)).reshape(t.shape)
 
     def packed(self, name: str) -> tuple[str, np.ndarray] | None:
-        """(scheme, u8 blocks [n, k/32 * block_bytes]) for a Q4_0/Q4_1/Q8_0 matrix in HF row order; None when
-        the tensor is not stored in one of those schemes (or its layout cannot be kept packed)."""
+        """(scheme, u8 blocks [n, k/B * block_bytes]) for a Q4_0/Q4_1/Q8_0 (B = 32) or Q4_K/Q6_K (B = 256)
+        matrix in HF row order; None when the tensor is not stored in one of those schemes (or its layout cannot
+        be kept packed)."""
         t = self._get(name)
         if t.ggml_type not in PACKED_SCHEMES or t.transpose or len(t.shape) != 2:
             return None
@@ -154,6 +157,12 @@ class Checkpoint:
                         h.update(fh.read(65536))
             self._identity = h.hexdigest()
         return self._identity
+
+
+def dequantize_packed(blocks: np.ndarray, scheme: str, n: int, k: int) -> np.ndarray:
+    """f32 [n, k] of a packed weight's GGUF blocks (u8 [n, k/B * block_bytes]), by gguf's own dequantization:
+    the values Checkpoint.tensor reads, which the backends multiply by wherever they keep no packed kernel."""
+    return gguf.quants.dequantize(np.ascontiguousarray(blocks).reshape(n, -1), _SCHEME_TYPES[scheme]).reshape(n, k)
 
 
 def _bad(path: Path, why: str) -> InvalidArgument:

@@ -355,8 +355,9 @@ def _sample(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     return TensorType("i64", (logits.shape[0],))
 
 
-# GGUF block layouts: (elements per block, bytes per block)
-QUANT_BLOCKS: dict[str, tuple[int, int]] = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34)}
+# GGUF block layouts: (elements per block, bytes per block); the K-quants' super-blocks of 256
+QUANT_BLOCKS: dict[str, tuple[int, int]] = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_k": (256, 144),
+                                            "q6_k": (256, 210)}
 
 
 def packed_shape(scheme: str, n: int, k: int) -> tuple[int, int]:

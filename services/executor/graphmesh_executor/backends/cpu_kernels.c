@@ -14,6 +14,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
+#include <string.h>
 
 #ifdef __AVX512F__
 #define VL 16 /* lanes of the products' vectors */
@@ -36,6 +37,16 @@ static inline void load_nibbles(const unsigned char *p, vec *lo, vec *hi) {
 static inline vec load_i8(const unsigned char *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+/* Integer lanes, for the K-quants' 6-bit scales and codes: VL unsigned bytes from p as int32 */
+typedef __m512i ivec;
+static inline ivec load_u8i(const unsigned char *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#define iand _mm512_and_si512
+#define ior _mm512_or_si512
+#define isub _mm512_sub_epi32
+#define isrl _mm512_srli_epi32
+#define isll _mm512_slli_epi32
+#define iset1 _mm512_set1_epi32
+#define itof _mm512_cvtepi32_ps
 #else
 #define VL 8
 typedef __m256 vec;
@@ -54,6 +65,15 @@ static inline void load_nibbles(const unsigned char *p, vec *lo, vec *hi) {
 static inline vec load_i8(const unsigned char *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
+typedef __m256i ivec;
+static inline ivec load_u8i(const unsigned char *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#define iand _mm256_and_si256
+#define ior _mm256_or_si256
+#define isub _mm256_sub_epi32
+#define isrl _mm256_srli_epi32
+#define isll _mm256_slli_epi32
+#define iset1 _mm256_set1_epi32
+#define itof _mm256_cvtepi32_ps
 #endif
 #define PANEL (3 * VL) /* weight rows of a panel: three vectors */
 
@@ -138,29 +158,124 @@ void gemm_fpanels(int m, int k, const float *x, int ldx, const float *w, float *
 }
 
 /* gemm_qpanels: out[m, n] = sum_k x[m, k] * w[n, k] for a weight held as GGUF blocks of 32 (q4_0: f16 d and
- * nibbles, d * (q - 8); q4_1: f16 d, f16 m, nibbles, d * q + m; q8_0: f16 d, int8, d * q), reading 0.6 to 1.1
- * bytes a weight where its f32 form reads 4.
+ * nibbles, d * (q - 8); q4_1: f16 d, f16 m, nibbles, d * q + m; q8_0: f16 d, int8, d * q) or as K-quant
+ * super-blocks of 256 (q4_k: f16 d and dmin, 6-bit scales sc and mins mn of 8 sub-blocks of 32, nibbles,
+ * (d * sc) * q - dmin * mn; q6_k: f16 d, int8 scales of 16 sub-blocks of 16, 6-bit codes, (d * sc) * (q - 32)),
+ * reading 0.6 to 1.1 bytes a weight where its f32 form reads 4.
  * The blocks are laid out again once (repack_blocks) in panels of PANEL weight rows: for each block of 32
  * columns, the panel's PANEL scales, its PANEL mins, then its codes column by column (q4: a byte holds two
- * neighbouring columns of one row). A KC-column slice of a panel is then dequantized with whole-vector
+ * neighbouring columns of one row); a K-quant super-block likewise keeps each field PANEL rows at a time
+ * (see repack_kblocks). A KC-column slice of a panel is then dequantized with whole-vector
  * operations straight into the order the product reads, [KC][PANEL] in L1, and every x row takes its
  * products from it: quads of rows, each a 4 x PANEL tile of 12 accumulators fed by one broadcast of x and three
  * weight vectors. The row-major GGUF rows took a horizontal sum per output and a tile per 6 rows: SmolLM2's
  * 30 layers, Q4_1, one core, 8 rows 46 -> 31 ms, 1 row 20 -> 16 ms.
- * The dequantized values are exactly gguf's (d * q + m rounds once, as the fused multiply-add does; d * q alone
- * is exact). Every out[m, n] is one FMA chain over k in order, from zero, whatever M is and wherever row m sits:
- * a session's numbers never depend on which other sessions share its step. */
-enum { SCHEME_Q4_0 = 0, SCHEME_Q4_1 = 1, SCHEME_Q8_0 = 2 };
+ * The dequantized values are exactly gguf's (gguf.quants.dequantize): d * q + m rounds once, as the fused
+ * multiply-add does, and d * q alone is exact; the K-quants' sub-block scales are gguf's f32 products, and
+ * (d * sc) * q - dmin * mn is an exact product less a value, rounded once, as the fused multiply-add of the
+ * negated min is. Every out[m, n] is one FMA chain over k in order, from zero, whatever M is and wherever row m
+ * sits: a session's numbers never depend on which other sessions share its step. */
+enum { SCHEME_Q4_0 = 0, SCHEME_Q4_1 = 1, SCHEME_Q8_0 = 2, SCHEME_Q4_K = 3, SCHEME_Q6_K = 4 };
 #define KC (192 * 24 / PANEL) /* columns dequantized at a time, a multiple of 32: a [KC][PANEL] slice is 18 KiB of L1 */
 #define PANEL_ROWS 32 /* rows that keep their partial sums between slices; more take a whole panel */
+#define QK_K 256 /* columns of a K-quant super-block */
 
-static size_t gguf_block_bytes(int scheme) { return scheme == SCHEME_Q8_0 ? 34 : scheme == SCHEME_Q4_1 ? 20 : 18; }
+static int kquant(int scheme) { return scheme == SCHEME_Q4_K || scheme == SCHEME_Q6_K; }
 
-/* Bytes of one block of 32 columns of a panel: PANEL f16 scales and PANEL f16 mins (none for q8_0), then codes. */
-size_t panel_block_bytes(int scheme) { return scheme == SCHEME_Q8_0 ? 2 * PANEL + 32 * PANEL : 4 * PANEL + 16 * PANEL; }
+/* Columns of one GGUF block of `scheme`: 32, or a K-quant's 256. */
+static int block_cols(int scheme) { return kquant(scheme) ? QK_K : 32; }
 
-/* GGUF rows [n, k / 32 blocks] -> panels [ceil(n / PANEL)][k / 32][panel_block_bytes]; rows past n are zero. */
+static size_t gguf_block_bytes(int scheme) {
+    switch (scheme) {
+    case SCHEME_Q8_0: return 34;
+    case SCHEME_Q4_1: return 20;
+    case SCHEME_Q4_K: return 144;
+    case SCHEME_Q6_K: return 210;
+    default: return 18;
+    }
+}
+
+/* Bytes of one block of a panel (block_cols(scheme) columns): for blocks of 32, PANEL f16 scales and PANEL f16
+ * mins (none for q8_0), then codes; for the K-quants see repack_kblocks. */
+size_t panel_block_bytes(int scheme) {
+    switch (scheme) {
+    case SCHEME_Q8_0: return 2 * PANEL + 32 * PANEL;
+    case SCHEME_Q4_K: return 148 * PANEL;
+    case SCHEME_Q6_K: return 210 * PANEL;
+    default: return 4 * PANEL + 16 * PANEL;
+    }
+}
+
+/* K-quant super-blocks [n, k / 256] -> panels [ceil(n / PANEL)][k / 256][panel_block_bytes], each field PANEL
+ * rows at a time (row r at byte r of each PANEL-byte group, or bytes 2r, 2r + 1 of an f16 group):
+ *   q4_k: d f16 [PANEL], dmin f16 [PANEL], sc [8][PANEL], mn [8][PANEL] (6-bit values unpacked, gguf's
+ *         get_scale_min), codes [128][PANEL]: byte c holds columns 2c (low nibble) and 2c + 1;
+ *   q6_k: d f16 [PANEL], scales int8 [16][PANEL], low nibbles [128][PANEL] as q4_k's, high bits [64][PANEL]:
+ *         byte c holds the top 2 bits of columns 4c .. 4c + 3 at bits 0, 2, 4, 6.
+ * Rows past n are zero. */
+static void repack_kblocks(int scheme, int n, int k, const unsigned char *src, unsigned char *dst) {
+    int blocks = k / QK_K, q6 = scheme == SCHEME_Q6_K;
+    size_t row_bytes = (size_t)blocks * gguf_block_bytes(scheme), bb = panel_block_bytes(scheme);
+    for (int panel = 0; panel < (n + PANEL - 1) / PANEL; panel++)
+        for (int b = 0; b < blocks; b++) {
+            unsigned char *out = dst + ((size_t)panel * blocks + b) * bb;
+            if ((panel + 1) * PANEL > n) memset(out, 0, bb); /* the padding rows: zero products, never stored */
+            for (int r = 0; r < PANEL && panel * PANEL + r < n; r++) {
+                int row = panel * PANEL + r;
+                const unsigned char *blk = src + (size_t)row * row_bytes + (size_t)b * gguf_block_bytes(scheme);
+                if (q6) {
+                    const unsigned char *ql = blk, *qh = blk + 128, *sc = blk + 192;
+                    out[2 * r] = blk[208], out[2 * r + 1] = blk[209]; /* d */
+                    for (int s = 0; s < 16; s++) out[(2 + s) * PANEL + r] = sc[s];
+                    /* column x: half h = x / 128, i = x % 128; low 4 bits in ql[64 h + i % 64] (the high nibble
+                     * for i >= 64), top 2 in qh[32 h + i % 32] at bits 2 (i / 32) */
+                    for (int c = 0; c < 128; c++) {
+                        int lo = 0;
+                        for (int t = 0; t < 2; t++) {
+                            int x = 2 * c + t, h = x / 128, i = x % 128;
+                            lo |= ((ql[64 * h + i % 64] >> (4 * (i / 64))) & 15) << (4 * t);
+                        }
+                        out[(18 + c) * PANEL + r] = (unsigned char)lo;
+                    }
+                    for (int c = 0; c < 64; c++) {
+                        int hi = 0;
+                        for (int t = 0; t < 4; t++) {
+                            int x = 4 * c + t, h = x / 128, i = x % 128;
+                            hi |= ((qh[32 * h + i % 32] >> (2 * (i / 32))) & 3) << (2 * t);
+                        }
+                        out[(146 + c) * PANEL + r] = (unsigned char)hi;
+                    }
+                    continue;
+                }
+                const unsigned char *s = blk + 4, *qs = blk + 16;
+                out[2 * r] = blk[0], out[2 * r + 1] = blk[1];                         /* d */
+                out[2 * (PANEL + r)] = blk[2], out[2 * (PANEL + r) + 1] = blk[3];     /* dmin */
+                for (int j = 0; j < 8; j++) { /* gguf's Q4_K.get_scale_min */
+                    int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 2) & 48);
+                    int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 48);
+                    out[(4 + j) * PANEL + r] = (unsigned char)sc;
+                    out[(12 + j) * PANEL + r] = (unsigned char)mn;
+                }
+                /* column x: sub-block j = x / 32; qs[32 (j / 2) + x % 32], the high nibble for odd j */
+                for (int c = 0; c < 128; c++) {
+                    int lo = 0;
+                    for (int t = 0; t < 2; t++) {
+                        int x = 2 * c + t, j = x / 32;
+                        lo |= ((qs[32 * (j / 2) + x % 32] >> (4 * (j & 1))) & 15) << (4 * t);
+                    }
+                    out[(20 + c) * PANEL + r] = (unsigned char)lo;
+                }
+            }
+        }
+}
+
+/* GGUF rows [n, k / block_cols blocks] -> panels [ceil(n / PANEL)][k / block_cols][panel_block_bytes]; rows past
+ * n are zero. */
 void repack_blocks(int scheme, int n, int k, const unsigned char *src, unsigned char *dst) {
+    if (kquant(scheme)) {
+        repack_kblocks(scheme, n, k, src, dst);
+        return;
+    }
     int blocks = k / 32, q8 = scheme == SCHEME_Q8_0;
     size_t row_bytes = (size_t)blocks * gguf_block_bytes(scheme), bb = panel_block_bytes(scheme);
     for (int panel = 0; panel < (n + PANEL - 1) / PANEL; panel++)
@@ -193,9 +308,62 @@ void repack_blocks(int scheme, int n, int k, const unsigned char *src, unsigned 
         }
 }
 
-/* The kc x PANEL weights of a panel slice (kc a multiple of 32) as f32, [kc][PANEL]. */
-static void dequantize_slice(int scheme, const unsigned char *src, int kc, float *dst) {
+/* Columns 32 j .. 32 j + 31 of a q4_k panel super-block as f32, [32][PANEL]: (d * sc) * q - dmin * mn, the
+ * product exact and the difference rounded once, as gguf's two numpy operations do (and -x is exact, so the
+ * fused multiply-add of the negated min is the same subtraction). */
+static void dequantize_q4_k(const unsigned char *sup, int j, float *dst) {
+    const unsigned short *dd = (const unsigned short *)sup;
+    const unsigned char *codes = sup + (size_t)(20 + 16 * j) * PANEL;
+    vec d[3], neg_min[3];
+    for (int g = 0; g < 3; g++) {
+        d[g] = vmul(load_f16(dd + VL * g), itof(load_u8i(sup + (size_t)(4 + j) * PANEL + VL * g)));
+        neg_min[g] = vmul(vmul(load_f16(dd + PANEL + VL * g), itof(load_u8i(sup + (size_t)(12 + j) * PANEL + VL * g))),
+                          vset1(-1.0f));
+    }
+    for (int c = 0; c < 16; c++)
+        for (int g = 0; g < 3; g++) {
+            vec lo, hi;
+            load_nibbles(codes + c * PANEL + VL * g, &lo, &hi);
+            vstore(dst + 2 * c * PANEL + VL * g, vfmadd(d[g], lo, neg_min[g]));
+            vstore(dst + (2 * c + 1) * PANEL + VL * g, vfmadd(d[g], hi, neg_min[g]));
+        }
+}
+
+/* Columns 32 j .. 32 j + 31 of a q6_k panel super-block as f32, [32][PANEL]: (d * sc) * (q - 32), two rounded
+ * products as gguf's. */
+static void dequantize_q6_k(const unsigned char *sup, int j, float *dst) {
+    const unsigned short *dd = (const unsigned short *)sup;
+    const unsigned char *low = sup + (size_t)(18 + 16 * j) * PANEL, *high = sup + (size_t)(146 + 8 * j) * PANEL;
+    const ivec fifteen = iset1(15), three = iset1(3), bias = iset1(32);
+    for (int g = 0; g < 3; g++) {
+        vec d = load_f16(dd + VL * g);
+        vec scale[2] = {vmul(d, load_i8(sup + (size_t)(2 + 2 * j) * PANEL + VL * g)),
+                        vmul(d, load_i8(sup + (size_t)(3 + 2 * j) * PANEL + VL * g))};
+        for (int c = 0; c < 8; c++) { /* columns 4c .. 4c + 3 */
+            ivec n0 = load_u8i(low + 2 * c * PANEL + VL * g), n1 = load_u8i(low + (2 * c + 1) * PANEL + VL * g);
+            ivec h = load_u8i(high + c * PANEL + VL * g);
+            ivec q[4] = {ior(iand(n0, fifteen), isll(iand(h, three), 4)),
+                         ior(isrl(n0, 4), isll(iand(isrl(h, 2), three), 4)),
+                         ior(iand(n1, fifteen), isll(iand(isrl(h, 4), three), 4)),
+                         ior(isrl(n1, 4), isll(isrl(h, 6), 4))};
+            for (int t = 0; t < 4; t++)
+                vstore(dst + (4 * c + t) * PANEL + VL * g, vmul(scale[c / 4], itof(isub(q[t], bias))));
+        }
+    }
+}
+
+/* Columns kb .. kb + kc of a panel (both multiples of 32) as f32, [kc][PANEL]. */
+static void dequantize_slice(int scheme, const unsigned char *panel, int kb, int kc, float *dst) {
     size_t bb = panel_block_bytes(scheme);
+    if (kquant(scheme)) {
+        for (int c = kb; c < kb + kc; c += 32, dst += 32 * PANEL) {
+            const unsigned char *sup = panel + (size_t)(c / QK_K) * bb;
+            if (scheme == SCHEME_Q4_K) dequantize_q4_k(sup, c % QK_K / 32, dst);
+            else dequantize_q6_k(sup, c % QK_K / 32, dst);
+        }
+        return;
+    }
+    const unsigned char *src = panel + (size_t)(kb / 32) * bb;
     for (int b = 0; b < kc / 32; b++, src += bb, dst += 32 * PANEL) {
         const unsigned short *scales = (const unsigned short *)src;
         vec d[3], m[3];
@@ -222,13 +390,14 @@ static void dequantize_slice(int scheme, const unsigned char *src, int kc, float
 }
 
 /* Rows [n0, n1) of the output's columns (n0 a multiple of PANEL: callers split n across threads); w: repack_blocks'
- * panels; k a multiple of 32. Strides are in elements. Up to PANEL_ROWS rows (a decode) dequantize a KC slice at a
- * time into L1 and keep their partial sums in acc between slices; more rows (a prompt chunk) dequantize a whole
- * panel once and run the f32 panels' tiles over it. The sums are the same either way, and the same as
- * gemm_fpanels' over gguf's dequantization: one FMA chain over k in order, from zero. */
+ * panels; k a multiple of block_cols(scheme). Strides are in elements. Up to PANEL_ROWS rows (a decode)
+ * dequantize a KC slice at a time into L1 and keep their partial sums in acc between slices; more rows (a prompt
+ * chunk) dequantize a whole panel once and run the f32 panels' tiles over it. The sums are the same either way,
+ * and the same as gemm_fpanels' over gguf's dequantization: one FMA chain over k in order, from zero. */
 void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w, int scheme, float *out, int ldo,
                   int n0, int n1) {
-    size_t bb = panel_block_bytes(scheme), panel_bytes = (size_t)(k / 32) * bb;
+    int cols = block_cols(scheme);
+    size_t bb = panel_block_bytes(scheme), panel_bytes = (size_t)(k / cols) * bb;
     if (m > PANEL_ROWS) {
         float *whole = aligned_alloc(64, ((size_t)k * PANEL * sizeof(float) + 63) / 64 * 64);
         if (!whole) { /* no room for a panel: the rows go PANEL_ROWS at a time, with the same sums */
@@ -238,7 +407,7 @@ void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w,
             return;
         }
         for (int n = n0; n < n1; n += PANEL) {
-            dequantize_slice(scheme, w + (size_t)(n / PANEL) * panel_bytes, k, whole);
+            dequantize_slice(scheme, w + (size_t)(n / PANEL) * panel_bytes, 0, k, whole);
             panel_rows(m, k, x, ldx, whole, out, ldo, n, n1 - n < PANEL ? n1 - n : PANEL);
         }
         free(whole);
@@ -250,11 +419,15 @@ void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w,
         const unsigned char *panel = w + (size_t)(n / PANEL) * panel_bytes;
         for (int kb = 0; kb < k; kb += KC) {
             int kc = k - kb < KC ? k - kb : KC;
-            /* The next slice, this panel's or the next panel's first, goes to L2 while this one is multiplied. */
-            int next_kb = kb + KC < k ? kb + KC : 0;
-            const unsigned char *next = next_kb ? panel + (size_t)(next_kb / 32) * bb : n + PANEL < n1 ? panel + panel_bytes : 0;
-            if (next) prefetch_l2(next, (size_t)((k - next_kb < KC ? k - next_kb : KC) / 32) * bb);
-            dequantize_slice(scheme, panel + (size_t)(kb / 32) * bb, kc, slice);
+            /* The next slice's blocks, this panel's or the next panel's first, go to L2 while this one is
+             * multiplied (a K-quant slice's whole super-blocks: their scales lead them). */
+            int next_kb = kb + KC < k ? kb + KC : 0, next_kc = k - next_kb < KC ? k - next_kb : KC;
+            const unsigned char *next = next_kb ? panel : n + PANEL < n1 ? panel + panel_bytes : 0;
+            if (next) {
+                size_t first = (size_t)(next_kb / cols), last = (size_t)((next_kb + next_kc - 1) / cols);
+                prefetch_l2(next + first * bb, (last - first + 1) * bb);
+            }
+            dequantize_slice(scheme, panel, kb, kc, slice);
             const float *xs = x + kb;
             int i = 0;
             for (; i + 4 <= m; i += 4) panel_tile(4, kc, xs + (size_t)i * ldx, ldx, slice, acc + i * PANEL, kb == 0);
@@ -262,9 +435,9 @@ void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w,
             if (m - i == 2) panel_tile(2, kc, xs + (size_t)i * ldx, ldx, slice, acc + i * PANEL, kb == 0);
             if (m - i == 1) panel_tile(1, kc, xs + (size_t)i * ldx, ldx, slice, acc + i * PANEL, kb == 0);
         }
-        int cols = n1 - n < PANEL ? n1 - n : PANEL;
+        int cols_out = n1 - n < PANEL ? n1 - n : PANEL;
         for (int i = 0; i < m; i++)
-            for (int j = 0; j < cols; j++) out[(size_t)i * ldo + n + j] = acc[i * PANEL + j];
+            for (int j = 0; j < cols_out; j++) out[(size_t)i * ldo + n + j] = acc[i * PANEL + j];
     }
 }
 
@@ -390,10 +563,17 @@ static inline __attribute__((always_inline)) void weighted_sum(int nh, const flo
 /* nh heads of a kv group of one sequence: q and out point at the first head's row. */
 static inline __attribute__((always_inline)) void attend_heads(int nh, const float *q, int keys, int d,
                                                                const float *const *k_rows, const float *const *v_rows,
-                                                               float scale, float *scores, size_t stride, float *out) {
+                                                               float scale, float softcap, float *scores, size_t stride,
+                                                               float *out) {
     int j = 0;
     for (; j + KEYS_AT_ONCE <= keys; j += KEYS_AT_ONCE) dots(nh, q, d, k_rows + j, d, scores + j, stride);
     for (; j < keys; j++) dot_1(nh, q, d, k_rows[j], d, scores + j, stride);
+    if (softcap > 0.0f) { /* Gemma 2's soft-cap of the scaled scores, scalar tanhf: the same code in both builds */
+        for (int h = 0; h < nh; h++)
+            for (int jj = 0; jj < keys; jj++)
+                scores[h * stride + jj] = softcap * tanhf(scores[h * stride + jj] * scale / softcap);
+        scale = 1.0f;
+    }
     for (int h = 0; h < nh; h++) softmax(scores + h * stride, keys, scale);
     int lanes = nh == 1 ? 8 : 12 / nh; /* accumulators: 8 for one head, 12 across two or three (+ broadcasts) */
     int d8 = d & ~7, c = 0;
@@ -409,20 +589,22 @@ static inline __attribute__((always_inline)) void attend_heads(int nh, const flo
 
 /* q, out [t, hq, d]; k_pool, v_pool [slots, hkv, d]; table [t, blocks] pool block ids; pos [t]; scores: a
  * caller's buffer of HEADS_AT_ONCE * (blocks * block + 8) floats; rows: one of 2 * blocks * block pointers. A key's
- * slot is table[s, j / block] * block + j % block. */
+ * slot is table[s, j / block] * block + j % block. window > 0: row s sees only its last `window` keys (a sliding
+ * window); softcap > 0: scores become softcap * tanh(score * scale / softcap). */
 void paged_decode_attention(int t, int hq, int hkv, int d, int block, int blocks, const float *q,
                             const float *k_pool, const float *v_pool, const long long *table, const long long *pos,
-                            float scale, float *out, float *scores, const float **rows) {
+                            float scale, int window, float softcap, float *out, float *scores, const float **rows) {
     int group = hq / hkv;
     size_t stride = (size_t)blocks * block + 8;
     const float **k_rows = rows, **v_rows = rows + (size_t)blocks * block;
     for (int s = 0; s < t; s++) {
-        int keys = (int)pos[s] + 1;
+        int first = window > 0 && pos[s] + 1 > window ? (int)pos[s] + 1 - window : 0; /* the window's first key */
+        int keys = (int)pos[s] + 1 - first;
         const long long *table_row = table + (size_t)s * blocks;
         for (int kv = 0; kv < hkv; kv++) {
             size_t head = (size_t)kv * d;
             for (int j = 0; j < keys; j++) {
-                size_t slot = (size_t)table_row[j / block] * block + j % block;
+                size_t slot = (size_t)table_row[(first + j) / block] * block + (first + j) % block;
                 k_rows[j] = k_pool + slot * hkv * d + head;
                 v_rows[j] = v_pool + slot * hkv * d + head;
             }
@@ -430,9 +612,9 @@ void paged_decode_attention(int t, int hq, int hkv, int d, int block, int blocks
                 nh = (kv + 1) * group - h < HEADS_AT_ONCE ? (kv + 1) * group - h : HEADS_AT_ONCE;
                 size_t at = ((size_t)s * hq + h) * d;
                 /* a constant head count each, so attend_heads unrolls for it */
-                if (nh == 3) attend_heads(3, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
-                else if (nh == 2) attend_heads(2, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
-                else attend_heads(1, q + at, keys, d, k_rows, v_rows, scale, scores, stride, out + at);
+                if (nh == 3) attend_heads(3, q + at, keys, d, k_rows, v_rows, scale, softcap, scores, stride, out + at);
+                else if (nh == 2) attend_heads(2, q + at, keys, d, k_rows, v_rows, scale, softcap, scores, stride, out + at);
+                else attend_heads(1, q + at, keys, d, k_rows, v_rows, scale, softcap, scores, stride, out + at);
             }
         }
     }

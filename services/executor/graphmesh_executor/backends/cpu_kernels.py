@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from graphmesh.ops import QUANT_BLOCKS
 from graphmesh.serving import cpu_flags, user_dir
 
 log = logging.getLogger("graphmesh.executor.cpu_kernels")
@@ -150,7 +151,7 @@ def _library(build: str) -> ctypes.CDLL | None:
     lib.repack_blocks.restype = None
     lib.gemm_qpanels.argtypes = [i, i, p, i, p, i, p, i, i, i]
     lib.gemm_qpanels.restype = None
-    lib.paged_decode_attention.argtypes = [i, i, i, i, i, i, p, p, p, p, p, ctypes.c_float, p, p, p]
+    lib.paged_decode_attention.argtypes = [i, i, i, i, i, i, p, p, p, p, p, ctypes.c_float, i, ctypes.c_float, p, p, p]
     lib.paged_decode_attention.restype = None
     lib.rms_norm.argtypes = [i, i, p, p, ctypes.c_float, p]
     lib.rms_norm.restype = None
@@ -243,7 +244,13 @@ def _run_shares(shares: tuple[tuple[int, int], ...], run: Callable[[int, int, in
         f.result()
 
 
-PACKED_SCHEMES = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # cpu_kernels.c's scheme numbers
+PACKED_SCHEMES = {"q4_0": 0, "q4_1": 1, "q8_0": 2, "q4_k": 3, "q6_k": 4}  # cpu_kernels.c's scheme numbers
+
+
+def packs(scheme: str, k: int) -> bool:
+    """Whether the kernels multiply rows of k values by a weight of `scheme`: one they read, k whole blocks (32
+    values, a K-quant's 256)."""
+    return scheme in PACKED_SCHEMES and k % QUANT_BLOCKS[scheme][0] == 0
 
 
 def packed_usable(x: torch.Tensor, packed: torch.Tensor, scheme: str) -> bool:
@@ -251,26 +258,28 @@ def packed_usable(x: torch.Tensor, packed: torch.Tensor, scheme: str) -> bool:
     prompt chunk's), w packed GGUF blocks."""
     return (x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu
             and packed.is_cpu and packed.dtype == torch.uint8 and packed.is_contiguous()
-            and scheme in PACKED_SCHEMES and x.shape[1] % 32 == 0 and library() is not None)
+            and packs(scheme, x.shape[1]) and library() is not None)
 
 
 def panels(packed: torch.Tensor, scheme: str, n: int, k: int) -> torch.Tensor:
-    """GGUF blocks [n, k/32 * block bytes] laid out again in panels of panel() rows, the form gemm_qpanels reads
-    (cpu_kernels.c's repack_blocks): the same bytes, give or take the last panel's padding. Made once per tensor
+    """GGUF blocks [n, k/B * block bytes] (B values a block: 32, a K-quant's 256) laid out again in panels of
+    panel() rows, the form gemm_qpanels reads (cpu_kernels.c's repack_blocks): about the same bytes, give or take
+    the last panel's padding (a q4_k super-block's 6-bit scales and mins take a byte each). Made once per tensor
     and kept with it (weights are never written in place)."""
     width = panel()
     made: torch.Tensor | None = packed.__dict__.get(f"{_PANELS}{width}")
     if made is None:
         lib = library()
         assert lib is not None
-        made = torch.empty(-(-n // width) * (k // 32) * lib.panel_block_bytes(PACKED_SCHEMES[scheme]), dtype=torch.uint8)
+        blocks = k // QUANT_BLOCKS[scheme][0]
+        made = torch.empty(-(-n // width) * blocks * lib.panel_block_bytes(PACKED_SCHEMES[scheme]), dtype=torch.uint8)
         lib.repack_blocks(PACKED_SCHEMES[scheme], n, k, packed.contiguous().data_ptr(), made.data_ptr())
         packed.__dict__[f"{_PANELS}{width}"] = made
     return made
 
 
 def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int) -> torch.Tensor:
-    """x @ w.T for w [n, k] held as GGUF blocks (packed [n, k/32 * block bytes]), read in panels (panels()):
+    """x @ w.T for w [n, k] held as GGUF blocks (packed [n, k/B * block bytes]), read in panels (panels()):
     w's values are exactly gguf's dequantization, and each output is one FMA chain over k in order, whatever
     the row count, the thread split and the build: the bits of matmul_xwt over the dequantized weight."""
     lib = library()
@@ -292,8 +301,10 @@ def attention_usable(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                           pos: torch.Tensor, block: int, scale: float) -> torch.Tensor:
-    """Row s of q [t, hq, d] attends to keys 0..pos[s] of sequence s, whose blocks are table[s] (pool block ids).
+                           pos: torch.Tensor, block: int, scale: float, window: int = 0, softcap: float = 0.0,
+                           ) -> torch.Tensor:
+    """Row s of q [t, hq, d] attends to keys 0..pos[s] of sequence s (its last `window` of them where window > 0),
+    whose blocks are table[s] (pool block ids), its scores soft-capped where softcap > 0.
     The caller has checked every table entry and position against the pools' bounds."""
     lib = library()
     assert lib is not None
@@ -303,8 +314,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     scores = torch.empty(_HEADS_AT_ONCE * (table.shape[1] * block + 8), dtype=torch.float32)  # padded to whole vectors
     rows = torch.empty(2 * table.shape[1] * block, dtype=torch.int64)  # a key's K and V row addresses
     lib.paged_decode_attention(t, hq, hkv, d, block, table.shape[1], q.data_ptr(), k_pool.data_ptr(),
-                               v_pool.data_ptr(), table.data_ptr(), pos.data_ptr(), scale, out.data_ptr(),
-                               scores.data_ptr(), rows.data_ptr())
+                               v_pool.data_ptr(), table.data_ptr(), pos.data_ptr(), scale, window, softcap,
+                               out.data_ptr(), scores.data_ptr(), rows.data_ptr())
     return out
 
 

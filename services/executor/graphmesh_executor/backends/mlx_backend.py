@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from graphmesh import dtypes
+from graphmesh.checkpoints import dequantize_packed
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph
 from graphmesh.ops import QUANT_BLOCKS, TensorType
@@ -344,6 +345,9 @@ _WEIGHTS: dict[tuple[int, bool], Any] = {}  # id(packed param) -> its repacked o
 def _cached(packed: Array, dense: bool, scheme: str, n: int, k: int) -> Any:
     """Repacks (and on CPU dequantizes) a packed param once; the entry goes when the param array does."""
     key = (id(packed), dense)
+    if key not in _WEIGHTS and QUANT_BLOCKS[scheme][0] != 32:  # K-quants: mlx has no such groups, dense only
+        _WEIGHTS[key] = mx.contiguous(mx.array(dequantize_packed(to_numpy(packed), scheme, n, k)).T)
+        weakref.finalize(packed, _WEIGHTS.pop, key, None)
     if key not in _WEIGHTS:
         w, scales, biases, bits = repack(to_numpy(packed), scheme, n, k)
         # dense [k, n] contiguous: OpenBLAS 0.3.21 runs x @ w_kn ~2x faster than x @ w_nk.T for one row
@@ -356,7 +360,7 @@ def _cached(packed: Array, dense: bool, scheme: str, n: int, k: int) -> Any:
 def _dequant_matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     x, packed = xs
     compute = mx.float64 if x.dtype == mx.float64 else mx.float32  # numpy: f32 weights, halves computed in f32
-    if mx.default_device() == mx.gpu and compute == mx.float32:
+    if mx.default_device() == mx.gpu and compute == mx.float32 and QUANT_BLOCKS[a["scheme"]][0] == 32:
         w, scales, biases, bits = _cached(packed, False, a["scheme"], a["n"], a["k"])
         y = mx.quantized_matmul(x.astype(compute), w, scales, biases, transpose=True, group_size=32, bits=bits)
     else:

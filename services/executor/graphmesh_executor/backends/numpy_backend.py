@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from graphmesh import dtypes
+from graphmesh.checkpoints import dequantize_packed
 from graphmesh.errors import OutOfRange
 from graphmesh.ops import QUANT_BLOCKS
 from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_rows
@@ -199,8 +200,10 @@ def _sample(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
 
 
 def dequantize(packed: Array, scheme: str, n: int, k: int) -> Array:
-    """GGUF blocks [n, k/32 * block_bytes] u8 -> f32 [n, k]."""
+    """GGUF blocks [n, k/32 * block_bytes] u8 -> f32 [n, k] (K-quants: super-blocks of 256, gguf's dequantization)."""
     block, size = QUANT_BLOCKS[scheme]
+    if block != 32:
+        return dequantize_packed(packed, scheme, n, k)
     b = packed.reshape(n, k // block, size)
     d = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, nb, 1]
     if scheme == "q8_0":

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from graphmesh import dtypes
+from graphmesh.checkpoints import dequantize_packed
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph, Node
 from graphmesh.ops import QUANT_BLOCKS, TensorType
@@ -529,7 +530,9 @@ def _unpack(packed: Tensor, scheme: str, n: int, k: int) -> tuple[Tensor, Tensor
 
 
 def dequantize(packed: Tensor, scheme: str, n: int, k: int) -> Tensor:
-    """GGUF blocks -> f32 [n, k]."""
+    """GGUF blocks -> f32 [n, k] (K-quants by gguf's own dequantization, on the host)."""
+    if QUANT_BLOCKS[scheme][0] != 32:
+        return torch.from_numpy(dequantize_packed(packed.cpu().numpy(), scheme, n, k)).to(packed.device)
     q, d, z = _unpack(packed, scheme, n, k)
     return ((q.float() - (0.0 if scheme == "q8_0" else 8.0)) * d + z).reshape(n, k)
 
@@ -561,8 +564,9 @@ def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
         return cpu_kernels.matmul_xwt_packed(x, packed, scheme, n)
     converted: dict[Any, Any] = packed.__dict__.setdefault(_CONVERTED, {})
     # The packed int4 kernel is fast only with bf16 activations (f32/f16 take a slow path there), and it
-    # needs n % 16 == 0; everything else multiplies by the weight dequantized once to x's dtype.
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and n % 16 == 0:
+    # needs n % 16 == 0 and groups of 32 (no K-quant); everything else multiplies by the weight dequantized once
+    # to x's dtype.
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and n % 16 == 0 and QUANT_BLOCKS[scheme][0] == 32:
         if x.numel() >= 256 * k:
             # A long prefill: the int4 kernel is a one-row kernel (14.6 ms for 512 x 576 x 1536), while dequantizing
             # on the fly and a bf16 GEMM take 8.3 ms, and nothing dense stays in memory.
@@ -759,7 +763,7 @@ class TorchExecutable(Executable[Tensor]):
         self._panelled = {n.inputs[1]: (n.attrs["scheme"], n.attrs["n"], n.attrs["k"]) for n in graph.nodes
                           if n.op == "dequant_matmul" and n.inputs[1] in graph.params and readers[n.inputs[1]] == 1
                           and graph.type_of(n.inputs[0]).dtype == "f32"
-                          and n.attrs["scheme"] in cpu_kernels.PACKED_SCHEMES and n.attrs["k"] % 32 == 0} \
+                          and cpu_kernels.packs(n.attrs["scheme"], n.attrs["k"])} \
             if self._device.type == "cpu" and cpu_kernels.library() is not None else {}
         # Weights joined for one product (see _joins): the panels are the joined weight's, made at the join.
         self._join_groups = self._joins(graph)
@@ -896,7 +900,7 @@ class TorchExecutable(Executable[Tensor]):
         groups: dict[tuple[str, str, int, str], list[str]] = {}
         for node in graph.nodes:
             if node.op == "dequant_matmul":
-                if not host or node.attrs["scheme"] not in cpu_kernels.PACKED_SCHEMES or node.attrs["k"] % 32:
+                if not host or not cpu_kernels.packs(node.attrs["scheme"], node.attrs["k"]):
                     continue
                 scheme = node.attrs["scheme"]
             elif node.op == "matmul" and node.attrs["transpose_b"] and not node.attrs["transpose_a"]:
