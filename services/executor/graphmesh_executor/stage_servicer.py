@@ -140,8 +140,16 @@ class BoundaryPusher:
         with self._lock:
             device = self._device.get(address)
         sender = device[1] if device is not None and device[0] is link else None
-        framed = sender.frame(self._request(incarnation, boundary, data=False), list(boundary.values.values())) \
-            if sender is not None else None
+        try:
+            framed = sender.frame(self._request(incarnation, boundary, data=False),
+                                  list(boundary.values.values())) if sender is not None else None
+        except Exception as e:  # a CUDA error copying into the slot: the link's GPU path failed
+            failed = Unavailable(f"a bundle could not be put in a CUDA IPC slot: {type(e).__name__}: {e}",
+                                 transport.DEVICE_FAILED)
+            self._strikes[address] = self._strikes.get(address, 0) + 1
+            link.fail(failed)
+            delivered(failed)
+            return True
         if sender is None or framed is None:
             return link.push(request.SerializeToString(), timeout_s, delivered)
         payload, slot = framed
@@ -183,10 +191,15 @@ class BoundaryPusher:
             choice = Choice(opened[1].transport or transport.TCP, opened[1].transport_reason or "an older receiver")
             if choice.transport == transport.CUDA_IPC and self._strikes.get(address, 0) >= transport.DEVICE_STRIKES:
                 choice = Choice(transport.TCP, f"the GPU path failed {self._strikes[address]} times in a row")
-            sender = DeviceSender(self.device, end.gpu_uuid) if choice.transport == transport.CUDA_IPC else None
         except (OSError, GraphmeshError, ValueError, LinkError) as e:  # LinkError: closed before it answered
             log.warning("boundary link failed to open: pushing over gRPC", extra={"address": address, "error": str(e)})
             return None
+        sender = None
+        if choice.transport == transport.CUDA_IPC:
+            try:
+                sender = DeviceSender(self.device, end.gpu_uuid)
+            except Exception as e:  # no stream on the device: this link carries TCP frames
+                choice = Choice(transport.TCP, f"the GPU path could not start: {type(e).__name__}: {e}")
         with self._lock:
             old = self._links.get(address)
             if old is not None and old.broken is None:  # another thread opened one meanwhile
