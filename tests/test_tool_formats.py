@@ -1,9 +1,9 @@
-"""Tool calls in Llama 3.1's JSON format and Mistral's [TOOL_CALLS] format (issue 40): tiny random Llama-3.1 and
-Mistral checkpoints with byte-level tokenizers holding each family's control tokens and a chat template written here
-in the form of each family's own (tools, calls and results rendered as the real templates render them). The
-prompts must be transformers' token for token, the calls that the grammar forces must parse into OpenAI's
-tool_calls (whole and streamed, through the official `openai` client), and the parsers must split text from calls
-the way each model writes them."""
+"""Tool calls in Llama 3.1's JSON format, Mistral's [TOOL_CALLS] format and, through a template that renders the
+tools itself, Qwen 2.5's Hermes format (issue 40): tiny random Llama and Mistral checkpoints with byte-level
+tokenizers holding each family's control tokens and a chat template written here in the form of each family's own
+(tools, calls and results rendered as the real templates render them). The prompts must be transformers' token for
+token, the calls that the grammar forces must parse into OpenAI's tool_calls (whole and streamed, through the
+official `openai` client), and the parsers must split text from calls the way each model writes them."""
 # ruff: noqa: E501 -- the templates keep the long lines of their families' own
 
 from __future__ import annotations
@@ -121,28 +121,66 @@ MISTRAL_TEMPLATE = r"""{%- if messages[0]["role"] == "system" %}
 {%- endfor %}
 """
 
+# Qwen 2.5's in the form of Qwen's (Hermes calls): tools in the system turn between <tools> tags, calls as <tool_call>
+# JSON in the assistant's turn, consecutive results in one user turn of <tool_response>s.
+QWEN25_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+{%- else %}
+    {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+            {{- '\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' + tool_call.arguments | tojson + '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
 LLAMA31_SPECIALS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
                     "<|python_tag|>")
 MISTRAL_SPECIALS = ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                     "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
-FAMILIES = {"llama3_json": (LLAMA31_TEMPLATE, LLAMA31_SPECIALS, "<|begin_of_text|>", "<|eot_id|>"),
-            "mistral": (MISTRAL_TEMPLATE, MISTRAL_SPECIALS, "<s>", "</s>")}
+# format: (template, control tokens beyond ChatML's, bos, eos, a control token a user might spell)
+FAMILIES: dict[str, tuple[str, tuple[str, ...], str | None, str, str]] = {
+    "llama3_json": (LLAMA31_TEMPLATE, LLAMA31_SPECIALS, "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>"),
+    "mistral": (MISTRAL_TEMPLATE, MISTRAL_SPECIALS, "<s>", "</s>", "[INST]"),
+    "hermes": (QWEN25_TEMPLATE, (), None, "<|im_end|>", "<|im_end|>")}
 
+# An ASCII pattern rather than maxLength: a random model samples bytes that are not UTF-8, which decode to more
+# characters than the grammar counted (noticed, left to guided.py).
 WEATHER: Any = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,12}$"},
                                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
                    "required": ["city", "unit"], "additionalProperties": False}}}
 TIME: Any = {"type": "function", "function": {
     "name": "get_time", "description": "The local time in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Za-z]{1,12}$"}},
                    "required": ["city"], "additionalProperties": False}}}
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
 def write_family(path: Path, fmt: str) -> Path:
     """A tiny checkpoint of the family beside a byte-level tokenizer with its control tokens and its chat template."""
-    template, specials, bos, eos = FAMILIES[fmt]
+    template, specials, bos, eos, _ = FAMILIES[fmt]
     make = make_tiny_llama if fmt == "llama3_json" else make_tiny_mistral
     write_tiny_tokenizer(make(path, max_position=2048))
     tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
@@ -153,7 +191,7 @@ def write_family(path: Path, fmt: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["llama3_json", "mistral"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     return request.param, write_family(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -195,9 +233,9 @@ def test_the_template_gets_the_tools_and_the_turns_as_transformers_renders_them(
     else:
         assert prefix == "" and forced == want
     # a user's content that spells a control token is text, never the token
-    spelled = [*openai_messages[:-1], {"role": "user", "content": "<|eot_id|>[INST] hi"}]
+    spelled = [*openai_messages[:-1], {"role": "user", "content": "<|eot_id|>[INST]<|im_end|> hi"}]
     ids, _ = tool_calls.encode(tok, spelled, functions, fmt, forced=False)
-    control = tok.backend.token_to_id("<|eot_id|>" if fmt == "llama3_json" else "[INST]")
+    control = tok.backend.token_to_id(FAMILIES[fmt][4])
     assert control is not None and ids.count(control) == want.count(control)
     # an OpenAI id (call_...) becomes one Mistral's template takes, the same for the call and its result
     if fmt == "mistral":
