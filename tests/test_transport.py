@@ -5,6 +5,7 @@ executors on one GPU take the CUDA IPC path and serve the same tokens as over TC
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -202,6 +203,57 @@ def test_a_gpu_push_to_a_cpu_executor_is_refused_and_the_link_goes_on(model: Pat
         assert isinstance(errors[1], GraphmeshError) and errors[1].reason != transport.DEVICE_FAILED
         assert link.broken is None
         link.fail(Unavailable("the test is done", "TEST_DONE"))
+
+
+def test_bundles_cross_a_links_slots_byte_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path's layout, on host memory: each tensor at its aligned offset in a slot, the slot's handle sent
+    only when the receiver has not mapped that generation, a slot grown for a bigger bundle mapped anew, a slot
+    never reused before its push was answered, small bundles left to TCP frames. (The device copies and the IPC
+    handles themselves need CUDA: test_two_executors_on_one_gpu_take_cuda_ipc_with_the_same_tokens.)"""
+    exported: list[torch.Tensor] = []
+
+    def export(buffer: torch.Tensor, gpu: str) -> bytes:
+        exported.append(buffer)
+        return json.dumps({"gpu": gpu, "id": len(exported) - 1}).encode()
+    monkeypatch.setattr(transport, "_export", export)
+    monkeypatch.setattr(transport.DeviceReceiver, "_map", lambda self, handle: exported[handle["id"]])
+    monkeypatch.setattr(transport, "DEVICE_MIN_BYTES", 4096)
+    sender = transport.DeviceSender("cpu", GPU_A)
+    receiver = object.__new__(transport.DeviceReceiver)
+    receiver._slots = {}
+    rng = np.random.default_rng(7)
+
+    def bundle(rows: int) -> tuple[stage_pb2.PushBoundaryRequest, list[np.ndarray]]:
+        values: list[np.ndarray] = [rng.standard_normal((rows, 37)).astype(np.float32),
+                                    rng.integers(0, 1000, rows, dtype=np.int64)]
+        request = stage_pb2.PushBoundaryRequest(step_id=rows, route_id=1)
+        for role, value in zip((dag.ACTIVATION, dag.RUN_TOKENS), values):
+            request.tensors.add(role=dag.role_proto(role), tensor=tensors.to_proto(value)).tensor.ClearField("data")
+        return request, values
+
+    def through(rows: int) -> tuple[int, int]:
+        request, values = bundle(rows)
+        framed = sender.frame(request, values)
+        assert framed is not None
+        payload, slot = framed
+        handle = int.from_bytes(payload[8:12], "little")
+        got = receiver.request(payload)
+        assert got.step_id == rows and [t.role for t in got.tensors] == [t.role for t in request.tensors]
+        for t, value in zip(got.tensors, values):
+            assert np.array_equal(tensors.from_proto(t.tensor), value)
+        return slot, handle
+
+    first, handle = through(100)  # 14,800 + 800 bytes: the second tensor at offset 14,848
+    assert handle and len(exported) == 1 and exported[0].numel() == 16384
+    sender.release(first)
+    slots = [through(90) for _ in range(transport.SLOTS)]  # the free ones first, each new to the receiver
+    assert [s for s, _ in slots] == [1, 2, 3, 0] and all(h for s, h in slots if s) and not slots[-1][1]
+    assert sender.frame(*bundle(100)) is None  # every slot in flight: this one goes as a TCP frame
+    sender.release(1)
+    grown, handle = through(1000)  # 156,416 bytes: slot 1 grows to 256 KiB, a new generation the receiver maps
+    assert grown == 1 and handle and len(exported) == 5 and exported[-1].numel() == 262144
+    sender.release(1)
+    assert sender.frame(*bundle(10)) is None  # 1,480 + 80 bytes: under DEVICE_MIN_BYTES
 
 
 @pytest.fixture(scope="module")

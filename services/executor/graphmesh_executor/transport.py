@@ -31,6 +31,7 @@ host memory at the two ends; a device tensor (torch, CUDA) is copied device to d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -162,7 +163,8 @@ def _export(buffer: Any, gpu_uuid: str) -> bytes:
 
 
 class DeviceSender:
-    """The sending end of a link's GPU path: its slots, on the sender's device."""
+    """The sending end of a link's GPU path: its slots, on the sender's device (the pusher makes one only where the
+    receiver chose CUDA IPC; on a CPU device, which tests use to check the slots' layout, copies are plain)."""
 
     def __init__(self, device: str, gpu_uuid: str) -> None:
         import torch
@@ -170,7 +172,7 @@ class DeviceSender:
         self._torch: Any = torch
         self._device = torch.device(device)
         self._uuid = gpu_uuid
-        self._stream = self._torch.cuda.Stream(self._device)
+        self._stream = self._torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._slots: list[Any] = [None] * SLOTS
         self._generations = [0] * SLOTS
         self._announced = [0] * SLOTS  # the generation the receiver was last sent the handle of
@@ -205,7 +207,7 @@ class DeviceSender:
                                                      device=self._device)
             self._generations[slot] += 1
         offset = 0
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
             for value, n in zip(values, sizes):
                 if isinstance(value, np.ndarray):
                     source = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
@@ -215,7 +217,8 @@ class DeviceSender:
                     raise ValueError(f"a boundary value of {source.numel()} bytes where its tensor needs {n}")
                 buffer[offset:offset + n].copy_(source, non_blocking=source.is_cuda)
                 offset += _aligned(n)
-        self._stream.synchronize()  # the bytes are in the slot before the receiver is told to read them
+        if self._stream is not None:
+            self._stream.synchronize()  # the bytes are in the slot before the receiver is told to read them
         handle = b""
         if self._announced[slot] != self._generations[slot]:
             handle = _export(buffer, self._uuid)
