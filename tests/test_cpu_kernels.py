@@ -496,25 +496,30 @@ def test_a_q4_k_m_model_served_packed_has_the_f32_loads_bits(q4_k_m_gguf: Path) 
 
 
 @pytest.fixture(scope="module")
-def f32_mesh_tokens(q4_k_m_gguf: Path) -> list[int]:
-    """Greedy tokens of a torch mesh reading the Q4_K_M file as f32 (--weights f32)."""
-    return _mesh_tokens(q4_k_m_gguf, "f32", {})
+def f32_mesh(q4_k_m_gguf: Path) -> tuple[list[int], int]:
+    """Greedy tokens and weight bytes of a torch mesh reading the Q4_K_M file as f32 (--weights f32)."""
+    return _mesh_run(q4_k_m_gguf, "f32", {})
 
 
-def _mesh_tokens(path: Path, weights: str, env: dict[str, str]) -> list[int]:
+def _mesh_run(path: Path, weights: str, env: dict[str, str]) -> tuple[list[int], int]:
+    """24 greedy tokens of a 2-executor torch mesh, and the bytes of the weights its executors hold."""
     from graphmesh.coordinator_client import CoordinatorClient
     from graphmesh.launcher import LocalMesh
 
     with LocalMesh(2, "torch", str(path), startup_timeout_s=120, weights=weights, env=env,
                    extra_executor_args=("--kv-cache-bytes", "4Mi")) as mesh:
         with CoordinatorClient(mesh.coordinator_address) as client:
-            return [t for chunk in client.generate(prompt_token_ids=[5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1],
-                                                   max_tokens=24, ignore_eos=True) for t in chunk.token_ids]
+            tokens = [t for chunk in client.generate(prompt_token_ids=[5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1],
+                                                     max_tokens=24, ignore_eos=True) for t in chunk.token_ids]
+            return tokens, sum(stage.param_bytes for stage in client.status().stages)
 
 
 def test_a_q4_k_m_gguf_over_two_executors_packed_gives_the_f32_loads_tokens(build: str, q4_k_m_gguf: Path,
-                                                                          f32_mesh_tokens: list[int]) -> None:
+                                                                          f32_mesh: tuple[list[int], int]) -> None:
     """The real mesh (coordinator, 2 torch executor processes on this build, paged engine) serving the Q4_K_M
-    file with --weights packed: the same greedy tokens as the mesh that reads it as f32."""
-    tokens = _mesh_tokens(q4_k_m_gguf, "packed", {"GRAPHMESH_CPU_ISA": build})
-    assert len(tokens) == 24 and tokens == f32_mesh_tokens
+    file with --weights packed holds its layers and head as blocks (the embedding, gathered, stays f32: under
+    half the f32 load's bytes) and gives the same greedy tokens as the mesh that reads it as f32."""
+    tokens, held = _mesh_run(q4_k_m_gguf, "packed", {"GRAPHMESH_CPU_ISA": build})
+    f32_tokens, f32_held = f32_mesh
+    assert len(tokens) == 24 and tokens == f32_tokens
+    assert 0 < held < f32_held / 2
