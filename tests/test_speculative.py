@@ -9,6 +9,7 @@ random model's exact next-token distribution (transformers, float64).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -147,18 +148,33 @@ def test_sixteen_streams_equal_their_solo_runs_without_speculation(mesh: LocalMe
 
 @pytest.mark.slow
 def test_a_kill_9_while_chunks_are_verified_changes_no_token(mesh: LocalMesh) -> None:
+    """A greedy and a seeded stream speculate side by side (two decodes a step: speculation joins); the last stage,
+    which verifies their chunks, is killed once both have tokens. Both streams are the tokens of fault-free runs
+    with speculation off: the recovery restores each session's accepted rows and replays with the same seeds."""
     if len(mesh.executor_processes) < 2:
         pytest.skip("a kill -9 needs another executor to re-plan over")
     prompt, n = GROUNDED[0], 60
-    baseline = _generate(mesh.coordinator_address, prompt, OFF, max_tokens=n)
-    out: list[int] = []
-    with CoordinatorClient(mesh.coordinator_address) as client:
-        for chunk in client.generate(prompt, speculative=ON, ignore_eos=True, max_tokens=n):
-            out += chunk.token_ids
-            if len(out) >= 12 and mesh.executor_processes[-1].poll() is None:
-                passes = _passes(mesh)[0]
-                faults.kill9(mesh.executor_processes[-1])  # the last stage: it holds the chunk's verification
-    assert out == baseline
+    jobs: list[dict[str, Any]] = [{}, {"temperature": 0.8, "top_k": 40, "seed": 5}]
+    baseline = [_generate(mesh.coordinator_address, prompt, OFF, max_tokens=n, **job) for job in jobs]
+    delivered = [0, 0]
+
+    def stream(i: int) -> list[int]:
+        out: list[int] = []
+        with CoordinatorClient(mesh.coordinator_address) as client:
+            for chunk in client.generate(prompt, speculative=ON, ignore_eos=True, max_tokens=n, **jobs[i]):
+                out += chunk.token_ids
+                delivered[i] = len(out)
+        return out
+
+    with ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(stream, i) for i in range(2)]
+        deadline = time.monotonic() + 300
+        while min(delivered) < 12:
+            assert time.monotonic() < deadline and not any(f.done() for f in streams), delivered
+            time.sleep(0.005)
+        passes = _passes(mesh)[0]
+        faults.kill9(mesh.executor_processes[-1])  # the last stage: it holds the chunks' verification
+        assert [f.result() for f in streams] == baseline
     assert passes > 0 and _passes(mesh)[0] > passes  # chunks were verified before the kill and after the re-plan
 
 
