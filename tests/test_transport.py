@@ -23,12 +23,15 @@ from graphmesh import plan as dag
 from graphmesh import security, tensors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError, Unavailable
-from graphmesh.launcher import LocalMesh, gpu_env, parse_gpus
+from graphmesh.launcher import LocalMesh, free_port, gpu_env, parse_gpus
 from graphmesh.links import PUSH
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor import transport
 from graphmesh_executor.boundary_link import BoundaryLink
+from graphmesh_executor.stage import Boundary
+from graphmesh_executor.stage_servicer import BoundaryPusher
 from graphmesh_executor.transport import CUDA_IPC, ENV, TCP, choose, local_end
+from tests.conftest import executor_args, start_process
 from tests.model_fixtures import make_tiny_llama
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1]
@@ -254,6 +257,34 @@ def test_bundles_cross_a_links_slots_byte_exact(monkeypatch: pytest.MonkeyPatch)
     assert grown == 1 and handle and len(exported) == 5 and exported[-1].numel() == 262144
     sender.release(1)
     assert sender.frame(*bundle(10)) is None  # 1,480 + 80 bytes: under DEVICE_MIN_BYTES
+
+
+def test_a_failed_gpu_push_breaks_the_link_and_the_next_push_opens_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device push the receiver cannot read fails as the link's failure (BOUNDARY_DEVICE_FAILED: the step is COMM),
+    the link is broken and the strike counted, and the next push opens a new link, whose handshake chooses again."""
+    monkeypatch.setattr(transport, "_export", lambda buffer, gpu: json.dumps({"gpu": gpu}).encode())
+    monkeypatch.setattr(transport, "DEVICE_MIN_BYTES", 4096)
+    address = f"127.0.0.1:{free_port()}"
+    with start_process(executor_args(address), address):
+        pusher = BoundaryPusher()
+
+        def push(rows: int) -> Exception | None:
+            done: Future[Exception | None] = Future()
+            pusher(address, 7, Boundary(1, values={dag.ACTIVATION: np.zeros((rows, 64), np.float32)}), 10.0,
+                   done.set_result)
+            return done.result(timeout=30)
+
+        # nothing is installed there: every push that arrives is answered NOT_INSTALLED
+        assert getattr(push(2), "reason", None) == "NOT_INSTALLED"
+        first = pusher._links[address]
+        assert pusher.transports[address] == transport.Choice(TCP, "the sender is on cpu")
+        pusher._device[address] = (first, transport.DeviceSender("cpu", GPU_A))  # as if the receiver chose CUDA IPC
+        error = push(64)
+        assert isinstance(error, GraphmeshError) and error.reason == transport.DEVICE_FAILED, error
+        assert first.broken is not None and pusher._strikes[address] == 1
+        assert getattr(push(64), "reason", None) == "NOT_INSTALLED"  # over a new link, TCP frames again
+        assert pusher._links[address] is not first and pusher._links[address].broken is None
+        assert address not in pusher._device
 
 
 @pytest.fixture(scope="module")

@@ -295,8 +295,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         receiver = transport.local_end(self.runtime.device)
         choice = transport.choose(request.sender, receiver) if request.HasField("sender") else \
             Choice(transport.TCP, "the sender did not describe its end")
-        log.info("boundary link offered", extra={"transport": transport.NAMES[choice.transport],
-                                                 "reason": choice.reason, "sender_device": request.sender.device})
+        if request.HasField("sender"):  # a boundary pusher (row copies open links too, and describe no end)
+            log.info("boundary link offered", extra={"transport": transport.NAMES[choice.transport],
+                                                     "reason": choice.reason, "sender_device": request.sender.device})
         return stage_pb2.OpenBoundaryLinkResponse(address=self.link.address, ticket=self.link.ticket(),
                                                   receiver=receiver, transport=choice.transport,
                                                   transport_reason=choice.reason)
