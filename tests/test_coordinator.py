@@ -17,12 +17,12 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import InvalidArgument, NotFound
 from graphmesh.launcher import LocalMesh, free_port
-from tests.model_fixtures import smollm2_hf, smollm2_hf_tokenizer
+from tests.model_fixtures import INIT, VOCAB, _save, make_tiny_llama, smollm2_hf, smollm2_hf_tokenizer
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1]
 QUESTIONS = [
@@ -40,26 +40,12 @@ def _generate_ids(address: str, **kwargs: Any) -> list[int]:
 
 
 def _tiny(arch: str, path: Path) -> Path:
-    """4 layers, so a 3-way split is possible; a wide init keeps greedy decoding away from near-ties."""
-    torch.manual_seed(7)
-    model: PreTrainedModel
+    """4 layers, so a 3-way split is possible."""
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=4,
-                                             num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                                             max_position_embeddings=256, initializer_range=0.1,
-                                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
-    else:
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=1000, n_embd=64, n_layer=4, n_head=4, n_positions=256,
-                                           initializer_range=0.1, bos_token_id=0, eos_token_id=0))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or ".ln_" in name:
-                p.normal_(1.0, 0.1)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(path)
-    return path
+        return make_tiny_llama(path, seed=7, layers=4)
+    torch.manual_seed(7)
+    return _save(GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=256,
+                                            initializer_range=INIT, bos_token_id=0, eos_token_id=0)), path)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

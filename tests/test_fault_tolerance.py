@@ -14,8 +14,6 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from graphmesh import channels, faults, tensors
 from graphmesh.coordinator_client import CoordinatorClient
@@ -24,6 +22,7 @@ from graphmesh.launcher import LocalMesh
 from graphmesh.links import HEADER, HELLO
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor.boundary_link import BoundaryLink
+from tests.model_fixtures import make_tiny_llama
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1]
 SESSIONS = 8
@@ -32,13 +31,7 @@ TOKENS = 120
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(3)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
-                                      initializer_range=0.1, tie_word_embeddings=False))
-    path = tmp_path_factory.mktemp("llama6")
-    hf.save_pretrained(path)
-    return path
+    return make_tiny_llama(tmp_path_factory.mktemp("llama6"), seed=3, max_position=512, layers=6)
 
 
 @pytest.fixture

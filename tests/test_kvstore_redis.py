@@ -19,8 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from graphmesh import faults, kvkeys, security
 from graphmesh.coordinator_client import CoordinatorClient
@@ -30,6 +28,7 @@ from graphmesh.v1 import kvstore_pb2
 from graphmesh_kvstore.shared import DEFAULT_PREFIX, SharedTier
 from graphmesh_kvstore.store import Store
 from tests.conftest import start_process
+from tests.model_fixtures import make_tiny_llama
 
 BT, LAYERS, KV_DIM = 4, 2, 8
 NS = kvkeys.namespace("sha256:redis-test", 0, LAYERS, KV_DIM, block_tokens=BT)
@@ -240,13 +239,7 @@ def test_two_kvstore_processes_share_a_prefix(fresh: RedisServer, tmp_path: Path
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """6 layers, so that 2 and 3 stages split them differently."""
-    torch.manual_seed(5)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
-                                      initializer_range=0.1, tie_word_embeddings=False))
-    path = tmp_path_factory.mktemp("llama6")
-    hf.save_pretrained(path)
-    return path
+    return make_tiny_llama(tmp_path_factory.mktemp("llama6"), seed=5, max_position=512, layers=6)
 
 
 def _mesh(executors: int, model: Path, url: str) -> LocalMesh:
