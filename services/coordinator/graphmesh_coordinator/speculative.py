@@ -18,7 +18,7 @@ advanced over tokens not yet delivered, and logprobs are sampled on the host one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from prometheus_client import Counter
@@ -65,10 +65,11 @@ def parse_mode(text: str) -> Mode:
     if method == "off" and not k:
         return OFF
     if method == "draft":
-        raise InvalidArgument("--speculative draft:MODEL is not supported yet; use prompt-lookup or off",
+        raise InvalidArgument("speculative decoding by a draft model (draft:MODEL) is not supported yet; use "
+                              "prompt-lookup or off",
                               "BAD_SPECULATIVE", {"parameter": "speculative"})
     if method != "prompt-lookup":
-        raise InvalidArgument(f"--speculative takes prompt-lookup[:K] or off, got {text!r}", "BAD_SPECULATIVE",
+        raise InvalidArgument(f"speculative takes prompt-lookup[:K] or off, got {text!r}", "BAD_SPECULATIVE",
                               {"parameter": "speculative"})
     return Mode(method, _max_k(k or str(DEFAULT_K)))
 
@@ -141,7 +142,6 @@ class Speculation:
     backoff: int = 0  # plain tokens left before it speculates again
     next_backoff: int = BACKOFF_TOKENS
     passes: int = 0
-    history: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.k = self.max_k
