@@ -386,12 +386,16 @@ def test_write_session_kv_refuses_before_allocating_and_garbage_is_invalid(setup
     oversized = write(current)
     assert (oversized.code, oversized.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "BAD_TENSOR"), oversized.message
     garbage = b"\x0a\x05ab"  # a length-delimited field 5 bytes long, cut after 2
-    targets = [(_client_channel(setup), "/graphmesh.v1.CoordinatorService/Status", False),
-               (_client_channel(setup), "/graphmesh.v1.CoordinatorService/Generate", True),
-               (setup.member(setup.mesh.executor_addresses[0]), "/graphmesh.v1.StageService/Status", False)]
-    for channel, method, streaming in targets:
+    # the coordinator's synchronous servicers and its async one (KServe's stream) parse on different paths
+    targets = [(_client_channel(setup), "/graphmesh.v1.CoordinatorService/Status", "unary"),
+               (_client_channel(setup), "/graphmesh.v1.CoordinatorService/Generate", "stream"),
+               (_client_channel(setup), "/inference.GRPCInferenceService/ModelStreamInfer", "bidi"),
+               (setup.member(setup.mesh.executor_addresses[0]), "/graphmesh.v1.StageService/Status", "unary")]
+    for channel, method, kind in targets:
         with channel, pytest.raises(grpc.RpcError) as info:
-            if streaming:
+            if kind == "bidi":
+                list(channel.stream_stream(method, _raw, _raw)(iter([garbage]), timeout=10))
+            elif kind == "stream":
                 list(channel.unary_stream(method, _raw, _raw)(garbage, timeout=10))
             else:
                 channel.unary_unary(method, _raw, _raw)(garbage, timeout=10)
