@@ -15,16 +15,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from graphmesh import faults
+from graphmesh import channels, faults
 from graphmesh.coordinator_client import CoordinatorClient
-from graphmesh.errors import InvalidArgument
+from graphmesh.errors import InvalidArgument, from_rpc_error
 from graphmesh.launcher import LocalMesh
 from graphmesh.v1 import coordinator_pb2 as cpb
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator import speculative
 from graphmesh_coordinator.speculative import Mode, Speculation, parse_mode, propose
 from graphmesh_executor.stage import StepResult, StepRow, _positions, _verify
@@ -176,6 +178,32 @@ def test_a_kill_9_while_chunks_are_verified_changes_no_token(mesh: LocalMesh) ->
         faults.kill9(mesh.executor_processes[-1])  # the last stage: it holds the chunks' verification
         assert [f.result() for f in streams] == baseline
     assert passes > 0 and _passes(mesh)[0] > passes  # chunks were verified before the kill and after the re-plan
+
+
+@pytest.mark.slow
+def test_an_executor_refuses_a_malformed_prediction_target(mesh: LocalMesh) -> None:
+    """Refused before any row begins (ARCH, INVALID_ARGUMENT naming the row): nothing changes on the rank."""
+    stub = stage_pb2_grpc.StageServiceStub(channels.channel(mesh.executor_addresses[0], None,
+                                                            mesh_token=mesh.mesh_token))
+    with CoordinatorClient(mesh.coordinator_address) as client:
+        incarnation = client.status().incarnation
+    target = stage_pb2.PredictionTarget(proposed=2, proposer=stage_pb2.PROPOSER_PROMPT_LOOKUP)
+    for i, (row, reason) in enumerate((
+            (stage_pb2.StepRow(session_id="bad", epoch=1, token_ids=[1, 2], prediction_target=target),
+             "BAD_PREDICTION_TARGET"),  # no token before its proposals
+            (stage_pb2.StepRow(session_id="bad", epoch=1, token_ids=[1, 2, 3], prediction_target=target,
+                               sampling=stage_pb2.SamplingParams(logprobs=True)), "BAD_PREDICTION_TARGET"),
+            (stage_pb2.StepRow(session_id="bad", epoch=1, token_ids=[1], commit_epoch=1, commit_length=5),
+             "BAD_COMMIT_LENGTH"))):
+        request = stage_pb2.ExecuteStepRequest(incarnation=incarnation, step_id=(1 << 50) + i, rows=[row],
+                                               output=stage_pb2.OUTPUT_KIND_TOKEN, boundary_timeout_ms=2000)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ExecuteStep(request, timeout=10)
+        error = from_rpc_error(e.value)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.reason == reason, error.message
+        assert "bad" in error.message
+    status = stub.Status(stage_pb2.StageServiceStatusRequest(), timeout=10)
+    assert "bad" not in [s.session_id for s in status.sessions]
 
 
 # -- the distribution of sampled verification --------------------------------------------------------------------
