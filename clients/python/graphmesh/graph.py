@@ -212,6 +212,11 @@ def _check_node(node: graph_pb2.Node, seen: dict[str, TensorType]) -> Node:
 Operand = Value | float | int
 
 
+def _window_softcap(window: int, softcap: float) -> dict[str, Any]:
+    """An attention node's window and softcap attributes only where set: a plain node stays as it was."""
+    return ({"window": window} if window else {}) | ({"softcap": softcap} if softcap else {})
+
+
 class GraphBuilder:
     """Builds a graph one op at a time; types are inferred as you go.
 
@@ -339,9 +344,9 @@ class GraphBuilder:
         return self.node("rope", [x, positions], theta=theta, style=style, rotary_dim=rotary_dim, **extra)
 
     def attention(self, q: Value, k: Value, v: Value, q_positions: Value | None = None, causal: bool = True,
-                  scale: float = 0.0) -> Value:
+                  scale: float = 0.0, window: int = 0, softcap: float = 0.0) -> Value:
         ins = [q, k, v] + ([q_positions] if q_positions is not None else [])
-        return self.node("attention", ins, causal=causal, scale=scale)
+        return self.node("attention", ins, causal=causal, scale=scale, **_window_softcap(window, softcap))
 
     def kv_write(self, cache: Value, rows: Value, position: Value) -> Value:
         return self.node("kv_write", [cache, rows, position])
@@ -350,9 +355,10 @@ class GraphBuilder:
         return self.node("kv_scatter", [pool, rows, slots])
 
     def paged_attention(self, q: Value, k_pool: Value, v_pool: Value, block_table: Value, token_seq: Value,
-                        q_positions: Value, block_size: int, decode: bool = False, scale: float = 0.0) -> Value:
+                        q_positions: Value, block_size: int, decode: bool = False, scale: float = 0.0,
+                        window: int = 0, softcap: float = 0.0) -> Value:
         return self.node("paged_attention", [q, k_pool, v_pool, block_table, token_seq, q_positions],
-                         block_size=block_size, decode=decode, scale=scale)
+                         block_size=block_size, decode=decode, scale=scale, **_window_softcap(window, softcap))
 
     def top_k(self, x: Value, k: int) -> Value: return self.node("top_k", [x], k=k)
 

@@ -261,7 +261,17 @@ def _attention(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
             raise _fail(f"q_positions must be [{q.shape[0]}], got {ins[3]}")
     elif len(ins) != 3:
         raise _fail("non-causal attention takes exactly q, k, v")
+    if attrs["window"] and not attrs["causal"]:
+        raise _fail("a sliding window needs causal attention (it counts back from each query's position)")
+    _window_softcap(attrs)
     return q
+
+
+def _window_softcap(attrs: dict[str, Any]) -> None:
+    if attrs["window"] < 0:
+        raise _fail(f"attention window {attrs['window']} must be >= 0 (0: no window)")
+    if not math.isfinite(attrs["softcap"]) or attrs["softcap"] < 0:
+        raise _fail(f"attention softcap {attrs['softcap']} must be finite and >= 0 (0: no cap)")
 
 
 def _kv_write(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -306,6 +316,7 @@ def _paged_attention(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType
                     f"got {table}, {token_seq}, {positions}")
     if attrs["decode"] and table.shape[0] != q.shape[0]:
         raise _fail(f"a decode paged_attention has one query per sequence: {q.shape[0]} queries, {table.shape[0]} rows")
+    _window_softcap(attrs)
     return q
 
 
@@ -415,11 +426,16 @@ _register(
     OpSpec("rope", 2, 2, _rope, {"theta": Attr("float", 10000.0), "style": Attr("str", "half"),
                                  "rotary_dim": Attr("int", 0), "inv_freq": Attr("floats", ()),
                                  "scale": Attr("float", 1.0)}),
-    OpSpec("attention", 3, 4, _attention, {"causal": Attr("bool", True), "scale": Attr("float", 0.0)}),
+    # window: a query at position p sees keys at positions p - window < j <= p (0: every key up to p), as
+    # transformers' sliding-window mask; softcap: scores (after scale) become softcap * tanh(score / softcap)
+    # before the mask and softmax (Gemma 2), 0: none.
+    OpSpec("attention", 3, 4, _attention, {"causal": Attr("bool", True), "scale": Attr("float", 0.0),
+                                           "window": Attr("int", 0), "softcap": Attr("float", 0.0)}),
     OpSpec("kv_write", 3, 3, _kv_write),
     OpSpec("kv_scatter", 3, 3, _kv_scatter),
     OpSpec("paged_attention", 6, 6, _paged_attention, {"block_size": Attr("int"), "scale": Attr("float", 0.0),
-                                                       "decode": Attr("bool", False)}),
+                                                       "decode": Attr("bool", False), "window": Attr("int", 0),
+                                                       "softcap": Attr("float", 0.0)}),
     OpSpec("top_k", 1, 1, _top_k, {"k": Attr("int")}),
     OpSpec("take_along_axis", 2, 2, _take_along_axis, {"axis": Attr("int", -1)}),
     OpSpec("grouped_matmul", 3, 3, _grouped_matmul),

@@ -7,11 +7,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphmesh.errors import InvalidArgument
-from graphmesh.models.rope import rope_from_hf
+from graphmesh.models.rope import Rope, rope_from_hf
 
 ARCHS = ("llama", "gpt2")
 MOE_FAMILY = ("mixtral", "qwen3_moe")  # sparse-MoE model_types, also built by graphmesh.models.llama
-LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3", "phi3", *MOE_FAMILY)  # built by graphmesh.models.llama
+GEMMA_FAMILY = ("gemma2", "gemma3_text")  # sandwich norms, (1 + w) RMS norms, scaled embeddings, GeGLU
+LLAMA_FAMILY = ("llama", "qwen2", "mistral", "qwen3", "phi3", *MOE_FAMILY, *GEMMA_FAMILY)  # graphmesh.models.llama
+# Where each model_type's sliding window applies in transformers: on every layer, or on the layers layer_types
+# calls "sliding_attention" (computed as transformers does when config.json has no layer_types).
+_WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3", "qwen3_moe")
+_WINDOW_NEEDS_FLAG = ("qwen2", "qwen3", "qwen3_moe")  # the window applies only with use_sliding_window
 # Config fields of MoE variants graphmesh does not build (shared experts, grouped routing, sparse attention...):
 # refused at start by field and value rather than served wrong.
 MOE_REFUSED = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts", "moe_layer_freq",
@@ -84,6 +89,67 @@ def moe_config(cfg: dict[str, Any], model_type: str) -> MoeConfig | None:
                      "qwen3_moe")
 
 
+def _positive(cfg: dict[str, Any], key: str, default: float | None) -> float | None:
+    value = cfg.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise InvalidArgument(f"{key} {value!r} must be a positive number", "BAD_CONFIG")
+    return float(value)
+
+
+def _windows(cfg: dict[str, Any], model_type: str) -> tuple[int, ...]:
+    """Each layer's sliding window, as transformers' model_type applies config.sliding_window (see the table above);
+    () where no layer has one."""
+    window = cfg.get("sliding_window")
+    if window is None or (model_type in _WINDOW_NEEDS_FLAG and not cfg.get("use_sliding_window")):
+        return ()
+    if model_type not in _WINDOW_EVERY_LAYER + _WINDOW_NEEDS_FLAG + GEMMA_FAMILY:
+        raise InvalidArgument(f"sliding_window {window!r} is not supported for model_type {model_type}: "
+                              "transformers' model does not apply it", "UNSUPPORTED_MODEL")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InvalidArgument(f"sliding_window {window!r} must be a positive integer", "BAD_CONFIG")
+    n = cfg["num_hidden_layers"]
+    if model_type in _WINDOW_EVERY_LAYER:
+        return (window,) * n
+    types = cfg.get("layer_types")
+    if types is None:  # transformers' defaults: Qwen's first max_window_layers are global; Gemma alternates
+        if model_type == "gemma2":
+            types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        elif model_type == "gemma3_text":
+            pattern = cfg.get("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        else:
+            first = cfg.get("max_window_layers", 28)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise InvalidArgument(f"layer_types {types!r} is not supported: graphmesh knows one of 'sliding_attention' "
+                              f"or 'full_attention' for each of the {n} layers", "UNSUPPORTED_MODEL")
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _ropes(cfg: dict[str, Any], model_type: str, head_dim: int) -> tuple[Rope, Rope | None]:
+    """The rope, and Gemma 3's sliding layers' own (None elsewhere): transformers 5 writes one rope_parameters
+    object per layer type; transformers 4's config.json had rope_theta and rope_scaling for the global layers and
+    rope_local_base_freq for the local ones."""
+    if model_type != "gemma3_text":
+        return rope_from_hf(cfg, model_type, head_dim, partial_rotary=model_type == "phi3"), None
+    raw = cfg.get("rope_parameters")
+    base = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    if isinstance(raw, dict) and raw and all(isinstance(v, dict) for v in raw.values()):
+        unknown = sorted(set(raw) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise InvalidArgument(f"rope_parameters {unknown} is not supported: gemma3_text has full_attention and "
+                                  "sliding_attention layers", "UNSUPPORTED_MODEL")
+        full = raw.get("full_attention", {"rope_type": "default", "rope_theta": 1e6})
+        local = raw.get("sliding_attention", {"rope_type": "default", "rope_theta": 1e4})
+    else:
+        full = {**(cfg.get("rope_scaling") or raw or {"rope_type": "default"}), "rope_theta": cfg.get("rope_theta", 1e6)}
+        local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}
+    return (rope_from_hf({**base, "rope_parameters": full}, model_type, head_dim),
+            rope_from_hf({**base, "rope_parameters": local}, model_type, head_dim))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str  # "llama" (also Qwen2, Mistral-style) | "gpt2"
@@ -110,8 +176,20 @@ class ModelConfig:
     hidden_act: str = "silu"  # gpt2: "gelu_tanh" | "gelu"
     encoder: EncoderConfig | None = None  # llama family only: an encoder group feeding the first stage
     moe: MoeConfig | None = None  # llama family only: sparse-MoE MLPs in moe.layers
+    windows: tuple[int, ...] = ()  # each layer's sliding window in tokens (0: none); empty: no window anywhere
+    attn_scale: float = 0.0  # scores' scale; 0: 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float = 0.0  # Gemma 2's attention logit soft-capping; 0: none
+    final_softcap: float = 0.0  # Gemma 2's final logit soft-capping; 0: none
+    gemma: bool = False  # RMS norms scale by (1 + w), embeddings by sqrt(hidden), norms before and after each block
+    local_rope: Rope | None = None  # Gemma 3: the sliding layers' own rope (rope_local_base_freq); None: the one rope
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
 
     def __post_init__(self) -> None:
+        if self.windows and (len(self.windows) != self.n_layers or min(self.windows) < 0):
+            raise InvalidArgument(f"windows {self.windows} are not one non-negative window for each of the "
+                                  f"{self.n_layers} layers", "BAD_CONFIG")
         if self.moe is not None and self.arch != "llama":
             raise InvalidArgument(f"MoE blocks exist for the llama family only, not {self.arch}", "UNSUPPORTED_MODEL")
         if self.arch not in ARCHS:
@@ -171,31 +249,35 @@ class ModelConfig:
             if cfg.get(key):
                 raise InvalidArgument(f"{key} {cfg[key]!r} is not supported for model_type {model_type}",
                                       "UNSUPPORTED_MODEL")
-        if cfg.get("use_sliding_window"):
-            raise InvalidArgument(f"use_sliding_window {cfg['use_sliding_window']!r} is not supported: graphmesh has "
-                                  "no sliding-window attention", "UNSUPPORTED_MODEL")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise InvalidArgument(f"hidden_act {cfg.get('hidden_act')!r} is not supported", "UNSUPPORTED_MODEL")
+        gemma = model_type in GEMMA_FAMILY
+        if gemma and cfg.get("use_bidirectional_attention"):
+            raise InvalidArgument(f"use_bidirectional_attention {cfg['use_bidirectional_attention']!r} is not "
+                                  "supported: graphmesh serves causal decoders", "UNSUPPORTED_MODEL")
+        act_key = "hidden_activation" if gemma and cfg.get("hidden_activation") else "hidden_act"
+        act = cfg.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            raise InvalidArgument(f"{act_key} {act!r} is not supported for model_type {model_type}",
+                                  "UNSUPPORTED_MODEL")
         heads = cfg["num_attention_heads"]
         # Phi-3's attention takes head_dim from hidden_size / heads only
         head_dim = (None if model_type == "phi3" else cfg.get("head_dim")) or cfg["hidden_size"] // heads
-        rope = rope_from_hf(cfg, model_type, head_dim, partial_rotary=model_type == "phi3")
-        window = cfg.get("sliding_window")
-        # Mistral and Mixtral always apply their window; Phi-3 does where set, which is no window within a shorter
-        # context
-        always = model_type in ("mistral", "mixtral")
-        if window is not None and (always or (model_type == "phi3" and window < rope.max_position)):
-            raise InvalidArgument(f"sliding_window {window!r} is not supported: graphmesh has no sliding-window "
-                                  f"attention (context {rope.max_position})", "UNSUPPORTED_MODEL")
+        rope, local_rope = _ropes(cfg, model_type, head_dim)
+        extra: dict[str, Any] = {}
+        if gemma:
+            extra = {"gemma": True, "hidden_act": "gelu_tanh", "local_rope": local_rope,
+                     "attn_scale": (_positive(cfg, "query_pre_attn_scalar", 256) or 256.0) ** -0.5,
+                     "attn_softcap": float(_positive(cfg, "attn_logit_softcapping", None) or 0.0),
+                     "final_softcap": float(_positive(cfg, "final_logit_softcapping", None) or 0.0)}
         return cls(arch="llama", vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
                    n_layers=cfg["num_hidden_layers"], n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
                    head_dim=head_dim, intermediate_size=cfg["intermediate_size"],
                    norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=rope.theta, rotary_dim=rope.rotary_dim,
                    rope_inv_freq=rope.inv_freq, rope_scale=rope.scale, qkv_bias=model_type == "qwen2",
-                   qk_norm=model_type in ("qwen3", "qwen3_moe"), fused_proj=model_type == "phi3",
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), max_position=rope.max_position,
+                   qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"), fused_proj=model_type == "phi3",
+                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), max_position=min(
+                       rope.max_position, local_rope.max_position if local_rope else rope.max_position),
                    bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, encoder=encoder_config(cfg),
-                   moe=moe_config(cfg, model_type))
+                   moe=moe_config(cfg, model_type), windows=_windows(cfg, model_type), **extra)
 
     def layer_params(self, layer: int = 0, active: bool = False) -> int:
         """Parameter count of decoder block `layer`; with `active`, of what one token reads there (a sparse
@@ -205,6 +287,7 @@ class ModelConfig:
             return 4 * h + (h * 3 * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
         bias = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
         qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        qk_norm += 2 * h if self.gemma else 0  # the norms after attention and around the MLP
         if self.moe is not None and layer in self.moe.layers:
             experts = self.moe.top_k if active else self.moe.n_experts
             mlp = self.moe.n_experts * h + experts * 3 * h * self.moe.intermediate_size

@@ -36,6 +36,7 @@ layers (not its head), the form torch's packed int4 CPU kernel multiplies withou
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from graphmesh.errors import InvalidArgument
@@ -107,20 +108,23 @@ def stage_outputs(g: GraphBuilder, io: StageIO, result: Value, caches: list[Valu
 
 
 def cached_attention(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, q: Value, k: Value, v: Value,
-                     ) -> tuple[Value, Value, Value]:
-    """q [S, Hq, D] and k, v [S, kv_dim] (k already rotated) -> (attention output [S, Hq*D], K cache, V cache)."""
+                     window: int = 0) -> tuple[Value, Value, Value]:
+    """q [S, Hq, D] and k, v [S, kv_dim] (k already rotated) -> (attention output [S, Hq*D], K cache, V cache).
+    window: the layer's sliding window (0: none); the scale and soft-cap are the model's."""
+    scale, softcap = c.attn_scale, c.attn_softcap
     if io.paged is not None:
         p = io.paged
         k_pool, v_pool = g.kv_scatter(io.past[i][0], k, p.slots), g.kv_scatter(io.past[i][1], v, p.slots)
         heads = (p.layout.pool_rows, c.n_kv_heads, c.head_dim)
         out = g.paged_attention(q, g.reshape(k_pool, heads), g.reshape(v_pool, heads), p.block_table, p.token_seq,
-                                io.positions, p.layout.block_size, p.layout.decode)
+                                io.positions, p.layout.block_size, p.layout.decode, scale, window, softcap)
         return g.reshape(out, (q.shape[0], c.q_dim)), k_pool, v_pool
     cache_len = io.past[i][0].shape[0]
     k_cache = g.kv_write(io.past[i][0], k, io.start)
     v_cache = g.kv_write(io.past[i][1], v, io.start)
     heads = (cache_len, c.n_kv_heads, c.head_dim)
-    out = g.attention(q, g.reshape(k_cache, heads), g.reshape(v_cache, heads), io.positions, causal=True)
+    out = g.attention(q, g.reshape(k_cache, heads), g.reshape(v_cache, heads), io.positions, causal=True, scale=scale,
+                      window=window, softcap=softcap)
     return g.reshape(out, (q.shape[0], c.q_dim)), k_cache, v_cache
 
 
@@ -151,15 +155,24 @@ def _linear(g: GraphBuilder, x: Value, name: str, n: int, k: int, schemes: dict[
     return g.add(y, g.param(name.removesuffix("weight") + "bias", (n,), p.dtype)) if bias else y
 
 
-def _rope(g: GraphBuilder, c: ModelConfig, x: Value, positions: Value) -> Value:
+def _rope(g: GraphBuilder, c: ModelConfig, x: Value, positions: Value, layer: int) -> Value:
+    local = c.local_rope if c.local_rope is not None and c.window(layer) else None  # Gemma 3's sliding layers
+    if local is not None:
+        return g.rope(x, positions, local.theta, c.rope_style, local.rotary_dim, local.inv_freq, local.scale)
     return g.rope(x, positions, c.rope_theta, c.rope_style, c.rotary_dim, c.rope_inv_freq, c.rope_scale)
+
+
+def _norm(g: GraphBuilder, c: ModelConfig, x: Value, name: str, dim: int, dtype: str) -> Value:
+    """RMS norm by param `name`; Gemma's scales by (1 + w), its weights being stored as offsets from 1."""
+    w = g.param(name, (dim,), dtype)
+    return g.rms_norm(x, g.add(w, 1.0) if c.gemma else w, c.norm_eps)
 
 
 def _block(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, layer: int, x: Value, schemes: dict[str, str],
            precision: _Precision) -> tuple[Value, Value, Value]:
     p = f"model.layers.{layer}."
     s, h, dt = x.shape[0], c.hidden_size, precision.dtype
-    a = g.rms_norm(x, g.param(p + "input_layernorm.weight", (h,), dt), c.norm_eps)
+    a = _norm(g, c, x, p + "input_layernorm.weight", h, dt)
     if c.fused_proj:  # Phi-3 stores q/k/v as one weight: one matmul, then its column ranges
         qkv = _linear(g, a, p + "self_attn.qkv_proj.weight", c.q_dim + 2 * c.kv_dim, h, schemes, precision=precision)
         q, k = g.slice(qkv, 1, 0, c.q_dim), g.slice(qkv, 1, c.q_dim, c.q_dim + c.kv_dim)
@@ -169,13 +182,16 @@ def _block(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, layer: int, x: 
         k = _linear(g, a, p + "self_attn.k_proj.weight", c.kv_dim, h, schemes, c.qkv_bias, precision)
         v = _linear(g, a, p + "self_attn.v_proj.weight", c.kv_dim, h, schemes, c.qkv_bias, precision)
     q, k = g.reshape(q, (s, c.n_heads, c.head_dim)), g.reshape(k, (s, c.n_kv_heads, c.head_dim))
-    if c.qk_norm:  # Qwen3: each head of q and k RMS-normed over head_dim before rope
-        q = g.rms_norm(q, g.param(p + "self_attn.q_norm.weight", (c.head_dim,), dt), c.norm_eps)
-        k = g.rms_norm(k, g.param(p + "self_attn.k_norm.weight", (c.head_dim,), dt), c.norm_eps)
-    q, k = _rope(g, c, q, io.positions), _rope(g, c, k, io.positions)
-    attn, k_cache, v_cache = cached_attention(g, c, io, i, q, g.reshape(k, (s, c.kv_dim)), v)
-    x = g.add(x, _linear(g, attn, p + "self_attn.o_proj.weight", h, c.q_dim, schemes, precision=precision))
-    m = g.rms_norm(x, g.param(p + "post_attention_layernorm.weight", (h,), dt), c.norm_eps)
+    if c.qk_norm:  # Qwen3, Gemma 3: each head of q and k RMS-normed over head_dim before rope
+        q = _norm(g, c, q, p + "self_attn.q_norm.weight", c.head_dim, dt)
+        k = _norm(g, c, k, p + "self_attn.k_norm.weight", c.head_dim, dt)
+    q, k = _rope(g, c, q, io.positions, layer), _rope(g, c, k, io.positions, layer)
+    attn, k_cache, v_cache = cached_attention(g, c, io, i, q, g.reshape(k, (s, c.kv_dim)), v, c.window(layer))
+    o = _linear(g, attn, p + "self_attn.o_proj.weight", h, c.q_dim, schemes, precision=precision)
+    if c.gemma:  # Gemma normalizes each block's output before the residual add, and the MLP's input by its own norm
+        o = _norm(g, c, o, p + "post_attention_layernorm.weight", h, dt)
+    x = g.add(x, o)
+    m = _norm(g, c, x, p + ("pre_feedforward_layernorm.weight" if c.gemma else "post_attention_layernorm.weight"), h, dt)
     if c.moe is not None and layer in c.moe.layers:  # Mixtral / Qwen3-MoE sparse layer: router, top-k, experts
         return g.add(x, moe_mlp(g, c, m, layer, dt)), k_cache, v_cache
     if c.fused_proj:  # Phi-3's gate_up_proj: gate rows first, then up
@@ -185,9 +201,11 @@ def _block(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, layer: int, x: 
     else:
         gate = _linear(g, m, p + "mlp.gate_proj.weight", c.intermediate_size, h, schemes, precision=precision)
         up = _linear(g, m, p + "mlp.up_proj.weight", c.intermediate_size, h, schemes, precision=precision)
-    x = g.add(x, _linear(g, g.mul(g.silu(gate), up), p + "mlp.down_proj.weight", h, c.intermediate_size, schemes,
-                         precision=precision))
-    return x, k_cache, v_cache
+    act = g.gelu(gate, "tanh") if c.hidden_act == "gelu_tanh" else g.silu(gate)  # Gemma's GeGLU | SwiGLU
+    out = _linear(g, g.mul(act, up), p + "mlp.down_proj.weight", h, c.intermediate_size, schemes, precision=precision)
+    if c.gemma:
+        out = _norm(g, c, out, p + "post_feedforward_layernorm.weight", h, dt)
+    return g.add(x, out), k_cache, v_cache
 
 
 def check_encoded(config: ModelConfig, first: bool) -> None:
@@ -231,6 +249,8 @@ def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int
     io = stage_inputs(g, c, len(layers), seq_len, cache_len, first, last, sample, dtype, paged)
     if first:
         x = g.gather(g.param("model.embed_tokens.weight", (c.vocab_size, c.hidden_size), dtype), io.x)
+        if c.gemma:  # the scale rounded to the embedding's dtype first, as transformers' Gemma rounds it
+            x = g.mul(x, math.sqrt(c.hidden_size))
         if encoded:
             x = _encoded_rows(g, x, g.input("encoded", (seq_len, c.hidden_size)), g.input("encoded_mask", (seq_len,)))
     else:
@@ -241,8 +261,11 @@ def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int
         caches += [k_cache, v_cache]
     if io.last_index is None:
         return stage_outputs(g, io, g.cast(x, "f32") if dtype != "f32" else x, caches)
-    x = g.rms_norm(g.gather(x, io.last_index), g.param("model.norm.weight", (c.hidden_size,), dtype), c.norm_eps)
+    x = _norm(g, c, g.gather(x, io.last_index), "model.norm.weight", c.hidden_size, dtype)
     # The head keeps the stage dtype: bf16 logits near 16 are 0.125 apart, and greedy picks would flip.
     head = _Precision(dtype, dtype)
     logits = _linear(g, x, "lm_head.weight", c.vocab_size, c.hidden_size, schemes, precision=head)
-    return stage_outputs(g, io, g.cast(logits, "f32") if dtype != "f32" else logits, caches)
+    logits = g.cast(logits, "f32") if dtype != "f32" else logits
+    if c.final_softcap:  # Gemma 2: cap * tanh(logits / cap)
+        logits = g.mul(g.tanh(g.div(logits, c.final_softcap)), c.final_softcap)
+    return stage_outputs(g, io, logits, caches)

@@ -110,10 +110,17 @@ if triton is not None:
         tl.store(v_ptr + slot * sv + i, v.to(v_ptr.dtype.element_ty), mask=live)
 
     @triton.jit  # type: ignore[untyped-decorator]
+    def _tanh(x):  # type: ignore[no-untyped-def]
+        # tanh from e^(-2|x|), which never overflows; libdevice's tanh has moved between Triton releases
+        t = tl.exp(-2.0 * tl.abs(x))
+        y = (1.0 - t) / (1.0 + t)
+        return tl.where(x < 0, -y, y)
+
+    @triton.jit  # type: ignore[untyped-decorator]
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, out_ptr, scale,  # type: ignore[no-untyped-def]
-                             sq_t, sq_h, sk_row, sk_h, st_t, so_t, so_h,
+                             window, softcap, sq_t, sq_h, sk_row, sk_h, st_t, so_t, so_h,
                              BLOCK: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr,
-                             BN: tl.constexpr, HALF: tl.constexpr):
+                             BN: tl.constexpr, HALF: tl.constexpr, CAP: tl.constexpr):
         t = tl.program_id(0)
         kv = tl.program_id(1)
         g = tl.arange(0, BG)
@@ -121,10 +128,11 @@ if triton is not None:
         heads = kv * G + g
         q = tl.load(q_ptr + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=(g < G)[:, None], other=0.0)
         keys = tl.load(pos_ptr + t).to(tl.int32) + 1  # the row's own position and every one before it
+        first = tl.maximum(keys - tl.where(window > 0, window, keys), 0)  # a sliding window's first key (else 0)
         best = tl.full([BG], float("-inf"), tl.float32)
         total = tl.zeros([BG], tl.float32)
         acc = tl.zeros([BG, D], tl.float32)
-        for start in range(0, keys, BN):
+        for start in range(first, keys, BN):
             n = start + tl.arange(0, BN)
             live = n < keys
             block = tl.load(table_ptr + t * st_t + n // BLOCK, mask=live, other=0).to(tl.int64)
@@ -135,7 +143,10 @@ if triton is not None:
                 scores = tl.dot(q, tl.trans(k))
             else:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # no tf32: f32 stays f32
-            scores = tl.where(live[None, :], scores * scale, float("-inf"))
+            scores = scores * scale
+            if CAP:  # Gemma 2's soft-cap of the scaled scores
+                scores = softcap * _tanh(scores / softcap)
+            scores = tl.where(live[None, :], scores, float("-inf"))
             top = tl.maximum(best, tl.max(scores, 1))
             p = tl.exp(scores - top[:, None])
             shrink = tl.exp(best - top)
@@ -258,10 +269,11 @@ def paged_decode_usable(q: Tensor, k_pool: Tensor, v_pool: Tensor) -> bool:
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, pos: Tensor, block: int,
-                           scale: float) -> Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
     """Attention of one query row per sequence over its own blocks: q [T, Hq, D]; k_pool, v_pool [rows, Hkv, D]
     (block b's keys are rows b*block ..); table [T, blocks] the pool blocks of each row's sequence; pos [T] each
-    row's position (it sees keys 0..pos). Returns [T, Hq, D] in q's dtype."""
+    row's position (it sees keys 0..pos, the last `window` of them where window > 0); scores soft-capped where
+    softcap > 0. Returns [T, Hq, D] in q's dtype."""
     t, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
@@ -269,7 +281,7 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Ten
     if t:
         table = table if table.stride(1) == 1 else table.contiguous()
         _paged_decode_kernel[(t, hkv)](
-            q, k_pool, v_pool, table, pos, out, scale, q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1),
-            table.stride(0), out.stride(0), out.stride(1), BLOCK=block, G=group, BG=max(16, triton.next_power_of_2(group)),
-            D=d, BN=64, HALF=q.dtype != torch.float32)
+            q, k_pool, v_pool, table, pos, out, scale, window, softcap or 1.0, q.stride(0), q.stride(1),
+            k_pool.stride(0), k_pool.stride(1), table.stride(0), out.stride(0), out.stride(1), BLOCK=block, G=group,
+            BG=max(16, triton.next_power_of_2(group)), D=d, BN=64, HALF=q.dtype != torch.float32, CAP=softcap > 0)
     return out

@@ -201,6 +201,27 @@ def _rope(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     return out.astype(x.dtype)
 
 
+def _visible(pos: np.ndarray, keys: int, window: int) -> np.ndarray:
+    """[*pos.shape, keys]: whether a query at pos sees each key: up to its position, and within `window` (0: none)."""
+    j = np.arange(keys)
+    seen = j <= pos[..., None]
+    return seen & (j > pos[..., None] - window) if window else seen
+
+
+def _sdpa(q: Array, k: Array, v: Array, scale: float, mask: Array | None, softcap: float) -> Array:
+    """mx.fast.scaled_dot_product_attention over [B, H, S, D], or with softcap > 0 (Gemma 2's soft-capped scores,
+    which sdpa has no form of) the same written out: kv head h // (Hq / Hkv) for query head h, as sdpa maps it."""
+    if not softcap:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    group = q.shape[1] // k.shape[1]
+    k, v = (mx.repeat(t, group, axis=1) if group > 1 else t for t in (k, v))
+    scores = (q @ k.transpose(0, 1, 3, 2)) * scale
+    scores = mx.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.array(-np.inf, scores.dtype))
+    return mx.softmax(scores, axis=-1) @ v
+
+
 def _attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     q, k, v = xs[:3]
     scale = a["scale"] or 1.0 / math.sqrt(q.shape[2])
@@ -209,12 +230,13 @@ def _attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
         pos = to_numpy(xs[3]).astype(np.int64)
         keys = min(k.shape[0], int(pos.max()) + 1) if pos.size else 0  # rows past every query are masked: skip them
         k, v = k[:keys], v[:keys]
-        if pos.size and pos.min() < keys - 1:  # some query sees fewer than all kept keys
-            mask = mx.array(np.arange(keys)[None, :] <= pos[:, None])  # [Sq, keys]
+        # some query sees fewer than all kept keys (a row of a prefill, or a window)
+        if pos.size and (pos.min() < keys - 1 or (a["window"] and keys > a["window"])):
+            mask = mx.array(_visible(pos, keys, a["window"]))  # [Sq, keys]
     # halves in f32 as numpy does (mlx's half sdpa is ~100 ulps off), after the cut so only live rows convert;
     # [S, H, D] -> [1, H, S, D]; sdpa maps query head h to kv head h // (Hq / Hkv), as numpy's grouping does
     qkv = [(t.astype(mx.float32) if t.dtype in _HALF else t).transpose(1, 0, 2)[None] for t in (q, k, v)]
-    out = mx.fast.scaled_dot_product_attention(*qkv, scale=scale, mask=mask)
+    out = _sdpa(qkv[0], qkv[1], qkv[2], scale, mask, a["softcap"])
     return out[0].transpose(1, 0, 2).astype(q.dtype)
 
 
@@ -261,7 +283,7 @@ def _paged_attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Arr
     table = _indices(xs[3], k_pool.shape[0] // block, "block_table block")
     seq = np.arange(t) if a["decode"] else _indices(xs[4], table.shape[0], "token_seq sequence")
     pos = _indices(xs[5], table.shape[1] * block, "q_positions position")
-    scale = a["scale"] or 1.0 / math.sqrt(d)
+    scale, window, softcap = a["scale"] or 1.0 / math.sqrt(d), a["window"], a["softcap"]
     if t == 0:
         return mx.zeros(q.shape, q.dtype)
 
@@ -276,8 +298,9 @@ def _paged_attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Arr
         # One query per sequence: one batched sdpa over every sequence's keys up to the longest, the rest masked.
         keys = int(pos.max()) + 1
         k, v = keys_of(np.stack([paged_rows(table, s, keys, block) for s in range(t)]))
-        mask = mx.array(np.arange(keys)[None, :] <= pos[:, None])[:, None, None, :] if pos.min() < keys - 1 else None
-        out = mx.fast.scaled_dot_product_attention(qf[:, :, None, :], k, v, scale=scale, mask=mask)[:, :, 0, :]
+        hides = pos.min() < keys - 1 or (window and keys > window)
+        mask = mx.array(_visible(pos, keys, window))[:, None, None, :] if hides else None
+        out = _sdpa(qf[:, :, None, :], k, v, scale, mask, softcap)[:, :, 0, :]
         return out.astype(q.dtype)
     # Prefill or mixed: one sdpa per sequence over its own keys, causal by position; sdpa maps query head h to
     # kv head h // (Hq / Hkv), as numpy's grouping does.
@@ -288,9 +311,10 @@ def _paged_attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Arr
         tokens, p = order[lo:hi], pos[order[lo:hi]]
         keys = int(p.max()) + 1
         k, v = keys_of(paged_rows(table, s, keys, block)[None])
-        mask = mx.array(np.arange(keys)[None, :] <= p[:, None]) if p.min() < keys - 1 else None  # [n, keys]
+        hides = p.min() < keys - 1 or (window and keys > window)
+        mask = mx.array(_visible(p, keys, window)) if hides else None  # [n, keys]
         qs = mx.take(qf, mx.array(tokens), axis=0).transpose(1, 0, 2)[None]  # [1, Hq, n, D]
-        parts.append(mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask=mask)[0].transpose(1, 0, 2))
+        parts.append(_sdpa(qs, k, v, scale, mask, softcap)[0].transpose(1, 0, 2))
     out = mx.take(mx.concatenate(parts, axis=0), mx.array(np.argsort(order)), axis=0)
     return out.astype(q.dtype)
 

@@ -104,6 +104,11 @@ def _rope(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     return out.astype(x.dtype)
 
 
+def _capped(scores: Array, softcap: float) -> Array:
+    """Gemma 2's attention logit soft-capping (0: none): softcap * tanh(score / softcap), after the scale."""
+    return softcap * np.tanh(scores / softcap) if softcap else scores
+
+
 def _attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     q, k, v = (_up(t) for t in xs[:3])
     sq, hq, d = q.shape
@@ -114,9 +119,11 @@ def _attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
         keys = min(k.shape[0], int(pos.max()) + 1) if pos.size else 0  # rows past every query are masked: skip them
         k, v = k[:keys], v[:keys]
     qg = q.reshape(sq, hkv, hq // hkv, d).transpose(1, 2, 0, 3)  # [Hkv, G, Sq, D]
-    scores = np.einsum("hgqd,khd->hgqk", qg, k) * scale
+    scores = _capped(np.einsum("hgqd,khd->hgqk", qg, k) * scale, a["softcap"])
     if a["causal"]:
-        scores = np.where(np.arange(k.shape[0])[None, :] <= pos[:, None], scores, -np.inf)
+        j = np.arange(k.shape[0])[None, :]
+        visible = (j <= pos[:, None]) & ((j > pos[:, None] - a["window"]) if a["window"] else True)
+        scores = np.where(visible, scores, -np.inf)
     scores -= scores.max(-1, keepdims=True)
     p = np.exp(scores)
     p /= p.sum(-1, keepdims=True)
@@ -162,9 +169,11 @@ def _paged_attention(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Arr
     out = np.zeros_like(q)
     for i in range(t):  # one query at a time: the plainest statement of what every backend must compute
         rows = paged_rows(table, int(token_seq[i]), int(pos[i]) + 1, block)
+        if a["window"]:  # the keys of positions pos - window + 1 .. pos
+            rows = rows[max(0, int(pos[i]) + 1 - a["window"]):]
         k, v = k_pool[rows], v_pool[rows]  # [keys, Hkv, D]
         qg = q[i].reshape(hkv, hq // hkv, d)
-        scores = np.einsum("hgd,khd->hgk", qg, k) * scale
+        scores = _capped(np.einsum("hgd,khd->hgk", qg, k) * scale, a["softcap"])
         p = np.exp(scores - scores.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         out[i] = np.einsum("hgk,khd->hgd", p, v).reshape(hq, d)

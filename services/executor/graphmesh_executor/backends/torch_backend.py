@@ -270,18 +270,43 @@ def _rope(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     return torch.cat([rotated, y[..., rot:]], -1).to(x.dtype)
 
 
+def _visible(pos: Tensor, keys: int, window: int) -> Tensor:
+    """[*pos.shape, keys]: whether a query at `pos` sees each key: up to its position, and within `window` (0: none)."""
+    j = torch.arange(keys, device=pos.device)
+    seen = j <= pos[..., None]
+    return seen & (j > pos[..., None] - window) if window else seen
+
+
+def _explicit_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, scale: float, softcap: float
+                        ) -> Tensor:
+    """q [S, Hq, D], k and v [K, Hkv, D], visible [S, K] (None: every key) -> [S, Hq, D], the scores written out:
+    SDPA has no soft-cap (Gemma 2)."""
+    s, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = _up(q).reshape(s, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # [Hkv, G, S, D]
+    scores = torch.matmul(qg, _up(k).permute(1, 2, 0)[:, None]) * scale  # [Hkv, G, S, K]
+    scores = scores.float() if scores.dtype in _HALF else scores
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if visible is not None:
+        scores = scores.masked_fill(~visible, -math.inf)
+    vh = _up(v).transpose(0, 1)[:, None]  # [Hkv, 1, K, D]
+    out = torch.matmul(torch.softmax(scores, -1).to(vh.dtype), vh)  # [Hkv, G, S, D]
+    return out.permute(2, 0, 1, 3).reshape(s, hq, d).to(q.dtype)
+
+
 def _attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     q, k, v = xs[:3]  # [S, H, D]
+    window, softcap = a["window"], a["softcap"]
     mask = None
     causal = False  # the mask is exactly SDPA's lower triangle: its flash kernel, not a masked one (~1.5x on CPU)
-    hide = None  # decode: keys past the query's position, on the device
+    hide = None  # decode: keys past the query's position (or before its window), on the device
     if a["causal"] and q.shape[0] and _static(ctx):
         # No host read of the positions: every cache row is read and rows past each query's position are
         # masked, so one captured graph serves every position.
         pos, keys = xs[3], k.shape[0]
-        visible: Tensor = _memo(pos, ("static-mask", keys),
-                                lambda: torch.arange(keys, device=q.device)[None, :] <= pos[:, None])
-        mask, hide = visible, _memo(pos, ("static-hide", keys), lambda: ~visible[0])
+        visible: Tensor = _memo(pos, ("static-mask", keys, window), lambda: _visible(pos, keys, window))
+        mask, hide = visible, _memo(pos, ("static-hide", keys, window), lambda: ~visible[0])
         # Rows past every query are padding that may hold anything (NaN included): a zero weight times NaN is
         # NaN, so they are zeroed, not only masked.
         pad = _memo(pos, ("static-pad", keys), lambda: (torch.arange(keys, device=q.device) > pos.max())[:, None, None])
@@ -291,22 +316,32 @@ def _attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
         lo, hi = _span(pos)
         keys = min(k.shape[0], hi + 1)  # rows past every query's position are padding: never read them
         k, v = k[:keys], v[:keys]
-        if lo + 1 < keys:  # some query sees fewer keys than remain (prefill); a decode step needs no mask
+        if window and hi - window + 1 > 0:  # some query's window starts past key 0
+            mask = _memo(pos, ("mask", keys, window), lambda: _visible(pos, keys, window))
+            hide = ~mask[0] if q.shape[0] == 1 else None
+        elif lo + 1 < keys:  # some query sees fewer keys than remain (prefill); a decode step needs no mask
             causal = lo == 0 and keys == q.shape[0] and _memo(pos, "iota", lambda: bool(
                 torch.equal(pos, torch.arange(keys, dtype=pos.dtype, device=pos.device))))
             if not causal:
                 mask = _memo(pos, ("mask", keys), lambda: torch.arange(keys, device=q.device)[None, :] <= pos[:, None])
+    scale = a["scale"] or q.shape[2] ** -0.5
     if q.shape[0] == 1:
         # Decode: two small matmuls per kv head group; SDPA's dispatch costs more than the math here
-        # (measured 1.65 ms vs 0.12 ms on CPU for 32 heads over 400 keys). One query needs no mask.
+        # (measured 1.65 ms vs 0.12 ms on CPU for 32 heads over 400 keys). One query needs no causal mask.
         hq, d = q.shape[1:]
         hkv = k.shape[1]
         qg, kh, vh = _up(q).reshape(hkv, hq // hkv, d), _up(k).permute(1, 2, 0), _up(v).transpose(0, 1)
-        scores = torch.matmul(qg, kh) * (a["scale"] or d**-0.5)  # [Hkv, G, keys]
+        scores = torch.matmul(qg, kh) * scale  # [Hkv, G, keys]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         if hide is not None:
             scores.masked_fill_(hide, -math.inf)
         p = torch.softmax(scores.float() if scores.dtype in _HALF else scores, -1).to(vh.dtype)
         return torch.matmul(p, vh).reshape(1, hq, d).to(q.dtype)  # [Hkv, G, D] -> [1, Hq, D]
+    if softcap:
+        if causal:
+            mask = _memo(xs[3], ("mask", k.shape[0]), lambda: _visible(xs[3], k.shape[0], 0))
+        return _explicit_attention(q, k, v, mask, scale, softcap)
     # A batch axis of 1: torch's CPU flash kernel takes 4-d inputs only (3-d ones fall back to the math path, 3-4x slower).
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          attn_mask=mask, is_causal=causal, scale=a["scale"] or None,
@@ -360,15 +395,17 @@ def _paged_rows(table: Tensor, blocks: int) -> Tensor:
 def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     q, k_pool, v_pool, table, token_seq, pos = xs
     block, (t, hq, d), hkv = a["block_size"], q.shape, k_pool.shape[1]
-    scale = a["scale"] or d**-0.5
+    scale, window, softcap = a["scale"] or d**-0.5, a["window"], a["softcap"]
     _check_indices(ctx, table, k_pool.shape[0] // block, "block_table block")
     _check_indices(ctx, token_seq, table.shape[0], "token_seq sequence")
     _check_indices(ctx, pos, table.shape[1] * block, "q_positions position")
     k_blocks, v_blocks = k_pool.view(-1, block, hkv, d), v_pool.view(-1, block, hkv, d)
     if a["decode"] and not _static(ctx) and cpu_kernels.attention_usable(q, k_pool, v_pool):
-        return cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, block, scale)  # in place, no copies
+        return cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, block, scale, window,
+                                                  softcap)  # in place, no copies
     if a["decode"] and cuda_kernels.paged_decode_usable(q, k_pool, v_pool):
-        return cuda_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, block, scale)  # one kernel, no copies
+        return cuda_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, block, scale, window,
+                                                   softcap)  # one kernel, no copies
     if a["decode"]:
         # One query per sequence: gather every sequence's blocks (whole-block copies) and run one batched
         # attention with keys past each query masked. Static runs read every block of the table (no host read).
@@ -377,17 +414,20 @@ def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
         keys = blocks * block
         k = k_blocks.index_select(0, ids).view(t, keys, hkv, d)
         v = v_blocks.index_select(0, ids).view(t, keys, hkv, d)
-        if q.is_cuda:
+        if q.is_cuda and not softcap:
             # One fused attention kernel where the products below take ~10 (a decode step's GPU time is mostly
             # kernel count): each kv head's group of query heads is that head's query axis, so no kv head is
             # repeated; every (sequence, kv head) is its own problem, whatever the other rows of the batch.
-            bias = _memo(pos, ("paged-bias", keys, q.dtype), lambda: _hiding_bias(pos, keys, q.dtype)[:, None, None])
+            bias = _memo(pos, ("paged-bias", keys, q.dtype, window),
+                         lambda: _hiding_bias(pos, keys, q.dtype, window)[:, None, None])
             attended = F.scaled_dot_product_attention(q.reshape(t, hkv, hq // hkv, d), k.transpose(1, 2),
                                                       v.transpose(1, 2), attn_mask=bias, scale=scale)
             return attended.reshape(t, hq, d)
-        hidden = _memo(pos, ("paged-hide", keys), lambda: torch.arange(keys, device=q.device)[None, :] > pos[:, None])
+        hidden = _memo(pos, ("paged-hide", keys, window), lambda: ~_visible(pos, keys, window))
         scores = torch.matmul(q.reshape(t, hkv, hq // hkv, d), k.permute(0, 2, 3, 1)) * scale  # [T, Hkv, G, keys]
         scores = scores.float() if scores.dtype in _HALF else scores
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         scores.masked_fill_(hidden[:, None, None, :], -math.inf)
         p = torch.softmax(scores, -1).to(v.dtype)
         return torch.matmul(p, v.permute(0, 2, 1, 3)).reshape(t, hq, d).to(q.dtype)
@@ -395,27 +435,33 @@ def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
     runs = _prompt_runs(token_seq, pos)
     # Batched where there are several runs and padding at most doubles the rows: a lone prompt keeps the causal
     # kernel below, which needs no mask (the batched one's is heads x rows x keys).
-    if q.is_cuda and len(runs) > 1 and len(runs) * max(end - start for _, start, end, _, _ in runs) <= 2 * t:
-        return _prompt_runs_batched(q, k_blocks, v_blocks, table, token_seq, pos, runs, scale)
+    if q.is_cuda and not softcap and len(runs) > 1 and \
+            len(runs) * max(end - start for _, start, end, _, _ in runs) <= 2 * t:
+        return _prompt_runs_batched(q, k_blocks, v_blocks, table, token_seq, pos, runs, scale, window)
     out = []
     for seq, start, end, keys, from_zero in runs:
         ids = table[seq, :-(-keys // block)].long()
         k = k_blocks.index_select(0, ids).reshape(-1, hkv, d)[:keys]
         v = v_blocks.index_select(0, ids).reshape(-1, hkv, d)[:keys]
         qs, ps = q[start:end], pos[start:end]
-        mask = None if from_zero else torch.arange(keys, device=q.device)[None, :] <= ps[:, None]
+        windowed = window and keys > window  # some query of the run has keys before its window
+        mask = None if from_zero and not windowed and not softcap else _visible(ps, keys, window)
+        if softcap:
+            out.append(_explicit_attention(qs, k, v, mask, scale, softcap))
+            continue
         # A batch axis of 1: torch's CPU flash kernel takes 4-d inputs only.
         o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=mask, is_causal=from_zero and end - start > 1, scale=scale,
+                                           attn_mask=mask, is_causal=mask is None and end - start > 1, scale=scale,
                                            enable_gqa=hq != hkv)
         out.append(o[0].transpose(0, 1))
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
-def _hiding_bias(pos: Tensor, keys: int, dtype: torch.dtype) -> Tensor:
-    """[*pos.shape, keys]: 0 where a query at `pos` sees the key, -inf past it. SDPA's fused CUDA kernels take it
-    additive, in q's dtype, made once a run: a boolean mask is converted inside every layer's call."""
-    hide = torch.arange(keys, device=pos.device) > pos[..., None]
+def _hiding_bias(pos: Tensor, keys: int, dtype: torch.dtype, window: int = 0) -> Tensor:
+    """[*pos.shape, keys]: 0 where a query at `pos` sees the key, -inf past it (and before its window). SDPA's fused
+    CUDA kernels take it additive, in q's dtype, made once a run: a boolean mask is converted inside every layer's
+    call."""
+    hide = ~_visible(pos, keys, window)
     return torch.zeros(hide.shape, dtype=dtype, device=pos.device).masked_fill_(hide, -math.inf)
 
 
@@ -441,7 +487,7 @@ def _prompt_runs(token_seq: Tensor, pos: Tensor) -> list[Run]:
 
 
 def _prompt_runs_batched(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, table: Tensor, token_seq: Tensor,
-                         pos: Tensor, runs: list[Run], scale: float) -> Tensor:
+                         pos: Tensor, runs: list[Run], scale: float, window: int = 0) -> Tensor:
     """Every run's attention in one fused kernel (CUDA): runs padded to the longest as a batch axis, each kv head's
     query heads folded into its query axis as in decode, keys past each query hidden by an additive mask made once
     a run. One run at a time is ~8 launches a run a layer: 16 prompts made a prefill of the 1.1B mesh's stages
@@ -455,12 +501,12 @@ def _prompt_runs_batched(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, table: T
         at = torch.tensor([r * rows + i for r, (_, start, end, _, _) in enumerate(runs) for i in range(end - start)],
                           device=q.device)
         padded_pos = torch.zeros(n * rows, dtype=pos.dtype, device=q.device).index_copy_(0, at, pos).view(n, rows)
-        bias = _hiding_bias(padded_pos, blocks * block, q.dtype)
+        bias = _hiding_bias(padded_pos, blocks * block, q.dtype, window)
         seqs = torch.tensor([seq for seq, *_ in runs], device=q.device)
         ids = table.index_select(0, seqs)[:, :blocks].reshape(-1).long()
         return at, bias[:, None].repeat(1, 1, group, 1), ids  # padded rows see key 0: no row is all -inf
 
-    at, bias, ids = _memo(token_seq, ("prompt-batch", id(pos), id(table), q.dtype), layout)
+    at, bias, ids = _memo(token_seq, ("prompt-batch", id(pos), id(table), q.dtype, window), layout)
     k = k_blocks.index_select(0, ids).view(n, blocks * block, hkv, d).transpose(1, 2)
     v = v_blocks.index_select(0, ids).view(n, blocks * block, hkv, d).transpose(1, 2)
     padded = q.new_zeros(n * rows, hq, d).index_copy_(0, at, q)
