@@ -38,11 +38,12 @@ def taken_port() -> Iterator[int]:
         yield taken.getsockname()[1]
 
 
-def _start(program: str, *args: str) -> tuple[int, str]:
-    """The exit status and the one line the program wrote that starts with its name (asserted to be one)."""
+def _start(program: str, *args: str, prefix: str = "") -> tuple[int, str]:
+    """The exit status and the one line the program wrote that starts with `prefix` (default: its name; asserted
+    to be one line)."""
     run = subprocess.run([str(BIN / program), *args], capture_output=True, text=True, timeout=180)
     assert "Traceback" not in run.stderr, run.stderr
-    lines = [line for line in run.stderr.splitlines() if line.startswith(f"{program}:")]
+    lines = [line for line in run.stderr.splitlines() if line.startswith(f"{prefix or program}:")]
     assert len(lines) == 1, run.stderr
     return run.returncode, lines[0]
 
@@ -96,3 +97,19 @@ def test_a_model_that_cannot_be_read_is_named(tmp_path: Path) -> None:
     assert code == 1
     assert line == f"graphmesh-executor: checkpoint {missing} does not exist"
 
+
+
+def test_graphmesh_up_says_in_one_line_why_its_coordinator_did_not_start(taken_port: int, checkpoint: Path) -> None:
+    code, line = _start("graphmesh", "up", "--model", str(checkpoint), "--backend", "numpy", "--executors", "1",
+                        "--listen", f"127.0.0.1:{taken_port}", "--http-listen", "", prefix="graphmesh-coordinator")
+    assert code == 1
+    assert line == (f"graphmesh-coordinator: cannot listen on 127.0.0.1:{taken_port}: port {taken_port} is in use by "
+                    "another process; stop it, or pass --listen with another port (port 0 picks a free one)")
+
+
+def test_graphmesh_generate_says_in_one_line_that_its_model_cannot_be_read(tmp_path: Path) -> None:
+    missing = tmp_path / "model.gguf"
+    code, line = _start("graphmesh", "generate", "--prompt", "hi", "--model", str(missing), "--backend", "numpy",
+                        "--executors", "1", prefix="graphmesh-coordinator")
+    assert code == 1
+    assert line == f"graphmesh-coordinator: checkpoint {missing} does not exist"

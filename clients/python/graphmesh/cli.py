@@ -46,7 +46,10 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
                    help="packed (default): quantized blocks kept packed, the same tokens as f32 and faster on CPUs")
 
 
-def _mesh(args: argparse.Namespace, listen: str = "", http_listen: str = "") -> LocalMesh:
+@contextmanager
+def _mesh(args: argparse.Namespace, listen: str = "", http_listen: str = "") -> Iterator[LocalMesh]:
+    """An embedded mesh, started and stopped with the block. A process of it that does not start ends `graphmesh`
+    with status 1 and that process's own one line (what is wrong and what to do), not the launcher's traceback."""
     backends = [b for b in args.backend.split(",") if b]
     if args.gpus:
         if args.executors and args.executors != len(args.gpus):
@@ -57,8 +60,18 @@ def _mesh(args: argparse.Namespace, listen: str = "", http_listen: str = "") -> 
         backends = ["torch"]
     backend: str | list[str] = backends if len(backends) > 1 else (backends[0] if backends else fastest_backend())
     count = len(backends) if len(backends) > 1 else (len(args.gpus) or args.executors or 2)
-    return LocalMesh(count, backend, args.model, [int(x) for x in args.split.split(",") if x], args.weights,
+    mesh = LocalMesh(count, backend, args.model, [int(x) for x in args.split.split(",") if x], args.weights,
                      coordinator_listen=listen, http_listen=http_listen, gpus=args.gpus)
+    try:
+        mesh.start()
+    except (RuntimeError, TimeoutError) as e:  # the launcher's error ends with the tail of the process's log
+        lines = str(e).splitlines()
+        own = [line for line in lines if line.startswith("graphmesh-") and ": " in line]
+        raise SystemExit(own[-1] if own else f"graphmesh: {lines[0] if lines else e}") from None
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
 
 
 def _gpus(text: str) -> list[int]:
