@@ -207,10 +207,26 @@ class Tokenizer:
                 raise InvalidArgument(f"message role {m.get('role')!r} contains a special token", "BAD_ROLE")
         # Each content is rendered as a marker the template cannot produce by itself, so that the rendered
         # text can be split into what the template wrote and what the user wrote. An empty or missing content
-        # stays as it is: templates test it ("if message.content").
-        contents = [m.get("content") for m in messages]
-        marked = [{**m, "content": f"\ue000{i}\ue001"} if isinstance(c, str) and c else m
-                  for i, (m, c) in enumerate(zip(messages, contents))]
+        # stays as it is: templates test it ("if message.content"). The strings in tool calls' arguments are
+        # marked too: they are often text a tool or a web page put in the model's mouth.
+        contents: list[str] = []
+
+        def mark(value: Any) -> Any:
+            if isinstance(value, str) and value:
+                contents.append(value)
+                return f"\ue000{len(contents) - 1}\ue001"
+            if isinstance(value, dict):
+                return {k: mark(v) for k, v in value.items()}
+            return [mark(v) for v in value] if isinstance(value, list) else value
+
+        marked = []
+        for m in messages:
+            copy = {**m, "content": mark(m["content"])} if isinstance(m.get("content"), str) else dict(m)
+            if isinstance(m.get("tool_calls"), list):
+                copy["tool_calls"] = [
+                    {**c, "function": {**c["function"], "arguments": mark(c["function"].get("arguments"))}}
+                    if isinstance(c, dict) and isinstance(c.get("function"), dict) else c for c in m["tool_calls"]]
+            marked.append(copy)
         rendered = self.apply_chat_template(marked, add_generation_prompt, tools)
         parts = re.split("\ue000(\\d+)\ue001", rendered)
         if any("\ue000" in p or "\ue001" in p for p in parts[::2]):  # a marker the template took apart
@@ -219,7 +235,7 @@ class Tokenizer:
         if len(parts) == 1:
             return self._encode_pieces([(rendered, False)])
         plain = self.apply_chat_template(messages, add_generation_prompt, tools)
-        return self._encode_pieces(_align(parts, [str(c) for c in contents], plain))
+        return self._encode_pieces(_align(parts, contents, plain))
 
     def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> list[int]:
         """Ids of the concatenated pieces, with special tokens recognised only in pieces not marked literal.

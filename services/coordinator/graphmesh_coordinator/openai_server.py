@@ -10,7 +10,6 @@ the Generator's code on a small pool only while it computes (aiterate), so a req
 cache or for its tokens holds no thread; when a client goes away its tasks are cancelled, which ends their sessions
 and releases their KV. Requests are never refused for load: they queue with the gRPC ones, and get 429 only past
 --max-waiting-requests.
-Extensions to OpenAI's parameters, as vLLM names them: top_k and ignore_eos.
 """
 
 from __future__ import annotations

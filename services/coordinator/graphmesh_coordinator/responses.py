@@ -34,7 +34,7 @@ from graphmesh import telemetry
 from graphmesh.errors import Unavailable
 from graphmesh_coordinator import genai
 from graphmesh_coordinator.generation import Event
-from graphmesh_coordinator.openai_protocol import APIError, ChatCompletionRequest, api_error
+from graphmesh_coordinator.openai_protocol import FINISH, APIError, ChatCompletionRequest, api_error
 
 if TYPE_CHECKING:
     from graphmesh_coordinator.openai_server import OpenAIServer, _Call
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 STORE_LIMIT = 1024  # stored responses (memory), the oldest dropped first
 STORE_TTL_S = 24 * 3600  # Redis
 REDIS_TIMEOUT_S = 2.0  # a Redis call that takes longer fails the request (503) rather than holding it
-_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 SUPPORTED = {"model", "input", "instructions", "previous_response_id", "tools", "tool_choice", "parallel_tool_calls",
              "text", "max_output_tokens", "temperature", "top_p", "stream", "store", "metadata", "user", "seed",
              "top_k", "truncation", "service_tier", "stream_options", "safety_identifier", "prompt_cache_key"}
@@ -279,7 +278,7 @@ class _Run:
         self.usage.output_tokens += len(event.token_ids)
         text, calls = (self.parser.feed(event.text) if self.parser is not None else (event.text, []))
         if event.finish_reason:
-            self.finish_reason = _FINISH.get(event.finish_reason, "stop")
+            self.finish_reason = FINISH.get(event.finish_reason, "stop")
             if self.parser is not None:
                 text += self.parser.finish()
         if not self.call.parallel_tool_calls:
