@@ -136,6 +136,11 @@ def test_configs() -> None:
     assert qwen.windows == (0, 0, 32, 32)
     assert ModelConfig.from_hf_config(Qwen2Config(**SHAPE, sliding_window=32).to_dict()).windows == ()  # no flag
     assert ModelConfig.from_hf_config(MistralConfig(**SHAPE, sliding_window=32).to_dict()).windows == (32, 32)
+    moe = {"num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+    assert ModelConfig.from_hf_config({**SHAPE, **moe, "model_type": "mixtral", "sliding_window": 32}).windows == (
+        32, 32)
+    assert ModelConfig.from_hf_config({**SHAPE, **moe, "model_type": "qwen3_moe", "use_sliding_window": True,
+                                       "sliding_window": 32}).windows == (32, 32)
     for c in (g2, g3):
         for layers in (range(0, 1), range(1, 2)):
             params = models.stage_params(c, layers, layers.start == 0, layers.stop == c.n_layers)
