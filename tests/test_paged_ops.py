@@ -148,25 +148,18 @@ def test_paged_attention_decode(backend: str, dtype: str) -> None:
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["adjacent", "shuffled"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
-def test_prompt_runs_batched_matches_the_reference(heads: tuple[int, int], dtype: str, shuffle: bool) -> None:
-    # The CUDA form of prompt attention (every run in one kernel, padded to the longest) run on the host: the same
-    # math, so it is checked here too, not only where a GPU is.
-    import torch
-
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "torch:cuda"] or
+                         [pytest.param("torch:cuda", marks=pytest.mark.skip(reason="no CUDA device"))])
+def test_cuda_mixed_step_rows_and_long_runs(backend: str, dtype: str, shuffle: bool) -> None:
+    # A step of decodes, short prompt chunks and one chunk longer than the row kernel takes: the short runs' rows
+    # go through the row kernel in one launch, the long run through its own flash call, each against the reference.
     from graphmesh_executor.backends import torch_backend as tb
-    ins = paged_inputs(ragged_table(), RAGGED, 32, dtype, *heads, shuffle=shuffle)
-    q, k_pool, v_pool, table, token_seq, pos = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-                                                if x.dtype.name == "bfloat16" else torch.from_numpy(x) for x in ins)
-    hkv = k_pool.shape[1]
-    runs = tb._prompt_runs(token_seq, pos)
-    assert sum(end - start for _, start, end, _, _ in runs) == len(pos)
-    if not shuffle:
-        assert [(seq, end - start) for seq, start, end, _, _ in runs] == [(seq, n) for seq, _, n in RAGGED]
-    got = tb._prompt_runs_batched(q, k_pool.view(-1, BLOCK, hkv, D), v_pool.view(-1, BLOCK, hkv, D), table, token_seq,
-                                  pos, runs, D**-0.5)
-    out = got.float().numpy().astype(ins[0].dtype)
-    assert_close(out, paged_ref(ins, BLOCK))
+    long = tb.ROW_KERNEL_RUN + 20
+    table = np.full((4, 80), 319)
+    table[:, :] = rng.permutation(320)[:320].reshape(4, 80)
+    chunks = [(0, 11, 5), (1, 40, 1), (2, 0, long), (3, 100, 30)]
+    ins = paged_inputs(table, chunks, 320, dtype, shuffle=shuffle)
+    assert_close(run_paged(backend, ins), paged_ref(ins, BLOCK))
 
 
 # One index made bad: (input, where, value). Inputs 3, 4, 5 are block_table, token_seq, q_positions.

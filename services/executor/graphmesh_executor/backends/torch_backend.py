@@ -433,28 +433,61 @@ def _paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
         return torch.matmul(p, v.permute(0, 2, 1, 3)).reshape(t, hq, d).to(q.dtype)
     # Chunks of prompts (and decodes) mixed: each sequence's queries are one contiguous run of rows.
     runs = _prompt_runs(token_seq, pos)
-    # Batched where there are several runs and padding at most doubles the rows: a lone prompt keeps the causal
-    # kernel below, which needs no mask (the batched one's is heads x rows x keys).
-    if q.is_cuda and not softcap and len(runs) > 1 and \
-            len(runs) * max(end - start for _, start, end, _, _ in runs) <= 2 * t:
-        return _prompt_runs_batched(q, k_blocks, v_blocks, table, token_seq, pos, runs, scale, window)
-    out = []
-    for seq, start, end, keys, from_zero in runs:
-        ids = table[seq, :-(-keys // block)].long()
-        k = k_blocks.index_select(0, ids).reshape(-1, hkv, d)[:keys]
-        v = v_blocks.index_select(0, ids).reshape(-1, hkv, d)[:keys]
-        qs, ps = q[start:end], pos[start:end]
-        windowed = window and keys > window  # some query of the run has keys before its window
-        mask = None if from_zero and not windowed and not softcap else _visible(ps, keys, window)
-        if softcap:
-            out.append(_explicit_attention(qs, k, v, mask, scale, softcap))
-            continue
-        # A batch axis of 1: torch's CPU flash kernel takes 4-d inputs only.
-        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=mask, is_causal=mask is None and end - start > 1, scale=scale,
-                                           enable_gqa=hq != hkv)
-        out.append(o[0].transpose(0, 1))
-    return torch.cat(out) if len(out) > 1 else out[0]
+    if q.is_cuda and cuda_kernels.paged_decode_usable(q, k_pool, v_pool):
+        return _rows_attention(q, k_pool, v_pool, table, token_seq, pos, runs, a)
+    return torch.cat([_run_attention(q, k_pool, v_pool, table, pos, r, a) for r in runs])
+
+
+def _run_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, pos: Tensor, run: Run,
+                   a: dict[str, Any]) -> Tensor:
+    """One sequence's run of query rows over its blocks: a causal kernel when the run is the sequence from 0."""
+    seq, start, end, keys, from_zero = run
+    block, (hkv, d) = a["block_size"], k_pool.shape[1:]
+    scale, window, softcap = a["scale"] or d**-0.5, a["window"], a["softcap"]
+    ids = table[seq, :-(-keys // block)].long()
+    k = k_pool.view(-1, block, hkv, d).index_select(0, ids).reshape(-1, hkv, d)[:keys]
+    v = v_pool.view(-1, block, hkv, d).index_select(0, ids).reshape(-1, hkv, d)[:keys]
+    qs, ps = q[start:end], pos[start:end]
+    causal = from_zero and end - start > 1 and not (window and keys > window)
+    mask = None if causal or (from_zero and not window) else _visible(ps, keys, window)
+    if softcap:
+        return _explicit_attention(qs, k, v, _visible(ps, keys, window) if causal else mask, scale, softcap)
+    # A batch axis of 1: torch's CPU flash kernel takes 4-d inputs only.
+    o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != hkv)
+    return o[0].transpose(0, 1)
+
+
+# Runs of at most this many query rows take the row kernel on CUDA (each row over its own keys, as a decode row);
+# longer ones a flash kernel of their own, which reads each key once per tile of queries instead of once per row.
+ROW_KERNEL_RUN = 256
+
+
+def _rows_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, token_seq: Tensor, pos: Tensor,
+                    runs: list[Run], a: dict[str, Any]) -> Tensor:
+    """A mixed step on CUDA (decodes and prompt chunks of any lengths): every row of a short run is a query of the
+    paged row kernel over its sequence's table row, all in one launch, whatever the batch; each long run is one
+    flash call. A row's path depends on its own run alone, so a row's bits do not depend on the other rows."""
+    def layout() -> tuple[Tensor, Tensor | None, list[Run]]:
+        long = [r for r in runs if r[2] - r[1] > ROW_KERNEL_RUN]
+        rows = None
+        if long:
+            rows = torch.tensor([i for r in runs if r[2] - r[1] <= ROW_KERNEL_RUN for i in range(r[1], r[2])],
+                                dtype=torch.long, device=q.device)
+        seqs = token_seq.long() if rows is None else token_seq.index_select(0, rows).long()
+        return table.index_select(0, seqs), rows, long
+    row_table, rows, long = _memo(token_seq, ("row-table", id(pos), id(table)), layout)
+    kernel = {"block": a["block_size"], "scale": a["scale"] or q.shape[2] ** -0.5, "window": a["window"],
+              "softcap": a["softcap"]}
+    if rows is None:
+        return cuda_kernels.paged_decode_attention(q, k_pool, v_pool, row_table, pos, **kernel)
+    out = torch.empty_like(q)
+    if rows.numel():
+        out.index_copy_(0, rows, cuda_kernels.paged_decode_attention(q.index_select(0, rows), k_pool, v_pool,
+                                                                      row_table, pos.index_select(0, rows), **kernel))
+    for r in long:
+        out[r[1]:r[2]] = _run_attention(q, k_pool, v_pool, table, pos, r, a)
+    return out
 
 
 def _hiding_bias(pos: Tensor, keys: int, dtype: torch.dtype, window: int = 0) -> Tensor:
@@ -484,35 +517,6 @@ def _prompt_runs(token_seq: Tensor, pos: Tensor) -> list[Run]:
             start = end
         return runs
     return _memo(token_seq, ("prompt-runs", id(pos)), split)  # type: ignore[no-any-return]
-
-
-def _prompt_runs_batched(q: Tensor, k_blocks: Tensor, v_blocks: Tensor, table: Tensor, token_seq: Tensor,
-                         pos: Tensor, runs: list[Run], scale: float, window: int = 0) -> Tensor:
-    """Every run's attention in one fused kernel (CUDA): runs padded to the longest as a batch axis, each kv head's
-    query heads folded into its query axis as in decode, keys past each query hidden by an additive mask made once
-    a run. One run at a time is ~8 launches a run a layer: 16 prompts made a prefill of the 1.1B mesh's stages
-    launch ~1,400 attention kernels each (the whole step took 89-103 ms on the H200)."""
-    _, hq, d = q.shape
-    block, hkv = k_blocks.shape[1], k_blocks.shape[2]
-    group, n, rows = hq // hkv, len(runs), max(end - start for _, start, end, _, _ in runs)
-    blocks = -(-max(keys for _, _, _, keys, _ in runs) // block)
-
-    def layout() -> tuple[Tensor, Tensor, Tensor]:
-        at = torch.tensor([r * rows + i for r, (_, start, end, _, _) in enumerate(runs) for i in range(end - start)],
-                          device=q.device)
-        padded_pos = torch.zeros(n * rows, dtype=pos.dtype, device=q.device).index_copy_(0, at, pos).view(n, rows)
-        bias = _hiding_bias(padded_pos, blocks * block, q.dtype, window)
-        seqs = torch.tensor([seq for seq, *_ in runs], device=q.device)
-        ids = table.index_select(0, seqs)[:, :blocks].reshape(-1).long()
-        return at, bias[:, None].repeat(1, 1, group, 1), ids  # padded rows see key 0: no row is all -inf
-
-    at, bias, ids = _memo(token_seq, ("prompt-batch", id(pos), id(table), q.dtype, window), layout)
-    k = k_blocks.index_select(0, ids).view(n, blocks * block, hkv, d).transpose(1, 2)
-    v = v_blocks.index_select(0, ids).view(n, blocks * block, hkv, d).transpose(1, 2)
-    padded = q.new_zeros(n * rows, hq, d).index_copy_(0, at, q)
-    grouped = padded.view(n, rows, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, group * rows, d)
-    attended = F.scaled_dot_product_attention(grouped, k, v, attn_mask=bias, scale=scale)
-    return attended.view(n, hkv, group, rows, d).permute(0, 3, 1, 2, 4).reshape(n * rows, hq, d).index_select(0, at)
 
 
 def _top_k(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
