@@ -358,12 +358,24 @@ def test_a_conversation_with_calls_and_results_is_the_templates_prompt(mesh: tup
 
 
 def test_responses_api_function_call_in_the_family_format(mesh: tuple[str, Path, LocalMesh]) -> None:
+    """A required call through the Responses API, whole and as its typed events, in each family's format."""
     _, _, m = mesh
     client = _client(m)
     model = client.models.list().data[0].id
     tool: Any = {"type": "function", "name": "get_weather", "parameters": PARAMS["get_weather"]}
-    output = client.responses.create(model=model, input="Weather in Oslo?", tools=[tool], tool_choice="required",
-                                     temperature=1.0, extra_body={"seed": 4}, max_output_tokens=200).output
-    calls = [o for o in output if o.type == "function_call"]
-    assert len(calls) == 1 and calls[0].name == "get_weather"
-    jsonschema.validate(json.loads(calls[0].arguments), PARAMS["get_weather"])
+    for stream in (False, True):
+        if stream:
+            events = list(client.responses.create(model=model, input="Weather in Oslo?", tools=[tool],
+                                                  tool_choice="required", temperature=1.0, extra_body={"seed": 4},
+                                                  max_output_tokens=200, stream=True))
+            done = [e for e in events if e.type == "response.completed"]
+            assert len(done) == 1
+            output = done[0].response.output  # type: ignore[union-attr]
+            assert [e.type for e in events].count("response.function_call_arguments.done") == 1
+        else:
+            output = client.responses.create(model=model, input="Weather in Oslo?", tools=[tool],
+                                             tool_choice="required", temperature=1.0, extra_body={"seed": 4},
+                                             max_output_tokens=200).output
+        calls = [o for o in output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather"
+        jsonschema.validate(json.loads(calls[0].arguments), PARAMS["get_weather"])
