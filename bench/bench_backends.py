@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 from bench.common import free_address, machine, median, progress, table, write_results
 from graphmesh.serving import byte_size
-from graphmesh_executor.stage import StageRuntime, StageSpec, StepRow
+from graphmesh_executor.stage import StageRuntime
+from graphmesh_executor.stage_types import StageSpec, StepRow
 
 MODEL = "smollm2-135m"
 GOAL = 1.5

@@ -30,7 +30,8 @@ from bench.common import machine, median, progress, table, write_results
 from graphmesh import plan as dag
 from graphmesh.serving import cpu_flags
 from graphmesh_executor.backends import cpu_kernels
-from graphmesh_executor.stage import Boundary, StageRuntime, StageSpec, StepRow
+from graphmesh_executor.stage import StageRuntime
+from graphmesh_executor.stage_types import Boundary, StageSpec, StepRow
 
 PROMPT = list(range(100, 140))
 

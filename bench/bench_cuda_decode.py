@@ -37,7 +37,8 @@ def measure(path: Path, rows: list[int], steps: int) -> list[dict[str, Any]]:
 
     from graphmesh import plan as dag
     from graphmesh_executor.backends.torch_backend import TorchExecutable
-    from graphmesh_executor.stage import Boundary, StageRuntime, StageSpec, StepRow
+    from graphmesh_executor.stage import StageRuntime
+    from graphmesh_executor.stage_types import Boundary, StageSpec, StepRow
 
     step_ids = itertools.count(1)
     runtimes: list[StageRuntime] = []

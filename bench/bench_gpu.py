@@ -30,7 +30,8 @@ from bench.bench_backends import same_prefix
 from bench.common import RESULTS_DIR, median, progress, table
 from graphmesh.kvkeys import blocks_for
 from graphmesh_executor.backends.torch_backend import TorchExecutable
-from graphmesh_executor.stage import StageRuntime, StageSpec, StepRow
+from graphmesh_executor.stage import StageRuntime
+from graphmesh_executor.stage_types import StageSpec, StepRow
 
 TINYLLAMA: dict[str, Any] = {"vocab_size": 32000, "hidden_size": 2048, "num_hidden_layers": 22, "num_attention_heads": 32,
              "num_key_value_heads": 4, "intermediate_size": 5632}

@@ -290,8 +290,8 @@ def measure_boundary(a: argparse.Namespace, shape: dict[str, Any]) -> list[dict[
     import torch
 
     from graphmesh import plan as dag
-    from graphmesh_executor.stage import Boundary
     from graphmesh_executor.stage_servicer import BoundaryPusher
+    from graphmesh_executor.stage_types import Boundary
     from graphmesh_executor.transport import ENV, NAMES
 
     on_gpu = a.device.startswith("cuda") or bool(a.gpus)

@@ -47,7 +47,8 @@ from graphmesh.launcher import LocalMesh
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator.scheduler import DECODE_STEPS_CPU
-from graphmesh_executor.stage import StageRuntime, StageSpec, StepRow
+from graphmesh_executor.stage import StageRuntime
+from graphmesh_executor.stage_types import StageSpec, StepRow
 
 MODEL = "smollm2-135m"
 QUESTION = "Explain in one paragraph why the sky is blue."

@@ -34,7 +34,8 @@ from bench.bench_gpu import make_model
 from bench.bench_gpu_mesh import SHAPES
 from bench.common import RESULTS_DIR, machine, median, progress, table
 from graphmesh_executor.engine import Engine
-from graphmesh_executor.stage import StageRuntime, StageSpec, StepRow
+from graphmesh_executor.stage import StageRuntime
+from graphmesh_executor.stage_types import StageSpec, StepRow
 
 _ids = itertools.count(1)
 

@@ -26,8 +26,8 @@ from graphmesh.links import ACK, HEADER, HELLO, PUSH, KvLink, KvLinks, LinkError
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from graphmesh_executor import boundary_link
 from graphmesh_executor.boundary_link import BoundaryLink
-from graphmesh_executor.stage import Boundary
 from graphmesh_executor.stage_servicer import BoundaryPusher
+from graphmesh_executor.stage_types import Boundary
 from tests.conftest import executor_args, start_process
 from tests.model_fixtures import make_tiny_llama
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from graphmesh import plan as dag
-from graphmesh_executor.stage import Boundary, StageRuntime, StageSpec, StepRow
+from graphmesh_executor.stage import StageRuntime
+from graphmesh_executor.stage_types import Boundary, StageSpec, StepRow
 from tests.model_fixtures import make_tiny_llama
 
 torch = pytest.importorskip("torch")

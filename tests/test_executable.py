@@ -817,7 +817,8 @@ def test_a_llama_stage_fuses_every_layer_s_pairs(monkeypatch: pytest.MonkeyPatch
     its product, before the k rope, and the scatter pair never formed: two index_copy kernels a layer on CUDA)."""
     from graphmesh import plan as dag
     from graphmesh_executor.backends.torch_backend import TorchExecutable, _kv_scatter_pair, _rope_pair
-    from graphmesh_executor.stage import StageRuntime, StageSpec, StepRow
+    from graphmesh_executor.stage import StageRuntime
+    from graphmesh_executor.stage_types import StageSpec, StepRow
     from tests.model_fixtures import make_tiny_llama
 
     monkeypatch.setattr(TorchExecutable, "fuse_pairs", True)

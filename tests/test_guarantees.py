@@ -28,12 +28,12 @@ from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_coordinator.scheduler import MAX_ARCH_RETRIES
 from graphmesh_coordinator.state import Decision, DurableState
-from graphmesh_executor import stage as stage_module
+from graphmesh_executor import stage_inputs
 from graphmesh_executor.executable import RngOptions
 from graphmesh_executor.logprobs import RowSampling, sample_with_logprobs
 from graphmesh_executor.server import ExecutorConfig, build_server
-from graphmesh_executor.stage import Boundary
 from graphmesh_executor.stage_servicer import BoundaryPusher, StageServicer
+from graphmesh_executor.stage_types import Boundary
 from tests.model_fixtures import make_tiny_llama
 from tests.test_scheduler import FakeMesh, FakeRank, run, solo
 
@@ -322,7 +322,7 @@ def test_each_sampled_token_is_drawn_with_the_seed_of_its_own_position(cluster: 
     the row's logits give with seed_for(seed, its position), and the stream differs from the one a position-free
     seed would give. Catches: the position dropped from seed_for, or a call site passing another position (a
     decode run's start for all of its tokens)."""
-    assert len({stage_module.seed_for(7, p) for p in range(256)}) == 256
+    assert len({stage_inputs.seed_for(7, p) for p in range(256)}) == 256
     mesh = _mesh(cluster)
     try:
         k = mesh.incarnation
@@ -358,8 +358,8 @@ def test_each_sampled_token_is_drawn_with_the_seed_of_its_own_position(cluster: 
                                      [RowSampling(1.5, 0, 1.0, seed_of(p), False, 0)])[0][0]
                 for i, p in enumerate(positions)]
 
-    assert stream == drawn(lambda p: stage_module.seed_for(7, p))
-    assert stream != drawn(lambda p: stage_module.seed_for(7, len(PROMPT)))  # one seed for every position
+    assert stream == drawn(lambda p: stage_inputs.seed_for(7, p))
+    assert stream != drawn(lambda p: stage_inputs.seed_for(7, len(PROMPT)))  # one seed for every position
 
 
 def test_a_rank_undecided_about_a_logged_commit_is_told_committed(cluster: Cluster) -> None:

@@ -26,7 +26,8 @@ from graphmesh.errors import InvalidArgument
 from graphmesh.launcher import LocalMesh
 from graphmesh.protocol import ErrorClass, ProtocolError
 from graphmesh_executor.fencing import AuthorityState
-from graphmesh_executor.stage import Boundary, StageRuntime, StageSpec, StepResult, StepRow
+from graphmesh_executor.stage import StageRuntime
+from graphmesh_executor.stage_types import Boundary, StageSpec, StepResult, StepRow
 from tests.model_fixtures import add_tiny_encoder, hf_greedy_with_encoder, make_tiny_llama
 
 HIDDEN = 64

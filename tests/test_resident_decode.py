@@ -19,8 +19,9 @@ from graphmesh import plan as dag
 from graphmesh.kvkeys import blocks_for
 from graphmesh.v1 import stage_pb2
 from graphmesh_executor.backends import available
-from graphmesh_executor.stage import Boundary, Sampling, StageRuntime, StageSpec, StepRow
+from graphmesh_executor.stage import StageRuntime
 from graphmesh_executor.stage_servicer import StageServicer
+from graphmesh_executor.stage_types import Boundary, Sampling, StageSpec, StepRow
 from tests.model_fixtures import make_tiny_gpt2, make_tiny_llama, smollm2_hf_tokenizer
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 11]

@@ -29,7 +29,8 @@ from graphmesh.v1 import coordinator_pb2 as cpb
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator import speculative
 from graphmesh_coordinator.speculative import Mode, Speculation, parse_mode, propose
-from graphmesh_executor.stage import StepResult, StepRow, _positions, _verify
+from graphmesh_executor.stage import _positions, _verify
+from graphmesh_executor.stage_types import StepResult, StepRow
 from tests.test_metrics import scrape, value
 
 ON = cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_PROMPT_LOOKUP, max_proposed=4)

@@ -16,15 +16,8 @@ from graphmesh import plan as dag
 from graphmesh.errors import FailedPrecondition
 from graphmesh.protocol import ProtocolError
 from graphmesh_executor.fencing import AuthorityState, SessionPhase
-from graphmesh_executor.stage import (
-    Boundary,
-    KvBlocks,
-    Sampling,
-    StageRuntime,
-    StageSpec,
-    StepResult,
-    StepRow,
-)
+from graphmesh_executor.stage import StageRuntime
+from graphmesh_executor.stage_types import Boundary, KvBlocks, Sampling, StageSpec, StepResult, StepRow
 from tests.model_fixtures import make_tiny_llama
 
 KV_CACHE_BYTES = 1 << 20  # 1 MiB: hundreds of blocks for these tiny layers (the default pool would be 512 MiB)

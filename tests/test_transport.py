@@ -28,8 +28,8 @@ from graphmesh.links import PUSH
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor import transport
 from graphmesh_executor.boundary_link import BoundaryLink
-from graphmesh_executor.stage import Boundary
 from graphmesh_executor.stage_servicer import BoundaryPusher
+from graphmesh_executor.stage_types import Boundary
 from graphmesh_executor.transport import CUDA_IPC, ENV, TCP, choose, local_end
 from tests.conftest import executor_args, start_process
 from tests.model_fixtures import make_tiny_llama

@@ -236,20 +236,21 @@ class Executable(Generic[T]):
     def _cast(self, value: T, dtype: str) -> T:
         raise NotImplementedError("need _cast")
 
-    def _take_rows(self, value: T, rows: np.ndarray) -> np.ndarray:
-        """value[rows] on the host (axis 0); backends move only those rows."""
-        return self._to_host(value)[rows]
-
-    def _host_view(self, value: T) -> np.ndarray | None:
-        """value's own memory as an f32 host array, no copy; None where it is not (a device's, another dtype)."""
-        return None
-
     def _pad_rows(self, value: T, rows: int) -> T:
         """value with zero rows appended along axis 0 up to `rows` (an output of a run cut to its active extent)."""
         host = self._to_host(value)
         return self._from_host(np.concatenate([host, np.zeros((rows - host.shape[0], *host.shape[1:]), host.dtype)]))
 
-    def _put_rows(self, value: T, rows: np.ndarray, data: np.ndarray) -> T:
+    # -- pool rows: the stage reads and writes its KV pools' rows through these -------------------------
+    def take_rows(self, value: T, rows: np.ndarray) -> np.ndarray:
+        """value[rows] on the host (axis 0); backends move only those rows."""
+        return self._to_host(value)[rows]
+
+    def host_view(self, value: T) -> np.ndarray | None:
+        """value's own memory as an f32 host array, no copy; None where it is not (a device's, another dtype)."""
+        return None
+
+    def put_rows(self, value: T, rows: np.ndarray, data: np.ndarray) -> T:
         """value[rows] = data (axis 0, cast to value's dtype); backends may write in place."""
         host = self._to_host(value).copy()
         host[rows] = data

@@ -16,11 +16,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,135 +39,55 @@ from graphmesh.errors import (
     OutOfRange,
     ResourceExhausted,
 )
-from graphmesh.graph import parse
-from graphmesh.kvkeys import blocks_for
 from graphmesh.models.config import ModelConfig
 from graphmesh.models.moe import read_param
 from graphmesh.protocol import ACTIONS, METADATA_KEY, Action, ErrorClass, ProtocolError
 from graphmesh.serving import available_memory_bytes
-from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.encoder_group import EncoderGroup
 from graphmesh_executor.engine import Engine
 from graphmesh_executor.executable import Executable, RngOptions
-from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionPhase, SessionTxn
-from graphmesh_executor.kv_pool import SCRATCH_BLOCK, KvPool
-from graphmesh_executor.logprobs import RowLogprobs, RowSampling, sample_with_logprobs
-from graphmesh_executor.weights import load_params, resolve_under_root
+from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionPhase
+from graphmesh_executor.kv_pool import KvPool
+from graphmesh_executor.logprobs import RowSampling, sample_with_logprobs
+from graphmesh_executor.stage_inputs import Prepared, RunInputs, seed_for
+from graphmesh_executor.stage_kv import StageKv
+from graphmesh_executor.stage_types import (
+    BlockWriter,
+    Boundary,
+    KvBlocks,
+    Pusher,
+    StageSession,
+    StageSpec,
+    StepResult,
+    StepRow,
+)
+from graphmesh_executor.weights import resolve_under_root
 
 log = logging.getLogger("graphmesh.executor.stage")
 
-MIN_PREFILL_ROWS = 16
 DEFAULT_KV_CACHE_BYTES = 512 << 20  # the CPU pool's cap when --kv-cache-bytes is not given
 NUMPY_KV_CACHE_BYTES = 16 << 20
 WARM_SHAPES = 4  # executables a re-plan compiles up front: the old stage's most recently used shapes
 
 
-def bucket(n: int, minimum: int) -> int:
-    """Power-of-two ladder: at most 2x padding."""
-    size = minimum
-    while size < n:
-        size *= 2
-    return size
 
 
-_SEED_MASK = (1 << 63) - 1
 
 
-def seed_for(session_seed: int, position: int) -> int:
-    """The sample op's seed for the token at `position`: a replay of the same session draws the same."""
-    return (session_seed * 1_000_003 + position) & _SEED_MASK
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    """The proto's StageSpec as the stage runtime holds it."""
-
-    model: str
-    layer_start: int
-    layer_end: int
-    first: bool
-    last: bool
-    weights: str = "f32"
-    max_context_tokens: int = 0
-    kvstore_address: str = ""
-    kv_block_tokens: int = 16
-    dtype: str = ""  # "" resolves to bf16 on CUDA, f32 on CPU
 
 
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    logprobs: bool = False  # the last stage samples on the host and returns the token's logprob (logprobs.py)
-    top_logprobs: int = 0
 
 
-@dataclass(frozen=True)
-class StepRow:
-    """One session's part of a step (stage.proto StepRow)."""
-
-    session_id: str
-    epoch: int
-    commit_epoch: int
-    start: int
-    token_ids: list[int]
-    sampling: Sampling = Sampling()
-    # The encoder group's input: features f32 [n, input_dim] of the n placeholder tokens at these offsets into
-    # token_ids (stage.proto StepRow)
-    encoder_input: np.ndarray | None = None
-    encoded_offsets: tuple[int, ...] = ()
-    # The guided-decoding mask of the token the row samples (stage.proto StepRow.allowed_tokens): a little-endian
-    # uint32 bitmask over the vocabulary; empty: every token. Such a row is sampled on the host (logprobs.py).
-    allowed_tokens: bytes = b""
-    # Its last `proposed` token_ids are a proposer's guesses (stage.proto StepRow.prediction_target): the last stage
-    # samples every position and keeps the proposals its samples agree with.
-    proposed: int = 0
-    # The folded commit keeps only this many KV rows (a verified chunk's rejected proposals roll back); 0: all.
-    commit_length: int = 0
 
 
-@dataclass
-class StageSession:
-    txn: SessionTxn = field(default_factory=SessionTxn)
-    tokens: list[int] = field(default_factory=list)  # committed tokens, for KV store keys
-    pending_tokens: list[int] = field(default_factory=list)  # tokens of the open epoch
-    stored_tokens: int = 0  # tokens already written behind to the KV store
-    # Rows were written without their token ids (or out of line with them): `tokens` no longer says which token
-    # each row holds, so this session never keys blocks with them (write-behind) nor hands them on (copies).
-    untokened: bool = False
 
 
-@dataclass
-class StepResult:
-    tokens: list[int] = field(default_factory=list)  # per row (last stage, sampling): a decode run's first
-    run_tokens: list[list[int]] = field(default_factory=list)  # per row, every token a decode run sampled (last stage)
-    logits: np.ndarray | None = None  # f32 [rows, vocab] (last stage, logits)
-    logprobs: list[RowLogprobs | None] = field(default_factory=list)  # per row (last stage, rows that asked)
-    kv_lengths: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)  # per row, the proposals the last stage accepted
-    compute_us: float = 0.0
-    computed_tokens: int = 0
-    waves: list[tuple[int, int, bool]] = field(default_factory=list)  # (wave, group, worked) this rank took part in
 
 
-@dataclass(frozen=True)
-class Boundary:
-    """A bundle one group hands another over a plan route, for a step or one iteration of a decode run
-    (stage.proto PushBoundaryRequest)."""
-
-    step_id: int
-    iteration: int = 0  # the decode run's iteration this is the input of
-    route_id: int = 0
-    values: dict[str, np.ndarray] = field(default_factory=dict)  # by role (graphmesh.plan), in the schema's order
-    schema_identity: str = ""  # the sender's identity of the route's schema
-    wave: int = 0  # the wave that produced it
 
 
-# (address, incarnation, boundary, timeout_s, delivered): may return before delivery; calls delivered(None) once the
-# next rank took the bundle, or delivered(error) once it cannot (exactly once, from any thread).
-Pusher = Callable[[str, int, Boundary, float, Callable[[Exception | None], None]], None]
 
 
 @dataclass(eq=False)
@@ -192,49 +111,17 @@ class _InFlight:
     pushes: int = 0  # pushes sent and not yet taken
     computed: bool = False  # every iteration ran
     done: Future[StepResult] = field(default_factory=Future)
-    prepared: _Prepared | None = None  # the next iteration's run, built while its boundary was on the way
-    last_run: _Prepared | None = None  # the run of the iteration that ran last: a decode run's next one follows it
+    prepared: Prepared | None = None  # the next iteration's run, built while its boundary was on the way
+    last_run: Prepared | None = None  # the run of the iteration that ran last: a decode run's next one follows it
 
 
-@dataclass(eq=False)
-class _Prepared:
-    """A run with every input but those a boundary brings (the first stage's token ids, another's activation):
-    a decode run's next iteration, built on the engine while it waited for that boundary. Within a run a row's
-    positions, slots and block table are known ahead (its blocks were reserved when the run began), and building
-    them and the rows was ~30% of a stage iteration's host work, on the path from one stage to the next."""
-
-    iteration: int
-    rows: list[StepRow]  # the iteration's rows, each token_ids a one-element list its token is written into
-    sample: bool  # sampled in the graph (the last stage), as _compute is asked to
-    exe: Executable[Any]
-    inputs: dict[str, np.ndarray]
-    tokens: int  # token rows of the run (a bucket)
-    seqs: int  # sequences of the run (a bucket)
-    blocks: int  # blocks per sequence of its block table (a rung of the ladder)
-    extent: tuple[int, int] | None
 
 
-BlockWriter = Callable[["KvBlocks"], None]  # hands committed blocks to the write-behind (kv_writer.KvWriteBehind)
 
 
-@dataclass(frozen=True)
-class KvBlocks:
-    """Committed whole blocks of a session, ready to be written behind to the KV store."""
-
-    address: str
-    model_identity: str
-    layer_start: int
-    layer_end: int
-    kv_dim: int
-    block_tokens: int
-    token_ids: list[int]
-    first_block: int
-    rows: np.ndarray  # f32 [blocks * block_tokens, layers, 2, kv_dim]
-    incarnation: int
-    epoch: int
 
 
-class StageRuntime:
+class StageRuntime(RunInputs, StageKv):
     def __init__(self, backend: str, device: str = "cpu", model_root: str | None = None,
                  pusher: Pusher | None = None, block_writer: BlockWriter | None = None,
                  faults_enabled: bool = False, kv_cache_bytes: int = 0, standby_weights: bool | None = None) -> None:
@@ -431,63 +318,12 @@ class StageRuntime:
             return resolve_model(model)
         return resolve_under_root(Path(self.model_root), model)
 
-    def _pool_names(self) -> list[str]:
-        assert self.spec is not None
-        return [f"past_{kind}_{i}" for i in range(self.spec.layer_end - self.spec.layer_start) for kind in ("k", "v")]
 
-    @property
-    def max_blocks(self) -> int:
-        """Blocks of the longest session this stage holds."""
-        assert self.spec is not None and self.config is not None
-        return blocks_for(self.spec.max_context_tokens or self.config.max_position, self.pool.block_tokens)
 
-    def _compile(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool, encoded: bool = False,
-                 weights: Path | None = None, reuse: Executable[Any] | None = None) -> Executable[Any]:
-        assert self.config is not None and self.spec is not None
-        spec = self.spec
-        # "packed": GGUF blocks stay packed, consumed by dequant_matmul (exact); "packed-bf16" also runs those
-        # matmuls on bf16 activations, which torch's int4 kernel needs to be fast (not token-exact).
-        packed = self._packed
-        layout = models.PagedLayout(seqs, blocks, self.pool.block_tokens, self.pool.blocks, decode)
-        proto = models.build_stage(self.config, range(spec.layer_start, spec.layer_end), seq_len=tokens, cache_len=0,
-                                   first=spec.first, last=spec.last, sample=sample, quantized=packed,
-                                   packed_schemes=self._packed_schemes if packed else None,
-                                   packed_activations="bf16" if spec.weights == "packed-bf16" else "f32",
-                                   dtype=self.dtype, paged=layout, encoded=encoded)
-        exe = compile_graph(parse(proto), self.backend, self.device)
-        if weights is not None:
-            # A re-plan (recovery, rebalancing) keeps the layers this rank already holds and reads only the new ones.
-            kept = set(exe.copy_params_from(reuse) if reuse is not None else [])
-            for name in exe.graph.params.keys() - kept:
-                # standby weights are f32 (dequantized): a packed stage's blocks come from the checkpoint
-                if name in self._standby and exe.graph.params[name].dtype != "u8":
-                    exe.set_param_typed(name, self._standby[name])
-                    kept.add(name)
-            load_params(exe, weights, {}, skip=kept)
-            exe.finalize_params()
-        elif self._holder is not None:
-            exe.copy_params_from(self._holder)
-        for j, name in enumerate(self._pool_names()):
-            exe.set_handle_feed(name, 1 + j)  # the updated pool replaces the handle: kv_scatter writes in place
-        return exe
 
-    def _executable(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool,
-                    encoded: bool = False) -> Executable[Any]:
-        key = (tokens, seqs, blocks, decode, sample, encoded)
-        exe = self._executables.pop(key, None)
-        if exe is None:
-            t0 = time.perf_counter()
-            exe = self._compile(*key)
-            # a step that waits for this is slower by that much: a shape bucket worth knowing about
-            log.info("stage executable compiled", extra={"tokens": tokens, "seqs": seqs, "blocks": blocks,
-                                                         "decode": decode, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
-        self._executables[key] = exe  # (re)inserted last: the dict is in order of use, for a re-plan's warm-up
-        return exe
+
 
     # -- protocol --------------------------------------------------------------------------------------
-    def _session(self, session_id: str) -> StageSession:
-        return self._sessions.setdefault(session_id, StageSession())
-
     def execute_step(self, incarnation: int, step_id: int, rows: list[StepRow], logits: bool,
                      timeout_s: float, decode_steps: int = 1, active_groups: frozenset[int] = frozenset()) -> StepResult:
         """Begin every row (after its folded commit), take this rank's part of each of the step's waves (run its
@@ -816,19 +652,6 @@ class StageRuntime:
             step.computed = True
             self._finish(step)
 
-    @staticmethod
-    def _next_rows(rows: list[StepRow]) -> list[StepRow]:
-        """The rows of a decode run's next iteration, one position on, each with a token to be written in. Made
-        by copying each row's fields, not through dataclasses.replace: that re-ran __init__ for every row of every
-        iteration, the largest host cost of a 256-row decode iteration (profile_stage.py)."""
-        out = []
-        for r in rows:
-            nxt = object.__new__(StepRow)
-            fields = nxt.__dict__
-            fields.update(r.__dict__)
-            fields.update(start=r.start + 1, token_ids=[0], encoder_input=None, encoded_offsets=())
-            out.append(nxt)
-        return out
 
     def _prepare(self, step: _InFlight, iteration: int) -> None:
         """Builds `iteration`'s run ahead of its boundary (engine thread), unless the step is over or that
@@ -839,7 +662,7 @@ class StageRuntime:
             return
         try:
             rows = self._next_rows(step.rows)
-            step.prepared = self._inputs_for(step, rows, self._samples(step, rows), iteration)
+            step.prepared = self._inputs_for(step.last_run, rows, self._samples(step, rows), iteration)
         except Exception as e:
             log.debug("iteration not prepared", extra={"step": step.step_id, "error": repr(e)})
 
@@ -875,7 +698,7 @@ class StageRuntime:
         with telemetry.span("stage.compute", step=step.step_id, iteration=step.iteration, rows=len(rows)):
             prepared = step.prepared
             run = prepared if prepared is not None and prepared.rows is rows and prepared.sample == sample and \
-                encoded is None else self._inputs_for(step, rows, sample, step.iteration, encoded is not None)
+                encoded is None else self._inputs_for(step.last_run, rows, sample, step.iteration, encoded is not None)
             out = self._guarded(lambda: self._compute(rows, hidden, encoded, run))
         step.prepared, step.last_run = None, run
         result.compute_us += (time.perf_counter() - t0) * 1e6
@@ -965,7 +788,7 @@ class StageRuntime:
         return ProtocolError(ErrorClass.COMM, Internal(f"device {self.device} failed: {what}", "DEVICE_FAILURE"))
 
     def _compute(self, rows: list[StepRow], hidden: np.ndarray | None, encoded: np.ndarray | None,
-                 run: _Prepared) -> np.ndarray:
+                 run: Prepared) -> np.ndarray:
         """One run over every row, on the engine thread, with `run`'s executable and inputs. `encoded`: the
         encoder's rows for the rows' placeholder tokens, in order (first stage), which replace those tokens'
         embeddings."""
@@ -1000,85 +823,8 @@ class StageRuntime:
             finally:
                 self._pools = exe.swap_handles(own)
 
-    def _inputs_for(self, step: _InFlight, rows: list[StepRow], sample: bool, iteration: int,
-                    encoded: bool = False) -> _Prepared:
-        """`iteration`'s run: from the run before it where that was the same decode run's (each row one position
-        on: array operations over all rows), else built row by row."""
-        prev = step.last_run
-        if (prev is not None and not encoded and iteration == prev.iteration + 1 and prev.sample == sample
-                and len(prev.rows) == len(rows) and prev.tokens == prev.seqs):
-            run = self._next_run(prev, rows, iteration)
-            if run is not None:
-                return run
-        return self._run_inputs(rows, sample, iteration, encoded)
 
-    def _next_run(self, prev: _Prepared, rows: list[StepRow], iteration: int) -> _Prepared | None:
-        """The run of a decode run's next iteration from the run of the one before: the same executable, block
-        tables and sampling, each real row one position on (its slot from its table, its seed seed_for's next).
-        None where a row's next position is in no block of its table (the row-by-row build reports it)."""
-        n, block = len(rows), self.pool.block_tokens
-        positions = prev.inputs["positions"].copy()
-        positions[:n] += 1
-        table = prev.inputs["block_table"]
-        at = positions[:n] // block
-        if (at >= table.shape[1]).any():
-            return None
-        owned = table[np.arange(n), at]
-        if (owned == SCRATCH_BLOCK).any():
-            return None
-        slots = prev.inputs["slots"].copy()
-        slots[:n] = owned * block + positions[:n] % block
-        inputs = {**prev.inputs, "positions": positions, "slots": slots}
-        if "seed" in inputs:  # seed_for(s, p + 1) == (seed_for(s, p) + 1) mod 2^63
-            seed = inputs["seed"].copy()
-            seed[:n] = (seed[:n] + 1) & _SEED_MASK
-            inputs["seed"] = seed
-        return _Prepared(iteration, rows, prev.sample, prev.exe, inputs, prev.tokens, prev.seqs, prev.blocks,
-                         prev.extent)
 
-    def _run_inputs(self, rows: list[StepRow], sample: bool, iteration: int, encoded: bool = False) -> _Prepared:
-        """A run's executable and every input but those a boundary brings. Shapes are bucketed (powers of two) so
-        a handful of executables serve every step: padded token rows write the scratch block, padded sequences
-        read it, and the run's active extent skips them where it can."""
-        assert self.spec is not None
-        spec, pool = self.spec, self.pool
-        counts = [len(row.token_ids) for row in rows]
-        total, decode = sum(counts), all(n == 1 for n in counts)
-        seqs = bucket(len(rows), 1)
-        tokens = seqs if decode else bucket(total, MIN_PREFILL_ROWS)
-        tables = [pool.table(row.session_id) for row in rows]
-        longest = max(len(t) for t in tables)
-        blocks = min(bucket(longest, 1), max(self.max_blocks, longest))  # a rung of the ladder, never past the context
-        positions = np.zeros(tokens, np.int64)
-        slots = np.full(tokens, SCRATCH_BLOCK * pool.block_tokens, np.int64)
-        token_seq = np.arange(tokens, dtype=np.int64) if decode else np.zeros(tokens, np.int64)
-        block_table = np.full((seqs, blocks), SCRATCH_BLOCK, np.int64)
-        last_index = np.zeros(seqs, np.int64)
-        at = 0
-        for b, (row, n, table) in enumerate(zip(rows, counts, tables)):
-            positions[at:at + n] = row.start + np.arange(n)
-            slots[at:at + n] = pool.slots(row.session_id, row.start, row.start + n)
-            token_seq[at:at + n] = b
-            block_table[b, :len(table)] = table
-            last_index[b] = at + n - 1
-            at += n
-        inputs: dict[str, np.ndarray] = {"positions": positions, "slots": slots, "token_seq": token_seq,
-                                         "block_table": block_table}
-        if spec.last:
-            inputs["last_index"] = last_index
-            if sample:
-                pad = seqs - len(rows)
-                inputs.update(
-                    temperature=np.array([r.sampling.temperature for r in rows] + [0.0] * pad, np.float32),
-                    top_k=np.array([r.sampling.top_k for r in rows] + [0] * pad, np.int64),
-                    top_p=np.array([r.sampling.top_p for r in rows] + [1.0] * pad, np.float32),
-                    seed=np.array([seed_for(r.sampling.seed, r.start + n) for r, n in zip(rows, counts)] + [0] * pad,
-                                  np.int64))
-        exe = self._executable(tokens, seqs, blocks, decode, sample or not spec.last, encoded)
-        # Only the real rows are computed (the padding is a bucket's, for a handful of executables), except in a CUDA
-        # decode: that replays a captured graph of the whole bucket, far cheaper than an eager run of fewer rows.
-        extent = (total, tokens) if total < tokens and not (decode and self.device.startswith("cuda")) else None
-        return _Prepared(iteration, rows, sample, exe, inputs, tokens, seqs, blocks, extent)
 
     def _forget_step(self, step_id: int) -> None:
         """Drops what was pushed for `step_id` and not taken (under the lock): a run that failed part-way."""
@@ -1169,135 +915,16 @@ class StageRuntime:
             first, self._take(slots), incarnation, epoch)))
         session.stored_tokens = whole
 
-    @property
-    def kv_dim(self) -> int:
-        return self.config.kv_dim if self.config is not None else 0
 
-    def _take(self, slots: np.ndarray) -> np.ndarray:
-        """Pool rows `slots` as f32 [rows, layers, 2, kv_dim], moved off the device row by row (engine thread)."""
-        assert self._holder is not None
-        names = self._pool_names()
-        rows = np.empty((len(slots), len(names) // 2, 2, self.kv_dim), np.float32)
-        for j, name in enumerate(names):
-            rows[:, j // 2, j % 2] = self._holder._take_rows(self._pools[name], slots)
-        return rows
 
-    def _committed_slots(self, incarnation: int, session_id: str, from_row: int, to_row: int) -> np.ndarray:
-        with self._lock:
-            self.authority.check(incarnation)
-            session = self._session_or_404(session_id)
-            if not 0 <= from_row <= to_row <= session.txn.kv_length:
-                raise OutOfRange(f"rows [{from_row}, {to_row}) outside the {session.txn.kv_length} committed rows of "
-                                 f"session {session_id!r}", "ROW_OUT_OF_RANGE")
-            return self.pool.slots(session_id, from_row, to_row)
 
-    def read_kv(self, incarnation: int, session_id: str, from_row: int, to_row: int) -> np.ndarray:
-        """Committed rows [from_row, to_row) as f32 [rows, layers, 2, kv_dim]."""
-        slots = self._committed_slots(incarnation, session_id, from_row, to_row)
-        return self.engine.run("stage.read_kv", lambda: self._take(slots))
 
-    def read_kv_pieces(self, incarnation: int, session_id: str, from_row: int, to_row: int) -> Iterator[list[memoryview]]:
-        """The same rows a pool at a time (K, then V, of each layer in order), each piece f32 [rows, kv_dim] as the
-        byte buffers that hold it in order. Where the pools are host memory these are views of the session's
-        blocks in place (nothing is copied, nor does the engine take part: the rows are committed, nothing writes
-        them); elsewhere each piece is an engine task of its own, the next one queued before a piece is handed out,
-        so a row copy sends one piece while the engine reads the next and steps run between them."""
-        slots = self._committed_slots(incarnation, session_id, from_row, to_row)  # checked now, not at first next()
-        names = self._pool_names()
-        holder = self._holder
-        assert holder is not None
-        views = [v for v in (holder._host_view(self._pools[name]) for name in names) if v is not None]
-        if len(views) == len(names):
-            runs = _runs(slots)
-            return iter([[view[a:b].reshape(-1).view(np.uint8).data for a, b in runs] for view in views])
 
-        def take(name: str) -> list[memoryview]:
-            assert self._holder is not None
-            piece = np.asarray(self._holder._take_rows(self._pools[name], slots), np.float32)
-            return [piece.reshape(-1).view(np.uint8).data]
 
-        def pieces() -> Iterator[list[memoryview]]:
-            ahead = self.engine.submit("stage.read_kv", partial(take, names[0]))
-            for j in range(len(names)):
-                piece = ahead.result()
-                if j + 1 < len(names):
-                    ahead = self.engine.submit("stage.read_kv", partial(take, names[j + 1]))
-                yield piece
-        return pieces()
 
-    def committed_tokens(self, incarnation: int, session_id: str, from_row: int, to_row: int) -> list[int]:
-        """The token ids of committed rows [from_row, to_row), or [] when this rank does not know them all (rows
-        that came without their tokens): a copy then carries none rather than wrong ones."""
-        with self._lock:
-            self.authority.check(incarnation)
-            session = self._session_or_404(session_id)
-            if session.untokened or to_row > len(session.tokens):
-                return []
-            return session.tokens[from_row:to_row]
 
-    def write_kv(self, incarnation: int, session_id: str, start: int, rows: np.ndarray, token_ids: list[int]) -> int:
-        """Appends committed rows to an idle session (a seeded prefix or a migration); returns the KV length."""
-        self.check_kv_rows(str(rows.dtype), rows.shape)
-        write = self.begin_write_kv(incarnation, session_id, start, rows.shape[0], token_ids)
 
-        def put_all() -> None:
-            for j in range(write.pieces):
-                write.put_now(j, rows[:, j // 2, j % 2])
-        self.engine.run("stage.write_kv", put_all)  # outside the lock: the engine may be busy with another step
-        return write.finish()
 
-    def check_kv_rows(self, dtype: str, shape: tuple[int, ...]) -> None:
-        """Refuses KV rows that are not this stage's f32 [n, layers, 2, kv_dim] (`dtype` as numpy or the wire
-        spells it)."""
-        if dtype not in ("float32", "f32") or len(shape) != 4 or shape[1:] != (self.layers, 2, self.kv_dim):
-            raise InvalidArgument(f"KV rows {dtype}{list(shape)} do not match this stage's "
-                                  f"f32[n, {self.layers}, 2, {self.kv_dim}]", "BAD_KV_ROWS")
-
-    @property
-    def layers(self) -> int:
-        assert self.spec is not None
-        return self.spec.layer_end - self.spec.layer_start
-
-    def begin_write_kv(self, incarnation: int, session_id: str, start: int, n: int, token_ids: list[int]) -> KvRowsWrite:
-        """Checks an append of `n` committed rows to an idle session and reserves their blocks; the rows are then
-        put a pool at a time (KvRowsWrite.put) and committed by KvRowsWrite.finish."""
-        assert self.spec is not None
-        if token_ids and len(token_ids) != n:
-            raise InvalidArgument(f"{len(token_ids)} token ids for {n} rows", "BAD_KV_ROWS")
-        limit = self.spec.max_context_tokens or (self.config.max_position if self.config else 0)
-        if start + n > limit:
-            raise OutOfRange(f"{start + n} rows exceed the context of {limit}", "CONTEXT_EXCEEDED")
-        with self._lock:
-            self.authority.check(incarnation)
-            session = self._session(session_id)
-            session.txn.append_committed(start, 0)  # refuses an open epoch or a gap before touching anything
-            self.pool.reserve(session_id, start + n)
-            slots = self.pool.slots(session_id, start, start + n)
-        return KvRowsWrite(self, incarnation, session, start, n, token_ids, slots)
-
-    def share_kv(self, incarnation: int, session_id: str, donor_id: str, token_ids: list[int]) -> int:
-        """Starts a new session with the KV of a prompt prefix that `donor_id` holds here: its first whole blocks,
-        shared (kv_pool.KvPool.share), committed at once. Refused unless the donor's committed tokens begin with
-        exactly `token_ids`: a shared block must hold what the new session would have computed itself."""
-        block = self.pool.block_tokens
-        n = len(token_ids)
-        if n == 0 or n % block:
-            raise InvalidArgument(f"a shared prefix is whole blocks of {block} tokens, not {n} tokens",
-                                  "BAD_SHARED_PREFIX")
-        with self._lock:
-            self.authority.check(incarnation)
-            donor = self._sessions.get(donor_id)
-            if donor is None or donor.untokened or donor.txn.kv_length < n or donor.tokens[:n] != token_ids:
-                raise FailedPrecondition(f"session {donor_id!r} holds no committed prefix of these {n} tokens here",
-                                         "PREFIX_NOT_HELD")
-            if session_id in self._sessions:
-                raise FailedPrecondition(f"session {session_id!r} already exists here", "SESSION_NOT_NEW")
-            self.pool.share(session_id, donor_id, n // block)
-            session = self._session(session_id)
-            session.txn.append_committed(0, n)
-            # the donor wrote (or writes) these blocks behind: this session starts past them
-            session.tokens, session.stored_tokens = list(token_ids), n
-            return n
 
     def abort_step(self, incarnation: int, step_id: int, rows: list[StepRow]) -> None:
         """Rolls back every row of a step and wakes a wait for its boundary; allowed under poison."""
@@ -1372,10 +999,6 @@ class StageRuntime:
             self._faults[kind] -= 1
             return True
 
-    def _session_or_404(self, session_id: str) -> StageSession:
-        if session_id not in self._sessions:
-            raise NotFound(f"no session {session_id!r} on this rank", "UNKNOWN_SESSION")
-        return self._sessions[session_id]
 
     def sessions(self) -> list[tuple[str, StageSession]]:
         with self._lock:
@@ -1419,59 +1042,8 @@ def _verify(rows: list[StepRow], result: StepResult) -> None:
     result.tokens, result.run_tokens, result.accepted = tokens, runs, accepted
 
 
-def _runs(slots: np.ndarray) -> list[tuple[int, int]]:
-    """`slots` as runs of consecutive pool rows [a, b), in order."""
-    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
-    starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(slots)]])
-    return [(int(slots[a]), int(slots[b - 1]) + 1) for a, b in zip(starts, ends)]
 
 
-class KvRowsWrite:
-    """Committed rows being appended to an idle session (StageRuntime.begin_write_kv): their blocks are reserved, a
-    pool's piece (f32 [n, kv_dim]) is written by an engine task, and finish commits them all."""
-
-    def __init__(self, runtime: StageRuntime, incarnation: int, session: StageSession, start: int, n: int,
-                 token_ids: list[int], slots: np.ndarray) -> None:
-        self._rt, self._incarnation, self._session = runtime, incarnation, session
-        self.start, self.n, self._token_ids, self._slots = start, n, token_ids, slots
-        self._names = runtime._pool_names()
-
-    @property
-    def pieces(self) -> int:
-        return len(self._names)
-
-    def put(self, j: int, piece: np.ndarray) -> Future[None]:
-        """Writes piece `j` (K, then V, of each layer in order) on the engine; `piece` must not change until the
-        future is done."""
-        if piece.shape != (self.n, self._rt.kv_dim) or piece.dtype != np.float32:
-            raise InvalidArgument(f"KV piece {piece.dtype}{list(piece.shape)}, expected f32[{self.n}, "
-                                  f"{self._rt.kv_dim}]", "BAD_KV_ROWS")
-        return self._rt.engine.submit("stage.write_kv", lambda: self.put_now(j, piece))
-
-    def put_now(self, j: int, piece: np.ndarray) -> None:
-        """put, on the engine thread itself."""
-        rt = self._rt
-        assert rt._holder is not None
-        name = self._names[j]
-        rt._pools[name] = rt._holder._put_rows(rt._pools[name], self._slots, piece)
-
-    def finish(self) -> int:
-        """Commits the rows (every piece written); returns the session's KV length."""
-        rt, session, start = self._rt, self._session, self.start
-        with rt._lock:
-            rt.authority.check(self._incarnation)
-            session.txn.append_committed(start, self.n)
-            if not self._token_ids or len(session.tokens) != start:
-                session.untokened = True  # the tokens would no longer line up with the rows they key
-            elif not session.untokened:
-                session.tokens += self._token_ids
-                if session.stored_tokens == start:
-                    # These rows came from the store or a peer: their whole blocks are not written behind again. A
-                    # partial last block is, once the session completes it (its rows are all here by then).
-                    assert rt.spec is not None
-                    block = rt.spec.kv_block_tokens or 16
-                    session.stored_tokens = session.txn.kv_length // block * block
-            return session.txn.kv_length
 
 
 def default_kv_cache_bytes(device: str, backend: str = "torch") -> int:

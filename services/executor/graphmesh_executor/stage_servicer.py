@@ -20,7 +20,8 @@ from graphmesh_executor import transport
 from graphmesh_executor.boundary_link import BoundaryLink, KvWrite, LinkListener
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
 from graphmesh_executor.kv_push import KvPusher, KvSource
-from graphmesh_executor.stage import Boundary, Sampling, StageRuntime, StageSpec, StepRow
+from graphmesh_executor.stage import StageRuntime
+from graphmesh_executor.stage_types import Boundary, Sampling, StageSpec, StepRow
 from graphmesh_executor.transport import Choice, DeviceSender
 
 log = logging.getLogger("graphmesh.executor.stage")

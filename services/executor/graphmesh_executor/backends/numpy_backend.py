@@ -300,7 +300,7 @@ class NumpyExecutable(Executable[Array]):
     def _to_host(self, value: Array) -> Array:
         return value
 
-    def _host_view(self, value: Array) -> Array | None:
+    def host_view(self, value: Array) -> Array | None:
         return value if value.dtype == np.float32 and value.flags.c_contiguous else None
 
     def _copy_rows(self, dst: Array, dst_start: int, src: Array, src_start: int, n: int) -> Array:

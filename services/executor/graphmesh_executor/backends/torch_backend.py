@@ -1259,19 +1259,19 @@ class TorchExecutable(Executable[Tensor]):
         return torch.cat([value, value.new_zeros((rows - value.shape[0], *value.shape[1:]))])
 
     @torch.inference_mode()
-    def _take_rows(self, value: Tensor, rows: np.ndarray) -> np.ndarray:
+    def take_rows(self, value: Tensor, rows: np.ndarray) -> np.ndarray:
         taken = value.index_select(0, torch.from_numpy(np.asarray(rows, np.int64)).to(value.device))
         if taken.device.type == "cpu" and taken.dtype != torch.bfloat16:
             return taken.numpy()  # index_select made a new tensor: nothing else holds it, no second copy
         return self._to_host(taken)
 
-    def _host_view(self, value: Tensor) -> np.ndarray | None:
+    def host_view(self, value: Tensor) -> np.ndarray | None:
         if value.device.type != "cpu" or value.dtype != torch.float32 or not value.is_contiguous():
             return None
         return value.numpy()
 
     @torch.inference_mode()
-    def _put_rows(self, value: Tensor, rows: np.ndarray, data: np.ndarray) -> Tensor:
+    def put_rows(self, value: Tensor, rows: np.ndarray, data: np.ndarray) -> Tensor:
         idx = torch.from_numpy(np.asarray(rows, np.int64)).to(value.device)
         # A view of the caller's array, strided or not: index_copy_ is the copy (the rows of a seed or a migration
         # were copied twice more before it).

@@ -1,0 +1,201 @@
+"""A stage's runs: the executable of each bucketed shape, and every input of an iteration but what a boundary
+brings, built row by row for a step's first iteration and with array operations over all rows from the iteration
+before within a decode run."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from graphmesh import models
+from graphmesh.graph import parse
+from graphmesh_executor.backends import compile_graph
+from graphmesh_executor.executable import Executable
+from graphmesh_executor.kv_pool import SCRATCH_BLOCK
+from graphmesh_executor.stage_types import StageState, StepRow
+from graphmesh_executor.weights import load_params
+
+log = logging.getLogger("graphmesh.executor.stage")
+
+MIN_PREFILL_ROWS = 16
+
+
+def bucket(n: int, minimum: int) -> int:
+    """Power-of-two ladder: at most 2x padding."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def seed_for(session_seed: int, position: int) -> int:
+    """The sample op's seed for the token at `position`: a replay of the same session draws the same."""
+    return (session_seed * 1_000_003 + position) & _SEED_MASK
+
+
+@dataclass(eq=False)
+
+
+class Prepared:
+    """A run with every input but those a boundary brings (the first stage's token ids, another's activation):
+    a decode run's next iteration, built on the engine while it waited for that boundary. Within a run a row's
+    positions, slots and block table are known ahead (its blocks were reserved when the run began), and building
+    them and the rows was ~30% of a stage iteration's host work, on the path from one stage to the next."""
+
+    iteration: int
+    rows: list[StepRow]  # the iteration's rows, each token_ids a one-element list its token is written into
+    sample: bool  # sampled in the graph (the last stage), as _compute is asked to
+    exe: Executable[Any]
+    inputs: dict[str, np.ndarray]
+    tokens: int  # token rows of the run (a bucket)
+    seqs: int  # sequences of the run (a bucket)
+    blocks: int  # blocks per sequence of its block table (a rung of the ladder)
+    extent: tuple[int, int] | None
+
+
+class RunInputs(StageState):
+    """The run-building part of StageRuntime (engine thread)."""
+
+    def _compile(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool, encoded: bool = False,
+                 weights: Path | None = None, reuse: Executable[Any] | None = None) -> Executable[Any]:
+        assert self.config is not None and self.spec is not None
+        spec = self.spec
+        # "packed": GGUF blocks stay packed, consumed by dequant_matmul (exact); "packed-bf16" also runs those
+        # matmuls on bf16 activations, which torch's int4 kernel needs to be fast (not token-exact).
+        packed = self._packed
+        layout = models.PagedLayout(seqs, blocks, self.pool.block_tokens, self.pool.blocks, decode)
+        proto = models.build_stage(self.config, range(spec.layer_start, spec.layer_end), seq_len=tokens, cache_len=0,
+                                   first=spec.first, last=spec.last, sample=sample, quantized=packed,
+                                   packed_schemes=self._packed_schemes if packed else None,
+                                   packed_activations="bf16" if spec.weights == "packed-bf16" else "f32",
+                                   dtype=self.dtype, paged=layout, encoded=encoded)
+        exe = compile_graph(parse(proto), self.backend, self.device)
+        if weights is not None:
+            # A re-plan (recovery, rebalancing) keeps the layers this rank already holds and reads only the new ones.
+            kept = set(exe.copy_params_from(reuse) if reuse is not None else [])
+            for name in exe.graph.params.keys() - kept:
+                # standby weights are f32 (dequantized): a packed stage's blocks come from the checkpoint
+                if name in self._standby and exe.graph.params[name].dtype != "u8":
+                    exe.set_param_typed(name, self._standby[name])
+                    kept.add(name)
+            load_params(exe, weights, {}, skip=kept)
+            exe.finalize_params()
+        elif self._holder is not None:
+            exe.copy_params_from(self._holder)
+        for j, name in enumerate(self._pool_names()):
+            exe.set_handle_feed(name, 1 + j)  # the updated pool replaces the handle: kv_scatter writes in place
+        return exe
+
+    def _executable(self, tokens: int, seqs: int, blocks: int, decode: bool, sample: bool,
+                    encoded: bool = False) -> Executable[Any]:
+        key = (tokens, seqs, blocks, decode, sample, encoded)
+        exe = self._executables.pop(key, None)
+        if exe is None:
+            t0 = time.perf_counter()
+            exe = self._compile(*key)
+            # a step that waits for this is slower by that much: a shape bucket worth knowing about
+            log.info("stage executable compiled", extra={"tokens": tokens, "seqs": seqs, "blocks": blocks,
+                                                         "decode": decode, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+        self._executables[key] = exe  # (re)inserted last: the dict is in order of use, for a re-plan's warm-up
+        return exe
+
+    @staticmethod
+    def _next_rows(rows: list[StepRow]) -> list[StepRow]:
+        """The rows of a decode run's next iteration, one position on, each with a token to be written in. Made
+        by copying each row's fields, not through dataclasses.replace: that re-ran __init__ for every row of every
+        iteration, the largest host cost of a 256-row decode iteration (profile_stage.py)."""
+        out = []
+        for r in rows:
+            nxt = object.__new__(StepRow)
+            fields = nxt.__dict__
+            fields.update(r.__dict__)
+            fields.update(start=r.start + 1, token_ids=[0], encoder_input=None, encoded_offsets=())
+            out.append(nxt)
+        return out
+
+    def _inputs_for(self, prev: Prepared | None, rows: list[StepRow], sample: bool, iteration: int,
+                    encoded: bool = False) -> Prepared:
+        """`iteration`'s run: from `prev`, the run that ran last, where that was the same decode run's (each row one
+        position on: array operations over all rows), else built row by row."""
+        if (prev is not None and not encoded and iteration == prev.iteration + 1 and prev.sample == sample
+                and len(prev.rows) == len(rows) and prev.tokens == prev.seqs):
+            run = self._next_run(prev, rows, iteration)
+            if run is not None:
+                return run
+        return self._run_inputs(rows, sample, iteration, encoded)
+
+    def _next_run(self, prev: Prepared, rows: list[StepRow], iteration: int) -> Prepared | None:
+        """The run of a decode run's next iteration from the run of the one before: the same executable, block
+        tables and sampling, each real row one position on (its slot from its table, its seed seed_for's next).
+        None where a row's next position is in no block of its table (the row-by-row build reports it)."""
+        n, block = len(rows), self.pool.block_tokens
+        positions = prev.inputs["positions"].copy()
+        positions[:n] += 1
+        table = prev.inputs["block_table"]
+        at = positions[:n] // block
+        if (at >= table.shape[1]).any():
+            return None
+        owned = table[np.arange(n), at]
+        if (owned == SCRATCH_BLOCK).any():
+            return None
+        slots = prev.inputs["slots"].copy()
+        slots[:n] = owned * block + positions[:n] % block
+        inputs = {**prev.inputs, "positions": positions, "slots": slots}
+        if "seed" in inputs:  # seed_for(s, p + 1) == (seed_for(s, p) + 1) mod 2^63
+            seed = inputs["seed"].copy()
+            seed[:n] = (seed[:n] + 1) & _SEED_MASK
+            inputs["seed"] = seed
+        return Prepared(iteration, rows, prev.sample, prev.exe, inputs, prev.tokens, prev.seqs, prev.blocks,
+                         prev.extent)
+
+    def _run_inputs(self, rows: list[StepRow], sample: bool, iteration: int, encoded: bool = False) -> Prepared:
+        """A run's executable and every input but those a boundary brings. Shapes are bucketed (powers of two) so
+        a handful of executables serve every step: padded token rows write the scratch block, padded sequences
+        read it, and the run's active extent skips them where it can."""
+        assert self.spec is not None
+        spec, pool = self.spec, self.pool
+        counts = [len(row.token_ids) for row in rows]
+        total, decode = sum(counts), all(n == 1 for n in counts)
+        seqs = bucket(len(rows), 1)
+        tokens = seqs if decode else bucket(total, MIN_PREFILL_ROWS)
+        tables = [pool.table(row.session_id) for row in rows]
+        longest = max(len(t) for t in tables)
+        blocks = min(bucket(longest, 1), max(self.max_blocks, longest))  # a rung of the ladder, never past the context
+        positions = np.zeros(tokens, np.int64)
+        slots = np.full(tokens, SCRATCH_BLOCK * pool.block_tokens, np.int64)
+        token_seq = np.arange(tokens, dtype=np.int64) if decode else np.zeros(tokens, np.int64)
+        block_table = np.full((seqs, blocks), SCRATCH_BLOCK, np.int64)
+        last_index = np.zeros(seqs, np.int64)
+        at = 0
+        for b, (row, n, table) in enumerate(zip(rows, counts, tables)):
+            positions[at:at + n] = row.start + np.arange(n)
+            slots[at:at + n] = pool.slots(row.session_id, row.start, row.start + n)
+            token_seq[at:at + n] = b
+            block_table[b, :len(table)] = table
+            last_index[b] = at + n - 1
+            at += n
+        inputs: dict[str, np.ndarray] = {"positions": positions, "slots": slots, "token_seq": token_seq,
+                                         "block_table": block_table}
+        if spec.last:
+            inputs["last_index"] = last_index
+            if sample:
+                pad = seqs - len(rows)
+                inputs.update(
+                    temperature=np.array([r.sampling.temperature for r in rows] + [0.0] * pad, np.float32),
+                    top_k=np.array([r.sampling.top_k for r in rows] + [0] * pad, np.int64),
+                    top_p=np.array([r.sampling.top_p for r in rows] + [1.0] * pad, np.float32),
+                    seed=np.array([seed_for(r.sampling.seed, r.start + n) for r, n in zip(rows, counts)] + [0] * pad,
+                                  np.int64))
+        exe = self._executable(tokens, seqs, blocks, decode, sample or not spec.last, encoded)
+        # Only the real rows are computed (the padding is a bucket's, for a handful of executables), except in a CUDA
+        # decode: that replays a captured graph of the whole bucket, far cheaper than an eager run of fewer rows.
+        extent = (total, tokens) if total < tokens and not (decode and self.device.startswith("cuda")) else None
+        return Prepared(iteration, rows, sample, exe, inputs, tokens, seqs, blocks, extent)
