@@ -291,6 +291,7 @@ class JsonCallsParser:
         self.buffer = ""  # text not yet given out
         self.body = False  # the buffer is JSON after an opener (or a bare start): calls, when it closes
         self.started = False  # some non-blank text came before: `{` is text now
+        self._closers = -1  # closing brackets in the body when it last failed to decode
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """The content now final and the calls now complete, from the text that came."""
@@ -341,12 +342,15 @@ class JsonCallsParser:
         at = len(self.opener) if text.startswith(self.opener) else 0
         body = text[at:]
         skipped = len(body) - len(body.lstrip())
-        if not body.strip():
+        closers = body.count("}") + body.count("]")
+        if not body.strip() or closers == self._closers:  # calls end on a bracket: no new one, no new answer
             return None, -1
         try:
             value, end = _JSON.raw_decode(body.lstrip())
         except ValueError:
+            self._closers = closers
             return None, -1  # incomplete, or never JSON: finish() gives it back as text
+        self._closers = -1
         used = at + skipped + end
         values = value if isinstance(value, list) else [value]
         calls = [_call(v, self.fmt) for v in values]
