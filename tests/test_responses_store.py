@@ -6,15 +6,20 @@ client."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
+from graphmesh.errors import Unavailable
 from graphmesh.launcher import LocalMesh, free_port
+from graphmesh_coordinator.responses import RedisStore
 from tests.model_fixtures import make_tiny_llama, write_tiny_tokenizer
-from tests.test_kvstore_redis import RedisServer
+from tests.test_kvstore_redis import RedisServer, _binary
 
 KEY = "graphmesh:response:"
 
@@ -88,10 +93,33 @@ def test_a_redis_that_does_not_answer_is_a_503_naming_the_store(mesh: LocalMesh,
 
 
 def test_a_bad_redis_url_fails_the_start_in_one_line(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     proc = subprocess.run([sys.executable, "-m", "graphmesh_coordinator.server", "--listen", f"127.0.0.1:{free_port()}",
                            "--executors", "127.0.0.1:1", "--model", str(tmp_path), "--redis-url", "http://x:1/0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "redis" in (proc.stdout + proc.stderr).lower()
+
+
+def test_a_password_protected_redis_takes_the_password_file(tmp_path: Path) -> None:
+    """--redis-password-file: the store authenticates with the file's password; without it Redis refuses, a 503."""
+    port = free_port()
+    server = subprocess.Popen([_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                               "no", "--requirepass", "s3cret-pass", "--dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        secret = tmp_path / "password"
+        secret.write_text("s3cret-pass\n")
+        url = f"redis://127.0.0.1:{port}/0"
+        store = RedisStore(url, secret)
+        for _ in range(100):  # until the server listens
+            try:
+                store.put("resp_1", {"response": {"id": "resp_1"}, "conversation": []})
+                break
+            except Unavailable:
+                time.sleep(0.05)
+        assert store.get("resp_1") == {"response": {"id": "resp_1"}, "conversation": []}
+        with pytest.raises(Unavailable, match=r"Redis at redis://127\.0\.0\.1:\d+/0\) failed: AuthenticationError") as refused:
+            RedisStore(url).get("resp_1")
+        assert refused.value.reason == "STORE_UNAVAILABLE"
+    finally:
+        server.kill()
+        server.wait()

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import Request
@@ -96,12 +98,16 @@ class RedisStore:
 
     KEY = "graphmesh:response:"
 
-    def __init__(self, url: str, ttl_s: int = STORE_TTL_S, timeout_s: float = REDIS_TIMEOUT_S) -> None:
+    def __init__(self, url: str, password_file: Path | None = None, ttl_s: int = STORE_TTL_S,
+                 timeout_s: float = REDIS_TIMEOUT_S) -> None:
         import redis
 
+        # from a file (read once, here) rather than the URL, which a process list shows
+        password = {"password": password_file.read_text().strip()} if password_file is not None else {}
         # from_url checks the scheme now (ValueError), so a bad --redis-url fails the coordinator's start
-        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self._where = url.rpartition("@")[2]  # never a password in an error message
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           **password)
+        self._where = re.sub(r"//[^@/]*@", "//", url)  # never a password in an error message
         self.ttl_s = ttl_s
 
     def put(self, response_id: str, record: dict[str, Any]) -> None:
@@ -117,13 +123,13 @@ class RedisStore:
         try:
             return command()
         except redis.RedisError as e:
-            raise Unavailable(f"the Responses API's store (Redis at {self._where}) did not answer: "
-                              f"{type(e).__name__}", "STORE_UNAVAILABLE") from None
+            raise Unavailable(f"the Responses API's store (Redis at {self._where}) failed: {type(e).__name__}: "
+                              f"{str(e)[:200]}", "STORE_UNAVAILABLE") from None
 
 
-def open_store(redis_url: str) -> Store:
+def open_store(redis_url: str, password_file: Path | None = None) -> Store:
     """The store the coordinator's flags ask for: Redis at `redis_url`, else memory."""
-    return RedisStore(redis_url) if redis_url else MemoryStore()
+    return RedisStore(redis_url, password_file) if redis_url else MemoryStore()
 
 
 def _text_of(content: Any) -> str:

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -78,6 +79,7 @@ class CoordinatorConfig:
     max_prompt_bytes: int = 0  # UTF-8 bytes of prompt text tokenized for one request; 0: by the context
     http_max_connections: int = 0  # open HTTP connections at most; 0: by the descriptor limit
     redis_url: str = ""  # the Responses API's store: redis://HOST:PORT/DB; "": in memory
+    redis_password_file: Path | None = None  # the store's password, read once at start
 
 
 @dataclass
@@ -178,7 +180,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     http = None
     if config.http_listen:
         http = OpenAIServer(generator, mesh, config.model, config.security.auth_token, config.http_ready_wait_s, gate,
-                            responses.open_store(config.redis_url))
+                            responses.open_store(config.redis_url, config.redis_password_file))
         http.start(_http_listen(config), config.security.tls, max_connections=config.http_max_connections)
         log.info("HTTP API", extra={"http_listen": config.http_listen, "port": http.port})
     if config.metrics_port or http is not None:  # the HTTP API serves /metrics too
@@ -354,10 +356,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="redis://HOST:PORT/DB (Redis or Valkey; rediss:// for TLS) keeping the Responses API's "
                              "stored responses, so that every coordinator on it continues their conversations "
                              "(previous_response_id). Default: in this process's memory")
+    parser.add_argument("--redis-password-file", type=Path, help="file holding the password of --redis-url's server")
     bootstrap.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
     if args.redis_url and not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
         parser.error(f"--redis-url must be redis://HOST:PORT/DB, rediss://... or unix://..., not {args.redis_url!r}")
+    if args.redis_password_file and not args.redis_url:
+        parser.error("--redis-password-file needs --redis-url")
     if args.max_waiting_requests < 1:
         parser.error(f"--max-waiting-requests must be >= 1, not {args.max_waiting_requests}")
     for flag, value in (("--decode-steps", args.decode_steps), ("--max-step-tokens", args.max_step_tokens),
@@ -381,7 +386,8 @@ def main(argv: list[str] | None = None) -> None:
                                    min_executors=args.min_executors, max_waiting_requests=args.max_waiting_requests,
                                    max_prompt_bytes=args.max_prompt_bytes,
                                    speculative=args.speculative,
-                                   http_max_connections=args.http_max_connections, redis_url=args.redis_url)
+                                   http_max_connections=args.http_max_connections, redis_url=args.redis_url,
+                                   redis_password_file=args.redis_password_file)
         telemetry.serve_metrics(config.metrics_port)
         running = build_server(config)
     except Exception as e:
