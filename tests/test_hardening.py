@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.message_factory import GetMessageClass
 
 from graphmesh import channels, security
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
@@ -422,3 +423,260 @@ def test_executor_load_params_with_malformed_files_is_invalid_argument(tmp_path:
                 exe.load_params(path)
         exe.set_param("w", np.ones((8, 3), np.float32))
         np.testing.assert_array_equal(exe.run({"x": np.ones((4, 8), np.float32)})[0], np.full((4, 3), 8, np.float32))
+
+
+# -- 4 (executor): every RPC of ExecutorService and StageService swept with boundary values ---------------------
+_INT_VALUES = {
+    "int32": [-1, -(1 << 31), (1 << 31) - 1], "int64": [-1, -(1 << 63), (1 << 63) - 1, 1 << 40],
+    "uint32": [(1 << 32) - 1], "uint64": [(1 << 64) - 1, 1 << 63],
+}
+
+
+def _field_values(field: Any) -> list[Any]:
+    """Boundary values for one field of a request: huge, negative, NaN and infinities, empty, unknown enum values,
+    control characters and a path's NUL in strings (lone surrogates cannot be set in a message: _RAW sends them)."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    t = field.type
+    if t in (F.TYPE_INT32, F.TYPE_SINT32, F.TYPE_SFIXED32):
+        values: list[Any] = _INT_VALUES["int32"]
+    elif t in (F.TYPE_INT64, F.TYPE_SINT64, F.TYPE_SFIXED64):
+        values = _INT_VALUES["int64"]
+    elif t in (F.TYPE_UINT32, F.TYPE_FIXED32):
+        values = _INT_VALUES["uint32"]
+    elif t in (F.TYPE_UINT64, F.TYPE_FIXED64):
+        values = _INT_VALUES["uint64"]
+    elif t in (F.TYPE_FLOAT, F.TYPE_DOUBLE):
+        values = [math.nan, math.inf, -math.inf, -1.0, 3e38]
+    elif t == F.TYPE_BOOL:
+        values = [True]
+    elif t == F.TYPE_STRING:
+        values = ["", "\x00", "a\x00b", "\u202e\x1b[2J\r\n", "../../../etc/passwd", "x" * 100_000]
+    elif t == F.TYPE_BYTES:
+        values = [b"", b"\xff" * 64, b"\x00" * (1 << 20)]
+    elif t == F.TYPE_ENUM:
+        values = [9999, -1]
+    else:
+        return []
+    if field.is_repeated:
+        return [[v] for v in values] + [[values[0]] * 10_000]  # many of a short one: a list, not a gigabyte
+    return values
+
+
+def _message(descriptor: Any, **fields: Any) -> Any:
+    cls: Any = GetMessageClass(descriptor)
+    return cls(**fields)
+
+
+def _variants(message_type: Any, base: Any, depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """`base` (a request of `message_type`) with one field, at most two messages deep, set to each boundary
+    value in turn."""
+    for field in message_type.fields:
+        for value in _field_values(field):
+            request = type(base)()
+            request.CopyFrom(base)
+            try:
+                target = getattr(request, field.name)
+                if field.is_repeated:
+                    del target[:]
+                    target.extend(value)
+                else:
+                    setattr(request, field.name, value)
+            except (ValueError, TypeError):  # a value the field cannot hold (an enum's range in some runtimes)
+                continue
+            yield f"{field.name}={str(value)[:24]!r}", request
+        if field.message_type is not None and depth < 2 and not field.message_type.GetOptions().map_entry:
+            child_base = _message(field.message_type)
+            if not field.is_repeated and base.HasField(field.name):
+                child_base.CopyFrom(getattr(base, field.name))
+            for what, child in _variants(field.message_type, child_base, depth + 1):
+                request = type(base)()
+                request.CopyFrom(base)
+                if field.is_repeated:
+                    del getattr(request, field.name)[:]
+                    getattr(request, field.name).add().CopyFrom(child)
+                else:
+                    getattr(request, field.name).CopyFrom(child)
+                yield f"{field.name}.{what}", request
+
+
+# What is not a valid message at all: bytes that end inside a field, a lone surrogate (UTF-8 of U+D800) in field 1,
+# a varint where field 1 is length-delimited (or the other way round), a length far past the end.
+_RAW = [b"\xff\xff\xff", b"\x0a\x03\xed\xa0\x80", b"\x0a\x02\xc3\x28", b"\x08\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+        b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x04\xed\xbf\xbfx"]
+_BAD_CODES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+def _call(channel: grpc.Channel, service: str, method: Any, payload: Any, raw: bool, timeout: float) -> grpc.StatusCode:
+    path = f"/{service}/{method.name}"
+    serialize = (lambda b: b) if raw else (lambda m: m.SerializeToString())
+    kinds = (method.client_streaming, method.server_streaming)
+    try:
+        if kinds == (False, False):
+            channel.unary_unary(path, request_serializer=serialize)(payload, timeout=timeout)
+        elif kinds == (False, True):
+            for _ in channel.unary_stream(path, request_serializer=serialize)(payload, timeout=timeout):
+                pass
+        elif kinds == (True, False):
+            channel.stream_unary(path, request_serializer=serialize)(iter([payload, payload]), timeout=timeout)
+        else:
+            for _ in channel.stream_stream(path, request_serializer=serialize)(iter([payload]), timeout=timeout):
+                pass
+    except grpc.RpcError as e:
+        return e.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def _sweep(channel: grpc.Channel, service: Any, bases: dict[str, Any], skip: tuple[str, ...] = (),
+           timeout: float = 30.0) -> tuple[list[tuple[str, str, Any]], int]:
+    """Calls every method of `service` with each variant of its base request (`bases`, by method; else empty),
+    and with _RAW; the calls answered INTERNAL or UNKNOWN (or not at all within `timeout`), and how many were made."""
+    failures: list[tuple[str, str, Any]] = []
+    calls = 0
+    for method in service.methods:
+        if method.name in skip:
+            continue
+        base = bases.get(method.name) or _message(method.input_type)
+        cases = [("base", base, False), *((w, r, False) for w, r in _variants(method.input_type, base)),
+                 *((f"raw {b[:8]!r}", b, True) for b in _RAW)]
+        for what, payload, raw in cases:
+            code = _call(channel, service.full_name, method, payload, raw, timeout)
+            calls += 1
+            if code in _BAD_CODES or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                failures.append((method.name, what, code))
+    return failures, calls
+
+
+def test_every_executor_rpc_swept_with_boundary_values(tmp_path: Path) -> None:
+    """Every ExecutorService and StageService method, called with each field (two messages deep) set to boundary
+    values and with bytes that are not its message, answers a precise code (INVALID_ARGUMENT, NOT_FOUND,
+    FAILED_PRECONDITION, RESOURCE_EXHAUSTED, ...), never INTERNAL or UNKNOWN; the executor serves throughout and
+    computes the same token afterwards. The stage is installed first, so calls that carry its incarnation reach
+    the stage's own checks; the fencing calls go last."""
+    import numpy as np
+
+    from graphmesh import ExecutorClient, GraphBuilder, tensors
+    from graphmesh.v1 import executor_pb2, tensor_pb2
+    from tests.conftest import executor_args, start_process
+
+    root = tmp_path / "models"
+    model = make_tiny_llama(root / "llama")
+    address = f"127.0.0.1:{free_port()}"
+    with start_process(executor_args(address, "--model-root", str(root), "--enable-fault-injection"), address,
+                       log_path=tmp_path / "executor.log", env={"OMP_NUM_THREADS": "1"}), \
+            ExecutorClient(address) as client, grpc.insecure_channel(address) as channel:
+        g = GraphBuilder("mlp")
+        g.output(g.matmul(g.input("x", (4, 8)), g.param("w", (8, 3))))
+        exe = client.compile(g.build())
+        stage = stage_pb2_grpc.StageServiceStub(channel)
+        spec = stage_pb2.StageSpec(model=str(model.relative_to(root)), layer_start=0, layer_end=2, first=True,
+                                   last=True, max_context_tokens=64)
+        stage.Install(stage_pb2.InstallRequest(incarnation=1, rank=0, world_size=1, stage=spec), timeout=120)
+
+        def one_token(incarnation: int, session: str) -> int:
+            row = stage_pb2.StepRow(session_id=session, epoch=1, start_position=0, token_ids=[5, 17, 99, 3],
+                                    sampling=stage_pb2.SamplingParams(temperature=0.0))
+            answer = stage.ExecuteStep(stage_pb2.ExecuteStepRequest(incarnation=incarnation, step_id=1, rows=[row]),
+                                       timeout=60)
+            return answer.rows[0].token
+
+        before = one_token(1, "before")
+        executor_service = executor_pb2.DESCRIPTOR.services_by_name["ExecutorService"]
+        stage_service = stage_pb2.DESCRIPTOR.services_by_name["StageService"]
+        x = tensor_pb2.NamedTensor(name="x", tensor=tensors.to_proto(np.ones((4, 8), np.float32)))
+        eid = exe.id
+        executor_bases: dict[str, Any] = {
+            name: _message(executor_service.methods_by_name[name].input_type, executable_id=eid)
+            for name in executor_service.methods_by_name
+            if "executable_id" in executor_service.methods_by_name[name].input_type.fields_by_name}
+        executor_bases["Run"] = executor_pb2.RunRequest(executable_id=eid, inputs=[x])
+        executor_bases["RunPipelined"] = executor_pb2.RunPipelinedRequest(run=executor_bases["Run"])
+        executor_bases["Compile"] = executor_pb2.CompileRequest(graph=g.build())
+        failures, calls = _sweep(channel, executor_service, executor_bases)
+        header = stage_pb2.FencingHeader(incarnation=1, session_id="s", epoch=1)
+        row = stage_pb2.StepRow(session_id="sweep", epoch=1, token_ids=[1, 2], sampling=stage_pb2.SamplingParams())
+        stage_bases: dict[str, Any] = {
+            "Install": stage_pb2.InstallRequest(incarnation=1, world_size=1, stage=spec),
+            "ExecuteStep": stage_pb2.ExecuteStepRequest(incarnation=1, step_id=7, rows=[row], boundary_timeout_ms=500),
+            "AbortStep": stage_pb2.AbortStepRequest(incarnation=1, step_id=7, rows=[row]),
+            "PushBoundary": stage_pb2.PushBoundaryRequest(header=header, step_id=7),
+            **{name: _message(stage_service.methods_by_name[name].input_type, header=header)
+               for name in ("Commit", "Abort", "ResolveEpoch", "ReleaseSession", "ShareSessionKv", "ReadSessionKv",
+                            "WriteSessionKv", "PushSessionKv")},
+        }
+        more, n = _sweep(channel, stage_service, stage_bases, skip=("Fence", "InjectFault", "Install"))
+        failures += more
+        calls += n
+        # last: what changes the stage for good (a re-install, a fence, an injected fault)
+        for name in ("Install", "InjectFault", "Fence"):
+            more, n = _sweep(channel, stage_service, stage_bases, skip=tuple(
+                m for m in stage_service.methods_by_name if m != name))
+            failures += more
+            calls += n
+        assert not failures, (f"{len(failures)} of {calls} calls", failures[:40])
+        # still serving: a fresh incarnation computes the same token as before the sweep
+        highest = stage.Status(stage_pb2.StageServiceStatusRequest(), timeout=10).incarnation
+        stage.Install(stage_pb2.InstallRequest(incarnation=highest + 1, rank=0, world_size=1, stage=spec), timeout=120)
+        assert one_token(highest + 1, "after") == before
+        exe2 = client.compile(g.build())
+        exe2.set_param("w", np.ones((8, 3), np.float32))
+        np.testing.assert_array_equal(exe2.run({"x": np.ones((4, 8), np.float32)})[0], np.full((4, 3), 8, np.float32))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_run_needing_more_than_the_host_has_is_resource_exhausted(backend: str, tmp_path: Path) -> None:
+    """A graph whose input takes 128 GiB (or twice the host's available memory, if more), run without that input
+    (inputs not given are zeros), is refused RESOURCE_EXHAUSTED before anything is allocated; torch's allocation
+    failure was INTERNAL, and a host that overcommits would have handed out the zeros."""
+    import numpy as np
+
+    from graphmesh import ExecutorClient, GraphBuilder, errors, serving
+    from tests.conftest import executor_args, start_process
+
+    width = 1 << 18
+    rows = max(128 << 30, 2 * (serving.available_memory_bytes() or 0)) // (4 * width)
+    address = f"127.0.0.1:{free_port()}"
+    with start_process(executor_args(address, backend=backend), address, log_path=tmp_path / "executor.log",
+                       env={"OMP_NUM_THREADS": "1"}), ExecutorClient(address) as client:
+        g = GraphBuilder("huge")
+        g.output(g.matmul(g.input("x", (rows, width)), g.param("w", (width, 3))))
+        huge = client.compile(g.build())
+        with pytest.raises(errors.ResourceExhausted) as e:
+            huge.run({})
+        assert e.value.reason == "RUN_TOO_LARGE", e.value
+        small = GraphBuilder("mlp")
+        small.output(small.matmul(small.input("x", (4, 8)), small.param("w", (8, 3))))
+        exe = client.compile(small.build())
+        exe.set_param("w", np.ones((8, 3), np.float32))
+        np.testing.assert_array_equal(exe.run({"x": np.ones((4, 8), np.float32)})[0], np.full((4, 3), 8, np.float32))
+
+
+def test_coordinator_and_kserve_rpcs_swept_field_by_field(mesh: LocalMesh) -> None:
+    """The descriptor-driven sweep of the executor test over the coordinator's public gRPC services
+    (CoordinatorService, KServe's GRPCInferenceService): every field of every request, two messages deep, set to
+    each boundary value, and bytes that are no message; none answered INTERNAL or UNKNOWN, and the mesh generates
+    the same tokens afterwards. The hand-picked cases above check the codes of the fields that matter most."""
+    prompt = list(range(10, 30))
+    expected = _generate(mesh, prompt)
+    model = _status(mesh).model
+    infer = kserve_pb2.ModelInferRequest(model_name=model, raw_input_contents=[(2).to_bytes(4, "little") + b"hi"],
+                                         parameters={"max_tokens": kserve_pb2.InferParameter(int64_param=1)})
+    infer.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    bases: dict[str, Any] = {
+        "Generate": coordinator_pb2.GenerateRequest(prompt="hi", raw=True, max_tokens=1),
+        "ComputeLogits": coordinator_pb2.ComputeLogitsRequest(token_ids=[1, 2, 3]),
+        "ModelInfer": infer, "ModelStreamInfer": infer,
+        "ModelMetadata": kserve_pb2.ModelMetadataRequest(name=model),
+        "ModelReady": kserve_pb2.ModelReadyRequest(name=model),
+    }
+    failures: list[tuple[str, str, Any]] = []
+    calls = 0
+    with grpc.insecure_channel(mesh.coordinator_address) as channel:
+        for service in (coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"],
+                        kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]):
+            more, n = _sweep(channel, service, bases, timeout=60.0)
+            failures += more
+            calls += n
+    assert not failures, (f"{len(failures)} of {calls} calls", failures[:40])
+    assert _status(mesh).ready
+    assert _generate(mesh, prompt) == expected

@@ -184,6 +184,14 @@ def refusal(exc: BaseException, method: str = "") -> GraphmeshError:
     return err
 
 
+def _aborted(context: grpc.ServicerContext) -> bool:
+    """Whether the call was aborted already (an interceptor refused a streamed request as the handler read it, with
+    INVALID_ARGUMENT): its status stands, where answering again would have turned it into INTERNAL."""
+    code = getattr(context, "code", None)
+    status = code() if callable(code) else None
+    return isinstance(status, grpc.StatusCode) and status is not grpc.StatusCode.OK
+
+
 def rpc(fn: F) -> F:
     """Aborts the call with `to_status` of whatever the handler raised (unary and streaming handlers alike): the
     one place where every service turns exceptions into statuses, so a bad request never takes the server down."""
@@ -193,6 +201,8 @@ def rpc(fn: F) -> F:
             try:
                 yield from fn(self, request, context)
             except Exception as e:
+                if _aborted(context):
+                    raise
                 if context.is_active():
                     context.abort_with_status(to_status(e, fn.__name__))
         return cast(F, streaming)
@@ -202,6 +212,8 @@ def rpc(fn: F) -> F:
         try:
             return fn(self, request, context)
         except Exception as e:
+            if _aborted(context):
+                raise
             if not context.is_active():
                 # The caller is gone (it cancelled: a coordinator recovering the mesh cancels the steps in flight),
                 # so nobody reads a status. Raising would have grpc log the failure as a crash of the handler.

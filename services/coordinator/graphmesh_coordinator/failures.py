@@ -3,19 +3,17 @@
 
 A step that failed for the request's own rows (ROLL_BACK: the executors refused them) answers with the executors'
 cause, which names what was wrong with the request; any other invocation failure cost the mesh an executor, which
-the caller sees as UNAVAILABLE (retry) rather than as its own mistake; an error that is not a typed one is a bug,
-logged here once with its traceback and answered as INTERNAL without it.
+the caller sees as UNAVAILABLE (retry) rather than as its own mistake; any other error goes through
+errors.refusal, as the executors' do: malformed input (a tensor or dtype that does not parse) is INVALID_ARGUMENT,
+running out of memory RESOURCE_EXHAUSTED, and the rest a bug, logged once with its traceback and answered as
+INTERNAL without it.
 """
 
 from __future__ import annotations
 
-import logging
-
-from graphmesh.errors import GraphmeshError, Internal, Unavailable
+from graphmesh.errors import GraphmeshError, Unavailable, refusal
 from graphmesh.protocol import Action
 from graphmesh_coordinator.pipeline import InvocationFailed
-
-log = logging.getLogger("graphmesh.coordinator")
 
 
 def public_error(error: BaseException) -> GraphmeshError:
@@ -26,5 +24,4 @@ def public_error(error: BaseException) -> GraphmeshError:
         return Unavailable(f"the mesh lost an executor: {error}", "MESH_FENCED")
     if isinstance(error, GraphmeshError):
         return error
-    log.error("request failed", exc_info=error)
-    return Internal(f"{type(error).__name__}: {error}")
+    return refusal(error, "coordinator")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from graphmesh import dtypes, tensors
+from graphmesh import dtypes, serving, tensors
 from graphmesh.dtypes import DTypeError
 from graphmesh.errors import InvalidArgument, ResourceExhausted, rpc
 from graphmesh.graph import parse
@@ -69,6 +70,33 @@ def _run_inputs(exe: Executable[Any], request: executor_pb2.RunRequest) -> dict[
         raise InvalidArgument(f"{len(request.slot_inputs)} slot inputs for a graph of {len(exe.input_names)} inputs",
                               "TOO_MANY_INPUTS")
     return {name: tensors.from_proto(t) for name, t in zip(exe.input_names, request.slot_inputs)}
+
+
+CHECKED_RUN_BYTES = 1 << 30  # runs that may allocate less than this are not checked against the host's memory
+_largest: dict[int, int] = {}  # id of a live graph -> its largest buffer's bytes (graphs are unhashable)
+
+
+def _admit(exe: Executable[Any], given: Iterable[str]) -> None:
+    """Refuses a run, before anything is allocated, that needs more memory than the host has available: the zeros
+    of the inputs it is not given (and are bound to no handle), and its largest buffer. A graph with a 128 GiB
+    input, run without it, raised the backend's allocation failure (torch's RuntimeError: INTERNAL), or, where
+    the kernel lets a process overcommit, got its zeros and went on to fill them."""
+    graph = exe.graph
+    largest = _largest.get(id(graph))
+    if largest is None:
+        largest = _largest[id(graph)] = max((tensors.nbytes(n.type.dtype, n.type.shape) for n in graph.nodes),
+                                            default=0)
+        weakref.finalize(graph, _largest.pop, id(graph), None)
+    names = set(given)
+    zeros = sum(tensors.nbytes(t.dtype, t.shape) for name, t in graph.inputs.items()
+                if name not in names and not exe.has_handle(name)[0])
+    if zeros + largest < CHECKED_RUN_BYTES:
+        return
+    available = serving.available_memory_bytes()
+    if available is not None and zeros + largest > available:
+        raise ResourceExhausted(f"this run needs {zeros} bytes of zeros for the inputs it was not given and {largest} "
+                                f"bytes for its largest buffer; the host has {available} bytes available",
+                                "RUN_TOO_LARGE")
 
 
 def _extent(message: executor_pb2.ActiveExtent) -> tuple[int, int]:
@@ -200,6 +228,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
     def _run(self, request: executor_pb2.RunRequest, inline_limit: int, stream_rest: bool) -> executor_pb2.RunResponse:
         with self.registry.use(request.executable_id) as exe:
             inputs = _run_inputs(exe, request)
+            _admit(exe, inputs)
             extent = _extent(request.active_extent) if request.HasField("active_extent") else None
             started = time.perf_counter()
             selected = list(request.outputs.indices) if request.HasField("outputs") else None
@@ -237,8 +266,11 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
                 yield executor_pb2.RunPipelinedResponse(run=self._run(request, limit, stream_rest=False))
             return
         with self.registry.use(requests[0].executable_id) as exe:
+            input_sets = [_named(r.inputs) for r in requests]
+            for inputs in input_sets:
+                _admit(exe, inputs)
             started = time.perf_counter()
-            runs = exe.run_pipelined([_named(r.inputs) for r in requests])
+            runs = exe.run_pipelined(input_sets)
             run_us = (time.perf_counter() - started) * 1e6 / len(requests)
         for outs in runs:
             yield executor_pb2.RunPipelinedResponse(run=_response(outs, range(len(outs)), run_us, limit,
@@ -248,7 +280,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
     def CommitNoWait(self, request: executor_pb2.CommitNoWaitRequest,
                      context: grpc.ServicerContext) -> executor_pb2.CommitNoWaitResponse:
         with self.registry.use(request.executable_id) as exe:
-            exe.commit_no_wait(_named(request.inputs))
+            inputs = _named(request.inputs)
+            _admit(exe, inputs)
+            exe.commit_no_wait(inputs)
         return executor_pb2.CommitNoWaitResponse()
 
     @rpc
@@ -319,7 +353,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
                       context: grpc.ServicerContext) -> executor_pb2.RunFeedHandleResponse:
         limit = self.max_message_bytes - MESSAGE_SLACK_BYTES
         with self.registry.use(request.executable_id) as exe:
-            out = exe.run_feed_handle(_named(request.inputs), request.handle_name, request.output_index)
+            inputs = _named(request.inputs)
+            _admit(exe, inputs)
+            out = exe.run_feed_handle(inputs, request.handle_name, request.output_index)
         if out.nbytes > limit:  # the handle is fed: only the answer does not fit
             raise ResourceExhausted(f"output {request.output_index} ({out.nbytes} bytes) does not fit a RunFeedHandle "
                                     f"answer of at most {limit} bytes; use SetHandleFeed, Run and ReadOutput",
