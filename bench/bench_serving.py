@@ -48,7 +48,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -93,6 +93,12 @@ class Stream:
     @property
     def tokens(self) -> int:
         return sum(self.chunk_tokens)
+
+    def arrived(self, at: float, token_ids: Sequence[int]) -> None:
+        """A chunk of these tokens arrived at `at` (perf_counter seconds)."""
+        self.arrivals.append(at)
+        self.chunk_tokens.append(len(token_ids))
+        self.token_ids += token_ids
 
     @property
     def ttft_s(self) -> float:
@@ -150,9 +156,7 @@ def vllm_target(server: VllmServer) -> Target:
                     stream.prompt_tokens = len(choice["prompt_token_ids"])
                 ids = choice.get("token_ids") or []
                 if ids:  # a closing chunk with only the finish reason carries no token
-                    stream.arrivals.append(now)
-                    stream.chunk_tokens.append(len(ids))
-                    stream.token_ids += ids
+                    stream.arrived(now, ids)
             usage = event.get("usage")
             if usage and stream.prompt_tokens < 0:
                 stream.prompt_tokens = int(usage["prompt_tokens"])
@@ -210,9 +214,7 @@ def mesh_target(mesh: LocalMesh) -> Target:
             if chunk.prompt_token_ids:
                 stream.prompt_tokens = len(chunk.prompt_token_ids)
             if chunk.token_ids:
-                stream.arrivals.append(time.perf_counter())
-                stream.chunk_tokens.append(len(chunk.token_ids))
-                stream.token_ids += chunk.token_ids
+                stream.arrived(time.perf_counter(), chunk.token_ids)
         return stream
 
     return generate

@@ -85,9 +85,7 @@ def mesh_target(client: CoordinatorClient, spec: cpb.SpeculativeDecoding) -> Cal
         stream = Stream(time.perf_counter(), prompt_tokens=len(prompt))
         for chunk in client.generate(prompt_token_ids=prompt, max_tokens=tokens, ignore_eos=True, speculative=spec):
             if chunk.token_ids:
-                stream.arrivals.append(time.perf_counter())
-                stream.chunk_tokens.append(len(chunk.token_ids))
-                stream.token_ids += chunk.token_ids
+                stream.arrived(time.perf_counter(), chunk.token_ids)
         return stream
     return generate
 
