@@ -68,9 +68,9 @@ class CoordinatorConfig:
     http_ready_wait_s: float = 10.0  # how long an HTTP request waits out a recovery before its 503
     steps_in_flight: int = 0  # steps in flight at most; 0: one per stage
     decode_steps: int = 0  # the longest decode run (tokens per row of a step of decodes alone); 0: by the devices
+    speculative: str = "off"  # speculative decoding of requests that do not choose: prompt-lookup[:K] or off
     health_window_s: float = 1.0  # an executor that answers no health probe for this long is lost
     etcd: list[str] = field(default_factory=list)  # etcd client URLs: elect a leader there; empty: file state
-    speculative: str = "off"  # speculative decoding of requests that do not choose: prompt-lookup[:K] or off
     cluster_name: str = "graphmesh"  # the election's and the incarnation counter's key prefix in etcd
     lease_ttl_s: float = 2.0  # the leader's etcd lease in seconds (etcd rounds it to whole seconds, >= its minimum)
     advertise: str = ""  # the address clients reach this coordinator at, stored in etcd by the leader; "": listen
@@ -148,10 +148,10 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     scheduler = Scheduler(mesh, config.max_step_tokens, config.max_step_seqs, steps_in_flight=config.steps_in_flight,
                           decode_steps=config.decode_steps)
     generator = Generator(mesh, tokenizer, eos, context, scheduler, config.max_waiting_requests)
+    generator.speculative = parse_mode(config.speculative)
     # 64 calls at once on handler threads; --max-concurrent-rpcs changes it. Generation is not counted there: it
     # queues in the Generator (--max-waiting-requests). Asynchronous: streams that hold no work (an idle
     # ModelStreamInfer, a Generate waiting for KV cache or tokens) hold no thread, and health is answered on the
-    generator.speculative = parse_mode(config.speculative)
     # event loop.
     # Clients that can resume on another coordinator ping their streams (CoordinatorClient: every second) to find a
     # frozen leader, whose connections stay open; without these a server answers such pings with GOAWAY.
@@ -330,12 +330,12 @@ def main(argv: list[str] | None = None) -> None:
                              "the first, with no round trip here between them; tokens then reach clients in bursts "
                              "of that many. 1: every token is its own step. Default 0: 8 when every executor is on "
                              "CUDA, else 4")
-    parser.add_argument("--http-listen", default="", help="HOST:PORT of the OpenAI-compatible HTTP API (default: off)")
     parser.add_argument("--speculative", default="off",
                         help="speculative decoding of requests that do not choose: prompt-lookup (k proposed tokens "
                              "from n-gram matches over the session's prompt and output, verified in one pass through "
                              "every stage; prompt-lookup:K caps k, default 4) or off (the default). Never changes "
                              "tokens; steps aside when a step holds many sessions")
+    parser.add_argument("--http-listen", default="", help="HOST:PORT of the OpenAI-compatible HTTP API (default: off)")
     parser.add_argument("--http-ready-wait", type=float, default=10.0,
                         help="seconds an HTTP request waits for a recovering mesh before a 503")
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
@@ -380,12 +380,12 @@ def main(argv: list[str] | None = None) -> None:
                                    bootstrap.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs,
                                    http_listen=args.http_listen, http_ready_wait_s=args.http_ready_wait,
                                    steps_in_flight=args.steps_in_flight, decode_steps=args.decode_steps,
+                                   speculative=args.speculative,
                                    health_window_s=args.health_window,
                                    etcd=args.etcd, cluster_name=args.cluster_name,
                                    lease_ttl_s=args.lease_ttl, advertise=args.advertise,
                                    min_executors=args.min_executors, max_waiting_requests=args.max_waiting_requests,
                                    max_prompt_bytes=args.max_prompt_bytes,
-                                   speculative=args.speculative,
                                    http_max_connections=args.http_max_connections, redis_url=args.redis_url,
                                    redis_password_file=args.redis_password_file)
         telemetry.serve_metrics(config.metrics_port)
