@@ -680,3 +680,59 @@ def test_coordinator_and_kserve_rpcs_swept_field_by_field(mesh: LocalMesh) -> No
     assert not failures, (f"{len(failures)} of {calls} calls", failures[:40])
     assert _status(mesh).ready
     assert _generate(mesh, prompt) == expected
+
+
+def _raw_post(mesh: LocalMesh, path: str, body: bytes, content_type: str = "application/json") -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://{mesh.http_listen}{path}", data=body, headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+RESPONSES_FIELDS: dict[str, list[Any]] = {
+    "input": [*BAD_TEXT, [{"role": "user", "content": "\udfff"}], [{"role": "\x00", "content": "hi"}], [[]], [7]],
+    "instructions": BAD_TEXT, "max_output_tokens": BAD_NUMBERS, "temperature": BAD_NUMBERS, "top_p": BAD_NUMBERS,
+    "previous_response_id": [*BAD_TEXT, "resp_" + "0" * 64], "store": ["yes", 7, None],
+    "text": [{"format": {"type": "\udfff"}}, {"format": {"type": "json_schema", "schema": {"type": "\x00"}}}, 7],
+    "tools": [[{"type": "function", "name": "\udfff"}], [{}], "x"], "tool_choice": ["\udfff", 7, {"type": "x"}],
+}
+
+
+def test_http_bodies_that_are_not_requests_and_the_responses_fields(mesh: LocalMesh) -> None:
+    """The HTTP half of the sweep beyond the fields above: bodies that are not a request at all (empty, not JSON,
+    not an object, 100k deep, invalid UTF-8, a lone surrogate escaped in JSON, numbers past a double, the wrong
+    content type) on every POST route, every /v1/responses field with boundary values, and odd ids on the GET
+    routes: each a 4xx with an error body, never a 5xx; the mesh is still ready."""
+    model = _status(mesh).model
+    bodies = [b"", b"{", b"[]", b"null", b"7", b'"x"', b"[" * 100_000 + b"]" * 100_000,
+              b'{"a":' * 100_000 + b"1" + b"}" * 100_000, b'{"model": "\xff\xfe", "prompt": "hi"}',
+              b'{"model": "m", "prompt": "\\udfff", "input": "\\ud800"}', b'{"max_tokens": 1e400, "prompt": "hi"}',
+              b'{"prompt": "hi", "prompt": 7}', b"\x00" * 1000]
+    failures: list[tuple[Any, ...]] = []
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        for body in bodies:
+            status, answer = _raw_post(mesh, path, body)
+            if not 400 <= status < 500 or b"error" not in answer:
+                failures.append((path, body[:40], status, answer[:200]))
+        status, answer = _raw_post(mesh, path, b'{"model": "x"}', content_type="text/plain\x7f")
+        if status >= 500:
+            failures.append((path, "content type", status, answer[:200]))
+    base = {"model": model, "input": "hi", "max_output_tokens": 1}
+    for name, values in RESPONSES_FIELDS.items():
+        for value in values:
+            status, answer_json = _post(mesh, "/v1/responses", _json({**base, name: value}))
+            if status >= 500 or (status != 200 and "error" not in answer_json):
+                failures.append(("/v1/responses", name, str(value)[:40], status, str(answer_json)[:200]))
+    for path in ("/v1/responses/%00", "/v1/responses/" + "x" * 10_000, "/v1/responses/..%2F..%2Fetc",
+                 "/v1/models/%ED%A0%80", "/v1/models/%FF%FE", "/v1/models/%E2%80%AE%00"):
+        try:
+            with urllib.request.urlopen(f"http://{mesh.http_listen}{path}", timeout=30) as r:
+                status = r.status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        if status >= 500:
+            failures.append(("GET", path[:40], status))
+    assert not failures, failures
+    assert _status(mesh).ready
