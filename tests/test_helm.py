@@ -407,6 +407,10 @@ def test_model_and_plan_reach_the_coordinator_from_the_configmap(rendered: dict[
         (["--set", "model.weights=q8"], "f32"),
         (["--set", "coordinator.replicas=2"], "coordinator.replicas > 1 needs etcd"),
         (["--set", "etcd.enabled=true", "--set", "etcd.replicas=2"], "replicas"),
+        (["--set", "coordinator.speculative=draft:smollm2-135m"], "speculative"),
+        (["--set", "coordinator.speculative=prompt-lookup:17"], "speculative"),
+        (["--set", "coordinator.redis.url=cache:6379"], "redis/url"),
+        (["--set", "coordinator.redis.existingSecret=cache-auth"], "coordinator.redis.existingSecret needs"),
     ],
 )
 def test_bad_values_are_refused(helm_template: Template, args: list[str], message: str) -> None:
@@ -511,3 +515,36 @@ def test_the_openai_api_is_a_named_service_port_behind_the_same_auth(rendered: d
     c = container(one(off, "Deployment", "coordinator"))
     assert "--http-listen" not in c["args"] and "http" not in {p["name"] for p in c["ports"]}
     assert "http" not in {p["name"] for p in one(off, "Service", "coordinator")["spec"]["ports"]}
+
+
+def test_coordinator_speculation_and_responses_store(rendered: dict[str, list[Doc]], helm_template: Template) -> None:
+    """--speculative always passed (the coordinator's own parser accepts it); --redis-url and the password file only
+    when coordinator.redis is set, the password mounted from the user's Secret under its key."""
+    from graphmesh_coordinator.speculative import parse_mode
+
+    for name, docs in rendered.items():
+        c = container(one(docs, "Deployment", "coordinator"))
+        assert flag(c["args"], "--speculative") == values(name)["coordinator"]["speculative"] == "off", name
+        assert not parse_mode(flag(c["args"], "--speculative")).on
+        assert "--redis-url" not in c["args"] and "--redis-password-file" not in c["args"], name
+        assert all(m["mountPath"] != "/redis" for m in c["volumeMounts"]), name
+    proc = helm_template("--set", "coordinator.speculative=prompt-lookup:8",
+                         "--set", "coordinator.redis.url=rediss://responses.infra:6380/3",
+                         "--set", "coordinator.redis.existingSecret=responses-auth",
+                         "--set", "coordinator.redis.passwordKey=pw")
+    assert proc.returncode == 0, proc.stderr
+    dep = one(load(proc.stdout), "Deployment", "coordinator")
+    c = container(dep)
+    mode = parse_mode(flag(c["args"], "--speculative"))
+    assert (mode.method, mode.max_k) == ("prompt-lookup", 8)
+    assert flag(c["args"], "--redis-url") == "rediss://responses.infra:6380/3"
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "redis-password")
+    assert mount["readOnly"] is True and flag(c["args"], "--redis-password-file") == f"{mount['mountPath']}/password"
+    volume = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"] == {"secretName": "responses-auth", "defaultMode": 0o440,
+                                "items": [{"key": "pw", "path": "password"}]}
+    proc = helm_template("--set", "coordinator.redis.url=redis://responses:6379/0")  # no password: none mounted
+    assert proc.returncode == 0, proc.stderr
+    c = container(one(load(proc.stdout), "Deployment", "coordinator"))
+    assert flag(c["args"], "--redis-url") == "redis://responses:6379/0" and "--redis-password-file" not in c["args"]
+    assert all(m["mountPath"] != "/redis" for m in c["volumeMounts"])
