@@ -320,3 +320,46 @@ def test_a_link_closed_before_its_answer_falls_back_to_grpc() -> None:
         accepting.start()
         assert KvLinks(tls=False).take("127.0.0.1:1", Stub(), 5.0) is None  # type: ignore[arg-type]
         accepting.join(5)
+
+
+_LOW_LIMIT_LISTENER = """
+import resource, sys
+from graphmesh_executor.boundary_link import LinkListener
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+listener = LinkListener("127.0.0.1", 0, lambda request: None, 1 << 20)
+print(listener.port, flush=True)
+for _ in sys.stdin:  # a line asks for a ticket
+    print(listener.ticket().hex(), flush=True)
+"""
+
+
+def test_a_link_opens_while_the_flood_has_taken_every_descriptor() -> None:
+    """A listener whose process runs out of descriptors before its slots fill (a limit of 64, 128 slots) frees the
+    oldest pre-ticket connection's to accept the next: a connection with a ticket still links."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-c", _LOW_LIMIT_LISTENER, "64"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdin is not None and process.stdout is not None
+    flood = None
+    try:
+        address = f"127.0.0.1:{int(process.stdout.readline())}"
+        flood = _Flood(address, junk=200, slow=0)
+        deadline = time.monotonic() + 30
+        while flood.closed["junk"] < 200:  # past the descriptor limit, and more coming
+            assert time.monotonic() < deadline, f"the flood never reached the limit: {flood.closed}"
+            time.sleep(0.05)
+        for _ in range(3):
+            process.stdin.write("ticket\n")
+            process.stdin.flush()
+            link = BoundaryLink.connect(address, bytes.fromhex(process.stdout.readline()), 5.0)
+            done: Future[Exception | None] = Future()
+            assert link.push(stage_pb2.PushBoundaryRequest(step_id=1).SerializeToString(), 10.0, done.set_result)
+            assert done.result(timeout=10) is None
+            link.fail(DeadlineExceeded("done", "TEST"))
+    finally:
+        if flood is not None:
+            flood.close()
+        process.kill()
+        process.wait()

@@ -205,7 +205,13 @@ class LinkListener:
             except OSError as e:
                 if self._server.fileno() == -1:
                     return False
-                log.warning("boundary link accept failed", extra={"error": str(e)})  # out of descriptors: go on
+                # Out of descriptors, most likely: the oldest connection without a ticket gives its own back (the
+                # next accept then succeeds); with none to give, a pause keeps the listener from spinning this thread.
+                log.warning("boundary link accept failed", extra={"error": str(e)})
+                if self._handshakes:
+                    self._evict(next(iter(self._handshakes.values())), "no descriptor was left to accept with")
+                else:
+                    time.sleep(0.01)
                 return True
             conn.setblocking(False)
             pending = _Handshake(conn, f"{peer[0]}:{peer[1]}", time.monotonic() + HELLO_TIMEOUT_S)
