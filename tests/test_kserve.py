@@ -24,6 +24,7 @@ from graphmesh.kserve import grpc_service_pb2 as pb
 from graphmesh.kserve import grpc_service_pb2_grpc as pb_grpc
 from graphmesh.launcher import LocalMesh
 from graphmesh_coordinator.kserve import FINAL, pack_bytes, unpack_bytes
+from tests.test_metrics import scrape, value
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_VENV = ROOT / "build" / "triton-venv"
@@ -65,7 +66,7 @@ def test_bytes_elements_round_trip_and_truncation_is_refused() -> None:
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[LocalMesh]:
-    with LocalMesh(2, "torch", MODEL) as mesh:
+    with LocalMesh(2, "torch", MODEL, metrics=True) as mesh:  # metrics: whether verified chunks ran
         yield mesh
 
 
@@ -203,3 +204,60 @@ def test_typed_contents_and_the_rarer_refusals_over_our_own_stubs(mesh: LocalMes
                 stub.ModelInfer(request, timeout=120)
             assert failed.value.code() == code, (case, failed.value.details())
         assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live
+
+
+GROUNDED = ("Repeat this passage word for word: The lighthouse keeper climbed the spiral stairs every evening at dusk, "
+            "lit the great lamp, and wrote the weather, the ships that passed and the state of the sea in a logbook.")
+
+
+@pytest.mark.slow
+def test_the_speculative_parameter_keeps_every_token_and_refuses_bad_values(mesh: LocalMesh) -> None:
+    """`speculative` as Generate's field: prompt lookup verifies proposals (the coordinator counts its passes) and
+    the text is that of the same request without it, greedy and seeded; a bad value is INVALID_ARGUMENT naming it,
+    on ModelInfer and in-band on ModelStreamInfer."""
+    Tensor = pb.ModelInferRequest.InferInputTensor
+    text = Tensor(name="text_input", datatype="BYTES", shape=[1])
+
+    def request(extra: dict[str, pb.InferParameter], sampling: dict[str, pb.InferParameter]) -> pb.ModelInferRequest:
+        params = {"max_tokens": pb.InferParameter(int64_param=40), "ignore_eos": pb.InferParameter(bool_param=True),
+                  **sampling, **extra}
+        return pb.ModelInferRequest(model_name=MODEL, inputs=[text], parameters=params,
+                                    raw_input_contents=[pack_bytes([GROUNDED.encode()])])
+
+    def passes() -> float:
+        return value(scrape(mesh.metrics_ports["coordinator"]), "graphmesh_speculative_passes_total")
+
+    seeded = {"temperature": pb.InferParameter(double_param=0.8), "top_k": pb.InferParameter(int64_param=40),
+              "seed": pb.InferParameter(int64_param=11)}
+    with grpc.insecure_channel(mesh.coordinator_address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+
+        def infer(extra: dict[str, pb.InferParameter], sampling: dict[str, pb.InferParameter]) -> str:
+            reply = stub.ModelInfer(request(extra, sampling), timeout=300)
+            return unpack_bytes(reply.raw_output_contents[0], "text_output")[0].decode()
+
+        for sampling in ({}, seeded):
+            before = passes()
+            plain = infer({}, sampling)  # the coordinator's default: off
+            assert passes() == before
+            assert plain  # 40 tokens of a repeated passage
+            for mode in ("prompt-lookup", "prompt-lookup:8", "off"):
+                assert infer({"speculative": pb.InferParameter(string_param=mode)}, sampling) == plain, mode
+            assert passes() > before  # proposals were verified: the equality is not vacuous
+
+        bad = {"draft:smollm2-135m": "draft", "prompt-lookup:99": "[1, 16]", "sometimes": "'sometimes'"}
+        for mode, words in bad.items():
+            with pytest.raises(grpc.RpcError) as failed:
+                stub.ModelInfer(request({"speculative": pb.InferParameter(string_param=mode)}, {}), timeout=60)
+            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, mode
+            assert "speculative" in (failed.value.details() or "") or "draft" in mode, failed.value.details()
+            assert words in (failed.value.details() or ""), failed.value.details()
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.ModelInfer(request({"speculative": pb.InferParameter(int64_param=4)}, {}), timeout=60)
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'speculative' must be string_param" in (failed.value.details() or "")
+
+        streamed = list(stub.ModelStreamInfer(iter([request({"speculative": pb.InferParameter(
+            string_param="ngram")}, {})]), timeout=60))
+        assert len(streamed) == 1 and streamed[0].error_message.startswith("INVALID_ARGUMENT: ")
+        assert "speculative" in streamed[0].error_message and "'ngram'" in streamed[0].error_message

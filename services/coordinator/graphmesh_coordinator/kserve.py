@@ -4,7 +4,8 @@ The coordinator's model answers two kinds of request, told apart by the input's 
 - "text_input" (BYTES, shape [1]) generates text: "text_output" (BYTES, shape [1]); the request's parameters
   max_tokens, temperature, top_k, top_p, seed, raw and ignore_eos mean what they mean for Generate; guided decoding
   takes one of guided_json (a JSON Schema's text), guided_json_object (bool), guided_regex, guided_grammar (EBNF),
-  as vLLM names them (Generate's `guided`).
+  as vLLM names them (Generate's `guided`); speculative ("prompt-lookup", "prompt-lookup:K" or "off";
+  absent: the coordinator's --speculative) is Generate's `speculative` and never changes the tokens.
 - "input_ids" (INT64, shape [1, n]) runs one prefill: "logits" (FP32, shape [1, vocab]) of the last position.
 ModelStreamInfer answers a text request with one response per new piece of text, Triton's decoupled way: every
 response carries the bool parameter triton_final_response, true on the last one only.
@@ -29,7 +30,7 @@ from graphmesh.errors import GraphmeshError, InvalidArgument, NotFound, Unavaila
 from graphmesh.kserve import grpc_service_pb2 as pb
 from graphmesh.kserve import grpc_service_pb2_grpc as pb_grpc
 from graphmesh.security.interceptors import Admission
-from graphmesh_coordinator import guided
+from graphmesh_coordinator import guided, speculative
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.servicer import RECOVERY_WAIT_S, as_status, prompt_token_ids
@@ -237,7 +238,13 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                                  ignore_eos=_bool(p, "ignore_eos"),
                                  guided=guided.from_fields(_str(p, "guided_json"), _bool(p, "guided_json_object"),
                                                            _str(p, "guided_regex"), _str(p, "guided_grammar"),
-                                                           names=GUIDED_PARAMETERS))
+                                                           names=GUIDED_PARAMETERS),
+                                 speculative=self._speculative(p))
+
+    def _speculative(self, params: dict[str, pb.InferParameter]) -> speculative.Mode | None:
+        if "speculative" not in params:
+            return None
+        return speculative.from_json(_str(params, "speculative"), self.generator.speculative)
 
     def _response(self, request: pb.ModelInferRequest, output: Output,
                   parameters: dict[str, pb.InferParameter]) -> pb.ModelInferResponse:
