@@ -163,12 +163,21 @@ def _llama3_rope_freqs(rope: dict[str, Any], theta: float, head_dim: int) -> np.
     return np.array(out, np.float32)
 
 
+def q8_0_2d(name: str, shape: tuple[int, ...]) -> Q:
+    """Q8_0 for every matrix (rows of any multiple of 32 values), F32 for the rest."""
+    return Q.Q8_0 if len(shape) == 2 else Q.F32
+
+
 def write_gguf(hf_dir: Path, path: Path, arch: str, types: TypePicker = f32_only) -> Path:
-    """The HF checkpoint at hf_dir (Llama, Qwen2, Qwen3 or Phi-3) as llama.cpp's converter writes it for `arch`."""
+    """The HF checkpoint at hf_dir (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 or Gemma 3 text) as llama.cpp's
+    converter writes it for `arch`. A sliding window is written as attention.sliding_window (llama.cpp's converter
+    writes it for Phi-3 and Gemma only), with a per-layer boolean attention.sliding_window_pattern where only some
+    layers slide outside Gemma (Qwen2's max_window_layers)."""
     cfg = json.loads((hf_dir / "config.json").read_text())
     ckpt = open_checkpoint(hf_dir)
     c = ckpt.config
     assert c is not None and c.arch == "llama"
+    gemma = arch in ("gemma2", "gemma3")
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.n_layers)
     w.add_context_length(cfg["max_position_embeddings"])
@@ -179,8 +188,10 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, types: TypePicker = f32_only
     if arch != "phi3":  # Phi3MiniModel writes its own keys, without key_length
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_rope_dimension_count(c.rotary_dim or c.head_dim)
+    if arch != "gemma2":  # Gemma2Model writes no rope keys: llama.cpp's default base 10000
+        w.add_rope_freq_base(c.rope_theta)
+    if not gemma:
+        w.add_rope_dimension_count(c.rotary_dim or c.head_dim)
     w.add_layer_norm_rms_eps(c.norm_eps)
     w.add_bos_token_id(c.bos_token_id or 0)
     w.add_eos_token_id(c.eos_token_ids[0])
@@ -189,6 +200,28 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, types: TypePicker = f32_only
     w.add_tokenizer_model("gpt2")
     w.add_token_list(alphabet + [f"tok{i}" for i in range(len(alphabet), c.vocab_size)])
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (TextModel.set_gguf_parameters)
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        for beta, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(beta) is not None:
+                add(rope[beta])
+    if arch == "gemma2":  # Gemma2Model.set_gguf_parameters
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "gemma3" and cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if c.windows and arch != "phi3":
+        w.add_sliding_window(max(c.windows))
+        if not gemma and not all(c.windows):
+            w.add_sliding_window_pattern([bool(x) for x in c.windows])
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, c.rope_theta, c.head_dim))
     if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
@@ -200,7 +233,8 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, types: TypePicker = f32_only
             w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
             w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
             w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
-    table = {hf: g for g, hf in (checkpoints._GGUF_PHI3 if arch == "phi3" else checkpoints._GGUF_LLAMA).items()}
+    table = {hf: g for g, hf in (checkpoints._GGUF_PHI3 if arch == "phi3" else checkpoints._GGUF_GEMMA if gemma
+                                 else checkpoints._GGUF_LLAMA).items()}
     for name in ckpt.names():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -209,6 +243,8 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, types: TypePicker = f32_only
         array = ckpt.tensor(name)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # only LlamaModel permutes
             array = model_fixtures._llamacpp_permute(array, c.n_heads if "q_proj" in name else c.n_kv_heads)
+        if gemma and name.endswith("norm.weight"):  # Gemma2Model/Gemma3Model: llama.cpp's norm multiplies by w
+            array = array + np.float32(1.0)
         qtype = types(gname, array.shape)
         if qtype == Q.F32:
             w.add_tensor(gname, array)
@@ -248,3 +284,60 @@ def make_wide_qwen3(path: Path, seed: int = 12) -> Path:
 
 def _save(model: PreTrainedModel, path: Path) -> Path:
     return model_fixtures._save(model, path)
+
+
+# -- sliding windows and Gemma as llama.cpp's files carry them ----------------------------------------------------
+
+WINDOW = 6  # under prompts of 11 and 20 new tokens: every query past the sixth position loses keys to it
+_SMALL: dict[str, Any] = {"vocab_size": model_fixtures.VOCAB, "hidden_size": 64, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256,
+                          "initializer_range": model_fixtures.INIT, "bos_token_id": 1, "eos_token_id": 2,
+                          "pad_token_id": 0}
+
+
+def make_window_mistral(path: Path, seed: int = 21) -> Path:
+    """Mistral with its window on every layer (written under llama.cpp's llama architecture)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(**_SMALL, num_hidden_layers=2, sliding_window=WINDOW, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False)
+    return _save(MistralForCausalLM(config), path)
+
+
+def make_window_qwen2(path: Path, seed: int = 22) -> Path:
+    """Qwen2 with use_sliding_window from layer 1 on (max_window_layers 1): layer 0 global, layers 1-2 sliding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(**_SMALL, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW,
+                         max_window_layers=1, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    return _save(Qwen2ForCausalLM(config), path)
+
+
+def make_gguf_gemma2(path: Path, seed: int = 23) -> Path:
+    """Gemma 2 as llama.cpp serves it: layer 0 sliding, layer 1 global (its fixed pattern 2), scores scaled by
+    1/sqrt(head_dim) (query_pre_attn_scalar = head_dim: the GGUF file carries no scalar), caps small enough to
+    bend these random scores and logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Gemma2Config(**_SMALL, num_hidden_layers=2, head_dim=16, sliding_window=WINDOW,
+                          layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+                          attn_logit_softcapping=2.0, final_logit_softcapping=4.0, rms_norm_eps=1e-6,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return _save(Gemma2ForCausalLM(config), path)
+
+
+def make_gguf_gemma3(path: Path, seed: int = 24) -> Path:
+    """Gemma 3 text as llama.cpp serves it: 6 layers in its fixed pattern (0-4 sliding, 5 global), q/k norms, the
+    global rope linear-scaled at theta 1e6, the local one at theta 1e4, a final soft-cap."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(**_SMALL, num_hidden_layers=6, head_dim=16, sliding_window=WINDOW,
+                              layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=16,
+                              final_logit_softcapping=4.0, rms_norm_eps=1e-6, rope_parameters={
+                                  "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    return _save(Gemma3ForCausalLM(config), path)

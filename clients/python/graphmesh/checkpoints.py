@@ -5,7 +5,8 @@ Q/K row permutation undone, GPT-2 Conv1D weights [in, out]) and read from a memo
 checkpoint costs nothing and a stage reads only its own layers. GGUF Q4_0/Q4_1/Q8_0 weights and the K-quants
 Q4_K and Q6_K can also be handed out packed, as the raw blocks the dequant_matmul op consumes; the other block types
 read (Q5_0/Q5_1, Q2_K, Q3_K, Q5_K, BF16) are always dequantized, so a Q4_K_M file (Q4_K and Q6_K) served packed
-keeps nearly all of its weights packed. No torch or transformers here: the executor imports this module.
+keeps nearly all of its weights packed. Gemma files' RMS norm weights are handed back as HF's w, not llama.cpp's
+1 + w. No torch or transformers here: the executor imports this module.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -26,7 +28,7 @@ from gguf import GGMLQuantizationType
 from graphmesh import dtypes
 from graphmesh.errors import InvalidArgument, NotFound
 from graphmesh.models.config import ModelConfig
-from graphmesh.models.rope import rope_from_gguf
+from graphmesh.models.rope import Rope, rope_from_gguf, rope_from_hf
 from graphmesh.ops import packed_shape
 
 PACKED_SCHEMES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1", GGMLQuantizationType.Q8_0: "q8_0",
@@ -66,11 +68,22 @@ _GGUF_GPT2 = {
         ("attn_norm", "ln_1"), ("attn_qkv", "attn.c_attn"), ("attn_output", "attn.c_proj"), ("ffn_norm", "ln_2"),
         ("ffn_up", "mlp.c_fc"), ("ffn_down", "mlp.c_proj"))},
 }
+# Gemma 2/3's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP, and two norms follow the blocks
+_GGUF_GEMMA = {**_GGUF_LLAMA, "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+               "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+               "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"}
 # llama.cpp's converter transposes GPT-2's Conv1D weights to [out, in]; we hand them back as [in, out].
 _GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # GGUF architectures whose converter permutes Q/K rows for llama.cpp's interleaved rope.
 _PERMUTED_ARCHS = ("llama", "mistral")
 _LLAMA_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm")
+_GEMMA_ARCHS = ("gemma2", "gemma3")
+# What llama.cpp's loader fixes per Gemma architecture rather than reading from the file (llama-model.cpp): every
+# n-th layer global, the others sliding; the 27B models (known by their layer count) scale scores by
+# 1/sqrt(hidden / heads), the others by 1/sqrt(head_dim); Gemma 3's sliding layers rotate at base 10000, unscaled.
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA3_LOCAL_BASE = 10000.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,7 @@ class _Tensor:
     ggml_type: GGMLQuantizationType | None = None  # None: `data` holds plain numbers
     heads: int = 0  # > 0: undo llama.cpp's Q/K row permutation over this many heads
     transpose: bool = False
+    shift: float = 0.0  # added after dequantizing: -1 turns a llama.cpp Gemma norm (1 + w) back into HF's w
 
 
 def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -124,6 +138,8 @@ class Checkpoint:
             out = _unpermute(out, t.heads)
         if t.transpose:
             out = out.T
+        if t.shift:  # exact in f32 wherever 1 + w >= 0.5, as a norm's is
+            out = out.astype(np.float32) + np.float32(t.shift)
         return np.ascontiguousarray(out.astype(dtypes.to_numpy(dtype), copy=False)).reshape(t.shape)
 
     def packed(self, name: str) -> tuple[str, np.ndarray] | None:
@@ -265,13 +281,17 @@ def _read_gguf(path: Path) -> tuple[dict[str, Any], list[_GgufTensor]]:
     return metadata, tensors
 
 
+_Key = Callable[..., Any]  # an architecture's metadata value: key(name, default)
+_Refuse = Callable[[str, str], InvalidArgument]
+
+
 def config_from_gguf(metadata: dict[str, Any], tensors: list[_GgufTensor]) -> ModelConfig:
     """ModelConfig from GGUF metadata (llama.cpp key names)."""
     arch = metadata.get("general.architecture")
     shapes = {t.name: list(t.dims) for t in tensors}  # ggml order: fastest dimension first
-    if arch not in (*_LLAMA_ARCHS, "gpt2"):
+    if arch not in (*_LLAMA_ARCHS, *_GEMMA_ARCHS, "gpt2"):
         raise InvalidArgument(f"GGUF general.architecture {arch!r} is not supported; graphmesh reads "
-                              f"{', '.join((*_LLAMA_ARCHS, 'gpt2'))}", "UNSUPPORTED_MODEL")
+                              f"{', '.join((*_LLAMA_ARCHS, *_GEMMA_ARCHS, 'gpt2'))}", "UNSUPPORTED_MODEL")
 
     def key(k: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{k}", default)
@@ -301,25 +321,25 @@ def config_from_gguf(metadata: dict[str, Any], tensors: list[_GgufTensor]) -> Mo
         return None if t is None else np.asarray(t.data).reshape(-1)
 
     max_position = int(key("context_length", 2048))
-    factor, attn_factor, original = key("rope.scaling.factor"), key("rope.scaling.attn_factor"), \
-        key("rope.scaling.original_context_length")
-    # llama3's scaled frequencies arrive as the rope_freqs tensor (each default frequency's divisor); Phi-3's
-    # longrope as rope_factors_short/long, of which graphmesh serves the short range (as from config.json)
-    rope = None if arch == "gpt2" else rope_from_gguf(
-        float(key("rope.freq_base", 10000.0)), head_dim, max_position, key("rope.scaling.type"),
-        None if factor is None else float(factor), plain("rope_freqs.weight"),
-        rotary_dim=0 if rotary == head_dim else rotary, short_factors=plain("rope_factors_short.weight"),
-        attn_factor=None if attn_factor is None else float(attn_factor),
-        original_context=None if original is None else int(original))
+    n_layers = int(key("block_count"))
+    rope = None if arch == "gpt2" else _gguf_rope(key, refuse, head_dim, 0 if rotary == head_dim else rotary,
+                                                   max_position, plain)
+    local_rope = None
+    if arch == "gemma3":
+        local_rope = rope_from_gguf(float(key("rope.freq_base_swa", _GEMMA3_LOCAL_BASE)), head_dim, max_position,
+                                    None, None, None)
     if rope is not None:
-        max_position = rope.max_position
-    window = int(key("attention.sliding_window") or 0)  # Phi-3 writes 0 for none
-    if 0 < window < max_position:
-        raise refuse("attention.sliding_window", f"graphmesh has no sliding-window attention (context {max_position})")
+        max_position = min(rope.max_position, local_rope.max_position if local_rope else rope.max_position)
+    gemma: dict[str, Any] = {}
+    if arch in _GEMMA_ARCHS:
+        scalar = hidden / heads if n_layers == _GEMMA_27B_LAYERS[arch] else head_dim
+        gemma = {"gemma": True, "local_rope": local_rope, "attn_scale": float(scalar) ** -0.5,
+                 "attn_softcap": float(key("attn_logit_softcapping") or 0.0),
+                 "final_softcap": float(key("final_logit_softcapping") or 0.0)}
     eos = [metadata.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id")]
     return ModelConfig(
         arch="gpt2" if arch == "gpt2" else "llama", vocab_size=shapes["token_embd.weight"][1], hidden_size=hidden,
-        n_layers=int(key("block_count")), n_heads=heads, n_kv_heads=int(key("attention.head_count_kv") or heads),
+        n_layers=n_layers, n_heads=heads, n_kv_heads=int(key("attention.head_count_kv") or heads),
         head_dim=head_dim, intermediate_size=int(key("feed_forward_length")),
         norm_eps=float(key("attention.layer_norm_epsilon") if arch == "gpt2" else key("attention.layer_norm_rms_epsilon")),
         rope_theta=float(key("rope.freq_base", 10000.0)), rope_inv_freq=() if rope is None else rope.inv_freq,
@@ -330,7 +350,66 @@ def config_from_gguf(metadata: dict[str, Any], tensors: list[_GgufTensor]) -> Mo
         max_position=max_position,
         bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        hidden_act="gelu_tanh" if arch == "gpt2" else "silu")
+        hidden_act="silu" if arch in _LLAMA_ARCHS else "gelu_tanh",
+        windows=() if arch == "gpt2" else _gguf_windows(arch, key, refuse, n_layers), **gemma)
+
+
+def _gguf_rope(key: _Key, refuse: _Refuse, head_dim: int, rotary_dim: int, max_position: int,
+               plain: Callable[[str], np.ndarray | None]) -> Rope:
+    """The rope of llama.cpp's metadata. rope.scaling.type yarn (with .factor, .original_context_length and the
+    optional yarn_attn_factor / yarn_beta_fast / yarn_beta_slow convert_hf_to_gguf copies from rope_parameters'
+    attention_factor / beta_fast / beta_slow) is transformers' YaRN on those parameters. llama3's scaled
+    frequencies arrive as the rope_freqs tensor (each default frequency's divisor: llama.cpp writes no low/high
+    freq factor keys); Phi-3's longrope as rope_factors_short/long, of which graphmesh serves the short range."""
+    theta = float(key("rope.freq_base", 10000.0))
+    scaling, factor = key("rope.scaling.type"), key("rope.scaling.factor")
+    original = key("rope.scaling.original_context_length")
+    if scaling == "yarn":
+        if factor is None or original is None:
+            raise refuse("rope.scaling.type", "yarn needs rope.scaling.factor and rope.scaling.original_context_length")
+        if float(key("rope.scaling.yarn_ext_factor", 1.0)) != 1.0:
+            raise refuse("rope.scaling.yarn_ext_factor", "transformers' YaRN mixes with an extrapolation factor of 1")
+        if float(key("rope.scaling.yarn_log_multiplier", 0.0)) != 0.0:
+            raise refuse("rope.scaling.yarn_log_multiplier", "graphmesh's llama family has no mscale_all_dim")
+        if rotary_dim:
+            raise refuse("rope.dimension_count", "YaRN rotates whole heads here")
+        params = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor),
+                  "original_max_position_embeddings": int(original)}
+        for gguf_key, hf_key in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                                 ("yarn_beta_slow", "beta_slow")):
+            if key(f"rope.scaling.{gguf_key}") is not None:
+                params[hf_key] = float(key(f"rope.scaling.{gguf_key}"))
+        return rope_from_hf({"rope_parameters": params, "max_position_embeddings": max_position}, "llama", head_dim)
+    attn_factor = key("rope.scaling.attn_factor")
+    return rope_from_gguf(
+        theta, head_dim, max_position, scaling, None if factor is None else float(factor), plain("rope_freqs.weight"),
+        rotary_dim=rotary_dim, short_factors=plain("rope_factors_short.weight"),
+        attn_factor=None if attn_factor is None else float(attn_factor),
+        original_context=None if original is None else int(original))
+
+
+def _gguf_windows(arch: str, key: _Key, refuse: _Refuse, n_layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (ModelConfig.windows) from attention.sliding_window (0 or absent: none) and
+    attention.sliding_window_pattern: llama.cpp's per-layer booleans (true: sliding), or an integer n (layer i slides
+    unless i % n == n - 1; 0: every layer), as llama.cpp's set_swa_pattern. Without a pattern Gemma's is llama.cpp's
+    fixed one, and every other architecture's window applies to every layer, as transformers' Mistral and Phi-3 do
+    (llama.cpp itself ignores the window of llama and qwen2 files); Qwen2's use_sliding_window with
+    max_window_layers is a boolean pattern."""
+    window = key("attention.sliding_window")
+    if window is None or window == 0:  # Phi-3 writes 0 for none
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise refuse("attention.sliding_window", "expected a window in tokens")
+    pattern = key("attention.sliding_window_pattern", _GEMMA_SWA_PATTERN.get(arch, 0))
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers or not all(isinstance(p, bool) for p in pattern):
+            raise refuse("attention.sliding_window_pattern", f"expected one boolean for each of the {n_layers} layers")
+        sliding = pattern
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n_layers)]
+    else:
+        raise refuse("attention.sliding_window_pattern", "expected a layer period or one boolean per layer")
+    return tuple(window if s else 0 for s in sliding)
 
 
 def _hf_name(gguf_name: str, table: dict[str, str]) -> str | None:
@@ -353,7 +432,8 @@ def _open_gguf(path: Path) -> Checkpoint:
             readable = [q.name for q in (*_PLAIN_GGML, *_DEQUANTIZED_GGML)]
             raise InvalidArgument(f"GGUF tensor {t.name!r} type {t.ggml_type.name} is not supported; graphmesh reads "
                                   f"{', '.join(readable)}", "UNSUPPORTED_MODEL")
-    table = _GGUF_GPT2 if config.arch == "gpt2" else _GGUF_PHI3 if arch == "phi3" else _GGUF_LLAMA
+    table = _GGUF_GPT2 if config.arch == "gpt2" else _GGUF_PHI3 if arch == "phi3" else \
+        _GGUF_GEMMA if arch in _GEMMA_ARCHS else _GGUF_LLAMA
     tensors: dict[str, _Tensor] = {}
     for t in gguf_tensors:
         name = _hf_name(t.name, table) or t.name
@@ -364,7 +444,8 @@ def _open_gguf(path: Path) -> Checkpoint:
         if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.n_heads if name.endswith("q_proj.weight") else config.n_kv_heads
         transpose = config.arch == "gpt2" and name.endswith(_GPT2_TRANSPOSED)
-        tensors[name] = _Tensor(data, shape[::-1] if transpose else shape, qtype, heads, transpose)
+        shift = -1.0 if arch in _GEMMA_ARCHS and name.endswith("norm.weight") else 0.0
+        tensors[name] = _Tensor(data, shape[::-1] if transpose else shape, qtype, heads, transpose, shift)
     return Checkpoint(path, "gguf", tensors, config, metadata, [path])
 
 
