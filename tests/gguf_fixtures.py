@@ -1,7 +1,7 @@
 """Tiny GGUF files written from tiny transformers checkpoints the way llama.cpp's convert_hf_to_gguf.py writes
 them (per-architecture metadata keys, tensor names, Q/K rows permuted for the llama architecture only, Llama 3's
 rope scaling as a rope_freqs tensor), quantized with gguf-py for Q4_0/Q4_1/Q5_0/Q8_0 and with the K-quant
-quantizers below, which gguf-py (0.19) does not have: it only dequantizes Q4_K/Q5_K/Q6_K.
+quantizers below, which gguf-py (0.19) does not have: it only dequantizes Q2_K-Q6_K.
 
 The K-quant quantizers are simple (min/max scales, no llama.cpp error search): the tests compare graphmesh
 against transformers holding the *dequantized* weights, so they need valid blocks, not the best ones.
@@ -97,7 +97,48 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh, scales.view(np.uint8), d.view(np.uint8)], axis=-1)
 
 
-_K_QUANTIZERS: dict[Q, Callable[[np.ndarray], np.ndarray]] = {Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+def _crumbs(q: np.ndarray) -> np.ndarray:
+    """[n, 256] 2-bit values -> [n, 64] bytes (Q2_K/Q3_K's qs): value h*128 + s*32 + j in bits 2s of byte h*32 + j."""
+    four = (q & 3).reshape(-1, 2, 4, 32)
+    return (four << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(axis=2, dtype=np.uint8).reshape(-1, 64)
+
+
+def _q2_k(x: np.ndarray) -> np.ndarray:
+    """x ~ d*sc*q - dmin*m per 16-value sub-block, sc and m 4 bits (one byte: sc | m << 4), q 0..3."""
+    sub = x.reshape(-1, 16, 16)
+    lo = np.minimum(sub.min(axis=-1), 0.0)
+    step = (sub.max(axis=-1) - lo) / 3
+    d = _f16(step.max(axis=-1, keepdims=True) / 15)
+    dmin = _f16(-lo.min(axis=-1, keepdims=True) / 15)
+    sc = np.clip(np.rint(_safe_div(step, d.astype(np.float32))), 0, 15).astype(np.uint8)
+    mn = np.clip(np.rint(_safe_div(-lo, dmin.astype(np.float32))), 0, 15).astype(np.uint8)
+    offset = (dmin.astype(np.float32) * mn)[..., None]
+    q = np.clip(np.rint(_safe_div(sub + offset, (d.astype(np.float32) * sc)[..., None])), 0, 3).astype(np.uint8)
+    return np.concatenate([sc | (mn << 4), _crumbs(q.reshape(-1, QK_K)), d.view(np.uint8), dmin.view(np.uint8)],
+                          axis=-1)
+
+
+def _q3_k(x: np.ndarray) -> np.ndarray:
+    """x ~ d*sc*q per 16-value sub-block, sc signed 6 bits (stored + 32), q -4..3: its low 2 bits in qs, and a
+    hmask bit set where q >= 0 (value b*32 + j in bit b of byte j). Each sub-block's largest magnitude maps to -4."""
+    sub = x.reshape(-1, 16, 16)
+    peak = np.take_along_axis(sub, np.abs(sub).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    step = -peak / 4
+    d = _f16(np.abs(step).max(axis=-1, keepdims=True) / 31)
+    sc = np.clip(np.rint(_safe_div(step, d.astype(np.float32))), -32, 31).astype(np.int8)
+    q = np.clip(np.rint(_safe_div(sub, (d.astype(np.float32) * sc)[..., None])), -4, 3).astype(np.int8).reshape(-1, QK_K)
+    stored = (sc.astype(np.int16) + 32).astype(np.uint8)  # scale k: low 4 bits in byte k % 8 (nibble k // 8), high 2
+    low = stored & 0x0F                                   # bits in byte 8 + k % 4 at bit 2 * (k // 4)
+    lscales = low[:, :8] | (low[:, 8:] << 4)
+    hscales = ((stored >> 4).reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[None, :, None]).sum(
+        axis=1, dtype=np.uint8)
+    high = (q >= 0).astype(np.uint8).reshape(-1, 8, 32)
+    hmask = (high << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    return np.concatenate([hmask, _crumbs(q.view(np.uint8)), lscales, hscales, d.view(np.uint8)], axis=-1)
+
+
+_K_QUANTIZERS: dict[Q, Callable[[np.ndarray], np.ndarray]] = {Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k,
+                                                              Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
 
 
 def quantize(array: np.ndarray, qtype: Q) -> np.ndarray:
@@ -134,6 +175,18 @@ def q4_k_m(name: str, shape: tuple[int, ...]) -> Q:
     if name == "output.weight" or name.endswith(("attn_v.weight", "ffn_down.weight")):
         return Q.Q6_K
     return Q.Q5_K if name.endswith("attn_k.weight") else Q.Q4_K
+
+
+def q2_k_q3_k(name: str, shape: tuple[int, ...]) -> Q:
+    """A Q2_K/Q3_K-style mix (llama.cpp's Q2_K and Q3_K_M files): Q3_K for attention, Q2_K for the MLP, Q6_K for
+    the head and embedding, Q8_0 where rows are not a multiple of 256 values; norms and rope_freqs F32."""
+    if len(shape) < 2 or name.endswith("norm.weight"):
+        return Q.F32
+    if shape[-1] % QK_K:
+        return Q.Q8_0
+    if name in ("output.weight", "token_embd.weight"):
+        return Q.Q6_K
+    return Q.Q3_K if ".attn_" in name else Q.Q2_K
 
 
 def q4_k_m_packed(name: str, shape: tuple[int, ...]) -> Q:

@@ -97,6 +97,25 @@ def test_k_quantizers_make_blocks_gguf_dequantizes() -> None:
         assert (np.abs(back - x).max(axis=1) <= bound).all(), qtype.name
 
 
+def test_low_bit_k_quantizers_make_blocks_gguf_dequantizes() -> None:
+    """The fixture's Q2_K and Q3_K blocks (16-value sub-blocks), read back by gguf-py's dequantize: each sub-block
+    within 0.6 of its step (Q2_K: its range over 3 levels) or one step (Q3_K: its peak magnitude over 4, which the
+    opposite sign's clipping at +3 can cost); a wrong layout is off by whole sub-blocks."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(0.0, 0.05, (8, 512)).astype(np.float32)
+    x[0, :256] = 0.0
+    x[1] = np.abs(x[1])
+    sub = x.reshape(8, -1, 16)
+    steps = {Q.Q2_K: 0.6 * (sub.max(axis=-1) - np.minimum(sub.min(axis=-1), 0)) / 3,
+             Q.Q3_K: 1.05 * np.abs(sub).max(axis=-1) / 4}
+    for qtype, bound in steps.items():
+        blocks = gguf_fixtures.quantize(x, qtype)
+        assert blocks.shape == (8, 2 * gguf.GGML_QUANT_SIZES[qtype][1])
+        back = gguf.quants.dequantize(blocks, qtype)
+        assert np.abs(back[0, :256]).max() == 0.0
+        assert (np.abs(back - x).reshape(8, -1, 16).max(axis=-1) <= bound + 1e-7).all(), qtype.name
+
+
 @dataclasses.dataclass
 class GgufCase:
     name: str
@@ -121,6 +140,7 @@ CASES: dict[str, tuple[Callable[[Path], Path], str, gguf_fixtures.TypePicker]] =
     "gemma2-q8_0": (gguf_fixtures.make_gguf_gemma2, "gemma2", gguf_fixtures.q8_0_2d),
     "llama3-q4_k_m": (gguf_fixtures.make_wide_llama3, "llama", gguf_fixtures.q4_k_m),
     "qwen3-q4_k_m": (gguf_fixtures.make_wide_qwen3, "qwen3", gguf_fixtures.q4_k_m),
+    "llama3-q2_k_q3_k": (gguf_fixtures.make_wide_llama3, "llama", gguf_fixtures.q2_k_q3_k),
 }
 
 
@@ -168,6 +188,8 @@ def test_gguf_config_is_the_hf_config(case: GgufCase) -> None:
     types = {t.tensor_type for t in gguf.GGUFReader(case.gguf).tensors}
     if case.name.endswith("q4_k_m"):
         assert {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.F32} <= types
+    elif case.name.endswith("q2_k_q3_k"):
+        assert {Q.Q2_K, Q.Q3_K, Q.Q6_K, Q.F32} <= types
     elif case.name.endswith("q8_0"):
         assert types == {Q.Q8_0, Q.F32}
     else:
