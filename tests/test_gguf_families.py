@@ -389,3 +389,13 @@ def test_gguf_sliding_window_patterns() -> None:
     assert windows({**window, "attention.sliding_window_pattern": 0}) == (6, 6, 6, 6)
     assert windows(window, "gemma2") == (6, 0, 6, 0)
     assert windows({**window, "block_count": 7}, "gemma3") == (6,) * 5 + (0, 6)
+
+
+def test_gguf_gemma_attention_scale_is_llama_cpps() -> None:
+    """A Gemma file carries no query_pre_attn_scalar: scores scale by 1/sqrt(head_dim), except in the 27B models
+    (46 layers of Gemma 2, 62 of Gemma 3), by 1/sqrt(hidden / heads), as llama.cpp's loader fixes them."""
+    for arch, big in (("gemma2", 46), ("gemma3", 62)):
+        for layers, scalar in ((big, 64 / 4), (big - 1, 32)):
+            meta = {k.replace("qwen2.", f"{arch}.", 1): v for k, v in _meta(**{"block_count": layers}).items()}
+            c = config_from_gguf({**meta, "general.architecture": arch, f"{arch}.attention.key_length": 32}, _EMBED)
+            assert c.gemma and c.attn_scale == pytest.approx(scalar ** -0.5, rel=1e-12), (arch, layers)
