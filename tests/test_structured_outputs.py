@@ -7,6 +7,7 @@ import json
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -17,6 +18,7 @@ from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import InvalidArgument
 from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.v1 import coordinator_pb2
+from tests.model_fixtures import make_tiny_llama, write_tiny_tokenizer
 
 MODEL = "smollm2-135m"
 pytestmark = pytest.mark.slow
@@ -325,3 +327,89 @@ def test_kill9_of_an_executor_changes_no_constrained_token() -> None:
         assert run(progress) == baseline
         assert fired.is_set(), "the kill came after generation ended: the test proved nothing"
     assert all(baseline)
+
+
+# Strings of every kind xgrammar writes differently: bounded (minLength/maxLength), a pattern, bounded array items
+# and bounded property names; bounded so that a random model's completion ends within max_tokens. The pattern has
+# ASCII classes only: xgrammar's regex `.` and negated classes admit overlong and surrogate UTF-8, which no
+# rewriting of its grammar text reaches.
+TEXTS = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "note": {"type": "string", "minLength": 1, "maxLength": 8},
+    "code": {"type": "string", "pattern": "^[a-z][a-z0-9 ~]{0,5}$"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
+    "extra": {"type": "object", "propertyNames": {"maxLength": 3}, "additionalProperties": {"type": "integer"},
+              "maxProperties": 1},
+    "pet": {"type": "string", "enum": ["cat", "dog", "fish"]}},
+    "required": ["name", "note", "code", "tags", "extra", "pet"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def byte_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random tiny Llama with a byte-level tokenizer: every control byte is a token of its own, which a random
+    model samples often at temperature 1."""
+    return write_tiny_tokenizer(make_tiny_llama(tmp_path_factory.mktemp("byte-llama"), max_position=512))
+
+
+def test_schema_strings_refuse_raw_control_characters(byte_model: Path) -> None:
+    """The grammars themselves: a raw U+0000-U+001F in any string of a schema, of json_object or of a tool call's
+    arguments is refused where its escape is (or would be) fine, and so is a UTF-8-encoded surrogate (no UTF-8 at
+    all); JSON's own characters still pass."""
+    from graphmesh.tokenizer import Tokenizer
+    from graphmesh_coordinator.guided import Grammars, GuidedSpec
+
+    tokenizer = Tokenizer.from_hf_dir(byte_model)
+    grammars = Grammars(tokenizer, 1000)
+
+    def accepts(spec: GuidedSpec, text: str | bytes) -> bool:
+        guide = grammars.guide(spec)
+        data = text.encode() if isinstance(text, str) else text
+        return all(guide.accept(t) for t in data)  # write_tiny_tokenizer's token i is byte i
+
+    schema = GuidedSpec.json_schema(TEXTS)  # its properties in sorted order, as GuidedSpec writes the schema
+    good = {"name": "Ann \u00e9\u4e2d", "note": "x", "code": "ab~", "tags": ["a b"], "extra": {"k": 1}, "pet": "cat"}
+    assert accepts(schema, json.dumps(good, ensure_ascii=False, separators=(", ", ": "), sort_keys=True))
+    for field, bad in (("name", "A\tn"), ("note", "\x01"), ("code", "a\x1f"), ("tags", ["\x00"]),
+                       ("extra", {"\x0b": 1})):
+        text = json.dumps({**good, field: bad}, ensure_ascii=False, separators=(", ", ": "), sort_keys=True)
+        raw = text.replace("\\t", "\t").replace("\\u0001", "\x01").replace("\\u001f", "\x1f") \
+            .replace("\\u0000", "\x00").replace("\\u000b", "\x0b")
+        assert raw != text and not accepts(schema, raw), field
+    plain = GuidedSpec.json_schema({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]})
+    assert accepts(plain, '{"s": "a\\tb"}') and not accepts(plain, '{"s": "a\tb"}')
+    assert accepts(plain, '{"s": "\ud7ff\ue000"}') and not accepts(plain, b'{"s": "\xed\xa0\x80"}')
+    assert not accepts(schema, json.dumps({**good, "name": "A"}, sort_keys=True, separators=(", ", ": "))
+                       .replace('"A"', '"A\x0c"'))
+    anything = GuidedSpec("json_object")
+    assert accepts(anything, '{"s": ["a\\n", 1]}') and not accepts(anything, '{"s": ["a\n", 1]}')
+    assert accepts(anything, '{\n  "s": 1\n}')  # whitespace between values stays free
+    call = GuidedSpec.tool_call([{"name": "f", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16}}, "required": ["city"]}}])
+    assert accepts(call, '<tool_call>\n{"name": "f", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    assert not accepts(call, '<tool_call>\n{"name": "f", "arguments": {"city": "Os\x07lo"}}\n</tool_call>')
+
+
+def test_sampled_json_schema_output_is_strict_json(byte_model: Path) -> None:
+    """A random model at temperature 1 over many seeds: every completion parses with json.loads(strict=True) (no raw
+    control character in a string) and validates, through Generate and through response_format."""
+    seeds = range(40)
+    guided = coordinator_pb2.GuidedDecoding(json_schema=json.dumps(TEXTS))
+    with LocalMesh(2, "torch", str(byte_model), kvstore=False, http_listen=f"127.0.0.1:{free_port()}") as mesh:
+        def one(seed: int) -> tuple[str, str]:
+            with CoordinatorClient(mesh.coordinator_address) as c:
+                chunks = list(c.generate("JSON:", max_tokens=400, temperature=1.0, seed=seed, guided=guided))
+            return "".join(ch.text for ch in chunks), chunks[-1].finish_reason
+
+        with ThreadPoolExecutor(8) as pool:
+            outputs = list(pool.map(one, seeds))
+        http = openai.OpenAI(base_url=mesh.http_url, api_key="none", max_retries=0, timeout=300)
+        reply = http.chat.completions.create(
+            model=http.models.list().data[0].id, messages=[{"role": "user", "content": "JSON:"}], max_tokens=400, temperature=1.0,
+            seed=1, response_format={"type": "json_schema", "json_schema": {"name": "texts", "schema": TEXTS,
+                                                                            "strict": True}})
+        outputs.append((reply.choices[0].message.content or "", "eos"))
+    for seed, (text, finish) in enumerate(outputs):
+        assert finish == "eos", (seed, text)
+        jsonschema.validate(json.loads(text, strict=True), TEXTS)
+    # the random model does write what a loose grammar allows: characters outside ASCII in the strings
+    assert any(not text.isascii() for text, _ in outputs)

@@ -55,6 +55,12 @@ CACHE_SIZE = 256  # compiled grammars kept (by kind and source)
 MAX_SOURCE_BYTES = 1 << 20  # a schema, regex or grammar longer than this is refused
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"  # the Hermes/Qwen format (tool_calls.py)
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")
+# xgrammar (0.2.9) writes a string with minLength/maxLength as a run of [^"\\\r\n]: raw control characters other
+# than CR and LF pass, and strict JSON (RFC 8259, json.loads(strict=True)) refuses them. Each of its string
+# characters also admits a UTF-8-encoded surrogate (ED A0 80: no valid UTF-8, decoded as three U+FFFD, past a
+# maxLength). json_schema_grammar and json_object_grammar make every string character one JSON allows unescaped.
+_LOOSE_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\0-\x1f]')
+_JSON_STRING_CHAR = r'[^\"\\\0-\x1f\uD800-\uDFFF]'
 
 
 @dataclass(frozen=True)
@@ -122,11 +128,10 @@ class Grammars:
     def _compile(self, spec: GuidedSpec) -> Any:
         c = self._compiler
         if spec.kind == "json_object":
-            return c.compile_builtin_json_grammar()
+            return c.compile_grammar(json_object_grammar())
         if spec.kind == "json_schema":
             _check_json(spec.source, "json_schema")
-            # Compact JSON: a sampled completion cannot spend its tokens on whitespace between values.
-            return c.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+            return c.compile_grammar(json_schema_grammar(spec.source))
         if spec.kind == "regex":
             return c.compile_regex(spec.source)
         if spec.kind == "grammar":
@@ -155,12 +160,37 @@ def tool_call_grammar(functions: list[dict[str, Any]], fmt: str = "hermes") -> A
                                                key: f.get("parameters") or {"type": "object"}},
               "required": ["name", key], "additionalProperties": False} for f in functions]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    call = json_schema_grammar(json.dumps(schema))
     opener, closer = {"hermes": (TOOL_CALL_OPEN, TOOL_CALL_CLOSE), "mistral": (" [", "]")}.get(fmt, ("", ""))
     if not opener:
         return call
     return xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(opener)}"), call,
                               xgr.Grammar.from_ebnf(f"root ::= {json.dumps(closer)}"))
+
+
+def json_schema_grammar(schema: str) -> Any:
+    """The grammar of compact JSON valid for `schema` (a sampled completion cannot spend its tokens on whitespace
+    between values) whose strings hold no raw control character."""
+    import xgrammar as xgr
+
+    return _strict_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+
+
+def json_object_grammar() -> Any:
+    """Any JSON object or array (xgrammar's built-in JSON grammar) whose strings hold only characters JSON allows
+    unescaped."""
+    import xgrammar as xgr
+
+    return _strict_strings(xgr.Grammar.builtin_json_grammar())
+
+
+def _strict_strings(grammar: Any) -> Any:
+    import xgrammar as xgr
+
+    text = str(grammar)
+    for loose in _LOOSE_STRING_CHARS:
+        text = text.replace(loose, _JSON_STRING_CHAR)
+    return xgr.Grammar.from_ebnf(text)
 
 
 def _check_json(text: str, what: str) -> None:
