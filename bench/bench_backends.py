@@ -35,9 +35,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.common import free_address, machine, median, progress, table, write_results
-from graphmesh.serving import byte_size
 from graphmesh_executor.stage import StageRuntime
 from graphmesh_executor.stage_types import StageSpec, StepRow
+from graphmesh_server.serving import byte_size
 
 MODEL = "smollm2-135m"
 GOAL = 1.5

@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 from bench.common import machine, median, progress, table, write_results
 from graphmesh import plan as dag
-from graphmesh.serving import cpu_flags
 from graphmesh_executor.backends import cpu_kernels
 from graphmesh_executor.stage import StageRuntime
 from graphmesh_executor.stage_types import Boundary, StageSpec, StepRow
+from graphmesh_server.serving import cpu_flags
 
 PROMPT = list(range(100, 140))
 

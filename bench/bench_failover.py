@@ -36,14 +36,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` and `tests` importable
 
 from bench.common import free_address, machine, median, progress, table, write_results
-from graphmesh import faults
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.coordinator_client import CoordinatorClient
-from graphmesh.etcd import EtcdClient
 from graphmesh.launcher import wait_healthy
-from graphmesh.membership import registered
 from graphmesh.tokenizer import Tokenizer
+from graphmesh_server import faults
+from graphmesh_server.etcd import EtcdClient
+from graphmesh_server.membership import registered
 from tests.etcd_fixtures import EtcdCluster
 
 MODEL = "smollm2-135m"

@@ -68,7 +68,7 @@ from bench.bench_gpu import SMALL, TINYLLAMA
 from bench.common import RESULTS_DIR, machine, median, progress, table
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh, free_port, gpu_env, wait_healthy
-from graphmesh.serving import byte_size
+from graphmesh_server.serving import byte_size
 
 
 def stream(address: str, prompt: list[int], tokens: int) -> dict[str, Any]:

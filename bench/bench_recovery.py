@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.common import machine, median, progress, table, write_results
-from graphmesh import faults, security
+from graphmesh import security
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.coordinator_client import CoordinatorClient
@@ -45,6 +45,7 @@ from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.launcher import LocalMesh
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import kvstore_pb2
+from graphmesh_server import faults
 
 MODEL = "smollm2-135m"
 EXECUTORS = 3

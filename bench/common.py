@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from graphmesh.serving import cpu_flags
+from graphmesh_server.serving import cpu_flags
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 from bench.bench_gpu import SMALL, TINYLLAMA, make_model
 from bench.common import RESULTS_DIR, machine, progress
-from graphmesh import faults
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh
+from graphmesh_server import faults
 
 SHAPES = {"small": SMALL, "tinyllama": TINYLLAMA}
 

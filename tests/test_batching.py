@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from graphmesh import faults
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import InvalidArgument, ResourceExhausted
 from graphmesh.launcher import LocalMesh
+from graphmesh_server import faults
 from tests.test_metrics import scrape, value
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from google.rpc import status_pb2
 
-from graphmesh import channels, faults
+from graphmesh import channels
 from graphmesh import plan as dag
 from graphmesh.errors import DeadlineExceeded, GraphmeshError, from_rpc_error
 from graphmesh.launcher import LocalMesh, free_port
@@ -28,6 +28,7 @@ from graphmesh_executor import boundary_link
 from graphmesh_executor.boundary_link import BoundaryLink
 from graphmesh_executor.stage_servicer import BoundaryPusher
 from graphmesh_executor.stage_types import Boundary
+from graphmesh_server import faults
 from tests.conftest import executor_args, start_process
 from tests.model_fixtures import make_tiny_llama
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from graphmesh.graph import GraphBuilder, parse
-from graphmesh.serving import cpu_flags
 from graphmesh_executor.backends import compile_graph, cpu_kernels
+from graphmesh_server.serving import cpu_flags
 from tests.test_paged_ops import paged_ref
 
 RUNNABLE = (platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma", "f16c"} <= cpu_flags()

@@ -20,11 +20,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from graphmesh import faults
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import Unavailable, from_rpc_error
 from graphmesh.launcher import free_port
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from graphmesh_server import faults
 from tests import etcd_fixtures
 from tests.conftest import executor_args, health_status, start_process
 from tests.etcd_fixtures import EtcdCluster

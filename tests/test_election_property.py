@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from graphmesh.errors import FailedPrecondition, Unavailable
-from graphmesh.etcd import EtcdClient
 from graphmesh_coordinator.election import Election, EtcdState, NotLeader
 from graphmesh_executor.fencing import Authority
+from graphmesh_server.etcd import EtcdClient
 from tests import etcd_fixtures
 
 COORDINATORS = 2

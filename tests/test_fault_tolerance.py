@@ -15,13 +15,14 @@ import grpc
 import numpy as np
 import pytest
 
-from graphmesh import channels, faults, tensors
+from graphmesh import channels, tensors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
 from graphmesh.launcher import LocalMesh
 from graphmesh.links import HEADER, HELLO
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor.boundary_link import BoundaryLink
+from graphmesh_server import faults
 from tests.model_fixtures import make_tiny_llama
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1]

@@ -630,7 +630,8 @@ def test_a_run_needing_more_than_the_host_has_is_resource_exhausted(backend: str
     failure was INTERNAL, and a host that overcommits would have handed out the zeros."""
     import numpy as np
 
-    from graphmesh import ExecutorClient, GraphBuilder, errors, serving
+    from graphmesh import ExecutorClient, GraphBuilder, errors
+    from graphmesh_server import serving
     from tests.conftest import executor_args, start_process
 
     width = 1 << 18

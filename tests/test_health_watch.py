@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from graphmesh import faults
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.launcher import free_port
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.state import DurableState
+from graphmesh_server import faults
 from tests.conftest import executor_args, start_process
 from tests.model_fixtures import make_tiny_llama
 

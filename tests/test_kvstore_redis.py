@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 import redis
 
-from graphmesh import faults, kvkeys, security
+from graphmesh import kvkeys, security
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.v1 import kvstore_pb2
 from graphmesh_kvstore.shared import DEFAULT_PREFIX, SharedTier
 from graphmesh_kvstore.store import Store
+from graphmesh_server import faults
 from tests.conftest import start_process
 from tests.model_fixtures import make_tiny_llama
 

@@ -26,11 +26,11 @@ from grpc_health.v1 import health_pb2
 
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import from_rpc_error
-from graphmesh.etcd import EtcdClient
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.launcher import free_port
-from graphmesh.membership import members_prefix, registered
+from graphmesh_server.etcd import EtcdClient
+from graphmesh_server.membership import members_prefix, registered
 from tests import etcd_fixtures
 from tests.conftest import executor_args, health_status, start_process
 from tests.etcd_fixtures import EtcdCluster
@@ -248,7 +248,7 @@ def test_a_standby_refuses_kserve_and_http_naming_the_leader(cluster: Cluster) -
 
 def test_a_registration_that_is_not_json_is_skipped_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     """The watch reads every 0.2 s: a stray key under the prefix is one log line, not five a second."""
-    from graphmesh.etcd import KeyValue
+    from graphmesh_server.etcd import KeyValue
 
     class Etcd:
         def get_prefix(self, prefix: str) -> list[KeyValue]:

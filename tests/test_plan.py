@@ -19,7 +19,6 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from graphmesh import faults
 from graphmesh import plan as dag
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import InvalidArgument
@@ -28,6 +27,7 @@ from graphmesh.protocol import ErrorClass, ProtocolError
 from graphmesh_executor.fencing import AuthorityState
 from graphmesh_executor.stage import StageRuntime
 from graphmesh_executor.stage_types import Boundary, StageSpec, StepResult, StepRow
+from graphmesh_server import faults
 from tests.model_fixtures import add_tiny_encoder, hf_greedy_with_encoder, make_tiny_llama
 
 HIDDEN = 64

@@ -30,7 +30,6 @@ from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.kvstore_client import CircuitBreaker
 from graphmesh.launcher import LocalMesh, free_port
-from graphmesh.security.policy import MESH, Role, allowed_roles, role_of
 from graphmesh.v1 import (
     coordinator_pb2,
     coordinator_pb2_grpc,
@@ -43,6 +42,7 @@ from graphmesh.v1 import (
     tensor_pb2,
 )
 from graphmesh_coordinator.validation import check_finite_sampling
+from graphmesh_server.policy import MESH, Role, allowed_roles, role_of
 from tests.conftest import start_process
 from tests.model_fixtures import make_tiny_llama, write_tiny_tokenizer
 from tests.pki import MeshPki, issue_mesh

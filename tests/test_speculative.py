@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from graphmesh import channels, faults
+from graphmesh import channels
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import InvalidArgument, from_rpc_error
 from graphmesh.launcher import LocalMesh
@@ -31,6 +31,7 @@ from graphmesh_coordinator import speculative
 from graphmesh_coordinator.speculative import Mode, Speculation, parse_mode, propose
 from graphmesh_executor.stage import _positions, _verify
 from graphmesh_executor.stage_types import StepResult, StepRow
+from graphmesh_server import faults
 from tests.test_metrics import scrape, value
 
 ON = cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_PROMPT_LOOKUP, max_proposed=4)

@@ -296,7 +296,7 @@ def test_kill9_of_an_executor_changes_no_constrained_token() -> None:
     import threading
     import time
 
-    from graphmesh import faults
+    from graphmesh_server import faults
 
     guided = coordinator_pb2.GuidedDecoding(json_schema=json.dumps(PERSON))
     with LocalMesh(3, "torch", MODEL) as mesh:

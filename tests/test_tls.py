@@ -14,11 +14,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from graphmesh import bootstrap, errors, security
+from graphmesh import errors, security
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from graphmesh_server import bootstrap
 from tests.model_fixtures import make_tiny_llama
 from tests.pki import Pem, issue, issue_mesh
 

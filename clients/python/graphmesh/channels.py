@@ -1,15 +1,15 @@
 """The channels every client and service opens: one factory, one set of message-size options, and the mesh token
-that a service's own channels carry."""
+that a service's own channels carry, and the base of the client interceptors that change a call's metadata."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
 from graphmesh.security import Tls, mesh_metadata
-from graphmesh.security.interceptors import CallDetails, ForwardingClientInterceptor
 
 MAX_MESSAGE_BYTES = 64 << 20  # tensors, KV rows and logits travel in one message up to this size (services' default)
 
@@ -21,8 +21,37 @@ def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]
 
 MESSAGE_OPTIONS = message_options()
 
-# The mesh token of the service this process runs (set by bootstrap.ServerSecurity.server): one process is one mesh
-# member, so every channel it opens to the mesh carries the same identity without each caller passing it along.
+
+class CallDetails(collections.namedtuple("CallDetails", ("method", "timeout", "metadata", "credentials",
+                                                         "wait_for_ready", "compression")), grpc.ClientCallDetails):
+    """grpc.ClientCallDetails as a value, for client interceptors that change a call's metadata."""
+
+
+class ForwardingClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """A client interceptor that treats every kind of call alike: a subclass writes intercept() once."""
+
+    def intercept(self, continuation: Callable[[Any, Any], Any], details: grpc.ClientCallDetails, request: Any) -> Any:
+        raise NotImplementedError
+
+    def intercept_unary_unary(self, continuation: Any, client_call_details: grpc.ClientCallDetails, request: Any) -> Any:
+        return self.intercept(continuation, client_call_details, request)
+
+    def intercept_unary_stream(self, continuation: Any, client_call_details: grpc.ClientCallDetails, request: Any) -> Any:
+        return self.intercept(continuation, client_call_details, request)
+
+    def intercept_stream_unary(self, continuation: Any, client_call_details: grpc.ClientCallDetails,
+                               request_iterator: Any) -> Any:
+        return self.intercept(continuation, client_call_details, request_iterator)
+
+    def intercept_stream_stream(self, continuation: Any, client_call_details: grpc.ClientCallDetails,
+                                request_iterator: Any) -> Any:
+        return self.intercept(continuation, client_call_details, request_iterator)
+
+
+# The mesh token of the service this process runs (set by graphmesh_server.bootstrap.ServerSecurity.server): one
+# process is one mesh member, so every channel it opens to the mesh carries the same identity without each caller
+# passing it along.
 _process_mesh_token = ""
 
 

@@ -19,12 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from graphmesh import channels, security
-from graphmesh.faults import TcpProxy
+
+if TYPE_CHECKING:  # a type only: importing the SDK never imports graphmesh_server (only a proxied mesh does, below)
+    from graphmesh_server.faults import TcpProxy
 
 
 def _ephemeral_ports() -> range:
@@ -259,6 +262,9 @@ class LocalMesh:
                 env.update(gpu_env(self.gpus, rank))
                 args += ["--device", "cuda:0"]
             if self.proxied:  # the previous rank's boundary link goes through the same proxy as its gRPC calls
+                # fault proxies are test tooling of graphmesh-server, installed wherever the services this spawns are
+                from graphmesh_server.faults import TcpProxy
+
                 proxy = TcpProxy(address)
                 link = f"127.0.0.1:{free_port()}"
                 args += ["--boundary-link-port", link.rsplit(":", 1)[1], "--boundary-link-advertise", proxy.forward(link)]

@@ -12,7 +12,7 @@ key's value (only the current leader, in etcd's linearizable view, can issue one
 if it still believes it leads). Executors refuse any incarnation but their newest, so the zombie's steps are
 refused with STALE_INCARNATION as soon as the new leader installs.
 
-The etcd calls are graphmesh.etcd's (a few plain HTTP calls to etcd's JSON gateway).
+The etcd calls are graphmesh_server.etcd's (a few plain HTTP calls to etcd's JSON gateway).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Any
 import grpc
 
 from graphmesh.errors import GraphmeshError, Unavailable
-from graphmesh.etcd import EtcdClient, KeyValue, b64, cluster_key, unb64
 from graphmesh.protocol import ErrorClass
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_coordinator.state import DurableState
+from graphmesh_server.etcd import EtcdClient, KeyValue, b64, cluster_key, unb64
 
 log = logging.getLogger("graphmesh.coordinator.election")
 

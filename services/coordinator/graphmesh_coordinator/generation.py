@@ -20,8 +20,6 @@ from typing import cast
 import numpy as np
 from prometheus_client import Counter, Histogram
 
-from graphmesh import telemetry
-from graphmesh.aio_serving import Wait
 from graphmesh.errors import Cancelled, InvalidArgument, ResourceExhausted, Unavailable
 from graphmesh.models.config import EncoderConfig
 from graphmesh.tokenizer import Tokenizer
@@ -32,6 +30,8 @@ from graphmesh_coordinator.scheduler import Encoded, Output, Scheduler, SessionI
 from graphmesh_coordinator.scheduler import Sequence as SchedulerSequence
 from graphmesh_coordinator.speculative import OFF, Mode, Speculation
 from graphmesh_coordinator.validation import check_finite_sampling
+from graphmesh_server import telemetry
+from graphmesh_server.aio_serving import Wait
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TTFT_SECONDS = Histogram("graphmesh_ttft_seconds", "Time from a generation request to its first token",

@@ -25,15 +25,15 @@ import grpc
 import grpc.aio
 import numpy as np
 
-from graphmesh.aio_serving import Wait, aiterate
 from graphmesh.errors import GraphmeshError, InvalidArgument, NotFound, Unavailable
 from graphmesh.kserve import grpc_service_pb2 as pb
 from graphmesh.kserve import grpc_service_pb2_grpc as pb_grpc
-from graphmesh.security.interceptors import Admission
 from graphmesh_coordinator import guided, speculative
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.servicer import RECOVERY_WAIT_S, as_status, prompt_token_ids
+from graphmesh_server.aio_serving import Wait, aiterate
+from graphmesh_server.interceptors import Admission
 
 MODEL_VERSION = "1"
 TEXT_INPUT, TEXT_OUTPUT, IDS_INPUT, LOGITS_OUTPUT = "text_input", "text_output", "input_ids", "logits"

@@ -39,8 +39,6 @@ from opentelemetry.trace import Span
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from graphmesh import telemetry
-from graphmesh.aio_serving import Wait, aiterate
 from graphmesh.errors import GraphmeshError, NotFound, Unauthenticated
 from graphmesh.security import Tls
 from graphmesh_coordinator import genai, http_limits, responses, speculative, structured, tool_calls
@@ -61,6 +59,8 @@ from graphmesh_coordinator.openai_protocol import (
 )
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.servicer import prompt_token_ids
+from graphmesh_server import telemetry
+from graphmesh_server.aio_serving import Wait, aiterate
 
 log = logging.getLogger("graphmesh.coordinator.http")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from graphmesh import channels, kvkeys, security, telemetry
+from graphmesh import channels, kvkeys, security
 from graphmesh import plan as dag
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
 from graphmesh.kvstore_client import CircuitBreaker, KvStoreClient
@@ -36,6 +36,7 @@ from graphmesh.protocol import ACTIONS, Action, ErrorClass, classify
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator.planner import StagePlan, partition, plan
 from graphmesh_coordinator.state import Decision, DurableState
+from graphmesh_server import telemetry
 
 log = logging.getLogger("graphmesh.coordinator")
 

@@ -32,11 +32,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from graphmesh import telemetry
 from graphmesh.errors import Unavailable
 from graphmesh_coordinator import genai
 from graphmesh_coordinator.generation import Event
 from graphmesh_coordinator.openai_protocol import FINISH, APIError, ChatCompletionRequest, api_error
+from graphmesh_server import telemetry
 
 if TYPE_CHECKING:
     from graphmesh_coordinator.openai_server import OpenAIServer, _Call

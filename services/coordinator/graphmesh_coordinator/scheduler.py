@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from graphmesh import kvkeys, telemetry, tensors
+from graphmesh import kvkeys, tensors
 from graphmesh.errors import GraphmeshError, ResourceExhausted, Unavailable
 from graphmesh.kvkeys import blocks_for
 from graphmesh.protocol import Action
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
+from graphmesh_server import telemetry
 
 if TYPE_CHECKING:
     from graphmesh_coordinator.guided import Guide

@@ -16,17 +16,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
-from graphmesh import bootstrap, etcd, logs, membership, telemetry
-from graphmesh.aio_serving import AioServer, MirroredHealth
-from graphmesh.bootstrap import ServerSecurity
 from graphmesh.bundled import resolve_model
 from graphmesh.channels import MESSAGE_OPTIONS
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import InvalidArgument, NotFound, Unavailable
-from graphmesh.etcd import EtcdClient
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
-from graphmesh.serving import run_until_signalled
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator import responses
@@ -39,6 +34,11 @@ from graphmesh_coordinator.scheduler import Scheduler
 from graphmesh_coordinator.servicer import CoordinatorServicer
 from graphmesh_coordinator.speculative import parse_mode
 from graphmesh_coordinator.state import DurableState, default_state_dir
+from graphmesh_server import bootstrap, etcd, logs, membership, telemetry
+from graphmesh_server.aio_serving import AioServer, MirroredHealth
+from graphmesh_server.bootstrap import ServerSecurity
+from graphmesh_server.etcd import EtcdClient
+from graphmesh_server.serving import run_until_signalled
 
 log = logging.getLogger("graphmesh.coordinator")
 # grpc.health.v1 service name that is SERVING while this process is worth keeping: a standby too (it waits to lead),

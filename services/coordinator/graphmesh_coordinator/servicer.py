@@ -10,16 +10,16 @@ import grpc
 
 from graphmesh import plan as dag
 from graphmesh import tensors
-from graphmesh.aio_serving import Wait
-from graphmesh.bootstrap import ServerSecurity
 from graphmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from graphmesh.security.policy import MESH
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_coordinator import guided, speculative
 from graphmesh_coordinator.failures import public_error
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import Mesh
+from graphmesh_server.aio_serving import Wait
+from graphmesh_server.bootstrap import ServerSecurity
+from graphmesh_server.policy import MESH
 
 log = logging.getLogger("graphmesh.coordinator")
 RECOVERY_WAIT_S = 120.0
@@ -73,7 +73,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     def Generate(self, request: coordinator_pb2.GenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[Any]:  # GenerateResponses, and Waits (an AioServer's)
-        """Not behind the admission limit (security.policy.QUEUED): the Generator queues it (--max-waiting-requests).
+        """Not behind the admission limit (graphmesh_server.policy.QUEUED): the Generator queues it (--max-waiting-requests).
         Served by an AioServer, it yields Waits instead of blocking, so a queued stream holds no thread."""
         try:
             self._check_model(request.model, wait_ready=False)  # the Generator waits for the mesh, as queued

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from graphmesh.serving import user_dir
+from graphmesh_server.serving import user_dir
 
 COMPACT_MIN_LINES = 1024  # the log is rewritten once it holds this many lines and twice what it needs
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from graphmesh import telemetry
+from graphmesh_server import telemetry
 
 log = logging.getLogger("graphmesh.executor.engine")
 R = TypeVar("R")

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from graphmesh import channels, security, telemetry
+from graphmesh import channels, security
 from graphmesh.channels import MAX_MESSAGE_BYTES
 from graphmesh.errors import GraphmeshError, InvalidArgument
 from graphmesh.links import KvLinks
 from graphmesh.session_kv import WRITE_SESSION_KV, executor_error, raw, write_requests
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh_server import telemetry
 
 
 @dataclass(frozen=True)

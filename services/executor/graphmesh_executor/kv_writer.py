@@ -10,11 +10,12 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
-from graphmesh import channels, kvkeys, security, telemetry, tensors
+from graphmesh import channels, kvkeys, security, tensors
 from graphmesh.errors import from_rpc_error
 from graphmesh.kvstore_client import CircuitBreaker
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from graphmesh_executor.stage_types import KvBlocks
+from graphmesh_server import telemetry
 
 log = logging.getLogger("graphmesh.executor.kv")
 PUT_TIMEOUT_S = 10.0  # a put of a few blocks takes milliseconds; a store that takes longer is not answering

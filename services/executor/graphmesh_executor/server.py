@@ -20,11 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from graphmesh import bootstrap, channels, etcd, logs, telemetry
-from graphmesh.bootstrap import ServerSecurity
-from graphmesh.etcd import EtcdClient
-from graphmesh.membership import Registration
-from graphmesh.serving import byte_size, fits_in_memory, memory_bytes, run_until_signalled, starting
+from graphmesh import channels
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
 from graphmesh_executor.backends import NAMES
 from graphmesh_executor.fencing import AuthorityState
@@ -34,6 +30,11 @@ from graphmesh_executor.registry import ExecutableRegistry
 from graphmesh_executor.servicer import ExecutorServicer
 from graphmesh_executor.stage import StageRuntime
 from graphmesh_executor.stage_servicer import BoundaryPusher, add_stage_service, listen_for_links
+from graphmesh_server import bootstrap, etcd, logs, telemetry
+from graphmesh_server.bootstrap import ServerSecurity
+from graphmesh_server.etcd import EtcdClient
+from graphmesh_server.membership import Registration
+from graphmesh_server.serving import byte_size, fits_in_memory, memory_bytes, run_until_signalled, starting
 
 log = logging.getLogger("graphmesh.executor")
 

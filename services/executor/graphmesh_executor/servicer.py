@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from graphmesh import dtypes, serving, tensors
+from graphmesh import dtypes, tensors
 from graphmesh.dtypes import DTypeError
 from graphmesh.errors import InvalidArgument, ResourceExhausted, rpc
 from graphmesh.graph import parse
@@ -31,6 +31,7 @@ from graphmesh.v1 import executor_pb2, executor_pb2_grpc, graph_pb2, tensor_pb2
 from graphmesh_executor import weights
 from graphmesh_executor.executable import Executable, RngOptions
 from graphmesh_executor.registry import ExecutableRegistry
+from graphmesh_server import serving
 
 log = logging.getLogger("graphmesh.executor")
 

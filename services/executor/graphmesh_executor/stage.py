@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from graphmesh import models, telemetry
+from graphmesh import models
 from graphmesh import plan as dag
 from graphmesh.bundled import BUNDLED, resolve_model
 from graphmesh.checkpoints import open_checkpoint
@@ -42,7 +42,6 @@ from graphmesh.errors import (
 from graphmesh.models.config import ModelConfig
 from graphmesh.models.moe import read_param
 from graphmesh.protocol import ACTIONS, METADATA_KEY, Action, ErrorClass, ProtocolError
-from graphmesh.serving import available_memory_bytes
 from graphmesh_executor.encoder_group import EncoderGroup
 from graphmesh_executor.engine import Engine
 from graphmesh_executor.executable import Executable, RngOptions
@@ -62,6 +61,8 @@ from graphmesh_executor.stage_types import (
     StepRow,
 )
 from graphmesh_executor.weights import resolve_under_root
+from graphmesh_server import telemetry
+from graphmesh_server.serving import available_memory_bytes
 
 log = logging.getLogger("graphmesh.executor.stage")
 

@@ -11,7 +11,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from graphmesh import channels, dtypes, security, telemetry, tensors
+from graphmesh import channels, dtypes, security, tensors
 from graphmesh import plan as dag
 from graphmesh.errors import GraphmeshError, InvalidArgument, Unavailable, from_rpc_error, rpc
 from graphmesh.links import LinkError, LinkOpener
@@ -23,6 +23,7 @@ from graphmesh_executor.kv_push import KvPusher, KvSource
 from graphmesh_executor.stage import StageRuntime
 from graphmesh_executor.stage_types import Boundary, Sampling, StageSpec, StepRow
 from graphmesh_executor.transport import Choice, DeviceSender
+from graphmesh_server import telemetry
 
 log = logging.getLogger("graphmesh.executor.stage")
 R = TypeVar("R")

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from graphmesh import channels, errors, security, telemetry
+from graphmesh import channels, errors, security
 from graphmesh.errors import GraphmeshError, InvalidArgument, PermissionDenied
 from graphmesh.links import KvLink, KvLinks
 from graphmesh.session_kv import STAGE_SERVICE, WRITE_SESSION_KV, executor_error, raw, write_requests
 from graphmesh.v1 import kvstore_pb2, stage_pb2, stage_pb2_grpc
 from graphmesh_kvstore.store import Store
+from graphmesh_server import telemetry
 
 log = logging.getLogger("graphmesh.kvstore")
 

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import grpc
 
-from graphmesh import bootstrap, channels, logs, telemetry
-from graphmesh.bootstrap import ServerSecurity
-from graphmesh.serving import byte_size, run_until_signalled, starting
+from graphmesh import channels
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc
 from graphmesh_kvstore.mover import Mover
 from graphmesh_kvstore.servicer import KvStoreServicer
 from graphmesh_kvstore.shared import SharedTier
 from graphmesh_kvstore.store import DEFAULT_MAX_PUT_BYTES, Store
+from graphmesh_server import bootstrap, logs, telemetry
+from graphmesh_server.bootstrap import ServerSecurity
+from graphmesh_server.serving import byte_size, run_until_signalled, starting
 
 log = logging.getLogger("graphmesh.kvstore")
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from graphmesh.ops import QUANT_BLOCKS
-from graphmesh.serving import cpu_flags, user_dir
+from graphmesh_server.serving import cpu_flags, user_dir
 
 log = logging.getLogger("graphmesh.executor.cpu_kernels")
 

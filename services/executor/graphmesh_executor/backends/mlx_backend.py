@@ -38,10 +38,10 @@ from graphmesh.checkpoints import dequantize_packed
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph
 from graphmesh.ops import QUANT_BLOCKS, TensorType
-from graphmesh.serving import cpu_flags
 from graphmesh_executor.backends.numpy_backend import KERNELS as NUMPY_KERNELS
 from graphmesh_executor.backends.numpy_backend import paged_rows
 from graphmesh_executor.executable import Capabilities, Executable, ExtentCut, Kernel, RunContext, sample_rows
+from graphmesh_server.serving import cpu_flags
 
 PRELOAD = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"  # Debian libopenblas0-pthread
 BLIS = "/usr/lib/x86_64-linux-gnu/blis-pthread/libblis.so.4"  # Debian libblis4-pthread

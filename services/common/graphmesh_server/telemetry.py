@@ -37,15 +37,9 @@ from prometheus_client import REGISTRY, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from graphmesh.security.interceptors import (
-    Behavior,
-    CallDetails,
-    Continuation,
-    ForwardingClientInterceptor,
-    Handler,
-    wrap_handler,
-)
-from graphmesh.security.policy import OPEN_SERVICES
+from graphmesh.channels import CallDetails, ForwardingClientInterceptor
+from graphmesh_server.interceptors import Behavior, Continuation, Handler, wrap_handler
+from graphmesh_server.policy import OPEN_SERVICES
 
 log = logging.getLogger("graphmesh.telemetry")
 _tracer = trace.get_tracer("graphmesh")

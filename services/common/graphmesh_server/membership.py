@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphmesh.errors import Unavailable
-from graphmesh.etcd import EtcdClient, cluster_key
+from graphmesh_server.etcd import EtcdClient, cluster_key
 
 log = logging.getLogger("graphmesh.membership")
 

@@ -17,11 +17,11 @@ import grpc
 from grpc_health.v1 import health
 
 from graphmesh import channels
-from graphmesh.aio_serving import AioServer
 from graphmesh.errors import InvalidArgument, Unauthenticated
 from graphmesh.security import Tls, read_token
-from graphmesh.security.interceptors import Admission, AllowedPeers, BearerToken, MeshRoles, UndecodableRequests
-from graphmesh.security.policy import ANYONE, Role
+from graphmesh_server.aio_serving import AioServer
+from graphmesh_server.interceptors import Admission, AllowedPeers, BearerToken, MeshRoles, UndecodableRequests
+from graphmesh_server.policy import ANYONE, Role
 
 log = logging.getLogger("graphmesh.security")
 
@@ -112,7 +112,7 @@ class ServerSecurity:
         admission of at most max_concurrent_rpcs (or `workers`) calls, on HEADROOM threads more than that.
         It also makes this process's mesh channels (channel()) carry this service's mesh token.
 
-        asynchronous: a graphmesh.aio_serving.AioServer instead, for a service whose callers hold streams open
+        asynchronous: a graphmesh_server.aio_serving.AioServer instead, for a service whose callers hold streams open
         (the coordinator): its calls live on an event loop, the synchronous servicers run on the same pool only
         while their code runs, async ones (health, streams that admit per request: its `admission`) on the loop."""
         channels.use_mesh_token(self.mesh_token)

@@ -1,9 +1,8 @@
 """The server interceptors that enforce the security flags (bearer token, allowed peers, mesh roles), admission
-control, requests that do not parse, and the base of the client interceptors that change a call's metadata."""
+control, and requests that do not parse. (The client interceptors' base is graphmesh.channels': clients use it.)"""
 
 from __future__ import annotations
 
-import collections
 import hmac
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -13,7 +12,7 @@ import grpc
 
 from graphmesh.errors import GraphmeshError, InvalidArgument, PermissionDenied, ResourceExhausted, Unauthenticated
 from graphmesh.security import MESH_TOKEN_KEY
-from graphmesh.security.policy import MESH, QUEUED, UNCOUNTED, Role, allowed_roles, is_open, role_of
+from graphmesh_server.policy import MESH, QUEUED, UNCOUNTED, Role, allowed_roles, is_open, role_of
 
 Behavior = Callable[[Any, grpc.ServicerContext], Any]
 # (behavior, response_streaming) -> the behavior that runs instead
@@ -276,30 +275,3 @@ class UndecodableRequests(grpc.ServerInterceptor):
         assert behavior is not None
         return MAKE_HANDLER[(handler.request_streaming, handler.response_streaming)](
             around(behavior, handler.response_streaming), lenient(parse), handler.response_serializer)
-
-
-class CallDetails(collections.namedtuple("CallDetails", ("method", "timeout", "metadata", "credentials",
-                                                         "wait_for_ready", "compression")), grpc.ClientCallDetails):
-    """grpc.ClientCallDetails as a value, for client interceptors that change a call's metadata."""
-
-
-class ForwardingClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """A client interceptor that treats every kind of call alike: a subclass writes intercept() once."""
-
-    def intercept(self, continuation: Callable[[Any, Any], Any], details: grpc.ClientCallDetails, request: Any) -> Any:
-        raise NotImplementedError
-
-    def intercept_unary_unary(self, continuation: Any, client_call_details: grpc.ClientCallDetails, request: Any) -> Any:
-        return self.intercept(continuation, client_call_details, request)
-
-    def intercept_unary_stream(self, continuation: Any, client_call_details: grpc.ClientCallDetails, request: Any) -> Any:
-        return self.intercept(continuation, client_call_details, request)
-
-    def intercept_stream_unary(self, continuation: Any, client_call_details: grpc.ClientCallDetails,
-                               request_iterator: Any) -> Any:
-        return self.intercept(continuation, client_call_details, request_iterator)
-
-    def intercept_stream_stream(self, continuation: Any, client_call_details: grpc.ClientCallDetails,
-                                request_iterator: Any) -> Any:
-        return self.intercept(continuation, client_call_details, request_iterator)

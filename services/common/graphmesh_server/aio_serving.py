@@ -32,7 +32,7 @@ from grpc_health.v1 import _async as aio_health
 from grpc_health.v1 import health
 
 from graphmesh.errors import GraphmeshError
-from graphmesh.security.interceptors import MAKE_HANDLER, Undecodable, behavior_of, lenient, undecodable_error
+from graphmesh_server.interceptors import MAKE_HANDLER, Undecodable, behavior_of, lenient, undecodable_error
 
 T = TypeVar("T")
 _END = object()  # the end of a response iterator, as next(iterator, _END) returns it

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 
-from graphmesh import telemetry
 from graphmesh.errors import GraphmeshError
+from graphmesh_server import telemetry
 
 log = logging.getLogger("graphmesh")
 

@@ -2,10 +2,10 @@
 
 This module holds what a process presents: its certificate (Tls), client credentials, and the tokens it reads
 from files and sends as call metadata. The rest lives beside it:
-- security/policy.py: the roles, and which roles may call each method (POLICY);
-- security/interceptors.py: the server interceptors that enforce them, and admission control;
+- graphmesh_server/policy.py: the roles, and which roles may call each method (POLICY);
+- graphmesh_server/interceptors.py: the server interceptors that enforce them, and admission control;
 - graphmesh/channels.py: the channels a service or client opens (one message-size option set);
-- graphmesh/bootstrap.py: a service's server built, secured, bound and started from its flags.
+- graphmesh_server/bootstrap.py: a service's server built, secured, bound and started from its flags.
 
 A service gets one certificate (--tls-cert/--tls-key) that it serves with and also presents as its client
 certificate on every channel it opens to another service. With --tls-ca the server requires client
@@ -34,7 +34,7 @@ Admission. At most --max-concurrent-rpcs calls run at once (default: the service
 beyond that a call gets RESOURCE_EXHAUSTED at once instead of queueing. The thread pool has HEADROOM
 threads more than that limit, so health checks and admin calls (UNCOUNTED) and refusals always find a thread.
 Generation streams (QUEUED) are not counted: the coordinator queues them itself, bounded by its
---max-waiting-requests, and a queued stream holds no thread (aio_serving.Wait).
+--max-waiting-requests, and a queued stream holds no thread (graphmesh_server.aio_serving.Wait).
 """
 
 from __future__ import annotations
