@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--meshes", default="1,2,3", help="executor counts of the graphmesh meshes")
     p.add_argument("--decode-steps", default="1", help="the meshes' --decode-steps (the coordinator's longest decode "
                    "run); several values: a mesh of each size for each")
+    p.add_argument("--coordinator-args", default="", help="more flags for the meshes' coordinators, e.g. "
+                   "'--steps-in-flight 3'")
     p.add_argument("--tokens", type=int, default=None, help="tokens generated per stream (default 64)")
     p.add_argument("--quick", action="store_true", help=f"smoke test: 1 repeat, concurrency {QUICK_CONCURRENCY}, "
                    f"{QUICK_TOKENS} tokens (flags given explicitly still win)")
@@ -360,7 +362,8 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             name = mesh_name(n, d, w)
             meshes.append(LocalMesh(n, "torch", MODEL, weights=w, kvstore=False,
-                                    extra_coordinator_args=("--decode-steps", str(d))).start())
+                                    extra_coordinator_args=("--decode-steps", str(d),
+                                                            *a.coordinator_args.split())).start())
             targets[name], engine_weights[name] = mesh_target(meshes[-1]), w
             threads[name] = "+".join([str(max(1, cpus // n))] * n)  # LocalMesh's split of the cores
             progress(f"{name} ready in {time.perf_counter() - t0:.0f} s (logs in {meshes[-1].log_dir})")
