@@ -155,7 +155,12 @@ def test_idle_connections_past_the_cap_are_refused_at_accept(mesh: LocalMesh) ->
                         raise
                     time.sleep(0.5)
             assert time.monotonic() > deadline - 5 - 2 - 0.5  # not before the idle ones timed out (give or take)
-            assert all(_closed(s, 0.01) for s in open_ones)
+            # and every idle one is closed: the server times each out on its own, so the last may close a little
+            # after the first freed the slot /health answered through
+            still, settle = open_ones, time.monotonic() + 5
+            while still and time.monotonic() < settle:
+                still = [s for s in still if not _closed(s, 0.05)]
+            assert not still, f"{len(still)} of {len(open_ones)} idle connections still open"
         assert not probe.failures and probe.slowest_s < 1.0, (probe.failures, probe.slowest_s)
     finally:
         for s in held:
