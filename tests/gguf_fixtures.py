@@ -161,15 +161,21 @@ def f32_only(name: str, shape: tuple[int, ...]) -> Q:
     return Q.F32
 
 
+def _not_k_quantized(name: str, shape: tuple[int, ...]) -> Q | None:
+    """What every K-quant mix below keeps out of K-quants: norms and rope_freqs (vectors) F32, Q8_0 (llama.cpp's
+    fallback) where rows are not a multiple of 256 values; None for the rest."""
+    if len(shape) < 2 or name.endswith("norm.weight"):
+        return Q.F32
+    return Q.Q8_0 if shape[-1] % QK_K else None
+
+
 def q4_k_m(name: str, shape: tuple[int, ...]) -> Q:
     """A Q4_K_M-style mix: Q6_K for the head, attn_v and ffn_down (llama.cpp's Q4_K_M gives those more bits),
     Q5_K for attn_k (so all three K-quants occur), Q4_K for the rest; Q4_0 for layer 1's ffn_gate (a block type
     graphmesh keeps packed, as mixed files carry); Q8_0 (llama.cpp's fallback for Q6_K) where rows are not a
     multiple of 256 values; norms and rope_freqs F32."""
-    if len(shape) < 2 or name.endswith("norm.weight"):
-        return Q.F32
-    if shape[-1] % QK_K:
-        return Q.Q8_0
+    if (kept := _not_k_quantized(name, shape)) is not None:
+        return kept
     if name == "blk.1.ffn_gate.weight":
         return Q.Q4_0
     if name == "output.weight" or name.endswith(("attn_v.weight", "ffn_down.weight")):
@@ -180,10 +186,8 @@ def q4_k_m(name: str, shape: tuple[int, ...]) -> Q:
 def q2_k_q3_k(name: str, shape: tuple[int, ...]) -> Q:
     """A Q2_K/Q3_K-style mix (llama.cpp's Q2_K and Q3_K_M files): Q3_K for attention, Q2_K for the MLP, Q6_K for
     the head and embedding, Q8_0 where rows are not a multiple of 256 values; norms and rope_freqs F32."""
-    if len(shape) < 2 or name.endswith("norm.weight"):
-        return Q.F32
-    if shape[-1] % QK_K:
-        return Q.Q8_0
+    if (kept := _not_k_quantized(name, shape)) is not None:
+        return kept
     if name in ("output.weight", "token_embd.weight"):
         return Q.Q6_K
     return Q.Q3_K if ".attn_" in name else Q.Q2_K
@@ -192,10 +196,8 @@ def q2_k_q3_k(name: str, shape: tuple[int, ...]) -> Q:
 def q4_k_m_packed(name: str, shape: tuple[int, ...]) -> Q:
     """llama.cpp's Q4_K_M proper, whose blocks graphmesh keeps packed: Q6_K for the head, attn_v and ffn_down,
     Q4_K for the rest, Q8_0 where rows are not a multiple of 256 values; norms and rope_freqs F32."""
-    if len(shape) < 2 or name.endswith("norm.weight"):
-        return Q.F32
-    if shape[-1] % QK_K:
-        return Q.Q8_0
+    if (kept := _not_k_quantized(name, shape)) is not None:
+        return kept
     return Q.Q6_K if name == "output.weight" or name.endswith(("attn_v.weight", "ffn_down.weight")) else Q.Q4_K
 
 

@@ -62,6 +62,18 @@ def _http_port(mesh: LocalMesh) -> int:
     return int(mesh.http_listen.rpartition(":")[2])
 
 
+def _wait_for_health(mesh: LocalMesh, deadline: float, held: str) -> None:
+    """Until the HTTP API's /health answers 200 (its idle connections timed out), at most until `deadline`."""
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{mesh.http_listen}/health", timeout=1.0) as r:
+                assert r.status == 200
+                return
+        except OSError:
+            assert time.monotonic() < deadline, f"/health never answered {held}"
+            time.sleep(0.5)
+
+
 def _post(mesh: LocalMesh, path: str, body: bytes, timeout: float = 30.0) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(f"http://{mesh.http_listen}{path}", data=body,
                                      headers={"Content-Type": "application/json"})
@@ -145,15 +157,7 @@ def test_idle_connections_past_the_cap_are_refused_at_accept(mesh: LocalMesh) ->
             # the idle ones are closed by the server once they sent no request for REQUEST_TIMEOUT_S: the HTTP API
             # then serves again though this client still holds every socket
             deadline = time.monotonic() + REQUEST_TIMEOUT_S + 5
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://{mesh.http_listen}/health", timeout=1.0) as r:
-                        assert r.status == 200
-                        break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.5)
+            _wait_for_health(mesh, deadline, f"with {len(held)} connections held")
             assert time.monotonic() > deadline - 5 - 2 - 0.5  # not before the idle ones timed out (give or take)
             # and every idle one is closed: the server times each out on its own, so the last may close a little
             # after the first freed the slot /health answered through
@@ -201,15 +205,7 @@ def test_idle_connections_by_the_ten_thousand_leave_health_answering(model: Path
             probe.check()
             # The idle ones the coordinator kept are closed after REQUEST_TIMEOUT_S; /health then answers at once
             # though this client still holds every socket.
-            deadline = time.monotonic() + REQUEST_TIMEOUT_S + 10
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://{mesh.http_listen}/health", timeout=1.0) as r:
-                        assert r.status == 200
-                        break
-                except OSError:
-                    assert time.monotonic() < deadline, f"/health never answered with {len(held)} connections held"
-                    time.sleep(0.5)
+            _wait_for_health(mesh, time.monotonic() + REQUEST_TIMEOUT_S + 10, f"with {len(held)} connections held")
             assert _status(mesh).ready
     finally:
         for s in held:
