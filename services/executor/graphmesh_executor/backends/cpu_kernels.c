@@ -16,65 +16,51 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The two builds differ only in their register width: VL lanes, the intrinsics' prefix (V(op): _mm512_op or
+ * _mm256_op, VI(op): the integer ops' _mm512_op_si512 or _mm256_op_si256), and how many bytes a load of VL f16
+ * values (HALVES) or of VL bytes (BYTES) reads; every body below is written once over these. */
 #ifdef __AVX512F__
 #define VL 16 /* lanes of the products' vectors */
 typedef __m512 vec;
-#define vzero _mm512_setzero_ps
-#define vload _mm512_loadu_ps
-#define vstore _mm512_storeu_ps
-#define vfmadd _mm512_fmadd_ps
-#define vmul _mm512_mul_ps
-#define vset1 _mm512_set1_ps
-/* VL f16 values from p, as f32 */
-static inline vec load_f16(const unsigned short *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
-/* VL unsigned bytes from p, as f32 of their low and high nibbles */
-static inline void load_nibbles(const unsigned char *p, vec *lo, vec *hi) {
-    __m512i pair = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(pair, _mm512_set1_epi32(15)));
-    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 4));
-}
-/* VL signed bytes from p, as f32 */
-static inline vec load_i8(const unsigned char *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-/* Integer lanes, for the K-quants' 6-bit scales and codes: VL unsigned bytes from p as int32 */
 typedef __m512i ivec;
-static inline ivec load_u8i(const unsigned char *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-#define iand _mm512_and_si512
-#define ior _mm512_or_si512
-#define isub _mm512_sub_epi32
-#define isrl _mm512_srli_epi32
-#define isll _mm512_slli_epi32
-#define iset1 _mm512_set1_epi32
-#define itof _mm512_cvtepi32_ps
+#define V(op) _mm512_##op
+#define VI(op) _mm512_##op##_si512
+#define HALVES(p) _mm256_loadu_si256((const __m256i *)(p))
+#define BYTES(p) _mm_loadu_si128((const __m128i *)(p))
 #else
 #define VL 8
 typedef __m256 vec;
-#define vzero _mm256_setzero_ps
-#define vload _mm256_loadu_ps
-#define vstore _mm256_storeu_ps
-#define vfmadd _mm256_fmadd_ps
-#define vmul _mm256_mul_ps
-#define vset1 _mm256_set1_ps
-static inline vec load_f16(const unsigned short *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
-static inline void load_nibbles(const unsigned char *p, vec *lo, vec *hi) {
-    __m256i pair = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(pair, _mm256_set1_epi32(15)));
-    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(pair, 4));
-}
-static inline vec load_i8(const unsigned char *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
 typedef __m256i ivec;
-static inline ivec load_u8i(const unsigned char *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-#define iand _mm256_and_si256
-#define ior _mm256_or_si256
-#define isub _mm256_sub_epi32
-#define isrl _mm256_srli_epi32
-#define isll _mm256_slli_epi32
-#define iset1 _mm256_set1_epi32
-#define itof _mm256_cvtepi32_ps
+#define V(op) _mm256_##op
+#define VI(op) _mm256_##op##_si256
+#define HALVES(p) _mm_loadu_si128((const __m128i *)(p))
+#define BYTES(p) _mm_loadl_epi64((const __m128i *)(p))
 #endif
+#define vzero V(setzero_ps)
+#define vload V(loadu_ps)
+#define vstore V(storeu_ps)
+#define vfmadd V(fmadd_ps)
+#define vmul V(mul_ps)
+#define vset1 V(set1_ps)
+/* VL f16 values from p, as f32 */
+static inline vec load_f16(const unsigned short *p) { return V(cvtph_ps)(HALVES(p)); }
+/* VL unsigned bytes from p, as f32 of their low and high nibbles */
+static inline void load_nibbles(const unsigned char *p, vec *lo, vec *hi) {
+    ivec pair = V(cvtepu8_epi32)(BYTES(p));
+    *lo = V(cvtepi32_ps)(VI(and)(pair, V(set1_epi32)(15)));
+    *hi = V(cvtepi32_ps)(V(srli_epi32)(pair, 4));
+}
+/* VL signed bytes from p, as f32 */
+static inline vec load_i8(const unsigned char *p) { return V(cvtepi32_ps)(V(cvtepi8_epi32)(BYTES(p))); }
+/* Integer lanes, for the K-quants' 6-bit scales and codes: VL unsigned bytes from p as int32 */
+static inline ivec load_u8i(const unsigned char *p) { return V(cvtepu8_epi32)(BYTES(p)); }
+#define iand VI(and)
+#define ior VI(or)
+#define isub V(sub_epi32)
+#define isrl V(srli_epi32)
+#define isll V(slli_epi32)
+#define iset1 V(set1_epi32)
+#define itof V(cvtepi32_ps)
 #define PANEL (3 * VL) /* weight rows of a panel: three vectors */
 
 /* What this build is, for cpu_kernels.py: its panel width and its vector lanes. */
