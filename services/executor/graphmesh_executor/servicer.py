@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -124,6 +124,40 @@ def _response(outs: list[np.ndarray], indices: Iterable[int], run_us: float, inl
     return response
 
 
+def _staged(staged: list[str] | None) -> executor_pb2.StageBoundHandlesResponse:
+    return executor_pb2.StageBoundHandlesResponse(supported=staged is not None, staged=staged or [])
+
+
+def _captured(captured: list[list[int]] | None) -> executor_pb2.TakeMoeTopkCaptureResponse:
+    return executor_pb2.TakeMoeTopkCaptureResponse(
+        captured=captured is not None, layers=[executor_pb2.ExpertIds(ids=ids) for ids in captured or []])
+
+
+
+def _held(bound: bool, resident: bool) -> executor_pb2.HasHandleResponse:
+    return executor_pb2.HasHandleResponse(bound=bound, resident=resident)
+
+
+class _ForExecutable(Protocol):
+    DESCRIPTOR: Any
+    executable_id: str
+
+
+Q = TypeVar("Q", bound=_ForExecutable)
+R = TypeVar("R")
+
+
+def _on_executable(request_type: type[Q], answer: Callable[[Executable[Any], Q], R]
+                   ) -> Callable[..., R]:
+    """The handler of the RPCs whose whole work is one call on the request's executable, under its lock. (Its
+    arguments are `...`: mypy matches a class attribute against the generated base's methods only so.)"""
+    def handler(self: ExecutorServicer, request: Q, context: grpc.ServicerContext) -> R:
+        with self.registry.use(request.executable_id) as exe:
+            return answer(exe, request)
+    handler.__name__ = request_type.DESCRIPTOR.name.removesuffix("Request")  # the method name statuses carry
+    return rpc(handler)
+
+
 class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
     def __init__(self, registry: ExecutableRegistry, *, model_root: Path | None = None,
                  max_message_bytes: int = 64 << 20, max_param_bytes: int = tensors.MAX_TENSOR_BYTES) -> None:
@@ -213,11 +247,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
         return executor_pb2.LoadParamsResponse(names=names, bytes_loaded=loaded,
                                                load_ms=(time.perf_counter() - started) * 1e3)
 
-    @rpc
-    def FinalizeParams(self, request: executor_pb2.FinalizeParamsRequest,
-                       context: grpc.ServicerContext) -> executor_pb2.FinalizeParamsResponse:
-        with self.registry.use(request.executable_id) as exe:
-            return executor_pb2.FinalizeParamsResponse(missing=exe.finalize_params())
+    FinalizeParams = _on_executable(
+        executor_pb2.FinalizeParamsRequest,
+        lambda exe, r: executor_pb2.FinalizeParamsResponse(missing=exe.finalize_params()))
 
     @rpc
     def CopyParamsFrom(self, request: executor_pb2.CopyParamsFromRequest,
@@ -286,11 +318,9 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
             exe.commit_no_wait(inputs)
         return executor_pb2.CommitNoWaitResponse()
 
-    @rpc
-    def SyncPending(self, request: executor_pb2.SyncPendingRequest,
-                    context: grpc.ServicerContext) -> executor_pb2.SyncPendingResponse:
-        with self.registry.use(request.executable_id) as exe:
-            return executor_pb2.SyncPendingResponse(completed=exe.sync_pending())
+    SyncPending = _on_executable(
+        executor_pb2.SyncPendingRequest,
+        lambda exe, r: executor_pb2.SyncPendingResponse(completed=exe.sync_pending()))
 
     @rpc
     def ReadOutputRow(self, request: executor_pb2.ReadOutputRowRequest,
@@ -336,18 +366,13 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
             raise InvalidArgument("BindHandle stream carried no tensor", "EMPTY_STREAM")
         return executor_pb2.BindHandleResponse(supported=all(supported))
 
-    @rpc
-    def PrepareResidentHandle(self, request: executor_pb2.PrepareResidentHandleRequest,
-                              context: grpc.ServicerContext) -> executor_pb2.PrepareResidentHandleResponse:
-        with self.registry.use(request.executable_id) as exe:
-            return executor_pb2.PrepareResidentHandleResponse(supported=exe.prepare_resident_handle(request.name))
+    PrepareResidentHandle = _on_executable(
+        executor_pb2.PrepareResidentHandleRequest,
+        lambda exe, r: executor_pb2.PrepareResidentHandleResponse(supported=exe.prepare_resident_handle(r.name)))
 
-    @rpc
-    def StageBoundHandles(self, request: executor_pb2.StageBoundHandlesRequest,
-                          context: grpc.ServicerContext) -> executor_pb2.StageBoundHandlesResponse:
-        with self.registry.use(request.executable_id) as exe:
-            staged = exe.stage_bound_handles()
-        return executor_pb2.StageBoundHandlesResponse(supported=staged is not None, staged=staged or [])
+    StageBoundHandles = _on_executable(
+        executor_pb2.StageBoundHandlesRequest,
+        lambda exe, r: _staged(exe.stage_bound_handles()))
 
     @rpc
     def RunFeedHandle(self, request: executor_pb2.RunFeedHandleRequest,
@@ -379,33 +404,24 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
             return executor_pb2.WriteHandleRowsResponse(supported=exe.write_handle_rows(request.name, request.row_start,
                                                                                         rows))
 
-    @rpc
-    def HasHandle(self, request: executor_pb2.HasHandleRequest,
-                  context: grpc.ServicerContext) -> executor_pb2.HasHandleResponse:
-        with self.registry.use(request.executable_id) as exe:
-            bound, resident = exe.has_handle(request.name)
-        return executor_pb2.HasHandleResponse(bound=bound, resident=resident)
+    HasHandle = _on_executable(
+        executor_pb2.HasHandleRequest,
+        lambda exe, r: _held(*exe.has_handle(r.name)))
 
-    @rpc
-    def SetHandleFeed(self, request: executor_pb2.SetHandleFeedRequest,
-                      context: grpc.ServicerContext) -> executor_pb2.SetHandleFeedResponse:
-        with self.registry.use(request.executable_id) as exe:
-            return executor_pb2.SetHandleFeedResponse(supported=exe.set_handle_feed(request.handle_name,
-                                                                                    request.output_index))
+    SetHandleFeed = _on_executable(
+        executor_pb2.SetHandleFeedRequest,
+        lambda exe, r: executor_pb2.SetHandleFeedResponse(supported=exe.set_handle_feed(r.handle_name,
+                                                                                        r.output_index)))
 
-    @rpc
-    def RegisterKvRowFeed(self, request: executor_pb2.RegisterKvRowFeedRequest,
-                          context: grpc.ServicerContext) -> executor_pb2.RegisterKvRowFeedResponse:
-        with self.registry.use(request.executable_id) as exe:
-            return executor_pb2.RegisterKvRowFeedResponse(supported=exe.register_kv_row_feed(request.handle_name,
-                                                                                             request.output_index))
+    RegisterKvRowFeed = _on_executable(
+        executor_pb2.RegisterKvRowFeedRequest,
+        lambda exe, r: executor_pb2.RegisterKvRowFeedResponse(supported=exe.register_kv_row_feed(r.handle_name,
+                                                                                                 r.output_index)))
 
-    @rpc
-    def FeedKvRow(self, request: executor_pb2.FeedKvRowRequest,
-                  context: grpc.ServicerContext) -> executor_pb2.FeedKvRowResponse:
-        feed = request.feed
-        with self.registry.use(request.executable_id) as exe:
-            return executor_pb2.FeedKvRowResponse(supported=exe.feed_kv_row(feed.src_row, feed.dst_row, feed.row_elems))
+    FeedKvRow = _on_executable(
+        executor_pb2.FeedKvRowRequest,
+        lambda exe, r: executor_pb2.FeedKvRowResponse(supported=exe.feed_kv_row(r.feed.src_row, r.feed.dst_row,
+                                                                                r.feed.row_elems)))
 
     @rpc
     def CopyResidentKvRows(self, request: executor_pb2.CopyResidentKvRowsRequest,
@@ -437,24 +453,15 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
                 ok = exe.set_moe_resident_experts_per_layer([list(m.values) for m in request.per_layer.layers])
         return executor_pb2.SetMoeResidencyResponse(supported=ok)
 
-    @rpc
-    def EnableMoeTopkCapture(self, request: executor_pb2.EnableMoeTopkCaptureRequest,
-                             context: grpc.ServicerContext) -> executor_pb2.EnableMoeTopkCaptureResponse:
-        with self.registry.use(request.executable_id) as exe:
-            return executor_pb2.EnableMoeTopkCaptureResponse(supported=exe.enable_moe_topk_capture(request.num_experts))
+    EnableMoeTopkCapture = _on_executable(
+        executor_pb2.EnableMoeTopkCaptureRequest,
+        lambda exe, r: executor_pb2.EnableMoeTopkCaptureResponse(supported=exe.enable_moe_topk_capture(r.num_experts)))
 
-    @rpc
-    def TakeMoeTopkCapture(self, request: executor_pb2.TakeMoeTopkCaptureRequest,
-                           context: grpc.ServicerContext) -> executor_pb2.TakeMoeTopkCaptureResponse:
-        with self.registry.use(request.executable_id) as exe:
-            captured = exe.take_moe_topk_capture()
-        return executor_pb2.TakeMoeTopkCaptureResponse(
-            captured=captured is not None, layers=[executor_pb2.ExpertIds(ids=ids) for ids in captured or []])
+    TakeMoeTopkCapture = _on_executable(
+        executor_pb2.TakeMoeTopkCaptureRequest,
+        lambda exe, r: _captured(exe.take_moe_topk_capture()))
 
-    @rpc
-    def TakeMoeResidencyStats(self, request: executor_pb2.TakeMoeResidencyStatsRequest,
-                              context: grpc.ServicerContext) -> executor_pb2.TakeMoeResidencyStatsResponse:
-        with self.registry.use(request.executable_id) as exe:
-            stats = exe.take_moe_residency_stats()
-        return executor_pb2.TakeMoeResidencyStatsResponse(supported=True,
-                                                          stats=executor_pb2.MoeResidencyStats(**asdict(stats)))
+    TakeMoeResidencyStats = _on_executable(
+        executor_pb2.TakeMoeResidencyStatsRequest,
+        lambda exe, r: executor_pb2.TakeMoeResidencyStatsResponse(
+            supported=True, stats=executor_pb2.MoeResidencyStats(**asdict(exe.take_moe_residency_stats()))))
