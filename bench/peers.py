@@ -390,10 +390,43 @@ def ensure_hf_model(gguf: Path) -> Path:
 
 # -- the server -------------------------------------------------------------------------------------------------
 class _PeerServer(Startable):
-    """A peer's server process, started in a process group of its own with its output in a log; ended with it."""
+    """A peer's HTTP server process, started in a process group of its own with its output in a log; ended with it."""
 
     process: subprocess.Popen[bytes] | None
     _log: IO[bytes] | None
+    address: str
+    log_path: Path
+    startup_timeout_s: float
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def _serve(self, name: str, detail: str, args: list[str], env: dict[str, str], ready_path: str) -> None:
+        """Starts `args` and waits until GET ready_path answers 200. A session of its own: vLLM forks an engine-core
+        process, and stop() must take the whole group down."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")
+        progress(f"starting {name} on {self.address} ({detail}; log {self.log_path})")
+        t0 = time.perf_counter()
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {self.process.returncode} before serving; see "
+                                   f"{self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}{ready_path}", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} at {self.address} did not answer {ready_path} within "
+                                   f"{self.startup_timeout_s:.0f} s; see {self.log_path}")
+            time.sleep(0.5)
+        progress(f"{name} ready in {time.perf_counter() - t0:.0f} s")
 
     def stop(self) -> None:
         _stop_group(self.process)
@@ -420,10 +453,6 @@ class VllmServer(_PeerServer):
     process: subprocess.Popen[bytes] | None = None
     _log: IO[bytes] | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}"
-
     def _start(self) -> None:
         python = ensure_vllm_venv()
         self.address = self.address or free_address()
@@ -437,29 +466,7 @@ class VllmServer(_PeerServer):
         args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                 "--dtype", "float32", "--host", "127.0.0.1", "--port", port,
                 "--kv-cache-memory-bytes", str(self.kv_cache_bytes), *self.extra_args]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")
-        progress(f"starting vLLM on {self.address} (threads bound to {bind}; log {self.log_path})")
-        t0 = time.perf_counter()
-        # a session of its own: vLLM forks an engine-core process, and stop() must take the whole group down
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with status {self.process.returncode} before serving; see "
-                                   f"{self.log_path}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vLLM at {self.address} did not answer /health within "
-                                   f"{self.startup_timeout_s:.0f} s; see {self.log_path}")
-            time.sleep(0.5)
-        progress(f"vLLM ready in {time.perf_counter() - t0:.0f} s")
+        self._serve("vLLM", f"threads bound to {bind}", args, env, "/health")
 
 
 
@@ -515,10 +522,6 @@ class LlamaCppServer(_PeerServer):
     _log: IO[bytes] | None = None
 
     @property
-    def url(self) -> str:
-        return f"http://{self.address}"
-
-    @property
     def threads(self) -> int:
         return self.n_threads or os.cpu_count() or 1
 
@@ -542,29 +545,9 @@ class LlamaCppServer(_PeerServer):
                 "--interrupt_requests", "False", "--logits_all", "False", *self.extra_args]
         env = dict(os.environ)
         env.pop("OMP_NUM_THREADS", None)  # ggml sizes its thread pool from n_threads
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")
-        progress(f"starting llama.cpp on {self.address} ({threads} threads, n_ctx {self.n_ctx}, end-of-generation "
-                 f"tokens {self.eog_ids}; log {self.log_path})")
-        t0 = time.perf_counter()
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:  # the model is loaded before the HTTP server listens; /v1/models answers once it does
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama.cpp exited with status {self.process.returncode} before serving; see "
-                                   f"{self.log_path}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as reply:
-                    if reply.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"llama.cpp at {self.address} did not answer /v1/models within "
-                                   f"{self.startup_timeout_s:.0f} s; see {self.log_path}")
-            time.sleep(0.5)
-        progress(f"llama.cpp ready in {time.perf_counter() - t0:.0f} s")
+        # the model is loaded before the HTTP server listens; /v1/models answers once it does
+        self._serve("llama.cpp", f"{threads} threads, n_ctx {self.n_ctx}, end-of-generation tokens {self.eog_ids}",
+                    args, env, "/v1/models")
 
     def tokenize(self, text: str) -> list[int]:
         """The token ids llama.cpp makes of a prompt's text (/extras/tokenize: special tokens parsed, and a BOS
