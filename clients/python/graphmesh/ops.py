@@ -69,6 +69,14 @@ def _float(t: TensorType, what: str) -> None:
         raise _fail(f"{what} must be a float tensor, got {t}")
 
 
+def _float_3d(op: str, layout: str, **named: TensorType) -> None:
+    """Attention's q, k and v (or pools): float tensors of three axes laid out as `layout`."""
+    for what, t in named.items():
+        _float(t, what)
+        if len(t.shape) != 3:
+            raise _fail(f"{op} {what} must be {layout}, got {t}")
+
+
 def _integer(t: TensorType, what: str) -> None:
     if t.dtype not in ("i64", "i32"):
         raise _fail(f"{what} must be i64 or i32, got {t}")
@@ -243,10 +251,7 @@ def _rope(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 def _attention(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     q, k, v = ins[:3]
-    for t, what in ((q, "q"), (k, "k"), (v, "v")):
-        _float(t, what)
-        if len(t.shape) != 3:
-            raise _fail(f"attention {what} must be [seq, heads, head_dim], got {t}")
+    _float_3d("attention", "[seq, heads, head_dim]", q=q, k=k, v=v)
     if k.shape != v.shape or q.dtype != k.dtype or k.dtype != v.dtype:
         raise _fail(f"attention k and v differ: {k} and {v}")
     if q.shape[2] != k.shape[2]:
@@ -298,10 +303,7 @@ def _kv_scatter(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 def _paged_attention(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     q, k_pool, v_pool, table, token_seq, positions = ins
-    for t, what in ((q, "q"), (k_pool, "k_pool"), (v_pool, "v_pool")):
-        _float(t, what)
-        if len(t.shape) != 3:
-            raise _fail(f"paged_attention {what} must be [rows, heads, head_dim], got {t}")
+    _float_3d("paged_attention", "[rows, heads, head_dim]", q=q, k_pool=k_pool, v_pool=v_pool)
     if k_pool.shape != v_pool.shape or q.dtype != k_pool.dtype or k_pool.dtype != v_pool.dtype:
         raise _fail(f"paged_attention pools differ: {k_pool} and {v_pool} (q {q})")
     if q.shape[2] != k_pool.shape[2] or k_pool.shape[1] == 0 or q.shape[1] % k_pool.shape[1]:
