@@ -11,6 +11,12 @@ Whole blocks of a common prompt prefix are shared: a new session's table can sta
 first blocks (share), each block counted by the sessions holding it and free again when the last lets go.
 Only whole committed blocks are ever shared, and a session only writes past its committed rows, so a shared
 block is never written again. (The coordinator still counts a shared block once per session: conservative.)
+
+A stage whose every layer has a sliding window drops a session's leading blocks once no query it can still run
+sees them (drop): they return to the pool (a shared one when its last holder lets go) and their table entries
+become SCRATCH_BLOCK, so a table keeps its length and positions but never names a block another session may hold
+now. The window mask hides those positions from every attention kernel, which either skips them (numpy, the CPU and
+CUDA row kernels) or reads the scratch block there and masks it (torch's gathers), as it does past a short row.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class KvPool:
         self._free: list[int] = []
         self._tables: dict[str, list[int]] = {}
         self._holders: dict[int, int] = {}  # block -> sessions holding it, for shared blocks only (absent: one)
+        self._dropped: dict[str, int] = {}  # session -> its leading blocks dropped (absent: none)
         self.clear()
 
     @property
@@ -45,6 +52,10 @@ class KvPool:
     def table(self, session_id: str) -> list[int]:
         return self._tables.get(session_id, [])
 
+    def dropped(self, session_id: str) -> int:
+        """The session's leading blocks dropped (their table entries are SCRATCH_BLOCK)."""
+        return self._dropped.get(session_id, 0)
+
     def reserve(self, session_id: str, tokens: int) -> None:
         """Grows the session's table to hold `tokens` rows; all or nothing."""
         table = self._tables.setdefault(session_id, [])
@@ -56,7 +67,8 @@ class KvPool:
             table.append(self._free.pop())
 
     def share(self, session_id: str, donor_id: str, blocks: int) -> None:
-        """Starts a new session's table with the donor's first `blocks` blocks (whole, committed ones)."""
+        """Starts a new session's table with the donor's first `blocks` blocks (whole, committed ones); those the
+        donor dropped are dropped in the new table too (the caller checks that it can do without them)."""
         if self._tables.get(session_id):
             raise FailedPrecondition(f"session {session_id!r} already holds KV blocks", "SESSION_NOT_NEW")
         donor = self._tables.get(donor_id, [])
@@ -64,21 +76,42 @@ class KvPool:
             raise FailedPrecondition(f"session {donor_id!r} holds {len(donor)} KV blocks, not {blocks}",
                                      "DONOR_TOO_SHORT")
         for b in donor[:blocks]:
-            self._holders[b] = self._holders.get(b, 1) + 1
+            if b != SCRATCH_BLOCK:
+                self._holders[b] = self._holders.get(b, 1) + 1
         self._tables[session_id] = donor[:blocks]
+        if self.dropped(donor_id):
+            self._dropped[session_id] = min(blocks, self.dropped(donor_id))
+
+    def drop(self, session_id: str, blocks: int) -> int:
+        """Lets go of the session's first `blocks` blocks (those no query it can still run sees: a sliding window
+        passed them), leaving SCRATCH_BLOCK in their table entries; returns how many were newly dropped."""
+        table = self._tables.get(session_id, [])
+        done, blocks = self.dropped(session_id), min(blocks, len(table))
+        for i in range(done, blocks):
+            self._let_go(table[i])
+            table[i] = SCRATCH_BLOCK
+        if blocks <= done:
+            return 0
+        self._dropped[session_id] = blocks
+        return blocks - done
 
     def release(self, session_id: str) -> None:
+        self._dropped.pop(session_id, None)
         for b in reversed(self._tables.pop(session_id, [])):
-            holders = self._holders.pop(b, 1) - 1
-            if holders:
-                self._holders[b] = holders  # still in another session's table
-            else:
-                self._free.append(b)
+            if b != SCRATCH_BLOCK:  # a dropped block: already let go
+                self._let_go(b)
+
+    def _let_go(self, block: int) -> None:
+        holders = self._holders.pop(block, 1) - 1
+        if holders:
+            self._holders[block] = holders  # still in another session's table
+        else:
+            self._free.append(block)
 
     def clear(self) -> None:
         """Every block free again (a new incarnation trusts no session of the old one)."""
         self._free = list(range(self.blocks - 1, 0, -1))  # popped from the end: low block ids first
-        self._tables, self._holders = {}, {}
+        self._tables, self._holders, self._dropped = {}, {}, {}
 
     def slots(self, session_id: str, start: int, end: int) -> np.ndarray:
         """Pool rows of positions [start, end) of the session (its table must already hold them)."""

@@ -495,6 +495,7 @@ class StageRuntime(RunInputs, StageKv):
                 if row.encoded_offsets:
                     # its KV rows depend on the encoder input as well as the tokens: no token key may name them
                     session.untokened = True
+                self._drop_outside_window(row.session_id, session, row.start)  # first: the row may reuse them
                 try:
                     self.pool.reserve(row.session_id, row.start + len(row.token_ids) + decode_steps - 1)
                 except ResourceExhausted as e:

@@ -1,5 +1,10 @@
 """A stage's KV import and export: committed rows of a session read out (a copy to a peer, the KV store's seeds),
-written in (a seeded prefix, a migration), and a prompt prefix's whole blocks shared with a new session."""
+written in (a seeded prefix, a migration), a prompt prefix's whole blocks shared with a new session, and the blocks a
+sliding window has passed dropped.
+
+A session's dropped rows are gone from this stage: reading them out (a copy, an export) is refused with
+FailedPrecondition ROWS_DROPPED rather than exporting only the live ones, since every reader (a peer's write_kv, the
+store's seeds) takes rows from 0 or from where its prefix ends; a copy of such a session is recomputed instead."""
 
 from __future__ import annotations
 
@@ -10,11 +15,43 @@ from functools import partial
 import numpy as np
 
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
-from graphmesh_executor.stage_types import StageSession, StageState
+from graphmesh.models.config import ModelConfig
+from graphmesh_executor.stage_types import BlockWriter, StageSession, StageSpec, StageState
 
 
 class StageKv(StageState):
     """The KV import and export part of StageRuntime."""
+
+    _block_writer: BlockWriter | None
+    _window_of: tuple[StageSpec | None, ModelConfig | None, int] = (None, None, 0)  # what kv_window was worked out for
+
+    @property
+    def kv_window(self) -> int:
+        """The widest sliding window of this stage's layers where every one has a window, else 0: a layer without
+        one (a global layer) sees every row, so the stage keeps them all."""
+        spec, config = self.spec, self.config
+        if spec is None or config is None:
+            return 0
+        if self._window_of[0] is not spec or self._window_of[1] is not config:
+            windows = [config.window(layer) for layer in range(spec.layer_start, spec.layer_end)]
+            self._window_of = (spec, config, max(windows) if min(windows) > 0 else 0)
+        return self._window_of[2]
+
+    def _drop_outside_window(self, session_id: str, session: StageSession, oldest_query: int) -> None:
+        """Drops the session's leading blocks that no query at `oldest_query` or later sees (under the lock), where
+        the stage's layers all have a window. `oldest_query` is the first position of the row the session begins:
+        a rollback (an aborted epoch, the folded commit_length of a verified chunk) never goes back past it, so no
+        query ever needs a dropped row again. Rows not yet written behind to the KV store are kept until they are."""
+        window = self.kv_window
+        if not window:
+            return
+        keep_from = oldest_query - window + 1  # the first key a query at oldest_query sees
+        spec = self.spec
+        assert spec is not None
+        if self._block_writer is not None and spec.kvstore_address and not session.untokened:
+            keep_from = min(keep_from, session.stored_tokens)
+        if keep_from >= self.pool.block_tokens:
+            self.pool.drop(session_id, keep_from // self.pool.block_tokens)
 
     @property
     def kv_dim(self) -> int:
@@ -36,6 +73,11 @@ class StageKv(StageState):
             if not 0 <= from_row <= to_row <= session.txn.kv_length:
                 raise OutOfRange(f"rows [{from_row}, {to_row}) outside the {session.txn.kv_length} committed rows of "
                                  f"session {session_id!r}", "ROW_OUT_OF_RANGE")
+            live = self.pool.dropped(session_id) * self.pool.block_tokens
+            if from_row < min(live, to_row):
+                raise FailedPrecondition(f"rows [{from_row}, {to_row}) of session {session_id!r}: its rows before "
+                                         f"{live} were dropped here (outside the sliding window of every layer of "
+                                         "this stage)", "ROWS_DROPPED")
             return self.pool.slots(session_id, from_row, to_row)
 
     def read_kv(self, incarnation: int, session_id: str, from_row: int, to_row: int) -> np.ndarray:
@@ -139,6 +181,11 @@ class StageKv(StageState):
                                          "PREFIX_NOT_HELD")
             if session_id in self._sessions:
                 raise FailedPrecondition(f"session {session_id!r} already exists here", "SESSION_NOT_NEW")
+            # the donor's dropped blocks can be dropped in the new session too, if its first query (at n) sees none
+            window = self.kv_window
+            if self.pool.dropped(donor_id) * block > (n - window + 1 if window else 0):
+                raise FailedPrecondition(f"session {donor_id!r} dropped rows of this prefix that a session starting "
+                                         f"at {n} sees here (its sliding window passed them)", "PREFIX_NOT_HELD")
             self.pool.share(session_id, donor_id, n // block)
             session = self._session(session_id)
             session.txn.append_committed(0, n)
