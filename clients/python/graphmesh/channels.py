@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import grpc
 
-from graphmesh.security import Tls, mesh_metadata
+from graphmesh.security import Tls, bearer, mesh_metadata
 
 MAX_MESSAGE_BYTES = 64 << 20  # tensors, KV rows and logits travel in one message up to this size (services' default)
 
@@ -96,3 +96,23 @@ def channel(address: str, tls: Tls | None, options: Sequence[tuple[str, Any]] = 
     token (`mesh_token`, or by default this process's) on every call."""
     return as_mesh_member(open_channel(address, tls.channel_credentials() if tls else None, options), mesh_token)
 
+
+class ChannelClient:
+    """The SDK clients' common part: one channel (closed by close() or a with-block), and the deadline of `timeout`
+    seconds and the metadata (with `token` as a bearer token) that every call carries."""
+
+    def __init__(self, address: str, channel: grpc.Channel, timeout: float, metadata: Sequence[tuple[str, str]],
+                 token: str) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.metadata = (*metadata, *bearer(token))
+        self.channel = channel
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()

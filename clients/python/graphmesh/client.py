@@ -17,8 +17,7 @@ import numpy.typing as npt
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from graphmesh import dtypes, errors, tensors
-from graphmesh.channels import open_channel
-from graphmesh.security import bearer
+from graphmesh.channels import ChannelClient, open_channel
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, graph_pb2, tensor_pb2
 
 _RNG_BACKENDS = {"splitmix": executor_pb2.RNG_BACKEND_SPLITMIX, "zero": executor_pb2.RNG_BACKEND_ZERO}
@@ -77,26 +76,14 @@ def _extent(extent: tuple[int, int]) -> executor_pb2.ActiveExtent:
     return executor_pb2.ActiveExtent(actual=extent[0], upper=extent[1])
 
 
-class ExecutorClient:
+class ExecutorClient(ChannelClient):
     """A channel to one executor. Every call has a deadline of `timeout` seconds. credentials: TLS
     (graphmesh.security.credentials(ca, cert, key)); token: a bearer token sent with every call."""
 
     def __init__(self, address: str, *, timeout: float = 30.0, credentials: grpc.ChannelCredentials | None = None,
                  metadata: Sequence[tuple[str, str]] = (), token: str = "") -> None:
-        self.address = address
-        self.timeout = timeout
-        self.metadata = (*metadata, *bearer(token))
-        self.channel = open_channel(address, credentials)
+        super().__init__(address, open_channel(address, credentials), timeout, metadata, token)
         self.stub = executor_pb2_grpc.ExecutorServiceStub(self.channel)
-
-    def __enter__(self) -> ExecutorClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.channel.close()
 
     def call(self, method: Callable[..., R], request: Any) -> R:
         """One call with this client's deadline and metadata; a failed status raises its graphmesh error."""

@@ -12,8 +12,7 @@ import grpc
 import numpy as np
 
 from graphmesh import dtypes, errors, tensors
-from graphmesh.channels import as_mesh_member, open_channel
-from graphmesh.security import bearer
+from graphmesh.channels import ChannelClient, as_mesh_member, open_channel
 from graphmesh.v1 import kvstore_pb2, kvstore_pb2_grpc, stage_pb2
 
 R = TypeVar("R")
@@ -83,7 +82,7 @@ def _call(fn: Callable[[], R]) -> R:
         raise errors.from_rpc_error(e) from None
 
 
-class KvStoreClient:
+class KvStoreClient(ChannelClient):
     """A channel to one KV store. Every call has a deadline of `timeout` seconds. credentials: TLS
     (graphmesh.security.credentials(ca, cert, key)); token: a bearer token sent with every call; interceptors:
     client interceptors for the channel (the coordinator's trace propagation). Inside a mesh service the calls
@@ -92,20 +91,9 @@ class KvStoreClient:
     def __init__(self, address: str, timeout: float = 60.0, *, credentials: grpc.ChannelCredentials | None = None,
                  metadata: Sequence[tuple[str, str]] = (), token: str = "",
                  interceptors: Sequence[grpc.UnaryUnaryClientInterceptor] = ()) -> None:
-        self.address = address
-        self.timeout = timeout
-        self.metadata = (*metadata, *bearer(token))
-        self._channel = grpc.intercept_channel(as_mesh_member(open_channel(address, credentials)), *interceptors)
-        self._stub = kvstore_pb2_grpc.KvStoreServiceStub(self._channel)
-
-    def __enter__(self) -> KvStoreClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._channel.close()
+        super().__init__(address, grpc.intercept_channel(as_mesh_member(open_channel(address, credentials)),
+                                                         *interceptors), timeout, metadata, token)
+        self._stub = kvstore_pb2_grpc.KvStoreServiceStub(self.channel)
 
     def put_blocks(self, ns: kvstore_pb2.KvNamespace, token_ids: Sequence[int], first_block: int, rows: np.ndarray,
                    incarnation: int = 0, epoch: int = 0) -> tuple[int, int]:
