@@ -435,12 +435,13 @@ void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w,
  * The query heads that share a kv head go up to HEADS_AT_ONCE at a time, so each K and V row is loaded once for
  * all of them (SmolLM2: 3 query heads a kv head). A score is one 8-lane FMA chain over d and a fixed horizontal
  * sum, four keys at once so that independent chains hide the FMA latency. The softmax runs 8 keys a vector with
- * exp as a polynomial (within 1 ulp of the exact value: 0.92 at worst over [-105, 0]). The weighted sum keeps its
- * output in registers, a chunk at a time, each lane one FMA chain over the keys in order. With hot caches 8 rows x
- * 100 keys take 90 us instead of 152; in a real step the KV comes from memory and bounds it (~250 us). */
+ * exp as a polynomial (within 1 ulp of the exact value: 0.92 at worst over [-105, 0]). The weighted sum is each
+ * lane one FMA chain over the keys in order. In a real step the KV comes from memory (16 sessions' KV is far larger
+ * than the caches), so the order of the reads bounds it: see paged_decode_attention. */
 
 #define KEYS_AT_ONCE 4
 #define HEADS_AT_ONCE 3 /* 3 heads x 4 keys: 12 accumulators, 3 query vectors and a key vector in 16 ymm registers */
+#define PREFETCH_SLOTS 8 /* keys ahead whose slots go to L2 while these are scored or summed */
 
 /* scores[h * stride + r] = q[h] . k[r] for nh heads and KEYS_AT_ONCE keys. */
 static inline __attribute__((always_inline)) void dots(int nh, const float *q, size_t ldq, const float *const *k,
@@ -526,83 +527,80 @@ static void softmax(float *p, int keys, float scale) {
     for (int v = 0; v < vecs; v++) _mm256_storeu_ps(p + 8 * v, _mm256_div_ps(_mm256_loadu_ps(p + 8 * v), sum));
 }
 
-/* o[h][0..8 * lanes) = sum over keys j, in order, of p[h * stride + j] * v[j][at..at + 8 * lanes) for nh heads;
- * each lane is one FMA chain from zero (nh * lanes accumulators: at most 12, see attend_heads). */
-static inline __attribute__((always_inline)) void weighted_sum(int nh, const float *p, size_t stride,
-                                                               const float *const *v, size_t at, int keys,
-                                                               int lanes, float *o, size_t ldo) {
-    __m256 acc[HEADS_AT_ONCE][8];
-    for (int h = 0; h < nh; h++)
-        for (int c = 0; c < lanes; c++) acc[h][c] = _mm256_setzero_ps();
-    for (int j = 0; j < keys; j++) {
-        __m256 pj[HEADS_AT_ONCE];
-        for (int h = 0; h < nh; h++) pj[h] = _mm256_broadcast_ss(p + h * stride + j);
-        for (int c = 0; c < lanes; c++) {
-            __m256 vv = _mm256_loadu_ps(v[j] + at + 8 * c);
-            for (int h = 0; h < nh; h++) acc[h][c] = _mm256_fmadd_ps(pj[h], vv, acc[h][c]);
-        }
-    }
-    for (int h = 0; h < nh; h++)
-        for (int c = 0; c < lanes; c++) _mm256_storeu_ps(o + h * ldo + 8 * c, acc[h][c]);
-}
-
-/* nh heads of a kv group of one sequence: q and out point at the first head's row. */
-static inline __attribute__((always_inline)) void attend_heads(int nh, const float *q, int keys, int d,
-                                                               const float *const *k_rows, const float *const *v_rows,
-                                                               float scale, float softcap, float *scores, size_t stride,
-                                                               float *out) {
-    int j = 0;
-    for (; j + KEYS_AT_ONCE <= keys; j += KEYS_AT_ONCE) dots(nh, q, d, k_rows + j, d, scores + j, stride);
-    for (; j < keys; j++) dot_1(nh, q, d, k_rows[j], d, scores + j, stride);
-    if (softcap > 0.0f) { /* Gemma 2's soft-cap of the scaled scores, scalar tanhf: the same code in both builds */
-        for (int h = 0; h < nh; h++)
-            for (int jj = 0; jj < keys; jj++)
-                scores[h * stride + jj] = softcap * tanhf(scores[h * stride + jj] * scale / softcap);
-        scale = 1.0f;
-    }
-    for (int h = 0; h < nh; h++) softmax(scores + h * stride, keys, scale);
-    int lanes = nh == 1 ? 8 : 12 / nh; /* accumulators: 8 for one head, 12 across two or three (+ broadcasts) */
-    int d8 = d & ~7, c = 0;
-    for (; c + 8 * lanes <= d8; c += 8 * lanes) weighted_sum(nh, scores, stride, v_rows, c, keys, lanes, out + c, d);
-    if (c < d8) weighted_sum(nh, scores, stride, v_rows, c, keys, (d8 - c) / 8, out + c, d);
-    for (int h = 0; h < nh; h++)
-        for (int i = d8; i < d; i++) {
-            float s = 0.0f;
-            for (int jj = 0; jj < keys; jj++) s += scores[h * stride + jj] * v_rows[jj][i];
-            out[h * d + i] = s;
-        }
-}
-
 /* q, out [t, hq, d]; k_pool, v_pool [slots, hkv, d]; table [t, blocks] pool block ids; pos [t]; scores: a
- * caller's buffer of HEADS_AT_ONCE * (blocks * block + 8) floats; rows: one of 2 * blocks * block pointers. A key's
- * slot is table[s, j / block] * block + j % block. window > 0: row s sees only its last `window` keys (a sliding
- * window); softcap > 0: scores become softcap * tanh(score * scale / softcap). */
+ * caller's buffer of hq * (blocks * block + 8) floats; rows: one of 2 * blocks * block pointers. A key's slot is
+ * table[s, j / block] * block + j % block. window > 0: row s sees only its last `window` keys (a sliding window);
+ * softcap > 0: scores become softcap * tanh(score * scale / softcap).
+ * A row's keys are read slot by slot, every kv head of a slot one after the other: a block's slots are one run
+ * of memory, and the slots PREFETCH_SLOTS keys ahead are fetched into L2 while these are used: a kv head at a
+ * time read a slice of each slot from blocks anywhere in the pool and waited on memory for most of a step's
+ * attention. The weighted sum keeps every head's output in L1 (out), each lane still one FMA chain over the keys
+ * in order from zero, so the numbers are those of a head at a time. */
 void paged_decode_attention(int t, int hq, int hkv, int d, int block, int blocks, const float *q,
                             const float *k_pool, const float *v_pool, const long long *table, const long long *pos,
                             float scale, int window, float softcap, float *out, float *scores, const float **rows) {
-    int group = hq / hkv;
-    size_t stride = (size_t)blocks * block + 8;
-    const float **k_rows = rows, **v_rows = rows + (size_t)blocks * block;
+    int group = hq / hkv, d8 = d & ~7;
+    size_t stride = (size_t)blocks * block + 8, slot_floats = (size_t)hkv * d, slot_bytes = slot_floats * sizeof(float);
+    const float **k_rows = rows, **v_rows = rows + (size_t)blocks * block; /* each key's slot, all its kv heads */
     for (int s = 0; s < t; s++) {
         int first = window > 0 && pos[s] + 1 > window ? (int)pos[s] + 1 - window : 0; /* the window's first key */
         int keys = (int)pos[s] + 1 - first;
         const long long *table_row = table + (size_t)s * blocks;
-        for (int kv = 0; kv < hkv; kv++) {
-            size_t head = (size_t)kv * d;
-            for (int j = 0; j < keys; j++) {
-                size_t slot = (size_t)table_row[(first + j) / block] * block + (first + j) % block;
-                k_rows[j] = k_pool + slot * hkv * d + head;
-                v_rows[j] = v_pool + slot * hkv * d + head;
-            }
-            for (int h = kv * group, nh; h < (kv + 1) * group; h += nh) {
-                nh = (kv + 1) * group - h < HEADS_AT_ONCE ? (kv + 1) * group - h : HEADS_AT_ONCE;
-                size_t at = ((size_t)s * hq + h) * d;
-                /* a constant head count each, so attend_heads unrolls for it */
-                if (nh == 3) attend_heads(3, q + at, keys, d, k_rows, v_rows, scale, softcap, scores, stride, out + at);
-                else if (nh == 2) attend_heads(2, q + at, keys, d, k_rows, v_rows, scale, softcap, scores, stride, out + at);
-                else attend_heads(1, q + at, keys, d, k_rows, v_rows, scale, softcap, scores, stride, out + at);
-            }
+        for (int j = 0; j < keys; j++) {
+            size_t slot = (size_t)table_row[(first + j) / block] * block + (first + j) % block;
+            k_rows[j] = k_pool + slot * slot_floats;
+            v_rows[j] = v_pool + slot * slot_floats;
         }
+        const float *qs = q + (size_t)s * hq * d;
+        float *os = out + (size_t)s * hq * d;
+        int j = 0;
+        for (int r = 0; r < PREFETCH_SLOTS && r < keys; r++) prefetch_l2(k_rows[r], slot_bytes);
+        for (; j + KEYS_AT_ONCE <= keys; j += KEYS_AT_ONCE)
+            for (int kv = 0; kv < hkv; kv++) {
+                if (kv == 0)
+                    for (int r = j + PREFETCH_SLOTS; r < j + PREFETCH_SLOTS + KEYS_AT_ONCE && r < keys; r++)
+                        prefetch_l2(k_rows[r], slot_bytes);
+                const float *k[KEYS_AT_ONCE];
+                for (int r = 0; r < KEYS_AT_ONCE; r++) k[r] = k_rows[j + r] + (size_t)kv * d;
+                for (int h = kv * group, nh; h < (kv + 1) * group; h += nh) {
+                    nh = (kv + 1) * group - h < HEADS_AT_ONCE ? (kv + 1) * group - h : HEADS_AT_ONCE;
+                    /* a constant head count each, so dots unrolls for it */
+                    if (nh == 3) dots(3, qs + (size_t)h * d, d, k, d, scores + h * stride + j, stride);
+                    else if (nh == 2) dots(2, qs + (size_t)h * d, d, k, d, scores + h * stride + j, stride);
+                    else dots(1, qs + (size_t)h * d, d, k, d, scores + h * stride + j, stride);
+                }
+            }
+        for (; j < keys; j++)
+            for (int kv = 0; kv < hkv; kv++)
+                dot_1(group, qs + (size_t)kv * group * d, d, k_rows[j] + (size_t)kv * d, d,
+                      scores + kv * group * stride + j, stride);
+        float row_scale = scale;
+        if (softcap > 0.0f) { /* Gemma 2's soft-cap of the scaled scores, scalar tanhf: the same code in both builds */
+            for (int h = 0; h < hq; h++)
+                for (int jj = 0; jj < keys; jj++)
+                    scores[h * stride + jj] = softcap * tanhf(scores[h * stride + jj] * scale / softcap);
+            row_scale = 1.0f;
+        }
+        for (int h = 0; h < hq; h++) softmax(scores + h * stride, keys, row_scale);
+        memset(os, 0, (size_t)hq * d * sizeof(float));
+        for (int r = 0; r < PREFETCH_SLOTS && r < keys; r++) prefetch_l2(v_rows[r], slot_bytes);
+        for (int jj = 0; jj < keys; jj++)
+            for (int kv = 0; kv < hkv; kv++) {
+                if (kv == 0 && jj + PREFETCH_SLOTS < keys) prefetch_l2(v_rows[jj + PREFETCH_SLOTS], slot_bytes);
+                const float *v = v_rows[jj] + (size_t)kv * d;
+                for (int h = kv * group; h < (kv + 1) * group; h++) {
+                    __m256 p = _mm256_broadcast_ss(scores + h * stride + jj);
+                    float *o = os + (size_t)h * d;
+                    for (int c = 0; c < d8; c += 8)
+                        _mm256_storeu_ps(o + c, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c), _mm256_loadu_ps(o + c)));
+                }
+            }
+        for (int h = 0; h < hq; h++) /* the lanes past the last whole vector, as before: a scalar chain each */
+            for (int i = d8; i < d; i++) {
+                float acc = 0.0f;
+                for (int jj = 0; jj < keys; jj++) acc += scores[h * stride + jj] * v_rows[jj][(size_t)(h / group) * d + i];
+                os[(size_t)h * d + i] = acc;
+            }
     }
 }
 

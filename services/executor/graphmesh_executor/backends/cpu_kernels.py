@@ -48,7 +48,6 @@ _FLAGS = ["-O3", "-shared", "-fPIC"]
 _LIBS = ["-lm"]
 _PANELS = "_graphmesh_panels"  # a packed tensor's panel form, in its __dict__ (by panel width)
 _FPANELS = "_graphmesh_fpanels"  # an f32 weight's panel form, in its __dict__ (by panel width)
-_HEADS_AT_ONCE = 3  # query heads paged_decode_attention scores at once: its scores buffer holds one row each
 _MIN_SHARE = 384  # output columns a thread takes at least: fewer cost more in the handoff than they save
 
 
@@ -311,7 +310,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     (t, hq, d), hkv = q.shape, k_pool.shape[1]
     q, table, pos = q.contiguous(), table.contiguous().long(), pos.contiguous().long()
     out = torch.empty(t, hq, d, dtype=torch.float32)
-    scores = torch.empty(_HEADS_AT_ONCE * (table.shape[1] * block + 8), dtype=torch.float32)  # padded to whole vectors
+    scores = torch.empty(hq * (table.shape[1] * block + 8), dtype=torch.float32)  # a row per head, padded to whole vectors
     rows = torch.empty(2 * table.shape[1] * block, dtype=torch.int64)  # a key's K and V row addresses
     lib.paged_decode_attention(t, hq, hkv, d, block, table.shape[1], q.data_ptr(), k_pool.data_ptr(),
                                v_pool.data_ptr(), table.data_ptr(), pos.data_ptr(), scale, window, softcap,
