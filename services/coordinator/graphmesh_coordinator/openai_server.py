@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +43,7 @@ from graphmesh.errors import GraphmeshError, NotFound, Unauthenticated
 from graphmesh.security import Tls
 from graphmesh_coordinator import genai, http_limits, responses, speculative, structured, tool_calls
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator, TokenLogprob, validate
+from graphmesh_coordinator.openai_calls import Call, Sessions
 from graphmesh_coordinator.openai_protocol import (
     FINISH,
     MAX_CHOICES,
@@ -60,7 +61,6 @@ from graphmesh_coordinator.openai_protocol import (
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.servicer import prompt_token_ids
 from graphmesh_server import telemetry
-from graphmesh_server.aio_serving import Wait, aiterate
 
 log = logging.getLogger("graphmesh.coordinator.http")
 
@@ -103,34 +103,6 @@ class _BodyLimit:
 
 
 @dataclass
-class _Call:
-    """One parsed request: a prompt per entry of `prompts`, each generated `n` times."""
-
-    operation: Literal["chat", "text_completion"]
-    body: ChatCompletionRequest | CompletionRequest
-    prompts: list[list[int]]
-    requests: list[GenerationRequest]  # prompt-major: choice index = prompt * n + i
-    logprobs: bool
-    top_logprobs: int
-    max_tokens: int | None  # as asked (None: up to the context)
-    tools: bool = False  # chat with tools offered: completions are parsed for tool calls (tool_calls.py)
-    parallel_tool_calls: bool = True
-    tool_format: str = tool_calls.HERMES  # the model's (tool_calls.format_of)
-    tool_prefix: str = ""  # what the prompt ends with that the completion continues (tool_calls.encode)
-
-    def tool_parser(self) -> tool_calls.StreamParser | tool_calls.JsonCallsParser:
-        return tool_calls.parser(self.tool_format, self.tool_prefix)
-
-    @property
-    def stream(self) -> bool:
-        return self.body.stream
-
-    @property
-    def include_usage(self) -> bool:
-        return self.body.stream and self.body.stream_options is not None and self.body.stream_options.include_usage
-
-
-@dataclass
 class _Choice:
     index: int
     prompt_tokens: int
@@ -142,39 +114,6 @@ class _Choice:
     done: bool = False
 
 
-class _Sessions:
-    """The sessions of one request, each an asyncio task on the server's loop; their events come to the request
-    through one queue as (choice index, Event | the error that ended it | None at the end). A session's code runs on
-    `pool` only while it computes (aiterate): one that waits for the mesh, for KV cache or for its tokens holds no
-    thread, so thousands of queued requests cost no thread each."""
-
-    def __init__(self, generator: Generator, requests: Sequence[GenerationRequest], span: Span,
-                 pool: ThreadPoolExecutor, ready_wait_s: float) -> None:
-        self.queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
-        self.cancelled = False
-        self.generator, self.span, self.pool, self.ready_wait_s = generator, span, pool, ready_wait_s
-        self._tasks = [asyncio.create_task(self._run(index, request)) for index, request in enumerate(requests)]
-
-    def _events(self, request: GenerationRequest) -> Iterator[Event | Wait]:
-        with telemetry.use(self.span):  # the Generator's spans and the steps join the request's trace
-            yield from self.generator.generate_waiting(request, alive=lambda: not self.cancelled,
-                                                       ready_wait_s=self.ready_wait_s)
-
-    async def _run(self, index: int, request: GenerationRequest) -> None:
-        try:
-            async for event in aiterate(self.pool, lambda: self._events(request)):
-                self.queue.put_nowait((index, event))
-            self.queue.put_nowait((index, None))
-        except Exception as e:
-            self.queue.put_nowait((index, e))
-        # cancelled (cancel()): aiterate closes the session's generator, which ends the session and releases its KV
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        for task in self._tasks:
-            task.cancel()
-
-
 # -- the server ----------------------------------------------------------------------------------------------
 class OpenAIServer:
     def __init__(self, generator: Generator, mesh: Mesh, model_name: str, auth_token: str = "",
@@ -184,7 +123,7 @@ class OpenAIServer:
         self.leader_gate = leader_gate  # raises NOT_LEADER (503 here) on a standby, naming the leader
         self._expected = f"Bearer {auth_token}" if auth_token else ""
         # the requests' code while it runs (parsing, tokenizing, detokenizing); none waits on it
-        self._pool = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="http-generate")
+        self.pool = ThreadPoolExecutor(HTTP_WORKERS, thread_name_prefix="http-generate")
         self.ready_wait_s = ready_wait_s
         self.responses_store = responses_store  # None: in memory (responses.MemoryStore)
         self.created = int(time.time())
@@ -276,7 +215,7 @@ class OpenAIServer:
         return await self._serve("text_completion", body, request)
 
     # -- requests --
-    def _parse(self, operation: Literal["chat", "text_completion"], body: ChatCompletionRequest | CompletionRequest) -> _Call:
+    def parse(self, operation: Literal["chat", "text_completion"], body: ChatCompletionRequest | CompletionRequest) -> Call:
         """The request's prompts as token ids and its sessions, checked as Generate checks them. Runs on a worker
         thread: tokenizing a long prompt must not hold up every other stream on the event loop."""
         self._check_model(body.model)
@@ -354,7 +293,7 @@ class OpenAIServer:
         structured.count(kind)
         tools = isinstance(body, ChatCompletionRequest) and kind in ("tool_call", "tools")
         parallel = not isinstance(body, ChatCompletionRequest) or body.parallel_tool_calls is not False
-        return _Call(operation, body, prompts, requests, logprobs, top, max_tokens, tools, parallel,
+        return Call(operation, body, prompts, requests, logprobs, top, max_tokens, tools, parallel,
                      tool_format, tool_prefix)
 
     def _room(self, prompt_tokens: int) -> int:
@@ -375,11 +314,11 @@ class OpenAIServer:
         try:
             if self.leader_gate is not None:
                 self.leader_gate()
-            call = await asyncio.get_running_loop().run_in_executor(self._pool, self._parse, operation, body)
+            call = await asyncio.get_running_loop().run_in_executor(self.pool, self.parse, operation, body)
             usage.input_tokens = sum(len(p) for p in call.prompts)
             # Queued with every other generation (the Generator's --max-waiting-requests: 429 past it), waiting out
             # a mesh that is not ready for ready_wait_s (503 after)
-            sessions = _Sessions(self.generator, call.requests, span, self._pool, self.ready_wait_s)
+            sessions = Sessions(self.generator, call.requests, span, self.pool, self.ready_wait_s)
             choices = [_Choice(i, len(call.prompts[i // body.n])) for i in range(len(call.requests))]
             try:
                 first = await sessions.queue.get()  # an error before the first token is an HTTP status, not an event
@@ -420,7 +359,7 @@ class OpenAIServer:
                                         seed=body.seed, stop=stop, choices=body.n,
                                         server_address=request.url.hostname or "", server_port=request.url.port or 0)
 
-    def _apply(self, call: _Call, choice: _Choice, event: Event, t0: float) -> None:
+    def _apply(self, call: Call, choice: _Choice, event: Event, t0: float) -> None:
         """One event of a choice: its text, tokens and logprobs, and the time-to-first-token metric."""
         now = time.perf_counter()
         if not choice.tokens and event.token_ids:
@@ -432,13 +371,13 @@ class OpenAIServer:
         if event.finish_reason:
             choice.finish_reason = FINISH.get(event.finish_reason, "stop")
 
-    def _end(self, call: _Call, choice: _Choice) -> None:
+    def _end(self, call: Call, choice: _Choice) -> None:
         choice.done = True
         if choice.tokens > 1:
             per_token = (time.perf_counter() - choice.first_token_at) / (choice.tokens - 1)
             genai.TIME_PER_OUTPUT_TOKEN.labels(call.operation, self.model_name).observe(per_token)
 
-    async def _collect(self, call: _Call, sessions: _Sessions, choices: list[_Choice],
+    async def _collect(self, call: Call, sessions: Sessions, choices: list[_Choice],
                        first: tuple[int, Event | BaseException | None], request: Request, t0: float) -> None:
         item: tuple[int, Event | BaseException | None] | None = first
         while not all(c.done for c in choices):
@@ -459,7 +398,7 @@ class OpenAIServer:
             else:
                 self._apply(call, choices[index], event, t0)
 
-    def _done(self, call: _Call, choices: list[_Choice], usage: genai.Usage, response_id: str, span: Span,
+    def _done(self, call: Call, choices: list[_Choice], usage: genai.Usage, response_id: str, span: Span,
               t0: float) -> None:
         usage.output_tokens = sum(c.tokens for c in choices)
         usage.finish_reasons = [c.finish_reason for c in choices]
@@ -472,7 +411,7 @@ class OpenAIServer:
                 "total_tokens": usage.input_tokens + usage.output_tokens}
 
     # -- responses --
-    def _logprobs(self, call: _Call, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, call: Call, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         if not call.logprobs:
             return None
         text = self._token_text
@@ -490,7 +429,7 @@ class OpenAIServer:
         tokenizer = self.generator.tokenizer
         return tokenizer.decode([token_id]) if tokenizer is not None else ""
 
-    def _full_response(self, call: _Call, choices: list[_Choice], response_id: str, usage: genai.Usage) -> dict[str, Any]:
+    def _full_response(self, call: Call, choices: list[_Choice], response_id: str, usage: genai.Usage) -> dict[str, Any]:
         out: list[dict[str, Any]] = []
         for c in choices:
             if call.operation == "chat":
@@ -511,7 +450,7 @@ class OpenAIServer:
                 "created": int(time.time()), "model": self.model_name, "choices": out, "usage": self._usage(usage),
                 "system_fingerprint": None}
 
-    def _chunk(self, call: _Call, response_id: str, created: int, choices: list[dict[str, Any]],
+    def _chunk(self, call: Call, response_id: str, created: int, choices: list[dict[str, Any]],
                usage: dict[str, int] | None = None) -> bytes:
         chunk: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk" if call.operation == "chat"
                                  else "text_completion", "created": created, "model": self.model_name, "choices": choices}
@@ -519,7 +458,7 @@ class OpenAIServer:
             chunk["usage"] = usage
         return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
-    def _delta(self, call: _Call, index: int, text: str, logprobs: list[TokenLogprob], finish: str | None,
+    def _delta(self, call: Call, index: int, text: str, logprobs: list[TokenLogprob], finish: str | None,
                role: bool = False) -> dict[str, Any]:
         if call.operation == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {"content": text} if text \
@@ -529,7 +468,7 @@ class OpenAIServer:
         return {"index": index, "text": text, "logprobs": self._logprobs(call, logprobs) if logprobs else None,
                 "finish_reason": finish}
 
-    def _tool_deltas(self, call: _Call, parser: tool_calls.StreamParser | tool_calls.JsonCallsParser, index: int,
+    def _tool_deltas(self, call: Call, parser: tool_calls.StreamParser | tool_calls.JsonCallsParser, index: int,
                      event: Event) -> list[dict[str, Any]]:
         """A chat choice's deltas when tools were offered: content as soon as it cannot be the start of a call, each
         call whole once it closes (OpenAI's tool_calls deltas), finish_reason tool_calls when there were any."""
@@ -552,7 +491,7 @@ class OpenAIServer:
                                       else finish))
         return deltas
 
-    async def _stream(self, call: _Call, sessions: _Sessions, choices: list[_Choice],
+    async def _stream(self, call: Call, sessions: Sessions, choices: list[_Choice],
                       first: tuple[int, Event | BaseException | None], response_id: str, usage: genai.Usage, span: Span,
                       t0: float) -> AsyncIterator[bytes]:
         """The SSE body. Starlette cancels it when the client disconnects; `finally` then ends the sessions."""

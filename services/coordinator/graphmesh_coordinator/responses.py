@@ -25,8 +25,9 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Literal, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,12 +35,10 @@ from pydantic import BaseModel, ConfigDict
 
 from graphmesh.errors import Unavailable
 from graphmesh_coordinator import genai
-from graphmesh_coordinator.generation import Event
-from graphmesh_coordinator.openai_protocol import FINISH, APIError, ChatCompletionRequest, api_error
+from graphmesh_coordinator.generation import Event, Generator
+from graphmesh_coordinator.openai_calls import Call, Sessions
+from graphmesh_coordinator.openai_protocol import FINISH, APIError, ChatCompletionRequest, CompletionRequest, api_error
 from graphmesh_server import telemetry
-
-if TYPE_CHECKING:
-    from graphmesh_coordinator.openai_server import OpenAIServer, _Call
 
 STORE_LIMIT = 1024  # stored responses (memory), the oldest dropped first
 STORE_TTL_S = 24 * 3600  # Redis
@@ -176,8 +175,21 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+class ChatServer(Protocol):
+    """What the Responses API takes of the OpenAI server it is mounted on (OpenAIServer): its chat path."""
+
+    generator: Generator
+    model_name: str
+    ready_wait_s: float
+    pool: ThreadPoolExecutor
+    leader_gate: Callable[[], None] | None
+
+    def parse(self, operation: Literal["chat", "text_completion"],
+              body: ChatCompletionRequest | CompletionRequest) -> Call: ...
+
+
 class ResponsesAPI:
-    def __init__(self, server: OpenAIServer, store: Store | None = None) -> None:
+    def __init__(self, server: ChatServer, store: Store | None = None) -> None:
         self.server, self.store = server, store or MemoryStore()
 
     def mount(self, app: Any, dependencies: list[Any]) -> None:
@@ -185,7 +197,7 @@ class ResponsesAPI:
         app.get("/v1/responses/{response_id}", dependencies=dependencies)(self.retrieve)
 
     async def retrieve(self, response_id: str) -> Response:
-        record = await asyncio.get_running_loop().run_in_executor(self.server._pool, self.store.get, response_id)
+        record = await asyncio.get_running_loop().run_in_executor(self.server.pool, self.store.get, response_id)
         if record is None:
             raise APIError(404, f"no stored response {response_id!r}", "not_found_error", "response_not_found",
                            "response_id")
@@ -221,8 +233,6 @@ class ResponsesAPI:
         return chat, conversation
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
-        from graphmesh_coordinator.openai_server import _Sessions  # the server imports this module
-
         server, t0 = self.server, time.perf_counter()
         response_id = "resp_" + uuid.uuid4().hex
         usage = genai.Usage()
@@ -230,10 +240,10 @@ class ResponsesAPI:
         try:
             if server.leader_gate is not None:
                 server.leader_gate()
-            chat, conversation = await asyncio.get_running_loop().run_in_executor(server._pool, self._chat, body)
-            call = await asyncio.get_running_loop().run_in_executor(server._pool, server._parse, "chat", chat)
+            chat, conversation = await asyncio.get_running_loop().run_in_executor(server.pool, self._chat, body)
+            call = await asyncio.get_running_loop().run_in_executor(server.pool, server.parse, "chat", chat)
             usage.input_tokens = len(call.prompts[0])
-            sessions = _Sessions(server.generator, call.requests, span, server._pool, server.ready_wait_s)
+            sessions = Sessions(server.generator, call.requests, span, server.pool, server.ready_wait_s)
             first = await sessions.queue.get()
             if isinstance(first[1], BaseException):
                 sessions.cancel()
@@ -268,7 +278,7 @@ class ResponsesAPI:
 class _Run:
     """One response as it is generated: its output items, text and calls, and (streamed) its events."""
 
-    def __init__(self, api: ResponsesAPI, body: ResponsesRequest, call: _Call, conversation: list[dict[str, Any]],
+    def __init__(self, api: ResponsesAPI, body: ResponsesRequest, call: Call, conversation: list[dict[str, Any]],
                  response_id: str, usage: genai.Usage) -> None:
         self.api, self.body, self.call, self.conversation = api, body, call, conversation
         self.response_id, self.usage = response_id, usage
@@ -333,7 +343,7 @@ class _Run:
             if self.calls:
                 turn["tool_calls"] = self.calls
             record = {"response": response, "conversation": [*self.conversation, turn]}
-            await asyncio.get_running_loop().run_in_executor(self.api.server._pool, self.api.store.put,
+            await asyncio.get_running_loop().run_in_executor(self.api.server.pool, self.api.store.put,
                                                              self.response_id, record)
         return response
 
