@@ -459,6 +459,22 @@ def test_rms_norm_matches_float64_and_each_row_is_its_own(shape: tuple[int, ...]
     assert cpu_kernels.rms_norm(x.double(), w.double(), 1e-5) is None  # f64: torch serves it
 
 
+@pytest.mark.parametrize("n", [49152, 1, 7, 8, 9, 100003])
+def test_argmax_rows_picks_numpys_first_maximum(n: int) -> None:
+    x = _rand(6, n, seed=n)
+    x[1] = x[1].round()  # many ties: the first maximum wins
+    x[2] = float("-inf")
+    x[3, n // 2] = x[3, -1] = x[3].max() + 1  # the same top twice, once in the tail a vector does not cover
+    x[4, -1] = float("nan")  # a NaN is the maximum, as torch and numpy have it
+    x[5, n // 3] = float("nan")
+    x[5, -1] = float("nan")
+    out = cpu_kernels.argmax_rows(x)
+    assert out is not None
+    np.testing.assert_array_equal(out.numpy(), np.argmax(x.numpy(), axis=-1))
+    assert torch.equal(out, torch.argmax(x, dim=-1))
+    assert cpu_kernels.argmax_rows(x.double()) is None  # f64: torch serves it
+
+
 # -- a whole model: a Q4_K_M GGUF (Q4_K and Q6_K kept packed) against the f32 load of the same file -------------
 
 @pytest.fixture(scope="module")

@@ -156,6 +156,8 @@ def _library(build: str) -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.rope_half.argtypes = [i, i, i, p, i, p, p, p]
     lib.rope_half.restype = None
+    lib.argmax_rows.argtypes = [i, i, p, p]
+    lib.argmax_rows.restype = None
     return lib
 
 
@@ -347,6 +349,17 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     out = torch.empty(x.shape, dtype=torch.float32)
     lib.rope_half(x.shape[0], x.shape[1], x.shape[2], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
                   out.data_ptr())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(x, dim=-1) for f32 rows x [rows, n] on the host (the first maximum, or the first NaN), or None
+    where the kernel does not serve it."""
+    lib = library()
+    if lib is None or x.dim() != 2 or not _host_f32(x) or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows(x.shape[0], x.shape[1], x.data_ptr(), out.data_ptr())
     return out
 
 

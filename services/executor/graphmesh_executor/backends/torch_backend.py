@@ -551,13 +551,19 @@ def _grouped_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
     return torch.empty_like(done).index_copy_(0, order, done)
 
 
+def _argmax(x: Tensor, axis: int = -1) -> Tensor:
+    """torch.argmax (the first maximum, as numpy picks it); host rows over the last axis by the C kernel."""
+    fast = cpu_kernels.argmax_rows(x) if x.is_cpu and axis in (-1, x.dim() - 1) else None
+    return fast if fast is not None else torch.argmax(x, dim=axis)
+
+
 def _sample(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     logits = xs[0]
     if _static(ctx):  # the executable runs static only when the host temperatures say greedy
-        return torch.argmax(logits, dim=-1)
+        return _argmax(logits)
     settings = [x.to("cpu").numpy() for x in xs[1:]]
-    if (settings[0] <= 0.0).all():  # greedy needs no host copy of the logits; argmax picks the first maximum like numpy
-        return torch.argmax(logits, dim=-1)
+    if (settings[0] <= 0.0).all():  # greedy needs no host copy of the logits
+        return _argmax(logits)
     tokens = sample_rows(ctx.rng, logits.to("cpu", torch.float64).numpy(), *settings)
     return torch.from_numpy(tokens).to(logits.device)
 
@@ -730,7 +736,7 @@ KERNELS: dict[str, Kernel] = {
     "top_k": _top_k,
     "take_along_axis": _take_along_axis,
     "grouped_matmul": _grouped_matmul,
-    "argmax": lambda ctx, xs, a: torch.argmax(xs[0], dim=a["axis"]),
+    "argmax": lambda ctx, xs, a: _argmax(xs[0], a["axis"]),
     "sample": _sample,
     "dequant_matmul": _dequant_matmul,
 }
