@@ -1,5 +1,5 @@
-"""Tokenizer: byte-level BPE from GGUF metadata, or tokenizer.json from a Hugging Face directory, plus the
-model's chat template.
+"""Tokenizer: byte-level BPE or SentencePiece from GGUF metadata, or tokenizer.json from a Hugging Face directory,
+plus the model's chat template.
 
 Built to give the same ids as transformers' `AutoTokenizer.from_pretrained(dir, gguf_file=...)`: the same
 vocabulary respelling, merges, special tokens and pre-tokenizer choice. No transformers import here.
@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Encoding, Regex, decoders, pre_tokenizers
+from tokenizers import AddedToken, Encoding, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 
@@ -55,9 +55,12 @@ def _byte_alphabet() -> dict[int, str]:
 
 def _gguf_tokenizer(meta: dict[str, Any]) -> tuple[HFTokenizer, bool]:
     """(tokenizer, add_bos) from llama.cpp tokenizer.ggml.* metadata."""
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise InvalidArgument(f"GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported; "
-                              "only byte-level BPE ('gpt2')", "UNSUPPORTED_TOKENIZER")
+    model = meta.get("tokenizer.ggml.model")
+    if model == "llama":
+        return _sentencepiece_tokenizer(meta)
+    if model != "gpt2":
+        raise InvalidArgument(f"GGUF tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2') and "
+                              "SentencePiece ('llama')", "UNSUPPORTED_TOKENIZER")
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -72,15 +75,74 @@ def _gguf_tokenizer(meta: dict[str, Any]) -> tuple[HFTokenizer, bool]:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
                                                      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
+    # a control token outside the byte alphabet is a llama.cpp mislabel: never one the model reads
+    _add_gguf_specials(tok, meta, tokens, lambda i: set(tokens[i]) <= spelled)
+    return tok, bool(meta.get("tokenizer.ggml.add_bos_token", False))
+
+
+def _add_gguf_specials(tok: HFTokenizer, meta: dict[str, Any], tokens: list[str], control: Any) -> None:
+    """The control tokens (where control(id)) and the named ones (bos, eos, unk, pad) as special tokens, the
+    user-defined ones as added tokens: each matched whole in text, never cut into pieces."""
     types: list[int] = meta.get("tokenizer.ggml.token_type") or []
     named = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")]
-    special = [i for i, t in enumerate(types) if t == _CONTROL and set(tokens[i]) <= spelled]
+    special = [i for i, t in enumerate(types) if t == _CONTROL and control(i)]
     special += [int(i) for i in named if i is not None]
     tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in dict.fromkeys(special)])
     user = [AddedToken(tokens[i], normalized=False, special=False) for i, t in enumerate(types) if t == _USER_DEFINED]
     if user:
         tok.add_tokens(user)
-    return tok, bool(meta.get("tokenizer.ggml.add_bos_token", False))
+
+
+_SPACE = "\u2581"  # SentencePiece's spelling of a space
+
+
+def _sentencepiece_tokenizer(meta: dict[str, Any]) -> tuple[HFTokenizer, bool]:
+    """A SentencePiece vocabulary (tokenizer.ggml.model "llama": Llama 1/2, Mistral, Gemma, Phi-3 files) as the BPE
+    with byte fallback that transformers builds from the same metadata (integrations/gguf), so ids match its
+    AutoTokenizer(gguf_file=...) and the model's own tokenizer.json. Such files carry scores, not merges: the merges
+    are recovered from the vocabulary, every split of a token into two tokens, the best-scored token's first.
+    Gemma's files store a token of spaces as spaces and their scores do not follow the merge order (their order in
+    the file does); Phi-3 prepends its space with a normalizer, which differs from Metaspace only on text that starts
+    with a space. add_bos: the file's flag, else on (llama.cpp's default for these vocabularies)."""
+    arch = meta.get("general.architecture", "")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    gemma = arch in ("gemma", "gemma2", "gemma3")
+    if gemma:
+        tokens = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores: list[float] = [-float(i) for i in range(len(tokens))]
+    else:
+        scores = list(meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))])
+    vocab = {t: i for i, t in enumerate(tokens)}
+    given = meta.get("tokenizer.ggml.merges")
+    merges = [tuple(m.split(" ")) for m in given] if given else _recovered_merges(vocab, dict(zip(tokens, scores)))
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if gemma and unk_id is not None else None  # transformers' LlamaTokenizer sets none
+    tok = HFTokenizer(BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    strip = [decoders.Strip(content=" ", left=1)]  # the space the pre-tokenizer put before the first word
+    if gemma:
+        tok.normalizer = normalizers.Replace(" ", _SPACE)
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        strip = []
+    elif arch == "phi3":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), normalizers.Replace(" ", _SPACE)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPACE, prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
+    _add_gguf_specials(tok, meta, tokens, lambda i: True)
+    return tok, bool(meta.get("tokenizer.ggml.add_bos_token", True))
+
+
+def _recovered_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies: each split of a token into two tokens, the best-scored
+    token's first (ties: shorter left, then right piece), a token's own splits in vocabulary order (transformers'
+    generate_merges, which its slow-to-fast conversion of these models uses too)."""
+    merges: list[tuple[str, str, float]] = []
+    for token, score in scores.items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
 
 
 def _token_text(value: Any) -> str | None:
