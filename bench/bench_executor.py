@@ -19,7 +19,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
-from bench.common import MIB, OPTIONS, free_address, interleaved_medians, machine, progress, spawn, write_results
+from bench.common import (
+    MIB,
+    OPTIONS,
+    args_or_bare_server,
+    free_address,
+    interleaved_medians,
+    machine,
+    progress,
+    spawn,
+    write_results,
+)
 from graphmesh import ExecutorClient, GraphBuilder, RemoteExecutable, models, tensors
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
@@ -52,17 +61,11 @@ def _echo_download(request: bytes, context: grpc.ServicerContext) -> Iterator[by
         yield data[offset:offset + tensors.CHUNK_BYTES]
 
 
-def serve_echo(address: str) -> None:
-    tune_malloc()  # the same process tuning as the executor, so the ratio compares code, not allocators
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=OPTIONS)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Echo", {
-        "Unary": grpc.unary_unary_rpc_method_handler(lambda request, context: request),
-        "Upload": grpc.stream_unary_rpc_method_handler(_echo_upload),
-        "Download": grpc.unary_stream_rpc_method_handler(_echo_download),
-    })])
-    server.add_insecure_port(address)
-    server.start()
-    server.wait_for_termination()
+ECHO: dict[str, grpc.RpcMethodHandler[Any, Any]] = {  # the bare server's methods (args_or_bare_server)
+    "Unary": grpc.unary_unary_rpc_method_handler(lambda request, context: request),
+    "Upload": grpc.stream_unary_rpc_method_handler(_echo_upload),
+    "Download": grpc.unary_stream_rpc_method_handler(_echo_download),
+}
 
 
 # -- the measurements -------------------------------------------------------------------------------------
@@ -211,18 +214,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", type=int, default=5, help="runs per transfer measurement (median)")
     p.add_argument("--rtt-runs", type=int, default=500, help="runs of the round trip (median)")
     p.add_argument("--cuda", action="store_true", help="also CommitNoWait against Run on a torch executor on cuda:0")
-    p.add_argument("--echo-server", metavar="ADDRESS", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    if a.echo_server:
-        serve_echo(a.echo_server)
-        return
+    a = args_or_bare_server(p, argv, "bench.Echo", ECHO)
     tune_malloc()
     load = os.getloadavg()  # other processes on a small machine move these numbers: recorded with them
     executor_address, echo_address = free_address(), free_address()
     progress(f"starting executor at {executor_address} and bare echo at {echo_address}; load average {load}")
     processes = [spawn([sys.executable, "-m", "graphmesh_executor.server", "--listen", executor_address, "--backend",
                         "numpy"], executor_address),
-                 spawn([sys.executable, __file__, "--echo-server", echo_address], echo_address)]
+                 spawn([sys.executable, __file__, "--bare-server", echo_address], echo_address)]
     try:
         with ExecutorClient(executor_address, timeout=600) as client, grpc.insecure_channel(echo_address,
                                                                                           OPTIONS) as echo:

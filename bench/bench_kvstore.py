@@ -21,8 +21,8 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 from bench.common import (
     MIB,
     OPTIONS,
+    args_or_bare_server,
     cpu_seconds,
     free_address,
     interleaved_medians,
@@ -43,7 +44,6 @@ from bench.common import (
 from graphmesh import tensors
 from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
-from graphmesh_executor.server import tune_malloc
 
 LAYERS, HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M: 30 layers, 3 kv heads of 64
 GOAL_MIB_S = 1024.0
@@ -82,18 +82,12 @@ def _relay(request: bytes, context: grpc.ServicerContext) -> bytes:
         return upload(download(request[:8], timeout=600), timeout=600)
 
 
-def serve_bare(address: str) -> None:
-    tune_malloc()  # the same process tuning as the executor, so the comparison is of code, not allocators
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=OPTIONS)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Bare", {
-        "Download": grpc.unary_stream_rpc_method_handler(_download),
-        "Upload": grpc.stream_unary_rpc_method_handler(_upload),
-        "Pull": grpc.unary_unary_rpc_method_handler(_pull),
-        "Relay": grpc.unary_unary_rpc_method_handler(_relay),
-    })])
-    server.add_insecure_port(address)
-    server.start()
-    server.wait_for_termination()
+BARE: dict[str, grpc.RpcMethodHandler[Any, Any]] = {  # the bare server's methods (args_or_bare_server)
+    "Download": grpc.unary_stream_rpc_method_handler(_download),
+    "Upload": grpc.stream_unary_rpc_method_handler(_upload),
+    "Pull": grpc.unary_unary_rpc_method_handler(_pull),
+    "Relay": grpc.unary_unary_rpc_method_handler(_relay),
+}
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
@@ -116,11 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, default=4000, help="rows of the copied session")
     p.add_argument("--runs", type=int, default=5, help="runs of each measurement (median)")
     p.add_argument("--backend", default="torch", help="the executors' backend (the rows live in its KV pool)")
-    p.add_argument("--bare-server", metavar="ADDRESS", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    if a.bare_server:
-        serve_bare(a.bare_server)
-        return
+    a = args_or_bare_server(p, argv, "bench.Bare", BARE)
     load = os.getloadavg()  # other processes on a small machine move these numbers: recorded with them
     kv_dim = HEADS * HEAD_DIM
     rows = np.random.default_rng(0).standard_normal((a.rows, LAYERS, 2, kv_dim)).astype(np.float32)

@@ -3,6 +3,7 @@ info (cores, load average, git commit) recorded with the numbers, tables, and th
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -12,11 +13,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from graphmesh_executor.server import tune_malloc
 from graphmesh_server.serving import cpu_flags
 
 MIB = 1 << 20
@@ -42,6 +45,23 @@ def spawn(args: list[str], address: str) -> subprocess.Popen[bytes]:
     with grpc.insecure_channel(address) as channel:
         grpc.channel_ready_future(channel).result(timeout=60)
     return process
+
+
+def args_or_bare_server(p: argparse.ArgumentParser, argv: list[str] | None, service: str,
+                        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]) -> argparse.Namespace:
+    """The benchmark's arguments; or, in the process it spawns as its baseline (`--bare-server ADDRESS`), a bare
+    grpcio server of `handlers` (generic, on raw bytes, no protobuf work) as /`service`/..., until it is ended."""
+    p.add_argument("--bare-server", metavar="ADDRESS", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if not a.bare_server:
+        return a
+    tune_malloc()  # the same process tuning as the executor, so the comparison is of code, not allocators
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=OPTIONS)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, handlers)])
+    server.add_insecure_port(a.bare_server)
+    server.start()
+    server.wait_for_termination()
+    sys.exit(0)
 
 
 def median(values: Sequence[float]) -> float:
