@@ -16,9 +16,12 @@ engine, and the mesh over llama.cpp with each one's speculation on. The load ave
 recorded: on a shared small machine it is part of the result.
 
     .venv/bin/python bench/bench_speculative.py [--repeats 3] [--tokens 128] [--streams 1,16] [--k 4]
-        [--executors 2] [--weights f32] [--no-peer] [--quick]
+        [--executors 2] [--weights f32] [--no-peer] [--quick] [--draft PATH]
 
 --quick: 1 repeat, 1 stream, 16 tokens, one prompt of each kind, no peer: a smoke test of the harness, not figures.
+--draft PATH: a draft model of SmolLM2's tokenizer (a checkpoint path or bundled name) on one more executor
+(--speculative draft:PATH:K), run as a third mesh engine "mesh+draft"; its tokens must equal the mesh's without
+speculation too (same_tokens_draft_off).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ PROMPTS: dict[str, list[tuple[str, str]]] = {
         ("story", "Write a short story about a fox who learns to swim."),
     ],
 }
-MESH_OFF, MESH_ON = "mesh", "mesh+spec"
+MESH_OFF, MESH_ON, MESH_DRAFT = "mesh", "mesh+spec", "mesh+draft"
 LLAMA_OFF, LLAMA_ON = "llama.cpp", "llama.cpp+spec"
 
 
@@ -121,6 +124,8 @@ def main() -> None:
     p.add_argument("--weights", default="f32")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--draft", default="", help="a draft model of the same tokenizer: a third mesh engine speculating "
+                                               "with it (on one more executor)")
     a = p.parse_args()
     repeats, tokens, streams_list = a.repeats, a.tokens, [int(x) for x in a.streams.split(",")]
     prompts = {kind: list(v) for kind, v in PROMPTS.items()}
@@ -143,10 +148,15 @@ def main() -> None:
     on = cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_PROMPT_LOOKUP, max_proposed=a.k)
     off = cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_OFF)
     servers: list[LlamaCppServer] = []
-    with LocalMesh(a.executors, "torch", MODEL, kvstore=False, weights=a.weights) as mesh, \
+    drafting = ["--speculative", f"draft:{a.draft}:{a.k}"] if a.draft else []
+    with LocalMesh(a.executors, "torch", MODEL, kvstore=False, weights=a.weights, extra_coordinator_args=drafting,
+                   draft_executor=bool(a.draft)) as mesh, \
             CoordinatorClient(mesh.coordinator_address, timeout=REQUEST_TIMEOUT_S) as client:
         targets: dict[str, Callable[[list[int], int], Stream]] = {
             MESH_OFF: mesh_target(client, off), MESH_ON: mesh_target(client, on)}
+        if a.draft:
+            targets[MESH_DRAFT] = mesh_target(client, cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_DRAFT,
+                                                                               max_proposed=a.k))
         if peer:
             gguf = Path(path)
             n_ctx = max(len(v) for v in ids.values()) + tokens + 64
@@ -186,18 +196,24 @@ def main() -> None:
                                      "runs": {e: runs[(name, n, e)] for e in targets},
                                      "mesh_on_over_off": med[MESH_ON] / med[MESH_OFF], "same_tokens_on_off": same}
             row = [name, kind_of[name], n, med[MESH_OFF], med[MESH_ON], entry["mesh_on_over_off"]]
+            if a.draft:
+                entry["mesh_draft_over_off"] = med[MESH_DRAFT] / med[MESH_OFF]
+                entry["same_tokens_draft_off"] = tokens_of[(name, n, MESH_DRAFT)] == tokens_of[(name, n, MESH_OFF)]
+                same = same and entry["same_tokens_draft_off"]
+                row += [med[MESH_DRAFT], entry["mesh_draft_over_off"]]
             if peer:
                 entry["llamacpp_on_over_off"] = med[LLAMA_ON] / med[LLAMA_OFF]
                 entry["mesh_on_over_llamacpp_on"] = med[MESH_ON] / med[LLAMA_ON]
                 row += [med[LLAMA_OFF], med[LLAMA_ON], entry["llamacpp_on_over_off"], entry["mesh_on_over_llamacpp_on"]]
             rows.append([*row, "yes" if same else "NO"])
             results.append(entry)
-    headers = ["prompt", "kind", "streams", "mesh tok/s", "+spec", "on/off"]
+    headers = ["prompt", "kind", "streams", "mesh tok/s", "+spec", "on/off", *(["+draft", "draft/off"] if a.draft else [])]
     if peer:
         headers += ["llama.cpp", "+spec", "on/off", "mesh/llama (spec)"]
     print(table([*headers, "same tokens"], rows))
     write_results("speculative.json" if not a.quick else "speculative_quick.json", {
         "benchmark": "bench_speculative", "model": MODEL, "weights": a.weights, "executors": a.executors,
+        "draft": a.draft or None,
         "tokens": tokens, "k": a.k, "repeats": repeats, "peer": "llama-cpp-python server" if peer else None,
         "results": results, "machine": machine(load)})
 

@@ -44,6 +44,9 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="", help="layers per executor, e.g. 20,10 (default: balanced)")
     p.add_argument("--weights", default="packed", choices=["f32", "packed", "packed-bf16"],
                    help="packed (default): quantized blocks kept packed, the same tokens as f32 and faster on CPUs")
+    p.add_argument("--speculative", default="off",
+                   help="the coordinator's speculative decoding: prompt-lookup[:K], draft:MODEL[:K] (one more executor "
+                        "runs the draft model, of the same tokenizer) or off (default)")
 
 
 @contextmanager
@@ -61,7 +64,9 @@ def _mesh(args: argparse.Namespace, listen: str = "", http_listen: str = "") -> 
     backend: str | list[str] = backends if len(backends) > 1 else (backends[0] if backends else fastest_backend())
     count = len(backends) if len(backends) > 1 else (len(args.gpus) or args.executors or 2)
     mesh = LocalMesh(count, backend, args.model, [int(x) for x in args.split.split(",") if x], args.weights,
-                     coordinator_listen=listen, http_listen=http_listen, gpus=args.gpus)
+                     coordinator_listen=listen, http_listen=http_listen, gpus=args.gpus,
+                     extra_coordinator_args=["--speculative", args.speculative],
+                     draft_executor=args.speculative.startswith("draft:"))
     try:
         mesh.start()
     except (RuntimeError, TimeoutError) as e:  # the launcher's error ends with the tail of the process's log

@@ -187,6 +187,11 @@ class LocalMesh(Startable):
     metrics: bool = False  # every service serves Prometheus /metrics on a free port (metrics_ports)
     env: dict[str, str] = field(default_factory=dict)  # added to every service's environment (OTEL_* ...)
     extra_executor_args: Sequence[str] = ()
+    # One more executor, of its own, for the draft model of --speculative draft:MODEL (passed to the coordinator as
+    # --draft-executor; the speculative flag itself goes in extra_coordinator_args)
+    draft_executor: bool = False
+    draft_address: str = ""
+    draft_process: subprocess.Popen[bytes] | None = None
     extra_kvstore_args: Sequence[str] = ()
     metrics_ports: dict[str, int] = field(default_factory=dict)  # "coordinator", "kvstore", "executor-<rank>"
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -197,6 +202,7 @@ class LocalMesh(Startable):
     coordinator_address: str = ""
     kvstore_address: str = ""
     _coordinator_args: list[str] = field(default_factory=list)
+    _draft_args: list[str] = field(default_factory=list)
 
     def backends(self) -> list[str]:
         if isinstance(self.backend, str):
@@ -292,6 +298,11 @@ class LocalMesh(Startable):
                 self.proxies.append(proxy)
                 address = proxy.address
             self.executor_addresses.append(address)
+        if self.draft_executor:
+            self.draft_address = f"127.0.0.1:{free_port()}"
+            self._draft_args = ["graphmesh_executor.server", "--listen", self.draft_address, "--backend", backends[-1],
+                                "--threads", str(threads), *(["--enable-fault-injection"] if self.fault_injection else [])]
+            self.start_draft_executor()
         for address, process, rank in spawned:
             wait_healthy(address, process, 120.0, f"executor {rank}", self.credentials(), log=self.log(f"executor-{rank}"))
         self.coordinator_address = self.coordinator_listen or f"127.0.0.1:{free_port()}"
@@ -304,6 +315,8 @@ class LocalMesh(Startable):
             args += ["--kvstore", self.kvstore_address]
         if self.http_listen:
             args += ["--http-listen", self.http_listen]
+        if self.draft_address:
+            args += ["--draft-executor", self.draft_address]
         self._coordinator_args = args
         self.start_coordinator()
 
@@ -315,6 +328,13 @@ class LocalMesh(Startable):
         host, _, port = self.http_listen.rpartition(":")
         scheme = "https" if self.tls_cert else "http"
         return f"{scheme}://{'127.0.0.1' if host in ('', '0.0.0.0') else host}:{port}/v1"
+
+    def start_draft_executor(self) -> None:
+        """(Re)starts the draft model's executor on the same address."""
+        threads = self._draft_args[self._draft_args.index("--threads") + 1]
+        self.draft_process = self._spawn("executor-draft", self._draft_args, {"OMP_NUM_THREADS": threads})
+        wait_healthy(self.draft_address, self.draft_process, 120.0, "the draft executor", self.credentials(),
+                     log=self.log("executor-draft"))
 
     def start_coordinator(self) -> None:
         """(Re)starts the coordinator on the same address and state dir."""

@@ -28,7 +28,7 @@ from graphmesh_coordinator.guided import Grammars, Guide, GuidedSpec
 from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.scheduler import Encoded, Output, Scheduler, SessionInfo
 from graphmesh_coordinator.scheduler import Sequence as SchedulerSequence
-from graphmesh_coordinator.speculative import OFF, Mode, Speculation
+from graphmesh_coordinator.speculative import DRAFT, OFF, Mode, Speculation
 from graphmesh_coordinator.validation import check_finite_sampling
 from graphmesh_server import telemetry
 from graphmesh_server.aio_serving import Wait
@@ -342,7 +342,7 @@ class Generator:
             seq.guide = guide
         mode = request.speculative or self.speculative
         if mode.on and guide is None and not request.logprobs:
-            seq.speculation = Speculation(mode.max_k)
+            seq.speculation = Speculation(mode.max_k, draft=mode.method == DRAFT)
         detok = Detokenizer(self.tokenizer)
         for token in resumed:  # the text already delivered: stop strings and UTF-8 boundaries span the break
             detok.push(token)

@@ -70,7 +70,8 @@ class GenerationBody(_Body):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None  # text, json_object, json_schema: guided decoding (structured.py)
-    # graphmesh's extension: "prompt-lookup", "off" or {"method", "max_proposed"} (speculative.py); None: the default
+    # graphmesh's extension: "prompt-lookup", "draft" (the coordinator's draft model), "off" or {"method",
+    # "max_proposed"} (speculative.py); None: the default
     speculative: str | dict[str, Any] | None = None
 
 

@@ -40,8 +40,10 @@ from graphmesh.protocol import Action
 from graphmesh.v1 import stage_pb2
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_server import telemetry
+from graphmesh_server.aio_serving import deferred_wakes
 
 if TYPE_CHECKING:
+    from graphmesh_coordinator.draft import Drafter
     from graphmesh_coordinator.guided import Guide
     from graphmesh_coordinator.speculative import Speculation
 
@@ -162,6 +164,7 @@ class Scheduler:
         self.decode_steps = decode_steps
         self.max_step_tokens = max_step_tokens  # a step's token budget; 0: by the roster's devices
         self.max_step_seqs = max_step_seqs  # sessions per step; 0: by the roster's devices
+        self.drafter: Drafter | None = None  # the draft model of --speculative draft:MODEL (draft.py)
         self._cond = threading.Condition()
         self._seqs: list[Sequence] = []  # arrival order
         self._in_flight = 0
@@ -320,14 +323,26 @@ class Scheduler:
             return {}
         budget = self._step_tokens() - len(decoding)
         out: dict[int, list[int]] = {}
+        drafts: dict[str, tuple[Sequence, list[int], int]] = {}
+        drafter = self.drafter if self.drafter is not None and self.drafter.ready else None
         for s in decoding:
             spec = s.speculation
             if spec is None or s.guide is not None or budget <= 0:
                 continue
-            proposed = spec.proposals(s.session.history + s.pending, min(s.remaining - 1, budget))
+            tokens, room = s.session.history + s.pending, min(s.remaining - 1, budget)
+            if spec.draft and drafter is not None:  # else (draft lost, recovering) prompt lookup meanwhile
+                k = spec.want(room)
+                if k:
+                    drafts[s.session.session_id] = (s, tokens, k)
+                    budget -= k
+                continue
+            proposed = spec.proposals(tokens, room)
             if proposed:
                 out[id(s)] = proposed
                 budget -= len(proposed)
+        if drafts and drafter is not None:  # k batched greedy draft steps, every drafting session together
+            for session_id, proposed in drafter.propose([(i, t, k) for i, (_, t, k) in drafts.items()]).items():
+                out[id(drafts[session_id][0])] = proposed
         return out
 
     def _longest_run(self) -> int:
@@ -395,7 +410,9 @@ class Scheduler:
                                 token_ids=tokens[:n] if proposals else s.pending[:n], sampling=s.sampling)
         if proposals:
             row.prediction_target.proposed = len(proposals)
-            row.prediction_target.proposer = stage_pb2.PROPOSER_PROMPT_LOOKUP
+            row.prediction_target.proposer = (stage_pb2.PROPOSER_DRAFT_MODEL if s.speculation and s.speculation.draft
+                                              and self.drafter is not None and self.drafter.ready
+                                              else stage_pb2.PROPOSER_PROMPT_LOOKUP)
         if s.verified_epoch and s.verified_epoch == session.delivered_epoch and not restore:
             row.commit_length = start  # the verified chunk it commits keeps its accepted rows only
         if s.guide is not None and n == len(s.pending):  # the row samples: its token's mask (never a decode run)
@@ -516,8 +533,9 @@ class Scheduler:
 
     def _deliver(self, seqs: list[Sequence]) -> None:
         """Puts the outputs waiting in these sessions' outboxes on their queues. Under the lock, in the order the
-        steps' updates made them, whichever thread delivers: a session's outputs are never reordered."""
-        with self._cond:
+        steps' updates made them, whichever thread delivers: a session's outputs are never reordered. Their
+        streams' event loop is woken once for all of them (aio_serving.deferred_wakes)."""
+        with self._cond, deferred_wakes():
             for s in seqs:
                 self._flush(s)
 
@@ -645,6 +663,8 @@ class Scheduler:
     def _drop(self, seq: Sequence) -> None:
         """Removes an ended session (under the lock); its blocks count until every rank released them."""
         if seq in self._seqs:
+            if self.drafter is not None and seq.speculation is not None and seq.speculation.draft:
+                self.drafter.forget(seq.session.session_id)
             self._seqs.remove(seq)
             self._forget(seq)
             self._releasing += seq.blocks

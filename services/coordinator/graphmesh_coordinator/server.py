@@ -25,6 +25,7 @@ from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator import responses
+from graphmesh_coordinator.draft import Drafter
 from graphmesh_coordinator.election import Election, EtcdState, LeaderMesh, not_leader
 from graphmesh_coordinator.generation import DEFAULT_MAX_WAITING, Generator
 from graphmesh_coordinator.kserve import KServeServicer
@@ -32,7 +33,7 @@ from graphmesh_coordinator.openai_server import OpenAIServer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
 from graphmesh_coordinator.scheduler import Scheduler
 from graphmesh_coordinator.servicer import CoordinatorServicer
-from graphmesh_coordinator.speculative import parse_mode
+from graphmesh_coordinator.speculative import DRAFT, Mode, parse_mode
 from graphmesh_coordinator.state import DurableState, default_state_dir
 from graphmesh_server import bootstrap, etcd, logs, membership, telemetry
 from graphmesh_server.aio_serving import AioServer, MirroredHealth
@@ -68,7 +69,8 @@ class CoordinatorConfig:
     http_ready_wait_s: float = 10.0  # how long an HTTP request waits out a recovery before its 503
     steps_in_flight: int = 0  # steps in flight at most; 0: one per stage
     decode_steps: int = 0  # the longest decode run (tokens per row of a step of decodes alone); 0: by the devices
-    speculative: str = "off"  # speculative decoding of requests that do not choose: prompt-lookup[:K] or off
+    speculative: str = "off"  # speculative decoding of requests that do not choose: prompt-lookup[:K], draft:MODEL[:K]
+    draft_executor: str = ""  # HOST:PORT of the executor that runs the draft model (--speculative draft:MODEL)
     health_window_s: float = 1.0  # an executor that answers no health probe for this long is lost
     etcd: list[str] = field(default_factory=list)  # etcd client URLs: elect a leader there; empty: file state
     cluster_name: str = "graphmesh"  # the election's and the incarnation counter's key prefix in etcd
@@ -149,6 +151,8 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
                           decode_steps=config.decode_steps)
     generator = Generator(mesh, tokenizer, eos, context, scheduler, config.max_waiting_requests)
     generator.speculative = parse_mode(config.speculative)
+    drafter = _drafter(config, generator.speculative, ckpt.config.vocab_size, context)
+    scheduler.drafter = drafter
     # 64 calls at once on handler threads; --max-concurrent-rpcs changes it. Generation is not counted there: it
     # queues in the Generator (--max-waiting-requests). Asynchronous: streams that hold no work (an idle
     # ModelStreamInfer, a Generate waiting for KV cache or tokens) hold no thread, and health is answered on the
@@ -207,7 +211,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
              lambda: scheduler.shared_tokens))
     if election is None:
         wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
-        _take_over(config, mesh, state.incarnation, health_servicer)
+        _take_over(config, mesh, state.incarnation, health_servicer, drafter)
     else:
         assert isinstance(state, EtcdState)
         # Standbys follow membership too: the roster a new leader plans over is the one registered now
@@ -215,12 +219,40 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
         membership.watch(election.etcd, config.cluster_name,
                          lambda members: mesh.set_members([*static, *(m.address for m in members)]),
                          election.lost)
-        threading.Thread(target=_lead, args=(config, election, mesh, state, health_servicer), name="election",
+        threading.Thread(target=_lead, args=(config, election, mesh, state, health_servicer, drafter), name="election",
                          daemon=True).start()
     return Coordinator(server, port, mesh, http, election)
 
 
-def _take_over(config: CoordinatorConfig, mesh: Mesh, predecessor: int, health: MirroredHealth) -> None:
+def _drafter(config: CoordinatorConfig, mode: Mode, vocab_size: int, context: int) -> Drafter | None:
+    """The draft model of --speculative draft:MODEL, checked against the target (one tokenizer: one vocabulary)."""
+    if mode.method != DRAFT:
+        if config.draft_executor:
+            raise InvalidArgument("--draft-executor needs --speculative draft:MODEL", "BAD_SPECULATIVE",
+                                  {"parameter": "draft-executor"})
+        return None
+    if not config.draft_executor:
+        raise InvalidArgument("--speculative draft:MODEL needs --draft-executor HOST:PORT (the executor that runs "
+                              "the draft model)", "BAD_SPECULATIVE", {"parameter": "draft-executor"})
+    if config.draft_executor in config.executors:
+        raise InvalidArgument(f"--draft-executor {config.draft_executor} is one of --executors: the draft runs on "
+                              "an executor of its own (an executor runs one stage)", "BAD_SPECULATIVE",
+                              {"parameter": "draft-executor"})
+    draft = open_checkpoint(resolve_model(mode.model))
+    if draft.config is None:
+        raise InvalidArgument(f"draft model {mode.model} has no model config", "NO_MODEL_CONFIG",
+                              {"parameter": "speculative"})
+    if draft.config.vocab_size != vocab_size:
+        raise InvalidArgument(f"draft model {mode.model} has a vocabulary of {draft.config.vocab_size} tokens, the "
+                              f"model {config.model} {vocab_size}: a draft must share the target's tokenizer",
+                              "BAD_SPECULATIVE", {"parameter": "speculative"})
+    return Drafter(mode.model, draft.config, config.draft_executor, str(Path(config.state_dir) / "draft"),
+                   config.weights, max_context_tokens=min(context, draft.config.max_position), dtype=config.dtype,
+                   tls=config.security.tls, health_window_s=config.health_window_s)
+
+
+def _take_over(config: CoordinatorConfig, mesh: Mesh, predecessor: int, health: MirroredHealth,
+               drafter: Drafter | None = None) -> None:
     if predecessor:
         # A restarted coordinator, or a standby that won the election: whatever incarnation its predecessor left
         # is fenced everywhere before a new one is issued, so an executor never obeys the old coordinator again.
@@ -231,6 +263,8 @@ def _take_over(config: CoordinatorConfig, mesh: Mesh, predecessor: int, health: 
             mesh.resolve_indeterminate(predecessor)
     mesh.install()
     mesh.watch(window_s=config.health_window_s)
+    if drafter is not None:  # the leader's alone: a standby's install would fence it
+        drafter.start()
     health.set("", health_pb2.HealthCheckResponse.SERVING)
 
 
@@ -247,7 +281,8 @@ def _executors_incarnation(mesh: Mesh) -> int:
     return newest
 
 
-def _lead(config: CoordinatorConfig, election: Election, mesh: Mesh, state: EtcdState, health: MirroredHealth) -> None:
+def _lead(config: CoordinatorConfig, election: Election, mesh: Mesh, state: EtcdState, health: MirroredHealth,
+          drafter: Drafter | None = None) -> None:
     """The standby's life: campaign, then take the mesh over; on losing the lease, stop serving for good (the
     process stays up answering NOT_LEADER and reports itself not live, so that a supervisor restarts it as a
     standby)."""
@@ -276,7 +311,7 @@ def _lead(config: CoordinatorConfig, election: Election, mesh: Mesh, state: Etcd
         election.advance_to(_executors_incarnation(mesh))
         predecessor = state.refresh()
         log.info("leader: taking the mesh over", extra={"cluster": config.cluster_name, "fencing": predecessor})
-        _take_over(config, mesh, predecessor, health)
+        _take_over(config, mesh, predecessor, health, drafter)
     except Exception as e:  # let another coordinator try rather than hold the lease with no mesh
         log.error("leader could not install the mesh; stepping down", extra={"error": str(e)})
         election.step_down(f"install failed: {e}")
@@ -333,8 +368,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--speculative", default="off",
                         help="speculative decoding of requests that do not choose: prompt-lookup (k proposed tokens "
                              "from n-gram matches over the session's prompt and output, verified in one pass through "
-                             "every stage; prompt-lookup:K caps k, default 4) or off (the default). Never changes "
-                             "tokens; steps aside when a step holds many sessions")
+                             "every stage; prompt-lookup:K caps k, default 4), draft:MODEL[:K] (the greedy tokens of "
+                             "a smaller model of the same tokenizer, run on --draft-executor) or off (the default). "
+                             "Never changes tokens; steps aside when a step holds many sessions")
+    parser.add_argument("--draft-executor", default="",
+                        help="HOST:PORT of the executor that runs the draft model of --speculative draft:MODEL (one "
+                             "of its own, not one of --executors)")
     parser.add_argument("--http-listen", default="", help="HOST:PORT of the OpenAI-compatible HTTP API (default: off)")
     parser.add_argument("--http-ready-wait", type=float, default=10.0,
                         help="seconds an HTTP request waits for a recovering mesh before a 503")
@@ -380,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
                                    bootstrap.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs,
                                    http_listen=args.http_listen, http_ready_wait_s=args.http_ready_wait,
                                    steps_in_flight=args.steps_in_flight, decode_steps=args.decode_steps,
-                                   speculative=args.speculative,
+                                   speculative=args.speculative, draft_executor=args.draft_executor,
                                    health_window_s=args.health_window,
                                    etcd=args.etcd, cluster_name=args.cluster_name,
                                    lease_ttl_s=args.lease_ttl, advertise=args.advertise,

@@ -1,4 +1,5 @@
-"""Speculative decoding by prompt lookup: the proposer and each session's adaptive k.
+"""Speculative decoding by prompt lookup or a draft model: the modes, the prompt-lookup proposer and each
+session's adaptive k.
 
 A speculating session's row is its last token and k proposed tokens, verified in one pass through every stage as
 a (k+1)-row chunk (stage.proto StepRow.prediction_target): the last stage samples every position with that
@@ -14,6 +15,9 @@ its input (summaries, edits, code). k adapts per session: it grows while whole p
 shrinks with the acceptance rate, down to 0 (plain decoding, and decode runs) for a while when speculation does
 not pay. Guided rows (a grammar) and rows with logprobs do not speculate: a proposal would need the grammar
 advanced over tokens not yet delivered, and logprobs are sampled on the host one position a row.
+
+A draft model (`--speculative draft:MODEL[:K]`, draft.py) proposes its own greedy tokens: deterministic too, so the
+same verification stays exact, and the same adaptive k, backoff and metrics apply.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ MIN_ACCEPTANCE = 0.25
 EMA = 0.3  # weight of the newest pass in the acceptance average
 BACKOFF_TOKENS, MAX_BACKOFF_TOKENS = 8, 256  # plain tokens before speculating again, doubled on each fall to 0
 
-PROPOSED_TOKENS = Counter("graphmesh_speculative_proposed_tokens", "Tokens proposed for verification (prompt lookup)")
+PROPOSED_TOKENS = Counter("graphmesh_speculative_proposed_tokens", "Tokens proposed for verification (prompt lookup "
+                          "or a draft model)")
 ACCEPTED_TOKENS = Counter("graphmesh_speculative_accepted_tokens", "Proposed tokens the target model accepted")
 VERIFY_PASSES = Counter("graphmesh_speculative_passes", "Verified chunks (passes through every stage with proposals)")
 PASS_TOKENS = Counter("graphmesh_speculative_pass_tokens", "Tokens verified chunks produced (accepted proposals and "
@@ -45,32 +50,41 @@ PASS_TOKENS = Counter("graphmesh_speculative_pass_tokens", "Tokens verified chun
 class Mode:
     """Speculative decoding as a request or the coordinator asks for it: a method and the largest k."""
 
-    method: str = "off"  # "prompt-lookup" or "off"
+    method: str = "off"  # "prompt-lookup", "draft" or "off"
     max_k: int = DEFAULT_K
+    model: str = ""  # the draft model (method "draft"; as --speculative named it)
 
     @property
     def on(self) -> bool:
         return self.method != "off" and self.max_k > 0
 
     def __str__(self) -> str:
-        return f"{self.method} k={self.max_k}" if self.on else "off"
+        if not self.on:
+            return "off"
+        return f"draft:{self.model} k={self.max_k}" if self.method == DRAFT else f"{self.method} k={self.max_k}"
 
 
 OFF = Mode()
+DRAFT = "draft"
+NO_DRAFT = "this coordinator has no draft model: start it with --speculative draft:MODEL"
 
 
 def parse_mode(text: str) -> Mode:
-    """--speculative: "prompt-lookup", "prompt-lookup:K" or "off"."""
+    """--speculative: "prompt-lookup", "prompt-lookup:K", "draft:MODEL", "draft:MODEL:K" or "off"."""
     method, _, k = text.strip().partition(":")
     if method == "off" and not k:
         return OFF
-    if method == "draft":
-        raise InvalidArgument("speculative decoding by a draft model (draft:MODEL) is not supported yet; use "
-                              "prompt-lookup or off",
-                              "BAD_SPECULATIVE", {"parameter": "speculative"})
+    if method == DRAFT:
+        # MODEL may hold colons itself (a path): only a last part of digits is K
+        model, _, last = k.rpartition(":")
+        model, k = (model, last) if model and last.isdigit() else (k, "")
+        if not model:
+            raise InvalidArgument(f"speculative draft needs a model: draft:MODEL[:K], got {text!r}",
+                                  "BAD_SPECULATIVE", {"parameter": "speculative"})
+        return Mode(DRAFT, _max_k(k or str(DEFAULT_K)), model)
     if method != "prompt-lookup":
-        raise InvalidArgument(f"speculative takes prompt-lookup[:K] or off, got {text!r}", "BAD_SPECULATIVE",
-                              {"parameter": "speculative"})
+        raise InvalidArgument(f"speculative takes prompt-lookup[:K], draft:MODEL[:K] or off, got {text!r}",
+                              "BAD_SPECULATIVE", {"parameter": "speculative"})
     return Mode(method, _max_k(k or str(DEFAULT_K)))
 
 
@@ -89,28 +103,58 @@ def from_proto(message: coordinator_pb2.SpeculativeDecoding, default: Mode) -> M
     """GenerateRequest.speculative over the coordinator's default."""
     method = {coordinator_pb2.SPECULATIVE_METHOD_UNSPECIFIED: default.method,
               coordinator_pb2.SPECULATIVE_METHOD_OFF: "off",
-              coordinator_pb2.SPECULATIVE_METHOD_PROMPT_LOOKUP: "prompt-lookup"}.get(message.method)
+              coordinator_pb2.SPECULATIVE_METHOD_PROMPT_LOOKUP: "prompt-lookup",
+              coordinator_pb2.SPECULATIVE_METHOD_DRAFT: DRAFT}.get(message.method)
     if method is None:
         raise InvalidArgument(f"unknown speculative method {message.method}", "BAD_SPECULATIVE",
                               {"parameter": "speculative"})
-    return Mode(method, _max_k(message.max_proposed) if message.max_proposed else default.max_k)
+    return _mode(method, _max_k(message.max_proposed) if message.max_proposed else default.max_k, default,
+                 "speculative.method")
+
+
+def _mode(method: str, k: int, default: Mode, field: str) -> Mode:
+    """A request's mode; a draft only where the coordinator loaded one (its default is then the draft)."""
+    if method != DRAFT:
+        return Mode(method, k)
+    if default.method != DRAFT:
+        raise InvalidArgument(f"{field} asks for draft: {NO_DRAFT}", "NO_DRAFT_MODEL", {"parameter": field})
+    return Mode(DRAFT, k, default.model)
 
 
 def from_json(value: object, default: Mode) -> Mode:
-    """The OpenAI API's extension field: "prompt-lookup", "off", or {"method": ..., "max_proposed": k}."""
+    """The OpenAI API's extension field (and KServe's parameter): "prompt-lookup", "draft", "off", or
+    {"method": ..., "max_proposed": k}. A draft is the coordinator's own (--speculative draft:MODEL)."""
     if value is None:
         return default
     if isinstance(value, str):
-        return parse_mode(value) if value != "prompt-lookup" else Mode("prompt-lookup", default.max_k)
+        name, _, count = value.partition(":")
+        if name == DRAFT and (not count or count.isdigit()):  # "draft" or "draft:K": the coordinator's draft
+            return _mode(DRAFT, _max_k(count) if count else default.max_k, default, "speculative")
+        if value == "prompt-lookup":
+            return Mode("prompt-lookup", default.max_k)
+        mode = parse_mode(value)
+        return _other_draft(mode, default) if mode.method == DRAFT else mode
     if isinstance(value, dict) and set(value) <= {"method", "max_proposed"}:
         method = value.get("method", default.method if default.on else "prompt-lookup")
-        if method not in ("prompt-lookup", "off"):
-            raise InvalidArgument(f"speculative.method must be prompt-lookup or off, got {method!r}", "BAD_SPECULATIVE",
-                                  {"parameter": "speculative"})
+        if method not in ("prompt-lookup", DRAFT, "off"):
+            raise InvalidArgument(f"speculative.method must be prompt-lookup, draft or off, got {method!r}",
+                                  "BAD_SPECULATIVE", {"parameter": "speculative.method"})
         k = value.get("max_proposed")
-        return Mode(str(method), _max_k(k) if isinstance(k, int) and not isinstance(k, bool) else
-                    default.max_k if k is None else _max_k(str(k)))
-    raise InvalidArgument("speculative must be \"prompt-lookup\", \"off\" or {\"method\", \"max_proposed\"}",
+        return _mode(str(method), _max_k(k) if isinstance(k, int) and not isinstance(k, bool) else
+                     default.max_k if k is None else _max_k(str(k)), default, "speculative.method")
+    raise InvalidArgument("speculative must be \"prompt-lookup\", \"draft\", \"off\" or {\"method\", "
+                          "\"max_proposed\"}", "BAD_SPECULATIVE", {"parameter": "speculative"})
+
+
+def _other_draft(mode: Mode, default: Mode) -> Mode:
+    """A request naming a draft model: only the coordinator's own can draft (it is installed at start)."""
+    if mode.model == default.model:
+        return Mode(DRAFT, mode.max_k, default.model)
+    if default.method != DRAFT:
+        raise InvalidArgument(f"speculative asks for draft: {NO_DRAFT}", "NO_DRAFT_MODEL",
+                              {"parameter": "speculative"})
+    raise InvalidArgument(f"speculative names the draft model {mode.model!r}; this coordinator drafts with "
+                          f"{default.model!r} only (a request says \"draft\" or \"draft:K\" for it)",
                           "BAD_SPECULATIVE", {"parameter": "speculative"})
 
 
@@ -142,16 +186,19 @@ class Speculation:
     backoff: int = 0  # plain tokens left before it speculates again
     next_backoff: int = BACKOFF_TOKENS
     passes: int = 0
+    draft: bool = False  # proposals come from the coordinator's draft model (draft.py), else prompt lookup
 
     def __post_init__(self) -> None:
         self.k = self.max_k
 
+    def want(self, room: int) -> int:
+        """How many tokens the session's next pass may propose (at most `room`: what it may still grow by); 0 to
+        decode plainly."""
+        return 0 if self.backoff > 0 or self.k <= 0 else max(0, min(self.k, room))
+
     def proposals(self, tokens: list[int], room: int) -> list[int]:
-        """The proposals of the session's next pass (at most `room`: what it may still grow by); [] to decode
-        plainly."""
-        if self.backoff > 0 or self.k <= 0:
-            return []
-        return propose(tokens, min(self.k, room))
+        """The prompt-lookup proposals of the session's next pass; [] to decode plainly."""
+        return propose(tokens, self.want(room))
 
     def plain(self, tokens: int) -> None:
         """The session decoded `tokens` without proposals."""

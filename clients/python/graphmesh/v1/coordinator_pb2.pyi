@@ -34,6 +34,11 @@ class _SpeculativeMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Spe
     """SPECULATIVE_METHOD_PROMPT_LOOKUP: n-gram matches over the session's
     prompt and output (no extra weights).
     """
+    SPECULATIVE_METHOD_DRAFT: _SpeculativeMethod.ValueType  # 3
+    """SPECULATIVE_METHOD_DRAFT: the greedy tokens of the draft model the
+    coordinator was started with (--speculative draft:MODEL); refused with
+    INVALID_ARGUMENT when it has none.
+    """
 
 class SpeculativeMethod(_SpeculativeMethod, metaclass=_SpeculativeMethodEnumTypeWrapper):
     """SpeculativeMethod is how a session proposes tokens to verify."""
@@ -44,6 +49,11 @@ SPECULATIVE_METHOD_OFF: SpeculativeMethod.ValueType  # 1
 SPECULATIVE_METHOD_PROMPT_LOOKUP: SpeculativeMethod.ValueType  # 2
 """SPECULATIVE_METHOD_PROMPT_LOOKUP: n-gram matches over the session's
 prompt and output (no extra weights).
+"""
+SPECULATIVE_METHOD_DRAFT: SpeculativeMethod.ValueType  # 3
+"""SPECULATIVE_METHOD_DRAFT: the greedy tokens of the draft model the
+coordinator was started with (--speculative draft:MODEL); refused with
+INVALID_ARGUMENT when it has none.
 """
 Global___SpeculativeMethod: _TypeAlias = SpeculativeMethod  # noqa: Y015
 

@@ -134,6 +134,10 @@ class _ProposerEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Proposer.Val
     matched earlier in them, and the tokens that followed it there (no
     weights, deterministic).
     """
+    PROPOSER_DRAFT_MODEL: _Proposer.ValueType  # 2
+    """PROPOSER_DRAFT_MODEL: the greedy tokens of a smaller model of the same
+    tokenizer, run by the coordinator as its own stage (deterministic).
+    """
 
 class Proposer(_Proposer, metaclass=_ProposerEnumTypeWrapper):
     """Proposer is where a row's proposed tokens come from."""
@@ -143,6 +147,10 @@ PROPOSER_PROMPT_LOOKUP: Proposer.ValueType  # 1
 """PROPOSER_PROMPT_LOOKUP: an n-gram of the session's prompt and output
 matched earlier in them, and the tokens that followed it there (no
 weights, deterministic).
+"""
+PROPOSER_DRAFT_MODEL: Proposer.ValueType  # 2
+"""PROPOSER_DRAFT_MODEL: the greedy tokens of a smaller model of the same
+tokenizer, run by the coordinator as its own stage (deterministic).
 """
 Global___Proposer: _TypeAlias = Proposer  # noqa: Y015
 
