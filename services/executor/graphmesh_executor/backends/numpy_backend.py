@@ -245,6 +245,9 @@ def _pow(x: Array, y: Array) -> Array:
     return np.power(x, y)
 
 
+# This backend's kernel of every op of graphmesh.ops: every backend's table has the same keys, in one order
+# (test_executor_service checks the op sets agree). Where two tables read alike (an op whose kernel is the module's
+# own _<op>) the functions behind the names are still each backend's own: parallel tables, not copies.
 KERNELS: dict[str, Kernel] = {
     "neg": _elementwise(np.negative),
     "exp": _elementwise(np.exp),
