@@ -24,7 +24,7 @@ from graphmesh import tensors
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import GraphmeshError
 from graphmesh.models.config import ModelConfig
-from graphmesh.v1 import stage_pb2
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_coordinator.scheduler import MAX_ARCH_RETRIES
 from graphmesh_coordinator.state import Decision, DurableState
@@ -257,6 +257,25 @@ def test_a_folded_commit_is_durable_in_the_log_before_any_rank_receives_its_step
     assert not unsynced, f"a rank received a step folding commits not yet fsynced: {unsynced}"
 
 
+def _push(pusher: BoundaryPusher, address: str, incarnation: int, route: dag.Route,
+          activation: np.ndarray) -> Exception | None:
+    """Pushes one bundle of `route` carrying `activation` to `address`, as a previous stage does: its error or None."""
+    done: Future[Exception | None] = Future()
+    pusher(address, incarnation, Boundary(10**6, 0, route.id, {dag.ACTIVATION: activation}, route.schema.identity),
+           10.0, done.set_result)
+    return done.result(timeout=30)
+
+
+def _assert_refused_as_contract(error: Exception | None, stub: stage_pb2_grpc.StageServiceStub, says: str) -> None:
+    """`error` is the SCHEMA_MISMATCH of a CONTRACT breach that names what was wrong (`says`), and the receiving
+    rank (`stub`) poisoned its incarnation."""
+    assert isinstance(error, GraphmeshError), error
+    assert (error.reason, error.metadata.get("error_class")) == ("SCHEMA_MISMATCH", "CONTRACT"), error
+    assert says in error.message
+    status = stub.Status(stage_pb2.StageServiceStatusRequest(), timeout=10)
+    assert status.state == stage_pb2.AUTHORITY_STATE_POISONED
+
+
 def test_a_boundary_bundle_of_the_wrong_dtype_is_refused_on_arrival_over_a_link(cluster: Cluster) -> None:
     """Guarantee: the receiver checks every role's dtype of an arriving bundle against the route's schema (CONTRACT:
     the incarnation is poisoned), before any step consumes it. Pushed to a live rank over the real boundary link
@@ -269,22 +288,11 @@ def test_a_boundary_bundle_of_the_wrong_dtype_is_refused_on_arrival_over_a_link(
         assert mesh.plan is not None
         route = mesh.plan.routes[0]
         receiver = mesh.ranks[route.destination_rank]
-        k = mesh.incarnation
-
-        def push(value: np.ndarray) -> Exception | None:
-            done: Future[Exception | None] = Future()
-            pusher(receiver.plan.address, k, Boundary(10**6, 0, route.id, {dag.ACTIVATION: value}, route.schema.identity),
-                   10.0, done.set_result)
-            return done.result(timeout=30)
-
-        assert push(np.zeros((2, HIDDEN), np.float32)) is None  # the schema's dtype: taken (into the mailbox)
+        good = _push(pusher, receiver.plan.address, mesh.incarnation, route, np.zeros((2, HIDDEN), np.float32))
+        assert good is None  # the schema's dtype: taken (into the mailbox)
         assert receiver.plan.address in pusher._links  # over the link, not gRPC
-        error = push(np.zeros((2, HIDDEN), np.float64))
-        assert isinstance(error, GraphmeshError), error
-        assert (error.reason, error.metadata.get("error_class")) == ("SCHEMA_MISMATCH", "CONTRACT"), error
-        assert "float64" in error.message
-        status = receiver.stub.Status(stage_pb2.StageServiceStatusRequest(), timeout=10)
-        assert status.state == stage_pb2.AUTHORITY_STATE_POISONED
+        error = _push(pusher, receiver.plan.address, mesh.incarnation, route, np.zeros((2, HIDDEN), np.float64))
+        _assert_refused_as_contract(error, receiver.stub, "float64")
     finally:
         mesh.close()
         mesh.state.close()
@@ -301,15 +309,8 @@ def test_a_boundary_bundle_on_a_route_that_does_not_lead_to_the_rank_is_refused_
         assert mesh.plan is not None
         route = mesh.plan.routes[0]
         wrong = next(r for r in mesh.ranks if r.plan.rank != route.destination_rank)
-        done: Future[Exception | None] = Future()
-        pusher(wrong.plan.address, mesh.incarnation, Boundary(10**6, 0, route.id, {dag.ACTIVATION: np.zeros(
-            (2, HIDDEN), np.float32)}, route.schema.identity), 10.0, done.set_result)
-        error = done.result(timeout=30)
-        assert isinstance(error, GraphmeshError), error
-        assert (error.reason, error.metadata.get("error_class")) == ("SCHEMA_MISMATCH", "CONTRACT"), error
-        assert "does not lead to rank" in error.message
-        status = wrong.stub.Status(stage_pb2.StageServiceStatusRequest(), timeout=10)
-        assert status.state == stage_pb2.AUTHORITY_STATE_POISONED
+        error = _push(pusher, wrong.plan.address, mesh.incarnation, route, np.zeros((2, HIDDEN), np.float32))
+        _assert_refused_as_contract(error, wrong.stub, "does not lead to rank")
     finally:
         mesh.close()
         mesh.state.close()
