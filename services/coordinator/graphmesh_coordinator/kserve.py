@@ -4,7 +4,7 @@ The coordinator's model answers two kinds of request, told apart by the input's 
 - "text_input" (BYTES, shape [1]) generates text: "text_output" (BYTES, shape [1]); the request's parameters
   max_tokens, temperature, top_k, top_p, seed, raw and ignore_eos mean what they mean for Generate; guided decoding
   takes one of guided_json (a JSON Schema's text), guided_json_object (bool), guided_regex, guided_grammar (EBNF),
-  as vLLM names them (Generate's `guided`); speculative ("prompt-lookup", "prompt-lookup:K" or "off";
+  as vLLM names them (Generate's `guided`); speculative ("prompt-lookup[:K]", "draft[:K]" or "off";
   absent: the coordinator's --speculative) is Generate's `speculative` and never changes the tokens.
 - "input_ids" (INT64, shape [1, n]) runs one prefill: "logits" (FP32, shape [1, vocab]) of the last position.
 ModelStreamInfer answers a text request with one response per new piece of text, Triton's decoupled way: every
