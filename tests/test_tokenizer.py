@@ -111,3 +111,26 @@ def test_incremental_detokenizing_emits_what_decoding_everything_each_time_emits
     for t, ids in cases:
         detok = Detokenizer(t)
         assert [detok.push(i) for i in ids] == _decode_everything_each_time(t, ids), ids
+
+
+def test_detokenizing_a_decode_runs_tokens_together_emits_what_pushing_each_emits(tok: Tokenizer) -> None:
+    """push_many (a decode run's tokens, two decodes for all of them) against a push per token, chunk by chunk, over
+    the same cases: the same text for each chunk, also where a chunk ends inside a multi-byte character."""
+    rng = np.random.default_rng(11)
+    spm = tokenizers.SentencePieceBPETokenizer()
+    spm.train_from_iterator(PROMPTS * 20, vocab_size=120, show_progress=False)
+    spm_tok = Tokenizer(spm._tokenizer, None, {}, ())
+    cases = [(tok, tok.encode("".join(PROMPTS)))]
+    cases += [(tok, rng.integers(0, tok.backend.get_vocab_size(), 60).tolist()) for _ in range(20)]
+    cases += [(spm_tok, spm_tok.encode(text)) for text in PROMPTS]
+    cases += [(spm_tok, rng.integers(0, spm.get_vocab_size(), 40).tolist()) for _ in range(10)]
+    for t, ids in cases:
+        sizes = rng.integers(1, 9, len(ids)).tolist()
+        chunks, i = [], 0
+        for n in sizes:
+            if i < len(ids):
+                chunks.append(ids[i:i + n])
+                i += n
+        one, many = Detokenizer(t), Detokenizer(t)
+        assert ["".join(one.push(i) for i in c) for c in chunks] == [many.push_many(c) for c in chunks], ids
+        assert many.emitted == one.emitted

@@ -14,14 +14,18 @@ of work (ModelStreamInfer admits each request it reads, not the stream).
 
 A synchronous streaming behavior whose context has `yields_waits` may yield a `Wait` instead of blocking (a
 Generate waiting for its next token, or for KV cache): its thread goes back to the pool, and the call asks for
-its next response once the Wait is woken. So thousands of waiting streams hold no thread each.
+its next response once the Wait is woken. So thousands of waiting streams hold no thread each. Once a stream has
+yielded a Wait, its code runs up to each next Wait in a batch with the other streams woken at the same time (one
+pool task and one loop wakeup for all of them), and a scheduler waking many (`deferred_wakes`) wakes the loop once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
@@ -45,61 +49,239 @@ class Wait:
     """What a synchronous stream yields instead of blocking (where its context's `yields_waits` is True, or under
     aiterate): its server asks for the next item once wake() was called (from any thread) or `timeout_s` passed,
     whichever comes first; the stream then checks again whatever it waits for. Arm whatever calls wake() before
-    checking the condition, so that a wake-up between the check and the yield is not lost."""
+    checking the condition, so that a wake-up between the check and the yield is not lost.
+
+    A stream that yielded a Wait is one that never blocks: from then on its code runs in batches with the other
+    woken streams of its server (_Batches), so it must yield a Wait wherever it would block."""
+
+    __slots__ = ("_future", "_lock", "_wakeups", "_woken", "timeout_s")
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._woken = False
-        self._callback: Callable[[], None] | None = None
+        self._future: asyncio.Future[None] | None = None
+        self._wakeups: _Wakeups | None = None
 
     def wake(self) -> None:
         with self._lock:
-            self._woken, callback = True, self._callback
-        if callback is not None:
-            callback()
+            self._woken, wakeups, future = True, self._wakeups, self._future
+        if wakeups is not None and future is not None:
+            wakeups.wake(future)
 
     async def wait(self) -> None:
-        """On the event loop: returns once woken, or after timeout_s."""
-        loop, event = asyncio.get_running_loop(), asyncio.Event()
-
-        def woken() -> None:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the loop closed: nobody waits any more
-                pass
+        """On the event loop: returns once woken, or after timeout_s. A future and a timer, no task: a step wakes
+        hundreds of these at once."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         with self._lock:
             if self._woken:
                 return
-            self._callback = woken
+            self._future, self._wakeups = future, _Wakeups.of(loop)
+        timer = loop.call_later(self.timeout_s, _settle, future)
         try:
-            await asyncio.wait_for(event.wait(), self.timeout_s)
-        except TimeoutError:
+            await future
+        finally:
+            timer.cancel()
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+_deferred = threading.local()  # .wakeups: the _Wakeups that `deferred_wakes` will post when it ends, on this thread
+
+
+class _Wakeups:
+    """The Waits of one event loop woken from other threads, posted to it as one call_soon_threadsafe per batch:
+    the scheduler wakes every session of a step at once, and a loop wakeup each (a write to the loop's self-pipe,
+    a callback) was most of what the event loop did at 256 streams."""
+
+    _of: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Wakeups] = weakref.WeakKeyDictionary()
+    _of_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._due: list[asyncio.Future[None]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Wakeups:
+        with cls._of_lock:  # loops of several servers, each on its own thread
+            wakeups = cls._of.get(loop)
+            if wakeups is None:
+                wakeups = cls._of[loop] = _Wakeups(loop)
+            return wakeups
+
+    def wake(self, future: asyncio.Future[None]) -> None:
+        with self._lock:
+            self._due.append(future)
+            first = len(self._due) == 1
+        if not first:
+            return  # the post of the first of this batch is on its way (or deferred), and takes this one too
+        batch = getattr(_deferred, "wakeups", None)
+        if batch is not None:
+            batch.add(self)
+        else:
+            self.post()
+
+    def post(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the loop closed: nobody waits any more
             pass
+
+    def _run(self) -> None:
+        with self._lock:
+            due, self._due = self._due, []
+        for future in due:
+            _settle(future)
+
+
+@contextlib.contextmanager
+def deferred_wakes() -> Iterator[None]:
+    """Within the block, Waits woken on this thread reach their loops together when it ends: one loop wakeup per
+    loop for all of them (a scheduler delivering a step's outputs to all of its sessions)."""
+    outer = getattr(_deferred, "wakeups", None)
+    if outer is not None:  # nested: the outermost block posts
+        yield
+        return
+    batch: set[_Wakeups] = set()
+    _deferred.wakeups = batch
+    try:
+        yield
+    finally:
+        _deferred.wakeups = None
+        for wakeups in batch:
+            wakeups.post()
+
+
+Tail = Any  # what ended a run of a stream's items: a Wait, _END, or the exception it raised
+
+
+def _until_wait(items: Iterator[Any]) -> tuple[list[Any], Tail]:
+    """The items a waiting stream has ready, up to its next Wait, its end, or its exception."""
+    got: list[Any] = []
+    try:
+        while True:
+            item = next(items, _END)
+            if item is _END or isinstance(item, Wait):
+                return got, item
+            got.append(item)
+    except BaseException as e:  # handed to the stream's coroutine, which raises it
+        return got, e
+
+
+class _Batches:
+    """Advances many woken streams (each up to its next Wait) in one pool task, and hands their items back to the
+    loop with one call_soon_threadsafe: a pool hop per stream per step (submit, a thread woken, a future chained
+    back to the loop) was most of the rest of the event loop's work at 256 streams. A stream waits for its own
+    items only; its order is kept, since a stream has one request in a batch at a time."""
+
+    _of: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[futures.Executor, _Batches]] = \
+        weakref.WeakKeyDictionary()
+    _of_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pool: futures.Executor) -> None:
+        self.loop, self.pool = loop, pool
+        self._queued: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]], futures.Future[None]]] = []
+
+    @classmethod
+    def of(cls, pool: futures.Executor) -> _Batches:
+        """The batches of the running loop's streams on `pool` (only ever used on that loop's thread)."""
+        loop = asyncio.get_running_loop()
+        with cls._of_lock:
+            batches = cls._of.setdefault(loop, {}).get(pool)
+            if batches is None:
+                batches = cls._of[loop][pool] = _Batches(loop, pool)
+            return batches
+
+    def next(self, items: Iterator[Any]) -> tuple[asyncio.Future[tuple[list[Any], Tail]], futures.Future[None]]:
+        """The stream's next items (asyncio), and a future done once its code stopped running (for a call that
+        ends meanwhile: its generator may be closed only then)."""
+        ready, ran = self.loop.create_future(), futures.Future[None]()
+        self._queued.append((items, ready, ran))
+        if len(self._queued) == 1:
+            self.loop.call_soon(self._submit)  # after the other streams this loop iteration wakes joined the batch
+        return ready, ran
+
+    def _submit(self) -> None:
+        batch, self._queued = self._queued, []
+        try:
+            self.pool.submit(self._advance, batch)
+        except RuntimeError as e:  # the pool shut down: the server is stopping
+            for _, ready, ran in batch:
+                ran.set_result(None)
+                if not ready.done():
+                    ready.set_exception(e)
+
+    def _advance(self, batch: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]],
+                                         futures.Future[None]]]) -> None:
+        results = []
+        for items, _, ran in batch:
+            results.append(_until_wait(items))
+            ran.set_result(None)
+        try:
+            self.loop.call_soon_threadsafe(self._hand_back, batch, results)
+        except RuntimeError:  # the loop closed
+            pass
+
+    @staticmethod
+    def _hand_back(batch: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]], futures.Future[None]]],
+                   results: list[tuple[list[Any], Tail]]) -> None:
+        for (_, ready, _), result in zip(batch, results):
+            if not ready.done():  # else its call was cancelled meanwhile
+                ready.set_result(result)
+
+
+class _Advancing:
+    """A synchronous stream's items, its code run on a pool: an item per pool call until it yields its first Wait;
+    from then on (a stream that never blocks, by Wait's contract) up to each next Wait, in the pool's batches.
+    `running`: the pool work now running the stream's code, if any (a call that ends closes the stream after it)."""
+
+    def __init__(self, pool: futures.Executor) -> None:
+        self.pool = pool
+        self.running: futures.Future[Any] | None = None
+
+    async def items(self, items: Iterator[Any]) -> AsyncIterator[Any]:
+        batches: _Batches | None = None
+        while True:
+            tail: Tail
+            if batches is None:
+                self.running = self.pool.submit(next, items, _END)
+                item = await asyncio.wrap_future(self.running)
+                got, tail = ([], item) if item is _END or isinstance(item, Wait) else ([item], None)
+            else:
+                ready, self.running = batches.next(items)
+                got, tail = await ready
+            for item in got:
+                yield item
+            if tail is _END:
+                return
+            if isinstance(tail, Wait):  # the stream waits: no thread is held meanwhile
+                batches = batches or _Batches.of(self.pool)
+                await tail.wait()
+            elif tail is not None:
+                raise tail
 
 
 async def aiterate(pool: futures.Executor, make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
-    """The items of the synchronous iterator `make()` returns, each computed on `pool`, its Waits awaited on the loop
-    (none is yielded): a stream that mostly waits holds a thread only while its code runs. When the consumer stops
-    early (or is cancelled), the iterator is closed on the pool once its item in progress, if any, is done (closing
-    a generator while it runs would fail)."""
-    work: futures.Future[Any] | None = None
+    """The items of the synchronous iterator `make()` returns, its code run on `pool` (_Advancing), its Waits awaited
+    on the loop (none is yielded): a stream that mostly waits holds a thread only while its code runs. When the
+    consumer stops early (or is cancelled), the iterator is closed on the pool once its code in progress, if any, is
+    done (closing a generator while it runs would fail)."""
+    advancing = _Advancing(pool)
     items: Iterator[Any] | None = None
     try:
-        work = pool.submit(make)
-        items = it = await asyncio.wrap_future(work)
-        while True:
-            work = pool.submit(next, it, _END)
-            item = await asyncio.wrap_future(work)
-            if item is _END:
-                return
-            if isinstance(item, Wait):
-                await item.wait()
-                continue
+        advancing.running = pool.submit(make)
+        items = it = await asyncio.wrap_future(advancing.running)
+        async for item in advancing.items(it):
             yield item
     finally:
         close = getattr(items, "close", None)
         if close is not None:
+            work = advancing.running
             if work is None or work.done():
                 pool.submit(close)
             else:
@@ -324,18 +506,11 @@ class _Bridge(grpc.aio.ServerInterceptor):
                 loop = asyncio.get_running_loop()
                 request, sync = prepare(request, context)
                 responses: Iterator[Any] | None = None
-                work: futures.Future[Any] | None = None
+                advancing = _Advancing(pool)
                 try:
-                    work = pool.submit(behavior, request, sync)
-                    responses = iter(await asyncio.wrap_future(work))
-                    while True:
-                        work = pool.submit(next, responses, _END)
-                        item = await asyncio.wrap_future(work)
-                        if item is _END:
-                            break
-                        if isinstance(item, Wait):  # the behavior waits: no thread is held meanwhile
-                            await item.wait()
-                            continue
+                    advancing.running = pool.submit(behavior, request, sync)
+                    responses = iter(await asyncio.wrap_future(advancing.running))
+                    async for item in advancing.items(responses):
                         yield item
                 except _Aborted:
                     sync.finish()
@@ -349,7 +524,7 @@ class _Bridge(grpc.aio.ServerInterceptor):
                             sync.finish()
                         else:  # the generator's finally blocks (a session's end) run in the pool, then the call ends
                             pool.submit(close).add_done_callback(lambda _: loop.call_soon_threadsafe(sync.finish))
-                    after(work, end, loop)
+                    after(advancing.running, end, loop)
             pooled: Any = stream
         else:
             async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:

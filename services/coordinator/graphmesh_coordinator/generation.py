@@ -119,6 +119,24 @@ class Detokenizer:
         self.emitted += new
         return new
 
+    def push_many(self, token_ids: list[int]) -> str:
+        """push() of each token in turn, with two decodes for all of them (a decode run's tokens come together):
+        the same text, since the pieces of consecutive pushes concatenate to the text their tokens add. Where the
+        tokens end inside a character, or add no text, each is pushed alone, so that the text that was final at
+        each token is emitted exactly as push() would."""
+        if len(token_ids) == 1 or self.tokenizer is None:
+            return "".join([self.push(t) for t in token_ids])
+        before = self.tokenizer.decode(self.ids[self._piece:self._read])
+        self.ids.extend(token_ids)
+        text = self.tokenizer.decode(self.ids[self._piece:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            del self.ids[-len(token_ids):]
+            return "".join([self.push(t) for t in token_ids])
+        new = text[len(before):]
+        self._piece, self._read = self._read, len(self.ids)
+        self.emitted += new
+        return new
+
 
 def validate(request: GenerationRequest, context_tokens: int, vocab_size: int,
              encoder: EncoderConfig | None = None) -> None:
@@ -369,6 +387,7 @@ class Generator:
                     now = time.perf_counter()
                     first, tokens, text, logprobs, finish = step == 0, [], "", [], ""
                     error: BaseException | None = None
+                    texts: list[int] = []  # tokens whose text is detokenized together after the loop (no stop strings)
                     for out in outs:  # the outputs that came together stream as one event
                         if isinstance(out, BaseException):
                             error = out
@@ -376,7 +395,6 @@ class Generator:
                         token = out.token
                         (TTFT_SECONDS if step == 0 else INTER_TOKEN_SECONDS).observe(now - last)
                         last = now
-                        TOKENS_GENERATED.inc()
                         tokens.append(token)
                         if request.logprobs and out.row is not None:
                             logprobs.append(_logprob(token, out.row))
@@ -384,17 +402,22 @@ class Generator:
                         if token in self.eos and not request.ignore_eos:
                             finish = "eos"
                             break
-                        piece = detok.push(token)
-                        text += piece
-                        hit = next((s for s in request.stop if s in detok.emitted), None)
-                        if hit is not None:
-                            overshoot = len(detok.emitted) - detok.emitted.index(hit)
-                            text, finish = text[: max(0, len(text) - overshoot)], "stop"
-                            break
+                        if request.stop:  # a stop string ends the event at the token that completes it
+                            text += detok.push(token)
+                            hit = next((s for s in request.stop if s in detok.emitted), None)
+                            if hit is not None:
+                                overshoot = len(detok.emitted) - detok.emitted.index(hit)
+                                text, finish = text[: max(0, len(text) - overshoot)], "stop"
+                                break
+                        else:
+                            texts.append(token)
                         if step == budget:
                             finish = "length"
                             break
+                    if texts:
+                        text = detok.push_many(texts)
                     if tokens:
+                        TOKENS_GENERATED.inc(len(tokens))
                         span.set_attribute("completion_tokens", step)
                         yield Event(tokens, text, finish, (now - t0) * 1000.0 if first else 0.0,
                                     outs[0].computed_tokens if first and isinstance(outs[0], Output) else 0,

@@ -1,0 +1,131 @@
+"""The coordinator's CPU seconds per 1,000 generated tokens at 1, 64 and 256 concurrent streams (issue 37 item 4).
+
+A proxy, on a CPU host, for "the coordinator is never the bottleneck at 256 streams" on a GPU: the mesh is one
+torch executor serving a tiny random Llama with a byte-level tokenizer (tests/model_fixtures.py: the executor's
+compute is cheap, and the coordinator detokenizes every token as for a real model), and the
+coordinator schedules with the GPU defaults by default (256 rows a step, 2,048 step tokens, decode runs of 8) so
+that its steps are shaped as on the H200. N streams of M tokens each go through the real gRPC Generate stream at
+once, and the coordinator's user + system CPU time (/proc/PID/stat) is read before and after: CPU time, not wall
+time, so other load on a shared machine hardly moves it. A warm-up burst first takes the one-off costs (first
+use of each batch shape, imports) out of the figures. Prints a table; writes bench/results/coordinator_cpu.json
+with --write.
+
+    .venv/bin/python bench/bench_coordinator_cpu.py [--streams 1,64,256] [--tokens 128] [--rounds 1]
+        [--coordinator-args "--max-step-seqs 64"] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc.aio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` and `tests` importable
+
+from bench.common import cpu_seconds, machine, median, progress, table, write_results
+from graphmesh.launcher import LocalMesh
+from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.model_fixtures import VOCAB, make_tiny_llama, write_tiny_tokenizer
+
+GPU_SCHEDULE = "--max-step-seqs 256 --max-step-tokens 2048 --decode-steps 8"  # scheduler.py's *_CUDA defaults
+PROMPT_TOKENS = 8
+CHANNELS = 16  # client channels the streams are spread over (one HTTP/2 connection each)
+
+
+def prompt(i: int) -> list[int]:
+    """A distinct prompt per stream: no two share a KV prefix."""
+    return [(3 + 7 * i + 13 * j) % (VOCAB - 3) + 3 for j in range(PROMPT_TOKENS)]
+
+
+async def burst(address: str, streams: int, tokens: int) -> int:
+    """Runs `streams` Generate streams at once; returns the tokens they received (each must get all of its)."""
+    channels = [grpc.aio.insecure_channel(address) for _ in range(CHANNELS)]
+
+    async def one(i: int) -> int:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channels[i % CHANNELS])
+        request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompt(i), max_tokens=tokens, ignore_eos=True)
+        return sum([len(r.token_ids) async for r in stub.Generate(request, timeout=600)])
+
+    try:
+        got = await asyncio.gather(*(one(i) for i in range(streams)))
+    finally:
+        for channel in channels:
+            await channel.close()
+    if any(n != tokens for n in got):
+        raise RuntimeError(f"streams ended short: {sorted(set(got))} tokens of {tokens}")
+    return sum(got)
+
+
+def steps(metrics_port: int) -> float:
+    """The coordinator's graphmesh_steps counter (from its /metrics)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("graphmesh_steps_total")
+                or line.startswith("graphmesh_steps "))
+
+
+def measure(mesh: LocalMesh, streams: int, tokens: int) -> dict[str, Any]:
+    assert mesh.coordinator_process is not None
+    pid, port = mesh.coordinator_process.pid, mesh.metrics_ports["coordinator"]
+    cpu0, steps0 = cpu_seconds(pid), steps(port)
+    got = asyncio.run(burst(mesh.coordinator_address, streams, tokens))
+    cpu, n_steps = cpu_seconds(pid) - cpu0, steps(port) - steps0
+    return {"streams": streams, "tokens": got, "steps": n_steps, "cpu_s": cpu,
+            "cpu_ms_per_token": cpu * 1e3 / got, "cpu_ms_per_step": cpu * 1e3 / n_steps if n_steps else float("nan")}
+
+
+def profile(mesh: LocalMesh, path: str) -> subprocess.Popen[bytes]:
+    """py-spy sampling the coordinator (every thread, idle ones left out) until interrupted."""
+    assert mesh.coordinator_process is not None
+    return subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
+                             str(mesh.coordinator_process.pid), "--format", "raw", "--gil", "--rate", "100", "-o", path])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", default="1,64,256", help="concurrent streams per level, comma-separated")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per stream")
+    p.add_argument("--rounds", type=int, default=1, help="bursts per level (the table shows medians)")
+    p.add_argument("--coordinator-args", default=GPU_SCHEDULE,
+                   help=f"extra coordinator flags (default: the GPU schedule, {GPU_SCHEDULE!r}; '' for the CPU one)")
+    p.add_argument("--py-spy", default="", metavar="FILE",
+                   help="also profile the coordinator with py-spy during the largest level (collapsed stacks)")
+    p.add_argument("--write", action="store_true", help="write bench/results/coordinator_cpu.json")
+    a = p.parse_args()
+    levels = [int(n) for n in a.streams.split(",")]
+    load = os.getloadavg()
+    # with a tokenizer: the coordinator detokenizes every token, as it does for any real model
+    model = write_tiny_tokenizer(make_tiny_llama(Path(tempfile.mkdtemp(prefix="graphmesh-bench-")) / "llama"))
+    rows: list[dict[str, Any]] = []
+    with LocalMesh(1, "torch", str(model), kvstore=False, metrics=True,
+                   extra_coordinator_args=shlex.split(a.coordinator_args)) as mesh:
+        progress("warm-up")
+        measure(mesh, max(levels), 4)
+        for streams in levels:
+            spy = profile(mesh, a.py_spy) if a.py_spy and streams == max(levels) else None
+            runs = [measure(mesh, streams, a.tokens) for _ in range(a.rounds)]
+            if spy is not None:
+                spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
+                spy.wait()
+            row = {k: median([r[k] for r in runs]) for k in ("tokens", "steps", "cpu_s", "cpu_ms_per_token",
+                                                             "cpu_ms_per_step")}
+            rows.append({"streams": streams, **row, "rounds": runs})
+            progress(f"  {streams} streams: {row['cpu_ms_per_token']:.3f} CPU-ms/token")
+    print(table(["streams", "tokens", "steps", "coordinator CPU s", "CPU-ms / token", "CPU-ms / step"],
+                [[r["streams"], int(r["tokens"]), int(r["steps"]), r["cpu_s"], r["cpu_ms_per_token"],
+                  r["cpu_ms_per_step"]] for r in rows]))
+    if a.write:
+        write_results("coordinator_cpu.json", {"machine": machine(load), "tokens_per_stream": a.tokens,
+                                               "coordinator_args": a.coordinator_args, "levels": rows})
+
+
+if __name__ == "__main__":
+    main()
