@@ -12,12 +12,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
 from graphmesh import plan as dag
 from graphmesh.errors import FailedPrecondition
+from graphmesh_executor.kv_pool import SCRATCH_BLOCK, KvPool
 from graphmesh_executor.stage import StageRuntime
 from graphmesh_executor.stage_kv import StageKv
 from graphmesh_executor.stage_types import Boundary, StageSpec, StepRow
@@ -137,6 +139,25 @@ def no_drops(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     return lambda: monkeypatch.undo()
 
 
+def test_a_shared_block_is_free_again_only_once_its_last_holder_dropped_or_released_it() -> None:
+    pool = KvPool(12, BLOCK)
+    pool.reserve("a", 4 * BLOCK)
+    pool.share("b", "a", 3)  # b's prompt: a's first three blocks
+    pool.reserve("b", 5 * BLOCK)
+    assert pool.free == 11 - 6
+    a_blocks = pool.table("a")
+    assert pool.drop("a", 2) == 2 and pool.free == 11 - 6  # b still holds both
+    assert pool.table("a")[:2] == [SCRATCH_BLOCK] * 2 and pool.drop("a", 2) == 0
+    pool.share("c", "a", 3)  # a's dropped blocks are dropped in c's table too; its third is shared
+    assert pool.dropped("c") == 2 and pool.table("c") == [SCRATCH_BLOCK] * 2 + a_blocks[2:3]
+    assert pool.drop("b", 3) == 3 and pool.free == 11 - 4  # the first two are free; the third, a and c hold
+    pool.release("a")
+    pool.release("c")
+    assert pool.free == 11 - 2  # b's own two blocks
+    pool.release("b")
+    assert pool.free == 11 and SCRATCH_BLOCK not in pool._free
+
+
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_a_long_session_drops_the_blocks_its_window_passed_and_keeps_its_tokens(
         model: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,7 +189,12 @@ def test_a_long_session_drops_the_blocks_its_window_passed_and_keeps_its_tokens(
                 with pytest.raises(FailedPrecondition) as e:
                     r.read_kv(1, "s", 0, gone)
                 assert e.value.reason == "ROWS_DROPPED" and f"before {gone}" in e.value.message
-                assert r.read_kv(1, "s", gone, gone + 4).shape[0] == 4
+                rows = r.read_kv(1, "s", gone, gone + 4)
+                pieces = [np.frombuffer(b"".join(p), np.float32).reshape(4, -1)
+                          for p in r.read_kv_pieces(1, "s", gone, gone + 4)]
+                assert len(pieces) == 2 * rows.shape[1] and rows.any()
+                for j, piece in enumerate(pieces):  # K, then V, of each layer
+                    np.testing.assert_array_equal(piece, rows[:, j // 2, j % 2])
                 with pytest.raises(FailedPrecondition) as e:  # nor shared with a session that would see it
                     r.share_kv(1, "t", "s", (prompt + s.tokens)[:gone])
                 assert e.value.reason == "PREFIX_NOT_HELD"

@@ -82,8 +82,17 @@ class StageKv(StageState):
 
     def read_kv(self, incarnation: int, session_id: str, from_row: int, to_row: int) -> np.ndarray:
         """Committed rows [from_row, to_row) as f32 [rows, layers, 2, kv_dim]."""
+        if self.kv_window:
+            return self._read_queued(incarnation, session_id, from_row, to_row).result()
         slots = self._committed_slots(incarnation, session_id, from_row, to_row)
         return self.engine.run("stage.read_kv", lambda: self._take(slots))
+
+    def _read_queued(self, incarnation: int, session_id: str, from_row: int, to_row: int) -> Future[np.ndarray]:
+        """read_kv's rows, read by an engine task queued under the lock: a windowed stage drops a stepping session's
+        old blocks (under the lock) and lends them to rows the engine writes later, so the read must come first."""
+        with self._lock:
+            slots = self._committed_slots(incarnation, session_id, from_row, to_row)
+            return self.engine.submit("stage.read_kv", lambda: self._take(slots))
 
     def read_kv_pieces(self, incarnation: int, session_id: str, from_row: int, to_row: int) -> Iterator[list[memoryview]]:
         """The same rows a pool at a time (K, then V, of each layer in order), each piece f32 [rows, kv_dim] as the
@@ -91,8 +100,12 @@ class StageKv(StageState):
         blocks in place (nothing is copied, nor does the engine take part: the rows are committed, nothing writes
         them); elsewhere each piece is an engine task of its own, the next one queued before a piece is handed out,
         so a row copy sends one piece while the engine reads the next and steps run between them."""
-        slots = self._committed_slots(incarnation, session_id, from_row, to_row)  # checked now, not at first next()
         names = self._pool_names()
+        if self.kv_window:  # not in place: the blocks may be dropped and written again while the pieces go out
+            rows = self._read_queued(incarnation, session_id, from_row, to_row).result()
+            return iter([[np.ascontiguousarray(rows[:, j // 2, j % 2]).reshape(-1).view(np.uint8).data]
+                         for j in range(len(names))])
+        slots = self._committed_slots(incarnation, session_id, from_row, to_row)  # checked now, not at first next()
         holder = self._holder
         assert holder is not None
         views = [v for v in (holder.host_view(self._pools[name]) for name in names) if v is not None]
