@@ -33,6 +33,10 @@ VOCAB = 1000
 # A wider init than HF's 0.02 spreads the logits, so greedy decoding of a random model does not hinge on
 # near-ties that float32 rounding could flip.
 INIT = 0.1
+# The tiny decoder every Llama-like family here shares: hidden 64, 4 heads of 16, 2 kv heads; each maker adds what
+# its family changes (layers, context, norm eps, a tied head, rope).
+SHAPE: dict[str, Any] = {"vocab_size": VOCAB, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                         "intermediate_size": 128, "initializer_range": INIT, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def _save(model: PreTrainedModel, path: Path, **kwargs: Any) -> Path:
@@ -50,31 +54,24 @@ def _save(model: PreTrainedModel, path: Path, **kwargs: Any) -> Path:
 def make_tiny_llama(path: Path, seed: int = 0, max_position: int = 256, layers: int = 2) -> Path:
     """Llama, untied head, 2 layers (or `layers`), hidden 64, 4 heads of 16, 2 kv heads."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=max_position,
-                         rms_norm_eps=1e-5, initializer_range=INIT, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(**SHAPE, num_hidden_layers=layers, max_position_embeddings=max_position, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False)
     return _save(LlamaForCausalLM(config), path)
 
 
 def make_tiny_mistral(path: Path, seed: int = 8, max_position: int = 256) -> Path:
     """Mistral (the Llama shape under model_type mistral, no sliding window), untied head."""
     torch.manual_seed(seed)
-    config = MistralConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=128, max_position_embeddings=max_position,
-                           rms_norm_eps=1e-5, initializer_range=INIT, tie_word_embeddings=False, sliding_window=None,
-                           bos_token_id=1, eos_token_id=2)
+    config = MistralConfig(**SHAPE, num_hidden_layers=2, max_position_embeddings=max_position, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False, sliding_window=None)
     return _save(MistralForCausalLM(config), path)
 
 
 def make_tiny_qwen2(path: Path, seed: int = 1) -> Path:
     """Qwen2 (Llama with q/k/v bias), tied head, rope theta 1e6, saved in small shards with an index."""
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-                         rms_norm_eps=1e-6, initializer_range=INIT, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                         bos_token_id=1, eos_token_id=2)
+    config = Qwen2Config(**SHAPE, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     return _save(Qwen2ForCausalLM(config), path, max_shard_size="200KB")
 
 
@@ -90,20 +87,16 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_fact
 def make_tiny_llama3_rope(path: Path, seed: int = 4, layers: int = 2) -> Path:
     """Llama 3.1-style rope scaling (rope_type llama3) on the tiny Llama shape."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-                         rms_norm_eps=1e-5, initializer_range=INIT, tie_word_embeddings=False,
-                         rope_parameters=dict(LLAMA3_ROPE), bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(**SHAPE, num_hidden_layers=layers, max_position_embeddings=256, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, rope_parameters=dict(LLAMA3_ROPE))
     return _save(LlamaForCausalLM(config), path)
 
 
 def make_tiny_qwen2_yarn(path: Path, seed: int = 5) -> Path:
     """Qwen2.5 long-context style: YaRN (factor 4 over 64 original positions, attention factor 1.139)."""
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-                         rms_norm_eps=1e-6, initializer_range=INIT, tie_word_embeddings=True,
-                         rope_parameters=dict(YARN_ROPE), bos_token_id=1, eos_token_id=2)
+    config = Qwen2Config(**SHAPE, num_hidden_layers=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, rope_parameters=dict(YARN_ROPE))
     return _save(Qwen2ForCausalLM(config), path)
 
 
@@ -112,10 +105,9 @@ def make_tiny_qwen3(path: Path, seed: int = 6, layers: int = 2) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, intermediate_size=128, max_position_embeddings=256,
-                         rms_norm_eps=1e-6, initializer_range=INIT, tie_word_embeddings=True,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, bos_token_id=1, eos_token_id=2)
+    config = Qwen3Config(**SHAPE, num_hidden_layers=layers, head_dim=32, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     return _save(Qwen3ForCausalLM(config), path)
 
 
@@ -125,11 +117,8 @@ def make_tiny_phi3(path: Path, seed: int = 7) -> Path:
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Phi3Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-                        original_max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=INIT,
-                        tie_word_embeddings=False, rope_parameters=dict(LONGROPE), bos_token_id=1,
-                        eos_token_id=2, pad_token_id=0)
+    config = Phi3Config(**SHAPE, num_hidden_layers=2, max_position_embeddings=256, original_max_position_embeddings=64,
+                        rms_norm_eps=1e-5, tie_word_embeddings=False, rope_parameters=dict(LONGROPE), pad_token_id=0)
     return _save(Phi3ForCausalLM(config), path)
 
 
