@@ -28,6 +28,7 @@ from transformers import (
 from graphmesh import checkpoints
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
+from graphmesh.models.config import ModelConfig
 
 VOCAB = 1000
 # A wider init than HF's 0.02 spreads the logits, so greedy decoding of a random model does not hinge on
@@ -57,6 +58,13 @@ def make_tiny_llama(path: Path, seed: int = 0, max_position: int = 256, layers: 
     config = LlamaConfig(**SHAPE, num_hidden_layers=layers, max_position_embeddings=max_position, rms_norm_eps=1e-5,
                          tie_word_embeddings=False)
     return _save(LlamaForCausalLM(config), path)
+
+
+def tiny_llama_config(path: Path) -> ModelConfig:
+    """Writes the tiny Llama at `path` (make_tiny_llama) and returns its config as graphmesh reads it."""
+    config = open_checkpoint(make_tiny_llama(path)).config
+    assert config is not None
+    return config
 
 
 def make_tiny_mistral(path: Path, seed: int = 8, max_position: int = 256) -> Path:

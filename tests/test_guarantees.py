@@ -21,7 +21,6 @@ import pytest
 
 from graphmesh import plan as dag
 from graphmesh import tensors
-from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import GraphmeshError
 from graphmesh.models.config import ModelConfig
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
@@ -34,7 +33,7 @@ from graphmesh_executor.logprobs import RowSampling, sample_with_logprobs
 from graphmesh_executor.server import ExecutorConfig, build_server
 from graphmesh_executor.stage_servicer import BoundaryPusher, StageServicer
 from graphmesh_executor.stage_types import Boundary
-from tests.model_fixtures import make_tiny_llama
+from tests.model_fixtures import tiny_llama_config
 from tests.test_scheduler import FakeMesh, FakeRank, run, solo
 
 PROMPT = [5, 17, 42, 99, 7, 3]
@@ -158,9 +157,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("guarantees")
-    make_tiny_llama(tmp / "models" / "tiny-llama")
-    config = open_checkpoint(tmp / "models" / "tiny-llama").config
-    assert config is not None
+    config = tiny_llama_config(tmp / "models" / "tiny-llama")
     probe = Probe()
     handle = StageServicer.ExecuteStep
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import from_rpc_error
 from graphmesh.launcher import free_port
 from graphmesh.models.config import ModelConfig
@@ -27,7 +26,7 @@ from graphmesh_coordinator.scheduler import Scheduler, SessionInfo
 from graphmesh_coordinator.scheduler import Sequence as Seq
 from graphmesh_coordinator.state import Decision, DurableState
 from tests.conftest import executor_args, start_process
-from tests.model_fixtures import make_tiny_llama
+from tests.model_fixtures import tiny_llama_config
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 SAMPLING = stage_pb2.SamplingParams(temperature=0.8, top_k=40, seed=7)  # seeded per position: a replay draws the same
@@ -45,9 +44,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("indeterminate")
-    make_tiny_llama(tmp / "models" / "tiny-llama")
-    config = open_checkpoint(tmp / "models" / "tiny-llama").config
-    assert config is not None
+    config = tiny_llama_config(tmp / "models" / "tiny-llama")
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     env = {"OMP_NUM_THREADS": "1"}
     args = ["--model-root", str(tmp / "models"), "--enable-fault-injection"]
