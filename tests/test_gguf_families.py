@@ -127,16 +127,19 @@ class GgufCase:
     tokens: list[int]
 
 
+_F32_FAMILIES: dict[str, tuple[Callable[[Path], Path], str]] = {  # each family with every tensor in f32
+    "llama3": (model_fixtures.make_tiny_llama3_rope, "llama"),
+    "qwen2": (model_fixtures.make_tiny_qwen2, "qwen2"),
+    "qwen3": (model_fixtures.make_tiny_qwen3, "qwen3"),
+    "phi3-longrope": (model_fixtures.make_tiny_phi3, "phi3"),
+    "qwen2-yarn": (model_fixtures.make_tiny_qwen2_yarn, "qwen2"),
+    "mistral-window": (gguf_fixtures.make_window_mistral, "llama"),
+    "qwen2-window": (gguf_fixtures.make_window_qwen2, "qwen2"),
+    "gemma2": (gguf_fixtures.make_gguf_gemma2, "gemma2"),
+    "gemma3": (gguf_fixtures.make_gguf_gemma3, "gemma3"),
+}
 CASES: dict[str, tuple[Callable[[Path], Path], str, gguf_fixtures.TypePicker]] = {
-    "llama3-f32": (model_fixtures.make_tiny_llama3_rope, "llama", gguf_fixtures.f32_only),
-    "qwen2-f32": (model_fixtures.make_tiny_qwen2, "qwen2", gguf_fixtures.f32_only),
-    "qwen3-f32": (model_fixtures.make_tiny_qwen3, "qwen3", gguf_fixtures.f32_only),
-    "phi3-longrope-f32": (model_fixtures.make_tiny_phi3, "phi3", gguf_fixtures.f32_only),
-    "qwen2-yarn-f32": (model_fixtures.make_tiny_qwen2_yarn, "qwen2", gguf_fixtures.f32_only),
-    "mistral-window-f32": (gguf_fixtures.make_window_mistral, "llama", gguf_fixtures.f32_only),
-    "qwen2-window-f32": (gguf_fixtures.make_window_qwen2, "qwen2", gguf_fixtures.f32_only),
-    "gemma2-f32": (gguf_fixtures.make_gguf_gemma2, "gemma2", gguf_fixtures.f32_only),
-    "gemma3-f32": (gguf_fixtures.make_gguf_gemma3, "gemma3", gguf_fixtures.f32_only),
+    **{f"{name}-f32": (make, arch, gguf_fixtures.f32_only) for name, (make, arch) in _F32_FAMILIES.items()},
     "gemma2-q8_0": (gguf_fixtures.make_gguf_gemma2, "gemma2", gguf_fixtures.q8_0_2d),
     "llama3-q4_k_m": (gguf_fixtures.make_wide_llama3, "llama", gguf_fixtures.q4_k_m),
     "qwen3-q4_k_m": (gguf_fixtures.make_wide_qwen3, "qwen3", gguf_fixtures.q4_k_m),
