@@ -4,7 +4,8 @@ sliding window has passed dropped.
 
 A session's dropped rows are gone from this stage: reading them out (a copy, an export) is refused with
 FailedPrecondition ROWS_DROPPED rather than exporting only the live ones, since every reader (a peer's write_kv, the
-store's seeds) takes rows from 0 or from where its prefix ends; a copy of such a session is recomputed instead."""
+store's seeds) appends rows from where the session's rows end there, so live rows alone would land in the wrong
+place. Live rows are read out as any others."""
 
 from __future__ import annotations
 
