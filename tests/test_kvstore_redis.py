@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from graphmesh_kvstore.store import Store
 from graphmesh_server import faults
 from tests.conftest import start_process
 from tests.model_fixtures import make_tiny_llama
+from tests.streams import run_streams
 
 BT, LAYERS, KV_DIM = 4, 2, 8
 NS = kvkeys.namespace("sha256:redis-test", 0, LAYERS, KV_DIM, block_tokens=BT)
@@ -302,18 +302,9 @@ SESSIONS, PROMPT_TOKENS, TOKENS = 4, 40, 120
 def _run_all(mesh: LocalMesh, progress: list[int] | None = None) -> list[list[int]]:
     prompt = [(3 * i + 1) % 1000 for i in range(PROMPT_TOKENS)]
 
-    def one(seed: int) -> list[int]:
-        out: list[int] = []
-        with CoordinatorClient(mesh.coordinator_address) as client:
-            for chunk in client.generate(prompt_token_ids=prompt, max_tokens=TOKENS, temperature=0.8, top_k=50,
-                                         seed=seed, ignore_eos=True):
-                out += chunk.token_ids
-                if progress is not None:
-                    progress[seed] = len(out)
-        return out
-
-    with ThreadPoolExecutor(SESSIONS) as pool:
-        return list(pool.map(one, range(SESSIONS)))
+    return run_streams(mesh.coordinator_address, [
+        {"prompt_token_ids": prompt, "max_tokens": TOKENS, "temperature": 0.8, "top_k": 50, "seed": seed,
+         "ignore_eos": True} for seed in range(SESSIONS)], progress)
 
 
 def test_kill9_of_an_executor_restores_the_sessions_from_the_store(server: RedisServer, mesh3: LocalMesh) -> None:
