@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor.boundary_link import BoundaryLink
 from graphmesh_server import faults
 from tests.model_fixtures import make_tiny_llama
+from tests.streams import run_streams
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1]
 SESSIONS = 8
@@ -50,17 +51,7 @@ def _request(seed: int) -> dict[str, Any]:
 
 
 def _run_all(address: str, progress: list[int] | None = None) -> list[list[int]]:
-    def one(seed: int) -> list[int]:
-        out: list[int] = []
-        with CoordinatorClient(address) as client:
-            for chunk in client.generate(**_request(seed)):
-                out += chunk.token_ids
-                if progress is not None:
-                    progress[seed] = len(out)
-        return out
-
-    with ThreadPoolExecutor(SESSIONS) as pool:
-        return list(pool.map(one, range(SESSIONS)))
+    return run_streams(address, [_request(seed) for seed in range(SESSIONS)], progress)
 
 
 def _during_generation(mesh: LocalMesh, fault: Any) -> list[list[int]]:
