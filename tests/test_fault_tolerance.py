@@ -160,23 +160,23 @@ def test_injected_deterministic_failure_rolls_back_and_stays_active(mesh: LocalM
     assert status.state == stage_pb2.AUTHORITY_STATE_ACTIVE
 
 
-def test_a_corrupted_boundary_is_refused_and_recovered(mesh: LocalMesh) -> None:
+def _rerun_after_fault(mesh: LocalMesh, rank: int, kind: stage_pb2.FaultKind.ValueType) -> tuple[Any, Any]:
+    """The sessions generated, `kind` injected once at executor `rank`, and the same sessions generated again: the
+    same tokens. The coordinator's status before and after."""
     baseline = _run_all(mesh.coordinator_address)
     before = _status(mesh)
-    _stage(mesh, mesh.executor_addresses[0]).InjectFault(
-        stage_pb2.InjectFaultRequest(kind=stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY, count=1))
+    _stage(mesh, mesh.executor_addresses[rank]).InjectFault(stage_pb2.InjectFaultRequest(kind=kind, count=1))
     assert _run_all(mesh.coordinator_address) == baseline
-    after = _status(mesh)
+    return before, _status(mesh)
+
+
+def test_a_corrupted_boundary_is_refused_and_recovered(mesh: LocalMesh) -> None:
+    before, after = _rerun_after_fault(mesh, 0, stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY)
     assert after.incarnation > before.incarnation and len(after.stages) == 3  # CONTRACT: fenced and rebuilt
 
 
 def test_a_device_failure_is_fenced_rebuilt_and_changes_no_token(mesh: LocalMesh) -> None:
-    baseline = _run_all(mesh.coordinator_address)
-    before = _status(mesh)
-    _stage(mesh, mesh.executor_addresses[1]).InjectFault(
-        stage_pb2.InjectFaultRequest(kind=stage_pb2.FAULT_KIND_DEVICE_FAILURE, count=1))
-    assert _run_all(mesh.coordinator_address) == baseline
-    after = _status(mesh)
+    before, after = _rerun_after_fault(mesh, 1, stage_pb2.FAULT_KIND_DEVICE_FAILURE)
     assert after.incarnation > before.incarnation and after.recoveries > before.recoveries
     assert "DEVICE_FAILURE" in (Path(mesh.log_dir or "") / "coordinator.log").read_text()  # its own reason, logged
 
