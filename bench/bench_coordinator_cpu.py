@@ -23,6 +23,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -75,10 +76,13 @@ def steps(metrics_port: int) -> float:
 def measure(mesh: LocalMesh, streams: int, tokens: int) -> dict[str, Any]:
     assert mesh.coordinator_process is not None
     pid, port = mesh.coordinator_process.pid, mesh.metrics_ports["coordinator"]
-    cpu0, steps0 = cpu_seconds(pid), steps(port)
+    cpu0, steps0, t0 = cpu_seconds(pid), steps(port), time.perf_counter()
     got = asyncio.run(burst(mesh.coordinator_address, streams, tokens))
+    wall = time.perf_counter() - t0
     cpu, n_steps = cpu_seconds(pid) - cpu0, steps(port) - steps0
-    return {"streams": streams, "tokens": got, "steps": n_steps, "cpu_s": cpu,
+    # cores: how busy the coordinator was (1.0 is one core, where the GIL caps a process's Python); wall time
+    # itself depends on the machine's other load and is only recorded
+    return {"streams": streams, "tokens": got, "steps": n_steps, "cpu_s": cpu, "wall_s": wall, "cores": cpu / wall,
             "cpu_ms_per_token": cpu * 1e3 / got, "cpu_ms_per_step": cpu * 1e3 / n_steps if n_steps else float("nan")}
 
 
@@ -115,12 +119,13 @@ def main() -> None:
             if spy is not None:
                 spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
                 spy.wait()
-            row = {k: median([r[k] for r in runs]) for k in ("tokens", "steps", "cpu_s", "cpu_ms_per_token",
+            row = {k: median([r[k] for r in runs]) for k in ("tokens", "steps", "cpu_s", "cores", "cpu_ms_per_token",
                                                              "cpu_ms_per_step")}
             rows.append({"streams": streams, **row, "rounds": runs})
             progress(f"  {streams} streams: {row['cpu_ms_per_token']:.3f} CPU-ms/token")
-    print(table(["streams", "tokens", "steps", "coordinator CPU s", "CPU-ms / token", "CPU-ms / step"],
-                [[r["streams"], int(r["tokens"]), int(r["steps"]), r["cpu_s"], r["cpu_ms_per_token"],
+    print(table(["streams", "tokens", "steps", "coordinator CPU s", "cores busy", "CPU-ms / 1k tokens",
+                 "CPU-ms / step"],
+                [[r["streams"], int(r["tokens"]), int(r["steps"]), r["cpu_s"], r["cores"], r["cpu_ms_per_token"] * 1e3,
                   r["cpu_ms_per_step"]] for r in rows]))
     if a.write:
         write_results("coordinator_cpu.json", {"machine": machine(load), "tokens_per_stream": a.tokens,

@@ -69,15 +69,17 @@ class Wait:
         if wakeups is not None and future is not None:
             wakeups.wake(future)
 
-    async def wait(self) -> None:
+    async def wait(self, wakeups: _Wakeups | None = None) -> None:
         """On the event loop: returns once woken, or after timeout_s. A future and a timer, no task: a step wakes
-        hundreds of these at once."""
-        loop = asyncio.get_running_loop()
+        hundreds of these at once. `wakeups`: the running loop's, when the caller holds them (finding the loop
+        costs a getpid system call)."""
+        wakeups = wakeups or _Wakeups.of(asyncio.get_running_loop())
+        loop = wakeups.loop
         future = loop.create_future()
         with self._lock:
             if self._woken:
                 return
-            self._future, self._wakeups = future, _Wakeups.of(loop)
+            self._future, self._wakeups = future, wakeups
         timer = loop.call_later(self.timeout_s, _settle, future)
         try:
             await future
@@ -185,7 +187,8 @@ class _Batches:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pool: futures.Executor) -> None:
         self.loop, self.pool = loop, pool
-        self._queued: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]], futures.Future[None]]] = []
+        self._queued: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]]]] = []
+        self._ran: futures.Future[None] = futures.Future()  # of the batch being gathered
 
     @classmethod
     def of(cls, pool: futures.Executor) -> _Batches:
@@ -198,39 +201,37 @@ class _Batches:
             return batches
 
     def next(self, items: Iterator[Any]) -> tuple[asyncio.Future[tuple[list[Any], Tail]], futures.Future[None]]:
-        """The stream's next items (asyncio), and a future done once its code stopped running (for a call that
-        ends meanwhile: its generator may be closed only then)."""
-        ready, ran = self.loop.create_future(), futures.Future[None]()
-        self._queued.append((items, ready, ran))
+        """The stream's next items (asyncio), and a future done once its batch's code stopped running (for a call
+        that ends meanwhile: its generator may be closed only then)."""
+        ready = self.loop.create_future()
+        self._queued.append((items, ready))
         if len(self._queued) == 1:
             self.loop.call_soon(self._submit)  # after the other streams this loop iteration wakes joined the batch
-        return ready, ran
+        return ready, self._ran
 
     def _submit(self) -> None:
-        batch, self._queued = self._queued, []
+        batch, ran, self._queued, self._ran = self._queued, self._ran, [], futures.Future()
         try:
-            self.pool.submit(self._advance, batch)
+            self.pool.submit(self._advance, batch, ran)
         except RuntimeError as e:  # the pool shut down: the server is stopping
-            for _, ready, ran in batch:
-                ran.set_result(None)
+            ran.set_result(None)
+            for _, ready in batch:
                 if not ready.done():
                     ready.set_exception(e)
 
-    def _advance(self, batch: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]],
-                                         futures.Future[None]]]) -> None:
-        results = []
-        for items, _, ran in batch:
-            results.append(_until_wait(items))
-            ran.set_result(None)
+    def _advance(self, batch: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]]]],
+                 ran: futures.Future[None]) -> None:
+        results = [_until_wait(items) for items, _ in batch]
+        ran.set_result(None)
         try:
             self.loop.call_soon_threadsafe(self._hand_back, batch, results)
         except RuntimeError:  # the loop closed
             pass
 
     @staticmethod
-    def _hand_back(batch: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]], futures.Future[None]]],
+    def _hand_back(batch: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]]]],
                    results: list[tuple[list[Any], Tail]]) -> None:
-        for (_, ready, _), result in zip(batch, results):
+        for (_, ready), result in zip(batch, results):
             if not ready.done():  # else its call was cancelled meanwhile
                 ready.set_result(result)
 
@@ -246,6 +247,7 @@ class _Advancing:
 
     async def items(self, items: Iterator[Any]) -> AsyncIterator[Any]:
         batches: _Batches | None = None
+        wakeups: _Wakeups | None = None
         while True:
             tail: Tail
             if batches is None:
@@ -260,8 +262,10 @@ class _Advancing:
             if tail is _END:
                 return
             if isinstance(tail, Wait):  # the stream waits: no thread is held meanwhile
-                batches = batches or _Batches.of(self.pool)
-                await tail.wait()
+                if batches is None or wakeups is None:
+                    batches = _Batches.of(self.pool)
+                    wakeups = _Wakeups.of(batches.loop)
+                await tail.wait(wakeups)
             elif tail is not None:
                 raise tail
 
