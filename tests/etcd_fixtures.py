@@ -11,6 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from graphmesh.launcher import free_port
 
@@ -104,6 +107,16 @@ def running(root: Path, size: int) -> Iterator[EtcdCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+def module_cluster(size: int) -> Any:
+    """A module-scoped fixture named etcd: a cluster of `size` members that the module's tests share."""
+    @pytest.fixture(scope="module")
+    def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+        with running(tmp_path_factory.mktemp("etcd"), size) as cluster:
+            yield cluster
+
+    return etcd
 
 
 def _etcd() -> str:

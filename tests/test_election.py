@@ -40,10 +40,7 @@ LEASE_TTL = "2"
 LONG_TOKENS = 800
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    with etcd_fixtures.running(tmp_path_factory.mktemp("etcd"), 3) as cluster:
-        yield cluster
+etcd = etcd_fixtures.module_cluster(3)
 
 
 @pytest.fixture(scope="module")

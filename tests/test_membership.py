@@ -46,10 +46,7 @@ def _request(i: int) -> dict[str, Any]:
     return {"prompt_token_ids": PROMPTS[i], "max_tokens": TOKENS, "ignore_eos": True, **sampling}
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    with etcd_fixtures.running(tmp_path_factory.mktemp("etcd"), 1) as cluster:
-        yield cluster
+etcd = etcd_fixtures.module_cluster(1)
 
 
 @pytest.fixture(scope="module")
