@@ -87,7 +87,7 @@ def one(docs: list[Doc], kind: str, component: str | None = None) -> Doc:
     return found[0]
 
 
-MESH = ("coordinator", "executor", "kvstore")
+MESH = ("coordinator", "executor", "kvstore", "draft-executor")
 
 
 def workloads(docs: list[Doc]) -> Iterator[Doc]:
@@ -407,7 +407,14 @@ def test_model_and_plan_reach_the_coordinator_from_the_configmap(rendered: dict[
         (["--set", "model.weights=q8"], "f32"),
         (["--set", "coordinator.replicas=2"], "coordinator.replicas > 1 needs etcd"),
         (["--set", "etcd.enabled=true", "--set", "etcd.replicas=2"], "replicas"),
-        (["--set", "coordinator.speculative=draft:smollm2-135m"], "speculative"),
+        (["--set", "coordinator.speculative=draft:smollm2-135m"],
+         "coordinator.speculative=draft:smollm2-135m needs draft.enabled"),
+        (["--set", "draft.enabled=true"], 'draft.enabled needs coordinator.speculative=draft:MODEL[:K] (the draft\'s model), '
+                                          'not "off"'),
+        (["--set", "draft.enabled=true", "--set", "coordinator.speculative=draft:smollm2-135m:17"], "speculative"),
+        (["--set", "draft.enabled=true", "--set", "coordinator.speculative=draft:"], "speculative"),
+        (["--set", "draft.enabled=true", "--set", "coordinator.speculative=draft:m", "--set", "executor.gpu.enabled=true",
+          "--set", "draft.backend=numpy"], "draft.backend numpy cannot run where the executors run"),
         (["--set", "coordinator.speculative=prompt-lookup:17"], "speculative"),
         (["--set", "coordinator.redis.url=cache:6379"], "redis/url"),
         (["--set", "coordinator.redis.existingSecret=cache-auth"], "coordinator.redis.existingSecret needs"),
@@ -524,8 +531,9 @@ def test_coordinator_speculation_and_responses_store(rendered: dict[str, list[Do
 
     for name, docs in rendered.items():
         c = container(one(docs, "Deployment", "coordinator"))
-        assert flag(c["args"], "--speculative") == values(name)["coordinator"]["speculative"] == "off", name
-        assert not parse_mode(flag(c["args"], "--speculative")).on
+        speculative = values(name)["coordinator"]["speculative"]
+        assert flag(c["args"], "--speculative") == speculative, name
+        assert parse_mode(speculative).on == (name == "draft-values"), name  # test_the_draft_model_gets_its_own_executor
         assert "--redis-url" not in c["args"] and "--redis-password-file" not in c["args"], name
         assert all(m["mountPath"] != "/redis" for m in c["volumeMounts"]), name
     proc = helm_template("--set", "coordinator.speculative=prompt-lookup:8",
@@ -548,3 +556,121 @@ def test_coordinator_speculation_and_responses_store(rendered: dict[str, list[Do
     c = container(one(load(proc.stdout), "Deployment", "coordinator"))
     assert flag(c["args"], "--redis-url") == "redis://responses:6379/0" and "--redis-password-file" not in c["args"]
     assert all(m["mountPath"] != "/redis" for m in c["volumeMounts"])
+
+
+def draft_parts(docs: list[Doc]) -> tuple[Doc, Doc, str]:
+    """The draft executor's StatefulSet, the Service the coordinator dials it by (its governing one, which selects
+    its pod) and that address, derived from the objects alone."""
+    sts = one(docs, "StatefulSet", "draft-executor")
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == sts["spec"]["serviceName"])
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    pod_port = next(p["containerPort"] for p in container(sts)["ports"] if p["name"] == "grpc")
+    grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc["targetPort"] == "grpc" and grpc["port"] == pod_port
+    return sts, service, f"{service['metadata']['name']}:{grpc['port']}"
+
+
+def test_the_draft_model_gets_its_own_executor(rendered: dict[str, list[Doc]]) -> None:
+    """coordinator.speculative=draft:... with draft.enabled: one draft executor pod outside the target's ranks, which
+    the coordinator reaches through its Service, with the executors' security settings and the executor role's
+    certificate naming that Service."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    docs = rendered["draft-values"]
+    v = values("draft-values")
+    coordinator = container(one(docs, "Deployment", "coordinator"))["args"]
+    sts, service, address = draft_parts(docs)
+    assert flag(coordinator, "--speculative") == v["coordinator"]["speculative"] == "draft:smollm2-135m:6"
+    assert flag(coordinator, "--draft-executor") == address == "graphmesh-draft-executor:50051"
+    assert address not in flag(coordinator, "--executors").split(",")
+    assert sts["spec"]["replicas"] == 1 and service["spec"]["clusterIP"] == "None"
+    # not a rank: the executors' Service and PDB do not select it, and it registers nowhere
+    draft_labels = sts["spec"]["template"]["metadata"]["labels"]
+    for selector in (one(docs, "StatefulSet", "executor")["spec"]["selector"]["matchLabels"],
+                     one(docs, "PodDisruptionBudget", "executor")["spec"]["selector"]["matchLabels"]):
+        assert not selector.items() <= draft_labels.items()
+    executor_sts = one(docs, "StatefulSet", "executor")
+    draft, executor = container(sts), container(executor_sts)
+    assert "--etcd" not in draft["args"] and flag(draft["args"], "--boundary-link-port") == "off"
+    # the executors' image, backend, device, model root and volume, and their security settings
+    assert draft["image"] == executor["image"]
+    for arg in ("--backend", "--device", "--model-root", "--mesh-token-file", "--tls-cert", "--tls-key", "--tls-ca",
+                "--health-listen"):
+        assert flag(draft["args"], arg) == flag(executor["args"], arg), arg
+    assert flag(draft["args"], "--threads") == str(v["draft"]["threads"])
+    pod, executor_pod = sts["spec"]["template"]["spec"], executor_sts["spec"]["template"]["spec"]
+    assert pod["securityContext"] == executor_pod["securityContext"]
+    assert draft["securityContext"] == executor["securityContext"]
+    assert pod["automountServiceAccountToken"] is False and pod["serviceAccountName"] == executor_pod["serviceAccountName"]
+    models = next(m for m in draft["volumeMounts"] if m["mountPath"] == flag(draft["args"], "--model-root"))
+    assert models["readOnly"] is True
+    assert next(x for x in pod["volumes"] if x["name"] == models["name"]) == \
+        next(x for x in executor_pod["volumes"] if x["name"] == models["name"])
+    # its certificate: the executor role (the coordinator calls it as an executor), naming the Service it is dialed by
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    tls = next(x for x in pod["volumes"] if x["name"] == "tls")["secret"]["secretName"]
+    assert next(m for m in draft["volumeMounts"] if m["name"] == "tls")["mountPath"] == "/tls"
+    data = secrets[tls]["data"]
+    cert = x509.load_pem_x509_certificate(base64.b64decode(data["tls.crt"]))
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secrets["graphmesh-tls-ca"]["data"]["tls.crt"]))
+    assert cert.issuer == ca.subject
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "executor.graphmesh.internal"
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert address.rsplit(":", 1)[0] in names
+    assert [n for n in names if n.endswith(".graphmesh.internal")] == ["executor.graphmesh.internal"]
+    for name, other in rendered.items():  # off everywhere else: no pod, no flag
+        if name != "draft-values":
+            assert not [d for d in other if d["metadata"]["labels"].get("app.kubernetes.io/component") == "draft-executor"]
+            assert "--draft-executor" not in container(one(other, "Deployment", "coordinator"))["args"], name
+
+
+def test_the_draft_executor_runs_where_the_executors_run(helm_template: Template) -> None:
+    """On GPUs: one GPU, the executors' GPU image and placement; with etcd it still registers nowhere."""
+    draft = ("--set", "draft.enabled=true", "--set", "coordinator.speculative=draft:smollm2-135m")
+    proc = helm_template(*draft, "-f", str(CI / "gpu-values.yaml"))
+    assert proc.returncode == 0, proc.stderr
+    docs = load(proc.stdout)
+    sts, _, address = draft_parts(docs)
+    executor_sts = one(docs, "StatefulSet", "executor")
+    c, executor = container(sts), container(executor_sts)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and flag(c["args"], "--device") == "cuda:0"
+    assert c["image"] == executor["image"] and c["image"].endswith(DEFAULTS["executor"]["gpu"]["image"]["tagSuffix"])
+    pod, executor_pod = sts["spec"]["template"]["spec"], executor_sts["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == executor_pod["nodeSelector"] and pod["tolerations"] == executor_pod["tolerations"]
+    assert flag(container(one(docs, "Deployment", "coordinator"))["args"], "--draft-executor") == address
+    proc = helm_template(*draft, "-f", str(CI / "ha-values.yaml"), release="prod")
+    assert proc.returncode == 0, proc.stderr
+    docs = load(proc.stdout)
+    sts, _, address = draft_parts(docs)
+    assert "--etcd" in container(one(docs, "StatefulSet", "executor"))["args"]
+    assert "--etcd" not in container(sts)["args"] and "nvidia.com/gpu" not in container(sts)["resources"]["limits"]
+    assert flag(container(one(docs, "Deployment", "coordinator"))["args"], "--draft-executor") == address == \
+        "prod-graphmesh-draft-executor:50051"
+
+
+def test_the_coordinator_accepts_the_rendered_draft_flags(helm_template: Template, tmp_path: Path) -> None:
+    """The coordinator's own checks take the chart's flags: parse_mode, then the draft's (a --draft-executor of its
+    own, a draft of the target's vocabulary), with a tiny checkpoint standing for the draft under /models."""
+    from graphmesh.checkpoints import open_checkpoint
+    from graphmesh_coordinator.server import CoordinatorConfig, _drafter
+    from graphmesh_coordinator.speculative import DRAFT, parse_mode
+    from tests.model_fixtures import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "draft", layers=1)
+    proc = helm_template("--set", "draft.enabled=true", "--set", f"coordinator.speculative=draft:{path}:3")
+    assert proc.returncode == 0, proc.stderr
+    args = container(one(load(proc.stdout), "Deployment", "coordinator"))["args"]
+    mode = parse_mode(flag(args, "--speculative"))
+    assert (mode.method, mode.model, mode.max_k) == (DRAFT, str(path), 3)
+    config = CoordinatorConfig("127.0.0.1:0", flag(args, "--executors").split(","), state_dir=str(tmp_path / "state"),
+                               speculative=flag(args, "--speculative"), draft_executor=flag(args, "--draft-executor"))
+    draft_config = open_checkpoint(path).config
+    assert draft_config is not None
+    drafter = _drafter(config, mode, draft_config.vocab_size, 256)
+    assert drafter is not None
+    try:
+        assert drafter.address == "graphmesh-draft-executor:50051"
+    finally:
+        drafter.close()

@@ -19,6 +19,8 @@
 {{- define "graphmesh.coordinator" -}}{{ include "graphmesh.fullname" . | trunc 51 }}-coordinator{{- end -}}
 {{- define "graphmesh.executor" -}}{{ include "graphmesh.fullname" . | trunc 45 }}-executor{{- end -}}
 {{- define "graphmesh.executorHeadless" -}}{{ include "graphmesh.executor" . }}-headless{{- end -}}
+{{- /* 37 + "-draft-executor": the StatefulSet's controller-revision-hash label (name-<10>) stays within 63 */}}
+{{- define "graphmesh.draft" -}}{{ include "graphmesh.fullname" . | trunc 37 | trimSuffix "-" }}-draft-executor{{- end -}}
 {{- define "graphmesh.kvstore" -}}{{ include "graphmesh.fullname" . | trunc 55 }}-kvstore{{- end -}}
 {{- define "graphmesh.valkey" -}}{{ include "graphmesh.fullname" . | trunc 56 }}-valkey{{- end -}}
 {{- define "graphmesh.etcd" -}}{{ include "graphmesh.fullname" . | trunc 58 }}-etcd{{- end -}}
@@ -42,13 +44,15 @@
 {{- if and $r.coordinator $r.executor $r.kvstore }}true{{ end -}}
 {{- end -}}
 
-{{/* The TLS secret one component serves and calls with; pass (dict "ctx" $ "component" "executor"). A role's own
-     certificate (tls.roleSecrets, or the ones the chart issues with tls.issue) names its mesh role, e.g.
+{{/* The TLS secret one component serves and calls with; pass (dict "ctx" $ "component" "executor"), and "role" when
+     the component serves another's role (the draft executor: "executor"). A role's own certificate (tls.roleSecrets,
+     or the ones the chart issues with tls.issue, one per component) names its mesh role, e.g.
      executor.graphmesh.internal: with tls.ca every hop is mutual TLS and each RPC is checked against the caller's role. */}}
 {{- define "graphmesh.tlsSecretFor" -}}
 {{- $tls := .ctx.Values.tls -}}
-{{- if index $tls.roleSecrets .component -}}
-{{- index $tls.roleSecrets .component -}}
+{{- $role := default .component .role -}}
+{{- if index $tls.roleSecrets $role -}}
+{{- index $tls.roleSecrets $role -}}
 {{- else if $tls.issue -}}
 {{- printf "%s-tls-%s" (include "graphmesh.fullname" .ctx) .component -}}
 {{- else -}}
@@ -102,6 +106,20 @@ app.kubernetes.io/part-of: graphmesh
 {{- else -}}
 {{- include "graphmesh.image" (dict "ctx" . "image" .Values.executor.image) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The draft executor's image: draft.image when given, else the executors' (their GPU image on GPUs). */}}
+{{- define "graphmesh.draftImage" -}}
+{{- if .Values.draft.image.repository -}}
+{{- include "graphmesh.image" (dict "ctx" . "image" .Values.draft.image) -}}
+{{- else -}}
+{{- include "graphmesh.executorImage" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The coordinator's --draft-executor: the draft's Service (headless, one pod behind it). */}}
+{{- define "graphmesh.draftAddress" -}}
+{{- printf "%s:%d" (include "graphmesh.draft" .) (int .Values.draft.port) -}}
 {{- end -}}
 
 {{/* The coordinator's --executors list: one address per StatefulSet ordinal, in rank order. */}}
