@@ -32,7 +32,17 @@ from graphmesh.errors import InvalidArgument
 from graphmesh.models import ModelConfig
 from tests import model_fixtures
 from tests.conftest import backend_targets
-from tests.test_models import BUCKET, CACHE, LOGIT_TOL, NEW_TOKENS, SPLITS, generate, hf_reference, make_stages
+from tests.test_models import (
+    BUCKET,
+    CACHE,
+    LOGIT_TOL,
+    NEW_TOKENS,
+    SPLITS,
+    Reference,
+    generate,
+    make_stages,
+    reference,
+)
 
 WINDOW = 6
 SHAPE: dict[str, Any] = {"vocab_size": model_fixtures.VOCAB, "hidden_size": 64, "num_hidden_layers": 2,
@@ -80,24 +90,13 @@ def make_qwen2(path: Path) -> Path:
 MODELS = {"gemma2": make_gemma2, "gemma3": make_gemma3, "mistral-window": make_mistral, "qwen2-window": make_qwen2}
 
 
-@dataclasses.dataclass
-class Ref:
-    name: str
-    path: Path
-    prompt: list[int]
-    logits: np.ndarray
-    tokens: list[int]
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
-def ref(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Ref:
-    path = MODELS[request.param](tmp_path_factory.mktemp(request.param))
-    _, prompt, logits, tokens = hf_reference(path, 9)  # transformers' eager attention
-    return Ref(request.param, path, prompt, logits, tokens)
+def ref(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    return reference(request.param, MODELS[request.param], tmp_path_factory.mktemp(request.param), 9)
 
 
 @pytest.mark.parametrize("backend", backend_targets())  # numpy, torch, mlx where installed, torch:cuda on a GPU
-def test_greedy_matches_transformers(ref: Ref, backend: str) -> None:
+def test_greedy_matches_transformers(ref: Reference, backend: str) -> None:
     """Prompt logits within LOGIT_TOL and 20 greedy tokens identical, split 1, 2 and 3 ways; and the window
     matters: the same graphs without it miss transformers' logits at the prompt's last position."""
     ckpt = open_checkpoint(ref.path)

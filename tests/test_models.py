@@ -4,6 +4,7 @@ against the HF block's output. The slow tests do the same on the bundled SmolLM2
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,12 +130,16 @@ def hf_reference(path: Path, seed: int) -> tuple[PreTrainedModel, list[int], np.
     return hf, prompt, logits, out[0, PROMPT_LEN:].tolist()
 
 
+def reference(name: str, make: Callable[[Path], Path], root: Path, seed: int) -> Reference:
+    """The checkpoint that `make` writes under `root`, and transformers' answers for it (hf_reference)."""
+    path = make(root)
+    hf, prompt, logits, tokens = hf_reference(path, seed)
+    return Reference(name, path, open_checkpoint(path), hf, prompt, logits, tokens)
+
+
 @pytest.fixture(scope="module", params=list(model_fixtures.TINY_MODELS))
 def ref(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    name = request.param
-    path = model_fixtures.TINY_MODELS[name](tmp_path_factory.mktemp(name))
-    hf, prompt, logits, tokens = hf_reference(path, 5)
-    return Reference(name, path, open_checkpoint(path), hf, prompt, logits, tokens)
+    return reference(request.param, model_fixtures.TINY_MODELS[request.param], tmp_path_factory.mktemp(request.param), 5)
 
 
 @pytest.mark.parametrize("ways", sorted(SPLITS))

@@ -23,7 +23,7 @@ from graphmesh.models import ModelConfig
 from graphmesh.models.moe import read_param
 from graphmesh_coordinator.planner import layer_bytes, plan
 from tests import model_fixtures
-from tests.test_models import BUCKET, CACHE, LOGIT_TOL, NEW_TOKENS, generate, hf_reference, make_stages
+from tests.test_models import BUCKET, CACHE, LOGIT_TOL, NEW_TOKENS, Reference, generate, make_stages, reference
 
 ATTN: dict[str, Any] = {"vocab_size": model_fixtures.VOCAB, "hidden_size": 64, "num_attention_heads": 4,
                         "num_key_value_heads": 2, "max_position_embeddings": 256,
@@ -69,21 +69,9 @@ MOE_MODELS: dict[str, Callable[[Path], Path]] = {
     "mixtral": make_tiny_mixtral, "qwen3_moe": make_tiny_qwen3_moe, "qwen3_moe-step2": make_tiny_qwen3_moe_step}
 
 
-@dataclasses.dataclass
-class MoeRef:
-    name: str
-    path: Path
-    prompt: list[int]
-    logits: np.ndarray
-    tokens: list[int]
-
-
 @pytest.fixture(scope="module", params=list(MOE_MODELS))
-def moe_ref(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> MoeRef:
-    name = request.param
-    path = MOE_MODELS[name](tmp_path_factory.mktemp(name))
-    _, prompt, logits, tokens = hf_reference(path, 9)
-    return MoeRef(name, path, prompt, logits, tokens)
+def moe_ref(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    return reference(request.param, MOE_MODELS[request.param], tmp_path_factory.mktemp(request.param), 9)
 
 
 def _two_stages(n_layers: int) -> list[range]:
@@ -91,7 +79,7 @@ def _two_stages(n_layers: int) -> list[range]:
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_moe_greedy_matches_transformers(moe_ref: MoeRef, backend: str) -> None:
+def test_moe_greedy_matches_transformers(moe_ref: Reference, backend: str) -> None:
     """Prompt logits within 1e-4 and 20 greedy tokens identical over two stages (a padded prefill bucket, then
     decode); and the routing matters: the same checkpoint with top-1 routing misses the logits."""
     ckpt = open_checkpoint(moe_ref.path)
