@@ -19,6 +19,7 @@ from graphmesh.errors import InvalidArgument
 from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.v1 import coordinator_pb2
 from tests.model_fixtures import make_tiny_llama, write_tiny_tokenizer
+from tests.responses_calls import check_required_call
 
 MODEL = "smollm2-135m"
 pytestmark = pytest.mark.slow
@@ -255,22 +256,7 @@ def test_responses_api_text_stream_and_chain(client: openai.OpenAI) -> None:
 
 
 def test_responses_api_function_call_and_refusals(client: openai.OpenAI) -> None:
-    tool: Any = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
-    for stream in (False, True):
-        if stream:
-            events = list(client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool],
-                                                  tool_choice="required", temperature=1.0, extra_body={"seed": 2},
-                                                  max_output_tokens=64, stream=True))
-            done = [e for e in events if e.type == "response.completed"]
-            assert done
-            output = done[0].response.output  # type: ignore[union-attr]
-        else:
-            output = client.responses.create(model=MODEL, input="Weather in Oslo?", tools=[tool],
-                                             tool_choice="required", temperature=1.0, extra_body={"seed": 2},
-                                             max_output_tokens=64).output
-        calls = [o for o in output if o.type == "function_call"]
-        assert len(calls) == 1 and calls[0].name == "get_weather"
-        jsonschema.validate(json.loads(calls[0].arguments), tool["parameters"])
+    check_required_call(client, MODEL, "get_weather", WEATHER["function"]["parameters"], seed=2, max_output_tokens=64)
     with pytest.raises(openai.BadRequestError, match="reasoning"):
         client.responses.create(model=MODEL, input="hi", reasoning={"effort": "high"})
     with pytest.raises(openai.NotFoundError):

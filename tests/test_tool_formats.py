@@ -24,6 +24,7 @@ from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.tokenizer import Tokenizer
 from graphmesh_coordinator import tool_calls
 from tests.model_fixtures import make_tiny_llama, make_tiny_mistral, write_tiny_tokenizer
+from tests.responses_calls import check_required_call
 
 # Llama 3.1's template in the form of Meta's: tools in the first user message with the JSON instructions, a call as
 # {"name": ..., "parameters": ...}, a result as an ipython turn holding its content as JSON, contents trimmed.
@@ -362,20 +363,5 @@ def test_responses_api_function_call_in_the_family_format(mesh: tuple[str, Path,
     _, _, m = mesh
     client = _client(m)
     model = client.models.list().data[0].id
-    tool: Any = {"type": "function", "name": "get_weather", "parameters": PARAMS["get_weather"]}
-    for stream in (False, True):
-        if stream:
-            events = list(client.responses.create(model=model, input="Weather in Oslo?", tools=[tool],
-                                                  tool_choice="required", temperature=1.0, extra_body={"seed": 4},
-                                                  max_output_tokens=200, stream=True))
-            done = [e for e in events if e.type == "response.completed"]
-            assert len(done) == 1
-            output = done[0].response.output  # type: ignore[union-attr]
-            assert [e.type for e in events].count("response.function_call_arguments.done") == 1
-        else:
-            output = client.responses.create(model=model, input="Weather in Oslo?", tools=[tool],
-                                             tool_choice="required", temperature=1.0, extra_body={"seed": 4},
-                                             max_output_tokens=200).output
-        calls = [o for o in output if o.type == "function_call"]
-        assert len(calls) == 1 and calls[0].name == "get_weather"
-        jsonschema.validate(json.loads(calls[0].arguments), PARAMS["get_weather"])
+    events = check_required_call(client, model, "get_weather", PARAMS["get_weather"], seed=4, max_output_tokens=200)
+    assert [e.type for e in events].count("response.function_call_arguments.done") == 1
