@@ -5,7 +5,6 @@ steps that carry rows of many sessions at once, each of which must give the toke
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -15,14 +14,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from graphmesh import plan as dag
 from graphmesh.kvkeys import blocks_for
 from graphmesh.v1 import stage_pb2
 from graphmesh_executor.backends import available
 from graphmesh_executor.stage import StageRuntime
 from graphmesh_executor.stage_servicer import StageServicer
-from graphmesh_executor.stage_types import Boundary, Sampling, StageSpec, StepRow
+from graphmesh_executor.stage_types import Sampling, StageSpec, StepRow
 from tests.model_fixtures import make_tiny_gpt2, make_tiny_llama, smollm2_hf_tokenizer
+from tests.stage_pipeline import two_stages
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 11]
 BLOCK = 16
@@ -31,18 +30,7 @@ _step_ids = itertools.count(1)  # never reused, like the coordinator's
 
 
 def _pipeline(path: Path, backend: str, n_layers: int) -> list[StageRuntime]:
-    runtimes: list[StageRuntime] = []
-
-    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float,
-             delivered: Callable[[Exception | None], None]) -> None:
-        runtimes[int(address)].accept_boundary(incarnation, boundary)
-        delivered(None)
-
-    runtimes = [StageRuntime(backend, pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(2)]
-    plan = dag.pipeline([(0, 1), (1, n_layers)], ["0", "1"], 64)
-    runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, 1, True, False, kv_block_tokens=BLOCK), plan)
-    runtimes[1].install(1, 1, 2, StageSpec(str(path), 1, n_layers, False, True, kv_block_tokens=BLOCK), plan)
-    return runtimes
+    return two_stages(path, backend, 1, n_layers, kv_cache_bytes=KV_CACHE_BYTES, kv_block_tokens=BLOCK)
 
 
 @dataclass

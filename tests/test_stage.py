@@ -19,6 +19,7 @@ from graphmesh_executor.fencing import AuthorityState, SessionPhase
 from graphmesh_executor.stage import StageRuntime
 from graphmesh_executor.stage_types import Boundary, KvBlocks, Sampling, StageSpec, StepResult, StepRow
 from tests.model_fixtures import make_tiny_llama
+from tests.stage_pipeline import two_stages
 
 KV_CACHE_BYTES = 1 << 20  # 1 MiB: hundreds of blocks for these tiny layers (the default pool would be 512 MiB)
 _step_ids = itertools.count(1)  # never reused, like the coordinator's
@@ -30,18 +31,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _pipeline(path: Path, split: int, n_layers: int) -> list[StageRuntime]:
-    runtimes: list[StageRuntime] = []
-
-    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float,
-             delivered: Callable[[Exception | None], None]) -> None:
-        runtimes[int(address)].accept_boundary(incarnation, boundary)
-        delivered(None)
-
-    runtimes = [StageRuntime("numpy", pusher=push, kv_cache_bytes=KV_CACHE_BYTES) for _ in range(2)]
-    plan = dag.pipeline([(0, split), (split, n_layers)], ["0", "1"], 64)
-    runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, split, True, False), plan)
-    runtimes[1].install(1, 1, 2, StageSpec(str(path), split, n_layers, False, True), plan)
-    return runtimes
+    return two_stages(path, "numpy", split, n_layers, kv_cache_bytes=KV_CACHE_BYTES)
 
 
 def _step(runtimes: list[StageRuntime], rows: list[StepRow], timeout_s: float = 5.0) -> StepResult:
