@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,23 +34,12 @@ def measure(path: Path, rows: list[int], steps: int) -> list[dict[str, Any]]:
     """This process's figures, with the kernels as GRAPHMESH_CUDA_KERNELS set them."""
     import torch
 
-    from graphmesh import plan as dag
     from graphmesh_executor.backends.torch_backend import TorchExecutable
-    from graphmesh_executor.stage import StageRuntime
-    from graphmesh_executor.stage_types import Boundary, StageSpec, StepRow
+    from graphmesh_executor.stage_types import StepRow
+    from tests.stage_pipeline import two_stages
 
     step_ids = itertools.count(1)
-    runtimes: list[StageRuntime] = []
-
-    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float,
-             delivered: Callable[[Exception | None], None]) -> None:
-        runtimes[int(address)].accept_boundary(incarnation, boundary)
-        delivered(None)
-
-    runtimes = [StageRuntime("torch", "cuda:0", pusher=push, kv_cache_bytes=4 << 30) for _ in range(2)]
-    plan = dag.pipeline([(0, 11), (11, 22)], ["0", "1"], 2048)
-    runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, 11, True, False, dtype="bf16"), plan)
-    runtimes[1].install(1, 1, 2, StageSpec(str(path), 11, 22, False, True, dtype="bf16"), plan)
+    runtimes = two_stages(path, "torch", 11, 22, device="cuda:0", hidden=2048, kv_cache_bytes=4 << 30, dtype="bf16")
 
     def step(batch: list[StepRow]) -> list[int]:
         sid = next(step_ids)

@@ -6,15 +6,14 @@ without a GPU (CI has none); run on the lent H200 (see bench/bench_gpu_mesh.py f
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from graphmesh import plan as dag
 from graphmesh_executor.stage import StageRuntime
-from graphmesh_executor.stage_types import Boundary, StageSpec, StepRow
+from graphmesh_executor.stage_types import StepRow
 from tests.model_fixtures import make_tiny_llama
+from tests.stage_pipeline import two_stages
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -29,18 +28,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _pipeline(path: Path) -> list[StageRuntime]:
-    runtimes: list[StageRuntime] = []
-
-    def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float,
-             delivered: Callable[[Exception | None], None]) -> None:
-        runtimes[int(address)].accept_boundary(incarnation, boundary)
-        delivered(None)
-
-    runtimes = [StageRuntime("torch", "cuda:0", pusher=push, kv_cache_bytes=16 << 20) for _ in range(2)]
-    plan = dag.pipeline([(0, 1), (1, 2)], ["0", "1"], 64)
-    runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, 1, True, False, dtype="f32"), plan)
-    runtimes[1].install(1, 1, 2, StageSpec(str(path), 1, 2, False, True, dtype="f32"), plan)
-    return runtimes
+    return two_stages(path, "torch", 1, 2, device="cuda:0", kv_cache_bytes=16 << 20, dtype="f32")
 
 
 def _generate(runtimes: list[StageRuntime], prompts: dict[str, list[int]]) -> dict[str, list[int]]:
