@@ -2,16 +2,16 @@
 
 A proxy, on a CPU host, for "the coordinator is never the bottleneck at 256 streams" on a GPU: the mesh is one
 torch executor serving a tiny random Llama with a byte-level tokenizer (tests/model_fixtures.py: the executor's
-compute is cheap, and the coordinator detokenizes every token as for a real model), and the
-coordinator schedules with the GPU defaults by default (256 rows a step, 2,048 step tokens, decode runs of 8) so
-that its steps are shaped as on the H200. N streams of M tokens each go through the real gRPC Generate stream at
+compute is cheap, and the coordinator detokenizes every token as for a real model), and the coordinator schedules
+with the GPU defaults unless told otherwise (256 rows a step, 2,048 step tokens, decode runs of 8), so that its
+steps are shaped as on the H200. N streams of M tokens each go through the real gRPC Generate stream at
 once, and the coordinator's user + system CPU time (/proc/PID/stat) is read before and after: CPU time, not wall
 time, so other load on a shared machine hardly moves it. A warm-up burst first takes the one-off costs (first
 use of each batch shape, imports) out of the figures. Prints a table; writes bench/results/coordinator_cpu.json
-with --write.
+(or NAME) with --write.
 
     .venv/bin/python bench/bench_coordinator_cpu.py [--streams 1,64,256] [--tokens 128] [--rounds 1]
-        [--coordinator-args "--max-step-seqs 64"] [--write]
+        [--coordinator-args "--max-step-seqs 64"] [--py-spy FILE] [--write [NAME]]
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def measure(mesh: LocalMesh, streams: int, tokens: int) -> dict[str, Any]:
 
 
 def profile(mesh: LocalMesh, path: str) -> subprocess.Popen[bytes]:
-    """py-spy sampling the coordinator (every thread, idle ones left out) until interrupted."""
+    """py-spy sampling the coordinator's thread that holds the GIL (collapsed stacks) until interrupted."""
     assert mesh.coordinator_process is not None
     return subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
                              str(mesh.coordinator_process.pid), "--format", "raw", "--gil", "--rate", "100", "-o", path])
@@ -102,7 +102,8 @@ def main() -> None:
                    help=f"extra coordinator flags (default: the GPU schedule, {GPU_SCHEDULE!r}; '' for the CPU one)")
     p.add_argument("--py-spy", default="", metavar="FILE",
                    help="also profile the coordinator with py-spy during the largest level (collapsed stacks)")
-    p.add_argument("--write", action="store_true", help="write bench/results/coordinator_cpu.json")
+    p.add_argument("--write", default="", nargs="?", const="coordinator_cpu.json", metavar="NAME",
+                   help="write bench/results/NAME (default coordinator_cpu.json)")
     a = p.parse_args()
     levels = [int(n) for n in a.streams.split(",")]
     load = os.getloadavg()
@@ -128,7 +129,7 @@ def main() -> None:
                 [[r["streams"], int(r["tokens"]), int(r["steps"]), r["cpu_s"], r["cores"], r["cpu_ms_per_token"] * 1e3,
                   r["cpu_ms_per_step"]] for r in rows]))
     if a.write:
-        write_results("coordinator_cpu.json", {"machine": machine(load), "tokens_per_stream": a.tokens,
+        write_results(a.write, {"machine": machine(load), "tokens_per_stream": a.tokens,
                                                "coordinator_args": a.coordinator_args, "levels": rows})
 
 

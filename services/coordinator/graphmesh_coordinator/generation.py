@@ -206,6 +206,10 @@ def _logprob(token: int, row: stage_pb2.StepRowResult) -> TokenLogprob:
 
 
 CLIENT_POLL_S = 0.2  # how often a session waiting for its next token checks that its client is still there
+# The same, for a session that waits without a thread (generate_waiting): its server cancels the call when the client
+# leaves, which closes the session at once, so this only backs that up. Each look costs the coordinator a pass of the
+# session's code: at 0.2 s, 256 streams of a CPU mesh (a step of ~0.2 s) looked about once per token.
+WAITING_POLL_S = 1.0
 READY_POLL_S = 0.25  # how often a request waiting (without a thread) for a recovering mesh looks again
 # Generation requests that may wait for their first token (for the mesh, for KV cache, in prefill) at once; more get
 # RESOURCE_EXHAUSTED. A waiting request costs its prompt and its call's buffers (kilobytes), no thread: the bound
@@ -374,7 +378,7 @@ class Generator:
                 step = 0
                 while step < budget:
                     if waits:
-                        wait = Wait(CLIENT_POLL_S)
+                        wait = Wait(WAITING_POLL_S)
                         seq.waker = wait.wake  # before looking: an output put after the look wakes it
                         outs = _behind(seq, [])
                         if not outs:
