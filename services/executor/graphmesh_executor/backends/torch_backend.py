@@ -8,11 +8,8 @@ A graph runs as a plan of slots (one list index per value, freed after its last 
 through the base class's dict interpreter: decode of a 30-layer model is ~800 kernel calls, and
 Python overhead per call is what a decode step on CPU pays besides reading the weights.
 
-On CUDA, a graph whose host-side decisions can all be made from its host inputs (index bounds,
-the KV write row, greedy sampling) runs "static" kernels that never read device values on the
-host, and from its second run with the same handles is captured as a CUDA graph and replayed:
-inputs are copied into static buffers, KV handles are written in place, outputs are the graph's
-own buffers. A decode step is then one replay instead of ~800 launches.
+On CUDA, graphs whose host-side decisions can be made from their host inputs run static and are
+captured as CUDA graphs: cuda_graphs.py.
 """
 
 from __future__ import annotations
@@ -33,21 +30,17 @@ from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph, Node
 from graphmesh.ops import QUANT_BLOCKS, TensorType
 from graphmesh_executor.backends import cpu_kernels, cuda_kernels
+from graphmesh_executor.backends.cuda_graphs import CudaGraphs
+from graphmesh_executor.backends.torch_tensors import MEMO, TORCH_DTYPES, Tensor
 from graphmesh_executor.executable import Capabilities, Executable, ExtentCut, Kernel, RunContext, conform, sample_rows
 
-Tensor = torch.Tensor
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-    "i64": torch.int64, "i32": torch.int32, "u8": torch.uint8, "bool": torch.bool,
-}
 _HALF = (torch.float16, torch.bfloat16)
 _BF16 = dtypes.to_numpy("bf16")
 # Tensor attributes: a kv_write cache the executable hands over for an in-place write, the converted
-# forms of a packed weight, and values derived from a tensor that every layer reads (the positions),
-# each computed once. They live exactly as long as the tensor, which is never written in place.
+# forms of a packed weight, and (MEMO, torch_tensors.py) values derived from a tensor that every layer reads
+# (the positions), each computed once. They live exactly as long as the tensor, which is never written in place.
 _DONATED = "_graphmesh_donated"
 _CONVERTED = "_graphmesh_converted"
-_MEMO = "_graphmesh_memo"
 _JOINED = "_graphmesh_joined"
 
 
@@ -64,7 +57,7 @@ def _up(x: Tensor) -> Tensor:
 def _memo(t: Tensor, key: Hashable, make: Callable[[], Any]) -> Any:
     # 30 layers read the same positions tensor: derive rope tables and host-side values (a device sync
     # on CUDA) once per run, not once per layer.
-    memo = t.__dict__.setdefault(_MEMO, {})
+    memo = t.__dict__.setdefault(MEMO, {})
     if key not in memo:
         memo[key] = make()
     return memo[key]
@@ -357,7 +350,7 @@ def _kv_write(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
         if rows.shape[0] > 1:
             idx = idx + torch.arange(rows.shape[0], device=pos.device)
         cache.__dict__.pop(_DONATED, None)
-        cache.__dict__.pop(_MEMO, None)
+        cache.__dict__.pop(MEMO, None)
         return cache.index_copy_(0, idx, rows)
     start: int = _memo(pos, "start", lambda: int(pos.reshape(-1)[0]))
     if start < 0 or start + rows.shape[0] > cache.shape[0]:
@@ -366,7 +359,7 @@ def _kv_write(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     # Functional unless the executable donated the cache: a handle replaced by this very output after the run.
     out = cache if cache.__dict__.pop(_DONATED, False) else cache.clone()
     out[start : start + rows.shape[0]] = rows
-    out.__dict__.pop(_MEMO, None)  # written in place: nothing derived from it before still holds
+    out.__dict__.pop(MEMO, None)  # written in place: nothing derived from it before still holds
     return out
 
 
@@ -374,7 +367,7 @@ def _writable(ctx: RunContext, pool: Tensor) -> Tensor:
     """The pool a kv_scatter writes: in place when the executable donated it (the handle this output replaces) or
     the run is static; a pool is the whole KV of every session on the stage, far too big to copy per layer per step."""
     out = pool if pool.__dict__.pop(_DONATED, False) or _static(ctx) else pool.clone()
-    out.__dict__.pop(_MEMO, None)  # written in place: nothing derived from it before still holds
+    out.__dict__.pop(MEMO, None)  # written in place: nothing derived from it before still holds
     return out
 
 
@@ -640,63 +633,6 @@ def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
     return F.linear(x, converted[x.dtype])
 
 
-def _host_op(node: Node, x: np.ndarray | None) -> np.ndarray | None:
-    """slice or reshape of a host value, as the node does it on the device."""
-    if x is None:
-        return None
-    if node.op == "reshape":
-        return x.reshape(node.attrs["shape"])
-    index = [slice(None)] * x.ndim
-    index[node.attrs["axis"] % x.ndim] = slice(node.attrs["start"], node.attrs["end"])
-    return x[tuple(index)]
-
-
-def _host_check(node: Node, value: Callable[[dict[str, np.ndarray]], np.ndarray | None], graph: Graph) -> HostCheck:
-    """What the node's kernel would check or decide on the device values, done on the host inputs: raises the
-    kernel's error, or returns False when the run cannot be static (a value is missing, sampling is not greedy)."""
-    def check(inputs: dict[str, np.ndarray]) -> bool:
-        x = value(inputs)
-        if x is None:
-            return False
-        if node.op == "sample":
-            return bool((x <= 0.0).all())
-        if node.op == "kv_write":
-            start, rows, capacity = int(x.reshape(-1)[0]), graph.type_of(node.inputs[1]).shape[0], \
-                graph.type_of(node.inputs[0]).shape[0]
-            if start < 0 or start + rows > capacity:
-                raise OutOfRange(f"kv_write of rows [{start}, {start + rows}) into a cache of {capacity} rows",
-                                 "ROW_OUT_OF_RANGE")
-            return True
-        shape = graph.type_of(node.inputs[0]).shape
-        bound = shape[0] if node.op == "kv_scatter" else shape[node.attrs["axis"] % len(shape)]
-        _host_bounds(x, bound, {"gather": "gather", "kv_scatter": "kv_scatter slot"}.get(node.op, "take_along_axis"))
-        return True
-    return check
-
-
-def _host_bounds(x: np.ndarray, bound: int, what: str) -> None:
-    if x.size and (x.min() < 0 or x.max() >= bound):
-        bad = x.max() if x.max() >= bound else x.min()
-        raise OutOfRange(f"{what} index {bad} outside [0, {bound})", "INDEX_OUT_OF_RANGE")
-
-
-def _paged_check(node: Node, values: list[Callable[[dict[str, np.ndarray]], np.ndarray | None]],
-                 graph: Graph) -> HostCheck:
-    """paged_attention's index checks on the host inputs; only a decode graph runs static (it reads no host value)."""
-    pool_rows, (seqs, blocks) = graph.type_of(node.inputs[1]).shape[0], graph.type_of(node.inputs[3]).shape
-    bounds = ((pool_rows // node.attrs["block_size"], "block_table block"), (seqs, "token_seq sequence"),
-              (blocks * node.attrs["block_size"], "q_positions position"))
-
-    def check(inputs: dict[str, np.ndarray]) -> bool:
-        xs = [value(inputs) for value in values]
-        if any(x is None for x in xs):
-            return False
-        for x, (bound, what) in zip(xs, bounds):
-            _host_bounds(x, bound, what)  # type: ignore[arg-type]
-        return bool(node.attrs["decode"])
-    return check
-
-
 # This backend's kernel of every op of graphmesh.ops: every backend's table has the same keys, in one order
 # (test_executor_service checks the op sets agree). Where two tables read alike (an op whose kernel is the module's
 # own _<op>) the functions behind the names are still each backend's own: parallel tables, not copies.
@@ -755,36 +691,14 @@ class _Step:
     pair: int = -1  # a second slot written: the kernel returns (out's value, pair's value)
 
 
-@dataclass(frozen=True)
-class _Captured:
-    graph: Any  # torch.cuda.CUDAGraph
-    outputs: list[Tensor]
-
-
-@dataclass(frozen=True)
-class _Staging:
-    """A static run's host inputs, all in one pinned buffer and its device twin: one copy per run moves them all
-    (one pin and one copy per input cost a 1.1B stage ~0.2-0.5 ms a run), and the device views are the addresses a
-    captured graph reads."""
-
-    host: dict[str, np.ndarray]  # views of the pinned buffer, one per input
-    device: dict[str, Tensor]  # the same bytes' views on the device
-    pinned: Tensor  # u8
-    on_device: Tensor  # u8
-    copied: Any  # torch.cuda.Event: the last copy out of `pinned`, which must land before it is written again
-
-
 _BOTH_LAYOUTS = 8 << 20  # elements of a weight kept in both layouts (an LM head), see TorchExecutable._lay_out
-HostCheck = Callable[[dict[str, np.ndarray]], bool]
-_MAX_CAPTURES = 8  # per executable: one per session whose decode runs on it, oldest dropped first
 
 
-class TorchExecutable(Executable[Tensor]):
+class TorchExecutable(CudaGraphs):
     backend = "torch"
     # Handles stay torch tensors on the executable's device between runs (GPU memory on cuda).
     capabilities = Capabilities(resident_handles=True, active_extent=True)
     kernels = KERNELS
-    cuda_graphs = True  # capture static runs on CUDA; False runs the same static kernels eagerly
     # Run pairs of nodes as one kernel (see _fusions); None: on CUDA, where the Triton kernels are. On the host the
     # pair runs torch's two ops in one step (the same bits as apart), which tests use to check the plan's wiring.
     fuse_pairs: bool | None = None
@@ -837,10 +751,11 @@ class TorchExecutable(Executable[Tensor]):
         self._planned = not any(n.op in ("grouped_matmul", "top_k") for n in graph.nodes)
         self._slots, self._steps = self._plan(graph)
         self._host_checks = self._static_checks(graph) if self._device.type == "cuda" and self._planned else None
-        self._staging: dict[tuple[str, ...], _Staging] = {}  # by the host inputs' names
-        self._static_key: tuple[Any, ...] | None = None  # this run's capture key when it runs static
-        self._captures: dict[tuple[Any, ...], _Captured] = {}
-        self._seen: dict[tuple[Any, ...], int] = {}
+        # cuda_graphs.CudaGraphs' state (typed there)
+        self._staging = {}  # by the host inputs' names
+        self._static_key = None  # this run's capture key when it runs static
+        self._captures = {}
+        self._seen = {}
 
     # -- the plan --------------------------------------------------------------------------------------
     def _plan(self, graph: Graph) -> tuple[dict[str, int], list[_Step]]:
@@ -1012,127 +927,6 @@ class TorchExecutable(Executable[Tensor]):
                 values[j] = None
         return [values[slots[name]] for name in self.graph.outputs]
 
-    # -- static runs and CUDA graphs --------------------------------------------------------------------
-    def _static_checks(self, graph: Graph) -> list[HostCheck] | None:
-        """Host-side stand-ins for every host read the kernels make, or None when some value they need is not
-        a host input seen through slices and reshapes (then the graph always runs eagerly)."""
-        nodes = {n.name: n for n in graph.nodes}
-
-        def host(name: str) -> Callable[[dict[str, np.ndarray]], np.ndarray | None] | None:
-            if name in graph.inputs:
-                return lambda inputs: np.asarray(inputs[name]) if name in inputs else None
-            node = nodes.get(name)
-            if node is None or node.op not in ("slice", "reshape"):
-                return None
-            inner = host(node.inputs[0])
-            if inner is None:
-                return None
-            return lambda inputs: _host_op(node, inner(inputs))
-
-        checks: dict[tuple[Any, ...], HostCheck] = {}  # one per distinct check: every layer reads the same indices
-        for node in graph.nodes:
-            if node.op == "paged_attention":
-                values = [host(name) for name in node.inputs[3:]]
-                if any(v is None for v in values):
-                    return None
-                key: tuple[Any, ...] = (node.op, *node.inputs[3:], graph.type_of(node.inputs[1]).shape,
-                                        node.attrs["block_size"], node.attrs["decode"])
-                checks.setdefault(key, _paged_check(node, values, graph))  # type: ignore[arg-type]
-            if node.op in ("gather", "take_along_axis", "kv_write", "kv_scatter", "sample"):
-                index = node.inputs[2 if node.op in ("kv_write", "kv_scatter") else 1]
-                value = host(index)
-                if value is None:
-                    return None
-                if node.op in ("kv_write", "kv_scatter") and (node.name not in graph.outputs or
-                                              self._donors.get(node.inputs[0]) != graph.outputs.index(node.name)):
-                    return None  # only a donated cache may be written in place
-                key = (node.op, index, graph.type_of(node.inputs[0]).shape, graph.type_of(node.inputs[1]).shape,
-                       node.attrs.get("axis"))
-                checks.setdefault(key, _host_check(node, value, graph))
-        return list(checks.values())
-
-    def _gather_static(self, inputs: dict[str, np.ndarray]) -> dict[str, Tensor] | None:
-        """env for a static run, its host inputs copied to the device in one transfer (and self._static_key set),
-        or None when this run must be eager: a host check declines, a cache is not donated, or an input reads as
-        zeros. The host checks raise the kernels' errors."""
-        if self._host_checks is None or not all(check(inputs) for check in self._host_checks):
-            return None
-        if any(self._donors.get(h) != i for h, i in self._prefix_feeds.items()):
-            return None  # a fed output that is not the handle itself would move the handle into the graph's pool
-        if any(h in inputs or self._prefix_feeds.get(h) != i for h, i in self._donors.items()):
-            return None  # static kv_write writes in place: only a cache that its output replaces anyway
-        if any(name not in inputs and name not in self._handles for name in self.graph.inputs):
-            return None
-        names = tuple(name for name in self.graph.inputs if name in inputs)
-        staging = self._staging.get(names) or self._stage(names)
-        staging.copied.synchronize()  # the last run's copy has left the pinned buffer (at once, but after a commit_no_wait)
-        for name in names:
-            np.copyto(staging.host[name], conform(inputs[name], self.graph.inputs[name], f"input {name!r}"))
-        staging.on_device.copy_(staging.pinned, non_blocking=True)
-        staging.copied.record()
-        env: dict[str, Tensor] = {}
-        for name in self.graph.inputs:
-            if name in inputs:
-                env[name] = staging.device[name]
-                env[name].__dict__.pop(_MEMO, None)  # rope tables and masks of the last run were derived from old values
-            else:
-                env[name] = self._handles[name]
-        # A capture reads its inputs by address: this staging area's, and the handles'.
-        self._static_key = (names, *(env[name].data_ptr() for name in self.graph.inputs if name not in inputs))
-        return env
-
-    def _stage(self, names: tuple[str, ...]) -> _Staging:
-        """The staging area of runs fed exactly `names` (each input 16-byte aligned in one buffer)."""
-        types = [self.graph.inputs[name] for name in names]
-        sizes = [math.prod(t.shape) * dtypes.to_numpy(t.dtype).itemsize for t in types]
-        offsets = [0]
-        for size in sizes:
-            offsets.append(offsets[-1] + -(-size // 16) * 16)
-        pinned = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=True)
-        on_device = torch.empty(offsets[-1], dtype=torch.uint8, device=self._device)
-        raw = pinned.numpy()
-        host, device = {}, {}
-        for name, t, at, size in zip(names, types, offsets, sizes):
-            host[name] = raw[at:at + size].view(dtypes.to_numpy(t.dtype)).reshape(t.shape)
-            device[name] = on_device[at:at + size].view(TORCH_DTYPES[t.dtype]).view(t.shape)
-        staging = self._staging[names] = _Staging(host, device, pinned, on_device,
-                                                  torch.cuda.Event())  # type: ignore[no-untyped-call]
-        return staging
-
-    def _run_static(self, env: dict[str, Tensor], key: tuple[Any, ...]) -> list[Tensor]:
-        ctx = RunContext(self._rng, self._extent, {"static": True})
-        if not self.cuda_graphs:
-            return self._run_plan(env, ctx)
-        captured = self._captures.get(key)
-        if captured is not None:
-            captured.graph.replay()
-            return list(captured.outputs)
-        self._seen[key] = self._seen.get(key, 0) + 1
-        if self._seen[key] < 2:  # a one-off run (a prefill) is not worth a capture
-            return self._run_plan(env, ctx)
-        stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(stream):
-            outs = self._run_plan(env, ctx)  # this run's work, and the warm-up a capture needs first
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: other executables may run on other threads of the server meanwhile.
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                for value in env.values():
-                    value.__dict__.pop(_MEMO, None)
-                captured_outs = self._run_plan(env, ctx)
-        torch.cuda.current_stream(self._device).wait_stream(stream)
-        for value in env.values():
-            value.__dict__.pop(_MEMO, None)
-        if len(self._captures) >= _MAX_CAPTURES:
-            self._captures.pop(next(iter(self._captures)))
-        self._captures[key] = _Captured(graph, captured_outs)
-        self._seen.pop(key)
-        return outs
-
-    def _forget_captures(self) -> None:
-        """Captured graphs read params by address: any param change drops them."""
-        self._captures, self._seen = {}, {}
-
     def _weight_order(self, name: str) -> Literal["C", "F"]:
         """The host layout of a weight read as W in x @ W.T: [n, k] rows where cpu_kernels' f32 product runs (it
         reads them as panels made from those rows, for any number of rows), else [k, n] for MKL's one-row product."""
@@ -1286,7 +1080,7 @@ class TorchExecutable(Executable[Tensor]):
         # were copied twice more before it).
         src = torch.from_numpy(data) if data.dtype != _BF16 else self._from_host(data)
         value.index_copy_(0, idx, src.to(value.device, value.dtype))
-        value.__dict__.pop(_MEMO, None)
+        value.__dict__.pop(MEMO, None)
         return value
 
     def _gather_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, Tensor]:
@@ -1357,7 +1151,7 @@ class TorchExecutable(Executable[Tensor]):
         for handle, row, value in plan:
             value = value.contiguous()  # a fed-back output may be a strided view
             value.view(-1, row_elems)[dst_row] = row
-            value.__dict__.pop(_MEMO, None)
+            value.__dict__.pop(MEMO, None)
             self._handles[handle] = value
             self._mark_resident(handle)
         return True
