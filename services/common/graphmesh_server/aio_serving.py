@@ -92,6 +92,14 @@ def _settle(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+def _alive(loop: weakref.ref[asyncio.AbstractEventLoop]) -> asyncio.AbstractEventLoop:
+    """The loop a weak reference names; RuntimeError (as from a closed loop) once it is gone."""
+    alive = loop()
+    if alive is None:
+        raise RuntimeError("the event loop is gone")
+    return alive
+
+
 _deferred = threading.local()  # .wakeups: the _Wakeups that `deferred_wakes` will post when it ends, on this thread
 
 
@@ -104,9 +112,13 @@ class _Wakeups:
     _of_lock = threading.Lock()
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self._loop = weakref.ref(loop)  # a strong one would keep the key of `_of` alive: its entry never went
         self._lock = threading.Lock()
         self._due: list[asyncio.Future[None]] = []
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return _alive(self._loop)
 
     @classmethod
     def of(cls, loop: asyncio.AbstractEventLoop) -> _Wakeups:
@@ -186,9 +198,13 @@ class _Batches:
     _of_lock = threading.Lock()
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pool: futures.Executor) -> None:
-        self.loop, self.pool = loop, pool
+        self._loop, self.pool = weakref.ref(loop), pool  # weak, as _Wakeups' is
         self._queued: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]]]] = []
         self._ran: futures.Future[None] = futures.Future()  # of the batch being gathered
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return _alive(self._loop)
 
     @classmethod
     def of(cls, pool: futures.Executor) -> _Batches:
