@@ -105,9 +105,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"kvstore {mesh.kvstore_address}", flush=True)
         for rank, address in enumerate(mesh.executor_addresses):
             print(f"executor {rank} {address}" + (f" on GPU {mesh.gpus[rank]}" if mesh.gpus else ""), flush=True)
-        print(f"logs in {mesh.log_dir}; Ctrl-C to stop", flush=True)
         print(f"mesh token in {mesh.mesh_token_file} (for calls to executors and the kvstore)", flush=True)
+        # the last line, inside the try: a Ctrl-C as soon as it is read stops the mesh as any later one does
         try:
+            print(f"logs in {mesh.log_dir}; Ctrl-C to stop", flush=True)
             while all(p.poll() is None for p in mesh.processes):
                 time.sleep(0.5)
             print("a mesh process exited; stopping", file=sys.stderr)
