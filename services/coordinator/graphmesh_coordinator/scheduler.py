@@ -83,7 +83,7 @@ class SessionInfo:
         return len(self.history)
 
 
-@dataclass
+@dataclass(slots=True)  # one per generated token, made on the scheduler's critical path
 class Output:
     token: int
     logits: np.ndarray | None
@@ -596,14 +596,16 @@ class Scheduler:
                 s.solo, s.recoveries = False, 0
                 s.computed += len(r.row.token_ids)
                 if r.final and not s.done:
-                    for token in sampled:
+                    row_logits = None if logits is None else logits[i]
+                    for token in sampled:  # per token only its Output: this runs for every row of every step
                         if s.guide is not None:
                             s.guide.accept(token)
-                        s.outbox.append(Output(token, None if logits is None else logits[i], s.computed, result))
-                        s.computed, s.pending, s.remaining = 0, [token], s.remaining - 1
+                        s.outbox.append(Output(token, row_logits, s.computed, result))
+                        s.computed, s.remaining = 0, s.remaining - 1
                         if s.remaining <= 0 or token in s.stop_ids:
                             s.done = True
                             break
+                    s.pending = [token]  # the last token it took feeds its next row
                 s.busy = False
                 if s.done:
                     self._drop(s)
