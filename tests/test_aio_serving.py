@@ -147,3 +147,42 @@ def test_a_client_that_leaves_a_waiting_stream_closes_its_behavior(served: tuple
         assert next(call) == b"7:0"
         call.cancel()
         _until(lambda: feeder.closed == [7], "its behavior closed")
+
+
+def test_code_after_a_wait_now_runs_alone_and_holds_back_no_other_stream() -> None:
+    """Two batched streams each yield an item and Wait.now(); the code after it blocks in one of them (a session's
+    end waiting for the scheduler's lock): the other's next item still comes."""
+    unblock, wakers = threading.Event(), {}
+
+    def stream(request: bytes, context: Any) -> Iterator[Any]:
+        wait = Wait(30.0)
+        wakers[request] = wait.wake
+        yield wait  # from here on the stream is advanced in batches
+        yield request + b":first"
+        yield Wait.now()
+        if request == b"B":
+            unblock.wait(30)
+        yield request + b":second"
+
+    pool = futures.ThreadPoolExecutor(8)
+    server = AioServer(pool)
+    handler = grpc.method_handlers_generic_handler("t.T", {"S": grpc.unary_stream_rpc_method_handler(stream)})
+    server.add_generic_rpc_handlers((handler,))
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub: Any = channel.unary_stream("/t.T/S")
+            a, b = stub(b"A", timeout=10), stub(b"B", timeout=30)
+            _until(lambda: len(wakers) == 2, "both streams wait")
+            with deferred_wakes():  # woken together: one batch
+                for wake in list(wakers.values()):
+                    wake()
+            assert list(a) == [b"A:first", b"A:second"]  # while B's code is still blocked
+            unblock.set()
+            assert list(b) == [b"B:first", b"B:second"]
+    finally:
+        unblock.set()
+        server.stop(None).wait(10)
+        pool.shutdown(wait=False)

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import inspect
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent import futures
@@ -52,9 +53,11 @@ class Wait:
     checking the condition, so that a wake-up between the check and the yield is not lost.
 
     A stream that yielded a Wait is one that never blocks: from then on its code runs in batches with the other
-    woken streams of its server (_Batches), so it must yield a Wait wherever it would block."""
+    woken streams of its server (_Batches), so it must yield a Wait wherever it would block. Where its code may wait
+    for a lock (a session's end takes the scheduler's), it yields `Wait.now()` before: the items before it leave at
+    once, and the code after it runs on its own, holding back no other stream."""
 
-    __slots__ = ("_future", "_lock", "_wakeups", "_woken", "timeout_s")
+    __slots__ = ("_future", "_lock", "_wakeups", "_woken", "alone", "timeout_s")
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -62,6 +65,14 @@ class Wait:
         self._woken = False
         self._future: asyncio.Future[None] | None = None
         self._wakeups: _Wakeups | None = None
+        self.alone = False  # the stream's code after it runs in a pool task of its own, not in a batch
+
+    @classmethod
+    def now(cls) -> Wait:
+        """A Wait already woken: the items yielded before it leave before the stream's code goes on, alone."""
+        wait = cls(0.0)
+        wait._woken, wait.alone = True, True
+        return wait
 
     def wake(self) -> None:
         with self._lock:
@@ -172,6 +183,7 @@ def deferred_wakes() -> Iterator[None]:
 
 
 Tail = Any  # what ended a run of a stream's items: a Wait, _END, or the exception it raised
+HAND_BACK_S = 0.005  # a batch of streams hands back what it has this often (_Batches._advance): the GIL switch interval
 
 
 def _until_wait(items: Iterator[Any]) -> tuple[list[Any], Tail]:
@@ -237,8 +249,20 @@ class _Batches:
 
     def _advance(self, batch: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]]]],
                  ran: futures.Future[None]) -> None:
-        results = [_until_wait(items) for items, _ in batch]
+        """Runs the batch's streams in turn, handing back what it has every HAND_BACK_S: a stream whose code waits
+        for a lock (a session's end takes the scheduler's) holds back only the streams after it, and not for long."""
+        results: list[tuple[list[Any], Tail]] = []
+        handed, since = 0, time.monotonic()
+        for items, _ in batch:
+            results.append(_until_wait(items))
+            if len(results) < len(batch) and time.monotonic() - since > HAND_BACK_S:
+                self._post(batch[handed:len(results)], results[handed:])
+                handed, since = len(results), time.monotonic()
         ran.set_result(None)
+        self._post(batch[handed:], results[handed:])
+
+    def _post(self, batch: list[tuple[Iterator[Any], asyncio.Future[tuple[list[Any], Tail]]]],
+              results: list[tuple[list[Any], Tail]]) -> None:
         try:
             self.loop.call_soon_threadsafe(self._hand_back, batch, results)
         except RuntimeError:  # the loop closed
@@ -254,7 +278,8 @@ class _Batches:
 
 class _Advancing:
     """A synchronous stream's items, its code run on a pool: an item per pool call until it yields its first Wait;
-    from then on (a stream that never blocks, by Wait's contract) up to each next Wait, in the pool's batches.
+    from then on (a stream that never blocks, by Wait's contract) up to each next Wait, in the pool's batches, except
+    after a Wait.now() (an item per pool call again, until its next Wait).
     `running`: the pool work now running the stream's code, if any (a call that ends closes the stream after it)."""
 
     def __init__(self, pool: futures.Executor) -> None:
@@ -264,9 +289,10 @@ class _Advancing:
     async def items(self, items: Iterator[Any]) -> AsyncIterator[Any]:
         batches: _Batches | None = None
         wakeups: _Wakeups | None = None
+        alone = True  # until its first Wait, and after a Wait.now()
         while True:
             tail: Tail
-            if batches is None:
+            if alone or batches is None:
                 self.running = self.pool.submit(next, items, _END)
                 item = await asyncio.wrap_future(self.running)
                 got, tail = ([], item) if item is _END or isinstance(item, Wait) else ([item], None)
@@ -278,6 +304,7 @@ class _Advancing:
             if tail is _END:
                 return
             if isinstance(tail, Wait):  # the stream waits: no thread is held meanwhile
+                alone = tail.alone
                 if batches is None or wakeups is None:
                     batches = _Batches.of(self.pool)
                     wakeups = _Wakeups.of(batches.loop)

@@ -427,6 +427,8 @@ class Generator:
                                     outs[0].computed_tokens if first and isinstance(outs[0], Output) else 0,
                                     session.session_id if first else "", logprobs)
                     if finish:
+                        if waits:  # the last event leaves before the session's end, which takes the scheduler's lock
+                            yield Wait.now()
                         return
                     if error is not None:
                         raise error
