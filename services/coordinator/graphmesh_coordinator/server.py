@@ -181,13 +181,8 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     port, _ = config.security.start(server, config.listen, names, health_servicer,
                                     {"": health_pb2.HealthCheckResponse.NOT_SERVING,
                                      LIVENESS_SERVICE: health_pb2.HealthCheckResponse.SERVING})
-    http = None
-    if config.http_listen:
-        http = OpenAIServer(generator, mesh, config.model, config.security.auth_token, config.http_ready_wait_s, gate,
-                            responses.open_store(config.redis_url, config.redis_password_file))
-        http.start(_http_listen(config), config.security.tls, max_connections=config.http_max_connections)
-        log.info("HTTP API", extra={"http_listen": config.http_listen, "port": http.port})
-    if config.metrics_port or http is not None:  # the HTTP API serves /metrics too
+    # Registered before the HTTP API (which serves /metrics too) starts: a scrape never finds a metric missing
+    if config.metrics_port or config.http_listen:
         telemetry.expose(
             ("graphmesh_incarnation", "gauge", "The incarnation the mesh runs under", lambda: mesh.incarnation),
             ("graphmesh_recoveries", "counter", "Rosters rebuilt after a lost incarnation", lambda: mesh.recoveries),
@@ -209,6 +204,12 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
             ("graphmesh_preemptions", "counter", "Sessions preempted for KV blocks", lambda: scheduler.preemptions),
             ("graphmesh_prefix_shared_tokens", "counter", "Prompt tokens shared from a live session's KV blocks",
              lambda: scheduler.shared_tokens))
+    http = None
+    if config.http_listen:
+        http = OpenAIServer(generator, mesh, config.model, config.security.auth_token, config.http_ready_wait_s, gate,
+                            responses.open_store(config.redis_url, config.redis_password_file))
+        http.start(_http_listen(config), config.security.tls, max_connections=config.http_max_connections)
+        log.info("HTTP API", extra={"http_listen": config.http_listen, "port": http.port})
     if election is None:
         wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
         _take_over(config, mesh, state.incarnation, health_servicer, drafter)
