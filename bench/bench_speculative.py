@@ -15,7 +15,7 @@ prompt's prefill left out); at 16 streams, the aggregate: every token over the w
 engine, and the mesh over llama.cpp with each one's speculation on. The load average at the start and the end is
 recorded: on a shared small machine it is part of the result.
 
-    .venv/bin/python bench/bench_speculative.py [--repeats 3] [--tokens 128] [--streams 1,16] [--k 4]
+    .venv/bin/python bench/bench_speculative.py [--repeats 3] [--tokens 128] [--streams 1,16] [--k 8]
         [--executors 2] [--weights f32] [--no-peer] [--quick] [--draft PATH]
 
 --quick: 1 repeat, 1 stream, 16 tokens, one prompt of each kind, no peer: a smoke test of the harness, not figures.
@@ -47,6 +47,7 @@ from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2 as cpb
+from graphmesh_coordinator import speculative
 
 MODEL = "smollm2-135m"
 PASSAGE = ("The lighthouse on Skerry Point was built in 1874 from granite quarried on the island itself. For ninety "
@@ -119,7 +120,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--streams", default="1,16")
-    p.add_argument("--k", type=int, default=4, help="the largest k (proposed tokens a pass), both engines")
+    p.add_argument("--k", type=int, default=speculative.DEFAULT_K,
+                   help="the largest k (proposed tokens a pass), both engines; default the coordinator's")
     p.add_argument("--executors", type=int, default=2)
     p.add_argument("--weights", default="f32")
     p.add_argument("--no-peer", action="store_true")

@@ -31,7 +31,9 @@ from graphmesh.errors import InvalidArgument
 from graphmesh.v1 import coordinator_pb2
 
 MAX_NGRAM, MIN_NGRAM = 3, 1
-DEFAULT_K, MAX_K = 4, 16
+# k at most 8 by default: a copied span pays more at up to 8 proposals a pass than at 4, and k falls back at once
+# where fewer are accepted (bench/RESULTS.md, speculative decoding)
+DEFAULT_K, MAX_K = 8, 16
 # Acceptance per proposed token (an exponential average) under which k drops to 0 for a while: a verified chunk
 # costs more than a decode row (more rows per pass), so a session whose proposals keep failing decodes plainly.
 MIN_ACCEPTANCE = 0.25
