@@ -199,6 +199,13 @@ size_t panel_block_bytes(int scheme) {
  *   q6_k: d f16 [PANEL], scales int8 [16][PANEL], low nibbles [128][PANEL] as q4_k's, high bits [64][PANEL]:
  *         byte c holds the top 2 bits of columns 4c .. 4c + 3 at bits 0, 2, 4, 6.
  * Rows past n are zero. */
+/* Column x of a Q6_K super-block: its low 4 bits (top = 0) or its top 2 (top = 1). Half h = x / 128, i = x % 128;
+ * the low bits in ql[64 h + i % 64] (the high nibble for i >= 64), the top in qh[32 h + i % 32] at bits 2 (i / 32). */
+static int q6_bits(const unsigned char *ql, const unsigned char *qh, int x, int top) {
+    int h = x / 128, i = x % 128;
+    return top ? (qh[32 * h + i % 32] >> (2 * (i / 32))) & 3 : (ql[64 * h + i % 64] >> (4 * (i / 64))) & 15;
+}
+
 static void repack_kblocks(int scheme, int n, int k, const unsigned char *src, unsigned char *dst) {
     int blocks = k / QK_K, q6 = scheme == SCHEME_Q6_K;
     size_t row_bytes = (size_t)blocks * gguf_block_bytes(scheme), bb = panel_block_bytes(scheme);
@@ -213,23 +220,11 @@ static void repack_kblocks(int scheme, int n, int k, const unsigned char *src, u
                     const unsigned char *ql = blk, *qh = blk + 128, *sc = blk + 192;
                     out[2 * r] = blk[208], out[2 * r + 1] = blk[209]; /* d */
                     for (int s = 0; s < 16; s++) out[(2 + s) * PANEL + r] = sc[s];
-                    /* column x: half h = x / 128, i = x % 128; low 4 bits in ql[64 h + i % 64] (the high nibble
-                     * for i >= 64), top 2 in qh[32 h + i % 32] at bits 2 (i / 32) */
-                    for (int c = 0; c < 128; c++) {
-                        int lo = 0;
-                        for (int t = 0; t < 2; t++) {
-                            int x = 2 * c + t, h = x / 128, i = x % 128;
-                            lo |= ((ql[64 * h + i % 64] >> (4 * (i / 64))) & 15) << (4 * t);
-                        }
-                        out[(18 + c) * PANEL + r] = (unsigned char)lo;
-                    }
-                    for (int c = 0; c < 64; c++) {
-                        int hi = 0;
-                        for (int t = 0; t < 4; t++) {
-                            int x = 4 * c + t, h = x / 128, i = x % 128;
-                            hi |= ((qh[32 * h + i % 32] >> (2 * (i / 32))) & 3) << (2 * t);
-                        }
-                        out[(146 + c) * PANEL + r] = (unsigned char)hi;
+                    /* 128 bytes of two columns' low 4 bits, then 64 of four columns' top 2 bits */
+                    for (int c = 0; c < 192; c++) {
+                        int top = c >= 128, per = top ? 4 : 2, first = top ? 4 * (c - 128) : 2 * c, byte = 0;
+                        for (int t = 0; t < per; t++) byte |= q6_bits(ql, qh, first + t, top) << ((top ? 2 : 4) * t);
+                        out[(18 + c) * PANEL + r] = (unsigned char)byte;
                     }
                     continue;
                 }
