@@ -96,11 +96,8 @@ def _decode_everything_each_time(tok: Tokenizer, ids: list[int]) -> list[str]:
     return out
 
 
-def test_incremental_detokenizing_emits_what_decoding_everything_each_time_emits(tok: Tokenizer) -> None:
-    """Per token, the same text as the reference, for SmolLM2's byte-level BPE (multi-byte characters split over
-    tokens, random ids that make invalid UTF-8) and a SentencePiece-style tokenizer (a word's leading space depends
-    on the token before)."""
-    rng = np.random.default_rng(7)
+def _detokenizing_cases(tok: Tokenizer, rng: np.random.Generator) -> list[tuple[Tokenizer, list[int]]]:
+    """SmolLM2's byte-level BPE and a small SentencePiece-style tokenizer, each over real text and random ids."""
     spm = tokenizers.SentencePieceBPETokenizer()
     spm.train_from_iterator(PROMPTS * 20, vocab_size=120, show_progress=False)
     spm_tok = Tokenizer(spm._tokenizer, None, {}, ())
@@ -108,6 +105,15 @@ def test_incremental_detokenizing_emits_what_decoding_everything_each_time_emits
     cases += [(tok, rng.integers(0, tok.backend.get_vocab_size(), 60).tolist()) for _ in range(20)]
     cases += [(spm_tok, spm_tok.encode(text)) for text in PROMPTS]
     cases += [(spm_tok, rng.integers(0, spm.get_vocab_size(), 40).tolist()) for _ in range(10)]
+    return cases
+
+
+def test_incremental_detokenizing_emits_what_decoding_everything_each_time_emits(tok: Tokenizer) -> None:
+    """Per token, the same text as the reference, for SmolLM2's byte-level BPE (multi-byte characters split over
+    tokens, random ids that make invalid UTF-8) and a SentencePiece-style tokenizer (a word's leading space depends
+    on the token before)."""
+    rng = np.random.default_rng(7)
+    cases = _detokenizing_cases(tok, rng)
     for t, ids in cases:
         detok = Detokenizer(t)
         assert [detok.push(i) for i in ids] == _decode_everything_each_time(t, ids), ids
@@ -117,13 +123,7 @@ def test_detokenizing_a_decode_runs_tokens_together_emits_what_pushing_each_emit
     """push_many (a decode run's tokens, two decodes for all of them) against a push per token, chunk by chunk, over
     the same cases: the same text for each chunk, also where a chunk ends inside a multi-byte character."""
     rng = np.random.default_rng(11)
-    spm = tokenizers.SentencePieceBPETokenizer()
-    spm.train_from_iterator(PROMPTS * 20, vocab_size=120, show_progress=False)
-    spm_tok = Tokenizer(spm._tokenizer, None, {}, ())
-    cases = [(tok, tok.encode("".join(PROMPTS)))]
-    cases += [(tok, rng.integers(0, tok.backend.get_vocab_size(), 60).tolist()) for _ in range(20)]
-    cases += [(spm_tok, spm_tok.encode(text)) for text in PROMPTS]
-    cases += [(spm_tok, rng.integers(0, spm.get_vocab_size(), 40).tolist()) for _ in range(10)]
+    cases = _detokenizing_cases(tok, rng)
     for t, ids in cases:
         sizes = rng.integers(1, 9, len(ids)).tolist()
         chunks, i = [], 0
