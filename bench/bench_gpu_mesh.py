@@ -1,6 +1,7 @@
-"""Serving on a GPU through the real mesh against one compiled process on the same GPU: a random-weight Llama of a
-real shape (`--shape tinyllama`: TinyLlama-1.1B, `llama8b`: Llama-3-8B; `small` for a dry run), bf16, over 1 and 2
-torch executors on one CUDA device and a coordinator, driven by concurrent CoordinatorClient streams (ignore_eos).
+"""Serving on a GPU through the real mesh against one compiled process on the same GPU: a random-weight model of a
+real shape (`--shape tinyllama`: TinyLlama-1.1B, `llama8b`: Llama-3-8B; `moe`: a Qwen3-MoE of Qwen3-30B-A3B's widths,
+12 layers of 32 experts, top 4, 2.65B parameters; `small` and `moe-small` for a dry run), bf16, over 1 and 2 torch
+executors on one CUDA device and a coordinator, driven by concurrent CoordinatorClient streams (ignore_eos).
 
 The peer (bench/gpu_peer.py, run first in a process of its own) is gpt-fast style: the same checkpoint, plain model
 code, a static KV cache per batch size, SDPA, the decode step compiled with torch.compile(mode="reduce-overhead");
@@ -37,6 +38,7 @@ take (TCP frames, and CUDA IPC where the executors' handshake chooses it): media
     python bench/bench_gpu_mesh.py --shape tinyllama --executors 1,2 --concurrency 1,32,128,256
     python bench/bench_gpu_mesh.py --shape llama8b --gpus 2 --executors 1,2 --concurrency 1,32,128,256
     python bench/bench_gpu_mesh.py --shape llama70b --gpus 4 --executors 2,4 --concurrency 1,32,128 --no-peer
+    python bench/bench_gpu_mesh.py --shape moe --executors 1,2 --concurrency 1,32,128,256   # MoE: grouped experts
     python bench/bench_gpu_mesh.py --shape llama8b --gpus 2 --measure-boundary   # the boundary alone
     python bench/bench_gpu_mesh.py --shape small --device cpu --concurrency 1,4 --no-peer   # a dry run on the CPU
     python bench/bench_gpu_mesh.py --shape medium --write-only /tmp/ckpt --shard-bytes 256Mi   # the writer alone
@@ -109,24 +111,62 @@ LLAMA70B: dict[str, Any] = {"vocab_size": 128256, "hidden_size": 8192, "num_hidd
                             "rope_theta": 500000.0}
 MEDIUM: dict[str, Any] = {"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16,
                           "num_key_value_heads": 4, "intermediate_size": 4096}  # ~0.6 GB: the writer's CPU check
-SHAPES = {"small": SMALL, "medium": MEDIUM, "tinyllama": TINYLLAMA, "llama8b": LLAMA8B, "llama70b": LLAMA70B}
+# Qwen3-MoE rather than Mixtral: it is the MoE family people run now (Qwen3-30B-A3B), graphmesh and transformers both
+# serve it, and its many small experts (top-k of dozens, not 2 of 8) are what stresses a grouped expert product; it
+# also has q/k norms. Qwen3-30B-A3B's widths (hidden 2048, 32 heads of 128 over 4 kv heads, experts of 768, its
+# vocabulary) with 12 layers of 32 experts, top 4 renormalised: 2.65B parameters (5.3 GB bf16), ~0.8B read a token.
+QWEN3_MOE: dict[str, Any] = {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+                             "num_hidden_layers": 12, "num_attention_heads": 32, "num_key_value_heads": 4,
+                             "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                             "num_experts": 32, "num_experts_per_tok": 4, "norm_topk_prob": True,
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+MOE_SMALL: dict[str, Any] = {**QWEN3_MOE, "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                             "intermediate_size": 128, "moe_intermediate_size": 48, "num_experts": 8,
+                             "num_experts_per_tok": 2}  # the MoE shape's dry run, and tests/test_gpu_peer.py's
+SHAPES = {"small": SMALL, "medium": MEDIUM, "tinyllama": TINYLLAMA, "llama8b": LLAMA8B, "llama70b": LLAMA70B,
+          "moe": QWEN3_MOE, "moe-small": MOE_SMALL}
 BOUNDARY_TOKENS = 32768  # --measure-boundary: a 32k-token prefill
 
 
-def llama_tensors(shape: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of a Llama of `shape` as transformers names it, in file order."""
-    h, inter, heads, kv = (shape[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                               "num_key_value_heads"))
-    hd = h // heads
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (shape["vocab_size"], h))]
-    for i in range(shape["num_hidden_layers"]):
+def hf_config(shape: dict[str, Any]) -> Any:
+    """The transformers config of a shape: its model_type names the family (a Llama where it names none)."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    family = shape.get("model_type", "llama")
+    fields = {k: v for k, v in shape.items() if k != "model_type"}
+    common = {"max_position_embeddings": 4096, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+              "dtype": "bfloat16"}
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**{"rms_norm_eps": 1e-6, **common, **fields})
+    if family == "llama":
+        return LlamaConfig(**{"rms_norm_eps": 1e-5, **common, **fields})
+    raise SystemExit(f"no random-checkpoint writer for model_type {family!r}")
+
+
+def hf_tensors(config: Any) -> list[tuple[str, tuple[int, ...]]]:
+    """Every tensor of `config`'s model as transformers saves it (a Qwen3-MoE's experts one by one), in file order."""
+    h, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or h // heads
+    qwen3_moe = config.model_type == "qwen3_moe"
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config.vocab_size, h))]
+    for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         out += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (heads * hd, h)),
                 (p + "self_attn.k_proj.weight", (kv * hd, h)), (p + "self_attn.v_proj.weight", (kv * hd, h)),
-                (p + "self_attn.o_proj.weight", (h, heads * hd)), (p + "post_attention_layernorm.weight", (h,)),
-                (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
-                (p + "mlp.down_proj.weight", (h, inter))]
-    return [*out, ("model.norm.weight", (h,)), ("lm_head.weight", (shape["vocab_size"], h))]
+                (p + "self_attn.o_proj.weight", (h, heads * hd))]
+        if qwen3_moe:
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        out.append((p + "post_attention_layernorm.weight", (h,)))
+        sparse = qwen3_moe and i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0
+        inter = config.moe_intermediate_size if sparse else config.intermediate_size
+        mlps = [f"{p}mlp.experts.{e}." for e in range(config.num_experts)] if sparse else [p + "mlp."]
+        if sparse:
+            out.append((p + "mlp.gate.weight", (config.num_experts, h)))
+        for m in mlps:
+            out += [(m + "gate_proj.weight", (inter, h)), (m + "up_proj.weight", (inter, h)),
+                    (m + "down_proj.weight", (h, inter))]
+    return [*out, ("model.norm.weight", (h,)), ("lm_head.weight", (config.vocab_size, h))]
 
 
 def _rss() -> int:
@@ -134,22 +174,23 @@ def _rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def write_random_llama(shape: dict[str, Any], device: str, path: Path, shard_bytes: int = 4 << 30,
+def write_random_model(shape: dict[str, Any], device: str, path: Path, shard_bytes: int = 4 << 30,
                        piece_bytes: int = 256 << 20) -> dict[str, Any]:
-    """A random bf16 Llama of `shape` as a Hugging Face directory (config, generation config, safetensors shards and
-    their index), written a row piece at a time: each shard's header comes first (every offset follows from the
-    shapes), then each tensor's rows, generated on `device` (N(0, 0.02) as transformers initializes, norms 1) in
-    pieces of at most `piece_bytes`. Returns the shards, the largest shard and the peak RSS growth (bytes)."""
+    """A random bf16 model of `shape` (hf_config: a Llama or a Qwen3-MoE) as a Hugging Face directory (config,
+    generation config, safetensors shards and their index), written a row piece at a time: each shard's header comes
+    first (every offset follows from the shapes), then each tensor's rows, generated on `device` (N(0, the config's
+    initializer_range, 0.02 by default) as transformers initializes, norms 1) in pieces of at most `piece_bytes`.
+    Returns the shards, the largest shard and the peak RSS growth (bytes)."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig
+    from transformers import GenerationConfig
 
     path.mkdir(parents=True, exist_ok=True)
-    LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
-                eos_token_id=2, dtype="bfloat16").save_pretrained(path)
+    config = hf_config(shape)
+    config.save_pretrained(path)
     # random weights: decode a fixed number of tokens, never an end of sequence
     generation: Any = GenerationConfig
     generation(bos_token_id=1, eos_token_id=None, pad_token_id=0).save_pretrained(path)
-    tensors = llama_tensors(shape)
+    tensors = hf_tensors(config)
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, dims in tensors:
@@ -182,7 +223,7 @@ def write_random_llama(shape: dict[str, Any], device: str, path: Path, shard_byt
                     else:
                         generator.manual_seed(hash((index, t, r0)) & 0x7FFFFFFF)
                         piece = torch.randn((min(rows, dims[0] - r0), *dims[1:]), generator=generator,
-                                            dtype=torch.bfloat16, device=device).mul_(0.02).cpu()
+                                            dtype=torch.bfloat16, device=device).mul_(config.initializer_range).cpu()
                     f.write(piece.view(torch.uint8).numpy().data)
                     peak = max(peak, _rss() - base)
                     del piece
@@ -402,8 +443,8 @@ def main() -> None:
     shape = SHAPES[a.shape]
     writer_device = "cuda:0" if a.gpus else (a.device if a.device.startswith("cuda") else "cpu")
     if a.write_only:
-        progress(f"== writing a random {a.shape} Llama (bf16) to {a.write_only}")
-        stats = write_random_llama(shape, writer_device, Path(a.write_only), a.shard_bytes, a.write_piece_bytes)
+        progress(f"== writing a random {a.shape} model (bf16) to {a.write_only}")
+        stats = write_random_model(shape, writer_device, Path(a.write_only), a.shard_bytes, a.write_piece_bytes)
         print(json.dumps(stats))
         print(f"peak RSS growth {stats['peak_rss_growth_bytes'] / 2**20:.0f} MiB while writing "
               f"{stats['bytes'] / 2**30:.2f} GiB in {stats['shards']} shards (largest "
@@ -434,8 +475,8 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = {}  # by mesh: executors, transport, "+mps" where MPS ran
     peer: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        progress(f"== writing a random {a.shape} Llama (bf16) to {tmp}")
-        write_random_llama(shape, writer_device, Path(tmp), a.shard_bytes, a.write_piece_bytes)
+        progress(f"== writing a random {a.shape} model (bf16) to {tmp}")
+        write_random_model(shape, writer_device, Path(tmp), a.shard_bytes, a.write_piece_bytes)
         import torch  # the writer's copy on the GPU goes before the peer and the meshes take it
 
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -461,7 +502,8 @@ def main() -> None:
         if run["poisson"]:
             print("Poisson serving run: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                       for k, v in run["poisson"].items()))
-    result = {"benchmark": "gpu_mesh", "machine": machine(load), "shape": a.shape, "model": f"random Llama, {a.shape} shape",
+    result = {"benchmark": "gpu_mesh", "machine": machine(load), "shape": a.shape,
+              "model": f"random {shape.get('model_type', 'llama')}, {a.shape} shape",
               "dtype": a.dtype, "device": a.device, "gpus": a.gpus, "tokens_per_stream": a.tokens,
               "prompt_tokens": a.prompt_tokens,
               "repeats": a.repeats, "decode_steps": a.decode_steps,
