@@ -179,9 +179,8 @@ def _streams_across(m: LocalMesh, kill: Any, n: int = 48) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("drafted", [2], indirect=True)  # one executor has no other to re-plan its stage over
 def test_a_kill_9_of_a_target_stage_changes_no_token(drafted: LocalMesh) -> None:
-    if len(drafted.executor_processes) < 2:
-        pytest.skip("a kill -9 of a target stage needs another executor to re-plan over")
     _streams_across(drafted, lambda: faults.kill9(drafted.executor_processes[-1]))
 
 
