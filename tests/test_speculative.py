@@ -151,12 +151,11 @@ def test_sixteen_streams_equal_their_solo_runs_without_speculation(mesh: LocalMe
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mesh", [2, 3], indirect=True)  # one executor has no other to re-plan its stage over
 def test_a_kill_9_while_chunks_are_verified_changes_no_token(mesh: LocalMesh) -> None:
     """A greedy and a seeded stream speculate side by side (two decodes a step: speculation joins); the last stage,
     which verifies their chunks, is killed once both have tokens. Both streams are the tokens of fault-free runs
     with speculation off: the recovery restores each session's accepted rows and replays with the same seeds."""
-    if len(mesh.executor_processes) < 2:
-        pytest.skip("a kill -9 needs another executor to re-plan over")
     prompt, n = GROUNDED[0], 60
     jobs: list[dict[str, Any]] = [{}, {"temperature": 0.8, "top_k": 40, "seed": 5}]
     baseline = [_generate(mesh.coordinator_address, prompt, OFF, max_tokens=n, **job) for job in jobs]
