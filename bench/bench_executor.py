@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 from bench.common import (
     MIB,
-    OPTIONS,
     args_or_bare_server,
     free_address,
     interleaved_medians,
@@ -40,6 +39,7 @@ from bench.common import (
 )
 from graphmesh import ExecutorClient, GraphBuilder, RemoteExecutable, models, tensors
 from graphmesh.bundled import resolve_model
+from graphmesh.channels import MESSAGE_OPTIONS
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import NotFound
 from graphmesh.v1 import executor_pb2, tensor_pb2
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
                  spawn([sys.executable, __file__, "--bare-server", echo_address], echo_address)]
     try:
         with ExecutorClient(executor_address, timeout=600) as client, grpc.insecure_channel(echo_address,
-                                                                                          OPTIONS) as echo:
+                                                                                          MESSAGE_OPTIONS) as echo:
             assert client.capabilities().backend == executor_pb2.BACKEND_NUMPY
             rtt = round_trip(client, echo, a.rtt_runs)
             progress(f"  Run {rtt['graphmesh_run_us']:.0f} us   bare echo {rtt['bare_echo_us']:.0f} us   "

@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 from bench.common import (
     MIB,
-    OPTIONS,
     args_or_bare_server,
     cpu_seconds,
     free_address,
@@ -42,6 +41,7 @@ from bench.common import (
     write_results,
 )
 from graphmesh import tensors
+from graphmesh.channels import MESSAGE_OPTIONS
 from graphmesh.kvstore_client import KvStoreClient
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 
@@ -67,7 +67,7 @@ def _upload(chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
 def _pull(request: bytes, context: grpc.ServicerContext) -> bytes:
     """One hop: this process streams `total` bytes from the source."""
     source, total = request[8:].decode(), request[:8]
-    with grpc.insecure_channel(source, OPTIONS) as channel:
+    with grpc.insecure_channel(source, MESSAGE_OPTIONS) as channel:
         download: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream("/bench.Bare/Download")
         received = sum(len(c) for c in download(total, timeout=600))
     return received.to_bytes(8, "little")
@@ -76,7 +76,7 @@ def _pull(request: bytes, context: grpc.ServicerContext) -> bytes:
 def _relay(request: bytes, context: grpc.ServicerContext) -> bytes:
     """Two hops: this process forwards the source's chunks into the sink as they arrive."""
     source, sink = request[8:].decode().split(",")
-    with grpc.insecure_channel(source, OPTIONS) as src, grpc.insecure_channel(sink, OPTIONS) as dst:
+    with grpc.insecure_channel(source, MESSAGE_OPTIONS) as src, grpc.insecure_channel(sink, MESSAGE_OPTIONS) as dst:
         download: grpc.UnaryStreamMultiCallable[bytes, bytes] = src.unary_stream("/bench.Bare/Download")
         upload: grpc.StreamUnaryMultiCallable[bytes, bytes] = dst.stream_unary("/bench.Bare/Upload")
         return upload(download(request[:8], timeout=600), timeout=600)
@@ -159,7 +159,7 @@ def measure(a: argparse.Namespace, addresses: dict[str, str], rows: np.ndarray,
             pids: dict[str, int]) -> tuple[list[float], dict[str, float]]:
     """Median seconds of CopyRows and of the bare one-hop and two-hop streams, and the CPU seconds each of our
     processes spent on one copy."""
-    channels = {n: grpc.insecure_channel(addresses[n], OPTIONS) for n in ("a", "b", "relay", "sink")}
+    channels = {n: grpc.insecure_channel(addresses[n], MESSAGE_OPTIONS) for n in ("a", "b", "relay", "sink")}
     stages = {n: stage_pb2_grpc.StageServiceStub(channels[n]) for n in ("a", "b")}
     for stub in stages.values():
         spec = stage_pb2.StageSpec(model="kv-smollm2-layout", layer_start=0, layer_end=LAYERS, first=True, last=True)

@@ -25,7 +25,6 @@ from graphmesh_server.serving import cpu_flags
 
 MIB = 1 << 20
 GIB = 1 << 30
-OPTIONS = MESSAGE_OPTIONS  # the benchmarks' bare channels and servers take the product's message limits
 RESULTS_DIR = Path(__file__).parent / "results"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,7 +56,7 @@ def args_or_bare_server(p: argparse.ArgumentParser, argv: list[str] | None, serv
     if not a.bare_server:
         return a
     tune_malloc()  # the same process tuning as the executor, so the comparison is of code, not allocators
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=MESSAGE_OPTIONS)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(service, handlers)])
     server.add_insecure_port(a.bare_server)
     server.start()
