@@ -209,7 +209,7 @@ def _gguf_blocks(scheme: str, n: int, k: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("scheme", ["q4_0", "q4_1", "q8_0"])
-@pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 64, 7), (5, 576, 1536), (8, 1536, 577), (13, 32, 13),
+@pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 64, 7), (2, 576, 100), (5, 576, 1536), (8, 1536, 577), (13, 32, 13),
                                    (32, 96, 100)])
 def test_packed_weights_are_ggufs_values_and_each_row_sums_alone(scheme: str, m: int, k: int, n: int) -> None:
     """x @ w.T over GGUF blocks (read in panels) multiplies by exactly the f32 weights gguf dequantizes them to,

@@ -370,13 +370,90 @@ static void dequantize_slice(int scheme, const unsigned char *panel, int kb, int
     }
 }
 
+/* FUSED_ROWS rows at most (a lone decode, or two) take their products straight from registers: a slice made in L1
+ * and read back costs a store and a load a weight, which a quad of rows shares but one row pays alone, and one row's
+ * 3 FMA chains a panel wait on each other's latency; so each block is dequantized into registers and multiplied at
+ * once, NP panels side by side. The weights are the slice's values (the same operations) and each output the same
+ * FMA chain over k in order, so the bits are those of the slice path. Blocks of 32 only (q4_0, q4_1, q8_0). */
+#define FUSED_ROWS 2
+static inline __attribute__((always_inline)) void fused_panels(int mr, int np, int scheme, int k, const float *x,
+                                                               size_t ldx, const unsigned char *panel,
+                                                               size_t panel_bytes, float *out, int ldo, int n,
+                                                               int n1) {
+    size_t bb = panel_block_bytes(scheme);
+    vec acc[FUSED_ROWS][2][3];
+    for (int i = 0; i < mr; i++)
+        for (int p = 0; p < np; p++)
+            for (int g = 0; g < 3; g++) acc[i][p][g] = vzero();
+    for (int b = 0; b < k / 32; b++) {
+        const float *xb = x + 32 * b;
+        for (int p = 0; p < np; p++) {
+            const unsigned char *src = panel + p * panel_bytes + (size_t)b * bb;
+            const unsigned short *scales = (const unsigned short *)src;
+            vec d[3], m[3];
+            for (int g = 0; g < 3; g++) {
+                d[g] = load_f16(scales + VL * g);
+                m[g] = scheme == SCHEME_Q4_1 ? load_f16(scales + PANEL + VL * g)
+                     : scheme == SCHEME_Q4_0 ? vmul(d[g], vset1(-8.0f)) : vzero();
+            }
+            if (scheme == SCHEME_Q8_0) {
+                const unsigned char *codes = src + 2 * PANEL;
+                for (int c = 0; c < 32; c++)
+                    for (int g = 0; g < 3; g++) {
+                        vec w = vmul(d[g], load_i8(codes + c * PANEL + VL * g));
+                        for (int i = 0; i < mr; i++) acc[i][p][g] = vfmadd(vset1(xb[i * ldx + c]), w, acc[i][p][g]);
+                    }
+                continue;
+            }
+            const unsigned char *codes = src + 4 * PANEL;
+            for (int c = 0; c < 16; c++)
+                for (int g = 0; g < 3; g++) {
+                    vec lo, hi;
+                    load_nibbles(codes + c * PANEL + VL * g, &lo, &hi);
+                    vec w0 = vfmadd(d[g], lo, m[g]), w1 = vfmadd(d[g], hi, m[g]);
+                    for (int i = 0; i < mr; i++) {
+                        acc[i][p][g] = vfmadd(vset1(xb[i * ldx + 2 * c]), w0, acc[i][p][g]);
+                        acc[i][p][g] = vfmadd(vset1(xb[i * ldx + 2 * c + 1]), w1, acc[i][p][g]);
+                    }
+                }
+        }
+    }
+    for (int p = 0; p < np; p++) {
+        float tile[PANEL] __attribute__((aligned(64)));
+        int cols = n1 - n - p * PANEL < PANEL ? n1 - n - p * PANEL : PANEL;
+        for (int i = 0; i < mr; i++) {
+            for (int g = 0; g < 3; g++) vstore(tile + VL * g, acc[i][p][g]);
+            memcpy(out + (size_t)i * ldo + n + p * PANEL, tile, (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+static void fused_rows(int m, int k, const float *x, int ldx, const unsigned char *w, int scheme, float *out, int ldo,
+                       int n0, int n1) {
+    size_t panel_bytes = (size_t)(k / 32) * panel_block_bytes(scheme);
+    for (int n = n0; n < n1;) {
+        const unsigned char *panel = w + (size_t)(n / PANEL) * panel_bytes;
+        int two = n1 - n > PANEL;
+#define FUSED(mr, np) fused_panels(mr, np, scheme, k, x, ldx, panel, panel_bytes, out, ldo, n, n1)
+        if (m == 1) { if (two) FUSED(1, 2); else FUSED(1, 1); }
+        else { if (two) FUSED(2, 2); else FUSED(2, 1); }
+#undef FUSED
+        n += two ? 2 * PANEL : PANEL;
+    }
+}
+
 /* Rows [n0, n1) of the output's columns (n0 a multiple of PANEL: callers split n across threads); w: repack_blocks'
- * panels; k a multiple of block_cols(scheme). Strides are in elements. Up to PANEL_ROWS rows (a decode)
+ * panels; k a multiple of block_cols(scheme). Strides are in elements. One or two rows of blocks of 32 go through
+ * fused_rows; up to PANEL_ROWS rows (a decode)
  * dequantize a KC slice at a time into L1 and keep their partial sums in acc between slices; more rows (a prompt
  * chunk) dequantize a whole panel once and run the f32 panels' tiles over it. The sums are the same either way,
  * and the same as gemm_fpanels' over gguf's dequantization: one FMA chain over k in order, from zero. */
 void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w, int scheme, float *out, int ldo,
                   int n0, int n1) {
+    if (m <= FUSED_ROWS && !kquant(scheme)) {
+        fused_rows(m, k, x, ldx, w, scheme, out, ldo, n0, n1);
+        return;
+    }
     int cols = block_cols(scheme);
     size_t bb = panel_block_bytes(scheme), panel_bytes = (size_t)(k / cols) * bb;
     if (m > PANEL_ROWS) {
