@@ -10,6 +10,7 @@ AVX-512 too on hosts that have it, so an AVX-512 host checks both paths and the 
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 from collections.abc import Iterator
@@ -275,6 +276,36 @@ def test_a_packed_product_has_the_bits_of_the_f32_product_over_ggufs_dequantizat
         x = _rand(rows, k, seed=rows)
         assert torch.equal(cpu_kernels.matmul_xwt_packed(x, torch.from_numpy(packed), scheme, n),
                            cpu_kernels.matmul_xwt(x, dense))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: no helper thread to share a product with")
+@pytest.mark.parametrize("scheme", ["f32", "q4_0", "q4_1", "q8_0", "q4_k"])
+def test_a_lone_rows_product_shared_with_the_helper_thread_has_the_one_thread_bits(scheme: str) -> None:
+    """Products of one or two rows (a lone stream's decode) split their columns with cpu_kernels.c's helper thread,
+    also in an executor held to one thread: each output is still the one-thread FMA chain, whichever thread took
+    its chunk, and the helper really takes chunks."""
+    lib = cpu_kernels.library()
+    assert lib is not None and cpu_kernels._helper(lib)
+    n, k = 50 * cpu_kernels.panel() + 7, 512  # many chunks and a short last one
+    if scheme == "f32":
+        w = _rand(n, k, seed=3)
+        weight = cpu_kernels.fpanels(w)
+    helped = lib.helper_chunks()
+    for m in (1, 2):
+        for trial in range(20):
+            x = _rand(m, k, seed=10 * m + trial)
+            alone, shared = torch.empty(m, n), torch.empty(m, n)
+            if scheme == "f32":
+                lib.gemm_fpanels(m, k, x.data_ptr(), k, weight.data_ptr(), alone.data_ptr(), n, 0, n)
+                lib.gemm_fpanels_shared(m, k, x.data_ptr(), k, weight.data_ptr(), shared.data_ptr(), n, n)
+            else:
+                blocks = (_k_blocks if scheme in K_QUANTS else _gguf_blocks)(scheme, n, k, seed=5)
+                panels = cpu_kernels.panels(torch.from_numpy(blocks), scheme, n, k)
+                code = cpu_kernels.PACKED_SCHEMES[scheme]
+                lib.gemm_qpanels(m, k, x.data_ptr(), k, panels.data_ptr(), code, alone.data_ptr(), n, 0, n)
+                lib.gemm_qpanels_shared(m, k, x.data_ptr(), k, panels.data_ptr(), code, shared.data_ptr(), n, n)
+            assert torch.equal(shared, alone), (m, trial)
+    assert lib.helper_chunks() > helped
 
 
 K_QUANTS = ["q4_k", "q6_k"]

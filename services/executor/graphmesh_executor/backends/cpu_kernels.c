@@ -11,10 +11,17 @@
  * FMA chain over k in order from zero in both builds, so the AVX2 and the AVX-512 products give the same bits.
  * Attention and the norms keep their 8-lane sums (with horizontal adds) in both builds for the same reason. */
 #include <immintrin.h>
+#include <linux/futex.h>
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <x86intrin.h>
 
 /* The two builds differ only in their register width: VL lanes, the intrinsics' prefix (V(op): _mm512_op or
  * _mm256_op, VI(op): the integer ops' _mm512_op_si512 or _mm256_op_si256), and how many bytes a load of VL f16
@@ -497,6 +504,116 @@ void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w,
         for (int i = 0; i < m; i++)
             for (int j = 0; j < cols_out; j++) out[(size_t)i * ldo + n + j] = acc[i * PANEL + j];
     }
+}
+
+/* A helper thread for the products of one or two rows (a lone stream's decode): such a product is too short for
+ * a hand-off through Python's thread pool, and its stage is then usually the only one computing on its host (the
+ * others wait on it), so an executor held to one thread may still borrow one more core for it. The caller and
+ * the helper take chunks of two panels from one atomic counter; the caller never waits for a chunk the helper has
+ * not begun, so a helper that is descheduled (the host busy after all) costs nothing but its chunk in progress.
+ * Columns are split, never sums: every output has the bits of the one-thread product.
+ * The claim word holds the job's generation (24 bits), its chunk count and the next chunk (20 bits each). */
+typedef struct {
+    int m, k, ldx, scheme, ldo, n;
+    const float *x;
+    const void *w;
+    float *out;
+} shared_job;
+static shared_job job;
+static _Atomic unsigned long long claim;
+static _Atomic unsigned int generation; /* the futex word the helper sleeps on */
+static _Atomic int finished;            /* chunks done in the current generation */
+static _Atomic int helper_sleeping;
+static pthread_mutex_t caller = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time; others go alone */
+static int helper_started;
+static _Atomic long long helped; /* chunks the helper has taken, for the tests */
+#define HELPER_SPIN_CYCLES 200000ULL /* ~50 us: the gap between a step's products, not between steps */
+#define CHUNK_COLS (2 * PANEL)
+
+static void run_chunk(const shared_job *j, int c) {
+    int n0 = c * CHUNK_COLS, n1 = n0 + CHUNK_COLS < j->n ? n0 + CHUNK_COLS : j->n;
+    if (j->scheme < 0) gemm_fpanels(j->m, j->k, j->x, j->ldx, (const float *)j->w, j->out, j->ldo, n0, n1);
+    else gemm_qpanels(j->m, j->k, j->x, j->ldx, (const unsigned char *)j->w, j->scheme, j->out, j->ldo, n0, n1);
+}
+
+/* Chunks of generation g until none is left; the helper and the caller alike. */
+static void take_chunks(unsigned g, int helper) {
+    for (;;) {
+        unsigned long long v = atomic_load(&claim);
+        unsigned idx = v & 0xFFFFF, count = (v >> 20) & 0xFFFFF;
+        if ((v >> 40) != (g & 0xFFFFFF) || idx >= count) return;
+        if (!atomic_compare_exchange_weak(&claim, &v, v + 1)) continue;
+        shared_job j = job; /* stable: its generation cannot end before this chunk is finished */
+        run_chunk(&j, (int)idx);
+        if (helper) atomic_fetch_add(&helped, 1);
+        atomic_fetch_add(&finished, 1);
+    }
+}
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    unsigned seen = atomic_load(&generation);
+    for (;;) {
+        unsigned long long until = __rdtsc() + HELPER_SPIN_CYCLES;
+        while (atomic_load(&generation) == seen && __rdtsc() < until) _mm_pause();
+        if (atomic_load(&generation) == seen) {
+            atomic_store(&helper_sleeping, 1);
+            while (atomic_load(&generation) == seen)
+                syscall(SYS_futex, &generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+            atomic_store(&helper_sleeping, 0);
+        }
+        seen = atomic_load(&generation);
+        take_chunks(seen, 1);
+    }
+    return NULL;
+}
+
+/* Starts the helper (once); 0 when it runs. */
+int start_helper(void) {
+    pthread_mutex_lock(&caller);
+    if (!helper_started) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        helper_started = pthread_create(&t, &attr, helper_main, NULL) == 0;
+        pthread_attr_destroy(&attr);
+    }
+    pthread_mutex_unlock(&caller);
+    return helper_started ? 0 : -1;
+}
+
+long long helper_chunks(void) { return atomic_load(&helped); }
+
+/* out[m, 0..n) = x . w.T with the helper: w f32 panels (scheme < 0) or repack_blocks' panels of `scheme`. */
+static void gemm_shared(int m, int k, const float *x, int ldx, const void *w, int scheme, float *out, int ldo, int n) {
+    int chunks = (n + CHUNK_COLS - 1) / CHUNK_COLS;
+    if (!helper_started || chunks < 2 || pthread_mutex_trylock(&caller) != 0) {
+        if (scheme < 0) gemm_fpanels(m, k, x, ldx, (const float *)w, out, ldo, 0, n);
+        else gemm_qpanels(m, k, x, ldx, (const unsigned char *)w, scheme, out, ldo, 0, n);
+        return;
+    }
+    job = (shared_job){m, k, ldx, scheme, ldo, n, x, w, out};
+    atomic_store(&finished, 0);
+    unsigned g = atomic_load(&generation) + 1;
+    atomic_store(&claim, ((unsigned long long)(g & 0xFFFFFF) << 40) | ((unsigned long long)chunks << 20));
+    atomic_store(&generation, g);
+    if (atomic_load(&helper_sleeping)) syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    take_chunks(g, 0);
+    for (int spins = 0; atomic_load(&finished) < chunks; spins++) {
+        if (spins < 4096) _mm_pause();
+        else sched_yield(); /* the helper's chunk in progress, its thread descheduled */
+    }
+    pthread_mutex_unlock(&caller);
+}
+
+void gemm_qpanels_shared(int m, int k, const float *x, int ldx, const unsigned char *w, int scheme, float *out,
+                         int ldo, int n) {
+    gemm_shared(m, k, x, ldx, w, scheme, out, ldo, n);
+}
+
+void gemm_fpanels_shared(int m, int k, const float *x, int ldx, const float *w, float *out, int ldo, int n) {
+    gemm_shared(m, k, x, ldx, w, -1, out, ldo, n);
 }
 
 /* Paged attention for decode, one query row per sequence (f32): out[s, h] = softmax(q[s, h] . K[s]^T * scale) V[s]

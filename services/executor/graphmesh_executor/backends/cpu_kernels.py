@@ -45,9 +45,10 @@ _ISA_FLAGS = {  # what each build may use; the C source picks its vectors by __A
 }
 _ISA_CPU = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
 _FLAGS = ["-O3", "-shared", "-fPIC"]
-_LIBS = ["-lm"]
+_LIBS = ["-lm", "-pthread"]
 _PANELS = "_graphmesh_panels"  # a packed tensor's panel form, in its __dict__ (by panel width)
 _FPANELS = "_graphmesh_fpanels"  # an f32 weight's panel form, in its __dict__ (by panel width)
+HELPED_ROWS = 2  # products of this many rows at most split their columns with the helper thread (cpu_kernels.c)
 _MIN_SHARE = 384  # output columns a thread takes at least: fewer cost more in the handoff than they save
 
 
@@ -150,6 +151,14 @@ def _library(build: str) -> ctypes.CDLL | None:
     lib.repack_blocks.restype = None
     lib.gemm_qpanels.argtypes = [i, i, p, i, p, i, p, i, i, i]
     lib.gemm_qpanels.restype = None
+    lib.start_helper.argtypes = []
+    lib.start_helper.restype = i
+    lib.helper_chunks.argtypes = []
+    lib.helper_chunks.restype = ctypes.c_longlong
+    lib.gemm_fpanels_shared.argtypes = [i, i, p, i, p, p, i, i]
+    lib.gemm_fpanels_shared.restype = None
+    lib.gemm_qpanels_shared.argtypes = [i, i, p, i, p, i, p, i, i]
+    lib.gemm_qpanels_shared.restype = None
     lib.paged_decode_attention.argtypes = [i, i, i, i, i, i, p, p, p, p, p, ctypes.c_float, i, ctypes.c_float, p, p, p]
     lib.paged_decode_attention.restype = None
     lib.rms_norm.argtypes = [i, i, p, p, ctypes.c_float, p]
@@ -171,6 +180,15 @@ def panel() -> int:
 @functools.cache
 def _panel_width(lib: ctypes.CDLL) -> int:
     return int(lib.panel_width())
+
+
+@functools.cache
+def _helper(lib: ctypes.CDLL) -> bool:
+    """Whether products of HELPED_ROWS rows or fewer take cpu_kernels.c's helper thread (gemm_*_shared): where this
+    process may run on a second core, even when held to one compute thread (GRAPHMESH_CPU_HELPER=0: never)."""
+    if os.environ.get("GRAPHMESH_CPU_HELPER", "1") == "0" or len(os.sched_getaffinity(0)) < 2:
+        return False
+    return bool(lib.start_helper() == 0)
 
 
 @functools.cache
@@ -216,7 +234,10 @@ def matmul_xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     args = (m, k, x.data_ptr(), k, fpanels(w).data_ptr(), out.data_ptr(), n)
-    _run_shares(_shares(n, panel()), lambda i, a, b: lib.gemm_fpanels(*args, a, b))
+    if m <= HELPED_ROWS and _helper(lib):
+        lib.gemm_fpanels_shared(*args, n)
+    else:
+        _run_shares(_shares(n, panel()), lambda i, a, b: lib.gemm_fpanels(*args, a, b))
     return out
 
 
@@ -289,7 +310,10 @@ def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
     args = (m, k, x.data_ptr(), k, panels(packed, scheme, n, k).data_ptr(), PACKED_SCHEMES[scheme], out.data_ptr(), n)
-    _run_shares(_shares(n, panel()), lambda i, a, b: lib.gemm_qpanels(*args, a, b))
+    if m <= HELPED_ROWS and _helper(lib):
+        lib.gemm_qpanels_shared(*args, n)
+    else:
+        _run_shares(_shares(n, panel()), lambda i, a, b: lib.gemm_qpanels(*args, a, b))
     return out
 
 
