@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from graphmesh.errors import InvalidArgument, ResourceExhausted, Unavailable
 from graphmesh.protocol import ErrorClass
 from graphmesh.v1 import stage_pb2
+from graphmesh_coordinator import speculative
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_coordinator.scheduler import Output, Scheduler, SessionInfo
 from graphmesh_coordinator.scheduler import Sequence as Seq
@@ -55,7 +56,8 @@ class FakeRank:
     tokens: dict[str, list[int]] = field(default_factory=dict)  # committed tokens
     open: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)  # session -> (epoch, start, tokens)
     committed: dict[str, int] = field(default_factory=dict)
-    lent: dict[str, int] = field(default_factory=dict)
+    lent: dict[str, int] = field(default_factory=dict)  # blocks held
+    dropped: dict[str, int] = field(default_factory=dict)  # leading blocks let go (a sliding window passed them)
 
     def free(self) -> int:
         return self.blocks - sum(self.lent.values())
@@ -66,9 +68,12 @@ class FakeMesh:
 
     kv_block_tokens = BLOCK
 
-    def __init__(self, ranks: int, blocks: int, arch_every: int = 0, comm_at: int = 0, store: bool = False) -> None:
+    def __init__(self, ranks: int, blocks: int, arch_every: int = 0, comm_at: int = 0, store: bool = False,
+                 window: int = 0) -> None:
         # With a store: every committed whole block is written behind to it, and seed_prefix starts a session on
-        # every rank from the longest stored prefix, as SeedStages does.
+        # every rank from the longest stored prefix, as SeedStages does. With a window, every rank drops a
+        # session's blocks wholly before the window of a row's first query as it begins the row (stage_kv).
+        self.kv_window_tokens = window
         self.kvstore: object | None = object() if store else None
         self.stored: set[tuple[int, ...]] = set()
         self.seeded_tokens = 0
@@ -159,7 +164,13 @@ class FakeMesh:
         rank.open.pop(s, None)  # an epoch that failed and was never committed
         if r.start_position != rank.kv.get(s, 0):
             self.violations.append(f"{s}: row starts at {r.start_position}, rank holds {rank.kv.get(s, 0)}")
-        need = -(-(r.start_position + len(r.token_ids) + decode_steps - 1) // BLOCK) - rank.lent.get(s, 0)
+        dropped = rank.dropped.get(s, 0)
+        if self.kv_window_tokens:
+            passed = min(max(0, r.start_position - self.kv_window_tokens + 1) // BLOCK, rank.lent.get(s, 0) + dropped)
+            if passed > dropped:
+                rank.lent[s] -= passed - dropped
+                rank.dropped[s] = dropped = passed
+        need = -(-(r.start_position + len(r.token_ids) + decode_steps - 1) // BLOCK) - rank.lent.get(s, 0) - dropped
         if need > rank.free():
             self.violations.append(f"{s}: needs {need} blocks, rank has {rank.free()} free")
             raise InvalidArgument("pool exhausted", "KV_POOL_EXHAUSTED")
@@ -169,7 +180,7 @@ class FakeMesh:
     def release(self, session_id: str) -> None:
         with self._lock:
             for rank in self._ranks:
-                for table in (rank.kv, rank.tokens, rank.open, rank.committed, rank.lent):
+                for table in (rank.kv, rank.tokens, rank.open, rank.committed, rank.lent, rank.dropped):
                     table.pop(session_id, None)
 
     def recover(self, failed: int) -> None:
@@ -207,7 +218,7 @@ class FakeMesh:
         with self._lock:
             n = len(token_ids)
             held = all(rank.kv.get(donor_id, 0) >= n and rank.tokens.get(donor_id, [])[:n] == list(token_ids)
-                       for rank in self._ranks)
+                       and not rank.dropped.get(donor_id) for rank in self._ranks)
             if not held or n % BLOCK or any(session_id in rank.kv for rank in self._ranks):
                 self.share_refusals += 1
                 return 0
@@ -301,6 +312,48 @@ def test_failures_retry_and_recover_without_changing_a_token(jobs: list[tuple[li
         else:
             assert got == solo(prompt, n)
     assert mesh.recoveries <= (1 if comm_at else 0)
+
+
+WINDOW = 2 * BLOCK
+
+
+def windowed_bound(budget: int, decode_steps: int) -> int:
+    """Scheduler._most_held of a long session under WINDOW: the window and two steps' rows."""
+    return -(-(WINDOW - 1 + 2 * max(budget, decode_steps, speculative.MAX_K + 1)) // BLOCK) + 2
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(jobs=st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=60), st.integers(1, 60)),
+                     min_size=1, max_size=8),
+       ranks=st.integers(1, 3), budget=st.sampled_from([1, 3, 8]), slack=st.integers(0, 6),
+       decode_steps=st.sampled_from([1, 3]), arch_every=st.sampled_from([0, 7]))
+def test_under_a_sliding_window_sessions_longer_than_the_pool_run_with_their_solo_tokens(
+        jobs: list[tuple[list[int], int]], ranks: int, budget: int, slack: int, decode_steps: int,
+        arch_every: int) -> None:
+    """Every rank drops a session's blocks that its window passed (stage_kv), and the scheduler counts them free once
+    the row that dropped them is done: a pool that fits a window and two steps' rows serves sessions far longer
+    than it, never lends a block a rank does not have (the fake ranks check), and changes no token."""
+    mesh = FakeMesh(ranks, windowed_bound(budget, decode_steps) + slack, arch_every=arch_every, window=WINDOW)
+    results = run(mesh, jobs, budget, decode_steps=decode_steps)
+    assert not mesh.violations, mesh.violations[:3]
+    for (prompt, n), got in zip(jobs, results):
+        assert got == solo(prompt, n) or (arch_every and isinstance(got, InvocationFailed))
+
+
+def test_a_windowed_request_longer_than_the_pool_is_admitted_and_one_whose_window_cannot_fit_is_refused() -> None:
+    pool = windowed_bound(8, 1)
+    mesh = FakeMesh(2, pool, window=WINDOW)
+    job = ([3, 1, 4, 1, 5], pool * BLOCK * 3)  # three pools' worth of tokens
+    assert run(mesh, [job], 8) == [solo(*job)]
+    assert not mesh.violations
+    scheduler = Scheduler(cast(Mesh, FakeMesh(2, pool - 1, window=WINDOW)), max_step_tokens=8)
+    try:
+        seq = Seq(SessionInfo("wide"), [1] * 10, stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, 500,
+                  max_tokens_total=510)
+        with pytest.raises(ResourceExhausted, match="KV blocks"):
+            scheduler.submit(seq)
+    finally:
+        scheduler.close()
 
 
 def test_a_pool_too_small_for_everyone_at_once_preempts_and_still_finishes() -> None:

@@ -241,3 +241,31 @@ def test_the_mesh_drops_windowed_blocks_and_keeps_every_sessions_tokens(backend:
             got = list(pool.map(run, prompts))
         assert run(prompts[0]) == want[0]  # alone: speculation runs (steps with more decodes set it aside)
     assert got == want
+
+
+def test_the_coordinator_admits_windowed_sessions_longer_than_the_pool(tmp_path: Path) -> None:
+    """Both stages of the Mistral are windowed, so the coordinator counts the blocks a window passed as free once
+    the row that dropped them is done (Scheduler._most_held): two sessions each ~twice the smallest pool's tokens are
+    admitted, not refused, take turns in it (preempted and recomputed) and keep transformers' tokens."""
+    from graphmesh.coordinator_client import CoordinatorClient
+    from graphmesh.launcher import LocalMesh
+    from tests.test_metrics import scrape, value
+
+    path = make_mistral(tmp_path / "mistral")
+    prompts = [[(13 * j + 5 * i) % 997 + 1 for j in range(24)] for i in range(2)]
+    n = 216
+    want = [transformers_tokens(path, p, n) for p in prompts]
+    block_bytes = 2 * 1 * 32 * 4 * BLOCK  # K and V of a stage's one layer (kv_dim 32), f32, per block
+    with LocalMesh(2, "torch", str(path), kvstore=False, metrics=True, startup_timeout_s=120,
+                   extra_executor_args=("--kv-cache-bytes", str(9 * block_bytes)),
+                   extra_coordinator_args=("--max-step-tokens", "32")) as mesh:
+        pool = value(scrape(mesh.metrics_ports["coordinator"]), "graphmesh_kv_blocks_total")
+        assert pool == 8 and (24 + n) / BLOCK > 1.5 * pool  # every session outgrows the pool
+
+        def run(prompt: list[int]) -> list[int]:
+            with CoordinatorClient(mesh.coordinator_address) as client:
+                return [t for chunk in client.generate(prompt_token_ids=prompt, max_tokens=n, ignore_eos=True)
+                        for t in chunk.token_ids]
+        with ThreadPoolExecutor(2) as pool_:
+            got = list(pool_.map(run, prompts))
+    assert got == want

@@ -298,9 +298,10 @@ class OpenAIServer:
 
     def _room(self, prompt_tokens: int) -> int:
         """The default max_tokens: up to the context, or what one session may hold of the KV pool when that is
-        less (the default must never be a request that is refused for not fitting)."""
+        less (the default must never be a request that is refused for not fitting); a windowed mesh holds only the
+        window of a session at once (Scheduler._most_held), so only its context bounds it."""
         limit = self.generator.context_tokens
-        if self.mesh.kv_pool_blocks:
+        if self.mesh.kv_pool_blocks and not self.mesh.kv_window_tokens:
             limit = min(limit, self.mesh.kv_pool_blocks * self.mesh.kv_block_tokens)
         return max(1, limit - prompt_tokens)
 

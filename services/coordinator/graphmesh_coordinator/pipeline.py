@@ -100,6 +100,7 @@ class Mesh:
         self.incarnation = 0
         self.recoveries = 0
         self.kv_pool_blocks = 0  # the smallest pool of the roster: what the scheduler may lend to sessions
+        self.kv_window_tokens = 0  # the sliding window past which every rank drops a session's blocks; 0: none do
         self._ready = threading.Event()
         self._lock = threading.Lock()
         self._recover_lock = threading.Lock()
@@ -194,10 +195,18 @@ class Mesh:
                 self.state.retire()  # before any step of the new roster records: no decision of the old one is needed
                 self.ranks, self.plan, self.incarnation = ranks, dag_plan, incarnation
                 self.kv_pool_blocks = min(r.kv_pool_blocks for r in ranks)
+                self.kv_window_tokens = self._kv_window(stages)
                 self.register_with_kvstore()
                 self._ready.set()
                 log.info("installed", extra={"incarnation": incarnation,
                                              "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+
+    def _kv_window(self, stages: Sequence[StagePlan]) -> int:
+        """The window past which every rank drops a session's leading blocks (stage_kv): the widest of the stages'
+        windows where every stage has one, else 0. With a KV store a rank keeps blocks not yet written behind to
+        it, which the scheduler cannot see: 0, it counts every block as held."""
+        windows = [self.config.kv_window(p.layer_start, p.layer_end) for p in stages]
+        return max(windows) if windows and min(windows) > 0 and self.kvstore is None else 0
 
     def _send_installs(self, ranks: Sequence[Rank], incarnation: int, stages: Sequence[StagePlan],
                        dag_plan: dag.Plan) -> None:

@@ -7,10 +7,10 @@ different micro-batch at the same time. A step is sized to a P-th of the live se
 of decodes alone, when no prompt waits to join, is a decode run: its rows take several tokens each on the ranks
 (the last stage feeding each sampled token back to the first) before the step comes back here.
 
-KV blocks are counted here exactly as every rank lends them (ceil(tokens / block) per session): a session is
-admitted only when its next rows fit every rank's pool, and when a running session cannot grow, the newest
-other session is preempted (released everywhere, recomputed later from its tokens). A request that could
-never fit alone is refused at once.
+KV blocks are counted here exactly as every rank lends them (ceil(tokens / block) per session, less the leading
+blocks a sliding window has passed where every rank drops them): a session is admitted only when its next rows fit
+every rank's pool, and when a running session cannot grow, the newest other session is preempted (released
+everywhere, recomputed later from its tokens). A request that could never fit alone is refused at once.
 
 Failures keep their per-session guarantees: an ARCH failure rolled every row back on every rank and each of
 the step's sessions is retried alone (so an invalid row can only fail its own session); a COMM failure fences
@@ -38,6 +38,7 @@ from graphmesh.errors import GraphmeshError, ResourceExhausted, Unavailable
 from graphmesh.kvkeys import blocks_for
 from graphmesh.protocol import Action
 from graphmesh.v1 import stage_pb2
+from graphmesh_coordinator import speculative
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_server import telemetry
 from graphmesh_server.aio_serving import deferred_wakes
@@ -122,7 +123,8 @@ class Sequence:
     outbox: list[Output] = field(default_factory=list)  # outputs not yet put on `events` (Scheduler._deliver)
     busy: bool = False  # in a step in flight, or being released
     done: bool = False  # no more steps: finished, failed or cancelled
-    blocks: int = 0  # KV blocks it holds on every rank
+    blocks: int = 0  # KV blocks of its table on every rank (ceil(tokens / block))
+    dropped: int = 0  # of those, the leading ones every rank has let go (Mesh.kv_window_tokens): not held
     solo: bool = False  # its last shared step failed ARCH: run it alone
     arch_retries: int = MAX_ARCH_RETRIES
     recoveries: int = 0
@@ -188,7 +190,7 @@ class Scheduler:
     # -- the sessions' side ------------------------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
         capacity = self.mesh.kv_pool_blocks
-        need = blocks_for(seq.max_tokens_total, self.mesh.kv_block_tokens)
+        need = self._most_held(seq.max_tokens_total)
         if capacity and need > capacity:
             raise ResourceExhausted(f"the request needs {need} KV blocks of {self.mesh.kv_block_tokens} tokens "
                                     f"({seq.max_tokens_total} tokens); the smallest stage pool holds {capacity}",
@@ -218,7 +220,18 @@ class Scheduler:
     @property
     def used_blocks(self) -> int:
         """Blocks lent on every rank: derived, never kept as a running sum that could drift."""
-        return sum(s.blocks for s in self._seqs) + self._releasing
+        return sum(s.blocks - s.dropped for s in self._seqs) + self._releasing
+
+    def _most_held(self, tokens: int) -> int:
+        """The most blocks a session of `tokens` tokens holds at once on every rank. Under a sliding window a rank
+        drops the blocks before the window of a row's first query when it begins the row, and this count lets go
+        of them once the row is done: it holds the window, the rows of the last step and those of the next."""
+        block, window = self.mesh.kv_block_tokens, self.mesh.kv_window_tokens
+        whole = blocks_for(tokens, block)
+        if not window:
+            return whole
+        row = max(self._step_tokens(), self._longest_run(), speculative.MAX_K + 1)
+        return min(whole, blocks_for(window - 1 + 2 * row, block) + 2)
 
     def close(self) -> None:
         with self._cond:
@@ -266,7 +279,8 @@ class Scheduler:
             self._incarnation, self._releasing = mesh.incarnation, 0
             self._prefixes = {}
             for s in self._seqs:
-                s.blocks = 0  # in flight too: a step of the old roster fails (or its session is restored anyway)
+                # in flight too: a step of the old roster fails (or its session is restored anyway)
+                s.blocks = s.dropped = 0
         ready = [s for s in self._seqs if not s.busy and not s.done]
         if not ready:
             return None
@@ -380,6 +394,8 @@ class Scheduler:
         start = 0 if restore else session.tokens
         n = len(tokens) if len(tokens) == 1 else min(len(tokens), budget)
         donor, shareable = self._shareable(s, tokens) if restore else (None, 0)
+        if donor is not None and blocks_for(shareable + min(len(tokens) - shareable, budget), block) > capacity:
+            donor, shareable = None, 0  # a prefix longer than the pool (its window dropped it at the donor's): compute
         if restore and mesh.kvstore is not None and s.encoded is None:
             need = blocks_for(len(tokens), block)  # whatever the store seeds, it and the chunk after it fit in this
         elif donor is not None:
@@ -430,6 +446,7 @@ class Scheduler:
         self._forget(s)  # after a recovery its old links name nothing: they are indexed again as it commits
         session.history, s.pending, session.delivered_epoch = tokens[:seeded], tokens[seeded:], 0
         session.incarnation, s.blocks = self.mesh.incarnation, blocks_for(seeded, self.mesh.kv_block_tokens)
+        s.dropped = 0
         self._used = None  # its count was set, not added to
 
     def _seed_waiting(self, ready: list[Sequence]) -> None:
@@ -577,6 +594,7 @@ class Scheduler:
         logits = tensors.from_proto(reply.logits) if reply.HasField("logits") else None
         self.run_tokens += (decode_steps - 1) * len(step)
         next_step: tuple[list[_Row], int, int] | None = None
+        block, window = self.mesh.kv_block_tokens, self.mesh.kv_window_tokens
         with self._cond:
             for i, r in enumerate(step):
                 s, session, result = r.seq, r.seq.session, reply.rows[i]
@@ -592,6 +610,8 @@ class Scheduler:
                     if s.speculation is not None and r.final:
                         s.speculation.plain(len(sampled))
                 session.delivered_epoch = r.row.epoch
+                if window and incarnation == self._incarnation:  # every rank dropped these as it began the row
+                    s.dropped = max(s.dropped, min(s.blocks, max(0, r.row.start_position - window + 1) // block))
                 s.pending = s.pending[len(r.row.token_ids):]
                 s.solo, s.recoveries = False, 0
                 s.computed += len(r.row.token_ids)
@@ -669,19 +689,19 @@ class Scheduler:
                 self.drafter.forget(seq.session.session_id)
             self._seqs.remove(seq)
             self._forget(seq)
-            self._releasing += seq.blocks
+            self._releasing += seq.blocks - seq.dropped
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         """Releases a session's KV on every rank, off the scheduling thread."""
         seq.busy = True
-        incarnation, blocks, dropped = self._incarnation, seq.blocks, seq not in self._seqs
+        incarnation, blocks, dropped = self._incarnation, seq.blocks - seq.dropped, seq not in self._seqs
 
         def release() -> None:
             self.mesh.release(seq.session.session_id)
             with self._cond:
                 if dropped and self._incarnation == incarnation:  # a new roster already reset the counts
                     self._releasing -= blocks
-                seq.blocks, seq.busy = 0, False
+                seq.blocks, seq.dropped, seq.busy = 0, 0, False
                 self._cond.notify_all()
         self._workers.submit(release)

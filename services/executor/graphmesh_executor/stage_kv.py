@@ -28,14 +28,12 @@ class StageKv(StageState):
 
     @property
     def kv_window(self) -> int:
-        """The widest sliding window of this stage's layers where every one has a window, else 0: a layer without
-        one (a global layer) sees every row, so the stage keeps them all."""
+        """This stage's sliding window for its KV (ModelConfig.kv_window): 0 keeps every row."""
         spec, config = self.spec, self.config
         if spec is None or config is None:
             return 0
         if self._window_of[0] is not spec or self._window_of[1] is not config:
-            windows = [config.window(layer) for layer in range(spec.layer_start, spec.layer_end)]
-            self._window_of = (spec, config, max(windows) if min(windows) > 0 else 0)
+            self._window_of = (spec, config, config.kv_window(spec.layer_start, spec.layer_end))
         return self._window_of[2]
 
     def _drop_outside_window(self, session_id: str, session: StageSession, oldest_query: int) -> None:

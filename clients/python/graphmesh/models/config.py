@@ -186,6 +186,13 @@ class ModelConfig:
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
 
+    def kv_window(self, layer_start: int, layer_end: int) -> int:
+        """The sliding window of a stage of layers [layer_start, layer_end) for its KV: the widest of its layers'
+        windows where every one has a window, else 0 (a layer without one, a global layer, sees every row, so the
+        stage keeps them all)."""
+        windows = [self.window(layer) for layer in range(layer_start, layer_end)]
+        return max(windows) if windows and min(windows) > 0 else 0
+
     def __post_init__(self) -> None:
         if self.windows and (len(self.windows) != self.n_layers or min(self.windows) < 0):
             raise InvalidArgument(f"windows {self.windows} are not one non-negative window for each of the "
