@@ -346,14 +346,7 @@ def test_a_windowed_request_longer_than_the_pool_is_admitted_and_one_whose_windo
     job = ([3, 1, 4, 1, 5], pool * BLOCK * 3)  # three pools' worth of tokens
     assert run(mesh, [job], 8) == [solo(*job)]
     assert not mesh.violations
-    scheduler = Scheduler(cast(Mesh, FakeMesh(2, pool - 1, window=WINDOW)), max_step_tokens=8)
-    try:
-        seq = Seq(SessionInfo("wide"), [1] * 10, stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, 500,
-                  max_tokens_total=510)
-        with pytest.raises(ResourceExhausted, match="KV blocks"):
-            scheduler.submit(seq)
-    finally:
-        scheduler.close()
+    assert_refused_at_once(FakeMesh(2, pool - 1, window=WINDOW), 510, max_step_tokens=8)
 
 
 def test_a_pool_too_small_for_everyone_at_once_preempts_and_still_finishes() -> None:
@@ -364,16 +357,20 @@ def test_a_pool_too_small_for_everyone_at_once_preempts_and_still_finishes() -> 
     assert scheduler_results == [solo(p, n) for p, n in jobs]
 
 
-def test_a_request_that_can_never_fit_is_refused_at_once() -> None:
-    mesh = FakeMesh(2, 4)
-    scheduler = Scheduler(cast(Mesh, mesh))
+def assert_refused_at_once(mesh: FakeMesh, tokens: int, **scheduler_args: int) -> None:
+    """A request of `tokens` tokens (10 of prompt) that could never fit the mesh's pool is refused as it arrives."""
+    scheduler = Scheduler(cast(Mesh, mesh), **scheduler_args)
     try:
-        seq = Seq(SessionInfo("big"), [1] * 10, stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, 10,
-                  max_tokens_total=20)
+        seq = Seq(SessionInfo("big"), [1] * 10, stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, tokens - 10,
+                  max_tokens_total=tokens)
         with pytest.raises(ResourceExhausted, match="KV blocks"):
             scheduler.submit(seq)
     finally:
         scheduler.close()
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once() -> None:
+    assert_refused_at_once(FakeMesh(2, 4), 20)
 
 
 def test_steps_fill_the_pipeline_with_one_micro_batch_per_stage() -> None:

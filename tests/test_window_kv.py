@@ -223,7 +223,6 @@ def test_the_mesh_drops_windowed_blocks_and_keeps_every_sessions_tokens(backend:
     """The real mesh (coordinator and two executor processes, both windowed: prompt chunks, decode runs,
     prompt-lookup speculation), sixteen sessions at once and one alone: each session's greedy tokens are
     transformers'."""
-    from graphmesh.coordinator_client import CoordinatorClient
     from graphmesh.launcher import LocalMesh
 
     path = make_mistral(tmp_path / "mistral")
@@ -233,21 +232,27 @@ def test_the_mesh_drops_windowed_blocks_and_keeps_every_sessions_tokens(backend:
     want = [transformers_tokens(path, p, n) for p in prompts]
     with LocalMesh(2, backend, str(path), startup_timeout_s=120, extra_executor_args=("--kv-cache-bytes", "4Mi"),
                    extra_coordinator_args=("--max-step-tokens", "32", "--speculative", "prompt-lookup")) as mesh:
-        def run(prompt: list[int]) -> list[int]:
-            with CoordinatorClient(mesh.coordinator_address) as client:
-                return [t for chunk in client.generate(prompt_token_ids=prompt, max_tokens=n, ignore_eos=True)
-                        for t in chunk.token_ids]
-        with ThreadPoolExecutor(16) as pool:
-            got = list(pool.map(run, prompts))
-        assert run(prompts[0]) == want[0]  # alone: speculation runs (steps with more decodes set it aside)
+        got = generate_all(mesh.coordinator_address, prompts, n)
+        assert generate_all(mesh.coordinator_address, prompts[:1], n) == want[:1]  # alone: speculation runs
     assert got == want
+
+
+def generate_all(address: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """n greedy tokens of each prompt, all streams at once, through the coordinator's gRPC API."""
+    from graphmesh.coordinator_client import CoordinatorClient
+
+    def run(prompt: list[int]) -> list[int]:
+        with CoordinatorClient(address) as client:
+            return [t for chunk in client.generate(prompt_token_ids=prompt, max_tokens=n, ignore_eos=True)
+                    for t in chunk.token_ids]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(run, prompts))
 
 
 def test_the_coordinator_admits_windowed_sessions_longer_than_the_pool(tmp_path: Path) -> None:
     """Both stages of the Mistral are windowed, so the coordinator counts the blocks a window passed as free once
     the row that dropped them is done (Scheduler._most_held): two sessions each ~twice the smallest pool's tokens are
     admitted, not refused, take turns in it (preempted and recomputed) and keep transformers' tokens."""
-    from graphmesh.coordinator_client import CoordinatorClient
     from graphmesh.launcher import LocalMesh
     from tests.test_metrics import scrape, value
 
@@ -261,11 +266,5 @@ def test_the_coordinator_admits_windowed_sessions_longer_than_the_pool(tmp_path:
                    extra_coordinator_args=("--max-step-tokens", "32")) as mesh:
         pool = value(scrape(mesh.metrics_ports["coordinator"]), "graphmesh_kv_blocks_total")
         assert pool == 8 and (24 + n) / BLOCK > 1.5 * pool  # every session outgrows the pool
-
-        def run(prompt: list[int]) -> list[int]:
-            with CoordinatorClient(mesh.coordinator_address) as client:
-                return [t for chunk in client.generate(prompt_token_ids=prompt, max_tokens=n, ignore_eos=True)
-                        for t in chunk.token_ids]
-        with ThreadPoolExecutor(2) as pool_:
-            got = list(pool_.map(run, prompts))
+        got = generate_all(mesh.coordinator_address, prompts, n)
     assert got == want

@@ -340,6 +340,31 @@ static void dequantize_q6_k(const unsigned char *sup, int j, float *dst) {
     }
 }
 
+/* The scales d and mins m of a panel's block of 32 (q4_0's min is -8 d; q8_0 has none), three vectors each. */
+static inline __attribute__((always_inline)) void block_scales(int scheme, const unsigned char *src, vec d[3],
+                                                               vec m[3]) {
+    const unsigned short *scales = (const unsigned short *)src;
+    for (int g = 0; g < 3; g++) {
+        d[g] = load_f16(scales + VL * g);
+        m[g] = scheme == SCHEME_Q4_1 ? load_f16(scales + PANEL + VL * g)
+             : scheme == SCHEME_Q4_0 ? vmul(d[g], vset1(-8.0f)) : vzero();
+    }
+}
+
+/* Group g of a block's column c as f32, exactly gguf's values: q8_0's d * q; q4's columns 2c and 2c + 1, d * q + m
+ * rounded once. Both product paths dequantize through these, so their weights are the same bits. */
+static inline __attribute__((always_inline)) vec q8_weights(const vec d[3], const unsigned char *codes, int c, int g) {
+    return vmul(d[g], load_i8(codes + c * PANEL + VL * g));
+}
+static inline __attribute__((always_inline)) void q4_weights(const vec d[3], const vec m[3],
+                                                             const unsigned char *codes, int c, int g, vec *w0,
+                                                             vec *w1) {
+    vec lo, hi;
+    load_nibbles(codes + c * PANEL + VL * g, &lo, &hi);
+    *w0 = vfmadd(d[g], lo, m[g]);
+    *w1 = vfmadd(d[g], hi, m[g]);
+}
+
 /* Columns kb .. kb + kc of a panel (both multiples of 32) as f32, [kc][PANEL]. */
 static void dequantize_slice(int scheme, const unsigned char *panel, int kb, int kc, float *dst) {
     size_t bb = panel_block_bytes(scheme);
@@ -353,26 +378,21 @@ static void dequantize_slice(int scheme, const unsigned char *panel, int kb, int
     }
     const unsigned char *src = panel + (size_t)(kb / 32) * bb;
     for (int b = 0; b < kc / 32; b++, src += bb, dst += 32 * PANEL) {
-        const unsigned short *scales = (const unsigned short *)src;
         vec d[3], m[3];
-        for (int g = 0; g < 3; g++) {
-            d[g] = load_f16(scales + VL * g);
-            m[g] = scheme == SCHEME_Q4_1 ? load_f16(scales + PANEL + VL * g)
-                 : scheme == SCHEME_Q4_0 ? vmul(d[g], vset1(-8.0f)) : vzero();
-        }
+        block_scales(scheme, src, d, m);
         if (scheme == SCHEME_Q8_0) {
             const unsigned char *codes = src + 2 * PANEL;
             for (int c = 0; c < 32; c++)
-                for (int g = 0; g < 3; g++) vstore(dst + c * PANEL + VL * g, vmul(d[g], load_i8(codes + c * PANEL + VL * g)));
+                for (int g = 0; g < 3; g++) vstore(dst + c * PANEL + VL * g, q8_weights(d, codes, c, g));
             continue;
         }
         const unsigned char *codes = src + 4 * PANEL;
         for (int c = 0; c < 16; c++)
             for (int g = 0; g < 3; g++) {
-                vec lo, hi;
-                load_nibbles(codes + c * PANEL + VL * g, &lo, &hi);
-                vstore(dst + 2 * c * PANEL + VL * g, vfmadd(d[g], lo, m[g]));
-                vstore(dst + (2 * c + 1) * PANEL + VL * g, vfmadd(d[g], hi, m[g]));
+                vec w0, w1;
+                q4_weights(d, m, codes, c, g, &w0, &w1);
+                vstore(dst + 2 * c * PANEL + VL * g, w0);
+                vstore(dst + (2 * c + 1) * PANEL + VL * g, w1);
             }
     }
 }
@@ -396,18 +416,13 @@ static inline __attribute__((always_inline)) void fused_panels(int mr, int np, i
         const float *xb = x + 32 * b;
         for (int p = 0; p < np; p++) {
             const unsigned char *src = panel + p * panel_bytes + (size_t)b * bb;
-            const unsigned short *scales = (const unsigned short *)src;
             vec d[3], m[3];
-            for (int g = 0; g < 3; g++) {
-                d[g] = load_f16(scales + VL * g);
-                m[g] = scheme == SCHEME_Q4_1 ? load_f16(scales + PANEL + VL * g)
-                     : scheme == SCHEME_Q4_0 ? vmul(d[g], vset1(-8.0f)) : vzero();
-            }
+            block_scales(scheme, src, d, m);
             if (scheme == SCHEME_Q8_0) {
                 const unsigned char *codes = src + 2 * PANEL;
                 for (int c = 0; c < 32; c++)
                     for (int g = 0; g < 3; g++) {
-                        vec w = vmul(d[g], load_i8(codes + c * PANEL + VL * g));
+                        vec w = q8_weights(d, codes, c, g);
                         for (int i = 0; i < mr; i++) acc[i][p][g] = vfmadd(vset1(xb[i * ldx + c]), w, acc[i][p][g]);
                     }
                 continue;
@@ -415,9 +430,8 @@ static inline __attribute__((always_inline)) void fused_panels(int mr, int np, i
             const unsigned char *codes = src + 4 * PANEL;
             for (int c = 0; c < 16; c++)
                 for (int g = 0; g < 3; g++) {
-                    vec lo, hi;
-                    load_nibbles(codes + c * PANEL + VL * g, &lo, &hi);
-                    vec w0 = vfmadd(d[g], lo, m[g]), w1 = vfmadd(d[g], hi, m[g]);
+                    vec w0, w1;
+                    q4_weights(d, m, codes, c, g, &w0, &w1);
                     for (int i = 0; i < mr; i++) {
                         acc[i][p][g] = vfmadd(vset1(xb[i * ldx + 2 * c]), w0, acc[i][p][g]);
                         acc[i][p][g] = vfmadd(vset1(xb[i * ldx + 2 * c + 1]), w1, acc[i][p][g]);
