@@ -308,6 +308,31 @@ def test_a_lone_rows_product_shared_with_the_helper_thread_has_the_one_thread_bi
     assert lib.helper_chunks() > helped
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: no helper thread to share a product with")
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_light_steps_products_of_any_rows_share_with_the_helper_and_keep_their_bits(packed: bool) -> None:
+    """A step of few sessions (a verified chunk, a lone prompt; RunContext.light) lets products of any row count
+    borrow the helper thread where torch's threads would not split them: the same bits as without it."""
+    lib = cpu_kernels.library()
+    assert lib is not None
+    n, k = 20 * cpu_kernels.panel() + 5, 256
+    weight = torch.from_numpy(_gguf_blocks("q4_1", n, k, seed=9)) if packed else _rand(n, k, seed=9)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        helped = lib.helper_chunks()
+        for m in (3, 9, PROMPT_ROWS) * 5:
+            x = _rand(m, k, seed=m)
+            if packed:
+                light, plain = (cpu_kernels.matmul_xwt_packed(x, weight, "q4_1", n, light) for light in (True, False))
+            else:
+                light, plain = (cpu_kernels.matmul_xwt(x, weight, light) for light in (True, False))
+            assert torch.equal(light, plain), m
+        assert lib.helper_chunks() > helped  # it took part (a 35-row product outlasts its wake-up many times over)
+    finally:
+        torch.set_num_threads(threads)
+
+
 K_QUANTS = ["q4_k", "q6_k"]
 
 

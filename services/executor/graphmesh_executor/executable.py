@@ -62,6 +62,7 @@ class RunContext:
     rng: RngOptions
     extent: tuple[int, int] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    light: bool = False  # a run of a step of few sessions: its products may borrow an idle core (cpu_kernels)
 
 
 _MASK64 = (1 << 64) - 1
@@ -210,6 +211,7 @@ class Executable(Generic[T]):
         self._row_feeds: dict[str, int] = {}
         self._last_outputs: list[T] | None = None
         self._extent: tuple[int, int] | None = None
+        self._light = False  # run()'s light, for the run in progress
         self._cuts: dict[tuple[Any, ...], ExtentCut | None] = {}
         self._rng = RngOptions()
         self._pending = 0
@@ -320,7 +322,7 @@ class Executable(Generic[T]):
     def _execute(self, env: dict[str, T], cut: ExtentCut | None = None) -> list[T]:
         """Interprets this graph, or `cut` (this one cut to the active extent: the same nodes), in topological
         order, dropping buffers after their last reader."""
-        ctx = RunContext(self._rng, self._extent)
+        ctx = RunContext(self._rng, self._extent, light=self._light)
         for name, t in self.graph.params.items():
             env[name] = self._params[name] if name in self._params else self._zeros(t)
         outputs = set(self.graph.outputs)
@@ -341,8 +343,9 @@ class Executable(Generic[T]):
         return [env[name] for name in self.graph.outputs]
 
     def run(self, inputs: dict[str, np.ndarray], read_indices: Sequence[int] | None = None,
-            typed: bool = False, extent: tuple[int, int] | None = None) -> list[np.ndarray]:
-        """Runs once; returns the outputs at read_indices (all when None, none when empty), f32 unless typed."""
+            typed: bool = False, extent: tuple[int, int] | None = None, light: bool = False) -> list[np.ndarray]:
+        """Runs once; returns the outputs at read_indices (all when None, none when empty), f32 unless typed.
+        `light`: the run is a step of few sessions, whose host is likely idle besides it (RunContext.light)."""
         indices = list(range(len(self.graph.outputs))) if read_indices is None else list(read_indices)
         for i in indices:
             if not 0 <= i < len(self.graph.outputs):
@@ -352,6 +355,7 @@ class Executable(Generic[T]):
         saved = self._extent
         if extent is not None:
             self._extent = _checked_extent(extent)
+        self._light = light
         try:
             cut = self._cut(list(inputs))
             if cut is None:
@@ -363,7 +367,7 @@ class Executable(Generic[T]):
                 for i in cut.padded:
                     outs[i] = self._pad_rows(outs[i], self.output_types[i].shape[0])
         finally:
-            self._extent = saved
+            self._extent, self._light = saved, False
         self._last_outputs = outs
         for handle, index in self._prefix_feeds.items():
             self._handles[handle] = outs[index]

@@ -69,6 +69,9 @@ log = logging.getLogger("graphmesh.executor.stage")
 DEFAULT_KV_CACHE_BYTES = 512 << 20  # the CPU pool's cap when --kv-cache-bytes is not given
 NUMPY_KV_CACHE_BYTES = 16 << 20
 WARM_SHAPES = 4  # executables a re-plan compiles up front: the old stage's most recently used shapes
+# A step of this many sessions at most is light: the host's other stages are likely idle (one or two streams), so its
+# products may borrow a core (cpu_kernels' helper thread; on a busy host it costs only the chunk it has begun).
+LIGHT_STEP_SESSIONS = 2
 
 
 
@@ -821,7 +824,8 @@ class StageRuntime(RunInputs, StageKv):
         with telemetry.span("stage.run", tokens=tokens, seqs=run.seqs, blocks=run.blocks, rows=len(rows)):
             own = exe.swap_handles(self._pools)
             try:
-                return exe.run(inputs, read_indices=[0], typed=True, extent=run.extent)[0]
+                return exe.run(inputs, read_indices=[0], typed=True, extent=run.extent,
+                               light=len(rows) <= LIGHT_STEP_SESSIONS)[0]
             finally:
                 self._pools = exe.swap_handles(own)
 

@@ -191,6 +191,13 @@ def _helper(lib: ctypes.CDLL) -> bool:
     return bool(lib.start_helper() == 0)
 
 
+def _helped(lib: ctypes.CDLL, m: int, light: bool) -> bool:
+    """Whether a product of m rows shares its columns with the helper thread: one or two rows (a lone stream's
+    decode), or any rows of a light step (few sessions: a verified chunk, a lone prompt), when torch's own threads
+    would not split it anyway."""
+    return (m <= HELPED_ROWS or (light and torch.get_num_threads() == 1)) and _helper(lib)
+
+
 @functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="cpu-kernels")
@@ -224,17 +231,18 @@ def fpanels(w: torch.Tensor) -> torch.Tensor:
     return made
 
 
-def matmul_xwt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def matmul_xwt(x: torch.Tensor, w: torch.Tensor, light: bool = False) -> torch.Tensor:
     """x @ w.T (x [m, k], w [n, k] contiguous, f32), read from w's panels (fpanels), split over torch's intra-op
-    threads. Every output element is one FMA chain over k in order, whatever m, the row's place, the split and the
-    build are (cpu_kernels.c): a session's numbers never depend on the other rows of its step."""
+    threads, or shared with the helper thread (_helped). Every output element is one FMA chain over k in order,
+    whatever m, the row's place, the split and the build are (cpu_kernels.c): a session's numbers never depend on the
+    other rows of its step."""
     lib = library()
     assert lib is not None
     x = x.contiguous()
     (m, k), n = x.shape, w.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
     args = (m, k, x.data_ptr(), k, fpanels(w).data_ptr(), out.data_ptr(), n)
-    if m <= HELPED_ROWS and _helper(lib):
+    if _helped(lib, m, light):
         lib.gemm_fpanels_shared(*args, n)
     else:
         _run_shares(_shares(n, panel()), lambda i, a, b: lib.gemm_fpanels(*args, a, b))
@@ -300,7 +308,7 @@ def panels(packed: torch.Tensor, scheme: str, n: int, k: int) -> torch.Tensor:
     return made
 
 
-def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int) -> torch.Tensor:
+def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int, light: bool = False) -> torch.Tensor:
     """x @ w.T for w [n, k] held as GGUF blocks (packed [n, k/B * block bytes]), read in panels (panels()):
     w's values are exactly gguf's dequantization, and each output is one FMA chain over k in order, whatever
     the row count, the thread split and the build: the bits of matmul_xwt over the dequantized weight."""
@@ -310,7 +318,7 @@ def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
     args = (m, k, x.data_ptr(), k, panels(packed, scheme, n, k).data_ptr(), PACKED_SCHEMES[scheme], out.data_ptr(), n)
-    if m <= HELPED_ROWS and _helper(lib):
+    if _helped(lib, m, light):
         lib.gemm_qpanels_shared(*args, n)
     else:
         _run_shares(_shares(n, panel()), lambda i, a, b: lib.gemm_qpanels(*args, a, b))

@@ -475,8 +475,8 @@ class MlxExecutable(Executable[Array]):
             _DONATED.difference_update(donated)  # the arrays live through the run, so their ids stay theirs
 
     def run(self, inputs: dict[str, np.ndarray], read_indices: Sequence[int] | None = None, typed: bool = False,
-            extent: tuple[int, int] | None = None) -> list[np.ndarray]:
-        outs = super().run(inputs, read_indices, typed, extent)
+            extent: tuple[int, int] | None = None, light: bool = False) -> list[np.ndarray]:
+        outs = super().run(inputs, read_indices, typed, extent, light)
         # Outputs nobody read (fed handles off the read path) must not stay lazy and chain graphs across runs.
         mx.eval(self._last_outputs or [])
         return outs

@@ -138,7 +138,7 @@ def _matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, w = xs
     if a["transpose_b"] and not a["transpose_a"] and x.dim() == 2:
         if cpu_kernels.has_fpanels(w) and cpu_kernels.usable(x, w):  # an f32 weight laid out (_lay_out): any rows
-            return cpu_kernels.matmul_xwt(x, w)
+            return cpu_kernels.matmul_xwt(x, w, ctx.light)
         forms = w.__dict__.get(_CONVERTED, {})  # the other layouts of a weight (see TorchExecutable._lay_out)
         if x.shape[0] > 1 and "rows" in forms:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), forms["rows"], None, "none", [], "")
@@ -171,10 +171,10 @@ def _joined_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tens
         # not serve the rows, or a member was set on its own since the join, each member runs as it would alone
         # (a member set on its own gets its own panels, see _lay_out), so its bits do not change either.
         if joined is not None and "scheme" in a and cpu_kernels.packed_usable(x, joined.whole, a["scheme"]):
-            return cpu_kernels.matmul_xwt_packed(x, joined.whole, a["scheme"], joined.whole.shape[0])
+            return cpu_kernels.matmul_xwt_packed(x, joined.whole, a["scheme"], joined.whole.shape[0], ctx.light)
         if joined is not None and "scheme" not in a and cpu_kernels.has_fpanels(joined.whole) \
                 and cpu_kernels.usable(x, joined.whole):
-            return cpu_kernels.matmul_xwt(x, joined.whole)
+            return cpu_kernels.matmul_xwt(x, joined.whole, ctx.light)
         if "scheme" in a:
             return torch.cat([_dequant_matmul(ctx, [x, w], {**a, "n": w.shape[0]}) for w in weights], -1)
         return torch.cat([_matmul(ctx, [x, w], {"transpose_a": False, "transpose_b": True}) for w in weights], -1)
@@ -610,7 +610,7 @@ def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
         # set (see TorchExecutable._lay_out) or at the first product of a weight that is not a param. One kernel
         # for every row count keeps a row's bits independent of the rows beside it: a prompt chunk's rows went
         # through MKL over a dequantized copy, another summation order (and a dense copy packing meant to avoid).
-        return cpu_kernels.matmul_xwt_packed(x, packed, scheme, n)
+        return cpu_kernels.matmul_xwt_packed(x, packed, scheme, n, ctx.light)
     converted: dict[Any, Any] = packed.__dict__.setdefault(_CONVERTED, {})
     # The packed int4 kernel is fast only with bf16 activations (f32/f16 take a slow path there), and it
     # needs n % 16 == 0 and groups of 32 (no K-quant); everything else multiplies by the weight dequantized once
@@ -1105,10 +1105,10 @@ class TorchExecutable(CudaGraphs):
         if cut is not None:  # cut to the active extent: eager (a capture is of one shape), the same slots
             if cut.plan is None:
                 cut.plan = self._plan(cut.graph)[1]
-            return self._run_plan(env, RunContext(self._rng, self._extent), cut.plan)
+            return self._run_plan(env, RunContext(self._rng, self._extent, light=self._light), cut.plan)
         if self._static_key is not None:
             return self._run_static(env, self._static_key)
-        return self._run_plan(env, RunContext(self._rng, self._extent))
+        return self._run_plan(env, RunContext(self._rng, self._extent, light=self._light))
 
     def sync_pending(self) -> int:
         """Waits for the runs commit_no_wait queued (on CUDA they are still running when it returns)."""
