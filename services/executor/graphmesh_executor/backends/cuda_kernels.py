@@ -216,8 +216,10 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 
 
 def rope_half_usable(x: Tensor) -> bool:
-    """x [S, H, D] rotated over its whole head: D a power of two, the last axis contiguous."""
-    return usable(x) and x.dim() == 3 and _pow2(x.shape[2]) and x.stride(2) == 1
+    """x [S, H, D] rotated over its whole head: D a power of two, the last axis contiguous, x in a dtype the kernel
+    computes in (its f32 arithmetic would round an f64 x)."""
+    return (usable(x) and x.dim() == 3 and _pow2(x.shape[2]) and x.stride(2) == 1
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

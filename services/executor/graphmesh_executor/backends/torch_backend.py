@@ -14,6 +14,7 @@ captured as CUDA graphs: cuda_graphs.py.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
@@ -215,7 +216,7 @@ def _rope_table(pos: Tensor, a: dict[str, Any], rot: int, dtype: torch.dtype) ->
     """cos, sin [S, 1, rot/2] of the rope attributes `a`: theta's frequencies, or a scaled variant's inv_freq
     (made on the host from the model's config) and its cos/sin factor."""
     if a["inv_freq"]:
-        inv_freq = torch.tensor(a["inv_freq"], dtype=torch.float64, device=pos.device)
+        inv_freq = _inv_freq(tuple(a["inv_freq"]), pos.device)
     else:
         inv_freq = a["theta"] ** (-torch.arange(0, rot, 2, dtype=torch.float64, device=pos.device) / rot)
     angles = pos.to(torch.float64)[:, None, None] * inv_freq  # [S, 1, rot/2]; float64 keeps far positions exact
@@ -223,6 +224,13 @@ def _rope_table(pos: Tensor, a: dict[str, Any], rot: int, dtype: torch.dtype) ->
     if a["scale"] != 1.0:  # YaRN / longrope attention factor
         cos, sin = cos * a["scale"], sin * a["scale"]
     return cos.to(dtype), sin.to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _inv_freq(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """A scaled rope's frequencies on `device`, made once: no host-to-device copy may run while a CUDA graph is
+    captured, and the eager run before a capture makes them."""
+    return torch.tensor(values, dtype=torch.float64, device=device)
 
 
 def _rope_key(a: dict[str, Any], rot: int) -> tuple[Any, ...]:
