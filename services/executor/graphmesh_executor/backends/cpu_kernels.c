@@ -602,7 +602,7 @@ long long helper_chunks(void) { return atomic_load(&helped); }
 /* out[m, 0..n) = x . w.T with the helper: w f32 panels (scheme < 0) or repack_blocks' panels of `scheme`. */
 static void gemm_shared(int m, int k, const float *x, int ldx, const void *w, int scheme, float *out, int ldo, int n) {
     int chunks = (n + CHUNK_COLS - 1) / CHUNK_COLS;
-    if (!helper_started || chunks < 2 || pthread_mutex_trylock(&caller) != 0) {
+    if (!helper_started || chunks < 2 || chunks > 0xFFFFF || pthread_mutex_trylock(&caller) != 0) {
         if (scheme < 0) gemm_fpanels(m, k, x, ldx, (const float *)w, out, ldo, 0, n);
         else gemm_qpanels(m, k, x, ldx, (const unsigned char *)w, scheme, out, ldo, 0, n);
         return;
