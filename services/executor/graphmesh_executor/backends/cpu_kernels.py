@@ -184,7 +184,7 @@ def _panel_width(lib: ctypes.CDLL) -> int:
 
 @functools.cache
 def _helper(lib: ctypes.CDLL) -> bool:
-    """Whether products of HELPED_ROWS rows or fewer take cpu_kernels.c's helper thread (gemm_*_shared): where this
+    """Whether cpu_kernels.c's helper thread runs here (gemm_*_shared; _helped says for which products): where this
     process may run on a second core, even when held to one compute thread (GRAPHMESH_CPU_HELPER=0: never)."""
     if os.environ.get("GRAPHMESH_CPU_HELPER", "1") == "0" or len(os.sched_getaffinity(0)) < 2:
         return False
