@@ -351,16 +351,18 @@ static inline __attribute__((always_inline)) void block_scales(int scheme, const
     }
 }
 
-/* Group g of a block's column c as f32, exactly gguf's values: q8_0's d * q; q4's columns 2c and 2c + 1, d * q + m
- * rounded once. Both product paths dequantize through these, so their weights are the same bits. */
-static inline __attribute__((always_inline)) vec q8_weights(const vec d[3], const unsigned char *codes, int c, int g) {
-    return vmul(d[g], load_i8(codes + c * PANEL + VL * g));
-}
-static inline __attribute__((always_inline)) void q4_weights(const vec d[3], const vec m[3],
-                                                             const unsigned char *codes, int c, int g, vec *w0,
-                                                             vec *w1) {
+/* Group g of columns 2c and 2c + 1 of the panel's block of 32 at src as f32, exactly gguf's values: q8_0's d * q,
+ * q4's d * q + m rounded once. Both product paths dequantize through this, so their weights are the same bits. */
+static inline __attribute__((always_inline)) void column_pair(int scheme, const unsigned char *src, const vec d[3],
+                                                              const vec m[3], int c, int g, vec *w0, vec *w1) {
+    if (scheme == SCHEME_Q8_0) {
+        const unsigned char *codes = src + 2 * PANEL + VL * g;
+        *w0 = vmul(d[g], load_i8(codes + 2 * c * PANEL));
+        *w1 = vmul(d[g], load_i8(codes + (2 * c + 1) * PANEL));
+        return;
+    }
     vec lo, hi;
-    load_nibbles(codes + c * PANEL + VL * g, &lo, &hi);
+    load_nibbles(src + 4 * PANEL + c * PANEL + VL * g, &lo, &hi);
     *w0 = vfmadd(d[g], lo, m[g]);
     *w1 = vfmadd(d[g], hi, m[g]);
 }
@@ -380,17 +382,10 @@ static void dequantize_slice(int scheme, const unsigned char *panel, int kb, int
     for (int b = 0; b < kc / 32; b++, src += bb, dst += 32 * PANEL) {
         vec d[3], m[3];
         block_scales(scheme, src, d, m);
-        if (scheme == SCHEME_Q8_0) {
-            const unsigned char *codes = src + 2 * PANEL;
-            for (int c = 0; c < 32; c++)
-                for (int g = 0; g < 3; g++) vstore(dst + c * PANEL + VL * g, q8_weights(d, codes, c, g));
-            continue;
-        }
-        const unsigned char *codes = src + 4 * PANEL;
         for (int c = 0; c < 16; c++)
             for (int g = 0; g < 3; g++) {
                 vec w0, w1;
-                q4_weights(d, m, codes, c, g, &w0, &w1);
+                column_pair(scheme, src, d, m, c, g, &w0, &w1);
                 vstore(dst + 2 * c * PANEL + VL * g, w0);
                 vstore(dst + (2 * c + 1) * PANEL + VL * g, w1);
             }
@@ -418,20 +413,10 @@ static inline __attribute__((always_inline)) void fused_panels(int mr, int np, i
             const unsigned char *src = panel + p * panel_bytes + (size_t)b * bb;
             vec d[3], m[3];
             block_scales(scheme, src, d, m);
-            if (scheme == SCHEME_Q8_0) {
-                const unsigned char *codes = src + 2 * PANEL;
-                for (int c = 0; c < 32; c++)
-                    for (int g = 0; g < 3; g++) {
-                        vec w = q8_weights(d, codes, c, g);
-                        for (int i = 0; i < mr; i++) acc[i][p][g] = vfmadd(vset1(xb[i * ldx + c]), w, acc[i][p][g]);
-                    }
-                continue;
-            }
-            const unsigned char *codes = src + 4 * PANEL;
             for (int c = 0; c < 16; c++)
                 for (int g = 0; g < 3; g++) {
                     vec w0, w1;
-                    q4_weights(d, m, codes, c, g, &w0, &w1);
+                    column_pair(scheme, src, d, m, c, g, &w0, &w1);
                     for (int i = 0; i < mr; i++) {
                         acc[i][p][g] = vfmadd(vset1(xb[i * ldx + 2 * c]), w0, acc[i][p][g]);
                         acc[i][p][g] = vfmadd(vset1(xb[i * ldx + 2 * c + 1]), w1, acc[i][p][g]);
@@ -520,9 +505,10 @@ void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w,
     }
 }
 
-/* A helper thread for the products of one or two rows (a lone stream's decode): such a product is too short for
- * a hand-off through Python's thread pool, and its stage is then usually the only one computing on its host (the
- * others wait on it), so an executor held to one thread may still borrow one more core for it. The caller and
+/* A helper thread for the products of one or two rows (a lone stream's decode) and of light steps (few sessions;
+ * cpu_kernels.py's _helped): such a product is too short for a hand-off through Python's thread pool, and its stage
+ * is then usually the only one computing on its host (the others wait on it), so an executor held to one thread may
+ * still borrow one more core for it. The caller and
  * the helper take chunks of two panels from one atomic counter; the caller never waits for a chunk the helper has
  * not begun, so a helper that is descheduled (the host busy after all) costs nothing but its chunk in progress.
  * Columns are split, never sums: every output has the bits of the one-thread product.
