@@ -29,6 +29,7 @@ from graphmesh import channels, security
 if TYPE_CHECKING:  # a type only: importing the SDK never imports graphmesh_server (only a proxied mesh does, below)
     from graphmesh_server.faults import TcpProxy
 
+EXECUTOR_START_S = 120.0  # an executor imports its backend and may load a model's weights before it serves
 
 def _ephemeral_ports() -> range:
     try:
@@ -271,7 +272,8 @@ class LocalMesh(Startable):
         if self.kvstore and importlib.util.find_spec("graphmesh_kvstore") is not None:
             self.kvstore_address = f"127.0.0.1:{free_port()}"
             store = self._spawn("kvstore", ["graphmesh_kvstore.server", "--listen", self.kvstore_address])
-            wait_healthy(self.kvstore_address, store, 60.0, "kvstore", self.credentials(), log=self.log("kvstore"))
+        # Every process starts at once and each waits for what it needs (the coordinator for its executors): a
+        # start costs the slowest process's import, not the sum of them all.
         backends = self.backends()
         threads = max(1, (os.cpu_count() or 2) // len(backends))  # executors sharing a machine must not oversubscribe
         spawned = []
@@ -302,13 +304,14 @@ class LocalMesh(Startable):
             self.draft_address = f"127.0.0.1:{free_port()}"
             self._draft_args = ["graphmesh_executor.server", "--listen", self.draft_address, "--backend", backends[-1],
                                 "--threads", str(threads), *(["--enable-fault-injection"] if self.fault_injection else [])]
-            self.start_draft_executor()
-        for address, process, rank in spawned:
-            wait_healthy(address, process, 120.0, f"executor {rank}", self.credentials(), log=self.log(f"executor-{rank}"))
+            self._spawn_draft_executor()
+        if self.kvstore_address:  # the coordinator hands the store's address to its executors once it is up
+            wait_healthy(self.kvstore_address, store, 60.0, "kvstore", self.credentials(), log=self.log("kvstore"))
         self.coordinator_address = self.coordinator_listen or f"127.0.0.1:{free_port()}"
         args = ["graphmesh_coordinator.server", "--listen", self.coordinator_address, "--executors",
                 ",".join(self.executor_addresses), "--model", self.model, "--weights", self.weights,
-                "--state-dir", self.state_dir or tempfile.mkdtemp(prefix="graphmesh-state-")]
+                "--state-dir", self.state_dir or tempfile.mkdtemp(prefix="graphmesh-state-"),
+                "--startup-timeout", str(EXECUTOR_START_S)]
         if self.split:
             args += ["--split", ",".join(str(n) for n in self.split)]
         if self.kvstore_address:
@@ -318,7 +321,13 @@ class LocalMesh(Startable):
         if self.draft_address:
             args += ["--draft-executor", self.draft_address]
         self._coordinator_args = args
-        self.start_coordinator()
+        self.coordinator_process = self._spawn("coordinator", self._coordinator_args)
+        for address, process, rank in spawned:
+            wait_healthy(address, process, EXECUTOR_START_S, f"executor {rank}", self.credentials(),
+                         log=self.log(f"executor-{rank}"))
+        if self.draft_executor:
+            self._wait_draft_executor()
+        self._wait_coordinator()
 
     @property
     def http_url(self) -> str:
@@ -331,14 +340,23 @@ class LocalMesh(Startable):
 
     def start_draft_executor(self) -> None:
         """(Re)starts the draft model's executor on the same address."""
+        self._spawn_draft_executor()
+        self._wait_draft_executor()
+
+    def _spawn_draft_executor(self) -> None:
         threads = self._draft_args[self._draft_args.index("--threads") + 1]
         self.draft_process = self._spawn("executor-draft", self._draft_args, {"OMP_NUM_THREADS": threads})
-        wait_healthy(self.draft_address, self.draft_process, 120.0, "the draft executor", self.credentials(),
-                     log=self.log("executor-draft"))
+
+    def _wait_draft_executor(self) -> None:
+        wait_healthy(self.draft_address, self.draft_process, EXECUTOR_START_S, "the draft executor",
+                     self.credentials(), log=self.log("executor-draft"))
 
     def start_coordinator(self) -> None:
         """(Re)starts the coordinator on the same address and state dir."""
         self.coordinator_process = self._spawn("coordinator", self._coordinator_args)
+        self._wait_coordinator()
+
+    def _wait_coordinator(self) -> None:
         wait_healthy(self.coordinator_address, self.coordinator_process, self.startup_timeout_s, "coordinator",
                      self.credentials(), log=self.log("coordinator"))
 
