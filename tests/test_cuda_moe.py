@@ -57,3 +57,28 @@ def test_moe_stages_on_cuda_match_transformers(name: str, tmp_path: Path) -> Non
                                      device="cuda")
     _, tokens = test_models.generate(stages, config, prompt, test_models.NEW_TOKENS, test_models.BUCKET)
     assert tokens == out[0, test_models.PROMPT_LEN:].tolist()
+
+
+def test_a_moe_block_is_captured_and_tallies_its_experts_on_cuda() -> None:
+    """The MoE block runs static and, from its second run, as a captured CUDA graph (no host read of expert ids):
+    each replay routes as the eager run and gives its output (within f32 rounding: the plan fuses silu * up),
+    and its experts are tallied as the eager run's."""
+    from tests.test_moe import E, F, H, T, moe_block_graph
+
+    graph = parse(moe_block_graph().build())
+    exe, eager = compile_graph(graph, "torch", "cuda"), compile_graph(graph, "torch", "cuda")
+    rng = np.random.default_rng(6)
+    for name, shape in (("router", (E, H)), ("w_gate", (E, H, F)), ("w_up", (E, H, F)), ("w_down", (E, F, H))):
+        value = rng.standard_normal(shape).astype(np.float32)
+        exe.set_param(name, value)
+        eager.set_param(name, value)
+    eager.enable_moe_topk_capture(E)  # the interpreter: eager kernels, ids read back
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    (want, want_top), outs = eager.run({"x": x}), [exe.run({"x": x}) for _ in range(3)]
+    assert exe._captures  # type: ignore[attr-defined]
+    for out, top in outs:
+        assert np.array_equal(top, want_top)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    got, expected = exe.take_moe_residency_stats(), eager.take_moe_residency_stats()
+    assert got.resident_tokens == 3 * expected.resident_tokens
+    assert got.resident_expert_calls == 3 * expected.resident_expert_calls

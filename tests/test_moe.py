@@ -62,3 +62,41 @@ def test_mixtral_block_matches_transformers(backend: str) -> None:
     assert stats.resident_tokens == 3 * resident_tokens  # gate, up and down each count the rows
     assert stats.offloaded_tokens == 3 * (len(chosen) - resident_tokens)
     assert stats.resident_expert_calls + stats.offloaded_expert_calls == 3 * len(set(chosen.tolist()))
+
+
+@pytest.mark.parametrize("backend", available())
+def test_residency_stats_follow_each_runs_mask(backend: str) -> None:
+    """Without top-k capture the torch backend runs its plan and tallies experts on its device (on CUDA nothing is
+    read back in the step); every backend's stats equal the routing's, each run's experts split by the mask in
+    force when it ran."""
+    exe = compile_graph(parse(moe_block_graph().build()), backend)
+    rng = np.random.default_rng(5)
+    for name, shape in (("router", (E, H)), ("w_gate", (E, H, F)), ("w_up", (E, H, F)), ("w_down", (E, F, H))):
+        exe.set_param(name, rng.standard_normal(shape).astype(np.float32))
+    want = {"resident_tokens": 0, "offloaded_tokens": 0, "resident_expert_calls": 0, "offloaded_expert_calls": 0}
+    for run, mask in enumerate(([e % 2 == 0 for e in range(E)], [e < 3 for e in range(E)], [True] * E)):
+        exe.set_moe_resident_experts(mask)
+        _, top = exe.run({"x": rng.standard_normal((T, H)).astype(np.float32)}, typed=True)
+        chosen = top.reshape(-1).tolist()
+        want["resident_tokens"] += 3 * sum(1 for e in chosen if mask[e])
+        want["offloaded_tokens"] += 3 * sum(1 for e in chosen if not mask[e])
+        want["resident_expert_calls"] += 3 * sum(1 for e in set(chosen) if mask[e])
+        want["offloaded_expert_calls"] += 3 * sum(1 for e in set(chosen) if not mask[e])
+        if run == 1:
+            stats = exe.take_moe_residency_stats()
+            assert {k: getattr(stats, k) for k in want} == want
+            want = dict.fromkeys(want, 0)
+    stats = exe.take_moe_residency_stats()
+    assert {k: getattr(stats, k) for k in want} == want
+    assert exe.take_moe_residency_stats().resident_tokens == 0  # taken: the tally starts again
+
+
+def test_a_moe_graph_needs_no_host_read_to_run_static() -> None:
+    """The expert ids come from top_k and the row gather from a constant: in range by construction, so the CUDA
+    path may run the graph static and capture it (cuda_graphs._static_checks; checked here on the host)."""
+    exe = compile_graph(parse(moe_block_graph().build()), "torch")
+    assert exe._static_checks(exe.graph) == []  # type: ignore[attr-defined]
+    g = GraphBuilder("ids_from_input")  # ids a caller sends: checked on the host, so never static
+    x, w, ids = g.input("x", (4, H)), g.input("w", (E, H, F)), g.input("ids", (4,), "i64")
+    g.output(g.grouped_matmul(x, w, ids))
+    assert compile_graph(parse(g.build()), "torch")._static_checks(parse(g.build())) is None  # type: ignore[attr-defined]

@@ -63,6 +63,9 @@ class RunContext:
     extent: tuple[int, int] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     light: bool = False  # a run of a step of few sessions: its products may borrow an idle core (cpu_kernels)
+    # Where a backend tallies experts on its device: [grouped products, 2, experts], tokens then calls (runs that
+    # gave the expert rows), added to by each grouped product (see Executable._tally_experts)
+    tally: Any = None
 
 
 _MASK64 = (1 << 64) - 1
@@ -335,7 +338,9 @@ class Executable(Generic[T]):
             if node.op == "top_k" and self._topk_capture_width == self.graph.type_of(node.inputs[0]).shape[-1]:
                 self._topk_captured.append([int(v) for v in self._to_host(env[node.name]).reshape(-1)])
             if node.op == "grouped_matmul":
-                self._count_experts(gmm_ordinal, self._to_host(env[node.inputs[2]]))
+                tokens = np.bincount(self._to_host(env[node.inputs[2]]).reshape(-1),
+                                     minlength=self.graph.type_of(node.inputs[1]).shape[0])
+                self._tally_experts(gmm_ordinal, tokens, tokens > 0)
                 gmm_ordinal += 1
             for name in node.inputs:
                 if self._last_use.get(name) == i and name not in outputs and name not in self.graph.params:
@@ -644,6 +649,7 @@ class Executable(Generic[T]):
         if len(mask) != n_experts:
             raise InvalidArgument(f"residency mask has {len(mask)} entries; the graph has {n_experts} experts",
                                   "BAD_MASK")
+        self._flush_expert_tally()
         self._moe_masks = [list(mask)] * n_layers
         return True
 
@@ -652,20 +658,26 @@ class Executable(Generic[T]):
         if len(masks) != n_layers or any(len(m) != n_experts for m in masks):
             raise InvalidArgument(f"per-layer masks must be {n_layers} x {n_experts}, got "
                                   f"{len(masks)} x {[len(m) for m in masks]}", "BAD_MASK")
+        self._flush_expert_tally()
         self._moe_masks = [list(m) for m in masks]
         return True
 
-    def _count_experts(self, ordinal: int, ids: np.ndarray) -> None:
+    def _tally_experts(self, ordinal: int, tokens: np.ndarray, calls: np.ndarray) -> None:
+        """Adds grouped product `ordinal`'s rows per expert and calls per expert (runs that gave it rows) to the
+        residency stats, each expert resident or offloaded by its layer's mask (a layer's gate, up and down are
+        three products)."""
         layer = ordinal // 3
         mask = self._moe_masks[layer] if self._moe_masks and layer < len(self._moe_masks) else None
-        experts, tokens = np.unique(ids.reshape(-1), return_counts=True)
-        for e, n in zip(experts.tolist(), tokens.tolist()):
-            if mask is None or (0 <= e < len(mask) and mask[e]):
-                self._moe_stats.resident_expert_calls += 1
-                self._moe_stats.resident_tokens += n
-            else:
-                self._moe_stats.offloaded_expert_calls += 1
-                self._moe_stats.offloaded_tokens += n
+        resident = np.array([mask is None or (e < len(mask) and mask[e]) for e in range(len(tokens))], bool)
+        stats = self._moe_stats
+        stats.resident_expert_calls += int(calls[resident].sum())
+        stats.resident_tokens += int(tokens[resident].sum())
+        stats.offloaded_expert_calls += int(calls[~resident].sum())
+        stats.offloaded_tokens += int(tokens[~resident].sum())
+
+    def _flush_expert_tally(self) -> None:
+        """Hands counts a backend keeps on its device to _tally_experts: before the stats are read or a mask
+        changes. The interpreter tallies on the host as it runs: nothing waits here."""
 
     def enable_moe_topk_capture(self, num_experts: int) -> bool:
         self._topk_capture_width = num_experts
@@ -676,6 +688,7 @@ class Executable(Generic[T]):
         return captured or None
 
     def take_moe_residency_stats(self) -> MoeStats:
+        self._flush_expert_tally()
         stats, self._moe_stats = self._moe_stats, MoeStats()
         return stats
 

@@ -114,6 +114,7 @@ class CudaGraphs(Executable[Tensor]):
     _static_key: tuple[Any, ...] | None
     _captures: dict[tuple[Any, ...], _Captured]
     _seen: dict[tuple[Any, ...], int]
+    _expert_tally: Tensor | None
 
     def _run_plan(self, env: dict[str, Tensor], ctx: RunContext, steps: list[Any] | None = None) -> list[Tensor]:
         raise NotImplementedError
@@ -134,8 +135,29 @@ class CudaGraphs(Executable[Tensor]):
                 return None
             return lambda inputs: _host_op(node, inner(inputs))
 
+        def within(name: str, bound: int) -> bool:
+            """Whether index `name` lies in [0, bound) whatever the inputs (MoE's expert ids and the gather that
+            repeats its rows): top-k ids over at most `bound` columns, or a constant, through slices and reshapes."""
+            node = nodes.get(name)
+            while node is not None and node.op in ("slice", "reshape"):
+                node = nodes.get(node.inputs[0])
+            if node is not None and node.op == "top_k":
+                return graph.type_of(node.inputs[0]).shape[-1] <= bound
+            if node is not None and node.op == "constant":
+                value = np.asarray(node.attrs["value"])
+                return bool(value.size == 0 or (value.min() >= 0 and value.max() < bound))
+            return False
+
         checks: dict[tuple[Any, ...], HostCheck] = {}  # one per distinct check: every layer reads the same indices
         for node in graph.nodes:
+            if node.op == "grouped_matmul":
+                if not within(node.inputs[2], graph.type_of(node.inputs[1]).shape[0]):
+                    return None
+                continue
+            if node.op in ("gather", "take_along_axis"):
+                shape = graph.type_of(node.inputs[0]).shape
+                if within(node.inputs[1], shape[node.attrs["axis"] % len(shape)]):
+                    continue
             if node.op == "paged_attention":
                 values = [host(name) for name in node.inputs[3:]]
                 if any(v is None for v in values):
@@ -205,7 +227,7 @@ class CudaGraphs(Executable[Tensor]):
         return staging
 
     def _run_static(self, env: dict[str, Tensor], key: tuple[Any, ...]) -> list[Tensor]:
-        ctx = RunContext(self._rng, self._extent, {"static": True})
+        ctx = RunContext(self._rng, self._extent, {"static": True}, tally=self._expert_tally)
         if not self.cuda_graphs:
             return self._run_plan(env, ctx)
         captured = self._captures.get(key)

@@ -10,7 +10,12 @@ its weights alone read in ~0.12 ms. So the ops a layer repeats get one kernel ea
 - paged decode attention (one query row per sequence): torch's form gathers every sequence's blocks for keys and
   for values, then runs SDPA with an additive mask. Here each (sequence, kv head) walks its own blocks through the
   block table, up to its own position, with an online softmax: no gathered copy, no mask, no padded keys;
-- a residual add and the RMS norm that reads it (TorchExecutable fuses the two nodes), and silu(gate) * up.
+- a residual add and the RMS norm that reads it (TorchExecutable fuses the two nodes), and silu(gate) * up;
+- products x @ W.T of f32 rows, and MoE's grouped product (each row times its expert's weight) in every dtype.
+  cuBLAS picks its kernel by the row count, so a row's f32 sums changed with the rows beside it and a batched
+  stream drifted from its solo tokens. Here one tile shape serves every row count and each output is summed over
+  k in one order: a row's bits are the same alone or among 255 others. The grouped product sorts rows by expert
+  and finds each tile's expert on the device: no host read, so a captured graph serves any routing.
 
 They compute in float32 and round once at the end, except where an op alone would round an intermediate that
 another op reads (the residual sum, silu's output): that is rounded as the op rounds it. They run under a captured
@@ -184,6 +189,97 @@ if triton is not None:
         u = tl.load(u_ptr + r * su + i, mask=live, other=0.0).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as silu alone rounds
         tl.store(out_ptr + r * so + i, (silu * u).to(out_ptr.dtype.element_ty), mask=live)
+
+
+    @triton.jit(do_not_specialize=["m"])  # type: ignore[untyped-decorator]
+    def _product_kernel(x_ptr, w_ptr, out_ptr, m, n, k, sx, sw_e, sw_n, sw_k, so,  # type: ignore[no-untyped-def]
+                        src_ptr, expert_ptr, first_ptr, end_ptr,
+                        GROUPED: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BK: tl.constexpr):
+        """A [BM, BN] tile of out = x @ W.T, W [n, k] (strides sw_n, sw_k). GROUPED: tile rows are positions
+        first .. end of the rows sorted by expert (src_ptr: each position's row of x and out), all of one expert
+        (W = w[expert], stride sw_e); expert -1 marks a tile no expert needed. Every row runs the same k loop."""
+        tile = tl.program_id(0)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        if GROUPED:
+            expert = tl.load(expert_ptr + tile)
+            at = tl.load(first_ptr + tile) + tl.arange(0, BM)
+            live = at < tl.where(expert >= 0, tl.load(end_ptr + tile), 0)
+            rows = tl.load(src_ptr + at, mask=live, other=0).to(tl.int64)
+            w_ptr += tl.maximum(expert, 0).to(tl.int64) * sw_e
+            depth = tl.where(expert >= 0, k, 0)  # an idle tile skips the loop
+        else:
+            rows = (tile * BM + tl.arange(0, BM)).to(tl.int64)
+            live = rows < m
+            depth = k
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, depth, BK):
+            ks = k0 + tl.arange(0, BK)
+            a = tl.load(x_ptr + rows[:, None] * sx + ks[None, :], mask=live[:, None] & (ks[None, :] < k), other=0.0)
+            b = tl.load(w_ptr + cols[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k,
+                        mask=(ks[:, None] < k) & (cols[None, :] < n), other=0.0)
+            if IEEE:  # f32 as f32: no TF32 rounding of the operands
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        tl.store(out_ptr + rows[:, None] * so + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & (cols[None, :] < n))
+
+
+# One tile shape for every row count (the invariance): 16 rows is tl.dot's least; f32 takes Triton's FMA loop.
+_TILE = {torch.float32: (16, 64, 32), torch.bfloat16: (16, 64, 64), torch.float16: (16, 64, 64)}
+
+
+def product_usable(x: Tensor, w: Tensor) -> bool:
+    """x [M, K] and a weight [N, K] (or [E, K, N] experts) of one dtype the tiles serve, x's rows contiguous."""
+    return (usable(x, w) and x.dim() == 2 and w.dim() in (2, 3) and x.dtype == w.dtype and x.dtype in _TILE
+            and x.stride(1) == 1)
+
+
+def matmul_xwt(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T for x [M, K], w [N, K] (any strides): each row's sums in one order whatever M."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bm, bn, bk = _TILE[x.dtype]
+    if m:
+        _product_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            x, w, out, m, n, k, x.stride(0), 0, w.stride(0), w.stride(1), out.stride(0), x, x, x, x,
+            GROUPED=False, IEEE=x.dtype == torch.float32, BM=bm, BN=bn, BK=bk)
+    return out
+
+
+def expert_tiles(ids: Tensor, experts: int, tile: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The grouped product's schedule, on the device and of a size fixed by the row count: (src, expert, first,
+    end). src [M]: the rows in expert order (stable); then per tile of up to `tile` sorted rows of one expert,
+    its expert (-1: a spare tile), its first sorted position and its expert's end. There are M / tile + experts
+    tiles, enough for any routing."""
+    flat = ids.reshape(-1).long()
+    src = torch.argsort(flat, stable=True)
+    counts = torch.zeros(experts, dtype=torch.long, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
+    ends = torch.cumsum(counts, 0)
+    tiles = (counts + tile - 1) // tile
+    tile_ends = torch.cumsum(tiles, 0)
+    t = torch.arange(-(-flat.numel() // tile) + experts, device=ids.device)
+    expert = torch.searchsorted(tile_ends, t, right=True)
+    spare = expert >= experts
+    e = expert.clamp(max=experts - 1)
+    first = ends[e] - counts[e] + (t - (tile_ends[e] - tiles[e])) * tile
+    return src, torch.where(spare, -1, e), first, ends[e]
+
+
+def grouped_matmul(x: Tensor, w: Tensor, ids: Tensor) -> Tensor:
+    """out[r] = x[r] @ w[ids[r]] for x [M, K], experts w [E, K, N], ids [M]: one launch, no host read."""
+    m, k = x.shape
+    experts, _, n = w.shape
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bm, bn, bk = _TILE[x.dtype]
+    if m:
+        src, expert, first, end = expert_tiles(ids, experts, bm)
+        _product_kernel[(expert.numel(), triton.cdiv(n, bn))](
+            x, w, out, m, n, k, x.stride(0), w.stride(0), w.stride(2), w.stride(1), out.stride(0), src, expert,
+            first, end, GROUPED=True, IEEE=x.dtype == torch.float32, BM=bm, BN=bn, BK=bk)
+    return out
 
 
 def rows_usable(*xs: Tensor) -> bool:

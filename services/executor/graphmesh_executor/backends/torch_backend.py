@@ -135,8 +135,16 @@ def _div(x: Tensor, y: Tensor) -> Tensor:
     return torch.div(x, y) if x.is_floating_point() else torch.div(x, y, rounding_mode="trunc")
 
 
+def _invariant(x: Tensor, w: Tensor) -> bool:
+    """Whether x @ W.T takes cuda_kernels' product: f32 rows on CUDA, whose bits must not depend on the rows beside
+    them (cuBLAS picks its kernel by the row count). Other dtypes keep cuBLAS: they promise no such bits."""
+    return x.dtype == torch.float32 and x.dim() == 2 and cuda_kernels.product_usable(x, w)
+
+
 def _matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, w = xs
+    if a["transpose_b"] and not a["transpose_a"] and _invariant(x, w):
+        return cuda_kernels.matmul_xwt(x, w)
     if a["transpose_b"] and not a["transpose_a"] and x.dim() == 2:
         if cpu_kernels.has_fpanels(w) and cpu_kernels.usable(x, w):  # an f32 weight laid out (_lay_out): any rows
             return cpu_kernels.matmul_xwt(x, w, ctx.light)
@@ -180,7 +188,10 @@ def _joined_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tens
             return torch.cat([_dequant_matmul(ctx, [x, w], {**a, "n": w.shape[0]}) for w in weights], -1)
         return torch.cat([_matmul(ctx, [x, w], {"transpose_a": False, "transpose_b": True}) for w in weights], -1)
     if joined is None:  # a param was set on its own since the join (ExecutorService.SetParam): one product each
-        return torch.cat([torch.matmul(x, w.mT) for w in weights], -1)
+        return torch.cat([cuda_kernels.matmul_xwt(x, w) if _invariant(x, w) else torch.matmul(x, w.mT)
+                          for w in weights], -1)
+    if _invariant(x, joined.whole):
+        return cuda_kernels.matmul_xwt(x, joined.whole)
     return torch.matmul(x, joined.whole.mT)
 
 
@@ -532,14 +543,15 @@ def _take_along_axis(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Te
 
 
 def _grouped_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
-    """Rows sorted by expert once (a stable argsort, one index_select), each present expert's contiguous run of rows
-    times its weight (one matmul each, after one host read of the run lengths), then the results put back in row
-    order (index_copy_): never a gathered [M, K, N] weight copy. torch's grouped GEMM (torch._grouped_mm, one
-    kernel over the runs) was slower on the H200: Mixtral's w1 shape (8 experts, 4096 x 14336, bf16), 32 and 1024
-    rows, 0.46 and 0.60 ms against this loop's 0.38 and 0.51 (a boolean mask per expert, a host read each: 1.07
-    and 1.10, the same bits)."""
+    """On CUDA one Triton launch (cuda_kernels.grouped_matmul): no host read, so a step with experts can be
+    captured, and a row's bits do not depend on the rows beside it. Elsewhere rows sorted by expert once (a stable
+    argsort, one index_select), each present expert's contiguous run of rows times its weight (one matmul each,
+    after one host read of the run lengths), then the results put back in row order (index_copy_): never a
+    gathered [M, K, N] weight copy."""
     x, w, ids = xs
     _check_indices(ctx, ids, w.shape[0], "expert")
+    if cuda_kernels.product_usable(x, w):
+        return cuda_kernels.grouped_matmul(x, w, ids)
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
     rows = x.index_select(0, order)
@@ -550,6 +562,19 @@ def _grouped_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
             done[start:start + n] = rows[start:start + n] @ w[e]
         start += n
     return torch.empty_like(done).index_copy_(0, order, done)
+
+
+def _tallied_grouped_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
+    """grouped_matmul in a plan: the product, then its rows per expert added to ctx.tally on the device (a step
+    with experts reads nothing back, so it can be captured; TorchExecutable._flush_expert_tally reads the tally)."""
+    out = _grouped_matmul(ctx, xs, a)
+    if ctx.tally is not None:
+        flat = xs[2].reshape(-1).long()
+        experts = xs[1].shape[0]
+        tokens = torch.zeros(experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+        ctx.tally[a["ordinal"], 0, :experts] += tokens
+        ctx.tally[a["ordinal"], 1, :experts] += tokens > 0
+    return out
 
 
 def _argmax(x: Tensor, axis: int = -1) -> Tensor:
@@ -638,6 +663,8 @@ def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
     if x.dtype not in converted:
         w = dequantize(packed, scheme, n, k).to(x.dtype)
         converted[x.dtype] = w.mT.contiguous().mT if w.device.type == "cpu" else w  # see TorchExecutable._transposed
+    if _invariant(x, converted[x.dtype]):
+        return cuda_kernels.matmul_xwt(x, converted[x.dtype])
     return F.linear(x, converted[x.dtype])
 
 
@@ -755,10 +782,14 @@ class TorchExecutable(CudaGraphs):
         for name in self._joined_weights:
             self._panelled.pop(name, None)
         self._joins_made = False  # set by finalize_params: from then on a member set on its own is read alone
-        # The base interpreter counts MoE expert calls and captures top-k ids: graphs with those ops keep it.
-        self._planned = not any(n.op in ("grouped_matmul", "top_k") for n in graph.nodes)
+        # Experts are tallied on the device by the plan's grouped products; capturing top-k ids
+        # (enable_moe_topk_capture) takes the base interpreter, which reads them back.
+        grouped = [n for n in graph.nodes if n.op == "grouped_matmul"]
+        self._expert_tally = torch.zeros(
+            (len(grouped), 2, max(graph.type_of(n.inputs[1]).shape[0] for n in grouped)), dtype=torch.long,
+            device=self._device) if grouped else None
         self._slots, self._steps = self._plan(graph)
-        self._host_checks = self._static_checks(graph) if self._device.type == "cuda" and self._planned else None
+        self._host_checks = self._static_checks(graph) if self._device.type == "cuda" else None
         # cuda_graphs.CudaGraphs' state (typed there)
         self._staging = {}  # by the host inputs' names
         self._static_key = None  # this run's capture key when it runs static
@@ -775,6 +806,7 @@ class TorchExecutable(CudaGraphs):
         joined = {name for members in joins.values() for name in members}
         fused = self._fusions(graph)
         absorbed = {other.name for _, other in fused.values()}
+        ordinals = {n.name: i for i, n in enumerate(n for n in graph.nodes if n.op == "grouped_matmul")}
         steps = []
         for i, node in enumerate(graph.nodes):
             if node.op == "constant" or (node.name in joined and node.name not in joins) or node.name in absorbed:
@@ -786,8 +818,10 @@ class TorchExecutable(CudaGraphs):
                 steps.append(self._fused_step(i, node, *fused[node.name], slots, keep))
                 continue
             free = tuple(slots[n] for n in dict.fromkeys(node.inputs) if self._last_use.get(n) == i and n not in keep)
-            steps.append(_Step(self.kernels[node.op], tuple(slots[n] for n in node.inputs), node.attrs, slots[node.name],
-                               free))
+            kernel, attrs = self.kernels[node.op], node.attrs
+            if node.op == "grouped_matmul":
+                kernel, attrs = _tallied_grouped_matmul, {**attrs, "ordinal": ordinals[node.name]}
+            steps.append(_Step(kernel, tuple(slots[n] for n in node.inputs), attrs, slots[node.name], free))
         return slots, steps
 
     def _fusions(self, graph: Graph) -> dict[str, tuple[str, Node]]:
@@ -1017,6 +1051,7 @@ class TorchExecutable(CudaGraphs):
         twin = super().clone()
         assert isinstance(twin, TorchExecutable)
         twin._staging, twin._captures, twin._seen, twin._static_key = {}, {}, {}, None
+        twin._expert_tally = None if self._expert_tally is None else torch.zeros_like(self._expert_tally)
         return twin
 
     def _from_host(self, array: np.ndarray, order: Literal["C", "F"] = "C") -> Tensor:
@@ -1096,7 +1131,8 @@ class TorchExecutable(CudaGraphs):
         # session's committed length, which attention masks and the retried run overwrites.
         self._check_input_names(inputs)
         self._static_key = None
-        env = self._gather_static(inputs) if self._host_checks is not None else None
+        static = self._host_checks is not None and self._topk_capture_width is None
+        env = self._gather_static(inputs) if static else None
         if env is None:
             env = super()._gather_inputs(inputs)
         for handle, output in self._donors.items():
@@ -1108,15 +1144,24 @@ class TorchExecutable(CudaGraphs):
 
     @torch.inference_mode()
     def _execute(self, env: dict[str, Tensor], cut: ExtentCut | None = None) -> list[Tensor]:
-        if not self._planned:
+        if self._topk_capture_width is not None:
             return super()._execute(env, cut)
+        ctx = RunContext(self._rng, self._extent, light=self._light, tally=self._expert_tally)
         if cut is not None:  # cut to the active extent: eager (a capture is of one shape), the same slots
             if cut.plan is None:
                 cut.plan = self._plan(cut.graph)[1]
-            return self._run_plan(env, RunContext(self._rng, self._extent, light=self._light), cut.plan)
+            return self._run_plan(env, ctx, cut.plan)
         if self._static_key is not None:
             return self._run_static(env, self._static_key)
-        return self._run_plan(env, RunContext(self._rng, self._extent, light=self._light))
+        return self._run_plan(env, ctx)
+
+    def _flush_expert_tally(self) -> None:
+        if self._expert_tally is None:
+            return
+        tally = self._expert_tally.to("cpu", copy=True).numpy()  # waits for the runs that added to it
+        self._expert_tally.zero_()  # in place: captured graphs add to this very tensor
+        for ordinal, (tokens, calls) in enumerate(tally):
+            self._tally_experts(ordinal, tokens, calls)
 
     def sync_pending(self) -> int:
         """Waits for the runs commit_no_wait queued (on CUDA they are still running when it returns)."""
