@@ -126,6 +126,7 @@ def main() -> None:
     p.add_argument("--weights", default="f32")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--output", default="", help="results file under bench/results/ (default speculative.json)")
     p.add_argument("--draft", default="", help="a draft model of the same tokenizer: a third mesh engine speculating "
                                                "with it (on one more executor)")
     a = p.parse_args()
@@ -213,7 +214,7 @@ def main() -> None:
     if peer:
         headers += ["llama.cpp", "+spec", "on/off", "mesh/llama (spec)"]
     print(table([*headers, "same tokens"], rows))
-    write_results("speculative.json" if not a.quick else "speculative_quick.json", {
+    write_results(a.output or ("speculative.json" if not a.quick else "speculative_quick.json"), {
         "benchmark": "bench_speculative", "model": MODEL, "weights": a.weights, "executors": a.executors,
         "draft": a.draft or None,
         "tokens": tokens, "k": a.k, "repeats": repeats, "peer": "llama-cpp-python server" if peer else None,

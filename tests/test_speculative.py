@@ -65,8 +65,15 @@ def test_k_adapts_to_acceptance_and_backs_off_to_plain_decoding() -> None:
         if spec.k:
             spec.verified(spec.k, 0)
     assert spec.k == 0 and spec.backoff > 0 and spec.proposals([1, 2, 1], 5) == []
+    first = spec.backoff
     spec.plain(spec.backoff)
     assert spec.k == 1 and spec.proposals([1, 2, 1], 5) == [2]
+    spec.verified(1, 0)  # the probe after a backoff fails: straight back to plain decoding, for twice as long
+    assert spec.k == 0 and spec.backoff == 2 * first
+    spec.plain(spec.backoff)
+    spec.verified(1, 1)  # a probe that pays ends the probation: later misses count as before
+    spec.verified(2, 0)
+    assert spec.k == 1 and spec.backoff == 0
 
 
 def test_modes_parse_and_refuse_clearly() -> None:

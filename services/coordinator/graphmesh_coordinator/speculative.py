@@ -187,6 +187,7 @@ class Speculation:
     acceptance: float = 1.0  # per proposed token, an exponential average
     backoff: int = 0  # plain tokens left before it speculates again
     next_backoff: int = BACKOFF_TOKENS
+    probation: bool = False  # back from a backoff: one pass that accepts nothing sends it back, for longer
     passes: int = 0
     draft: bool = False  # proposals come from the coordinator's draft model (draft.py), else prompt lookup
 
@@ -207,7 +208,7 @@ class Speculation:
         if self.backoff > 0:
             self.backoff = max(0, self.backoff - tokens)
             if self.backoff == 0:
-                self.k = 1  # try again, small: it grows back with acceptance
+                self.k, self.probation = 1, True  # try again, small: it grows back with acceptance
 
     def verified(self, proposed: int, accepted: int) -> None:
         """A pass proposed `proposed` tokens and the target accepted the first `accepted` of them."""
@@ -218,10 +219,12 @@ class Speculation:
         self.passes += 1
         self.acceptance = (1 - EMA) * self.acceptance + EMA * accepted / proposed
         if accepted == proposed:
-            self.k = min(self.max_k, self.k + 1)
-        elif self.acceptance < MIN_ACCEPTANCE and self.passes >= 3:
-            self.k, self.backoff = 0, self.next_backoff  # does not pay: plain decoding for a while
+            self.k, self.probation = min(self.max_k, self.k + 1), False
+        elif (self.probation and accepted == 0) or (self.acceptance < MIN_ACCEPTANCE and self.passes >= 3):
+            # Does not pay: plain decoding for a while. Each probe after a backoff is a verified chunk in place of
+            # a decode run, so open text (whose one-token matches rarely hold) pays one failed pass per backoff.
+            self.k, self.backoff = 0, self.next_backoff
             self.next_backoff = min(MAX_BACKOFF_TOKENS, self.next_backoff * 2)
-            self.acceptance, self.passes = 0.5, 0
+            self.acceptance, self.passes, self.probation = 0.5, 0, False
         else:
-            self.k = max(1, min(self.max_k, accepted + 1))
+            self.k, self.probation = max(1, min(self.max_k, accepted + 1)), False
