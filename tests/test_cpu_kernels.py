@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -286,25 +286,44 @@ def test_a_lone_rows_product_shared_with_the_helper_thread_has_the_one_thread_bi
     its chunk, and the helper really takes chunks."""
     lib = cpu_kernels.library()
     assert lib is not None and cpu_kernels._helper(lib)
+
+    def products(n: int, k: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        """(one thread, shared with the helper): x [m, k] @ W.T for a random W [n, k] in the scheme."""
+        if scheme == "f32":
+            weight = cpu_kernels.fpanels(_rand(n, k, seed=3))
+            code = -1
+        else:
+            blocks = (_k_blocks if scheme in K_QUANTS else _gguf_blocks)(scheme, n, k, seed=5)
+            weight, code = cpu_kernels.panels(torch.from_numpy(blocks), scheme, n, k), cpu_kernels.PACKED_SCHEMES[scheme]
+
+        def run(x: torch.Tensor, shared: bool) -> torch.Tensor:
+            m, out = x.shape[0], torch.empty(x.shape[0], n)
+            if code < 0 and shared:
+                lib.gemm_fpanels_shared(m, k, x.data_ptr(), k, weight.data_ptr(), out.data_ptr(), n, n)
+            elif code < 0:
+                lib.gemm_fpanels(m, k, x.data_ptr(), k, weight.data_ptr(), out.data_ptr(), n, 0, n)
+            elif shared:
+                lib.gemm_qpanels_shared(m, k, x.data_ptr(), k, weight.data_ptr(), code, out.data_ptr(), n, n)
+            else:
+                lib.gemm_qpanels(m, k, x.data_ptr(), k, weight.data_ptr(), code, out.data_ptr(), n, 0, n)
+            return out
+        return (lambda x: run(x, False)), (lambda x: run(x, True))
+
     n, k = 50 * cpu_kernels.panel() + 7, 512  # many chunks and a short last one
-    if scheme == "f32":
-        w = _rand(n, k, seed=3)
-        weight = cpu_kernels.fpanels(w)
-    helped = lib.helper_chunks()
+    alone, shared = products(n, k)
     for m in (1, 2):
         for trial in range(20):
             x = _rand(m, k, seed=10 * m + trial)
-            alone, shared = torch.empty(m, n), torch.empty(m, n)
-            if scheme == "f32":
-                lib.gemm_fpanels(m, k, x.data_ptr(), k, weight.data_ptr(), alone.data_ptr(), n, 0, n)
-                lib.gemm_fpanels_shared(m, k, x.data_ptr(), k, weight.data_ptr(), shared.data_ptr(), n, n)
-            else:
-                blocks = (_k_blocks if scheme in K_QUANTS else _gguf_blocks)(scheme, n, k, seed=5)
-                panels = cpu_kernels.panels(torch.from_numpy(blocks), scheme, n, k)
-                code = cpu_kernels.PACKED_SCHEMES[scheme]
-                lib.gemm_qpanels(m, k, x.data_ptr(), k, panels.data_ptr(), code, alone.data_ptr(), n, 0, n)
-                lib.gemm_qpanels_shared(m, k, x.data_ptr(), k, panels.data_ptr(), code, shared.data_ptr(), n, n)
-            assert torch.equal(shared, alone), (m, trial)
+            assert torch.equal(shared(x), alone(x)), (m, trial)
+    # The helper really takes chunks: of a product long enough for it to wake from its futex (one as short as
+    # those above may be done before it is, on a busy host), within a bounded number of tries.
+    helped = lib.helper_chunks()
+    _, shared = products(400 * cpu_kernels.panel(), 4096)
+    x = _rand(1, 4096, seed=1)
+    for _ in range(100):
+        shared(x)
+        if lib.helper_chunks() > helped:
+            break
     assert lib.helper_chunks() > helped
 
 
