@@ -392,65 +392,68 @@ static void dequantize_slice(int scheme, const unsigned char *panel, int kb, int
     }
 }
 
-/* FUSED_ROWS rows at most (a lone decode, or two) take their products straight from registers: a slice made in L1
- * and read back costs a store and a load a weight, which a quad of rows shares but one row pays alone, and one row's
- * 3 FMA chains a panel wait on each other's latency; so each block is dequantized into registers and multiplied at
- * once, NP panels side by side. The weights are the slice's values (the same operations) and each output the same
- * FMA chain over k in order, so the bits are those of the slice path. Blocks of 32 only (q4_0, q4_1, q8_0). */
-#define FUSED_ROWS 2
-static inline __attribute__((always_inline)) void fused_panels(int mr, int np, int scheme, int k, const float *x,
-                                                               size_t ldx, const unsigned char *panel,
-                                                               size_t panel_bytes, float *out, int ldo, int n,
-                                                               int n1) {
+/* FUSED_ROWS rows at most (a few decodes, a short verified chunk) take their products straight from registers: a
+ * slice made in L1 and read back costs a store and a load a weight, which many rows share but a few pay nearly
+ * alone, and one row's 3 FMA chains a panel wait on each other's latency; so each block is dequantized into
+ * registers and multiplied at once, one panel at a time (two side by side ran out of registers: their scales and
+ * mins spilled). 3 accumulators a row, with the scales and mins, fit 5 rows in AVX-512's 32 registers and 3 in
+ * AVX2's 16. The weights are the slice's values (the same operations) and each output the same FMA chain over k in
+ * order, so the bits are those of the slice path. Blocks of 32 only (q4_0, q4_1, q8_0). */
+#if VL == 16
+#define FUSED_ROWS 5
+#else
+#define FUSED_ROWS 3
+#endif
+static inline __attribute__((always_inline)) void fused_panel(int mr, int scheme, int k, const float *x, size_t ldx,
+                                                              const unsigned char *panel, float *out, int ldo,
+                                                              int cols) {
     size_t bb = panel_block_bytes(scheme);
-    vec acc[FUSED_ROWS][2][3];
+    vec acc[FUSED_ROWS][3];
     for (int i = 0; i < mr; i++)
-        for (int p = 0; p < np; p++)
-            for (int g = 0; g < 3; g++) acc[i][p][g] = vzero();
+        for (int g = 0; g < 3; g++) acc[i][g] = vzero();
     for (int b = 0; b < k / 32; b++) {
         const float *xb = x + 32 * b;
-        for (int p = 0; p < np; p++) {
-            const unsigned char *src = panel + p * panel_bytes + (size_t)b * bb;
-            vec d[3], m[3];
-            block_scales(scheme, src, d, m);
-            for (int c = 0; c < 16; c++)
-                for (int g = 0; g < 3; g++) {
-                    vec w0, w1;
-                    column_pair(scheme, src, d, m, c, g, &w0, &w1);
-                    for (int i = 0; i < mr; i++) {
-                        acc[i][p][g] = vfmadd(vset1(xb[i * ldx + 2 * c]), w0, acc[i][p][g]);
-                        acc[i][p][g] = vfmadd(vset1(xb[i * ldx + 2 * c + 1]), w1, acc[i][p][g]);
-                    }
+        const unsigned char *src = panel + (size_t)b * bb;
+        vec d[3], m[3];
+        block_scales(scheme, src, d, m);
+        for (int c = 0; c < 16; c++)
+            for (int g = 0; g < 3; g++) {
+                vec w0, w1;
+                column_pair(scheme, src, d, m, c, g, &w0, &w1);
+                for (int i = 0; i < mr; i++) {
+                    acc[i][g] = vfmadd(vset1(xb[i * ldx + 2 * c]), w0, acc[i][g]);
+                    acc[i][g] = vfmadd(vset1(xb[i * ldx + 2 * c + 1]), w1, acc[i][g]);
                 }
-        }
+            }
     }
-    for (int p = 0; p < np; p++) {
-        float tile[PANEL] __attribute__((aligned(64)));
-        int cols = n1 - n - p * PANEL < PANEL ? n1 - n - p * PANEL : PANEL;
-        for (int i = 0; i < mr; i++) {
-            for (int g = 0; g < 3; g++) vstore(tile + VL * g, acc[i][p][g]);
-            memcpy(out + (size_t)i * ldo + n + p * PANEL, tile, (size_t)cols * sizeof(float));
-        }
+    float tile[PANEL] __attribute__((aligned(64)));
+    for (int i = 0; i < mr; i++) {
+        for (int g = 0; g < 3; g++) vstore(tile + VL * g, acc[i][g]);
+        memcpy(out + (size_t)i * ldo, tile, (size_t)cols * sizeof(float));
     }
 }
 
 static void fused_rows(int m, int k, const float *x, int ldx, const unsigned char *w, int scheme, float *out, int ldo,
                        int n0, int n1) {
     size_t panel_bytes = (size_t)(k / 32) * panel_block_bytes(scheme);
-    for (int n = n0; n < n1;) {
+    for (int n = n0; n < n1; n += PANEL) {
         const unsigned char *panel = w + (size_t)(n / PANEL) * panel_bytes;
-        int two = n1 - n > PANEL;
-#define FUSED(mr, np) fused_panels(mr, np, scheme, k, x, ldx, panel, panel_bytes, out, ldo, n, n1)
-        if (m == 1) { if (two) FUSED(1, 2); else FUSED(1, 1); }
-        else { if (two) FUSED(2, 2); else FUSED(2, 1); }
-#undef FUSED
-        n += two ? 2 * PANEL : PANEL;
+        int cols = n1 - n < PANEL ? n1 - n : PANEL;
+        switch (m) { /* a constant row count per call: the row loops unroll */
+        case 1: fused_panel(1, scheme, k, x, ldx, panel, out + n, ldo, cols); break;
+        case 2: fused_panel(2, scheme, k, x, ldx, panel, out + n, ldo, cols); break;
+        case 3: fused_panel(3, scheme, k, x, ldx, panel, out + n, ldo, cols); break;
+#if FUSED_ROWS > 3
+        case 4: fused_panel(4, scheme, k, x, ldx, panel, out + n, ldo, cols); break;
+        default: fused_panel(5, scheme, k, x, ldx, panel, out + n, ldo, cols); break;
+#endif
+        }
     }
 }
 
 /* Rows [n0, n1) of the output's columns (n0 a multiple of PANEL: callers split n across threads); w: repack_blocks'
- * panels; k a multiple of block_cols(scheme). Strides are in elements. One or two rows of blocks of 32 go through
- * fused_rows; up to PANEL_ROWS rows (a decode)
+ * panels; k a multiple of block_cols(scheme). Strides are in elements. Up to FUSED_ROWS rows of blocks of 32 go
+ * through fused_rows; up to PANEL_ROWS rows (a decode)
  * dequantize a KC slice at a time into L1 and keep their partial sums in acc between slices; more rows (a prompt
  * chunk) dequantize a whole panel once and run the f32 panels' tiles over it. The sums are the same either way,
  * and the same as gemm_fpanels' over gguf's dequantization: one FMA chain over k in order, from zero. */
