@@ -497,3 +497,15 @@ def test_resident_handles_staging_and_run_feed_handle(client: ExecutorClient) ->
     with pytest.raises(errors.NotFound):
         exe.prepare_resident_handle("nope")
     exe.release()
+
+
+def test_an_executor_serves_with_the_fastest_installed_backend_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defaults hide no speed: torch where it is installed (it is here), numpy (the reference) only where nothing
+    else is, and --backend still chooses."""
+    from graphmesh_executor import backends
+    from graphmesh_executor.server import parse_args
+
+    assert parse_args(["--listen", "127.0.0.1:0"]).backend == "torch"
+    assert parse_args(["--listen", "127.0.0.1:0", "--backend", "numpy"]).backend == "numpy"
+    monkeypatch.setattr(backends, "available", lambda: ["numpy"])
+    assert backends.fastest() == "numpy"

@@ -22,7 +22,7 @@ import grpc
 
 from graphmesh import channels
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
-from graphmesh_executor.backends import NAMES
+from graphmesh_executor.backends import NAMES, fastest
 from graphmesh_executor.fencing import AuthorityState
 from graphmesh_executor.kv_push import KvPusher
 from graphmesh_executor.kv_writer import KvWriteBehind
@@ -147,7 +147,8 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, StageRuntime
 def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p = argparse.ArgumentParser(prog="graphmesh-executor", description="Serves compiled graphs over gRPC.")
     p.add_argument("--listen", default="127.0.0.1:50051", help="HOST:PORT; port 0 picks a free port")
-    p.add_argument("--backend", choices=NAMES, default="numpy")
+    p.add_argument("--backend", choices=NAMES, default=None,
+                   help="default: the fastest installed (torch, else mlx, else numpy: the reference)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--model-root", type=Path, help="directory LoadParams may read checkpoints from")
     p.add_argument("--threads", type=int, help="compute threads of the backend")
@@ -187,7 +188,7 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     a = p.parse_args(argv)
     if a.boundary_link_port != "off" and not a.boundary_link_port.isdigit():
         p.error(f"--boundary-link-port takes a port or 'off', not {a.boundary_link_port!r}")
-    return ExecutorConfig(listen=a.listen, backend=a.backend, device=a.device, model_root=a.model_root,
+    return ExecutorConfig(listen=a.listen, backend=a.backend or fastest(), device=a.device, model_root=a.model_root,
                           threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,
                           workers=a.workers, enable_fault_injection=a.enable_fault_injection,
                           standby_weights=STANDBY_WEIGHTS[a.standby_weights], metrics_port=a.metrics_port,
