@@ -367,6 +367,20 @@ static inline __attribute__((always_inline)) void column_pair(int scheme, const 
     *w1 = vfmadd(d[g], hi, m[g]);
 }
 
+/* BODY once for each group g (of 3) of each column pair c (of 16) of the panel's block of 32 at src, with w0 and
+ * w1 that group of columns 2c and 2c + 1 (column_pair): the order both product paths take a block's weights in. */
+#define EACH_COLUMN_PAIR(scheme, src, BODY)                                                                        \
+    do {                                                                                                           \
+        vec d_[3], m_[3];                                                                                          \
+        block_scales(scheme, src, d_, m_);                                                                         \
+        for (int c = 0; c < 16; c++)                                                                               \
+            for (int g = 0; g < 3; g++) {                                                                          \
+                vec w0, w1;                                                                                        \
+                column_pair(scheme, src, d_, m_, c, g, &w0, &w1);                                                  \
+                BODY                                                                                               \
+            }                                                                                                      \
+    } while (0)
+
 /* Columns kb .. kb + kc of a panel (both multiples of 32) as f32, [kc][PANEL]. */
 static void dequantize_slice(int scheme, const unsigned char *panel, int kb, int kc, float *dst) {
     size_t bb = panel_block_bytes(scheme);
@@ -379,17 +393,11 @@ static void dequantize_slice(int scheme, const unsigned char *panel, int kb, int
         return;
     }
     const unsigned char *src = panel + (size_t)(kb / 32) * bb;
-    for (int b = 0; b < kc / 32; b++, src += bb, dst += 32 * PANEL) {
-        vec d[3], m[3];
-        block_scales(scheme, src, d, m);
-        for (int c = 0; c < 16; c++)
-            for (int g = 0; g < 3; g++) {
-                vec w0, w1;
-                column_pair(scheme, src, d, m, c, g, &w0, &w1);
-                vstore(dst + 2 * c * PANEL + VL * g, w0);
-                vstore(dst + (2 * c + 1) * PANEL + VL * g, w1);
-            }
-    }
+    for (int b = 0; b < kc / 32; b++, src += bb, dst += 32 * PANEL)
+        EACH_COLUMN_PAIR(scheme, src, {
+            vstore(dst + 2 * c * PANEL + VL * g, w0);
+            vstore(dst + (2 * c + 1) * PANEL + VL * g, w1);
+        });
 }
 
 /* FUSED_ROWS rows at most (a few decodes, a short verified chunk) take their products straight from registers: a
@@ -413,18 +421,12 @@ static inline __attribute__((always_inline)) void fused_panel(int mr, int scheme
         for (int g = 0; g < 3; g++) acc[i][g] = vzero();
     for (int b = 0; b < k / 32; b++) {
         const float *xb = x + 32 * b;
-        const unsigned char *src = panel + (size_t)b * bb;
-        vec d[3], m[3];
-        block_scales(scheme, src, d, m);
-        for (int c = 0; c < 16; c++)
-            for (int g = 0; g < 3; g++) {
-                vec w0, w1;
-                column_pair(scheme, src, d, m, c, g, &w0, &w1);
-                for (int i = 0; i < mr; i++) {
-                    acc[i][g] = vfmadd(vset1(xb[i * ldx + 2 * c]), w0, acc[i][g]);
-                    acc[i][g] = vfmadd(vset1(xb[i * ldx + 2 * c + 1]), w1, acc[i][g]);
-                }
+        EACH_COLUMN_PAIR(scheme, panel + (size_t)b * bb, {
+            for (int i = 0; i < mr; i++) {
+                acc[i][g] = vfmadd(vset1(xb[i * ldx + 2 * c]), w0, acc[i][g]);
+                acc[i][g] = vfmadd(vset1(xb[i * ldx + 2 * c + 1]), w1, acc[i][g]);
             }
+        });
     }
     float tile[PANEL] __attribute__((aligned(64)));
     for (int i = 0; i < mr; i++) {
