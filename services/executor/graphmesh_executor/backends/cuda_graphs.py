@@ -20,6 +20,7 @@ import torch
 from graphmesh import dtypes
 from graphmesh.errors import OutOfRange
 from graphmesh.graph import Graph, Node
+from graphmesh_executor.backends import cuda_kernels
 from graphmesh_executor.backends.torch_tensors import MEMO, TORCH_DTYPES, Tensor
 from graphmesh_executor.executable import Executable, RunContext, conform
 
@@ -150,8 +151,9 @@ class CudaGraphs(Executable[Tensor]):
 
         checks: dict[tuple[Any, ...], HostCheck] = {}  # one per distinct check: every layer reads the same indices
         for node in graph.nodes:
-            if node.op == "grouped_matmul":
-                if not within(node.inputs[2], graph.type_of(node.inputs[1]).shape[0]):
+            if node.op == "grouped_matmul":  # its torch fallback reads the experts' row counts back
+                if not (within(node.inputs[2], graph.type_of(node.inputs[1]).shape[0])
+                        and cuda_kernels.products_serve(graph.type_of(node.inputs[0]).dtype)):
                     return None
                 continue
             if node.op in ("gather", "take_along_axis"):

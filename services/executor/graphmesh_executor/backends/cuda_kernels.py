@@ -231,13 +231,19 @@ _TILE = {torch.float32: (16, 64, 32), torch.bfloat16: (16, 64, 64), torch.float1
 
 
 def product_usable(x: Tensor, w: Tensor) -> bool:
-    """x [M, K] and a weight [N, K] (or [E, K, N] experts) of one dtype the tiles serve, x's rows contiguous."""
-    return (usable(x, w) and x.dim() == 2 and w.dim() in (2, 3) and x.dtype == w.dtype and x.dtype in _TILE
-            and x.stride(1) == 1)
+    """x [M, K] and a weight [N, K] (or [E, K, N] experts) of one dtype the tiles serve."""
+    return usable(x, w) and x.dim() == 2 and w.dim() in (2, 3) and x.dtype == w.dtype and x.dtype in _TILE
+
+
+def products_serve(dtype: str) -> bool:
+    """Whether the products may run for rows of this graph dtype ("f32", "bf16", ...): a graph whose grouped
+    product they serve reads nothing back and may run static (cuda_graphs)."""
+    return usable() and dtype in ("f32", "bf16", "f16")
 
 
 def matmul_xwt(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T for x [M, K], w [N, K] (any strides): each row's sums in one order whatever M."""
+    x = x if x.stride(1) == 1 else x.contiguous()
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -270,6 +276,7 @@ def expert_tiles(ids: Tensor, experts: int, tile: int) -> tuple[Tensor, Tensor, 
 
 def grouped_matmul(x: Tensor, w: Tensor, ids: Tensor) -> Tensor:
     """out[r] = x[r] @ w[ids[r]] for x [M, K], experts w [E, K, N], ids [M]: one launch, no host read."""
+    x = x if x.stride(1) == 1 else x.contiguous()
     m, k = x.shape
     experts, _, n = w.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
