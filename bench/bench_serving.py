@@ -1,8 +1,9 @@
 """Serving under load: N concurrent streams against graphmesh meshes of 1, 2 and 3 torch executors and against
 the peers, each in a venv of its own under build/peers/ (see bench/peers.py): vLLM's CPU build (SmolLM2-135M-
 Instruct f32, dequantized from the bundled GGUF) and, with --peers vllm,llamacpp, llama.cpp (llama-cpp-python's
-server, built from source for this CPU, serving the GGUF as stored: Q4_1). The meshes run f32 weights unless
---weights says otherwise (f32, packed, packed-bf16; several: a mesh of each size for each, named by it). Per
+server, built from source for this CPU, serving the GGUF as stored: Q4_1). The meshes run packed weights, the
+coordinator's default, unless --weights says otherwise (f32, packed, packed-bf16; several: a mesh of each size for
+each, named by it). Per
 run: aggregate tokens/s (every generated token over the wall time from the requests leaving to the last token
 arriving), time to first token p50/p99 and inter-token latency p50/p99 over all the streams.
 
@@ -302,8 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=None, help="tokens generated per stream (default 64)")
     p.add_argument("--quick", action="store_true", help=f"smoke test: 1 repeat, concurrency {QUICK_CONCURRENCY}, "
                    f"{QUICK_TOKENS} tokens (flags given explicitly still win)")
-    p.add_argument("--weights", default="f32", help=f"the meshes' weight formats, a comma list of "
-                   f"{', '.join(WEIGHTS)} (default f32); several: a mesh of each size for each")
+    p.add_argument("--weights", default="packed", help=f"the meshes' weight formats, a comma list of "
+                   f"{', '.join(WEIGHTS)} (default packed, the coordinator's); several: a mesh of each size for each")
     p.add_argument("--peers", default=None, help=f"the peers, a comma list of {', '.join(PEER_NAMES)} "
                    "(default vllm); ratios and token checks are against vLLM, and against llama.cpp when it runs")
     peer = p.add_mutually_exclusive_group()
