@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # a type only: importing the SDK never imports graphmesh_serv
 
 EXECUTOR_START_S = 120.0  # an executor imports its backend and may load a model's weights before it serves
 
+
 def _ephemeral_ports() -> range:
     try:
         low, high = (int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
@@ -89,6 +90,8 @@ def parse_gpus(text: str) -> list[int]:
 
 
 def fastest_backend() -> str:
+    """The backend an executor serves with unless told (here, and graphmesh-executor's --backend default): torch
+    (CPU or CUDA) where installed, else mlx, else numpy, the reference."""
     for name in ("torch", "mlx"):
         if importlib.util.find_spec(name) is not None:
             return name

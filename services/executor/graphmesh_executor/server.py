@@ -21,8 +21,9 @@ from pathlib import Path
 import grpc
 
 from graphmesh import channels
+from graphmesh.launcher import fastest_backend
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
-from graphmesh_executor.backends import NAMES, fastest
+from graphmesh_executor.backends import NAMES
 from graphmesh_executor.fencing import AuthorityState
 from graphmesh_executor.kv_push import KvPusher
 from graphmesh_executor.kv_writer import KvWriteBehind
@@ -188,7 +189,7 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     a = p.parse_args(argv)
     if a.boundary_link_port != "off" and not a.boundary_link_port.isdigit():
         p.error(f"--boundary-link-port takes a port or 'off', not {a.boundary_link_port!r}")
-    return ExecutorConfig(listen=a.listen, backend=a.backend or fastest(), device=a.device, model_root=a.model_root,
+    return ExecutorConfig(listen=a.listen, backend=a.backend or fastest_backend(), device=a.device, model_root=a.model_root,
                           threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,
                           workers=a.workers, enable_fault_injection=a.enable_fault_injection,
                           standby_weights=STANDBY_WEIGHTS[a.standby_weights], metrics_port=a.metrics_port,

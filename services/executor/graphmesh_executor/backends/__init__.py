@@ -35,12 +35,5 @@ def available() -> list[str]:
     return found
 
 
-def fastest() -> str:
-    """The backend an executor serves with unless told: torch (CPU or CUDA) where installed, else mlx, else numpy
-    (the reference, for tests)."""
-    found = available()
-    return next((name for name in ("torch", "mlx") if name in found), "numpy")
-
-
 def compile_graph(graph: Graph, backend: str = "numpy", device: str = "cpu") -> Executable[Any]:
     return executable_class(backend)(graph, device)
