@@ -31,6 +31,8 @@ import shutil
 
 import torch
 
+from graphmesh_executor.backends.torch_tensors import TORCH_DTYPES
+
 log = logging.getLogger("graphmesh.executor.cuda_kernels")
 
 Tensor = torch.Tensor
@@ -238,7 +240,7 @@ def product_usable(x: Tensor, w: Tensor) -> bool:
 def products_serve(dtype: str) -> bool:
     """Whether the products may run for rows of this graph dtype ("f32", "bf16", ...): a graph whose grouped
     product they serve reads nothing back and may run static (cuda_graphs)."""
-    return usable() and dtype in ("f32", "bf16", "f16")
+    return usable() and TORCH_DTYPES.get(dtype) in _TILE
 
 
 def matmul_xwt(x: Tensor, w: Tensor) -> Tensor:

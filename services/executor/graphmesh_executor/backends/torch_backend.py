@@ -141,6 +141,11 @@ def _invariant(x: Tensor, w: Tensor) -> bool:
     return x.dtype == torch.float32 and x.dim() == 2 and cuda_kernels.product_usable(x, w)
 
 
+def _device_xwt(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T off the host: the batch-invariant product for f32 rows on CUDA, else torch's."""
+    return cuda_kernels.matmul_xwt(x, w) if _invariant(x, w) else torch.matmul(x, w.mT)
+
+
 def _matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, w = xs
     if a["transpose_b"] and not a["transpose_a"] and _invariant(x, w):
@@ -188,11 +193,8 @@ def _joined_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tens
             return torch.cat([_dequant_matmul(ctx, [x, w], {**a, "n": w.shape[0]}) for w in weights], -1)
         return torch.cat([_matmul(ctx, [x, w], {"transpose_a": False, "transpose_b": True}) for w in weights], -1)
     if joined is None:  # a param was set on its own since the join (ExecutorService.SetParam): one product each
-        return torch.cat([cuda_kernels.matmul_xwt(x, w) if _invariant(x, w) else torch.matmul(x, w.mT)
-                          for w in weights], -1)
-    if _invariant(x, joined.whole):
-        return cuda_kernels.matmul_xwt(x, joined.whole)
-    return torch.matmul(x, joined.whole.mT)
+        return torch.cat([_device_xwt(x, w) for w in weights], -1)
+    return _device_xwt(x, joined.whole)
 
 
 def _rows_form(weight: Tensor) -> Tensor | None:
