@@ -289,7 +289,8 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
                                           "--max-message-bytes", "1Gi", *link_args],
                      extra_coordinator_args=["--dtype", a.dtype,
                                              "--steps-in-flight", str(a.steps_in_flight),
-                                             "--decode-steps", str(a.decode_steps)])
+                                             "--decode-steps", str(a.decode_steps),
+                                             "--max-step-tokens", str(a.max_step_tokens)])
     with mesh:
         address = mesh.coordinator_address
         with CoordinatorClient(address) as client:
@@ -418,6 +419,8 @@ def main() -> None:
     p.add_argument("--steps-in-flight", type=int, default=0, help="the coordinator's --steps-in-flight (0: one per stage)")
     p.add_argument("--decode-steps", type=int, default=0,
                    help="the coordinator's --decode-steps (longest decode run; 0: its default for the devices)")
+    p.add_argument("--max-step-tokens", type=int, default=0,
+                   help="the coordinator's --max-step-tokens (a step's token budget; 0: its default for the devices)")
     p.add_argument("--transports", default="links",
                    help="comma-separated: links (boundary links, the default) and/or grpc (PushBoundary calls)")
     p.add_argument("--mps", default="off", help="comma-separated: off and/or on (NVIDIA MPS for the executors)")
@@ -507,6 +510,7 @@ def main() -> None:
               "dtype": a.dtype, "device": a.device, "gpus": a.gpus, "tokens_per_stream": a.tokens,
               "prompt_tokens": a.prompt_tokens,
               "repeats": a.repeats, "decode_steps": a.decode_steps,
+              "max_step_tokens": a.max_step_tokens,
               "peer": {"kind": "gpu_peer.py: torch.compile(mode='reduce-overhead'), static KV cache, SDPA",
                        "rows": list(peer.values()), "from": a.peer_from or "this run"}, "meshes": runs,
               "recoveries": sum(r["recoveries"] for r in runs.values()),

@@ -33,7 +33,7 @@ from graphmesh_coordinator.openai_server import OpenAIServer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
 from graphmesh_coordinator.scheduler import Scheduler
 from graphmesh_coordinator.servicer import CoordinatorServicer
-from graphmesh_coordinator.speculative import DRAFT, Mode, parse_mode
+from graphmesh_coordinator.speculative import DEFAULT_K, DRAFT, Mode, parse_mode
 from graphmesh_coordinator.state import DurableState, default_state_dir
 from graphmesh_server import bootstrap, etcd, logs, membership, telemetry
 from graphmesh_server.aio_serving import AioServer, MirroredHealth
@@ -369,9 +369,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--speculative", default="off",
                         help="speculative decoding of requests that do not choose: prompt-lookup (k proposed tokens "
                              "from n-gram matches over the session's prompt and output, verified in one pass through "
-                             "every stage; prompt-lookup:K caps k, default 4), draft:MODEL[:K] (the greedy tokens of "
-                             "a smaller model of the same tokenizer, run on --draft-executor) or off (the default). "
-                             "Never changes tokens; steps aside when a step holds many sessions")
+                             f"every stage; prompt-lookup:K caps k, default {DEFAULT_K}), draft:MODEL[:K] (the greedy "
+                             "tokens of a smaller model of the same tokenizer, run on --draft-executor) or off (the "
+                             "default). Never changes tokens; steps aside when a step holds many sessions")
     parser.add_argument("--draft-executor", default="",
                         help="HOST:PORT of the executor that runs the draft model of --speculative draft:MODEL (one "
                              "of its own, not one of --executors)")
