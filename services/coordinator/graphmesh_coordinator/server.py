@@ -25,6 +25,7 @@ from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator import responses
+from graphmesh_coordinator import scheduler as sched
 from graphmesh_coordinator.draft import Drafter
 from graphmesh_coordinator.election import Election, EtcdState, LeaderMesh, not_leader
 from graphmesh_coordinator.generation import DEFAULT_MAX_WAITING, Generator
@@ -351,9 +352,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="", choices=["", "f32", "bf16", "f16"],
                         help="stage dtype (default: bf16 on CUDA executors, f32 on CPU ones)")
     parser.add_argument("--max-step-tokens", type=int, default=0,
-                        help="token budget of one step (default: 256 on CUDA executors, 128 on CPUs)")
+                        help=f"token budget of one step (default: {sched.STEP_TOKENS_CUDA} when every executor is on "
+                             f"CUDA, else {sched.STEP_TOKENS_CPU})")
     parser.add_argument("--max-step-seqs", type=int, default=0,
-                        help="sessions in one step at most (default 0: 256 when every executor is on CUDA, else 64)")
+                        help=f"sessions in one step at most (default: {sched.STEP_SEQS_CUDA} when every executor is on "
+                             f"CUDA, else {sched.STEP_SEQS_CPU})")
     parser.add_argument("--health-window", type=float, default=1.0,
                         help="seconds without an answered health probe after which an executor is lost (detection "
                              "takes about this plus 0.1 s; below ~0.5 s a loaded machine gets needless re-plans)")
@@ -364,8 +367,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the longest decode run: a step of decodes alone (no prompt waiting) decodes up to this "
                              "many tokens per session on the executors, the last stage feeding each token back to "
                              "the first, with no round trip here between them; tokens then reach clients in bursts "
-                             "of that many. 1: every token is its own step. Default 0: 8 when every executor is on "
-                             "CUDA, else 4")
+                             f"of that many. 1: every token is its own step. Default: {sched.DECODE_STEPS_CUDA} when "
+                             f"every executor is on CUDA, else {sched.DECODE_STEPS_CPU}")
     parser.add_argument("--speculative", default="off",
                         help="speculative decoding of requests that do not choose: prompt-lookup (k proposed tokens "
                              "from n-gram matches over the session's prompt and output, verified in one pass through "
