@@ -42,8 +42,6 @@ def seed_for(session_seed: int, position: int) -> int:
 
 
 @dataclass(eq=False)
-
-
 class Prepared:
     """A run with every input but those a boundary brings (the first stage's token ids, another's activation):
     a decode run's next iteration, built on the engine while it waited for that boundary. Within a run a row's
