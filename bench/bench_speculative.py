@@ -84,6 +84,24 @@ def decode_tps(streams: list[Stream]) -> float:
     return sum(s.tokens for s in streams) / (end - start)
 
 
+def lookup_bound(prompt: list[int], output: list[int], k: int) -> float:
+    """The most tokens a pass any prompt-lookup proposer could average over `output` (the tokens without
+    speculation): at each pass it proposes, of every earlier occurrence of the history's last token (every longer
+    suffix's occurrences are among them), the one whose next tokens (up to k) match the output longest. A prompt
+    whose bound is low is limited by its proposals, not by verification: no choice of match or of k passes it."""
+    history, at, passes = [*prompt, *output[:1]], 1, 0
+    while at < len(output):
+        best, last = 0, len(history) - 1
+        for start in (i for i in range(last) if history[i] == history[last]):
+            a = 0
+            while a < k and at + a < len(output) and start + 1 + a < last + 1 and history[start + 1 + a] == output[at + a]:
+                a += 1
+            best = max(best, a)
+        history += output[at:at + best + 1]
+        at, passes = at + best + 1, passes + 1
+    return (len(output) - 1) / passes if passes else float("nan")
+
+
 def mesh_target(client: CoordinatorClient, spec: cpb.SpeculativeDecoding) -> Callable[[list[int], int], Stream]:
     def generate(prompt: list[int], tokens: int) -> Stream:
         stream = Stream(time.perf_counter(), prompt_tokens=len(prompt))
@@ -198,7 +216,9 @@ def main() -> None:
             entry: dict[str, Any] = {"prompt": name, "kind": kind_of[name], "streams": n, "tokens_per_s": med,
                                      "runs": {e: runs[(name, n, e)] for e in targets},
                                      "mesh_on_over_off": med[MESH_ON] / med[MESH_OFF], "same_tokens_on_off": same}
-            row = [name, kind_of[name], n, med[MESH_OFF], med[MESH_ON], entry["mesh_on_over_off"]]
+            entry["lookup_bound_tokens_per_pass"] = lookup_bound(ids[name], tokens_of[(name, n, MESH_OFF)], a.k)
+            row = [name, kind_of[name], n, med[MESH_OFF], med[MESH_ON], entry["mesh_on_over_off"],
+                   entry["lookup_bound_tokens_per_pass"]]
             if a.draft:
                 entry["mesh_draft_over_off"] = med[MESH_DRAFT] / med[MESH_OFF]
                 entry["same_tokens_draft_off"] = tokens_of[(name, n, MESH_DRAFT)] == tokens_of[(name, n, MESH_OFF)]
@@ -210,7 +230,8 @@ def main() -> None:
                 row += [med[LLAMA_OFF], med[LLAMA_ON], entry["llamacpp_on_over_off"], entry["mesh_on_over_llamacpp_on"]]
             rows.append([*row, "yes" if same else "NO"])
             results.append(entry)
-    headers = ["prompt", "kind", "streams", "mesh tok/s", "+spec", "on/off", *(["+draft", "draft/off"] if a.draft else [])]
+    headers = ["prompt", "kind", "streams", "mesh tok/s", "+spec", "on/off", "lookup bound",
+               *(["+draft", "draft/off"] if a.draft else [])]
     if peer:
         headers += ["llama.cpp", "+spec", "on/off", "mesh/llama (spec)"]
     print(table([*headers, "same tokens"], rows))
