@@ -5,7 +5,9 @@ executors on one CUDA device and a coordinator, driven by concurrent Coordinator
 
 The peer (bench/gpu_peer.py, run first in a process of its own) is gpt-fast style: the same checkpoint, plain model
 code, a static KV cache per batch size, SDPA, the decode step compiled with torch.compile(mode="reduce-overhead");
-its figure is steady decode tok/s at each concurrency. The mesh's is all tokens over the wall time of the level.
+its figure is steady decode tok/s at each concurrency. The mesh's is all tokens over the wall time of the level
+(tok_s, x_peer: TTFT and the ramp included), and beside it its steady decode (decode_tok_s, decode_x_peer: the
+tokens that arrived while every stream of the level was decoding, over that span), the peer's kind of figure.
 
 Per mesh and concurrency: aggregate tokens/s and its ratio to the peer, TTFT and inter-token latency (p50/p99; the
 gap between streamed chunks, each chunk the tokens that were ready together), and the recoveries the mesh went
@@ -76,13 +78,14 @@ from graphmesh_server.serving import byte_size
 def stream(address: str, prompt: list[int], tokens: int) -> dict[str, Any]:
     with CoordinatorClient(address) as client:
         t0 = time.perf_counter()
-        stamps, ids = [], []
+        stamps, sizes, ids = [], [], []
         for chunk in client.generate(prompt_token_ids=prompt, max_tokens=tokens, ignore_eos=True):
             stamps.append(time.perf_counter())
+            sizes.append(len(chunk.token_ids))
             ids += list(chunk.token_ids)
     # the gaps between chunks, as vLLM's serving benchmark measures them: tokens that came together are one chunk
     return {"ttft": stamps[0] - t0, "gaps": np.diff(stamps).tolist(), "ids": ids, "start": t0, "end": stamps[-1],
-            "chunks": len(stamps)}
+            "chunks": len(stamps), "stamps": stamps, "sizes": sizes}
 
 
 def run_level(address: str, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
@@ -96,11 +99,23 @@ def run_level(address: str, prompts: list[list[int]], tokens: int) -> dict[str, 
     wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     gaps = [g for r in runs for g in r["gaps"]]
     ttfts = [r["ttft"] for r in runs]
-    return {"tok_s": sum(len(r["ids"]) for r in runs) / wall, "ttft_p50_ms": 1e3 * float(np.percentile(ttfts, 50)),
+    return {"tok_s": sum(len(r["ids"]) for r in runs) / wall, "decode_tok_s": steady_decode(runs),
+            "ttft_p50_ms": 1e3 * float(np.percentile(ttfts, 50)),
             "ttft_p99_ms": 1e3 * float(np.percentile(ttfts, 99)),
             "itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)) if gaps else 0.0,
             "itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)) if gaps else 0.0, "ids": [r["ids"] for r in runs],
             "tokens_per_chunk": sum(len(r["ids"]) for r in runs) / sum(r["chunks"] for r in runs)}
+
+
+def steady_decode(runs: list[dict[str, Any]]) -> float:
+    """Tokens a second while every stream of the level decodes: those that arrived after the last stream's first
+    token and until the first stream's last, over that span (the peer's figure is of this kind: decode with the
+    whole batch, prefill left out). NaN where the streams never all decoded at once."""
+    begin, end = max(r["stamps"][0] for r in runs), min(r["stamps"][-1] for r in runs)
+    if end <= begin:
+        return float("nan")
+    arrived = sum(n for r in runs for t, n in zip(r["stamps"], r["sizes"]) if begin < t <= end)
+    return arrived / (end - begin)
 
 
 LLAMA8B: dict[str, Any] = {"vocab_size": 128256, "hidden_size": 4096, "num_hidden_layers": 32,
@@ -309,7 +324,7 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
                 reps.append(run_level(address, prompts[:n], a.tokens))
             same = sum(ids == solo[i] for rep in reps for i, ids in enumerate(rep["ids"][:len(solo)]))
             rows.append({"streams": n, **{k: median([x[k] for x in reps]) for k in
-                                          ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                                          ("tok_s", "decode_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                                            "tokens_per_chunk")},
                          "same_as_solo": f"{same}/{sum(min(n, len(solo)) for _ in reps)}"})
         served = None
@@ -497,8 +512,9 @@ def main() -> None:
         for row in run["rows"]:
             row["peer_tok_s"] = peer[row["streams"]]["tok_s"] if row["streams"] in peer else float("nan")
             row["x_peer"] = row["tok_s"] / row["peer_tok_s"] if row["streams"] in peer else float("nan")
-    cols = ["streams", "tok_s", "peer_tok_s", "x_peer", "vs_one_stream", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-            "itl_p99_ms", "tokens_per_chunk", "same_as_solo"]
+            row["decode_x_peer"] = row["decode_tok_s"] / row["peer_tok_s"] if row["streams"] in peer else float("nan")
+    cols = ["streams", "tok_s", "peer_tok_s", "x_peer", "decode_tok_s", "decode_x_peer", "vs_one_stream", "ttft_p50_ms",
+            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tokens_per_chunk", "same_as_solo"]
     for name, run in runs.items():
         print(f"\n{a.shape}, {a.dtype}, {name}; recoveries during the run: {run['recoveries']}")
         print(table(cols, [[row[c] for c in cols] for row in run["rows"]]))
