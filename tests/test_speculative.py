@@ -50,6 +50,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     assert propose([7, 1, 2, 9, 9, 1, 2, 8, 0, 7, 1, 2], 2) == [9, 9]
     assert propose([5, 6, 5, 6, 5], 4) == [6, 5]  # the latest occurrence, cut at what follows it
     assert propose([1, 2, 3], 4) == []  # nothing repeats
+    assert propose([1, 2, 3, 1], 4) == []  # the last token alone: too weak a match to pay for a verified chunk
     assert propose([4, 4], 0) == [] and propose([4], 3) == []
 
 
@@ -64,10 +65,10 @@ def test_k_adapts_to_acceptance_and_backs_off_to_plain_decoding() -> None:
     for _ in range(6):  # nothing accepted: k falls to 0 within a few passes
         if spec.k:
             spec.verified(spec.k, 0)
-    assert spec.k == 0 and spec.backoff > 0 and spec.proposals([1, 2, 1], 5) == []
+    assert spec.k == 0 and spec.backoff > 0 and spec.proposals([1, 2, 3, 1, 2], 5) == []
     first = spec.backoff
     spec.plain(spec.backoff)
-    assert spec.k == 1 and spec.proposals([1, 2, 1], 5) == [2]
+    assert spec.k == 1 and spec.proposals([1, 2, 3, 1, 2], 5) == [3]
     spec.verified(1, 0)  # the probe after a backoff fails: straight back to plain decoding, for twice as long
     assert spec.k == 0 and spec.backoff == 2 * first
     spec.plain(spec.backoff)
@@ -241,7 +242,8 @@ def test_sampled_verification_follows_the_target_distribution(tmp_path: Path) ->
     else drawn from the rest. Over many seeds its counts must follow sum over t0 of p(t0) p(t1 | t0), exactly
     from transformers; a verification that favoured its proposal would put far too many draws on it."""
     path = _tiny(tmp_path / "models" / "tiny")
-    prompt = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2] * 2  # every token repeats: always a proposal
+    # [2, t] occurs for every token t and the prompt ends on 2: a two-token match, so a proposal, whatever t0 is
+    prompt = [*(x for t in range(VOCAB) for x in (2, t)), 2]
     model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float64).eval()  # type: ignore[no-untyped-call]
     with torch.no_grad():
         first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1).numpy()

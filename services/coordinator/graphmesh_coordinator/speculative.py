@@ -30,7 +30,10 @@ from prometheus_client import Counter
 from graphmesh.errors import InvalidArgument
 from graphmesh.v1 import coordinator_pb2
 
-MAX_NGRAM, MIN_NGRAM = 3, 1
+# A match of the last token alone is weak evidence: in open text the token after an earlier "the" or "," is rarely
+# the next one, and each such pass costs a verified chunk; a match of two carries the copied spans of summaries,
+# edits and code (bench/RESULTS.md, speculative decoding).
+MAX_NGRAM, MIN_NGRAM = 3, 2
 # k at most 8 by default: a copied span pays more at up to 8 proposals a pass than at 4, and k falls back at once
 # where fewer are accepted (bench/RESULTS.md, speculative decoding)
 DEFAULT_K, MAX_K = 8, 16
