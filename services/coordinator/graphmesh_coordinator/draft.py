@@ -8,10 +8,11 @@ A one-rank Mesh over its own executor reuses the protocol unchanged: incarnation
 commits, commit_length rollback, the health watch and recovery.
 
 Each target session has a draft session ("draft/" + its id, and a generation after a reset) whose KV holds the
-tokens the draft has seen. A pass with k proposals runs k batched greedy steps over every speculating session of
+tokens the draft has seen. A pass with k proposals runs two batched greedy steps over every speculating session of
 the target's step at once: the first rolls each draft session back to the longest prefix the target's tokens
-agree with (the folded commit's commit_length) and feeds it the tokens it has not seen (the accepted ones and the
-target's correction), each later step the proposal before. Proposals are guesses the target verifies exactly, so
+agree with (the folded commit's commit_length), feeds it the tokens it has not seen (the accepted ones and the
+target's correction) and samples proposal 1; the second is a decode run of k - 1 tokens, the draft executor feeding
+each sample back (k round trips here cost more than the draft's compute). Proposals are guesses the target verifies exactly, so
 nothing the draft does (fail, lag, restart from nothing) changes a token: a failed draft step drops the draft
 sessions it held, a lost draft executor is recovered in the background, and meanwhile the scheduler falls back to
 prompt lookup.
@@ -37,8 +38,8 @@ from graphmesh_coordinator.state import DurableState
 
 log = logging.getLogger("graphmesh.coordinator.draft")
 
-DRAFT_STEPS = Counter("graphmesh_speculative_draft_steps", "Batched greedy steps of the draft model (one per "
-                      "proposed token of a pass, every speculating session together)")
+DRAFT_STEPS = Counter("graphmesh_speculative_draft_steps", "Batched greedy steps of the draft model, every "
+                      "speculating session together (two a pass: the first proposal, then a decode run of the rest)")
 DRAFT_FAILURES = Counter("graphmesh_speculative_draft_failures", "Draft steps that failed (their sessions fell back "
                          "to prompt lookup until the draft was recomputed)")
 GREEDY = stage_pb2.SamplingParams()  # temperature 0: the draft's argmax, deterministic
@@ -151,15 +152,20 @@ class Drafter:
     # -- proposals ------------------------------------------------------------------------------------------------
     def propose(self, batch: Sequence[tuple[str, Sequence[int], int]]) -> dict[str, list[int]]:
         """Up to k greedy draft tokens after each session's tokens (its committed history and its last token), by
-        session id: k batched steps for the whole batch. {} for every session while the draft is not installed."""
+        session id, in two batched steps for the whole batch: one that feeds each draft session what it has not seen
+        and samples proposal 1, then a decode run for the rest (the draft executor feeds each sample back, with no
+        round trip here per token). A session asking fewer than the longest k is fed the extra tokens too and keeps
+        its k: the next pass rolls its draft back to what the target agreed with anyway. {} for every session
+        while the draft is not installed."""
         mesh = self.mesh
         if not mesh.ready or not batch:
             return {}
         incarnation = mesh.incarnation
+        longest = max(k for _, _, k in batch)
         work: list[tuple[str, _Session, int]] = []
         first: list[stage_pb2.StepRow] = []
         for session_id, tokens, k in batch:
-            if k <= 0 or not tokens or len(tokens) + k > self.context:
+            if k <= 0 or not tokens or len(tokens) + longest > self.context:
                 continue  # past the draft's context: no proposals (the target decodes plainly)
             ds = self._session(session_id, incarnation)
             agree = 0
@@ -175,31 +181,40 @@ class Drafter:
             work.append((session_id, ds, k))
             first.append(row)
         out: dict[str, list[int]] = {session_id: [] for session_id, _, _ in work}
-        rows = first
-        for i in range(max((k for _, _, k in work), default=0)):
-            if i:
-                rows = []
-                for session_id, ds, k in work:
-                    if k > i:
-                        ds.epoch += 1
-                        rows.append(stage_pb2.StepRow(session_id=ds.id, epoch=ds.epoch, commit_epoch=ds.delivered,
-                                                      start_position=len(ds.tokens), token_ids=[out[session_id][-1]],
-                                                      sampling=GREEDY))
-            active = [(session_id, ds) for session_id, ds, k in work if k > i]
-            try:
-                reply = mesh.execute_step(rows, stage_pb2.OUTPUT_KIND_TOKEN, incarnation)
-            except InvocationFailed as failure:
-                self._failed(active, incarnation, failure.action is Action.FENCE, failure.cause.message)
-                break
-            except GraphmeshError as e:  # not a protocol failure: these sessions start over, the others go on
-                self._failed(active, incarnation, False, e.message)
-                break
-            DRAFT_STEPS.inc()
-            for (session_id, ds), row, result in zip(active, rows, reply.rows):
-                ds.tokens = ds.tokens[:row.start_position] + list(row.token_ids)
-                ds.delivered = row.epoch
-                out[session_id].append(int(result.token))
-        return {session_id: proposals for session_id, proposals in out.items() if proposals}
+        if not self._draft_step(work, first, 1, out, incarnation):
+            return {}
+        more = [(session_id, ds, k) for session_id, ds, k in work if k > 1]
+        if more:
+            steps = max(k for _, _, k in more) - 1
+            rows = []
+            for session_id, ds, _ in more:
+                ds.epoch += 1
+                rows.append(stage_pb2.StepRow(session_id=ds.id, epoch=ds.epoch, commit_epoch=ds.delivered,
+                                              start_position=len(ds.tokens), token_ids=[out[session_id][-1]],
+                                              sampling=GREEDY))
+            self._draft_step(more, rows, steps, out, incarnation)
+        return {session_id: out[session_id][:k] for session_id, _, k in work if out[session_id]}
+
+    def _draft_step(self, work: Sequence[tuple[str, _Session, int]], rows: list[stage_pb2.StepRow], steps: int,
+                    out: dict[str, list[int]], incarnation: int) -> bool:
+        """One batched greedy step (a decode run of `steps` tokens a row when more than 1): each session's samples
+        appended to `out`, what its KV now holds to its tokens. False when it failed (its sessions start over)."""
+        active = [(session_id, ds) for session_id, ds, _ in work]
+        try:
+            reply = self.mesh.execute_step(rows, stage_pb2.OUTPUT_KIND_TOKEN, incarnation, steps)
+        except InvocationFailed as failure:
+            self._failed(active, incarnation, failure.action is Action.FENCE, failure.cause.message)
+            return False
+        except GraphmeshError as e:  # not a protocol failure: these sessions start over, the others go on
+            self._failed(active, incarnation, False, e.message)
+            return False
+        DRAFT_STEPS.inc()
+        for (session_id, ds), row, result in zip(active, rows, reply.rows):
+            sampled = [int(t) for t in result.tokens] or [int(result.token)]  # a decode run's, or the one
+            ds.tokens = ds.tokens[:row.start_position] + list(row.token_ids) + sampled[:-1]  # each sample but the last fed
+            ds.delivered = row.epoch
+            out[session_id] += sampled
+        return True
 
     def _failed(self, active: Sequence[tuple[str, _Session]], incarnation: int, fenced: bool, why: str) -> None:
         DRAFT_FAILURES.inc()
