@@ -12,10 +12,9 @@ tokens the draft has seen. A pass with k proposals runs two batched greedy steps
 the target's step at once: the first rolls each draft session back to the longest prefix the target's tokens
 agree with (the folded commit's commit_length), feeds it the tokens it has not seen (the accepted ones and the
 target's correction) and samples proposal 1; the second is a decode run of k - 1 tokens, the draft executor feeding
-each sample back (k round trips here cost more than the draft's compute). Proposals are guesses the target verifies exactly, so
-nothing the draft does (fail, lag, restart from nothing) changes a token: a failed draft step drops the draft
-sessions it held, a lost draft executor is recovered in the background, and meanwhile the scheduler falls back to
-prompt lookup.
+each sample back (no call from here per token). Proposals are guesses the target verifies exactly, so nothing the
+draft does (fail, lag, restart from nothing) changes a token: a failed draft step drops the draft sessions it held,
+a lost draft executor is recovered in the background, and meanwhile the scheduler falls back to prompt lookup.
 """
 
 from __future__ import annotations
@@ -211,7 +210,8 @@ class Drafter:
         DRAFT_STEPS.inc()
         for (session_id, ds), row, result in zip(active, rows, reply.rows):
             sampled = [int(t) for t in result.tokens] or [int(result.token)]  # a decode run's, or the one
-            ds.tokens = ds.tokens[:row.start_position] + list(row.token_ids) + sampled[:-1]  # each sample but the last fed
+            # fed: the row's tokens, then each sample but the last (a decode run feeds them back)
+            ds.tokens = ds.tokens[:row.start_position] + list(row.token_ids) + sampled[:-1]
             ds.delivered = row.epoch
             out[session_id] += sampled
         return True
