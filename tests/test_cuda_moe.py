@@ -78,7 +78,9 @@ def test_a_moe_block_is_captured_and_tallies_its_experts_on_cuda() -> None:
     assert exe._captures  # type: ignore[attr-defined]
     for out, top in outs:
         assert np.array_equal(top, want_top)
-        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+        # the Triton grouped product sums in another order than the eager experts' cuBLAS products: the rounding
+        # scales with the outputs' magnitude (up to ~150 here), not with each output (cancellation leaves some < 1)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
     got, expected = exe.take_moe_residency_stats(), eager.take_moe_residency_stats()
     assert got.resident_tokens == 3 * expected.resident_tokens
     assert got.resident_expert_calls == 3 * expected.resident_expert_calls
