@@ -94,7 +94,7 @@ def lookup_bound(prompt: list[int], output: list[int], k: int) -> float:
         best, last = 0, len(history) - 1
         for start in (i for i in range(last) if history[i] == history[last]):
             a = 0
-            while a < k and at + a < len(output) and start + 1 + a < last + 1 and history[start + 1 + a] == output[at + a]:
+            while a < k and at + a < len(output) and start + 1 + a <= last and history[start + 1 + a] == output[at + a]:
                 a += 1
             best = max(best, a)
         history += output[at:at + best + 1]

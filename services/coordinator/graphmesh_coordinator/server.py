@@ -32,7 +32,6 @@ from graphmesh_coordinator.generation import DEFAULT_MAX_WAITING, Generator
 from graphmesh_coordinator.kserve import KServeServicer
 from graphmesh_coordinator.openai_server import OpenAIServer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
-from graphmesh_coordinator.scheduler import Scheduler
 from graphmesh_coordinator.servicer import CoordinatorServicer
 from graphmesh_coordinator.speculative import DEFAULT_K, DRAFT, Mode, parse_mode
 from graphmesh_coordinator.state import DurableState, default_state_dir
@@ -148,8 +147,8 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
     if tokenizer is not None:
         tokenizer.max_input_bytes = prompt_bytes_limit(config.max_prompt_bytes, context)
     eos = tokenizer.eos_token_ids if tokenizer else ckpt.config.eos_token_ids
-    scheduler = Scheduler(mesh, config.max_step_tokens, config.max_step_seqs, steps_in_flight=config.steps_in_flight,
-                          decode_steps=config.decode_steps)
+    scheduler = sched.Scheduler(mesh, config.max_step_tokens, config.max_step_seqs,
+                                steps_in_flight=config.steps_in_flight, decode_steps=config.decode_steps)
     generator = Generator(mesh, tokenizer, eos, context, scheduler, config.max_waiting_requests)
     generator.speculative = parse_mode(config.speculative)
     drafter = _drafter(config, generator.speculative, ckpt.config.vocab_size, context)
