@@ -188,11 +188,12 @@ def test_mesh_over_one_two_and_three_executors_matches_transformers(name: str, b
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
     want = out[0, len(prompt):].tolist()
     for n in (1, 2, 3):
-        # --max-step-tokens 8: the prompt arrives in chunks, each attending to the window over the pool
+        # --max-step-tokens 8: the prompt arrives in chunks, each attending to the window over the pool. On CUDA the
+        # stages default to bf16: f32 is asked for, the dtype of the reference.
         kind, _, device = backend.partition(":")
         with LocalMesh(n, kind, str(path), startup_timeout_s=120,
                        extra_executor_args=("--kv-cache-bytes", "4Mi", *(("--device", "cuda:0") if device else ())),
-                       extra_coordinator_args=("--max-step-tokens", "8")) as mesh:
+                       extra_coordinator_args=("--max-step-tokens", "8", "--dtype", "f32")) as mesh:
             with CoordinatorClient(mesh.coordinator_address) as client:
                 got = [t for chunk in client.generate(prompt_token_ids=prompt, max_tokens=24, ignore_eos=True)
                        for t in chunk.token_ids]
