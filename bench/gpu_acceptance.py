@@ -63,6 +63,13 @@ def incarnation(address: str) -> int:
         return int(client.status().incarnation)
 
 
+def differing(got: list[list[int]], solo: list[list[int]]) -> list[dict[str, int]]:
+    """The streams whose tokens are not their solo run's: index (odd: sampled) and the first position that differs."""
+    return [{"stream": i, "first_difference": next((j for j, (x, y) in enumerate(zip(g, s)) if x != y),
+                                                  min(len(g), len(s)))}
+            for i, (g, s) in enumerate(zip(got, solo)) if g != s]
+
+
 def check(a: argparse.Namespace, model: str, executors: int, prompts: list[list[int]]) -> dict[str, Any]:
     mesh = LocalMesh(executors, "torch", model, kvstore=False, startup_timeout_s=900,
                      extra_executor_args=["--device", a.device, "--kv-cache-bytes", a.kv_cache_bytes],
@@ -76,12 +83,14 @@ def check(a: argparse.Namespace, model: str, executors: int, prompts: list[list[
         progress(f"== {executors} executor(s): {len(prompts)} streams at once")
         together = batched(address, prompts, a.tokens)
         result: dict[str, Any] = {"executors": executors, "streams": len(prompts),
-                                  "identical": sum(x == y for x, y in zip(together, solo))}
+                                  "identical": sum(x == y for x, y in zip(together, solo)),
+                                  "differing": differing(together, solo)}
         if executors > 1:
             progress(f"== {executors} executors: {len(prompts)} streams at once, kill -9 of executor 1 meanwhile")
             before = incarnation(address)
             killed = batched(address, prompts, a.tokens, lambda: faults.kill9(mesh.executor_processes[1]))
             result["identical_after_kill"] = sum(x == y for x, y in zip(killed, solo))
+            result["differing_after_kill"] = differing(killed, solo)
             result["recoveries_during_kill_run"] = incarnation(address) - before
     progress(f"   {result}")
     return result

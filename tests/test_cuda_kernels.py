@@ -118,6 +118,22 @@ def test_add_rms_norm_matches_the_reference(hidden: int, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("hidden", [2048, 576, 16])
+def test_rms_norm_alone_has_the_bits_of_the_fused_add(hidden: int, dtype: str) -> None:
+    """A stage that begins at a norm runs it alone where a stage holding the layer before runs add_rms_norm: the
+    same bits, at any row count (a recovery re-plans sessions over other stages and must keep their tokens)."""
+    dt, eps = TORCH_DTYPES[dtype], 1e-6
+    a, b = (rand(256, hidden).to(dt).to(DEVICE) for _ in range(2))
+    w = (1 + rand(hidden, scale=0.1)).to(dt).to(DEVICE)
+    total, normed = cuda_kernels.add_rms_norm(a, b, w, eps)
+    assert torch.equal(cuda_kernels.rms_norm(total, w, eps), normed)
+    for rows in (1, 7):
+        assert torch.equal(cuda_kernels.rms_norm(total[:rows].clone(), w, eps), normed[:rows])
+    want = total.cpu().double()
+    close(normed, want / (want.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w.cpu().double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_silu_mul_over_the_halves_of_a_joined_product(dtype: str) -> None:
     dt, n = TORCH_DTYPES[dtype], 5632
     joined = rand(3, 2 * n, scale=3.0).to(dt).to(DEVICE)  # gate and up: column halves, row stride 2n

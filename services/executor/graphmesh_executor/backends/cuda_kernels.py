@@ -10,7 +10,8 @@ its weights alone read in ~0.12 ms. So the ops a layer repeats get one kernel ea
 - paged decode attention (one query row per sequence): torch's form gathers every sequence's blocks for keys and
   for values, then runs SDPA with an additive mask. Here each (sequence, kv head) walks its own blocks through the
   block table, up to its own position, with an online softmax: no gathered copy, no mask, no padded keys;
-- a residual add and the RMS norm that reads it (TorchExecutable fuses the two nodes), and silu(gate) * up;
+- a residual add and the RMS norm that reads it (TorchExecutable fuses the two nodes), the norm alone with the same
+  bits, and silu(gate) * up;
 - products x @ W.T of f32 rows, and MoE's grouped product (each row times its expert's weight) in every dtype.
   cuBLAS picks its kernel by the row count, so a row's f32 sums changed with the rows beside it and a batched
   stream drifted from its solo tokens. Here one tile shape serves every row count and each output is summed over
@@ -168,16 +169,17 @@ if triton is not None:
                  mask=(g < G)[:, None])
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def _add_rms_norm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, out_ptr, n, sa, sb, ss, so, eps,  # type: ignore[no-untyped-def]
-                             BN: tl.constexpr):
+    def _rms_norm_kernel(a_ptr, b_ptr, w_ptr, sum_ptr, out_ptr, n, sa, sb, ss, so, eps,  # type: ignore[no-untyped-def]
+                         ADD: tl.constexpr, BN: tl.constexpr):
         r = tl.program_id(0)
         i = tl.arange(0, BN)
         live = i < n
-        total = (tl.load(a_ptr + r * sa + i, mask=live, other=0.0).to(tl.float32)
-                 + tl.load(b_ptr + r * sb + i, mask=live, other=0.0).to(tl.float32))
-        total = total.to(sum_ptr.dtype.element_ty)  # the residual as the add alone rounds it, and the norm reads that
-        tl.store(sum_ptr + r * ss + i, total, mask=live)
-        x = total.to(tl.float32)
+        x = tl.load(a_ptr + r * sa + i, mask=live, other=0.0)
+        if ADD:
+            total = (x.to(tl.float32) + tl.load(b_ptr + r * sb + i, mask=live, other=0.0).to(tl.float32))
+            x = total.to(sum_ptr.dtype.element_ty)  # the residual as the add alone rounds it, and the norm reads that
+            tl.store(sum_ptr + r * ss + i, x, mask=live)
+        x = x.to(tl.float32)
         scale = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
         w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
         tl.store(out_ptr + r * so + i, (x * scale * w).to(out_ptr.dtype.element_ty), mask=live)
@@ -292,7 +294,7 @@ def grouped_matmul(x: Tensor, w: Tensor, ids: Tensor) -> Tensor:
 
 
 def rows_usable(*xs: Tensor) -> bool:
-    """2-d tensors of one float dtype and shape with contiguous rows, for add_rms_norm and silu_mul."""
+    """2-d tensors of one float dtype and shape with contiguous rows, for rms_norm, add_rms_norm and silu_mul."""
     return (usable(*xs) and all(x.dim() == 2 and x.shape == xs[0].shape and x.dtype == xs[0].dtype and x.stride(1) == 1
                                 for x in xs) and xs[0].dtype in (torch.float32, torch.bfloat16, torch.float16))
 
@@ -304,9 +306,21 @@ def add_rms_norm(a: Tensor, b: Tensor, weight: Tensor, eps: float) -> tuple[Tens
     total = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     out = torch.empty((rows, n), dtype=a.dtype, device=a.device)
     if rows:
-        _add_rms_norm_kernel[(rows,)](a, b, weight, total, out, n, a.stride(0), b.stride(0), total.stride(0),
-                                      out.stride(0), eps, BN=triton.next_power_of_2(n))
+        _rms_norm_kernel[(rows,)](a, b, weight, total, out, n, a.stride(0), b.stride(0), total.stride(0),
+                                  out.stride(0), eps, ADD=True, BN=triton.next_power_of_2(n))
     return total, out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """rms_norm(x) * weight over rows [S, H]: add_rms_norm's norm, bit for bit. A stage that begins at a layer's
+    norm runs it alone where a stage holding the layer before fuses it with the add, so a session re-planned over
+    other stages (a recovery) keeps its tokens only if the two agree; torch's norm sums in another order."""
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows:
+        _rms_norm_kernel[(rows,)](x, x, weight, x, out, n, x.stride(0), x.stride(0), x.stride(0), out.stride(0), eps,
+                                  ADD=False, BN=triton.next_power_of_2(n))
+    return out
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:

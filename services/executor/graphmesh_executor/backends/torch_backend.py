@@ -88,8 +88,13 @@ def _elementwise(fn: Any) -> Kernel:
 
 def _rms_norm(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, w = xs
-    fused = cpu_kernels.rms_norm(x, w, a["eps"]) if x.is_cpu else None  # one call, not six kernels
-    return fused if fused is not None else F.rms_norm(x, x.shape[-1:], w, a["eps"])
+    if x.is_cpu:
+        fused = cpu_kernels.rms_norm(x, w, a["eps"])  # one call, not six kernels
+        return fused if fused is not None else F.rms_norm(x, x.shape[-1:], w, a["eps"])
+    rows = x.reshape(-1, x.shape[-1])  # a view where x's rows are contiguous (q/k norms: [S, H, D])
+    if cuda_kernels.rows_usable(rows) and w.dtype == x.dtype:  # add_rms_norm's bits (see cuda_kernels.rms_norm)
+        return cuda_kernels.rms_norm(rows, w, a["eps"]).view(x.shape)
+    return F.rms_norm(x, x.shape[-1:], w, a["eps"])
 
 
 def _add_rms_norm(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> tuple[Tensor, Tensor]:
