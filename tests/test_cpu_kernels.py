@@ -242,7 +242,7 @@ def test_the_torch_backend_multiplies_packed_weights_in_place(monkeypatch: pytes
     """A decode's rows and a prompt chunk's read the blocks through the kernel, in panels made when the param is
     set: never a dequantized copy and torch's product, whose bits would depend on the row count."""
     from graphmesh.ops import packed_shape
-    from graphmesh_executor.backends.torch_backend import _CONVERTED, dequantize
+    from graphmesh_executor.backends.torch_ops import CONVERTED, dequantize
 
     n, k = 96, 128
     packed = _gguf_blocks("q4_1", n, k, seed=9)
@@ -258,7 +258,7 @@ def test_the_torch_backend_multiplies_packed_weights_in_place(monkeypatch: pytes
             out = exe.run({"x": x.numpy()})[0]
         ref = x.double().numpy() @ dequantize(torch.from_numpy(packed), "q4_1", n, k).double().numpy().T
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
-        assert _CONVERTED not in exe._params["w"].__dict__  # type: ignore[attr-defined]  # no dense copy
+        assert CONVERTED not in exe._params["w"].__dict__  # type: ignore[attr-defined]  # no dense copy
         assert np.array_equal(out, cpu_kernels.matmul_xwt_packed(x, torch.from_numpy(packed), "q4_1", n).numpy())
 
 
@@ -421,7 +421,7 @@ def test_the_torch_backend_multiplies_k_quants_in_place(monkeypatch: pytest.Monk
     panels made when the params are set, no dense copy, no torch product; every output has the bits of the f32
     graph over gguf's dequantized weights, for a decode's rows and a prompt chunk's."""
     from graphmesh.ops import packed_shape
-    from graphmesh_executor.backends.torch_backend import _CONVERTED, _joined_matmul
+    from graphmesh_executor.backends.torch_ops import CONVERTED, joined_matmul
 
     k, members = 512, (("q4_k", 96), ("q4_k", 48), ("q6_k", 48))
     weights = {f"w{i}": _k_blocks(scheme, n, k, seed=30 + i) for i, (scheme, n) in enumerate(members)}
@@ -443,7 +443,7 @@ def test_the_torch_backend_multiplies_k_quants_in_place(monkeypatch: pytest.Monk
             exe.finalize_params()
             graphs.append(exe)
         quantized, dense = graphs
-        assert sum(step.kernel is _joined_matmul for step in quantized._steps) == 1  # type: ignore[attr-defined]
+        assert sum(step.kernel is joined_matmul for step in quantized._steps) == 1  # type: ignore[attr-defined]
         assert any(key.startswith(cpu_kernels._PANELS) for key in quantized._params["w2"].__dict__)  # type: ignore[attr-defined]
         xs = {"x": _rand(rows, k, seed=rows).numpy()}
         with monkeypatch.context() as m:
@@ -453,7 +453,7 @@ def test_the_torch_backend_multiplies_k_quants_in_place(monkeypatch: pytest.Monk
         for a, b in zip(got, dense.run(xs)):
             assert np.array_equal(a, b)
         for i in range(len(members)):
-            assert _CONVERTED not in quantized._params[f"w{i}"].__dict__  # type: ignore[attr-defined]
+            assert CONVERTED not in quantized._params[f"w{i}"].__dict__  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -462,7 +462,7 @@ def test_products_of_the_same_rows_run_as_one_with_each_members_bits(packed: boo
     rows get exactly the bits of each product alone, a prompt's rows run each product as before, and a weight
     set on its own after the join is still read."""
     from graphmesh.ops import packed_shape
-    from graphmesh_executor.backends.torch_backend import _joined_matmul
+    from graphmesh_executor.backends.torch_ops import joined_matmul
 
     k, widths = 128, (96, 48, 48)
     g = GraphBuilder("qkv")
@@ -480,7 +480,7 @@ def test_products_of_the_same_rows_run_as_one_with_each_members_bits(packed: boo
             weights[f"w{rows}_{i}"] = _gguf_blocks("q4_1", n, k, seed=n + i) if packed else _rand(n, k, seed=n + i).numpy()
             exe.set_param_typed(f"w{rows}_{i}", weights[f"w{rows}_{i}"])
     exe.finalize_params()
-    assert sum(step.kernel is _joined_matmul for step in exe._steps) == 2  # type: ignore[attr-defined]
+    assert sum(step.kernel is joined_matmul for step in exe._steps) == 2  # type: ignore[attr-defined]
     xs = {f"x{rows}": _rand(rows, k, seed=rows).numpy() for rows in (4, PROMPT_ROWS)}
 
     def alone(x: np.ndarray, name: str, n: int) -> np.ndarray:

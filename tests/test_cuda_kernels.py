@@ -37,17 +37,17 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: str) -> None:
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 @pytest.mark.parametrize("heads", [9, 4, 1])
 def test_rope_half_matches_the_reference(heads: int, dtype: str) -> None:
-    from graphmesh_executor.backends.torch_backend import _half_table
+    from graphmesh_executor.backends.torch_ops import half_table
 
     rows, d = 7, 64
     pos = torch.tensor([0, 1, 5, 17, 200, 4095, 9], dtype=torch.int64)
     # x a view with a row stride wider than its heads, as a slice of the joined q, k, v product is
     wide = rand(rows, heads * d + 96).to(TORCH_DTYPES[dtype]).to(DEVICE)
     x = wide[:, 32 : 32 + heads * d].view(rows, heads, d)
-    cos, sin = _half_table(pos.to(DEVICE), THETA, d, torch.float32)
+    cos, sin = half_table(pos.to(DEVICE), THETA, d, torch.float32)
     got = cuda_kernels.rope_half(x, cos, sin)
     assert got.dtype == x.dtype and got.shape == x.shape
-    c64, s64 = (t.cpu().double() for t in _half_table(pos, THETA, d, torch.float64))
+    c64, s64 = (t.cpu().double() for t in half_table(pos, THETA, d, torch.float64))
     x64 = x.cpu().double()
     close(got, x64 * c64 + x64.roll(d // 2, -1) * s64, dtype)
 
@@ -145,12 +145,12 @@ def test_silu_mul_over_the_halves_of_a_joined_product(dtype: str) -> None:
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_rope_half_pair_is_each_rope_alone(dtype: str) -> None:
-    from graphmesh_executor.backends.torch_backend import _half_table
+    from graphmesh_executor.backends.torch_ops import half_table
 
     rows, d, dt = 6, 64, TORCH_DTYPES[dtype]
     joined = rand(rows, (32 + 2 * 4) * d).to(dt).to(DEVICE)  # q, k, v of one product: views with its row stride
     q, k = joined[:, : 32 * d].view(rows, 32, d), joined[:, 32 * d : 36 * d].view(rows, 4, d)
-    cos, sin = _half_table(torch.tensor([0, 3, 7, 8, 100, 2047], device=DEVICE), THETA, d, torch.float32)
+    cos, sin = half_table(torch.tensor([0, 3, 7, 8, 100, 2047], device=DEVICE), THETA, d, torch.float32)
     q_rot, k_rot = cuda_kernels.rope_half_pair(q, k, cos, sin)
     assert torch.equal(q_rot, cuda_kernels.rope_half(q, cos, sin))
     assert torch.equal(k_rot, cuda_kernels.rope_half(k, cos, sin))

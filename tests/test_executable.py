@@ -745,7 +745,7 @@ def test_torch_keeps_q4_weights_packed_for_bf16_activations() -> None:
     copy_params_from); other dtypes multiply by a weight dequantized once to their dtype."""
     import torch
 
-    from graphmesh_executor.backends.torch_backend import _CONVERTED
+    from graphmesh_executor.backends.torch_ops import CONVERTED
 
     def exe(dtype: str) -> Exe:
         g = GraphBuilder(f"q4_{dtype}")
@@ -759,7 +759,7 @@ def test_torch_keeps_q4_weights_packed_for_bf16_activations() -> None:
     src.set_param_typed("wq", packed)
     x = f32(2, 64)
     (y,) = src.run({"x": x.astype(BF16)})
-    assert set(src._params["wq"].__dict__[_CONVERTED]) == {"int4"}
+    assert set(src._params["wq"].__dict__[CONVERTED]) == {"int4"}
     ref = exe("f32")
     assert ref.copy_params_from(src) == ["wq"]
     (want,) = ref.run({"x": x.astype(BF16).astype(np.float32)})
@@ -767,7 +767,7 @@ def test_torch_keeps_q4_weights_packed_for_bf16_activations() -> None:
     # one param, both forms; unless the f32 rows went through the CPU kernel, which reads the blocks as they are
     from graphmesh_executor.backends import cpu_kernels
     dense = set() if cpu_kernels.library() is not None else {torch.float32}
-    assert set(src._params["wq"].__dict__[_CONVERTED]) == {"int4", *dense}
+    assert set(src._params["wq"].__dict__[CONVERTED]) == {"int4", *dense}
 
 
 def test_torch_runs_fused_pairs_of_nodes_as_one_step_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -775,13 +775,9 @@ def test_torch_runs_fused_pairs_of_nodes_as_one_step_with_the_same_bits(monkeypa
     on the host, where a pair runs torch's two ops in one step: an add and the norm of its sum, a silu and its
     product, a layer's two ropes and its two KV writes. Every output has the bits of the plan without them, and
     values read again after a fused step are still there (the add's input x, the residual sum, the positions)."""
-    from graphmesh_executor.backends.torch_backend import (
-        TorchExecutable,
-        _add_rms_norm,
-        _kv_scatter_pair,
-        _rope_pair,
-        _silu_mul,
-    )
+    from graphmesh_executor.backends.torch_attention import kv_scatter_pair
+    from graphmesh_executor.backends.torch_backend import TorchExecutable
+    from graphmesh_executor.backends.torch_ops import add_rms_norm, rope_pair, silu_mul
 
     g = GraphBuilder("pairs")
     x, r, gate, up = g.input("x", (4, 64)), g.input("r", (4, 64)), g.input("gate", (4, 32)), g.input("up", (4, 32))
@@ -804,7 +800,7 @@ def test_torch_runs_fused_pairs_of_nodes_as_one_step_with_the_same_bits(monkeypa
         ex = compile_("torch", g)
         ex.set_param("w", w)
         kernels = [step.kernel for step in ex._steps]  # type: ignore[attr-defined]
-        fused = [kernels.count(f) for f in (_add_rms_norm, _silu_mul, _rope_pair, _kv_scatter_pair)]
+        fused = [kernels.count(f) for f in (add_rms_norm, silu_mul, rope_pair, kv_scatter_pair)]
         assert fused == ([1, 1, 1, 1] if fuse else [0, 0, 0, 0])  # the third rope has no partner
         runs[fuse] = ex.run(inputs)
     for fused_out, plain in zip(runs[True], runs[False], strict=True):
@@ -816,7 +812,9 @@ def test_a_llama_stage_fuses_every_layer_s_pairs(monkeypatch: pytest.MonkeyPatch
     Llama stage gets one rope pair and one KV scatter pair a layer (parse once moved the v scatter to right after
     its product, before the k rope, and the scatter pair never formed: two index_copy kernels a layer on CUDA)."""
     from graphmesh import plan as dag
-    from graphmesh_executor.backends.torch_backend import TorchExecutable, _kv_scatter_pair, _rope_pair
+    from graphmesh_executor.backends.torch_attention import kv_scatter_pair
+    from graphmesh_executor.backends.torch_backend import TorchExecutable
+    from graphmesh_executor.backends.torch_ops import rope_pair
     from graphmesh_executor.stage import StageRuntime
     from graphmesh_executor.stage_types import StageSpec, StepRow
     from tests.model_fixtures import make_tiny_llama
@@ -830,7 +828,7 @@ def test_a_llama_stage_fuses_every_layer_s_pairs(monkeypatch: pytest.MonkeyPatch
     assert rt._executables  # type: ignore[attr-defined]
     for exe in rt._executables.values():  # type: ignore[attr-defined]
         kernels = [step.kernel for step in exe._steps]  # type: ignore[attr-defined]
-        assert (kernels.count(_rope_pair), kernels.count(_kv_scatter_pair)) == (2, 2)  # 2 layers
+        assert (kernels.count(rope_pair), kernels.count(kv_scatter_pair)) == (2, 2)  # 2 layers
 
 
 def test_parse_keeps_a_valid_declaration_order() -> None:

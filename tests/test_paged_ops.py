@@ -153,8 +153,8 @@ def test_paged_attention_decode(backend: str, dtype: str) -> None:
 def test_cuda_mixed_step_rows_and_long_runs(backend: str, dtype: str, shuffle: bool) -> None:
     # A step of decodes, short prompt chunks and one chunk longer than the row kernel takes: the short runs' rows
     # go through the row kernel in one launch, the long run through its own flash call, each against the reference.
-    from graphmesh_executor.backends import torch_backend as tb
-    long = tb.ROW_KERNEL_RUN + 20
+    from graphmesh_executor.backends import torch_attention
+    long = torch_attention.ROW_KERNEL_RUN + 20
     table = np.full((4, 80), 319)
     table[:, :] = rng.permutation(320)[:320].reshape(4, 80)
     chunks = [(0, 11, 5), (1, 40, 1), (2, 0, long), (3, 100, 30)]

@@ -343,7 +343,7 @@ def rope_half_usable(x: Tensor) -> bool:
 
 def rope_half(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x * cos + roll(x, D/2) * sin over x [S, H, D] with cos, sin [S, 1, D] float32 (sin signed, see
-    torch_backend._half_table): a new [S, H, D] tensor in x's dtype."""
+    torch_ops.half_table): a new [S, H, D] tensor in x's dtype."""
     s, h, d = x.shape
     out = torch.empty((s, h, d), dtype=x.dtype, device=x.device)
     cos, sin = cos.reshape(s, d).contiguous(), sin.reshape(s, d).contiguous()
