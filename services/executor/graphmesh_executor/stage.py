@@ -13,7 +13,6 @@ builds that iteration's inputs (_prepare), so the boundary's arrival starts the 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -25,10 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from graphmesh import models
 from graphmesh import plan as dag
-from graphmesh.bundled import BUNDLED, resolve_model
-from graphmesh.checkpoints import open_checkpoint
 from graphmesh.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -40,7 +36,6 @@ from graphmesh.errors import (
     ResourceExhausted,
 )
 from graphmesh.models.config import ModelConfig
-from graphmesh.models.moe import read_param
 from graphmesh.protocol import ACTIONS, METADATA_KEY, Action, ErrorClass, ProtocolError
 from graphmesh_executor.encoder_group import EncoderGroup
 from graphmesh_executor.engine import Engine
@@ -48,7 +43,7 @@ from graphmesh_executor.executable import Executable, RngOptions
 from graphmesh_executor.fencing import Authority, AuthorityState, Outcome, SessionPhase
 from graphmesh_executor.kv_pool import KvPool
 from graphmesh_executor.logprobs import RowSampling, sample_with_logprobs
-from graphmesh_executor.stage_inputs import Prepared, RunInputs, seed_for
+from graphmesh_executor.stage_inputs import Prepared, seed_for
 from graphmesh_executor.stage_kv import StageKv
 from graphmesh_executor.stage_types import (
     BlockWriter,
@@ -60,38 +55,14 @@ from graphmesh_executor.stage_types import (
     StepResult,
     StepRow,
 )
-from graphmesh_executor.weights import resolve_under_root
+from graphmesh_executor.stage_weights import StageWeights
 from graphmesh_server import telemetry
-from graphmesh_server.serving import available_memory_bytes
 
 log = logging.getLogger("graphmesh.executor.stage")
 
-DEFAULT_KV_CACHE_BYTES = 512 << 20  # the CPU pool's cap when --kv-cache-bytes is not given
-NUMPY_KV_CACHE_BYTES = 16 << 20
-WARM_SHAPES = 4  # executables a re-plan compiles up front: the old stage's most recently used shapes
 # A step of this many sessions at most is light: the host's other stages are likely idle (one or two streams), so its
 # products may borrow a core (cpu_kernels' helper thread; on a busy host it costs only the chunk it has begun).
 LIGHT_STEP_SESSIONS = 2
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 @dataclass(eq=False)
@@ -119,13 +90,7 @@ class _InFlight:
     last_run: Prepared | None = None  # the run of the iteration that ran last: a decode run's next one follows it
 
 
-
-
-
-
-
-
-class StageRuntime(RunInputs, StageKv):
+class StageRuntime(StageWeights, StageKv):
     def __init__(self, backend: str, device: str = "cpu", model_root: str | None = None,
                  pusher: Pusher | None = None, block_writer: BlockWriter | None = None,
                  faults_enabled: bool = False, kv_cache_bytes: int = 0, standby_weights: bool | None = None) -> None:
@@ -145,7 +110,7 @@ class StageRuntime(RunInputs, StageKv):
         self._pusher = pusher
         self._block_writer = block_writer
         self.faults_enabled = faults_enabled
-        self.kv_cache_bytes = kv_cache_bytes  # 0: default_kv_cache_bytes()
+        self.kv_cache_bytes = kv_cache_bytes  # 0: stage_weights.default_kv_cache_bytes()
         # Standby weights: after install, the rest of the model is read in the background, so that a re-plan
         # after losing a peer (which hands this rank new layers) costs no checkpoint reads. Memory for speed;
         # None: on when the whole model's f32 weights take at most a quarter of the available memory.
@@ -210,117 +175,6 @@ class StageRuntime(RunInputs, StageKv):
             self._lock.notify_all()
         return (time.perf_counter() - t0) * 1000.0
 
-    def _load(self, spec: StageSpec) -> None:
-        path = self._model_path(spec.model)
-        same_model = path == self._weights_path
-        if not same_model:  # another model: its params may have the same names, never the same values
-            self._standby, self._weights_path = {}, path
-            self.standby_ready.clear()
-        ckpt = open_checkpoint(path)
-        if ckpt.config is None:
-            raise InvalidArgument(f"{path} has no model config", "NO_MODEL_CONFIG")
-        config = ckpt.config
-        if not 0 <= spec.layer_start < spec.layer_end <= config.n_layers:
-            raise InvalidArgument(f"layers [{spec.layer_start}, {spec.layer_end}) outside the model's "
-                                  f"{config.n_layers} layers", "BAD_LAYER_RANGE")
-        if spec.weights not in ("f32", "packed", "packed-bf16"):
-            raise InvalidArgument(f"weights must be 'f32', 'packed' or 'packed-bf16', got {spec.weights!r}",
-                                  "BAD_WEIGHTS")
-        dtype = spec.dtype or ("bf16" if self.device.startswith("cuda") else "f32")
-        if dtype not in ("f32", "bf16", "f16"):
-            raise InvalidArgument(f"dtype must be 'f32', 'bf16' or 'f16', got {dtype!r}", "BAD_DTYPE")
-        self.config, self.spec, self.dtype = config, spec, dtype
-        self._packed_schemes = ckpt.packed_schemes()
-        # "packed" (the default) keeps a GGUF's quantized blocks packed where the family's stages consume them; a
-        # checkpoint with none, or another family (GPT-2), is read as f32 then, so the default serves every model.
-        self._packed = spec.weights in ("packed", "packed-bf16") and bool(self._packed_schemes) and \
-            models.quantizable(config)
-        recent = list(self._executables)[-WARM_SHAPES:]  # most recently used last
-        self._executables.clear()
-        block = spec.kv_block_tokens or 16
-        layers = spec.layer_end - spec.layer_start
-        row_bytes = 2 * layers * config.kv_dim * (4 if dtype == "f32" else 2)  # K and V of every layer, per token
-        budget = self.kv_cache_bytes or default_kv_cache_bytes(self.device, self.backend)
-        pool = KvPool(max(2, budget // (row_bytes * block)), block)
-        previous, self._holder, self.pool, self._pools = self._holder, None, pool, {}
-        holder = self._compile(1, 1, 1, True, True, weights=path, reuse=previous if same_model else None)
-        self._holder = holder
-        self._pools = dict(zip(self._pool_names(), holder.zeros_like_inputs(self._pool_names())))
-        # What KV keys are rooted in: the checkpoint and how this stage computes with it, since rows computed in
-        # bf16 or from packed weights differ from f32 ones for the same tokens, and a shared store must never hand
-        # one to the other (a wrong hit changes tokens).
-        self.model_identity = f"{ckpt.identity()}|weights={spec.weights}|dtype={dtype}"
-        self.param_bytes = sum(int(np.prod(t.shape)) * (1 if t.dtype == "u8" else 4) for t in holder.graph.params.values())
-        self._loaded_key = spec
-        # A re-plan (recovery) compiles the shapes the old stage ran most recently now, on every rank at once:
-        # left to the restore's first steps they would be compiled one rank after another, on its critical path.
-        for key in recent:
-            self._executable(*key)
-        log.info("stage loaded", extra={"layers": f"{spec.layer_start}-{spec.layer_end}", "dtype": dtype,
-                                        "kv_pool_blocks": pool.lendable, "kv_block_tokens": block,
-                                        "warmed_shapes": len(recent)})
-        if not self._packed and not self.standby_ready.is_set() and self._wants_standby(config):
-            threading.Thread(target=self._read_standby, args=(path, config, set(holder.graph.params)), daemon=True,
-                             name="standby-weights").start()
-
-    def _load_encoder(self, spec: StageSpec, owned: bool) -> None:
-        """Holds the model's encoder when this rank owns the plan's encoder group (engine thread)."""
-        if not owned:
-            self._encoder = None
-            return
-        assert self.config is not None
-        if self.config.encoder is None:
-            raise InvalidArgument(f"the plan gives this rank an encoder group; {spec.model} has no encoder",
-                                  "BAD_PLAN")
-        path = self._model_path(spec.model)
-        if self._encoder is None or self._encoder.weights != path or self._encoder.dtype != self.dtype:
-            self._encoder = EncoderGroup(self.config.encoder, path, self.backend, self.device, self.dtype)
-
-    def preload(self, model: str) -> None:
-        """Reads the whole of `model`'s weights now, as standby weights (f32), so the first Install of any layer
-        range reads no checkpoint: what an executor that joins a live mesh does before it registers, since the
-        roster it joins waits for its Install."""
-        path = self._model_path(model)
-        config = open_checkpoint(path).config
-        if config is None:
-            raise InvalidArgument(f"{path} has no model config", "NO_MODEL_CONFIG")
-        t0 = time.perf_counter()
-
-        def read() -> None:  # on the engine, as an Install is: the two never touch the weights at once
-            self._standby, self._weights_path = {}, path
-            self.standby_ready.clear()
-            self._read_standby(path, config, set())
-
-        self.engine.run("stage.preload", read)
-        log.info("model preloaded", extra={"model": model, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
-
-    def _wants_standby(self, config: ModelConfig) -> bool:
-        if self.standby_weights is not None:
-            return self.standby_weights
-        every = models.stage_params(config, range(0, config.n_layers), first=True, last=True)
-        model_bytes = 4 * sum(math.prod(t.shape) for t in every.values())
-        available = available_memory_bytes()
-        return available is not None and model_bytes <= available // 4
-
-    def _read_standby(self, path: Path, config: ModelConfig, held: set[str]) -> None:
-        ckpt = open_checkpoint(path)
-        every = models.stage_params(config, range(0, config.n_layers), first=True, last=True)
-        standby = self._standby
-        available = set(ckpt.names())
-        for name, t in every.items():
-            if self._standby is not standby:
-                return  # another model was installed meanwhile
-            if name not in held and name not in standby:
-                standby[name] = read_param(ckpt, name, t.dtype, available)  # MoE experts: stacked
-        if self._standby is standby:
-            self.standby_ready.set()
-        log.info("standby weights read", extra={"params": len(self._standby)})
-
-    def _model_path(self, model: str) -> Path:
-        """A bundled name, or a path confined to --model-root when the executor has one."""
-        if model in BUNDLED or self.model_root is None:
-            return resolve_model(model)
-        return resolve_under_root(Path(self.model_root), model)
 
 
 
@@ -657,7 +511,6 @@ class StageRuntime(RunInputs, StageKv):
             step.computed = True
             self._finish(step)
 
-
     def _prepare(self, step: _InFlight, iteration: int) -> None:
         """Builds `iteration`'s run ahead of its boundary (engine thread), unless the step is over or that
         iteration already ran (a boundary that came meanwhile posted it behind this task: it runs what was built
@@ -829,9 +682,6 @@ class StageRuntime(RunInputs, StageKv):
             finally:
                 self._pools = exe.swap_handles(own)
 
-
-
-
     def _forget_step(self, step_id: int) -> None:
         """Drops what was pushed for `step_id` and not taken (under the lock): a run that failed part-way."""
         for key in [k for k in self._mailbox if k[0] == step_id]:
@@ -921,17 +771,6 @@ class StageRuntime(RunInputs, StageKv):
             first, self._take(slots), incarnation, epoch)))
         session.stored_tokens = whole
 
-
-
-
-
-
-
-
-
-
-
-
     def abort_step(self, incarnation: int, step_id: int, rows: list[StepRow]) -> None:
         """Rolls back every row of a step and wakes a wait for its boundary; allowed under poison."""
         with self._lock:
@@ -1005,11 +844,9 @@ class StageRuntime(RunInputs, StageKv):
             self._faults[kind] -= 1
             return True
 
-
     def sessions(self) -> list[tuple[str, StageSession]]:
         with self._lock:
             return list(self._sessions.items())
-
 
 
 def _positions(row: StepRow) -> list[StepRow]:
@@ -1048,21 +885,4 @@ def _verify(rows: list[StepRow], result: StepResult) -> None:
     result.tokens, result.run_tokens, result.accepted = tokens, runs, accepted
 
 
-
-
-
-
-def default_kv_cache_bytes(device: str, backend: str = "torch") -> int:
-    """The KV pool's size when --kv-cache-bytes is not given: a quarter of the free device memory on CUDA (after
-    the weights), else a tenth of the available host memory up to DEFAULT_KV_CACHE_BYTES (NUMPY_KV_CACHE_BYTES for
-    the numpy reference, whose functional kv_scatter copies the pool on every step)."""
-    if backend == "numpy":
-        return NUMPY_KV_CACHE_BYTES
-    if device.startswith("cuda"):
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free // 4)
-    available = available_memory_bytes()
-    return DEFAULT_KV_CACHE_BYTES if available is None else min(DEFAULT_KV_CACHE_BYTES, available // 10)
 
