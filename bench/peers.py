@@ -469,7 +469,6 @@ class VllmServer(_PeerServer):
         self._serve("vLLM", f"threads bound to {bind}", args, env, "/health")
 
 
-
 def _stop_group(process: subprocess.Popen[bytes] | None) -> None:
     """Ends the process group a server leads (started with start_new_session), nothing else."""
     if process is not None and process.poll() is None:
@@ -556,7 +555,6 @@ class LlamaCppServer(_PeerServer):
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as reply:
             return [int(t) for t in json.loads(reply.read())["tokens"]]
-
 
 
 PEER_NAMES = ("vllm", "llamacpp")

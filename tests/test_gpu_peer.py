@@ -77,7 +77,6 @@ def test_peer_and_graphmesh_decode_as_transformers(written: tuple[str, Path]) ->
     assert ours_tokens == tokens, shape
 
 
-
 def test_moe_block_paths_match_transformers() -> None:
     """The peer's MoE block against transformers' Qwen3MoeSparseMoeBlock (the same weights, float64), on both of
     its paths: one token (the chosen experts gathered) and 16 tokens (every expert, masked)."""

@@ -98,7 +98,6 @@ def test_a_model_that_cannot_be_read_is_named(tmp_path: Path) -> None:
     assert line == f"graphmesh-executor: checkpoint {missing} does not exist"
 
 
-
 def test_graphmesh_up_says_in_one_line_why_its_coordinator_did_not_start(taken_port: int, checkpoint: Path) -> None:
     code, line = _start("graphmesh", "up", "--model", str(checkpoint), "--backend", "numpy", "--executors", "1",
                         "--listen", f"127.0.0.1:{taken_port}", "--http-listen", "", prefix="graphmesh-coordinator")

@@ -93,7 +93,6 @@ def mesh_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((MESH_TOKEN_KEY, token),) if token else ()
 
 
-
 MIN_TOKEN_BYTES = 16  # a token anyone could guess is no credential: `graphmesh up` writes 43 random characters
 
 

@@ -109,7 +109,6 @@ class APIError(Exception):
         return JSONResponse(self.body(), self.status, headers=self.headers)
 
 
-
 def api_error(error: BaseException) -> APIError:
     """The HTTP form of whatever a request raised (failures.public_error): typed errors keep their meaning, anything
     else is a 500."""

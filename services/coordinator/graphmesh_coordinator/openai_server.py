@@ -101,7 +101,6 @@ class _BodyLimit:
         await self.app(scope, limited, send)
 
 
-
 @dataclass
 class _Choice:
     index: int

@@ -133,7 +133,6 @@ def _captured(captured: list[list[int]] | None) -> executor_pb2.TakeMoeTopkCaptu
         captured=captured is not None, layers=[executor_pb2.ExpertIds(ids=ids) for ids in captured or []])
 
 
-
 def _held(bound: bool, resident: bool) -> executor_pb2.HasHandleResponse:
     return executor_pb2.HasHandleResponse(bound=bound, resident=resident)
 

@@ -175,12 +175,6 @@ class StageRuntime(StageWeights, StageKv):
             self._lock.notify_all()
         return (time.perf_counter() - t0) * 1000.0
 
-
-
-
-
-
-
     # -- protocol --------------------------------------------------------------------------------------
     def execute_step(self, incarnation: int, step_id: int, rows: list[StepRow], logits: bool,
                      timeout_s: float, decode_steps: int = 1, active_groups: frozenset[int] = frozenset()) -> StepResult:

@@ -83,7 +83,6 @@ def build_server(config: KvStoreConfig) -> tuple[grpc.Server, int, Store]:
     return server, port, store
 
 
-
 def parse_args(argv: list[str] | None = None) -> KvStoreConfig:
     p = argparse.ArgumentParser(prog="graphmesh-kvstore", description="Stores committed KV blocks by token prefix.")
     p.add_argument("--listen", default="127.0.0.1:50060", help="HOST:PORT; port 0 picks a free port")
