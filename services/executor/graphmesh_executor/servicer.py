@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 
 from graphmesh import dtypes, tensors
+from graphmesh.channels import MAX_MESSAGE_BYTES
 from graphmesh.dtypes import DTypeError
 from graphmesh.errors import InvalidArgument, ResourceExhausted, rpc
 from graphmesh.graph import parse
@@ -159,7 +160,7 @@ def _on_executable(request_type: type[Q], answer: Callable[[Executable[Any], Q],
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServiceServicer):
     def __init__(self, registry: ExecutableRegistry, *, model_root: Path | None = None,
-                 max_message_bytes: int = 64 << 20, max_param_bytes: int = tensors.MAX_TENSOR_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_param_bytes: int = tensors.MAX_TENSOR_BYTES) -> None:
         self.registry = registry
         self.model_root = model_root
         self.max_message_bytes = max_message_bytes
