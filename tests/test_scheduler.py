@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -32,6 +32,9 @@ from graphmesh_coordinator import speculative
 from graphmesh_coordinator.pipeline import InvocationFailed, Mesh
 from graphmesh_coordinator.scheduler import Output, Scheduler, SessionInfo
 from graphmesh_coordinator.scheduler import Sequence as Seq
+
+if TYPE_CHECKING:
+    from graphmesh_coordinator.draft import Drafter
 
 BLOCK = 4
 VOCAB = 1000
@@ -497,3 +500,44 @@ def test_a_steps_outputs_reach_the_session_once_its_next_step_is_on_its_way() ->
     finally:
         scheduler.close()
 
+
+
+def test_the_draft_model_runs_off_the_scheduling_lock() -> None:
+    """While the draft model proposes for one session (round trips to its executor), the scheduler's lock is free:
+    another session is admitted and decodes to its end meanwhile; then the drafted session goes on, its tokens its
+    solo run's, and one pass drafts at a time."""
+    drafting, release = threading.Event(), threading.Event()
+    calls: list[list[str]] = []
+
+    class SlowDrafter:
+        ready = True
+
+        def propose(self, batch: Sequence[tuple[str, Sequence[int], int]]) -> dict[str, list[int]]:
+            calls.append([session_id for session_id, _, _ in batch])
+            drafting.set()
+            assert release.wait(30), "the draft was never released"
+            return {}  # no proposals: the pass decodes plainly
+
+        def forget(self, session_id: str) -> None:
+            pass
+
+    scheduler = Scheduler(cast(Mesh, FakeMesh(2, 1000)), max_step_tokens=64, decode_steps=1)
+    scheduler.drafter = cast("Drafter", SlowDrafter())
+    drafted = Seq(SessionInfo("drafted"), [1, 2, 3], stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, 4,
+                  max_tokens_total=7, speculation=speculative.Speculation(max_k=3, draft=True))
+    # speculating by draft too: while the first pass drafts, its passes decode plainly (no second draft at once)
+    plain = Seq(SessionInfo("plain"), [4, 5, 6], stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, 6,
+                max_tokens_total=9, speculation=speculative.Speculation(max_k=3, draft=True))
+    try:
+        scheduler.submit(drafted)
+        assert drafting.wait(30), "the drafted session never asked the draft model"
+        scheduler.submit(plain)  # takes the lock
+        assert [cast(Output, plain.events.get(timeout=30)).token for _ in range(6)] == solo([4, 5, 6], 6)
+        assert drafted.events.empty() and calls == [["drafted"]]
+        release.set()
+        assert [cast(Output, drafted.events.get(timeout=30)).token for _ in range(4)] == solo([1, 2, 3], 4)
+    finally:
+        release.set()
+        scheduler.finish(drafted)
+        scheduler.finish(plain)
+        scheduler.close()

@@ -142,6 +142,7 @@ class Sequence:
     # its last verified chunk: the next row's folded commit keeps only the accepted rows of it (commit_length).
     speculation: Speculation | None = None
     verified_epoch: int = 0
+    drafted: list[int] | None = None  # the draft model's proposals for the pass being scheduled (Scheduler._draft)
 
     def wake(self) -> None:
         waker = self.waker
@@ -157,6 +158,13 @@ class _Row:
     proposed: int = 0  # its last token_ids are proposals to verify (a prediction target)
 
 
+@dataclass(frozen=True, eq=False)
+class _Drafts:
+    """A scheduling pass's sessions whose proposals the draft model makes first: (session, its tokens, k) each."""
+
+    batch: list[tuple[Sequence, list[int], int]]
+
+
 class Scheduler:
     def __init__(self, mesh: Mesh, max_step_tokens: int = 0, max_step_seqs: int = 0, workers: int = 8,
                  steps_in_flight: int = 0, decode_steps: int = 0) -> None:
@@ -167,6 +175,7 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens  # a step's token budget; 0: by the roster's devices
         self.max_step_seqs = max_step_seqs  # sessions per step; 0: by the roster's devices
         self.drafter: Drafter | None = None  # the draft model of --speculative draft:MODEL (draft.py)
+        self._drafting = False  # a pass runs the draft model (off the lock): the others do not draft meanwhile
         self._cond = threading.Condition()
         self._seqs: list[Sequence] = []  # arrival order
         self._in_flight = 0
@@ -258,19 +267,53 @@ class Scheduler:
     def _next_step(self) -> tuple[list[_Row], int] | None:
         """The next step, counted in flight (under the lock), or None. A bug in scheduling must not stop every
         session: it is logged, and the scheduler tries again later."""
+        drafts: _Drafts | None = None
         try:
-            step = self._schedule()
+            step = self._schedule(draft=not self._drafting)
+            if isinstance(step, _Drafts):
+                drafts = step
+                self._draft(drafts)
+                step = self._schedule(draft=False)
         except Exception:
             log.exception("scheduling failed")
             return None
         finally:
             self._used = None  # counted again by the next pass: releases and a new roster change it meanwhile
+            for s, _, _ in drafts.batch if drafts is not None else ():
+                s.drafted = None  # for this pass only: a later one drafts from the tokens it will have then
+        assert not isinstance(step, _Drafts)
         if step:
             self._in_flight += 1
         return step
 
-    def _schedule(self) -> tuple[list[_Row], int] | None:
-        """The next step's rows and its decode run's length (1: one token per row)."""
+    def _draft(self, drafts: _Drafts) -> None:
+        """Runs the draft model for these sessions without the scheduler's lock, which the caller holds once (the
+        scheduling thread or a step worker): a draft pass is two round trips to the draft executor, and meanwhile
+        other steps end and sessions come and go. Its sessions are busy until it returns, so no other pass takes them;
+        it holds a step's place in flight, so no other pass overtakes the one it drafts for; and one pass drafts at a
+        time (the Drafter's steps are one pass's), the others proposing nothing by draft meanwhile."""
+        assert self.drafter is not None
+        for s, _, _ in drafts.batch:
+            s.busy = True
+        self._in_flight += 1
+        self._used, self._drafting = None, True
+        self._cond.release()
+        try:
+            proposed = self.drafter.propose([(s.session.session_id, tokens, k) for s, tokens, k in drafts.batch])
+        finally:
+            self._cond.acquire()
+            self._in_flight -= 1
+            self._drafting = False
+            for s, _, _ in drafts.batch:
+                s.busy = False
+                if s.done:  # finished or cancelled meanwhile: released as a step's end releases it
+                    self._drop(s)
+        for s, _, _ in drafts.batch:
+            s.drafted = proposed.get(s.session.session_id, [])
+
+    def _schedule(self, draft: bool = False) -> tuple[list[_Row], int] | _Drafts | None:
+        """The next step's rows and its decode run's length (1: one token per row); or, when `draft` and sessions of
+        it want the draft model's proposals, those sessions (Scheduler._draft makes them, then this runs again)."""
         mesh = self.mesh
         in_flight = self.steps_in_flight or max(1, len(mesh.ranks))
         if not mesh.ready or self._in_flight >= in_flight:
@@ -307,7 +350,9 @@ class Scheduler:
         # between them (none longer than any row may still grow). Only when no prompt waits to join, or when the
         # decodes fill the step's rows anyway (a waiting prompt could not join it).
         steps = 1
-        proposals = self._proposals(decoding[:cap], others, kind)
+        proposals, drafts = self._proposals(decoding[:cap], others, kind)
+        if drafts and draft:
+            return _Drafts(drafts)  # nothing of this pass is taken yet: no row made, no epoch issued
         if proposals:
             pass  # a verified chunk is one pass: its step is no decode run
         elif decoding and (not others or len(decoding) >= cap) and kind == (stage_pb2.OUTPUT_KIND_TOKEN, False):
@@ -328,16 +373,17 @@ class Scheduler:
         return (step, steps) if step else None
 
     def _proposals(self, decoding: list[Sequence], others: list[Sequence],
-                   kind: tuple[int, bool]) -> dict[int, list[int]]:
+                   kind: tuple[int, bool]) -> tuple[dict[int, list[int]], list[tuple[Sequence, list[int], int]]]:
         """The proposals of this step's speculating decodes, by id, when the step has room for verified chunks: no
-        prompt waits to join and few decodes share it (on a busy mesh the step is full already). Guided rows and
-        rows with logprobs never speculate."""
+        prompt waits to join and few decodes share it (on a busy mesh the step is full already); and the decodes
+        whose proposals the draft model is still to make (session, tokens, k). Guided rows and rows with logprobs
+        never speculate."""
         limit = SPEC_SEQS_CUDA if self._on_gpus() else SPEC_SEQS_CPU
         if others or not decoding or len(decoding) > limit or kind != (stage_pb2.OUTPUT_KIND_TOKEN, False):
-            return {}
+            return {}, []
         budget = self._step_tokens() - len(decoding)
         out: dict[int, list[int]] = {}
-        drafts: dict[str, tuple[Sequence, list[int], int]] = {}
+        drafts: list[tuple[Sequence, list[int], int]] = []
         drafter = self.drafter if self.drafter is not None and self.drafter.ready else None
         for s in decoding:
             spec = s.speculation
@@ -345,19 +391,20 @@ class Scheduler:
                 continue
             tokens, room = s.session.history + s.pending, min(s.remaining - 1, budget)
             if spec.draft and drafter is not None:  # else (draft lost, recovering) prompt lookup meanwhile
-                k = spec.want(room)
+                proposed = s.drafted[:room] if s.drafted is not None else []
+                k = 0 if s.drafted is not None else spec.want(room)
                 if k:
-                    drafts[s.session.session_id] = (s, tokens, k)
+                    drafts.append((s, tokens, k))
                     budget -= k
+                elif proposed:
+                    out[id(s)] = proposed
+                    budget -= len(proposed)
                 continue
             proposed = spec.proposals(tokens, room)
             if proposed:
                 out[id(s)] = proposed
                 budget -= len(proposed)
-        if drafts and drafter is not None:  # k batched greedy draft steps, every drafting session together
-            for session_id, proposed in drafter.propose([(i, t, k) for i, (_, t, k) in drafts.items()]).items():
-                out[id(drafts[session_id][0])] = proposed
-        return out
+        return out, drafts
 
     def _longest_run(self) -> int:
         return self.decode_steps or (DECODE_STEPS_CUDA if self._on_gpus() else DECODE_STEPS_CPU)
