@@ -45,13 +45,16 @@ def _elementwise(fn: Any) -> Kernel:
 
 
 def _rms_norm(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
+    """On CUDA, rows that add_rms_norm could take run its kernel alone (cuda_kernels.rms_norm: the same bits, so a
+    stage that begins at a layer's norm agrees with one that fused it); others (q/k norms over views of a joined
+    product) torch's norm, which reads them in place."""
     x, w = xs
     if x.is_cpu:
         fused = cpu_kernels.rms_norm(x, w, a["eps"])  # one call, not six kernels
-        return fused if fused is not None else F.rms_norm(x, x.shape[-1:], w, a["eps"])
-    rows = x.reshape(-1, x.shape[-1])  # a view where x's rows are contiguous (q/k norms: [S, H, D])
-    if cuda_kernels.rows_usable(rows) and w.dtype == x.dtype:  # add_rms_norm's bits (see cuda_kernels.rms_norm)
-        return cuda_kernels.rms_norm(rows, w, a["eps"]).view(x.shape)
+        if fused is not None:
+            return fused
+    elif cuda_kernels.rows_usable(x) and w.dtype == x.dtype:
+        return cuda_kernels.rms_norm(x, w, a["eps"])
     return F.rms_norm(x, x.shape[-1:], w, a["eps"])
 
 
