@@ -350,8 +350,8 @@ class Scheduler:
         # between them (none longer than any row may still grow). Only when no prompt waits to join, or when the
         # decodes fill the step's rows anyway (a waiting prompt could not join it).
         steps = 1
-        proposals, drafts = self._proposals(decoding[:cap], others, kind)
-        if drafts and draft:
+        proposals, drafts = self._proposals(decoding[:cap], others, kind, draft)
+        if drafts:
             return _Drafts(drafts)  # nothing of this pass is taken yet: no row made, no epoch issued
         if proposals:
             pass  # a verified chunk is one pass: its step is no decode run
@@ -372,12 +372,12 @@ class Scheduler:
             budget -= len(row.row.token_ids)
         return (step, steps) if step else None
 
-    def _proposals(self, decoding: list[Sequence], others: list[Sequence],
-                   kind: tuple[int, bool]) -> tuple[dict[int, list[int]], list[tuple[Sequence, list[int], int]]]:
+    def _proposals(self, decoding: list[Sequence], others: list[Sequence], kind: tuple[int, bool],
+                   draft: bool) -> tuple[dict[int, list[int]], list[tuple[Sequence, list[int], int]]]:
         """The proposals of this step's speculating decodes, by id, when the step has room for verified chunks: no
-        prompt waits to join and few decodes share it (on a busy mesh the step is full already); and the decodes
-        whose proposals the draft model is still to make (session, tokens, k). Guided rows and rows with logprobs
-        never speculate."""
+        prompt waits to join and few decodes share it (on a busy mesh the step is full already); and, when `draft`,
+        the decodes whose proposals the draft model is still to make (session, tokens, k; without `draft` they
+        decode plainly this pass). Guided rows and rows with logprobs never speculate."""
         limit = SPEC_SEQS_CUDA if self._on_gpus() else SPEC_SEQS_CPU
         if others or not decoding or len(decoding) > limit or kind != (stage_pb2.OUTPUT_KIND_TOKEN, False):
             return {}, []
@@ -391,16 +391,14 @@ class Scheduler:
                 continue
             tokens, room = s.session.history + s.pending, min(s.remaining - 1, budget)
             if spec.draft and drafter is not None:  # else (draft lost, recovering) prompt lookup meanwhile
-                proposed = s.drafted[:room] if s.drafted is not None else []
-                k = 0 if s.drafted is not None else spec.want(room)
+                k = spec.want(room) if s.drafted is None and draft else 0
                 if k:
                     drafts.append((s, tokens, k))
                     budget -= k
-                elif proposed:
-                    out[id(s)] = proposed
-                    budget -= len(proposed)
-                continue
-            proposed = spec.proposals(tokens, room)
+                    continue
+                proposed = (s.drafted or [])[:room]  # drafted off the lock for this pass (Scheduler._draft)
+            else:
+                proposed = spec.proposals(tokens, room)
             if proposed:
                 out[id(s)] = proposed
                 budget -= len(proposed)
