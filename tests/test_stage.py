@@ -143,6 +143,58 @@ def test_a_decode_run_samples_what_single_steps_do_and_commits_or_rolls_back_who
         assert dict(r.sessions())["a"].tokens == prompts["a"] + want["a"][:5]  # every rank knows the run's tokens
 
 
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.parametrize("backend,device", [("numpy", "cpu"), ("torch", "cpu"), pytest.param(
+    "torch", "cuda:0", marks=pytest.mark.skipif(not _cuda(), reason="needs a CUDA device"))])
+def test_a_one_rank_decode_run_chains_its_iterations_with_the_tokens_of_one_at_a_time(
+        tiny_llama: Path, backend: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank holding every layer runs a decode run's iterations as one chain (on a GPU each iteration's ids come
+    from the tokens the one before sampled without leaving the device, one read back at the end): the tokens, KV
+    lengths and the next step's tokens are those of the same runs iteration by iteration. Three runs a session, so
+    that on CUDA the chain replays captured graphs too; three sessions, so that a bucket of four pads one row (what
+    a padded row samples is never fed on)."""
+    sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    chained: list[int] = []
+    compute_chain = StageRuntime._compute_chain
+
+    def spy(self: StageRuntime, runs: list[Any]) -> Any:
+        chained.append(len(runs))
+        return compute_chain(self, runs)
+    monkeypatch.setattr(StageRuntime, "_compute_chain", spy)
+    got = []
+    for chain in (True, False):
+        if not chain:
+            monkeypatch.setattr(StageRuntime, "_chains", lambda self, step: False)
+        runtime = StageRuntime(backend, device, kv_cache_bytes=KV_CACHE_BYTES)
+        runtime.install(1, 0, 1, StageSpec(str(tiny_llama), 0, 2, True, True, dtype="f32"))
+        prompts = {"a": [5, 17, 99], "b": [8, 9], "c": [40, 41, 42, 43]}
+        sampling = {"a": Sampling(), "b": sampled, "c": Sampling()}
+        first = _run([runtime], [StepRow(sid, 1, 0, 0, prompt, sampling[sid]) for sid, prompt in prompts.items()], 1)
+        tokens, lengths = [[t] for t in first.tokens], [len(p) for p in prompts.values()]
+        for epoch in range(2, 6):
+            rows = [StepRow(sid, epoch, epoch - 1, n, [t[-1]], sampling[sid])
+                    for sid, n, t in zip(prompts, lengths, tokens)]
+            if epoch == 5:  # the next step's tokens: each session's KV holds what the runs sampled
+                got.append((tokens, lengths, _run([runtime], rows, 1).tokens))
+                break
+            run = _run([runtime], rows, 6)
+            for t, r in zip(tokens, run.run_tokens):
+                t.extend(r)
+            lengths = list(run.kv_lengths)
+        if device.startswith("cuda"):  # the decode runs replayed captured graphs, chained or not
+            assert any(getattr(exe, "_captures", None) for exe in runtime._executables.values()), "no CUDA graph replayed"
+    assert chained == [6, 6, 6], chained  # every run chained when chaining is on, none when off
+    assert got[0][1] == [3 + 18, 2 + 18, 4 + 18], got[0][1]
+    assert got[0] == got[1], got
+
+
 def test_a_decode_run_builds_each_next_iteration_while_its_boundary_is_on_the_way(tiny_llama: Path,
                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank waiting for a decode run's next boundary builds that iteration's run ahead (its rows, positions,

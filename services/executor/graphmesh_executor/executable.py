@@ -356,13 +356,17 @@ class Executable(Generic[T]):
             if not 0 <= i < len(self.graph.outputs):
                 raise OutOfRange(f"output index {i} out of range: the graph has {len(self.graph.outputs)} outputs",
                                  "OUTPUT_INDEX_OUT_OF_RANGE")
-        env = self._gather_inputs(inputs)
+        self._run_env(self._gather_inputs(inputs), list(inputs), extent, light)
+        return [self.read_output(i, typed) for i in indices]
+
+    def _run_env(self, env: dict[str, T], fed: list[str], extent: tuple[int, int] | None, light: bool) -> None:
+        """Runs once over gathered inputs (`fed`: the names the caller gave); its outputs become _last_outputs."""
         saved = self._extent
         if extent is not None:
             self._extent = _checked_extent(extent)
         self._light = light
         try:
-            cut = self._cut(list(inputs))
+            cut = self._cut(fed)
             if cut is None:
                 outs = self._execute(env)
             else:
@@ -376,7 +380,22 @@ class Executable(Generic[T]):
         self._last_outputs = outs
         for handle, index in self._prefix_feeds.items():
             self._handles[handle] = outs[index]
-        return [self.read_output(i, typed) for i in indices]
+
+    def run_fed(self, input_sets: Sequence[dict[str, np.ndarray]], feed: str, rows: int,
+                extent: tuple[int, int] | None = None, light: bool = False) -> np.ndarray:
+        """Runs each input set in turn, the first `rows` values of input `feed` of every run after the first taken
+        from output 0 of the run before (a decode run's sampled tokens are its next iteration's ids; the rest, a
+        bucket's padding, keep the set's values: what a padded row samples is never fed); returns output 0 of
+        every run, stacked. Here the runs go one after another through the host; TorchExecutable queues them on
+        the GPU with one wait for them all."""
+        outs: list[np.ndarray] = []
+        for inputs in input_sets:
+            if outs:
+                fed = inputs[feed].copy()
+                fed[:rows] = outs[-1][:rows]
+                inputs = {**inputs, feed: fed}
+            outs.append(self.run(inputs, [0], typed=True, extent=extent, light=light)[0])
+        return np.stack(outs)
 
     def read_output(self, index: int, typed: bool = False) -> np.ndarray:
         if self._last_outputs is None:

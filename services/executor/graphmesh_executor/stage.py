@@ -464,6 +464,11 @@ class StageRuntime(StageWeights, StagePhases):
         if step.done.done():
             return  # aborted or fenced while it was queued
         try:
+            if not i and not bundles and self._chains(step) and self._chain(step):
+                with self._lock:
+                    step.computed = True
+                    self._finish(step)
+                return
             if i:
                 fed = next((b.values.get(dag.RUN_TOKENS) for b in bundles.values()), None) if bundles else \
                     np.array([t[-1] for t in step.sampled], np.int64)
@@ -574,6 +579,55 @@ class StageRuntime(StageWeights, StagePhases):
             result.tokens = [int(t) for t in out[: len(rows)]]
         return out
 
+    def _chains(self, step: _InFlight) -> bool:
+        """Whether `step` is a decode run this rank runs whole, its iterations chained on the device: it holds every
+        layer (its own tokens feed it) and samples in the graph."""
+        assert self.spec is not None
+        return self.spec.first and self.spec.last and step.steps > 1 and self._samples(step, step.rows)
+
+    def _chain(self, step: _InFlight) -> bool:
+        """Every iteration of a decode run in one engine task (engine thread): their runs are built ahead (within a
+        run each row's positions, slots and seeds are known from the first, its blocks reserved when it began) and
+        chained with Executable.run_fed, each iteration's ids the tokens the one before sampled, read back once.
+        False, nothing run, when an iteration's run was built row by row (another executable): then the iterations
+        go one by one, the first with the run built here."""
+        runs: list[Prepared] = []
+        for it in range(step.steps):
+            rows = step.rows if not runs else self._next_rows(runs[-1].rows)
+            runs.append(self._inputs_for(runs[-1] if runs else step.last_run, rows, True, it))
+            if runs[-1].exe is not runs[0].exe or runs[-1].tokens != runs[-1].seqs:
+                step.prepared = runs[0]
+                return False
+        first = runs[0]
+        t0 = time.perf_counter()
+        with telemetry.span("stage.compute", step=step.step_id, iteration=0, rows=len(step.rows), chained=len(runs)):
+            tokens = self._guarded(lambda: self._compute_chain(runs))
+        step.result.compute_us += (time.perf_counter() - t0) * 1e6
+        step.result.computed_tokens += len(first.rows) * len(runs)
+        with self._lock:
+            for it, run in enumerate(runs):
+                if it:
+                    for r, t in zip(run.rows, tokens[it - 1]):
+                        r.token_ids[0] = int(t)
+                    for r in run.rows:
+                        session = self._sessions.get(r.session_id)
+                        if session is not None:
+                            session.pending_tokens += r.token_ids
+            for t, row_tokens in zip(step.sampled, tokens[:, :len(first.rows)].T.tolist()):
+                t.extend(row_tokens)
+            step.rows, step.last_run, step.iteration = runs[-1].rows, runs[-1], len(runs)
+            step.result.tokens, step.result.run_tokens = [t[0] for t in step.sampled], step.sampled
+        return True
+
+    def _compute_chain(self, runs: list[Prepared]) -> np.ndarray:
+        """The chained runs of a decode run on the engine thread: output 0 of each (the tokens it sampled)."""
+        first, n = runs[0], len(runs[0].rows)
+        ids = np.zeros(first.tokens, np.int64)
+        ids[:n] = [row.token_ids[0] for row in first.rows]
+        input_sets = [{**run.inputs, "input_ids": ids} for run in runs]  # later ids come from the device
+        return self._on_device(first, n, lambda exe: exe.run_fed(
+            input_sets, "input_ids", n, extent=first.extent, light=n <= LIGHT_STEP_SESSIONS))
+
     def _samples(self, step: _InFlight, rows: list[StepRow]) -> bool:
         """Whether the run samples in the graph: a step for tokens, unless a row wants logprobs or is guided (then the
         last stage runs the logits graph and samples on the host)."""
@@ -646,8 +700,6 @@ class StageRuntime(StageWeights, StagePhases):
         encoder's rows for the rows' placeholder tokens, in order (first stage), which replace those tokens'
         embeddings."""
         assert self.spec is not None and self.config is not None
-        if self._take_fault("device"):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
         spec, config = self.spec, self.config
         inputs, tokens = dict(run.inputs), run.tokens
         counts = [len(row.token_ids) for row in rows]
@@ -668,12 +720,18 @@ class StageRuntime(StageWeights, StagePhases):
             padded = np.zeros((tokens, config.hidden_size), np.float32)
             padded[:total] = hidden
             inputs["hidden_in"] = padded
+        return self._on_device(run, len(rows), lambda exe: exe.run(
+            inputs, read_indices=[0], typed=True, extent=run.extent, light=len(rows) <= LIGHT_STEP_SESSIONS)[0])
+
+    def _on_device(self, run: Prepared, rows: int, call: Callable[[Executable[Any]], np.ndarray]) -> np.ndarray:
+        """`call` on `run`'s executable with the KV pools swapped in (engine thread), in the run's span."""
+        if self._take_fault("device"):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
         exe = run.exe
-        with telemetry.span("stage.run", tokens=tokens, seqs=run.seqs, blocks=run.blocks, rows=len(rows)):
+        with telemetry.span("stage.run", tokens=run.tokens, seqs=run.seqs, blocks=run.blocks, rows=rows):
             own = exe.swap_handles(self._pools)
             try:
-                return exe.run(inputs, read_indices=[0], typed=True, extent=run.extent,
-                               light=len(rows) <= LIGHT_STEP_SESSIONS)[0]
+                return call(exe)
             finally:
                 self._pools = exe.swap_handles(own)
 
