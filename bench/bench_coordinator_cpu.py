@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ import grpc.aio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` and `tests` importable
 
-from bench.common import cpu_seconds, machine, median, progress, table, write_results
+from bench.common import cpu_seconds, machine, median, metrics, progress, table, write_results
 from graphmesh.launcher import LocalMesh
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.model_fixtures import VOCAB, make_tiny_llama, write_tiny_tokenizer
@@ -67,10 +66,8 @@ async def burst(address: str, streams: int, tokens: int) -> int:
 
 
 def steps(metrics_port: int) -> float:
-    """The coordinator's graphmesh_steps counter (from its /metrics)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("graphmesh_steps_total")
-                or line.startswith("graphmesh_steps "))
+    """The coordinator's graphmesh_steps counter."""
+    return metrics(metrics_port)[("graphmesh_steps_total", "")]
 
 
 def measure(mesh: LocalMesh, streams: int, tokens: int) -> dict[str, Any]:

@@ -69,7 +69,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.bench_gpu import SMALL, TINYLLAMA
-from bench.common import RESULTS_DIR, machine, median, progress, table
+from bench.common import RESULTS_DIR, machine, median, metrics, progress, table
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh, free_port, gpu_env, wait_healthy
 from graphmesh_server.serving import byte_size
@@ -99,12 +99,37 @@ def run_level(address: str, prompts: list[list[int]], tokens: int) -> dict[str, 
     wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     gaps = [g for r in runs for g in r["gaps"]]
     ttfts = [r["ttft"] for r in runs]
-    return {"tok_s": sum(len(r["ids"]) for r in runs) / wall, "decode_tok_s": steady_decode(runs),
+    return {"wall_s": wall, "tok_s": sum(len(r["ids"]) for r in runs) / wall, "decode_tok_s": steady_decode(runs),
             "ttft_p50_ms": 1e3 * float(np.percentile(ttfts, 50)),
             "ttft_p99_ms": 1e3 * float(np.percentile(ttfts, 99)),
             "itl_p50_ms": 1e3 * float(np.percentile(gaps, 50)) if gaps else 0.0,
             "itl_p99_ms": 1e3 * float(np.percentile(gaps, 99)) if gaps else 0.0, "ids": [r["ids"] for r in runs],
             "tokens_per_chunk": sum(len(r["ids"]) for r in runs) / sum(r["chunks"] for r in runs)}
+
+
+STEP_KINDS = ("prompt", "decode_run", "decode", "verify")  # the coordinator's graphmesh_steps_by_kind
+
+
+def scrape(mesh: LocalMesh) -> dict[str, dict[tuple[str, str], float]]:
+    return {name: metrics(port) for name, port in mesh.metrics_ports.items()}
+
+
+def where_time_went(before: dict[str, dict[tuple[str, str], float]], after: dict[str, dict[tuple[str, str], float]],
+                    wall: float) -> dict[str, Any]:
+    """A level's steps by kind (how many, their rows, the coordinator's seconds from sending each to its reply), the
+    executors' compiles of shapes met for the first time (a step waits for each), and the wall time outside steps
+    (arrivals, the coordinator's turn between steps; with one step in flight, as one executor has)."""
+    def delta(service: str, name: str, kind: str = "") -> float:
+        return after[service].get((name, kind), 0.0) - before[service].get((name, kind), 0.0)
+    out: dict[str, Any] = {kind: {"steps": delta("coordinator", "graphmesh_steps_by_kind_total", kind),
+                                  "rows": delta("coordinator", "graphmesh_step_rows_total", kind),
+                                  "s": delta("coordinator", "graphmesh_step_seconds_total", kind)} for kind in STEP_KINDS}
+    executors = [name for name in after if name.startswith("executor")]
+    out["compiles"] = sum(delta(e, "graphmesh_stage_compiles_total") for e in executors)
+    out["compile_s"] = sum(delta(e, "graphmesh_stage_compile_seconds_total") for e in executors)
+    out["wall_s"] = wall
+    out["outside_steps_s"] = wall - sum(out[kind]["s"] for kind in STEP_KINDS)
+    return out
 
 
 def steady_decode(runs: list[dict[str, Any]]) -> float:
@@ -298,8 +323,8 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
     # With --gpus the launcher pins each executor to its GPU (cuda:0 in its own order). A prefill chunk's boundary
     # of 2,048 tokens is 64 MiB at the 70B shape's width, f32: over the 64 MiB default frame limit.
     device_args = [] if a.gpus else ["--device", a.device]
-    mesh = LocalMesh(executors, "torch", model, kvstore=False, startup_timeout_s=900, gpus=list(range(executors))
-                     if a.gpus else (),
+    mesh = LocalMesh(executors, "torch", model, kvstore=False, startup_timeout_s=900, metrics=True,
+                     gpus=list(range(executors)) if a.gpus else (),
                      extra_executor_args=[*device_args, "--kv-cache-bytes", a.kv_cache_bytes,
                                           "--max-message-bytes", "1Gi", *link_args],
                      extra_coordinator_args=["--dtype", a.dtype,
@@ -321,12 +346,15 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
             reps = []
             for r in range(a.repeats):
                 progress(f"== {label}: {n} streams, repeat {r + 1}/{a.repeats}")
+                counted = scrape(mesh)
                 reps.append(run_level(address, prompts[:n], a.tokens))
+                reps[-1]["where"] = where_time_went(counted, scrape(mesh), reps[-1]["wall_s"])
             same = sum(ids == solo[i] for rep in reps for i, ids in enumerate(rep["ids"][:len(solo)]))
             rows.append({"streams": n, **{k: median([x[k] for x in reps]) for k in
                                           ("tok_s", "decode_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                                            "tokens_per_chunk")},
-                         "same_as_solo": f"{same}/{sum(min(n, len(solo)) for _ in reps)}"})
+                         "same_as_solo": f"{same}/{sum(min(n, len(solo)) for _ in reps)}",
+                         "where": [rep["where"] for rep in reps]})
         served = None
         if a.workload == "poisson":
             progress(f"== {label}: Poisson arrivals, {a.requests} requests at {a.rate}/s")
@@ -518,6 +546,13 @@ def main() -> None:
     for name, run in runs.items():
         print(f"\n{a.shape}, {a.dtype}, {name}; recoveries during the run: {run['recoveries']}")
         print(table(cols, [[row[c] for c in cols] for row in run["rows"]]))
+        print("where the time went (last repeat; ms of the coordinator's steps by kind, steps, mean rows):")
+        print(table(["streams", "wall", "prompt", "decode_run", "decode", "outside steps", "compiles"], [
+            [row["streams"], f"{1e3 * w['wall_s']:.0f}",
+             *(f"{1e3 * w[k]['s']:.0f} ({w[k]['steps']:.0f}, {w[k]['rows'] / max(w[k]['steps'], 1):.0f})"
+               for k in ("prompt", "decode_run", "decode")),
+             f"{1e3 * w['outside_steps_s']:.0f}", f"{w['compiles']:.0f} ({1e3 * w['compile_s']:.0f} ms)"]
+            for row in run["rows"] for w in row["where"][-1:]]))
         if run["poisson"]:
             print("Poisson serving run: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                       for k, v in run["poisson"].items()))

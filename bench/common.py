@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -86,6 +87,14 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def metrics(port: int) -> dict[tuple[str, str], float]:
+    """A service's /metrics samples by (name, the value of its `kind` label or "")."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, s.labels.get("kind", "")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def git_commit() -> str:

@@ -103,6 +103,16 @@ def test_a_generation_moves_the_counters(mesh: LocalMesh) -> None:
     steps = value(c1, "graphmesh_steps_total") - value(c0, "graphmesh_steps_total")
     fed_back = value(c1, "graphmesh_decode_run_tokens_total") - value(c0, "graphmesh_decode_run_tokens_total")
     assert steps + fed_back == streamed and steps < streamed
+    # by kind: the prompt's step, then the rest as decode runs (nothing proposed); one row each, each with its time
+    kinds = {k: [value(c1, f"graphmesh_{m}_total", kind=k) - value(c0, f"graphmesh_{m}_total", kind=k)
+                 for m in ("steps_by_kind", "step_rows", "step_seconds")] for k in ("prompt", "decode_run", "decode", "verify")}
+    assert kinds["prompt"][:2] == [1, 1] and kinds["decode_run"][0] >= 1 and kinds["verify"][0] == 0
+    assert sum(k[0] for k in kinds.values()) == steps and all(k[1] == k[0] for k in kinds.values())
+    assert all(k[2] > 0 for k in kinds.values() if k[0])
+    for rank in (0, 1):  # each stage compiled the shapes of those steps as they first came, and timed it
+        compiled = after[f"executor-{rank}"]
+        assert value(compiled, "graphmesh_stage_compiles_total") >= 1
+        assert value(compiled, "graphmesh_stage_compile_seconds_total") > 0
     for rank in (0, 1):
         e0, e1 = before[f"executor-{rank}"], after[f"executor-{rank}"]
         assert rpc_count(e1, EXECUTE_STEP) - rpc_count(e0, EXECUTE_STEP) == steps

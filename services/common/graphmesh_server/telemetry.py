@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -271,8 +271,8 @@ def serve_metrics(port: int, addr: str = "0.0.0.0") -> None:
         log.info("metrics", extra={"port": port})
 
 
-# (name, "gauge" | "counter", help, read)
-StateMetric = tuple[str, str, str, Callable[[], float]]
+# (name, "gauge" | "counter", help, read): read gives one value, or one per value of the label `kind`
+StateMetric = tuple[str, str, str, Callable[[], float | Mapping[str, float]]]
 
 
 class _StateCollector(Collector):
@@ -282,7 +282,14 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         for name, kind, doc, read in self.metrics:
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            yield family(name, doc, value=float(read()))
+            value = read()
+            if isinstance(value, Mapping):
+                labelled = family(name, doc, labels=["kind"])
+                for label, v in value.items():
+                    labelled.add_metric([label], float(v))
+                yield labelled
+            else:
+                yield family(name, doc, value=float(value))
 
 
 def expose(*metrics: StateMetric) -> None:

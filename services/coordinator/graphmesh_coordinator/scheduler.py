@@ -26,6 +26,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ STEP_TOKENS_CUDA, STEP_TOKENS_CPU = 2048, 128
 # the first 64 to finish. On CPUs a row costs its share of the products, and 64 keeps a step's latency in bounds.
 STEP_SEQS_CUDA, STEP_SEQS_CPU = 256, 64
 MAX_ARCH_RETRIES = 1  # of a session's row alone, after the rollback
+STEP_KINDS = ("prompt", "decode_run", "decode", "verify")  # a step with a prompt chunk is "prompt", mixed or not
 
 # Decodes in a step at most for its rows to carry proposals (speculative.py). A verified chunk of k + 1 rows costs
 # about a decode row on a GPU and on a CPU a share of the products per row: past this many decodes the step is busy
@@ -183,6 +185,9 @@ class Scheduler:
         self._used: int | None = None  # used_blocks during one scheduling pass (_schedule), kept as rows take blocks
         self._incarnation = 0  # the incarnation the block counts are for
         self.steps = 0
+        # By kind of step (STEP_KINDS): steps, their rows, and the seconds from sending each to its reply. Where a
+        # busy mesh's time goes: prompt steps, decode runs, single decode steps (a run cut short by a row's end).
+        self.kind_steps, self.kind_rows, self.kind_seconds = ({k: 0.0 for k in STEP_KINDS} for _ in range(3))
         self.run_tokens = 0  # tokens decode runs produced past each row's first: no step of their own
         self.preemptions = 0
         self.shared_tokens = 0  # prompt tokens a new session took from another's KV blocks instead of computing
@@ -622,6 +627,7 @@ class Scheduler:
             if not delivered:
                 delivered = True
                 self._deliver(done)
+        t0 = time.perf_counter()
         try:
             with telemetry.span("scheduler.step", parent=step[0].seq.context, rows=len(step), decode_steps=decode_steps):
                 reply = self.mesh.execute_step([r.row for r in step], step[0].seq.output, incarnation, decode_steps,
@@ -636,6 +642,7 @@ class Scheduler:
             self._end(step, e)
             return None, []
         deliver()
+        self._tally(step, decode_steps, time.perf_counter() - t0)
         logits = tensors.from_proto(reply.logits) if reply.HasField("logits") else None
         self.run_tokens += (decode_steps - 1) * len(step)
         next_step: tuple[list[_Row], int, int] | None = None
@@ -680,6 +687,13 @@ class Scheduler:
                 next_step = (*scheduled, self._incarnation)
             self._cond.notify_all()
         return next_step, [r.seq for r in step]
+
+    def _tally(self, step: list[_Row], decode_steps: int, seconds: float) -> None:
+        kind = ("prompt" if any(len(r.row.token_ids) > 1 and not r.proposed for r in step) else
+                "decode_run" if decode_steps > 1 else "verify" if any(r.proposed for r in step) else "decode")
+        self.kind_steps[kind] += 1
+        self.kind_rows[kind] += len(step)
+        self.kind_seconds[kind] += seconds
 
     def _failed(self, step: list[_Row], failure: InvocationFailed, incarnation: int) -> None:
         ended: list[tuple[Sequence, BaseException]] = []

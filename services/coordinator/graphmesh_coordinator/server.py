@@ -199,6 +199,12 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
             ("graphmesh_kv_cache_usage_ratio", "gauge", "Share of the KV blocks lent to sessions (0 to 1)",
              lambda: scheduler.used_blocks / mesh.kv_pool_blocks if mesh.kv_pool_blocks else 0.0),
             ("graphmesh_steps", "counter", "Steps executed", lambda: scheduler.steps),
+            ("graphmesh_steps_by_kind", "counter", "Steps answered, by kind: prompt (a step with a prompt chunk), "
+             "decode_run (decodes alone, several tokens a row), decode (one token a row), verify (proposals)",
+             lambda: scheduler.kind_steps),
+            ("graphmesh_step_rows", "counter", "Rows of the steps answered, by kind", lambda: scheduler.kind_rows),
+            ("graphmesh_step_seconds", "counter", "Seconds from sending each step to its reply, by kind",
+             lambda: scheduler.kind_seconds),
             ("graphmesh_decode_run_tokens", "counter", "Tokens decode runs produced past each row's first",
              lambda: scheduler.run_tokens),
             ("graphmesh_preemptions", "counter", "Sessions preempted for KV blocks", lambda: scheduler.preemptions),

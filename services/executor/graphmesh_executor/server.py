@@ -131,6 +131,9 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, StageRuntime
              lambda: authority.state in (AuthorityState.POISONED, AuthorityState.TERMINAL)),
             ("graphmesh_poisonings", "counter", "Incarnations poisoned on this executor", lambda: authority.poisonings),
             ("graphmesh_stage_sessions", "gauge", "Sessions holding KV on this executor", lambda: len(runtime.sessions())),
+            ("graphmesh_stage_compiles", "counter", "Executables compiled for a step's shape on first use (the step "
+             "waits)", lambda: runtime.compiles),
+            ("graphmesh_stage_compile_seconds", "counter", "Seconds those compiles took", lambda: runtime.compile_seconds),
             ("graphmesh_kv_pool_blocks", "gauge", "KV blocks this stage lends to sessions", lambda: runtime.pool.lendable),
             ("graphmesh_kv_pool_free_blocks", "gauge", "KV blocks free in the pool", lambda: runtime.pool.free),
             ("graphmesh_kv_write_behind_blocks", "counter", "KV blocks written behind to the kvstore",

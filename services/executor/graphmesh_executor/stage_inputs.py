@@ -99,9 +99,11 @@ class RunInputs(StageState):
         if exe is None:
             t0 = time.perf_counter()
             exe = self._compile(*key)
+            seconds = time.perf_counter() - t0
+            self.compiles, self.compile_seconds = self.compiles + 1, self.compile_seconds + seconds
             # a step that waits for this is slower by that much: a shape bucket worth knowing about
             log.info("stage executable compiled", extra={"tokens": tokens, "seqs": seqs, "blocks": blocks,
-                                                         "decode": decode, "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+                                                         "decode": decode, "ms": round(seconds * 1e3, 1)})
         self._executables[key] = exe  # (re)inserted last: the dict is in order of use, for a re-plan's warm-up
         return exe
 

@@ -171,6 +171,8 @@ class StageState:
     _standby: dict[str, np.ndarray]
     _packed: bool
     _packed_schemes: dict[str, str]
+    compiles: int  # executables compiled for a step's shape (each one a step waited for), and their seconds
+    compile_seconds: float
 
     def _pool_names(self) -> list[str]:
         assert self.spec is not None
