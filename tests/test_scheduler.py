@@ -111,11 +111,13 @@ class FakeMesh:
             self.max_in_flight_steps = max(self.max_in_flight_steps, self._flying)
             if decode_steps > 1 and any(len(r.token_ids) != 1 for r in rows):
                 self.violations.append(f"step {step}: a decode run of rows that are not one token each")
+            if any(r.decode_steps > decode_steps for r in rows):
+                self.violations.append(f"step {step}: a row's share of its decode run is more than the run")
             self.decode_run_steps += decode_steps > 1
             try:
                 for rank in self._ranks:  # begin: folded commit, start check, block reservation
                     for r in rows:
-                        self._begin(rank, r, decode_steps)
+                        self._begin(rank, r, r.decode_steps or decode_steps)
             except InvalidArgument as e:
                 self._finish(ids)
                 for rank in self._ranks:
@@ -140,13 +142,13 @@ class FakeMesh:
             for r in rows:  # a decode run feeds each token it samples back in, as the last stage does
                 history = self._ranks[0].tokens.get(r.session_id, []) + list(r.token_ids)
                 sampled = []
-                for _ in range(decode_steps):
+                for _ in range(r.decode_steps or decode_steps):  # a row's share of the run: what it keeps of it
                     sampled.append(model_token(history))
                     history.append(sampled[-1])
                 for rank in self._ranks:
                     epoch, start, _ = rank.open[r.session_id]
                     rank.open[r.session_id] = (epoch, start, list(r.token_ids) + sampled[:-1])
-                reply.rows.add(token=sampled[0], kv_length=r.start_position + len(r.token_ids) + decode_steps - 1,
+                reply.rows.add(token=sampled[0], kv_length=r.start_position + len(r.token_ids) + len(sampled) - 1,
                                tokens=sampled if decode_steps > 1 else [])
             return reply
 
@@ -272,6 +274,16 @@ def run(mesh: FakeMesh, jobs: list[tuple[list[int], int]], budget: int, steps_in
         return results
     finally:
         scheduler.close()
+
+
+def tokens(seq: Seq, n: int) -> list[int]:
+    """The next `n` tokens of a session submitted by hand."""
+    out = []
+    for _ in range(n):
+        event = seq.events.get(timeout=60)
+        assert not isinstance(event, BaseException), event
+        out.append(event.token)
+    return out
 
 
 jobs_strategy = st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
@@ -404,14 +416,6 @@ def test_sessions_with_a_common_prompt_prefix_share_its_blocks_and_keep_their_so
         scheduler.submit(seq)
         return seq
 
-    def tokens(seq: Seq, n: int) -> list[int]:
-        out = []
-        for _ in range(n):
-            event = seq.events.get(timeout=60)
-            assert not isinstance(event, BaseException), event
-            out.append(event.token)
-        return out
-
     try:
         first = start(prompts[0], 40)
         head = tokens(first, 3)  # its prompt's blocks are committed on every rank by now
@@ -447,6 +451,26 @@ def test_steps_of_decodes_alone_are_decode_runs_and_change_no_token() -> None:
     assert run(mesh, jobs, 64, decode_steps=4) == [solo(p, n) for p, n in jobs]
     assert not mesh.violations and mesh.decode_run_steps > 0
     assert mesh._steps < sum(n for _, n in jobs) // 2  # most steps took several tokens of each of their rows
+
+
+def test_a_decode_run_is_as_long_as_its_longest_row_may_grow_and_each_row_takes_its_share() -> None:
+    """Six sessions prefilled in one step, 8 to 13 tokens still to produce: one run of 8, then one of 5 in which
+    each row takes only what it still may (1 to 5). Before, a run was cut to the row that ends first, and rows that
+    began together but end a token apart took a step a token (7 steps where 3 do)."""
+    mesh = FakeMesh(1, 500)
+    scheduler = Scheduler(cast(Mesh, mesh), max_step_tokens=64, decode_steps=8)
+    jobs = [([i + 1] * 4, 9 + i) for i in range(6)]
+    seqs = [Seq(SessionInfo(f"s{i}"), list(prompt), stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, n,
+                max_tokens_total=len(prompt) + n) for i, (prompt, n) in enumerate(jobs)]
+    try:
+        with scheduler._cond:  # every session waiting before the first pass: their prompts share one step
+            for seq in seqs:
+                scheduler.submit(seq)
+        got = [tokens(seq, n) for seq, (_, n) in zip(seqs, jobs)]
+    finally:
+        scheduler.close()
+    assert got == [solo(p, n) for p, n in jobs]
+    assert not mesh.violations and mesh._steps == 3 and mesh.decode_run_steps == 2
 
 
 def test_decodes_that_fill_a_step_run_as_decode_runs_while_prompts_wait() -> None:

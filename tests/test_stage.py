@@ -143,6 +143,36 @@ def test_a_decode_run_samples_what_single_steps_do_and_commits_or_rolls_back_who
         assert dict(r.sessions())["a"].tokens == prompts["a"] + want["a"][:5]  # every rank knows the run's tokens
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_row_takes_its_share_of_a_decode_run_and_rides_along_to_the_end(tiny_llama: Path, ranks: int) -> None:
+    """A row whose share of a run is shorter (StepRow.steps: its last outputs) keeps only that many tokens and KV
+    rows: its next step starts where its share ended and samples what single steps would, over one rank (chained)
+    and two (the tokens fed back). Its share ends with its first block (16 tokens): riding along must not reach
+    into blocks it does not hold."""
+    sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    prompts = {"a": list(range(5, 19)), "b": [8, 9]}
+    reference = _pipeline(tiny_llama, 1, 2)
+    want: dict[str, list[int]] = {}
+    for sid, prompt in prompts.items():
+        sampling = sampled if sid == "b" else Sampling()
+        tokens = [_step(reference, [StepRow(sid, 1, 0, 0, prompt, sampling)]).tokens[0]]
+        for epoch in range(2, 8):
+            tokens += _step(reference, [StepRow(sid, epoch, epoch - 1, len(prompt) + epoch - 2, [tokens[-1]],
+                                                sampling)]).tokens
+        want[sid] = tokens
+    runtimes = _run_pipeline(tiny_llama, ranks)
+    first = _run(runtimes, [StepRow("a", 1, 0, 0, prompts["a"]), StepRow("b", 1, 0, 0, prompts["b"], sampled)], 1)
+    run = _run(runtimes, [StepRow("a", 2, 1, 14, [first.tokens[0]], steps=2),
+                          StepRow("b", 2, 1, 2, [first.tokens[1]], sampled)], 5)
+    assert run.run_tokens == [want["a"][1:3], want["b"][1:6]] and run.kv_lengths == [14 + 2, 2 + 5]
+    after = _run(runtimes, [StepRow("a", 3, 2, 16, [want["a"][2]]), StepRow("b", 3, 2, 7, [want["b"][5]], sampled)],
+                 1)
+    assert after.tokens == [want["a"][3], want["b"][6]]
+    for r in runtimes:
+        assert _txn(r, "a") == (SessionPhase.IN_TXN, 3, 16)
+        assert dict(r.sessions())["a"].tokens == prompts["a"] + want["a"][:2]  # the KV rows of its share alone
+
+
 def _cuda() -> bool:
     try:
         import torch
@@ -254,7 +284,8 @@ def test_a_decode_run_rolled_back_part_way_leaves_every_rank_where_it_was(tiny_l
 def test_a_decode_run_refuses_what_it_cannot_run(tiny_llama: Path) -> None:
     runtimes = _run_pipeline(tiny_llama, 2)
     for rows, logits in (([StepRow("s", 1, 0, 0, [1, 2])], False), ([StepRow("s", 1, 0, 0, [1])], True),
-                         ([StepRow("s", 1, 0, 0, [1], Sampling(logprobs=True))], False)):
+                         ([StepRow("s", 1, 0, 0, [1], Sampling(logprobs=True))], False),
+                         ([StepRow("s", 1, 0, 0, [1], steps=5)], False)):  # a share larger than the run
         with pytest.raises(ProtocolError) as e:
             runtimes[0].execute_step(1, next(_step_ids), rows, logits, 1.0, 4)
         assert (e.value.error_class, e.value.reason) == ("ARCH", "BAD_DECODE_RUN")

@@ -352,8 +352,10 @@ class Scheduler:
         chosen = {id(s) for s in decoding}
         others = [s for s in ready if id(s) not in chosen]
         # A step of decodes alone is a decode run: its rows take several tokens in a row without a round trip here
-        # between them (none longer than any row may still grow). Only when no prompt waits to join, or when the
-        # decodes fill the step's rows anyway (a waiting prompt could not join it).
+        # between them, each no more than it may still grow (a row that ends sooner rides along to the run's end,
+        # StepRow.decode_steps: rows that began a step apart would otherwise cut every run to the nearest end).
+        # Only when no prompt waits to join, or when the decodes fill the step's rows anyway (a waiting prompt
+        # could not join it).
         steps = 1
         proposals, drafts = self._proposals(decoding[:cap], others, kind, draft)
         if drafts:
@@ -361,10 +363,11 @@ class Scheduler:
         if proposals:
             pass  # a verified chunk is one pass: its step is no decode run
         elif decoding and (not others or len(decoding) >= cap) and kind == (stage_pb2.OUTPUT_KIND_TOKEN, False):
-            steps = min(self._longest_run(), *(s.remaining for s in decoding))  # any of them may take a row
+            steps = min(self._longest_run(), max(s.remaining for s in decoding))  # any of them may take a row
         budget = self._step_tokens()
         step: list[_Row] = []
-        for s in decoding + others:
+        # A prompt never joins a decode run, not even where a decode found no blocks and left it room.
+        for s in decoding + (others if steps == 1 else []):
             if len(step) >= cap or budget <= 0:
                 break
             row = self._row(s, budget, steps, proposals.get(id(s), []))
@@ -430,8 +433,9 @@ class Scheduler:
         return bool(ranks) and all(r.device.startswith("cuda") for r in ranks)
 
     def _row(self, s: Sequence, budget: int, steps: int = 1, proposals: list[int] | None = None) -> _Row | None:
-        """The row of `s` for the next step (a decode run of `steps` tokens when `s` is decoding; its last token and
-        `proposals` to verify when given), its KV blocks lent; None when they cannot be had now."""
+        """The row of `s` for the next step (its share of a decode run of `steps` tokens when `s` is decoding: no
+        more than it may still grow; its last token and `proposals` to verify when given), its KV blocks lent; None
+        when they cannot be had now."""
         mesh, session, block = self.mesh, s.session, self.mesh.kv_block_tokens
         capacity = mesh.kv_pool_blocks
         restore = session.incarnation != mesh.incarnation
@@ -442,6 +446,7 @@ class Scheduler:
             return None
         tokens = session.history + s.pending if restore else s.pending + proposals
         start = 0 if restore else session.tokens
+        share = min(steps, s.remaining)
         n = len(tokens) if len(tokens) == 1 else min(len(tokens), budget)
         donor, shareable = self._shareable(s, tokens) if restore else (None, 0)
         if donor is not None and blocks_for(shareable + min(len(tokens) - shareable, budget), block) > capacity:
@@ -453,7 +458,7 @@ class Scheduler:
         else:
             # never below what it holds: a rank's table only grows (a decode run rolled back and retried as one
             # token keeps the blocks the run reserved), and a count that shrank would over-admit
-            need = max(0, blocks_for(start + n + (0 if restore else steps - 1), block) - (0 if restore else s.blocks))
+            need = max(0, blocks_for(start + n + (0 if restore else share - 1), block) - (0 if restore else s.blocks))
         if self._used_blocks() + need > capacity and not self._preempt(s, need):
             return None
         if restore:
@@ -473,7 +478,8 @@ class Scheduler:
         session.epoch += 1
         row = stage_pb2.StepRow(session_id=session.session_id, epoch=session.epoch,
                                 commit_epoch=session.delivered_epoch, start_position=start,
-                                token_ids=tokens[:n] if proposals else s.pending[:n], sampling=s.sampling)
+                                token_ids=tokens[:n] if proposals else s.pending[:n], sampling=s.sampling,
+                                decode_steps=share)
         if proposals:
             row.prediction_target.proposed = len(proposals)
             row.prediction_target.proposer = (stage_pb2.PROPOSER_DRAFT_MODEL if s.speculation and s.speculation.draft
@@ -644,7 +650,7 @@ class Scheduler:
         deliver()
         self._tally(step, decode_steps, time.perf_counter() - t0)
         logits = tensors.from_proto(reply.logits) if reply.HasField("logits") else None
-        self.run_tokens += (decode_steps - 1) * len(step)
+        self.run_tokens += sum(r.row.decode_steps - 1 for r in step)
         next_step: tuple[list[_Row], int, int] | None = None
         block, window = self.mesh.kv_block_tokens, self.mesh.kv_window_tokens
         with self._cond:

@@ -55,6 +55,7 @@ from graphmesh_executor.stage_types import (
     StageSpec,
     StepResult,
     StepRow,
+    copied,
 )
 from graphmesh_executor.stage_weights import StageWeights
 from graphmesh_server import telemetry
@@ -190,9 +191,10 @@ class StageRuntime(StageWeights, StagePhases):
             plan = self.plan
             assert plan is not None
             self._check_rows(rows, logits, decode_steps, active_groups)
+            rows = _own_steps(rows, decode_steps)
             waves = plan.schedule(active_groups)
-            self._begin(incarnation, rows, decode_steps)
-        ends = [row.start + len(row.token_ids) + decode_steps - 1 for row in rows]
+            self._begin(incarnation, rows)
+        ends = [row.start + len(row.token_ids) + row.steps - 1 for row in rows]
         # A prediction-target row runs as one single-token row per position (same session, same block table): each is
         # computed, and sampled with its own seed, exactly as a plain decode of that position would be.
         run_rows = [p for row in rows for p in _positions(row)] if any(r.proposed for r in rows) else rows
@@ -256,6 +258,9 @@ class StageRuntime(StageWeights, StagePhases):
             raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
                 "a decode run takes rows of one token each, sampled in the graph (no logits, no logprobs, no "
                 "allowed_tokens)", "BAD_DECODE_RUN"))
+        if any(r.steps > decode_steps for r in rows):
+            raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
+                f"a row takes more tokens of a decode run than its {decode_steps}", "BAD_DECODE_RUN"))
         for row in rows:
             if row.proposed and (decode_steps > 1 or logits or row.sampling.logprobs or row.allowed_tokens
                                  or row.proposed >= len(row.token_ids)):
@@ -277,7 +282,7 @@ class StageRuntime(StageWeights, StagePhases):
             if n == 0:
                 raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
                     f"row of session {row.session_id!r} has no tokens", "EMPTY_INPUT"))
-            n += decode_steps - 1  # the KV rows the step writes
+            n += (row.steps or decode_steps) - 1  # the KV rows the step writes
             if row.start + n > limit:
                 raise ProtocolError(ErrorClass.ARCH, OutOfRange(
                     f"{row.start + n} tokens exceed the context of {limit}", "CONTEXT_EXCEEDED"))
@@ -323,7 +328,7 @@ class StageRuntime(StageWeights, StagePhases):
                 raise refuse(f"row of session {r.session_id!r} places encoded rows on tokens other than the "
                              f"placeholder {enc.token_id}")
 
-    def _begin(self, incarnation: int, rows: list[StepRow], decode_steps: int) -> None:
+    def _begin(self, incarnation: int, rows: list[StepRow]) -> None:
         """Commits each row's folded epoch and begins its epoch with its KV blocks reserved; a row that cannot
         begin rolls back the rows already begun, so the step changes nothing but the folded commits."""
         begun: list[tuple[StageSession, int]] = []
@@ -350,7 +355,7 @@ class StageRuntime(StageWeights, StagePhases):
                     session.untokened = True
                 self._drop_outside_window(row.session_id, session, row.start)  # first: the row may reuse them
                 try:
-                    self.pool.reserve(row.session_id, row.start + len(row.token_ids) + decode_steps - 1)
+                    self.pool.reserve(row.session_id, row.start + len(row.token_ids) + row.steps - 1)
                 except ResourceExhausted as e:
                     raise ProtocolError(ErrorClass.ARCH, e) from e
         except Exception:
@@ -487,7 +492,7 @@ class StageRuntime(StageWeights, StagePhases):
                 with self._lock:
                     for r in step.rows:
                         session = self._sessions.get(r.session_id)
-                        if session is not None:
+                        if session is not None and i < r.steps:  # a row past its own run writes no KV row
                             session.pending_tokens += r.token_ids
             out = self._iteration(step, bundles)
             if step.steps > 1 and spec.last:
@@ -508,7 +513,8 @@ class StageRuntime(StageWeights, StagePhases):
                 self._next_input(step)
                 return
             if step.steps > 1 and spec.last:
-                step.result.tokens, step.result.run_tokens = [t[0] for t in step.sampled], step.sampled
+                step.result.tokens = [t[0] for t in step.sampled]
+                step.result.run_tokens = [t[:r.steps] for t, r in zip(step.sampled, step.rows)]
             step.computed = True
             self._finish(step)
 
@@ -612,12 +618,13 @@ class StageRuntime(StageWeights, StagePhases):
                         r.token_ids[0] = int(t)
                     for r in run.rows:
                         session = self._sessions.get(r.session_id)
-                        if session is not None:
+                        if session is not None and it < r.steps:  # a row past its own run writes no KV row
                             session.pending_tokens += r.token_ids
             for t, row_tokens in zip(step.sampled, tokens[:, :len(first.rows)].T.tolist()):
                 t.extend(row_tokens)
             step.rows, step.last_run, step.iteration = runs[-1].rows, runs[-1], len(runs)
-            step.result.tokens, step.result.run_tokens = [t[0] for t in step.sampled], step.sampled
+            step.result.tokens = [t[0] for t in step.sampled]
+            step.result.run_tokens = [t[:r.steps] for t, r in zip(step.sampled, first.rows)]
         return True
 
     def _compute_chain(self, runs: list[Prepared]) -> np.ndarray:
@@ -814,6 +821,14 @@ class StageRuntime(StageWeights, StagePhases):
     def sessions(self) -> list[tuple[str, StageSession]]:
         with self._lock:
             return list(self._sessions.items())
+
+
+def _own_steps(rows: list[StepRow], decode_steps: int) -> list[StepRow]:
+    """The rows, each with its own share of the run (StepRow.steps: 0 becomes all `decode_steps` of it); a row whose
+    share is unset is copied, not changed: its caller's rows stay theirs."""
+    if all(r.steps for r in rows):
+        return rows
+    return [r if r.steps else copied(r, steps=decode_steps) for r in rows]
 
 
 def _positions(row: StepRow) -> list[StepRow]:

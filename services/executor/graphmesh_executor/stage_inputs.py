@@ -17,7 +17,7 @@ from graphmesh.graph import parse
 from graphmesh_executor.backends import compile_graph
 from graphmesh_executor.executable import Executable
 from graphmesh_executor.kv_pool import SCRATCH_BLOCK
-from graphmesh_executor.stage_types import StageState, StepRow
+from graphmesh_executor.stage_types import StageState, StepRow, copied
 from graphmesh_executor.weights import load_params
 
 log = logging.getLogger("graphmesh.executor.stage")
@@ -57,6 +57,7 @@ class Prepared:
     seqs: int  # sequences of the run (a bucket)
     blocks: int  # blocks per sequence of its block table (a rung of the ladder)
     extent: tuple[int, int] | None
+    row_steps: np.ndarray  # per row, the decode run's tokens it takes (StepRow.steps)
 
 
 class RunInputs(StageState):
@@ -109,17 +110,8 @@ class RunInputs(StageState):
 
     @staticmethod
     def _next_rows(rows: list[StepRow]) -> list[StepRow]:
-        """The rows of a decode run's next iteration, one position on, each with a token to be written in. Made
-        by copying each row's fields, not through dataclasses.replace: that re-ran __init__ for every row of every
-        iteration, the largest host cost of a 256-row decode iteration (profile_stage.py)."""
-        out = []
-        for r in rows:
-            nxt = object.__new__(StepRow)
-            fields = nxt.__dict__
-            fields.update(r.__dict__)
-            fields.update(start=r.start + 1, token_ids=[0], encoder_input=None, encoded_offsets=())
-            out.append(nxt)
-        return out
+        """The rows of a decode run's next iteration, one position on, each with a token to be written in."""
+        return [copied(r, start=r.start + 1, token_ids=[0], encoder_input=None, encoded_offsets=()) for r in rows]
 
     def _inputs_for(self, prev: Prepared | None, rows: list[StepRow], sample: bool, iteration: int,
                     encoded: bool = False) -> Prepared:
@@ -134,11 +126,13 @@ class RunInputs(StageState):
 
     def _next_run(self, prev: Prepared, rows: list[StepRow], iteration: int) -> Prepared | None:
         """The run of a decode run's next iteration from the run of the one before: the same executable, block
-        tables and sampling, each real row one position on (its slot from its table, its seed seed_for's next).
-        None where a row's next position is in no block of its table (the row-by-row build reports it)."""
+        tables and sampling, each real row one position on (its slot from its table, its seed seed_for's next);
+        a row past its own share of the run stays where it ended and writes the scratch block (its samples are
+        dropped). None where a row's next position is in no block of its table (the row-by-row build reports it)."""
         n, block = len(rows), self.pool.block_tokens
+        alive = iteration < prev.row_steps
         positions = prev.inputs["positions"].copy()
-        positions[:n] += 1
+        positions[:n] += alive
         table = prev.inputs["block_table"]
         at = positions[:n] // block
         if (at >= table.shape[1]).any():
@@ -147,14 +141,14 @@ class RunInputs(StageState):
         if (owned == SCRATCH_BLOCK).any():
             return None
         slots = prev.inputs["slots"].copy()
-        slots[:n] = owned * block + positions[:n] % block
+        slots[:n] = np.where(alive, owned * block + positions[:n] % block, SCRATCH_BLOCK * block)
         inputs = {**prev.inputs, "positions": positions, "slots": slots}
         if "seed" in inputs:  # seed_for(s, p + 1) == (seed_for(s, p) + 1) mod 2^63
             seed = inputs["seed"].copy()
             seed[:n] = (seed[:n] + 1) & _SEED_MASK
             inputs["seed"] = seed
         return Prepared(iteration, rows, prev.sample, prev.exe, inputs, prev.tokens, prev.seqs, prev.blocks,
-                         prev.extent)
+                         prev.extent, prev.row_steps)
 
     def _run_inputs(self, rows: list[StepRow], sample: bool, iteration: int, encoded: bool = False) -> Prepared:
         """A run's executable and every input but those a boundary brings. Shapes are bucketed (powers of two) so
@@ -198,4 +192,5 @@ class RunInputs(StageState):
         # Only the real rows are computed (the padding is a bucket's, for a handful of executables), except in a CUDA
         # decode: that replays a captured graph of the whole bucket, far cheaper than an eager run of fewer rows.
         extent = (total, tokens) if total < tokens and not (decode and self.device.startswith("cuda")) else None
-        return Prepared(iteration, rows, sample, exe, inputs, tokens, seqs, blocks, extent)
+        return Prepared(iteration, rows, sample, exe, inputs, tokens, seqs, blocks, extent,
+                        np.fromiter((r.steps or 1 for r in rows), np.int64, len(rows)))

@@ -451,7 +451,8 @@ def step_rows(rows: Iterable[stage_pb2.StepRow]) -> list[StepRow]:
                     Sampling(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.seed,
                              r.sampling.logprobs, r.sampling.top_logprobs),
                     tensors.from_proto(r.encoder_input) if r.HasField("encoder_input") else None,
-                    tuple(r.encoded_offsets), r.allowed_tokens, r.prediction_target.proposed, r.commit_length)
+                    tuple(r.encoded_offsets), r.allowed_tokens, r.prediction_target.proposed, r.commit_length,
+                    r.decode_steps)
             for r in rows]
 
 _FAULTS = {stage_pb2.FAULT_KIND_ARCH_FAILURE: "arch", stage_pb2.FAULT_KIND_CORRUPT_BOUNDARY: "corrupt",

@@ -771,6 +771,7 @@ class StepRow(_message.Message):
     ALLOWED_TOKENS_FIELD_NUMBER: _builtins.int
     PREDICTION_TARGET_FIELD_NUMBER: _builtins.int
     COMMIT_LENGTH_FIELD_NUMBER: _builtins.int
+    DECODE_STEPS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     epoch: _builtins.int
     """epoch is the session's commit epoch for this row, starting at 1."""
@@ -797,6 +798,14 @@ class StepRow(_message.Message):
     commit_epoch the session keeps only its first commit_length KV rows on
     this rank (a verified chunk's rejected proposals are released). It must
     equal start_position.
+    """
+    decode_steps: _builtins.int
+    """decode_steps, in a decode run, is how many of the run's tokens this row
+    takes (0: all of them): a row that ends sooner (its last output) rides
+    along to the run's end without writing KV rows or keeping samples past
+    its own, so that a run is not cut to the row that ends first. Its KV
+    length after the step is start_position + decode_steps. Refused (ARCH,
+    BAD_DECODE_RUN) above the step's decode_steps.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -845,10 +854,11 @@ class StepRow(_message.Message):
         allowed_tokens: _builtins.bytes = ...,
         prediction_target: Global___PredictionTarget | None = ...,
         commit_length: _builtins.int = ...,
+        decode_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "prediction_target", b"prediction_target", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_tokens", b"allowed_tokens", "commit_epoch", b"commit_epoch", "commit_length", b"commit_length", "encoded_offsets", b"encoded_offsets", "encoder_input", b"encoder_input", "epoch", b"epoch", "prediction_target", b"prediction_target", "sampling", b"sampling", "session_id", b"session_id", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_tokens", b"allowed_tokens", "commit_epoch", b"commit_epoch", "commit_length", b"commit_length", "decode_steps", b"decode_steps", "encoded_offsets", b"encoded_offsets", "encoder_input", b"encoder_input", "epoch", b"epoch", "prediction_target", b"prediction_target", "sampling", b"sampling", "session_id", b"session_id", "start_position", b"start_position", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
