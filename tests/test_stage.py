@@ -113,20 +113,25 @@ def _run(runtimes: list[StageRuntime], rows: list[StepRow], steps: int, timeout_
         return [c.result() for c in calls][-1]
 
 
+def _one_at_a_time(path: Path, prompts: dict[str, list[int]], sampling: dict[str, Sampling]) -> dict[str, list[int]]:
+    """Each session's first 7 tokens, one token a step over two stages: the tokens a decode run must sample."""
+    reference = _pipeline(path, 1, 2)
+    want: dict[str, list[int]] = {}
+    for sid, prompt in prompts.items():
+        tokens = [_step(reference, [StepRow(sid, 1, 0, 0, prompt, sampling[sid])]).tokens[0]]
+        for epoch in range(2, 8):
+            tokens += _step(reference, [StepRow(sid, epoch, epoch - 1, len(prompt) + epoch - 2, [tokens[-1]],
+                                                sampling[sid])]).tokens
+        want[sid] = tokens
+    return want
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_decode_run_samples_what_single_steps_do_and_commits_or_rolls_back_whole(tiny_llama: Path,
                                                                                    ranks: int) -> None:
     sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
     prompts = {"a": [5, 17, 99], "b": [8, 9]}
-    reference = _pipeline(tiny_llama, 1, 2)
-    want: dict[str, list[int]] = {}
-    for sid, prompt in prompts.items():  # one token a step: the tokens a run must sample
-        sampling = sampled if sid == "b" else Sampling()
-        tokens = [_step(reference, [StepRow(sid, 1, 0, 0, prompt, sampling)]).tokens[0]]
-        for epoch in range(2, 8):
-            tokens += _step(reference, [StepRow(sid, epoch, epoch - 1, len(prompt) + epoch - 2, [tokens[-1]],
-                                                sampling)]).tokens
-        want[sid] = tokens
+    want = _one_at_a_time(tiny_llama, prompts, {"a": Sampling(), "b": sampled})
     runtimes = _run_pipeline(tiny_llama, ranks)
     first = _run(runtimes, [StepRow("a", 1, 0, 0, prompts["a"]), StepRow("b", 1, 0, 0, prompts["b"], sampled)], 1)
     rows = [StepRow("a", 2, 1, 3, [first.tokens[0]]), StepRow("b", 2, 1, 2, [first.tokens[1]], sampled)]
@@ -151,15 +156,7 @@ def test_a_row_takes_its_share_of_a_decode_run_and_rides_along_to_the_end(tiny_l
     into blocks it does not hold."""
     sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
     prompts = {"a": list(range(5, 19)), "b": [8, 9]}
-    reference = _pipeline(tiny_llama, 1, 2)
-    want: dict[str, list[int]] = {}
-    for sid, prompt in prompts.items():
-        sampling = sampled if sid == "b" else Sampling()
-        tokens = [_step(reference, [StepRow(sid, 1, 0, 0, prompt, sampling)]).tokens[0]]
-        for epoch in range(2, 8):
-            tokens += _step(reference, [StepRow(sid, epoch, epoch - 1, len(prompt) + epoch - 2, [tokens[-1]],
-                                                sampling)]).tokens
-        want[sid] = tokens
+    want = _one_at_a_time(tiny_llama, prompts, {"a": Sampling(), "b": sampled})
     runtimes = _run_pipeline(tiny_llama, ranks)
     first = _run(runtimes, [StepRow("a", 1, 0, 0, prompts["a"]), StepRow("b", 1, 0, 0, prompts["b"], sampled)], 1)
     run = _run(runtimes, [StepRow("a", 2, 1, 14, [first.tokens[0]], steps=2),
