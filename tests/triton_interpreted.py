@@ -5,12 +5,26 @@ GPU are checked by tests/test_cuda_kernels.py there. bf16 is left to the GPU: th
 
 import os
 import sys
+from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"
 
+import numpy as np
 import torch
 
 from graphmesh_executor.backends import cuda_kernels
+
+
+def _dot(a: np.ndarray, b: np.ndarray, dtype: Any = None, **kwargs: Any) -> np.ndarray:
+    """np.matmul as the interpreter's tl.dot calls it, each output element summed over k by the same loop wherever
+    its row sits in the tile: the host BLAS's sgemm does not promise that (OpenBLAS 0.3.31 gives a row other bits
+    at another place in a 16-row tile on an AVX-512 host), and a GPU's dot does. What these checks test is the
+    kernel's own program: its tiles, masks and k loop."""
+    assert not kwargs, kwargs
+    return np.einsum("...ik,...kj->...ij", a, b, dtype=dtype, optimize=False)
+
+
+np.matmul = _dot  # type: ignore[assignment]  # this process only runs these checks
 
 
 def products() -> None:
