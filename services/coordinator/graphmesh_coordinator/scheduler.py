@@ -186,7 +186,8 @@ class Scheduler:
         self._incarnation = 0  # the incarnation the block counts are for
         self.steps = 0
         # By kind of step (STEP_KINDS): steps, their rows, and the seconds from sending each to its reply. Where a
-        # busy mesh's time goes: prompt steps, decode runs, single decode steps (a run cut short by a row's end).
+        # busy mesh's time goes: prompt steps, decode runs, single decode steps (every row's last token, or decodes
+        # that a waiting prompt joins).
         self.kind_steps, self.kind_rows, self.kind_seconds = ({k: 0.0 for k in STEP_KINDS} for _ in range(3))
         self.run_tokens = 0  # tokens decode runs produced past each row's first: no step of their own
         self.preemptions = 0
@@ -446,7 +447,7 @@ class Scheduler:
             return None
         tokens = session.history + s.pending if restore else s.pending + proposals
         start = 0 if restore else session.tokens
-        share = min(steps, s.remaining)
+        share = max(1, min(steps, s.remaining))  # 0 would read as the whole run
         n = len(tokens) if len(tokens) == 1 else min(len(tokens), budget)
         donor, shareable = self._shareable(s, tokens) if restore else (None, 0)
         if donor is not None and blocks_for(shareable + min(len(tokens) - shareable, budget), block) > capacity:
