@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -464,45 +464,15 @@ class StageRuntime(StageWeights, StagePhases):
                 self._fail(step, e if isinstance(e, ProtocolError) else ProtocolError(ErrorClass.COMM, e))
 
     def _advance(self, step: _InFlight, bundles: dict[int, Boundary]) -> None:
-        """Runs the step's next iteration (engine thread), then posts or awaits the one after it."""
-        assert self.spec is not None and self.plan is not None and self.group is not None
+        """Runs the step's next iteration (engine thread), or all of a decode run's chained, then posts or awaits the
+        one after it."""
+        assert self.spec is not None
         spec, i = self.spec, step.iteration
         if step.done.done():
             return  # aborted or fenced while it was queued
         try:
-            if not i and not bundles and self._chains(step) and self._chain(step):
-                with self._lock:
-                    step.computed = True
-                    self._finish(step)
-                return
-            if i:
-                fed = next((b.values.get(dag.RUN_TOKENS) for b in bundles.values()), None) if bundles else \
-                    np.array([t[-1] for t in step.sampled], np.int64)
-                if fed is None or fed.shape != (len(step.rows),):
-                    raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
-                        f"iteration {i} of decode run {step.step_id} came without its {len(step.rows)} tokens",
-                        "SCHEMA_MISMATCH"))
-                prepared = step.prepared if step.prepared is not None and step.prepared.iteration == i else None
-                if prepared is None:
-                    step.rows = self._next_rows(step.rows)
-                else:
-                    step.rows = prepared.rows
-                for r, t in zip(step.rows, fed):
-                    r.token_ids[0] = int(t)
-                with self._lock:
-                    for r in step.rows:
-                        session = self._sessions.get(r.session_id)
-                        if session is not None and i < r.steps:  # a row past its own run writes no KV row
-                            session.pending_tokens += r.token_ids
-            out = self._iteration(step, bundles)
-            if step.steps > 1 and spec.last:
-                for t, token in zip(step.sampled, out):
-                    t.append(int(token))
-                if i + 1 < step.steps:
-                    tokens = np.asarray([t[-1] for t in step.sampled], np.int64)
-                    for route in self.plan.routes_from(self.group.id, feedback=True):
-                        self._send(step, route, {dag.RUN_TOKENS: tokens}, self._dims(step), self._wave(step, self.group),
-                                   iteration=i + 1)
+            if i or bundles or not self._chains(step) or not self._chain(step):  # else every iteration ran chained
+                self._one_iteration(step, bundles)
         except Exception as e:
             with self._lock:
                 self._fail(step, e if isinstance(e, ProtocolError) else ProtocolError(ErrorClass.COMM, e))
@@ -517,6 +487,42 @@ class StageRuntime(StageWeights, StagePhases):
                 step.result.run_tokens = [t[:r.steps] for t, r in zip(step.sampled, step.rows)]
             step.computed = True
             self._finish(step)
+
+    def _one_iteration(self, step: _InFlight, bundles: dict[int, Boundary]) -> None:
+        """Iteration `step.iteration` alone (engine thread): its rows, the tokens fed to them, its run, and on the last
+        stage of a decode run its samples and their feedback to the first."""
+        assert self.spec is not None and self.plan is not None and self.group is not None
+        i = step.iteration
+        if i:
+            fed = next((b.values.get(dag.RUN_TOKENS) for b in bundles.values()), None) if bundles else \
+                np.array([t[-1] for t in step.sampled], np.int64)
+            if fed is None or fed.shape != (len(step.rows),):
+                raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
+                    f"iteration {i} of decode run {step.step_id} came without its {len(step.rows)} tokens",
+                    "SCHEMA_MISMATCH"))
+            prepared = step.prepared if step.prepared is not None and step.prepared.iteration == i else None
+            step.rows = self._next_rows(step.rows) if prepared is None else prepared.rows
+            self._feed(step.rows, fed, i)
+        out = self._iteration(step, bundles)
+        if step.steps > 1 and self.spec.last:
+            for t, token in zip(step.sampled, out):
+                t.append(int(token))
+            if i + 1 < step.steps:
+                tokens = np.asarray([t[-1] for t in step.sampled], np.int64)
+                for route in self.plan.routes_from(self.group.id, feedback=True):
+                    self._send(step, route, {dag.RUN_TOKENS: tokens}, self._dims(step), self._wave(step, self.group),
+                               iteration=i + 1)
+
+    def _feed(self, rows: list[StepRow], tokens: Iterable[int], iteration: int) -> None:
+        """Writes a decode run's fed tokens into `iteration`'s rows, and into their sessions' pending tokens while
+        the iteration is within a row's share (a row past its own run writes no KV row)."""
+        for r, t in zip(rows, tokens):
+            r.token_ids[0] = int(t)
+        with self._lock:
+            for r in rows:
+                session = self._sessions.get(r.session_id)
+                if session is not None and iteration < r.steps:
+                    session.pending_tokens += r.token_ids
 
     def _prepare(self, step: _InFlight, iteration: int) -> None:
         """Builds `iteration`'s run ahead of its boundary (engine thread), unless the step is over or that
@@ -597,7 +603,8 @@ class StageRuntime(StageWeights, StagePhases):
         run each row's positions, slots and seeds are known from the first, its blocks reserved when it began) and
         chained with Executable.run_fed, each iteration's ids the tokens the one before sampled, read back once.
         False, nothing run, when an iteration's run was built row by row (another executable): then the iterations
-        go one by one, the first with the run built here."""
+        go one by one, the first with the run built here. True leaves the step at its last iteration, as though
+        each had run alone."""
         runs: list[Prepared] = []
         for it in range(step.steps):
             rows = step.rows if not runs else self._next_rows(runs[-1].rows)
@@ -611,20 +618,11 @@ class StageRuntime(StageWeights, StagePhases):
             tokens = self._guarded(lambda: self._compute_chain(runs))
         step.result.compute_us += (time.perf_counter() - t0) * 1e6
         step.result.computed_tokens += len(first.rows) * len(runs)
-        with self._lock:
-            for it, run in enumerate(runs):
-                if it:
-                    for r, t in zip(run.rows, tokens[it - 1]):
-                        r.token_ids[0] = int(t)
-                    for r in run.rows:
-                        session = self._sessions.get(r.session_id)
-                        if session is not None and it < r.steps:  # a row past its own run writes no KV row
-                            session.pending_tokens += r.token_ids
-            for t, row_tokens in zip(step.sampled, tokens[:, :len(first.rows)].T.tolist()):
-                t.extend(row_tokens)
-            step.rows, step.last_run, step.iteration = runs[-1].rows, runs[-1], len(runs)
-            step.result.tokens = [t[0] for t in step.sampled]
-            step.result.run_tokens = [t[:r.steps] for t, r in zip(step.sampled, first.rows)]
+        for it, run in enumerate(runs[1:], 1):
+            self._feed(run.rows, tokens[it - 1], it)
+        for t, row_tokens in zip(step.sampled, tokens[:, :len(first.rows)].T.tolist()):
+            t.extend(row_tokens)
+        step.rows, step.last_run, step.iteration = runs[-1].rows, runs[-1], len(runs) - 1
         return True
 
     def _compute_chain(self, runs: list[Prepared]) -> np.ndarray:
