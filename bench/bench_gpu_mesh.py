@@ -335,9 +335,9 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
         address = mesh.coordinator_address
         with CoordinatorClient(address) as client:
             before = client.status().incarnation
-        # As long as the measured streams: the KV block-table buckets (1, 2, 4 ... blocks per sequence) grow with
-        # the sessions, and each new one compiles and captures on the step that first needs it.
-        progress(f"== {label}: warm-up (compiles and captures every batch and block-table bucket once)")
+        # As long as the measured streams: the executors met every run shape at load; this pass warms the rest
+        # (the clients' channels, the coordinator's first use of each step size, the allocators).
+        progress(f"== {label}: warm-up (one pass of every level)")
         for n in levels:
             run_level(address, prompts[:n], a.tokens)
         solo = [stream(address, prompts[i], a.tokens)["ids"] for i in range(min(4, max(levels)))]

@@ -67,3 +67,21 @@ def test_every_session_of_a_batch_decodes_its_tokens_alone(tiny_llama: Path) -> 
                "c": [300, 2], "d": [1, 2, 3, 4, 5, 6, 7]}
     batched = _generate(_pipeline(tiny_llama), prompts)
     assert batched == {sid: _transformers(tiny_llama, prompt) for sid, prompt in prompts.items()}
+
+
+def test_every_decode_bucket_is_captured_at_load_and_no_step_compiles(tiny_llama: Path) -> None:
+    """A CUDA stage meets every run shape at load (one block-table width; each decode bucket up to WARM_SEQS
+    sessions captured, each prompt bucket up to WARM_TOKENS tokens compiled): a step never waits for a compile or a
+    capture, and the tokens are transformers'."""
+    from graphmesh_executor.stage_inputs import WARM_SEQS, ladder
+
+    runtimes = _pipeline(tiny_llama)
+    for runtime in runtimes:
+        decodes = {key[1]: exe for key, exe in runtime._executables.items() if key[3]}
+        assert sorted(decodes) == ladder(1, WARM_SEQS), sorted(decodes)
+        assert all(getattr(exe, "_captures", None) for exe in decodes.values()), "a decode bucket was not captured"
+        assert len({key[2] for key in runtime._executables}) == 1, "more than one block-table width"
+    compiled = [r.compiles for r in runtimes]
+    prompts = {"a": [5, 17, 99], "c": [300, 2], "d": [1, 2, 3, 4, 5, 6, 7]}
+    assert _generate(runtimes, prompts) == {sid: _transformers(tiny_llama, prompt) for sid, prompt in prompts.items()}
+    assert [r.compiles for r in runtimes] == compiled

@@ -178,16 +178,17 @@ def _cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.mark.parametrize("greedy", [False, True], ids=["one-sampled", "greedy"])
 @pytest.mark.parametrize("backend,device", [("numpy", "cpu"), ("torch", "cpu"), pytest.param(
     "torch", "cuda:0", marks=pytest.mark.skipif(not _cuda(), reason="needs a CUDA device"))])
 def test_a_one_rank_decode_run_chains_its_iterations_with_the_tokens_of_one_at_a_time(
-        tiny_llama: Path, backend: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_llama: Path, backend: str, device: str, greedy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank holding every layer runs a decode run's iterations as one chain (on a GPU each iteration's ids come
     from the tokens the one before sampled without leaving the device, one read back at the end): the tokens, KV
     lengths and the next step's tokens are those of the same runs iteration by iteration. Three runs a session, so
-    that on CUDA the chain replays captured graphs too; three sessions, so that a bucket of four pads one row (what
-    a padded row samples is never fed on)."""
-    sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    that on CUDA the chain replays captured graphs too (where every row is greedy: a sampled row runs eagerly);
+    three sessions, so that a bucket of four pads one row (what a padded row samples is never fed on)."""
+    sampled = Sampling() if greedy else Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
     chained: list[int] = []
     compute_chain = StageRuntime._compute_chain
 
@@ -215,10 +216,51 @@ def test_a_one_rank_decode_run_chains_its_iterations_with_the_tokens_of_one_at_a
             for t, r in zip(tokens, run.run_tokens):
                 t.extend(r)
             lengths = list(run.kv_lengths)
-        if device.startswith("cuda"):  # the decode runs replayed captured graphs, chained or not
+        if device.startswith("cuda") and greedy:  # the decode runs replayed captured graphs, chained or not
             assert any(getattr(exe, "_captures", None) for exe in runtime._executables.values()), "no CUDA graph replayed"
     assert chained == [6, 6, 6], chained  # every run chained when chaining is on, none when off
     assert got[0][1] == [3 + 18, 2 + 18, 4 + 18], got[0][1]
+    assert got[0] == got[1], got
+
+
+def test_a_stage_whose_table_width_costs_nothing_meets_every_shape_at_load(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a block table's width costs nothing (on CUDA; forced here on the host), one width serves every run and
+    the load compiles and runs every bucket of the warm-up's sizes over padding: steps within them compile nothing,
+    and their tokens are those of a stage without either (the padding wrote nothing but the scratch block)."""
+    from graphmesh_executor import stage_inputs
+    from graphmesh_executor.backends.torch_backend import TorchExecutable
+
+    prompts = {"a": list(range(5, 40)), "b": [8, 9], "c": [40, 41, 42, 43]}
+    sampling = {"a": Sampling(), "b": Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7), "c": Sampling()}
+    got = []
+    for wide in (False, True):
+        if wide:
+            monkeypatch.setattr(TorchExecutable, "reads_own_blocks", lambda self: True)
+            monkeypatch.setattr(stage_inputs, "WARM_SEQS", 4)
+            monkeypatch.setattr(stage_inputs, "WARM_TOKENS", 64)
+        runtime = StageRuntime("torch", "cpu", kv_cache_bytes=KV_CACHE_BYTES)
+        runtime.install(1, 0, 1, StageSpec(str(tiny_llama), 0, 2, True, True, dtype="f32"))
+        compiled = runtime.compiles
+        first = _run([runtime], [StepRow(sid, 1, 0, 0, prompt, sampling[sid]) for sid, prompt in prompts.items()], 1)
+        tokens, lengths = [[t] for t in first.tokens], [len(p) for p in prompts.values()]
+        for epoch in range(2, 5):  # a 3-row decode step, then decode runs of 4 (a bucket of 4 sessions)
+            rows = [StepRow(sid, epoch, epoch - 1, n, [t[-1]], sampling[sid])
+                    for sid, n, t in zip(prompts, lengths, tokens)]
+            run = _run([runtime], rows, 1 if epoch == 2 else 4)
+            for t, r in zip(tokens, run.run_tokens or [[x] for x in run.tokens]):
+                t.extend(r)
+            lengths = list(run.kv_lengths)
+        widths = {key[2] for key in runtime._executables}
+        if wide:
+            # prompts of 16, 32 and 64 tokens over 1, 2 and 4 sessions, decodes of 1, 2 and 4 sessions (the holder
+            # is not counted): one width, the context's
+            max_blocks = runtime.max_blocks
+            assert widths == {min(max_blocks, stage_inputs.TABLE_BLOCKS)}, widths
+            assert compiled == 9 + 3 and runtime.compiles == compiled, (compiled, runtime.compiles)
+        else:
+            assert widths == {4}, widths  # the ladder's rung for the longest session (its 35-38 tokens: 3 blocks)
+        got.append(tokens)
     assert got[0] == got[1], got
 
 

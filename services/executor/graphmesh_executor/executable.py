@@ -261,6 +261,12 @@ class Executable(Generic[T]):
         host[rows] = data
         return self._from_host(host)
 
+    def reads_own_blocks(self) -> bool:
+        """Whether every paged attention of the graph reads each row's own blocks only, up to its position, so that a
+        block table's width costs nothing and one width may serve every run. The interpreters' static decode reads
+        the whole table."""
+        return False
+
     # -- params ----------------------------------------------------------------------------------------
     def _param_type(self, name: str) -> TensorType:
         if name not in self.graph.params:

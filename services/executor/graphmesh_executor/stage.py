@@ -136,6 +136,7 @@ class StageRuntime(StageWeights, StagePhases):
         self._loaded_key: StageSpec | None = None
         self._packed_schemes: dict[str, str] = {}
         self._packed = False  # the installed stage keeps packed blocks (see install)
+        self._wide_tables = False
         self.compiles, self.compile_seconds = 0, 0.0
 
     # -- install ---------------------------------------------------------------------------------------

@@ -23,6 +23,12 @@ from graphmesh_executor.weights import load_params
 log = logging.getLogger("graphmesh.executor.stage")
 
 MIN_PREFILL_ROWS = 16
+# A block table at least this wide (blocks per sequence), or the context's width if narrower, where the width costs
+# nothing (Executable.reads_own_blocks): one executable per bucket then serves sessions of any length up to it.
+TABLE_BLOCKS = 256
+# The runs a stage whose table width costs nothing meets at load (warm_up): the coordinator's defaults on CUDA, a
+# step of at most 256 sessions and 2,048 tokens. A shape met first by a step stalls it (compile, eager run, capture).
+WARM_SEQS, WARM_TOKENS = 256, 2048
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -31,6 +37,14 @@ def bucket(n: int, minimum: int) -> int:
     while size < n:
         size *= 2
     return size
+
+
+def ladder(minimum: int, largest: int) -> list[int]:
+    """The buckets from `minimum` up to the one that holds `largest`."""
+    sizes = [minimum]
+    while sizes[-1] < largest:
+        sizes.append(sizes[-1] * 2)
+    return sizes
 
 
 _SEED_MASK = (1 << 63) - 1
@@ -108,6 +122,52 @@ class RunInputs(StageState):
         self._executables[key] = exe  # (re)inserted last: the dict is in order of use, for a re-plan's warm-up
         return exe
 
+    def _table_width(self, longest: int) -> int:
+        """Blocks per sequence of a run's block table whose longest session holds `longest`: a rung of the ladder,
+        never past the context, and at least TABLE_BLOCKS (or the context) where the width costs nothing."""
+        floor = min(self.max_blocks, TABLE_BLOCKS) if self._wide_tables else 1
+        return min(max(bucket(longest, 1), floor), max(self.max_blocks, longest))
+
+    def _warm_up(self) -> None:
+        """Every run of up to WARM_SEQS sessions and WARM_TOKENS tokens met now rather than by a step: each decode
+        bucket compiled, run, and run again (a CUDA graph is captured at a shape's second run), each prompt bucket
+        compiled and run. Padding runs only: every KV row they write goes to the scratch block."""
+        t0 = time.perf_counter()
+        seqs, tokens = WARM_SEQS, min(WARM_TOKENS, self.max_blocks * self.pool.block_tokens)
+        shapes = [(t, s, False) for t in ladder(MIN_PREFILL_ROWS, tokens) for s in ladder(1, min(t, seqs))]
+        shapes += [(s, s, True) for s in ladder(1, min(seqs, tokens))]
+        for at, (t, s, decode) in enumerate(shapes):
+            if at % 16 == 0:  # a long operation shows progress
+                log.info("stage warming up", extra={"shapes": len(shapes), "done": at})
+            self._padding_run(t, s, decode, times=2 if decode else 1)
+        log.info("stage warmed up", extra={"shapes": len(shapes), "ms": round((time.perf_counter() - t0) * 1e3, 1)})
+
+    def _padding_run(self, tokens: int, seqs: int, decode: bool, times: int) -> None:
+        """Runs the executable of a bucket `times` over padding: `seqs` sequences of tokens/seqs rows each, from
+        position 0, every table entry and slot the scratch block's."""
+        assert self.spec is not None and self.config is not None
+        spec, width, per = self.spec, self._table_width(1), tokens // seqs
+        inputs: dict[str, np.ndarray] = {
+            "positions": np.minimum(np.arange(tokens, dtype=np.int64) % per, width * self.pool.block_tokens - 1),
+            "slots": np.full(tokens, SCRATCH_BLOCK * self.pool.block_tokens, np.int64),
+            "token_seq": np.repeat(np.arange(seqs, dtype=np.int64), per),
+            "block_table": np.full((seqs, width), SCRATCH_BLOCK, np.int64)}
+        if spec.first:
+            inputs["input_ids"] = np.zeros(tokens, np.int64)
+        else:
+            inputs["hidden_in"] = np.zeros((tokens, self.config.hidden_size), np.float32)
+        if spec.last:
+            inputs.update(last_index=np.arange(per - 1, tokens, per, dtype=np.int64),
+                          temperature=np.zeros(seqs, np.float32), top_k=np.zeros(seqs, np.int64),
+                          top_p=np.ones(seqs, np.float32), seed=np.zeros(seqs, np.int64))
+        exe = self._executable(tokens, seqs, width, decode, True)
+        own = exe.swap_handles(self._pools)
+        try:
+            for _ in range(times):
+                exe.run(inputs, read_indices=[0], typed=True)
+        finally:
+            self._pools = exe.swap_handles(own)
+
     @staticmethod
     def _next_rows(rows: list[StepRow]) -> list[StepRow]:
         """The rows of a decode run's next iteration, one position on, each with a token to be written in."""
@@ -161,8 +221,7 @@ class RunInputs(StageState):
         seqs = bucket(len(rows), 1)
         tokens = seqs if decode else bucket(total, MIN_PREFILL_ROWS)
         tables = [pool.table(row.session_id) for row in rows]
-        longest = max(len(t) for t in tables)
-        blocks = min(bucket(longest, 1), max(self.max_blocks, longest))  # a rung of the ladder, never past the context
+        blocks = self._table_width(max(len(t) for t in tables))
         positions = np.zeros(tokens, np.int64)
         slots = np.full(tokens, SCRATCH_BLOCK * pool.block_tokens, np.int64)
         token_seq = np.arange(tokens, dtype=np.int64) if decode else np.zeros(tokens, np.int64)

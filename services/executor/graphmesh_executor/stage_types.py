@@ -182,6 +182,7 @@ class StageState:
     _standby: dict[str, np.ndarray]
     _packed: bool
     _packed_schemes: dict[str, str]
+    _wide_tables: bool  # a block table's width costs nothing here (Executable.reads_own_blocks)
     compiles: int  # executables compiled for a step's shape (each one a step waited for), and their seconds
     compile_seconds: float
 

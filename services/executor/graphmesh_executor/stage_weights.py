@@ -79,7 +79,7 @@ class StageWeights(RunInputs):
         pool = KvPool(max(2, budget // (row_bytes * block)), block)
         previous, self._holder, self.pool, self._pools = self._holder, None, pool, {}
         holder = self._compile(1, 1, 1, True, True, weights=path, reuse=previous if same_model else None)
-        self._holder = holder
+        self._holder, self._wide_tables = holder, holder.reads_own_blocks()
         self._pools = dict(zip(self._pool_names(), holder.zeros_like_inputs(self._pool_names())))
         # What KV keys are rooted in: the checkpoint and how this stage computes with it, since rows computed in
         # bf16 or from packed weights differ from f32 ones for the same tokens, and a shared store must never hand
@@ -91,6 +91,8 @@ class StageWeights(RunInputs):
         # left to the restore's first steps they would be compiled one rank after another, on its critical path.
         for key in recent:
             self._executable(*key)
+        if not recent and self._wide_tables:  # a first load where captures pay: every shape a step may take
+            self._warm_up()
         log.info("stage loaded", extra={"layers": f"{spec.layer_start}-{spec.layer_end}", "dtype": dtype,
                                         "kv_pool_blocks": pool.lendable, "kv_block_tokens": block,
                                         "warmed_shapes": len(recent)})

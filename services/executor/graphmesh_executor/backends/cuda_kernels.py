@@ -389,6 +389,12 @@ def paged_decode_usable(q: Tensor, k_pool: Tensor, v_pool: Tensor) -> bool:
             and q.stride(2) == k_pool.stride(2) == v_pool.stride(2) == 1 and k_pool.stride() == v_pool.stride())
 
 
+def paged_serves(head_dim: int, dtype: str) -> bool:
+    """Whether paged attention of this head size and graph dtype ("f32", "bf16", ...) takes the row kernel below
+    where it may run: each row over its own blocks, whatever the table's width."""
+    return usable() and _pow2(head_dim) and TORCH_DTYPES.get(dtype) in (torch.float32, torch.bfloat16, torch.float16)
+
+
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, pos: Tensor, block: int,
                            scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
     """Attention of one query row per sequence over its own blocks: q [T, Hq, D]; k_pool, v_pool [rows, Hkv, D]

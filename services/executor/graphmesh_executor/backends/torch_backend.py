@@ -453,6 +453,12 @@ class TorchExecutable(CudaGraphs):
             return None
         return value.numpy()
 
+    def reads_own_blocks(self) -> bool:
+        # On CUDA a decode and a prompt's short runs take the row kernel, a long run a flash kernel over its own
+        # blocks (torch_attention); only the static decode of a head size the kernel does not serve reads the table.
+        queries = [self.graph.type_of(n.inputs[0]) for n in self.graph.nodes if n.op == "paged_attention"]
+        return self._device.type == "cuda" and all(cuda_kernels.paged_serves(q.shape[-1], q.dtype) for q in queries)
+
     @torch.inference_mode()
     def put_rows(self, value: Tensor, rows: np.ndarray, data: np.ndarray) -> Tensor:
         idx = torch.from_numpy(np.asarray(rows, np.int64)).to(value.device)
