@@ -519,11 +519,16 @@ class StageRuntime(StageWeights, StagePhases):
         the iteration is within a row's share (a row past its own run writes no KV row)."""
         for r, t in zip(rows, tokens):
             r.token_ids[0] = int(t)
+        self._pend(rows, np.array([[r.token_ids[0] for r in rows]], np.int64), iteration)
+
+    def _pend(self, rows: list[StepRow], fed: np.ndarray, iteration: int) -> None:
+        """Adds the tokens fed to a decode run's rows from `iteration` on (fed[k, b]: row b's at iteration + k) to
+        their sessions' pending tokens, those within each row's share."""
         with self._lock:
-            for r in rows:
+            for b, r in enumerate(rows):
                 session = self._sessions.get(r.session_id)
                 if session is not None and iteration < r.steps:
-                    session.pending_tokens += r.token_ids
+                    session.pending_tokens += fed[:r.steps - iteration, b].tolist()
 
     def _prepare(self, step: _InFlight, iteration: int) -> None:
         """Builds `iteration`'s run ahead of its boundary (engine thread), unless the step is over or that
@@ -605,25 +610,27 @@ class StageRuntime(StageWeights, StagePhases):
         chained with Executable.run_fed, each iteration's ids the tokens the one before sampled, read back once.
         False, nothing run, when an iteration's run was built row by row (another executable): then the iterations
         go one by one, the first with the run built here. True leaves the step at its last iteration, as though
-        each had run alone."""
-        runs: list[Prepared] = []
-        for it in range(step.steps):
-            rows = step.rows if not runs else self._next_rows(runs[-1].rows)
-            runs.append(self._inputs_for(runs[-1] if runs else step.last_run, rows, True, it))
-            if runs[-1].exe is not runs[0].exe or runs[-1].tokens != runs[-1].seqs:
-                step.prepared = runs[0]
-                return False
-        first = runs[0]
+        each had run alone (its rows the first's: the later ones, each a position on, are only the runs' inputs)."""
+        first = self._inputs_for(step.last_run, step.rows, True, 0)
+        runs = [first]
+        while first.tokens == first.seqs and len(runs) < step.steps:
+            run = self._next_run(runs[-1], step.rows, len(runs))
+            if run is None:
+                break
+            runs.append(run)
+        if len(runs) < step.steps:
+            step.prepared = first
+            return False
         t0 = time.perf_counter()
         with telemetry.span("stage.compute", step=step.step_id, iteration=0, rows=len(step.rows), chained=len(runs)):
             tokens = self._guarded(lambda: self._compute_chain(runs))
         step.result.compute_us += (time.perf_counter() - t0) * 1e6
-        step.result.computed_tokens += len(first.rows) * len(runs)
-        for it, run in enumerate(runs[1:], 1):
-            self._feed(run.rows, tokens[it - 1], it)
-        for t, row_tokens in zip(step.sampled, tokens[:, :len(first.rows)].T.tolist()):
+        n = len(step.rows)
+        step.result.computed_tokens += n * len(runs)
+        self._pend(step.rows, tokens[:-1, :n], 1)
+        for t, row_tokens in zip(step.sampled, tokens[:, :n].T.tolist()):
             t.extend(row_tokens)
-        step.rows, step.last_run, step.iteration = runs[-1].rows, runs[-1], len(runs) - 1
+        step.last_run, step.iteration = runs[-1], len(runs) - 1
         return True
 
     def _compute_chain(self, runs: list[Prepared]) -> np.ndarray:

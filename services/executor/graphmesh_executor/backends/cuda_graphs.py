@@ -34,17 +34,19 @@ class _Captured:
     outputs: list[Tensor]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Staging:
     """A static run's host inputs, all in one pinned buffer and its device twin: one copy per run moves them all
     (one pin and one copy per input cost a 1.1B stage ~0.2-0.5 ms a run), and the device views are the addresses a
-    captured graph reads."""
+    captured graph reads. Two pinned buffers, taken in turn: a run's inputs are written while the copy out of the
+    other (queued behind the run before) waits, so queued runs (Executable.run_fed) never wait for the device."""
 
-    host: dict[str, np.ndarray]  # views of the pinned buffer, one per input
+    host: list[dict[str, np.ndarray]]  # per pinned buffer, views of it, one per input
     device: dict[str, Tensor]  # the same bytes' views on the device
-    pinned: Tensor  # u8
+    pinned: list[Tensor]  # u8
     on_device: Tensor  # u8
-    copied: Any  # torch.cuda.Event: the last copy out of `pinned`, which must land before it is written again
+    copied: list[Any]  # per pinned buffer, a torch.cuda.Event: its last copy out, which must land before it is rewritten
+    turn: int = 0  # the pinned buffer the next run takes
 
 
 def _host_op(node: Node, x: np.ndarray | None) -> np.ndarray | None:
@@ -194,11 +196,12 @@ class CudaGraphs(Executable[Tensor]):
             return None
         names = tuple(name for name in self.graph.inputs if name in inputs)
         staging = self._staging.get(names) or self._stage(names)
-        staging.copied.synchronize()  # the last run's copy has left the pinned buffer (at once, but after a commit_no_wait)
+        k, staging.turn = staging.turn, 1 - staging.turn
+        staging.copied[k].synchronize()  # the copy out of this buffer two runs ago has landed
         for name in names:
-            np.copyto(staging.host[name], conform(inputs[name], self.graph.inputs[name], f"input {name!r}"))
-        staging.on_device.copy_(staging.pinned, non_blocking=True)
-        staging.copied.record()
+            np.copyto(staging.host[k][name], conform(inputs[name], self.graph.inputs[name], f"input {name!r}"))
+        staging.on_device.copy_(staging.pinned[k], non_blocking=True)
+        staging.copied[k].record()
         env: dict[str, Tensor] = {}
         for name in self.graph.inputs:
             if name in inputs:
@@ -217,15 +220,16 @@ class CudaGraphs(Executable[Tensor]):
         offsets = [0]
         for size in sizes:
             offsets.append(offsets[-1] + -(-size // 16) * 16)
-        pinned = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=True)
+        pinned = [torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         on_device = torch.empty(offsets[-1], dtype=torch.uint8, device=self._device)
-        raw = pinned.numpy()
-        host, device = {}, {}
+        host: list[dict[str, np.ndarray]] = [{}, {}]
+        device = {}
         for name, t, at, size in zip(names, types, offsets, sizes):
-            host[name] = raw[at:at + size].view(dtypes.to_numpy(t.dtype)).reshape(t.shape)
+            for views, buffer in zip(host, pinned):
+                views[name] = buffer.numpy()[at:at + size].view(dtypes.to_numpy(t.dtype)).reshape(t.shape)
             device[name] = on_device[at:at + size].view(TORCH_DTYPES[t.dtype]).view(t.shape)
         staging = self._staging[names] = _Staging(host, device, pinned, on_device,
-                                                  torch.cuda.Event())  # type: ignore[no-untyped-call]
+                                                  [torch.cuda.Event() for _ in range(2)])  # type: ignore[no-untyped-call]
         return staging
 
     def _run_static(self, env: dict[str, Tensor], key: tuple[Any, ...]) -> list[Tensor]:
