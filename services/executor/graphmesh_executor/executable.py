@@ -263,8 +263,8 @@ class Executable(Generic[T]):
 
     def reads_own_blocks(self) -> bool:
         """Whether every paged attention of the graph reads each row's own blocks only, up to its position, so that a
-        block table's width costs nothing and one width may serve every run. The interpreters' static decode reads
-        the whole table."""
+        block table's width costs nothing and one width may serve every run. False where the backend does not say
+        so."""
         return False
 
     # -- params ----------------------------------------------------------------------------------------
