@@ -26,7 +26,7 @@ MIN_PREFILL_ROWS = 16
 # A block table at least this wide (blocks per sequence), or the context's width if narrower, where the width costs
 # nothing (Executable.reads_own_blocks): one executable per bucket then serves sessions of any length up to it.
 TABLE_BLOCKS = 256
-# The runs a stage whose table width costs nothing meets at load (warm_up): the coordinator's defaults on CUDA, a
+# The runs a stage whose table width costs nothing meets at load (_warm_up): the coordinator's defaults on CUDA, a
 # step of at most 256 sessions and 2,048 tokens. A shape met first by a step stalls it (compile, eager run, capture).
 WARM_SEQS, WARM_TOKENS = 256, 2048
 
