@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -25,6 +26,19 @@ def test_a_step_of_decisions_is_one_group_commit_read_back_after_a_restart(tmp_p
     # presumed abort: commits are logged before any rank learns of them, so one not logged never happened
     assert again.outcome("s1", 4) == "ABORTED" and again.outcome("new", 1) == "ABORTED"
     assert again.outcome("s1", 2) is None  # older than the newest commit: no longer kept, never guessed
+
+
+def test_a_decision_line_is_the_json_of_its_record_whatever_the_session_id(tmp_path: Path) -> None:
+    ids = ["plain", 'quo"te', "back\\slash", "new\nline", "ünïcode", "tab\t", "{\"epoch\": 9}"]
+    for sid in ids:
+        assert state_module._line(sid, 7, "COMMITTED") == json.dumps(
+            {"session_id": sid, "epoch": 7, "outcome": "COMMITTED"}) + "\n"
+    state = DurableState(tmp_path)
+    state.record(*(Decision(sid, 7, "COMMITTED") for sid in ids))
+    state.close()
+    again = DurableState(tmp_path)
+    assert [again.outcome(sid, 7) for sid in ids] == ["COMMITTED"] * len(ids)
+    assert again.log_lines == len(ids)
 
 
 def test_a_torn_last_line_loses_only_itself_and_incarnations_only_grow(tmp_path: Path) -> None:

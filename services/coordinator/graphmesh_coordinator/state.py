@@ -64,7 +64,9 @@ def _fsync_write(path: Path, text: str, suffix: str = ".tmp", fsync: bool = True
 
 
 def _line(session_id: str, epoch: int, outcome: str) -> str:
-    return json.dumps({"session_id": session_id, "epoch": epoch, "outcome": outcome}) + "\n"
+    # json.dumps of the record's dict, byte for byte, at a third of its cost: a line per row of every step, written
+    # before the step is sent
+    return f'{{"session_id": {json.dumps(session_id)}, "epoch": {int(epoch)}, "outcome": {json.dumps(outcome)}}}\n'
 
 
 class DurableState:
