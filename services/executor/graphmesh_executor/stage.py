@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -514,12 +514,12 @@ class StageRuntime(StageWeights, StagePhases):
                     self._send(step, route, {dag.RUN_TOKENS: tokens}, self._dims(step), self._wave(step, self.group),
                                iteration=i + 1)
 
-    def _feed(self, rows: list[StepRow], tokens: Iterable[int], iteration: int) -> None:
+    def _feed(self, rows: list[StepRow], fed: np.ndarray, iteration: int) -> None:
         """Writes a decode run's fed tokens into `iteration`'s rows, and into their sessions' pending tokens while
         the iteration is within a row's share (a row past its own run writes no KV row)."""
-        for r, t in zip(rows, tokens):
-            r.token_ids[0] = int(t)
-        self._pend(rows, np.array([[r.token_ids[0] for r in rows]], np.int64), iteration)
+        for r, t in zip(rows, fed.tolist()):
+            r.token_ids[0] = t
+        self._pend(rows, fed[None], iteration)
 
     def _pend(self, rows: list[StepRow], fed: np.ndarray, iteration: int) -> None:
         """Adds the tokens fed to a decode run's rows from `iteration` on (fed[k, b]: row b's at iteration + k) to
@@ -741,13 +741,8 @@ class StageRuntime(StageWeights, StagePhases):
         """`call` on `run`'s executable with the KV pools swapped in (engine thread), in the run's span."""
         if self._take_fault("device"):
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-        exe = run.exe
         with telemetry.span("stage.run", tokens=run.tokens, seqs=run.seqs, blocks=run.blocks, rows=rows):
-            own = exe.swap_handles(self._pools)
-            try:
-                return call(exe)
-            finally:
-                self._pools = exe.swap_handles(own)
+            return self._with_pools(run.exe, call)
 
     def _forget_step(self, step_id: int) -> None:
         """Drops what was pushed for `step_id` and not taken (under the lock): a run that failed part-way."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,10 +162,14 @@ class RunInputs(StageState):
                           temperature=np.zeros(seqs, np.float32), top_k=np.zeros(seqs, np.int64),
                           top_p=np.ones(seqs, np.float32), seed=np.zeros(seqs, np.int64))
         exe = self._executable(tokens, seqs, width, decode, True)
+        for _ in range(times):
+            self._with_pools(exe, lambda e: e.run(inputs, read_indices=[0], typed=True)[0])
+
+    def _with_pools(self, exe: Executable[Any], call: Callable[[Executable[Any]], np.ndarray]) -> np.ndarray:
+        """`call` on `exe` with the stage's KV pools swapped in as its handles (engine thread)."""
         own = exe.swap_handles(self._pools)
         try:
-            for _ in range(times):
-                exe.run(inputs, read_indices=[0], typed=True)
+            return call(exe)
         finally:
             self._pools = exe.swap_handles(own)
 

@@ -95,7 +95,7 @@ class StageWeights(RunInputs):
             self._warm_up()
         log.info("stage loaded", extra={"layers": f"{spec.layer_start}-{spec.layer_end}", "dtype": dtype,
                                         "kv_pool_blocks": pool.lendable, "kv_block_tokens": block,
-                                        "warmed_shapes": len(recent)})
+                                        "warmed_shapes": len(self._executables)})
         if not self._packed and not self.standby_ready.is_set() and self._wants_standby(config):
             threading.Thread(target=self._read_standby, args=(path, config, set(holder.graph.params)), daemon=True,
                              name="standby-weights").start()
