@@ -63,6 +63,11 @@ def test_a_build_in_the_cache_loads_without_a_compiler(build: str, monkeypatch: 
         cpu_kernels._library.cache_clear()
 
 
+def _pair(outs: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    assert outs is not None
+    return outs
+
+
 @pytest.mark.skipif(len(BUILDS) < 2, reason="one kernel build runs on this host (no AVX-512): nothing to compare")
 def test_the_avx2_and_avx512_builds_give_the_same_bits() -> None:
     """A session's tokens do not depend on which host kind served it: every kernel's outputs are bit-identical
@@ -85,7 +90,10 @@ def test_the_avx2_and_avx512_builds_give_the_same_bits() -> None:
                         *(cpu_kernels.matmul_xwt_packed(rows, t, scheme, 200)
                           for scheme, t in k_blocks2.items() for rows in (xk, xk[:5])),
                         cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, 16, 0.125),
-                        cpu_kernels.rms_norm(x, norm_w, 1e-5), cpu_kernels.rope_half(x[:, :128].reshape(-1, 2, 64), cos, sin)])
+                        cpu_kernels.rms_norm(x, norm_w, 1e-5), cpu_kernels.rope_half(x[:, :128].reshape(-1, 2, 64), cos, sin),
+                        *_pair(cpu_kernels.add_rms_norm(x, x.flip(0).contiguous(), norm_w, 1e-5)),
+                        *_pair(cpu_kernels.rope_half_pair(x[:, :128].reshape(-1, 2, 64),
+                                                          x[:, 256:448].reshape(-1, 3, 64), cos, sin))])
     for a, b in zip(*results):
         assert a is not None and b is not None and torch.equal(a, b)
 
@@ -518,6 +526,28 @@ def test_rope_half_gives_the_bits_of_torchs_three_kernels(shape: tuple[int, int,
     sliced = wide[:, 8:8 + shape[1] * d].reshape(shape)
     fused = cpu_kernels.rope_half(sliced, cos, sin)
     assert fused is not None and torch.equal(fused, sliced * cos + sliced.roll(d // 2, -1) * sin)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_pair_in_one_call_gives_the_bits_of_each_apart(rows: int) -> None:
+    """The host's fused pairs (TorchExecutable._fusions): a layer's k and q roped in one call, and an add with the
+    norm of its sum, each output the bits of its kernel alone."""
+    joined = _rand(rows, 9 * 64 + 2 * 3 * 64, seed=rows)  # a joined q, k, v product: q and k are rows apart
+    q, k = joined[:, :576].reshape(rows, 9, 64), joined[:, 576:768].reshape(rows, 3, 64)
+    angles = _rand(rows, 1, 32, seed=2)
+    cos, sin = torch.cat([angles.cos(), angles.cos()], -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    pair = cpu_kernels.rope_half_pair(k, q, cos, sin)
+    k_alone, q_alone = cpu_kernels.rope_half(k, cos, sin), cpu_kernels.rope_half(q, cos, sin)
+    assert pair is not None and k_alone is not None and q_alone is not None
+    assert torch.equal(pair[0], k_alone) and torch.equal(pair[1], q_alone)
+    assert cpu_kernels.rope_half_pair(k, q[:, :, :32].contiguous(), cos, sin) is None  # heads of two sizes
+    x, y, w = _rand(rows, 576, seed=3), _rand(rows, 576, seed=4), _rand(576, seed=5)
+    both = cpu_kernels.add_rms_norm(x, y, w, 1e-5)
+    normed = cpu_kernels.rms_norm(x + y, w, 1e-5)
+    assert both is not None and normed is not None
+    assert torch.equal(both[0], x + y) and torch.equal(both[1], normed)
+    if rows > 1:
+        assert cpu_kernels.add_rms_norm(x, y[:1], w, 1e-5) is None  # a broadcast add: torch serves it
 
 
 @pytest.mark.parametrize("shape", [(8, 576), (1, 576), (3, 20), (2, 3, 64)])

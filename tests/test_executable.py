@@ -772,12 +772,22 @@ def test_torch_keeps_q4_weights_packed_for_bf16_activations() -> None:
 
 def test_torch_runs_fused_pairs_of_nodes_as_one_step_with_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plan's fused pairs (TorchExecutable._fusions; one Triton kernel each on CUDA, tested in test_cuda_kernels.py)
-    on the host, where a pair runs torch's two ops in one step: an add and the norm of its sum, a silu and its
-    product, a layer's two ropes and its two KV writes. Every output has the bits of the plan without them, and
-    values read again after a fused step are still there (the add's input x, the residual sum, the positions)."""
+    on the host, where a pair runs as one C call (the add and the norm of its sum, the two ropes) or torch's two ops
+    in one step (a silu and its product, the two KV writes); the host's default where cpu_kernels run. Every output
+    has the bits of the plan without them, and values read again after a fused step are still there (the add's input
+    x, the residual sum, the positions)."""
+    from graphmesh_executor.backends import cpu_kernels
     from graphmesh_executor.backends.torch_attention import kv_scatter_pair
     from graphmesh_executor.backends.torch_backend import TorchExecutable
     from graphmesh_executor.backends.torch_ops import add_rms_norm, rope_pair, silu_mul
+
+    calls: list[str] = []
+    for name in ("add_rms_norm", "rope_half_pair"):  # the C calls, counted where they serve
+        def counted(*args: Any, _name: str = name, _f: Any = getattr(cpu_kernels, name)) -> Any:
+            out = _f(*args)
+            calls.extend([_name] if out is not None else [])
+            return out
+        monkeypatch.setattr(cpu_kernels, name, counted)
 
     g = GraphBuilder("pairs")
     x, r, gate, up = g.input("x", (4, 64)), g.input("r", (4, 64)), g.input("gate", (4, 32)), g.input("up", (4, 32))
@@ -795,16 +805,21 @@ def test_torch_runs_fused_pairs_of_nodes_as_one_step_with_the_same_bits(monkeypa
               "k_pool": f32(16, 32), "v_pool": f32(16, 32)}
     w = f32(64) + 1
     runs = {}
-    for fuse in (False, True):
+    kernels_here = cpu_kernels.library() is not None
+    for fuse in (False, True, None):
         monkeypatch.setattr(TorchExecutable, "fuse_pairs", fuse)
         ex = compile_("torch", g)
         ex.set_param("w", w)
         kernels = [step.kernel for step in ex._steps]  # type: ignore[attr-defined]
         fused = [kernels.count(f) for f in (add_rms_norm, silu_mul, rope_pair, kv_scatter_pair)]
-        assert fused == ([1, 1, 1, 1] if fuse else [0, 0, 0, 0])  # the third rope has no partner
+        on = fuse or (fuse is None and kernels_here)
+        assert fused == ([1, 1, 1, 1] if on else [0, 0, 0, 0])  # the third rope has no partner
+        calls.clear()
         runs[fuse] = ex.run(inputs)
-    for fused_out, plain in zip(runs[True], runs[False], strict=True):
-        assert np.array_equal(fused_out, plain)
+        assert calls == (["add_rms_norm", "rope_half_pair"] if on and kernels_here else [])
+    for fuse in (True, None):
+        for fused_out, plain in zip(runs[fuse], runs[False], strict=True):
+            assert np.array_equal(fused_out, plain)
 
 
 def test_a_llama_stage_fuses_every_layer_s_pairs(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:

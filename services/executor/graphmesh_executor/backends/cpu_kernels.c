@@ -833,6 +833,13 @@ void rms_norm(int rows, int d, const float *x, const float *w, float eps, float 
     }
 }
 
+/* sum = x + y and out = rms_norm(sum) (rows of d): an add and the norm of its sum in one call, the bits of the two
+ * apart (torch's add rounds each sum as this does). */
+void add_rms_norm(int rows, int d, const float *x, const float *y, const float *w, float eps, float *sum, float *out) {
+    for (size_t i = 0; i < (size_t)rows * d; i++) sum[i] = x[i] + y[i];
+    rms_norm(rows, d, sum, w, eps, out);
+}
+
 /* Rotary embedding over whole heads, "half" style: out = x * cos + roll(x, d / 2) * sin for each of `heads` heads
  * of d of each of `rows` rows, cos and sin [rows][d] (sin signed, see the torch backend's _half_table). Two
  * products and a sum, each rounded, as torch's three kernels do: the same bits. Rows of x are ldx floats apart
@@ -855,6 +862,13 @@ __attribute__((optimize("fp-contract=off"))) void rope_half(int rows, int heads,
                 out[half + i] = x[half + i] * cos[half + i] + x[i] * sin[half + i];
             }
         }
+}
+
+/* Two rope_halfs at the same positions (a layer's q and k) in one call. */
+void rope_half_pair(int rows, int hx, int hy, int d, const float *x, int ldx, const float *y, int ldy,
+                    const float *cos, const float *sin, float *out_x, float *out_y) {
+    rope_half(rows, hx, d, x, ldx, cos, sin, out_x);
+    rope_half(rows, hy, d, y, ldy, cos, sin, out_y);
 }
 
 /* out[r] = the index of the first maximum of row r of x [rows][n] (the first NaN where the row has one), as

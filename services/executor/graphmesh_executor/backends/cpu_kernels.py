@@ -165,6 +165,10 @@ def _library(build: str) -> ctypes.CDLL | None:
     lib.rms_norm.restype = None
     lib.rope_half.argtypes = [i, i, i, p, i, p, p, p]
     lib.rope_half.restype = None
+    lib.rope_half_pair.argtypes = [i, i, i, i, p, i, p, i, p, p, p, p]
+    lib.rope_half_pair.restype = None
+    lib.add_rms_norm.argtypes = [i, i, p, p, p, ctypes.c_float, p, p]
+    lib.add_rms_norm.restype = None
     lib.argmax_rows.argtypes = [i, i, p, p]
     lib.argmax_rows.restype = None
     return lib
@@ -369,19 +373,51 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | Non
     return out
 
 
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float,
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + y, rms_norm(x + y) scaled by w) in one call, the bits of the two apart (torch's add and rms_norm above);
+    None where the kernel does not serve them."""
+    lib = library()
+    if lib is None or not _host_f32(x, y, w) or x.shape != y.shape or w.dim() != 1 or x.shape[-1] != w.shape[0]:
+        return None
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    lib.add_rms_norm(x.numel() // w.shape[0], w.shape[0], x.data_ptr(), y.data_ptr(), w.data_ptr(), eps,
+                     total.data_ptr(), out.data_ptr())
+    return total, out
+
+
+def _rotatable(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether rope_half's kernel reads x [rows, heads, d] at cos's positions: f32 on the host, each row's heads
+    contiguous (rows may be apart: q of a joined q, k, v product)."""
+    return (x.dim() == 3 and x.shape[2] % 2 == 0 and x.dtype == torch.float32 and x.is_cpu and x.stride(2) == 1
+            and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
+            and cos.shape == (x.shape[0], 1, x.shape[2]))
+
+
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """x * cos + roll(x, d / 2, -1) * sin for x [rows, heads, d] and cos, sin [rows, 1, d], bit for bit torch's
-    three kernels; None where the kernel does not serve it. x's rows may be apart (q of a joined q, k, v
-    product): each row's heads are contiguous."""
+    three kernels; None where the kernel does not serve it."""
     lib = library()
-    if (lib is None or not _host_f32(cos, sin) or x.dim() != 3 or x.shape[2] % 2 or x.dtype != torch.float32
-            or not x.is_cpu or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.stride(0) < x.shape[1] * x.shape[2]
-            or cos.shape != sin.shape or cos.shape != (x.shape[0], 1, x.shape[2])):
+    if lib is None or not _host_f32(cos, sin) or cos.shape != sin.shape or not _rotatable(x, cos):
         return None
     out = torch.empty(x.shape, dtype=torch.float32)
     lib.rope_half(x.shape[0], x.shape[1], x.shape[2], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
                   out.data_ptr())
     return out
+
+
+def rope_half_pair(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rope_half of x and of y (a layer's k and q) at the same positions in one call; None where the kernel does
+    not serve both."""
+    lib = library()
+    if (lib is None or not _host_f32(cos, sin) or cos.shape != sin.shape or not _rotatable(x, cos)
+            or not _rotatable(y, cos) or x.shape[2] != y.shape[2]):
+        return None
+    out_x, out_y = torch.empty(x.shape, dtype=torch.float32), torch.empty(y.shape, dtype=torch.float32)
+    lib.rope_half_pair(x.shape[0], x.shape[1], y.shape[1], x.shape[2], x.data_ptr(), x.stride(0), y.data_ptr(),
+                       y.stride(0), cos.data_ptr(), sin.data_ptr(), out_x.data_ptr(), out_y.data_ptr())
+    return out_x, out_y
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:

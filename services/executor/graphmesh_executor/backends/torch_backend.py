@@ -71,8 +71,9 @@ class TorchExecutable(CudaGraphs):
     # Handles stay torch tensors on the executable's device between runs (GPU memory on cuda).
     capabilities = Capabilities(resident_handles=True, active_extent=True)
     kernels = KERNELS
-    # Run pairs of nodes as one kernel (see _fusions); None: on CUDA, where the Triton kernels are. On the host the
-    # pair runs torch's two ops in one step (the same bits as apart), which tests use to check the plan's wiring.
+    # Run pairs of nodes as one kernel (see _fusions); None: on CUDA where the Triton kernels are, on the host where
+    # cpu_kernels are (a C call for a pair, or torch's two ops in one step: a plan step fewer either way, the same
+    # bits as apart).
     fuse_pairs: bool | None = None
 
     @classmethod
@@ -162,13 +163,14 @@ class TorchExecutable(CudaGraphs):
         return slots, steps
 
     def _fusions(self, graph: Graph) -> dict[str, tuple[str, Node]]:
-        """Pairs of nodes that run as one Triton kernel on CUDA (see cuda_kernels), by the node whose place the kernel
-        takes: ("add_rms_norm", the rms_norm reading that add's sum), ("silu_mul", the silu whose output only that
-        mul reads), ("rope_pair", the rope before it) or ("kv_scatter_pair", the kv_scatter before it). A layer of a
-        Llama has two of the first and one of each other: six launches fewer."""
+        """Pairs of nodes that run as one kernel (a Triton kernel on CUDA, see cuda_kernels; on the host a C call of
+        cpu_kernels or one plan step), by the node whose place the kernel takes: ("add_rms_norm", the rms_norm reading
+        that add's sum), ("silu_mul", the silu whose output only that mul reads), ("rope_pair", the rope before it) or
+        ("kv_scatter_pair", the kv_scatter before it). A layer of a Llama has two of the first and one of each other:
+        six launches fewer on CUDA, six steps of Python fewer on the host."""
         fuse = self.fuse_pairs
-        if fuse is None:
-            fuse = self._device.type == "cuda" and cuda_kernels.usable()  # no tensors: whether the kernels may run at all
+        if fuse is None:  # no tensors: whether the kernels may run at all
+            fuse = cuda_kernels.usable() if self._device.type == "cuda" else cpu_kernels.library() is not None
         if not fuse:
             return {}
         readers: dict[str, list[Node]] = {}

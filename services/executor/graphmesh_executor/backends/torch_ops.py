@@ -59,9 +59,14 @@ def _rms_norm(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
 
 
 def add_rms_norm(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> tuple[Tensor, Tensor]:
-    """An add and the rms_norm of its sum (TorchExecutable._fusions): one kernel where the rows allow, else the two."""
+    """An add and the rms_norm of its sum (TorchExecutable._fusions): one kernel (a C call on the host) where the rows
+    allow, else the two."""
     x, y, w = xs
-    if cuda_kernels.rows_usable(x, y) and w.dtype == x.dtype:
+    if x.is_cpu:
+        fused = cpu_kernels.add_rms_norm(x, y, w, a["eps"])
+        if fused is not None:
+            return fused
+    elif cuda_kernels.rows_usable(x, y) and w.dtype == x.dtype:
         return cuda_kernels.add_rms_norm(x, y, w, a["eps"])
     total = x + y
     return total, _rms_norm(ctx, [total, w], a)
@@ -75,10 +80,14 @@ def silu_mul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
 
 def rope_pair(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> tuple[Tensor, Tensor]:
     """Two rope nodes at the same positions (TorchExecutable._fusions: a layer's k, then its q): one launch where
-    the Triton kernel serves both, else each alone."""
+    the Triton kernel serves both, one C call where cpu_kernels does, else each alone."""
     x, y, pos = xs
     rot = a["rotary_dim"] or x.shape[2]
-    if (a["style"] == "half" and rot == x.shape[2] == y.shape[2] and cuda_kernels.rope_half_usable(x)
+    if a["style"] == "half" and rot == x.shape[2] == y.shape[2] and x.is_cpu:
+        pair = cpu_kernels.rope_half_pair(x, y, *half_table(pos, a, rot, torch.float32))
+        if pair is not None:
+            return pair
+    elif (a["style"] == "half" and rot == x.shape[2] == y.shape[2] and cuda_kernels.rope_half_usable(x)
             and cuda_kernels.rope_half_usable(y)):
         cos, sin = half_table(pos, a, rot, torch.float32)
         return cuda_kernels.rope_half_pair(x, y, cos, sin)
