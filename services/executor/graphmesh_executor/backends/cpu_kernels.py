@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from graphmesh.ops import QUANT_BLOCKS
+from graphmesh_executor.backends.torch_tensors import memo
 from graphmesh_server.serving import cpu_flags, user_dir
 
 log = logging.getLogger("graphmesh.executor.cpu_kernels")
@@ -345,11 +346,16 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     The caller has checked every table entry and position against the pools' bounds."""
     lib = library()
     assert lib is not None
-    (t, hq, d), hkv = q.shape, k_pool.shape[1]
-    q, table, pos = q.contiguous(), table.contiguous().long(), pos.contiguous().long()
+    (t, hq, d), hkv, keys = q.shape, k_pool.shape[1], table.shape[1] * block
+    # Every layer of a run reads the same table and positions, and its scratch is free again when it returns:
+    # made once a run.
+    table_i64 = memo(table, "i64", lambda: table.contiguous().long())
+    pos_i64 = memo(pos, "i64", lambda: pos.contiguous().long())
+    scores, rows = memo(pos, ("attention-scratch", hq, keys), lambda: (
+        torch.empty(hq * (keys + 8), dtype=torch.float32),  # a row per head, padded to whole vectors
+        torch.empty(2 * keys, dtype=torch.int64)))  # a key's K and V row addresses
+    q, table, pos = q.contiguous(), table_i64, pos_i64
     out = torch.empty(t, hq, d, dtype=torch.float32)
-    scores = torch.empty(hq * (table.shape[1] * block + 8), dtype=torch.float32)  # a row per head, padded to whole vectors
-    rows = torch.empty(2 * table.shape[1] * block, dtype=torch.int64)  # a key's K and V row addresses
     lib.paged_decode_attention(t, hq, hkv, d, block, table.shape[1], q.data_ptr(), k_pool.data_ptr(),
                                v_pool.data_ptr(), table.data_ptr(), pos.data_ptr(), scale, window, softcap,
                                out.data_ptr(), scores.data_ptr(), rows.data_ptr())
@@ -389,9 +395,10 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, eps: float,
 def _rotatable(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether rope_half's kernel reads x [rows, heads, d] at cos's positions: f32 on the host, each row's heads
     contiguous (rows may be apart: q of a joined q, k, v product)."""
-    return (x.dim() == 3 and x.shape[2] % 2 == 0 and x.dtype == torch.float32 and x.is_cpu and x.stride(2) == 1
-            and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
-            and cos.shape == (x.shape[0], 1, x.shape[2]))
+    if x.dim() != 3 or x.dtype != torch.float32 or not x.is_cpu:
+        return False
+    (rows, heads, d), (row, head, step) = x.shape, x.stride()  # read once: this runs twice a layer
+    return d % 2 == 0 and step == 1 and head == d and row >= heads * d and cos.shape == (rows, 1, d)
 
 
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:

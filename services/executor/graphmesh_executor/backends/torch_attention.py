@@ -166,10 +166,10 @@ def paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
     check_indices(ctx, table, k_pool.shape[0] // block, "block_table block")
     check_indices(ctx, token_seq, table.shape[0], "token_seq sequence")
     check_indices(ctx, pos, table.shape[1] * block, "q_positions position")
-    k_blocks, v_blocks = k_pool.view(-1, block, hkv, d), v_pool.view(-1, block, hkv, d)
     if a["decode"] and not static_run(ctx) and cpu_kernels.attention_usable(q, k_pool, v_pool):
         return cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, block, scale, window,
                                                   softcap)  # in place, no copies
+    k_blocks, v_blocks = k_pool.view(-1, block, hkv, d), v_pool.view(-1, block, hkv, d)
     if a["decode"] and cuda_kernels.paged_decode_usable(q, k_pool, v_pool):
         return cuda_kernels.paged_decode_attention(q, k_pool, v_pool, table, pos, block, scale, window,
                                                    softcap)  # one kernel, no copies
