@@ -280,7 +280,7 @@ def test_a_packed_product_has_the_bits_of_the_f32_product_over_ggufs_dequantizat
     packed = _gguf_blocks(scheme, n, k, seed=11)
     dense = torch.from_numpy(gguf.quants.dequantize(packed, gguf.GGMLQuantizationType[scheme.upper()])
                              .astype(np.float32)).contiguous()
-    for rows in (1, 2, 3, 4, 5, 6, 16, PROMPT_ROWS, 70):  # each of the fused row counts, the slice path, a prompt
+    for rows in (1, 2, 3, 4, 5, 6, 8, 10, 11, 16, PROMPT_ROWS, 70):  # fused rows, fused groups, slices, a prompt
         x = _rand(rows, k, seed=rows)
         assert torch.equal(cpu_kernels.matmul_xwt_packed(x, torch.from_numpy(packed), scheme, n),
                            cpu_kernels.matmul_xwt(x, dense))

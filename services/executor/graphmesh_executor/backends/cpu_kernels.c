@@ -416,10 +416,15 @@ static void dequantize_slice(int scheme, const unsigned char *panel, int kb, int
  * arrive, and a model's weights stream from memory at every step (they outgrow the caches). A panel's first blocks
  * are asked for before its first product: with the helper, the next panel a thread takes is not the one after. */
 #define FUSED_AHEAD 4
+/* Up to FUSED_MAX rows go FUSED_ROWS at a time over each panel (its blocks still in L1 or L2 for the next group)
+ * rather than through a slice: with AVX-512 that is faster up to ~12 rows when the weights come from memory, with
+ * AVX2's 3 rows a group it never is (bench/RESULTS.md, the CPU kernels). */
 #if VL == 16
 #define FUSED_ROWS 5
+#define FUSED_MAX 10
 #else
 #define FUSED_ROWS 3
+#define FUSED_MAX 3
 #endif
 static inline __attribute__((always_inline)) void fused_panel(int mr, int scheme, int k, const float *x, size_t ldx,
                                                               const unsigned char *panel, float *out, int ldo,
@@ -449,30 +454,37 @@ static inline __attribute__((always_inline)) void fused_panel(int mr, int scheme
 static void fused_rows(int m, int k, const float *x, int ldx, const unsigned char *w, int scheme, float *out, int ldo,
                        int n0, int n1) {
     size_t panel_bytes = (size_t)(k / 32) * panel_block_bytes(scheme);
+    int groups = (m + FUSED_ROWS - 1) / FUSED_ROWS;
     for (int n = n0; n < n1; n += PANEL) {
         const unsigned char *panel = w + (size_t)(n / PANEL) * panel_bytes;
         int cols = n1 - n < PANEL ? n1 - n : PANEL;
-        switch (m) { /* a constant row count per call: the row loops unroll */
-        case 1: fused_panel(1, scheme, k, x, ldx, panel, out + n, ldo, cols); break;
-        case 2: fused_panel(2, scheme, k, x, ldx, panel, out + n, ldo, cols); break;
-        case 3: fused_panel(3, scheme, k, x, ldx, panel, out + n, ldo, cols); break;
+        for (int i = 0, g = groups; i < m; g--) {
+            int mr = (m - i + g - 1) / g; /* groups as even as they go: 6 rows are 3 + 3, not 5 + 1 */
+            const float *xs = x + (size_t)i * ldx;
+            float *os = out + (size_t)i * ldo + n;
+            switch (mr) { /* a constant row count per call: the row loops unroll */
+            case 1: fused_panel(1, scheme, k, xs, ldx, panel, os, ldo, cols); break;
+            case 2: fused_panel(2, scheme, k, xs, ldx, panel, os, ldo, cols); break;
+            case 3: fused_panel(3, scheme, k, xs, ldx, panel, os, ldo, cols); break;
 #if FUSED_ROWS > 3
-        case 4: fused_panel(4, scheme, k, x, ldx, panel, out + n, ldo, cols); break;
-        default: fused_panel(5, scheme, k, x, ldx, panel, out + n, ldo, cols); break;
+            case 4: fused_panel(4, scheme, k, xs, ldx, panel, os, ldo, cols); break;
+            default: fused_panel(5, scheme, k, xs, ldx, panel, os, ldo, cols); break;
 #endif
+            }
+            i += mr;
         }
     }
 }
 
 /* Rows [n0, n1) of the output's columns (n0 a multiple of PANEL: callers split n across threads); w: repack_blocks'
- * panels; k a multiple of block_cols(scheme). Strides are in elements. Up to FUSED_ROWS rows of blocks of 32 go
+ * panels; k a multiple of block_cols(scheme). Strides are in elements. Up to FUSED_MAX rows of blocks of 32 go
  * through fused_rows; up to PANEL_ROWS rows (a decode)
  * dequantize a KC slice at a time into L1 and keep their partial sums in acc between slices; more rows (a prompt
  * chunk) dequantize a whole panel once and run the f32 panels' tiles over it. The sums are the same either way,
  * and the same as gemm_fpanels' over gguf's dequantization: one FMA chain over k in order, from zero. */
 void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w, int scheme, float *out, int ldo,
                   int n0, int n1) {
-    if (m <= FUSED_ROWS && !kquant(scheme)) {
+    if (m <= FUSED_MAX && !kquant(scheme)) {
         fused_rows(m, k, x, ldx, w, scheme, out, ldo, n0, n1);
         return;
     }
