@@ -15,8 +15,9 @@ prompts as text only, so it gets the prompt's text, checked once to tokenize bac
 logit_bias (-1e30), and every stream must end by length; it streams text, not ids, so its token ids are its
 text encoded again with the GGUF's tokenizer (same_text_as_peer compares the text itself). Nothing reuses a
 prompt's KV between streams on the meshes (no KV store) or on vLLM (no prefix caching), so each stream pays its
-prefill; llama.cpp's server runs one request at a time and always reuses the previous request's KV for a shared
-prefix (no switch for either: recorded, not worked around; see LlamaCppServer). The f32 meshes and vLLM are both
+prefill, unless --prefix-reuse runs each as its defaults do (the meshes with a KV store, as graphmesh up starts
+them; vLLM with prefix caching); llama.cpp's server runs one request at a time and always reuses the previous
+request's KV for a shared prefix (no switch for either: recorded, not worked around; see LlamaCppServer). The f32 meshes and vLLM are both
 f32 and greedy, so their tokens should agree: each engine's are checked against vLLM's (same_tokens_as_peer; a
 mismatch of an f32 mesh is warned about), and against llama.cpp's when it ran (same_tokens_as_llamacpp); the
 packed meshes and llama.cpp run 4-bit weights with other arithmetic and may differ, which is recorded.
@@ -34,7 +35,7 @@ the end is recorded: on a shared small machine it is part of the result.
 
     .venv/bin/python bench/bench_serving.py [--repeats 3] [--concurrency 1,4,8,16,32] [--meshes 1,2,3]
         [--weights f32[,packed,packed-bf16]] [--tokens 64] [--peers vllm[,llamacpp]] [--no-peer | --peer-only]
-        [--vllm-bind 0-1] [--llamacpp-threads 2] [--quick]
+        [--vllm-bind 0-1] [--llamacpp-threads 2] [--prefix-reuse] [--quick]
 
 --quick: 1 repeat, concurrency 1 and 4, 16 tokens, for a smoke test of the harness (not figures).
 """
@@ -300,6 +301,9 @@ def main(argv: list[str] | None = None) -> None:
                    "run); several values: a mesh of each size for each")
     p.add_argument("--coordinator-args", default="", help="more flags for the meshes' coordinators, e.g. "
                    "'--steps-in-flight 3'")
+    p.add_argument("--prefix-reuse", action="store_true", help="every engine reuses a prompt's KV as its defaults do: "
+                   "the meshes with a KV store (as graphmesh up starts them), vLLM with prefix caching; llama.cpp "
+                   "always does")
     p.add_argument("--tokens", type=int, default=None, help="tokens generated per stream (default 64)")
     p.add_argument("--quick", action="store_true", help=f"smoke test: 1 repeat, concurrency {QUICK_CONCURRENCY}, "
                    f"{QUICK_TOKENS} tokens (flags given explicitly still win)")
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
             # the model directory is made here, with the product venv's transformers, which reads the GGUF
             bind = a.vllm_bind or f"0-{cpus - 1}"
             server = VllmServer(ensure_hf_model(path), threads_bind=bind,
-                                extra_args=["--no-enable-prefix-caching"]).start()
+                                extra_args=[] if a.prefix_reuse else ["--no-enable-prefix-caching"]).start()
             targets[PEER], threads[PEER], engine_weights[PEER] = vllm_target(server), f"bound to {bind}", "f32"
         if "llamacpp" in peers:
             llama = LlamaCppServer(path, n_threads=a.llamacpp_threads or cpus,
@@ -362,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         for n, d, w in itertools.product(sizes, ints(a.decode_steps), weights):
             t0 = time.perf_counter()
             name = mesh_name(n, d, w)
-            meshes.append(LocalMesh(n, "torch", MODEL, weights=w, kvstore=False,
+            meshes.append(LocalMesh(n, "torch", MODEL, weights=w, kvstore=a.prefix_reuse,
                                     extra_coordinator_args=("--decode-steps", str(d),
                                                             *a.coordinator_args.split())).start())
             targets[name], engine_weights[name] = mesh_target(meshes[-1]), w
@@ -476,7 +480,7 @@ def report(a: argparse.Namespace, prompt: list[int], tokens: int, repeats: int, 
             progress(f"WARNING: {name} runs f32 weights but its tokens differ from vLLM's (f32 too, greedy)")
     peers: dict[str, Any] = {}
     if PEER in loads:
-        peers[PEER] = {"package": VLLM, "weights": "f32, dequantized from the GGUF", "prefix_caching": False,
+        peers[PEER] = {"package": VLLM, "weights": "f32, dequantized from the GGUF", "prefix_caching": a.prefix_reuse,
                        "prompt": "token ids", "ignore_eos": True}
     if LLAMA in loads and llama is not None:
         peers[LLAMA] = {
@@ -493,9 +497,9 @@ def report(a: argparse.Namespace, prompt: list[int], tokens: int, repeats: int, 
         "model": MODEL, "weights": sorted({weights[name] for name in loads if name not in (PEER, LLAMA)}),
         "question": QUESTION, "prompt_tokens": len(prompt),
         "tokens_per_stream": tokens, "repeats": repeats, "quick": a.quick, "concurrency": concurrency,
-        "peer": {"name": PEER, "package": VLLM, "prefix_caching": False} if PEER in loads else None,
+        "peer": {"name": PEER, "package": VLLM, "prefix_caching": a.prefix_reuse} if PEER in loads else None,
         "peers": peers,
-        "graphmesh": {"backend": "torch", "kvstore": False},
+        "graphmesh": {"backend": "torch", "kvstore": a.prefix_reuse},
         "itl": "gap between streamed chunks", "scaling": {"streams": many, "over": one},
         "engines": engines})
 
