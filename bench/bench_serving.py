@@ -17,10 +17,11 @@ text encoded again with the GGUF's tokenizer (same_text_as_peer compares the tex
 prompt's KV between streams on the meshes (no KV store) or on vLLM (no prefix caching), so each stream pays its
 prefill, unless --prefix-reuse runs each as its defaults do (the meshes with a KV store, as graphmesh up starts
 them; vLLM with prefix caching); llama.cpp's server runs one request at a time and always reuses the previous
-request's KV for a shared prefix (no switch for either: recorded, not worked around; see LlamaCppServer). The f32 meshes and vLLM are both
-f32 and greedy, so their tokens should agree: each engine's are checked against vLLM's (same_tokens_as_peer; a
-mismatch of an f32 mesh is warned about), and against llama.cpp's when it ran (same_tokens_as_llamacpp); the
-packed meshes and llama.cpp run 4-bit weights with other arithmetic and may differ, which is recorded.
+request's KV for a shared prefix (no switch for either: recorded, not worked around; see LlamaCppServer). The f32
+meshes and vLLM are both f32 and greedy, so their tokens should agree: each engine's are checked against vLLM's
+(same_tokens_as_peer; a mismatch of an f32 mesh is warned about), and against llama.cpp's when it ran
+(same_tokens_as_llamacpp); the packed meshes and llama.cpp run 4-bit weights with other arithmetic and may differ,
+which is recorded.
 Inter-token latency is the gap between streamed chunks, as vLLM's own serving benchmark measures it (a chunk is
 one token on every engine at these settings; tokens per chunk are recorded to show it).
 

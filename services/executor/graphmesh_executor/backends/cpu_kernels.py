@@ -349,17 +349,22 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     (t, hq, d), hkv, keys = q.shape, k_pool.shape[1], table.shape[1] * block
     # Every layer of a run reads the same table and positions, and its scratch is free again when it returns:
     # made once a run.
-    table_i64 = memo(table, "i64", lambda: table.contiguous().long())
-    pos_i64 = memo(pos, "i64", lambda: pos.contiguous().long())
     scores, rows = memo(pos, ("attention-scratch", hq, keys), lambda: (
         torch.empty(hq * (keys + 8), dtype=torch.float32),  # a row per head, padded to whole vectors
         torch.empty(2 * keys, dtype=torch.int64)))  # a key's K and V row addresses
-    q, table, pos = q.contiguous(), table_i64, pos_i64
+    q, table, pos = q.contiguous(), _int64(table), _int64(pos)
     out = torch.empty(t, hq, d, dtype=torch.float32)
     lib.paged_decode_attention(t, hq, hkv, d, block, table.shape[1], q.data_ptr(), k_pool.data_ptr(),
                                v_pool.data_ptr(), table.data_ptr(), pos.data_ptr(), scale, window, softcap,
                                out.data_ptr(), scores.data_ptr(), rows.data_ptr())
     return out
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int64, converted once a run (memo) where it is not already."""
+    if t.dtype == torch.int64 and t.is_contiguous():
+        return t
+    return memo(t, "i64", lambda: t.contiguous().long())  # type: ignore[no-any-return]
 
 
 def _host_f32(*tensors: torch.Tensor) -> bool:

@@ -170,7 +170,8 @@ class TorchExecutable(CudaGraphs):
         six launches fewer on CUDA, six steps of Python fewer on the host."""
         fuse = self.fuse_pairs
         if fuse is None:  # no tensors: whether the kernels may run at all
-            fuse = cuda_kernels.usable() if self._device.type == "cuda" else cpu_kernels.library() is not None
+            fuse = cuda_kernels.usable() if self._device.type == "cuda" else \
+                self._device.type == "cpu" and cpu_kernels.library() is not None
         if not fuse:
             return {}
         readers: dict[str, list[Node]] = {}
