@@ -423,8 +423,9 @@ def rope_half_pair(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor, sin: tor
     """rope_half of x and of y (a layer's k and q) at the same positions in one call; None where the kernel does
     not serve both."""
     lib = library()
-    if (lib is None or not _host_f32(cos, sin) or cos.shape != sin.shape or not _rotatable(x, cos)
-            or not _rotatable(y, cos) or x.shape[2] != y.shape[2]):
+    # both rotatable at cos's positions: the same rows and head size
+    if lib is None or not _host_f32(cos, sin) or cos.shape != sin.shape or not _rotatable(x, cos) \
+            or not _rotatable(y, cos):
         return None
     out_x, out_y = torch.empty(x.shape, dtype=torch.float32), torch.empty(y.shape, dtype=torch.float32)
     lib.rope_half_pair(x.shape[0], x.shape[1], y.shape[1], x.shape[2], x.data_ptr(), x.stride(0), y.data_ptr(),
