@@ -27,18 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc.aio
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` and `tests` importable
 
-from bench.common import cpu_seconds, machine, median, metrics, progress, table, write_results
+from bench.common import cpu_seconds, generate_streams, machine, median, metrics, progress, table, write_results
 from graphmesh.launcher import LocalMesh
-from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from graphmesh.v1 import coordinator_pb2
 from tests.model_fixtures import VOCAB, make_tiny_llama, write_tiny_tokenizer
 
 GPU_SCHEDULE = "--max-step-seqs 256 --max-step-tokens 2048 --decode-steps 8"  # scheduler.py's *_CUDA defaults
 PROMPT_TOKENS = 8
-CHANNELS = 16  # client channels the streams are spread over (one HTTP/2 connection each)
 
 
 def prompt(i: int) -> list[int]:
@@ -48,18 +45,9 @@ def prompt(i: int) -> list[int]:
 
 async def burst(address: str, streams: int, tokens: int) -> int:
     """Runs `streams` Generate streams at once; returns the tokens they received (each must get all of its)."""
-    channels = [grpc.aio.insecure_channel(address) for _ in range(CHANNELS)]
-
-    async def one(i: int) -> int:
-        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channels[i % CHANNELS])
-        request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompt(i), max_tokens=tokens, ignore_eos=True)
-        return sum([len(r.token_ids) async for r in stub.Generate(request, timeout=600)])
-
-    try:
-        got = await asyncio.gather(*(one(i) for i in range(streams)))
-    finally:
-        for channel in channels:
-            await channel.close()
+    runs = await generate_streams(address, [coordinator_pb2.GenerateRequest(
+        prompt_token_ids=prompt(i), max_tokens=tokens, ignore_eos=True) for i in range(streams)])
+    got = [len(r["ids"]) for r in runs]
     if any(n != tokens for n in got):
         raise RuntimeError(f"streams ended short: {sorted(set(got))} tokens of {tokens}")
     return sum(got)

@@ -49,6 +49,7 @@ take (TCP frames, and CUDA IPC where the executors' handshake chooses it): media
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -69,9 +70,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.bench_gpu import SMALL, TINYLLAMA
-from bench.common import RESULTS_DIR, machine, median, metrics, progress, table
+from bench.common import RESULTS_DIR, generate_streams, machine, median, metrics, progress, table
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh, free_port, gpu_env, wait_healthy
+from graphmesh.v1 import coordinator_pb2
 from graphmesh_server.serving import byte_size
 
 
@@ -88,14 +90,20 @@ def stream(address: str, prompt: list[int], tokens: int) -> dict[str, Any]:
             "chunks": len(stamps), "stamps": stamps, "sizes": sizes}
 
 
-def run_level(address: str, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
-    barrier = threading.Barrier(len(prompts))
+def run_level(address: str, prompts: list[list[int]], tokens: int, client: str = "aio") -> dict[str, Any]:
+    """One level's streams, all at once: from one asyncio loop (client "aio") or a thread and a CoordinatorClient
+    each ("threads", the benchmark's client before 2026-12-06)."""
+    if client == "aio":
+        runs = asyncio.run(generate_streams(address, [
+            coordinator_pb2.GenerateRequest(prompt_token_ids=p, max_tokens=tokens, ignore_eos=True) for p in prompts]))
+    else:
+        barrier = threading.Barrier(len(prompts))
 
-    def one(prompt: list[int]) -> dict[str, Any]:
-        barrier.wait()
-        return stream(address, prompt, tokens)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        runs = list(pool.map(one, prompts))
+        def one(prompt: list[int]) -> dict[str, Any]:
+            barrier.wait()
+            return stream(address, prompt, tokens)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            runs = list(pool.map(one, prompts))
     wall = max(r["end"] for r in runs) - min(r["start"] for r in runs)
     gaps = [g for r in runs for g in r["gaps"]]
     ttfts = [r["ttft"] for r in runs]
@@ -339,7 +347,7 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
         # (the clients' channels, the coordinator's first use of each step size, the allocators).
         progress(f"== {label}: warm-up (one pass of every level)")
         for n in levels:
-            run_level(address, prompts[:n], a.tokens)
+            run_level(address, prompts[:n], a.tokens, a.client)
         solo = [stream(address, prompts[i], a.tokens)["ids"] for i in range(min(4, max(levels)))]
         rows: list[dict[str, Any]] = []
         for n in levels:
@@ -347,7 +355,7 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
             for r in range(a.repeats):
                 progress(f"== {label}: {n} streams, repeat {r + 1}/{a.repeats}")
                 counted = scrape(mesh)
-                reps.append(run_level(address, prompts[:n], a.tokens))
+                reps.append(run_level(address, prompts[:n], a.tokens, a.client))
                 reps[-1]["where"] = where_time_went(counted, scrape(mesh), reps[-1]["wall_s"])
             same = sum(ids == solo[i] for rep in reps for i, ids in enumerate(rep["ids"][:len(solo)]))
             rows.append({"streams": n, **{k: median([x[k] for x in reps]) for k in
@@ -467,6 +475,8 @@ def main() -> None:
     p.add_argument("--transports", default="links",
                    help="comma-separated: links (boundary links, the default) and/or grpc (PushBoundary calls)")
     p.add_argument("--mps", default="off", help="comma-separated: off and/or on (NVIDIA MPS for the executors)")
+    p.add_argument("--client", default="aio", choices=["aio", "threads"],
+                   help="the streams' client: one asyncio loop over shared channels, or a thread and channel each")
     p.add_argument("--no-peer", action="store_true", help="the meshes only (the peer needs CUDA)")
     p.add_argument("--peer-from", default="", help="an earlier results file whose peer rows to reuse (the peer is "
                    "not run again: a 10-minute call holds the peer or a mesh or two, not all); the JSON records the "

@@ -4,6 +4,7 @@ info (cores, load average, git commit) recorded with the numbers, tables, and th
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -19,8 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import grpc.aio
+import numpy as np
 
 from graphmesh.channels import MESSAGE_OPTIONS
+from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_executor.server import tune_malloc
 from graphmesh_server.serving import cpu_flags
 
@@ -147,3 +151,36 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {path}")
     return path
+
+
+STREAMS_PER_CHANNEL = 64  # under HTTP/2's usual limit of 100 concurrent streams on one connection
+
+
+async def generate_streams(address: str, requests: Sequence[coordinator_pb2.GenerateRequest]) -> list[dict[str, Any]]:
+    """Every request's Generate stream at once, from one event loop over a channel per 64 streams (as vLLM's serving
+    benchmark drives a server: one asyncio process; a thread and a channel per stream cost the client's GIL more
+    than the server's work at hundreds of streams). Per stream: its tokens, and when each chunk came and how many
+    tokens it held."""
+    channels = [grpc.aio.insecure_channel(address, options=MESSAGE_OPTIONS)
+                for _ in range(-(-len(requests) // STREAMS_PER_CHANNEL))]
+    stubs = [coordinator_pb2_grpc.CoordinatorServiceStub(c) for c in channels]
+
+    async def one(i: int, request: coordinator_pb2.GenerateRequest) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        stamps: list[float] = []
+        sizes: list[int] = []
+        ids: list[int] = []
+        async for chunk in stubs[i % len(stubs)].Generate(request, timeout=600.0):
+            stamps.append(time.perf_counter())
+            sizes.append(len(chunk.token_ids))
+            ids += chunk.token_ids
+        return {"ttft": stamps[0] - t0 if stamps else float("nan"), "gaps": np.diff(stamps).tolist(), "ids": ids,
+                "start": t0, "end": stamps[-1] if stamps else t0, "chunks": len(stamps), "stamps": stamps,
+                "sizes": sizes}
+    try:
+        for c in channels:
+            await c.channel_ready()
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+    finally:
+        for c in channels:
+            await c.close()
