@@ -271,9 +271,10 @@ def run_load(target: Target, prompt: list[int], streams: int, tokens: int) -> Lo
 
 
 # -- the benchmark ----------------------------------------------------------------------------------------------
-def mesh_name(n: int, decode_steps: int = 1, weights: str = "f32") -> str:
+def mesh_name(n: int, decode_steps: int = 1, weights: str = "f32", pinned: bool = True) -> str:
     runs = f", runs of {decode_steps}" if decode_steps > 1 else ""
-    return f"graphmesh, {n} executor{'s' if n > 1 else ''}{runs}{'' if weights == 'f32' else f', {weights}'}"
+    return (f"graphmesh, {n} executor{'s' if n > 1 else ''}{runs}{'' if weights == 'f32' else f', {weights}'}"
+            f"{'' if pinned or n == 1 else ', unpinned'}")
 
 
 def ints(text: str) -> list[int]:
@@ -308,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=None, help="tokens generated per stream (default 64)")
     p.add_argument("--quick", action="store_true", help=f"smoke test: 1 repeat, concurrency {QUICK_CONCURRENCY}, "
                    f"{QUICK_TOKENS} tokens (flags given explicitly still win)")
+    p.add_argument("--pin", default="on", help="on, off or on,off: whether the executors of a mesh run on cores of "
+                   "their own (LocalMesh.pin_cores, the default); both: each mesh of several executors both ways")
     p.add_argument("--weights", default="packed", help=f"the meshes' weight formats, a comma list of "
                    f"{', '.join(WEIGHTS)} (default packed, the coordinator's); several: a mesh of each size for each")
     p.add_argument("--peers", default=None, help=f"the peers, a comma list of {', '.join(PEER_NAMES)} "
@@ -364,10 +367,13 @@ def main(argv: list[str] | None = None) -> None:
                                    n_ctx=llamacpp_n_ctx(max(concurrency), len(prompt), tokens)).start()
             targets[LLAMA] = llamacpp_target(llama, prompt_text, prompt, tokenizer.encode)
             threads[LLAMA], engine_weights[LLAMA] = f"{llama.threads}", "Q4_1 (GGUF)"
-        for n, d, w in itertools.product(sizes, ints(a.decode_steps), weights):
+        pins = [v.strip() == "on" for v in a.pin.split(",")]
+        for n, d, w, pin in itertools.product(sizes, ints(a.decode_steps), weights, pins):
+            if n == 1 and not pin and True in pins:
+                continue  # one executor has every core either way
             t0 = time.perf_counter()
-            name = mesh_name(n, d, w)
-            meshes.append(LocalMesh(n, "torch", MODEL, weights=w, kvstore=a.prefix_reuse,
+            name = mesh_name(n, d, w, pin)
+            meshes.append(LocalMesh(n, "torch", MODEL, weights=w, kvstore=a.prefix_reuse, pin_cores=pin,
                                     extra_coordinator_args=("--decode-steps", str(d),
                                                             *a.coordinator_args.split())).start())
             targets[name], engine_weights[name] = mesh_target(meshes[-1]), w

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import itertools
 import json
@@ -84,6 +85,32 @@ def step(rt: StageRuntime, rows: list[StepRow], decode_steps: int, device: str) 
     return wall, (start.elapsed_time(end) / 1e3 if cuda else float("nan")), out
 
 
+def traced(run: Callable[[], Any], path: Path, iterations: int) -> tuple[Any, dict[str, float]]:
+    """Runs `run` under torch's profiler, writes its chrome trace to `path`, and sums the GPU's kernels in it: their
+    time, the span from the first kernel's start to the last one's end, and the idle time between them (the gaps the
+    host leaves), each a token of the run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = run()
+        torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in json.loads(path.read_text())["traceEvents"]
+                     if e.get("cat") == "kernel" and "dur" in e)
+    busy, end, gaps = 0.0, kernels[0][0], []
+    for start, stop in kernels:
+        if start > end:
+            gaps.append(start - end)
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - kernels[0][0]
+    big = sorted(gaps)[-5:]
+    return out, {"kernels": len(kernels), "kernel_ms_per_token": busy / 1e3 / iterations,
+                 "span_ms_per_token": span / 1e3 / iterations, "idle_ms_per_token": (span - busy) / 1e3 / iterations,
+                 "largest_gaps_ms": [g / 1e3 for g in big]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="tinyllama", choices=sorted(SHAPES))
@@ -94,6 +121,8 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, default=8, help="tokens a decode run makes per row")
     p.add_argument("--steps", type=int, default=6, help="timed steps per row count")
     p.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
+    p.add_argument("--trace", default="", help="also trace one more decode run of each level with torch's profiler "
+                   "into this directory (chrome traces) and report the GPU's kernel time and idle gaps within it")
     p.add_argument("--out", default=str(RESULTS_DIR / "profile_stage.json"))
     a = p.parse_args()
     load = os.getloadavg()
@@ -159,6 +188,15 @@ def main() -> None:
                    "gpu_ms_per_token": median(gpus) * 1e3 / a.decode_steps if timed_gpu else float("nan"),
                    "tok_s": n * a.decode_steps / median(walls), "profile": top}
             row["host_share"] = 1 - row["gpu_ms_per_token"] / row["wall_ms_per_token"] if timed_gpu else float("nan")
+            if a.trace and timed_gpu:
+                rows = [StepRow(f"s{i}", epochs[i], epochs[i] - 1, pos[i], [last[i]]) for i in range(n)]
+                out, row["trace"] = traced(functools.partial(step, rt, rows, a.decode_steps, a.device),
+                                           Path(a.trace) / f"decode_{n}.json", a.decode_steps)
+                out = out[2]
+                for i in range(n):
+                    made = out.run_tokens[i] if out.run_tokens else [out.tokens[i]]
+                    last[i], epochs[i], pos[i] = made[-1], epochs[i] + 1, pos[i] + len(made)
+                progress(f"   traced: {row['trace']}")
             rows_out.append(row)
             progress(f"   decode {n} rows: {row['wall_ms_per_token']:.2f} ms a token (GPU {row['gpu_ms_per_token']:.2f}), "
                      f"{row['tok_s']:.0f} tok/s")

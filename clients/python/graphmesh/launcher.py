@@ -177,6 +177,7 @@ class LocalMesh(Startable):
     proxied: bool = False  # the coordinator and the boundary pushes reach executors through fault proxies
     standby_weights: bool | None = None  # executors hold the whole model (None: their default, where it fits)
     gpus: Sequence[int] = ()  # one executor per GPU id, in rank order (gpu_env); empty: executors' own --device
+    pin_cores: bool = True  # CPU executors sharing this host each run on cores of their own (_core_shares)
     # TLS for every service (PEM files): each serves with tls_cert and presents it to the others; with tls_ca
     # every hop is mutual TLS. The certificate must name 127.0.0.1.
     tls_cert: str = ""
@@ -212,6 +213,18 @@ class LocalMesh(Startable):
         if isinstance(self.backend, str):
             return [self.backend or fastest_backend()] * (len(self.gpus) or self.executors)
         return list(self.backend)
+
+    def _core_shares(self, executors: int) -> list[list[int]]:
+        """The cores of each executor (--cpus) when several CPU executors share this host and each can have its own:
+        pinned, a stage's threads stay where its data is warm instead of following the hand-offs between the
+        stages (one stream through two executors on 2 cores: ~10% more tokens/s). Empty: leave them to the OS."""
+        extra = list(self.extra_executor_args)
+        device = extra[extra.index("--device") + 1] if "--device" in extra[:-1] else "cpu"
+        cores = sorted(os.sched_getaffinity(0))
+        if not self.pin_cores or self.gpus or device != "cpu" or "--cpus" in extra or not 1 < executors <= len(cores):
+            return []
+        each = len(cores) // executors
+        return [cores[rank * each:(rank + 1) * each] for rank in range(executors)]
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="graphmesh-logs-"))
@@ -279,11 +292,13 @@ class LocalMesh(Startable):
         # start costs the slowest process's import, not the sum of them all.
         backends = self.backends()
         threads = max(1, (os.cpu_count() or 2) // len(backends))  # executors sharing a machine must not oversubscribe
+        shares = self._core_shares(len(backends))
         spawned = []
         for rank, backend in enumerate(backends):
             address = f"127.0.0.1:{free_port()}"
             env = {"OMP_NUM_THREADS": str(threads)}
             args = ["graphmesh_executor.server", "--listen", address, "--backend", backend, "--threads", str(threads)]
+            args += ["--cpus", ",".join(map(str, shares[rank]))] if shares else []
             args += ["--enable-fault-injection"] if self.fault_injection else []
             args += [] if self.standby_weights is None else ["--standby-weights", "on" if self.standby_weights else "off"]
             if self.gpus:

@@ -23,6 +23,7 @@ import grpc
 from graphmesh import channels
 from graphmesh.launcher import fastest_backend
 from graphmesh.v1 import executor_pb2, executor_pb2_grpc, stage_pb2
+from graphmesh_executor import affinity
 from graphmesh_executor.backends import NAMES
 from graphmesh_executor.fencing import AuthorityState
 from graphmesh_executor.kv_push import KvPusher
@@ -53,6 +54,7 @@ class ExecutorConfig:
     device: str = "cpu"
     model_root: Path | None = None
     threads: int | None = None  # compute threads of the backend; None keeps the library default
+    cpus: frozenset[int] = frozenset()  # the cores its threads run on (affinity.pin); empty: wherever the OS puts them
     max_message_bytes: int = channels.MAX_MESSAGE_BYTES
     max_param_bytes: int = DEFAULT_MAX_PARAM_BYTES
     workers: int = 64  # calls served at once; stage waiters hold one each (the coordinator bounds them)
@@ -156,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--model-root", type=Path, help="directory LoadParams may read checkpoints from")
     p.add_argument("--threads", type=int, help="compute threads of the backend")
+    p.add_argument("--cpus", default="", help="cores this executor's threads run on, e.g. 0-3 or 0,2 (default: any; "
+                                              "graphmesh up gives executors that share a host cores of their own)")
     p.add_argument("--max-message-bytes", type=byte_size, default=channels.MAX_MESSAGE_BYTES,
                    help="largest gRPC message (e.g. 64Mi)")
     p.add_argument("--max-param-bytes", type=byte_size, default=DEFAULT_MAX_PARAM_BYTES,
@@ -192,8 +196,16 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     a = p.parse_args(argv)
     if a.boundary_link_port != "off" and not a.boundary_link_port.isdigit():
         p.error(f"--boundary-link-port takes a port or 'off', not {a.boundary_link_port!r}")
+    try:
+        cpus = affinity.parse(a.cpus) if a.cpus else frozenset()
+    except ValueError as e:
+        p.error(f"--cpus takes cores like 0-3 or 0,2: {e}")
+    if cpus - os.sched_getaffinity(0):
+        p.error(f"--cpus {a.cpus}: cores {sorted(cpus - os.sched_getaffinity(0))} are not this process's to use "
+                f"(it may use {sorted(os.sched_getaffinity(0))})")
     return ExecutorConfig(listen=a.listen, backend=a.backend or fastest_backend(), device=a.device, model_root=a.model_root,
-                          threads=a.threads, max_message_bytes=a.max_message_bytes, max_param_bytes=a.max_param_bytes,
+                          threads=a.threads, cpus=cpus, max_message_bytes=a.max_message_bytes,
+                          max_param_bytes=a.max_param_bytes,
                           workers=a.workers, enable_fault_injection=a.enable_fault_injection,
                           standby_weights=STANDBY_WEIGHTS[a.standby_weights], metrics_port=a.metrics_port,
                           kv_cache_bytes=a.kv_cache_bytes, security=bootstrap.from_args(a),
@@ -222,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         config = parse_args(argv)
         if argv is None:
             _preload_blas(config.backend)
+        if config.cpus:  # before any thread starts: each inherits the cores of the thread that starts it
+            affinity.pin(config.cpus)
         logs.configure("executor")
         telemetry.setup("graphmesh-executor")
         telemetry.serve_metrics(config.metrics_port)

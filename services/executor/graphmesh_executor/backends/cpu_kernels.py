@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from graphmesh.ops import QUANT_BLOCKS
+from graphmesh_executor import affinity
 from graphmesh_executor.backends.torch_tensors import memo
 from graphmesh_server.serving import cpu_flags, user_dir
 
@@ -190,10 +191,12 @@ def _panel_width(lib: ctypes.CDLL) -> int:
 @functools.cache
 def _helper(lib: ctypes.CDLL) -> bool:
     """Whether cpu_kernels.c's helper thread runs here (gemm_*_shared; _helped says for which products): where this
-    process may run on a second core, even when held to one compute thread (GRAPHMESH_CPU_HELPER=0: never)."""
-    if os.environ.get("GRAPHMESH_CPU_HELPER", "1") == "0" or len(os.sched_getaffinity(0)) < 2:
+    process may run on a second core, even when held to one compute thread or pinned to one core (affinity.py;
+    GRAPHMESH_CPU_HELPER=0: never)."""
+    if os.environ.get("GRAPHMESH_CPU_HELPER", "1") == "0" or len(affinity.unpinned()) < 2:
         return False
-    return bool(lib.start_helper() == 0)
+    with affinity.unpinned_threads():  # pinned (--cpus) or not, it borrows a core the other stages leave idle
+        return bool(lib.start_helper() == 0)
 
 
 def _helped(lib: ctypes.CDLL, m: int, light: bool) -> bool:
