@@ -98,6 +98,8 @@ def traced(run: Callable[[], Any], path: Path, iterations: int) -> tuple[Any, di
     prof.export_chrome_trace(str(path))
     kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in json.loads(path.read_text())["traceEvents"]
                      if e.get("cat") == "kernel" and "dur" in e)
+    if not kernels:
+        return out, {"kernels": 0}
     busy, end, gaps = 0.0, kernels[0][0], []
     for start, stop in kernels:
         if start > end:
@@ -141,7 +143,7 @@ def main() -> None:
         rt.install(1, 0, 1, StageSpec(tmp, 0, shape["num_hidden_layers"], True, True, dtype=a.dtype))
         progress(f"== installed in {time.perf_counter() - t0:.1f} s")
         n_sessions = max(max(levels), sessions)
-        prompts = [rng.integers(3, shape["vocab_size"], prompt_len).tolist() for _ in range(n_sessions)]
+        prompts = [rng.integers(3, shape["vocab_size"], prompt_len).tolist() for _ in range(n_sessions + sessions)]
         last: dict[int, int] = {}  # each session's last token, epoch and position: levels run different sessions
         epochs: dict[int, int] = {}
         pos: dict[int, int] = {}
@@ -167,6 +169,11 @@ def main() -> None:
         print(f"\nprefill steps of {sessions} x {prompt_len} tokens: wall ms {[round(w * 1e3, 1) for w, _ in prefill_rows]}, "
               f"GPU ms {[round(g * 1e3, 1) for _, g in prefill_rows]}\nengine thread, the last prefill step:\n{prof.top(20)}")
         prof.profile = None
+        if a.trace and a.device.startswith("cuda"):  # one more prefill step, of sessions the decode levels never use
+            rows = [StepRow(f"s{i}", 1, 0, 0, prompts[i]) for i in range(n_sessions, n_sessions + sessions)]
+            result["prefill"]["trace"] = traced(functools.partial(step, rt, rows, 1, a.device),
+                                                Path(a.trace) / "prefill.json", 1)[1]
+            progress(f"   traced prefill: {result['prefill']['trace']}")
         rows_out = []
         for n in levels:
             walls, gpus = [], []
