@@ -83,14 +83,13 @@ def rope_pair(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> tuple[Ten
     the Triton kernel serves both, one C call where cpu_kernels does, else each alone."""
     x, y, pos = xs
     rot = a["rotary_dim"] or x.shape[2]
-    if a["style"] == "half" and rot == x.shape[2] == y.shape[2] and x.is_cpu:
-        pair = cpu_kernels.rope_half_pair(x, y, *half_table(pos, a, rot, torch.float32))
-        if pair is not None:
-            return pair
-    elif (a["style"] == "half" and rot == x.shape[2] == y.shape[2] and cuda_kernels.rope_half_usable(x)
-            and cuda_kernels.rope_half_usable(y)):
-        cos, sin = half_table(pos, a, rot, torch.float32)
-        return cuda_kernels.rope_half_pair(x, y, cos, sin)
+    if a["style"] == "half" and rot == x.shape[2] == y.shape[2]:  # whole heads rotated by halves
+        if x.is_cpu:
+            pair = cpu_kernels.rope_half_pair(x, y, *half_table(pos, a, rot, torch.float32))
+            if pair is not None:
+                return pair
+        elif cuda_kernels.rope_half_usable(x) and cuda_kernels.rope_half_usable(y):
+            return cuda_kernels.rope_half_pair(x, y, *half_table(pos, a, rot, torch.float32))
     return _rope(ctx, [x, pos], a), _rope(ctx, [y, pos], a)
 
 
