@@ -1,7 +1,8 @@
 """Serving on a GPU through the real mesh against one compiled process on the same GPU: a random-weight model of a
 real shape (`--shape tinyllama`: TinyLlama-1.1B, `llama8b`: Llama-3-8B; `moe`: a Qwen3-MoE of Qwen3-30B-A3B's widths,
 12 layers of 32 experts, top 4, 2.65B parameters; `small` and `moe-small` for a dry run), bf16, over 1 and 2 torch
-executors on one CUDA device and a coordinator, driven by concurrent CoordinatorClient streams (ignore_eos).
+executors on one CUDA device and a coordinator, driven by concurrent Generate streams (ignore_eos) from one
+asyncio client over shared channels (`--client threads`: a thread and a CoordinatorClient per stream, as before).
 
 The peer (bench/gpu_peer.py, run first in a process of its own) is gpt-fast style: the same checkpoint, plain model
 code, a static KV cache per batch size, SDPA, the decode step compiled with torch.compile(mode="reduce-overhead");
