@@ -291,7 +291,8 @@ class LocalMesh(Startable):
         # Every process starts at once and each waits for what it needs (the coordinator for its executors): a
         # start costs the slowest process's import, not the sum of them all.
         backends = self.backends()
-        threads = max(1, (os.cpu_count() or 2) // len(backends))  # executors sharing a machine must not oversubscribe
+        # executors sharing a machine must not oversubscribe the cores this process may use (a cpuset, taskset)
+        threads = max(1, len(os.sched_getaffinity(0)) // len(backends))
         shares = self._core_shares(len(backends))
         spawned = []
         for rank, backend in enumerate(backends):
