@@ -217,7 +217,7 @@ class LocalMesh(Startable):
     def _core_shares(self, executors: int) -> list[list[int]]:
         """The cores of each executor (--cpus) when several CPU executors share this host and each can have its own:
         pinned, a stage's threads stay where its data is warm instead of following the hand-offs between the
-        stages (one stream through two executors on 2 cores: ~10% more tokens/s). Empty: leave them to the OS."""
+        stages (bench/RESULTS.md, CPU serving). Empty: leave them to the OS."""
         extra = list(self.extra_executor_args)
         device = extra[extra.index("--device") + 1] if "--device" in extra[:-1] else "cpu"
         cores = sorted(os.sched_getaffinity(0))
