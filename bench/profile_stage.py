@@ -174,17 +174,22 @@ def main() -> None:
             result["prefill"]["trace"] = traced(functools.partial(step, rt, rows, 1, a.device),
                                                 Path(a.trace) / "prefill.json", 1)[1]
             progress(f"   traced prefill: {result['prefill']['trace']}")
+        def decode(n: int) -> tuple[float, float, Any]:
+            """step() of a decode run of sessions 0..n-1, each from its last token; their state moves on by its tokens."""
+            rows = [StepRow(f"s{i}", epochs[i], epochs[i] - 1, pos[i], [last[i]]) for i in range(n)]
+            wall, gpu, out = step(rt, rows, a.decode_steps, a.device)
+            for i in range(n):
+                made = out.run_tokens[i] if out.run_tokens else [out.tokens[i]]
+                last[i], epochs[i], pos[i] = made[-1], epochs[i] + 1, pos[i] + len(made)
+            return wall, gpu, out
+
         rows_out = []
         for n in levels:
             walls, gpus = [], []
             for k in range(a.steps + 2):  # two untimed steps first: a new batch size compiles and captures
                 if k == 2:
                     prof.profile = cProfile.Profile()
-                rows = [StepRow(f"s{i}", epochs[i], epochs[i] - 1, pos[i], [last[i]]) for i in range(n)]
-                wall, gpu, out = step(rt, rows, a.decode_steps, a.device)
-                for i in range(n):
-                    made = out.run_tokens[i] if out.run_tokens else [out.tokens[i]]
-                    last[i], epochs[i], pos[i] = made[-1], epochs[i] + 1, pos[i] + len(made)
+                wall, gpu, _ = decode(n)
                 if k >= 2:
                     walls.append(wall)
                     gpus.append(gpu)
@@ -196,13 +201,8 @@ def main() -> None:
                    "tok_s": n * a.decode_steps / median(walls), "profile": top}
             row["host_share"] = 1 - row["gpu_ms_per_token"] / row["wall_ms_per_token"] if timed_gpu else float("nan")
             if a.trace and timed_gpu:
-                rows = [StepRow(f"s{i}", epochs[i], epochs[i] - 1, pos[i], [last[i]]) for i in range(n)]
-                out, row["trace"] = traced(functools.partial(step, rt, rows, a.decode_steps, a.device),
-                                           Path(a.trace) / f"decode_{n}.json", a.decode_steps)
-                out = out[2]
-                for i in range(n):
-                    made = out.run_tokens[i] if out.run_tokens else [out.tokens[i]]
-                    last[i], epochs[i], pos[i] = made[-1], epochs[i] + 1, pos[i] + len(made)
+                row["trace"] = traced(functools.partial(decode, n), Path(a.trace) / f"decode_{n}.json",
+                                      a.decode_steps)[1]
                 progress(f"   traced: {row['trace']}")
             rows_out.append(row)
             progress(f"   decode {n} rows: {row['wall_ms_per_token']:.2f} ms a token (GPU {row['gpu_ms_per_token']:.2f}), "
