@@ -71,7 +71,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.bench_gpu import SMALL, TINYLLAMA
-from bench.common import RESULTS_DIR, generate_streams, machine, median, metrics, progress, table
+from bench.common import RESULTS_DIR, generate_streams, machine, median, metrics, progress, stream_record, table
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh, free_port, gpu_env, wait_healthy
 from graphmesh.v1 import coordinator_pb2
@@ -86,9 +86,7 @@ def stream(address: str, prompt: list[int], tokens: int) -> dict[str, Any]:
             stamps.append(time.perf_counter())
             sizes.append(len(chunk.token_ids))
             ids += list(chunk.token_ids)
-    # the gaps between chunks, as vLLM's serving benchmark measures them: tokens that came together are one chunk
-    return {"ttft": stamps[0] - t0, "gaps": np.diff(stamps).tolist(), "ids": ids, "start": t0, "end": stamps[-1],
-            "chunks": len(stamps), "stamps": stamps, "sizes": sizes}
+    return stream_record(t0, stamps, sizes, ids)
 
 
 def run_level(address: str, prompts: list[list[int]], tokens: int, client: str = "aio") -> dict[str, Any]:

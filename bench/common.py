@@ -153,6 +153,13 @@ def write_results(name: str, payload: dict[str, Any]) -> Path:
     return path
 
 
+def stream_record(t0: float, stamps: list[float], sizes: list[int], ids: list[int]) -> dict[str, Any]:
+    """A stream that began at t0 and got chunks of `sizes` tokens at `stamps`: its TTFT and the gaps between chunks,
+    as vLLM's serving benchmark measures them (tokens that came together are one chunk)."""
+    return {"ttft": stamps[0] - t0 if stamps else float("nan"), "gaps": np.diff(stamps).tolist(), "ids": ids,
+            "start": t0, "end": stamps[-1] if stamps else t0, "chunks": len(stamps), "stamps": stamps, "sizes": sizes}
+
+
 STREAMS_PER_CHANNEL = 64  # under HTTP/2's usual limit of 100 concurrent streams on one connection
 
 
@@ -174,9 +181,7 @@ async def generate_streams(address: str, requests: Sequence[coordinator_pb2.Gene
             stamps.append(time.perf_counter())
             sizes.append(len(chunk.token_ids))
             ids += chunk.token_ids
-        return {"ttft": stamps[0] - t0 if stamps else float("nan"), "gaps": np.diff(stamps).tolist(), "ids": ids,
-                "start": t0, "end": stamps[-1] if stamps else t0, "chunks": len(stamps), "stamps": stamps,
-                "sizes": sizes}
+        return stream_record(t0, stamps, sizes, ids)
     try:
         for c in channels:
             await c.channel_ready()
