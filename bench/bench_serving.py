@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = a.tokens or (QUICK_TOKENS if a.quick else 64)
     sizes = [] if a.peer_only else ints(a.meshes)
     weights = names(a.weights, WEIGHTS, "weight format(s)", p)
+    pins = [v == "on" for v in names(a.pin, ("on", "off"), "--pin value(s)", p)]
     if a.no_peer and a.peers is not None:
         p.error("--no-peer and --peers contradict each other")
     peers = [] if a.no_peer else names(a.peers or "vllm", PEER_NAMES, "peer(s)", p)
@@ -367,7 +368,6 @@ def main(argv: list[str] | None = None) -> None:
                                    n_ctx=llamacpp_n_ctx(max(concurrency), len(prompt), tokens)).start()
             targets[LLAMA] = llamacpp_target(llama, prompt_text, prompt, tokenizer.encode)
             threads[LLAMA], engine_weights[LLAMA] = f"{llama.threads}", "Q4_1 (GGUF)"
-        pins = [v.strip() == "on" for v in a.pin.split(",")]
         for n, d, w, pin in itertools.product(sizes, ints(a.decode_steps), weights, pins):
             if n == 1 and not pin and True in pins:
                 continue  # one executor has every core either way
