@@ -214,16 +214,14 @@ class LocalMesh(Startable):
             return [self.backend or fastest_backend()] * (len(self.gpus) or self.executors)
         return list(self.backend)
 
-    def _core_shares(self, executors: int) -> list[list[int]]:
-        """The cores of each executor (--cpus) when several CPU executors share this host and each can have its own:
-        pinned, a stage's threads stay where its data is warm instead of following the hand-offs between the
+    def _core_shares(self, cores: list[int], executors: int, each: int) -> list[list[int]]:
+        """The `each` cores of every executor (--cpus) when several CPU executors share this host and each can have
+        its own: pinned, a stage's threads stay where its data is warm instead of following the hand-offs between the
         stages (bench/RESULTS.md, CPU serving). Empty: leave them to the OS."""
         extra = list(self.extra_executor_args)
         device = extra[extra.index("--device") + 1] if "--device" in extra[:-1] else "cpu"
-        cores = sorted(os.sched_getaffinity(0))
         if not self.pin_cores or self.gpus or device != "cpu" or "--cpus" in extra or not 1 < executors <= len(cores):
             return []
-        each = len(cores) // executors
         return [cores[rank * each:(rank + 1) * each] for rank in range(executors)]
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -292,8 +290,9 @@ class LocalMesh(Startable):
         # start costs the slowest process's import, not the sum of them all.
         backends = self.backends()
         # executors sharing a machine must not oversubscribe the cores this process may use (a cpuset, taskset)
-        threads = max(1, len(os.sched_getaffinity(0)) // len(backends))
-        shares = self._core_shares(len(backends))
+        cores = sorted(os.sched_getaffinity(0))
+        threads = max(1, len(cores) // len(backends))
+        shares = self._core_shares(cores, len(backends), threads)
         spawned = []
         for rank, backend in enumerate(backends):
             address = f"127.0.0.1:{free_port()}"

@@ -20,9 +20,10 @@ def parse(spec: str) -> frozenset[int]:
     cpus: set[int] = set()
     for part in spec.split(","):
         found = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
-        if found is None or int(found[2] or found[1]) < int(found[1]):
+        first, last = (int(found[1]), int(found[2] or found[1])) if found else (0, -1)
+        if last < first:
             raise ValueError(f"not a core or a range of cores: {part!r}")
-        cpus.update(range(int(found[1]), int(found[2] or found[1]) + 1))
+        cpus.update(range(first, last + 1))
     return frozenset(cpus)
 
 

@@ -200,9 +200,10 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
         cpus = affinity.parse(a.cpus) if a.cpus else frozenset()
     except ValueError as e:
         p.error(f"--cpus takes cores like 0-3 or 0,2: {e}")
-    if cpus - os.sched_getaffinity(0):
-        p.error(f"--cpus {a.cpus}: cores {sorted(cpus - os.sched_getaffinity(0))} are not this process's to use "
-                f"(it may use {sorted(os.sched_getaffinity(0))})")
+    allowed = os.sched_getaffinity(0)
+    if cpus - allowed:
+        p.error(f"--cpus {a.cpus}: cores {sorted(cpus - allowed)} are not this process's to use (it may use "
+                f"{sorted(allowed)})")
     return ExecutorConfig(listen=a.listen, backend=a.backend or fastest_backend(), device=a.device, model_root=a.model_root,
                           threads=a.threads, cpus=cpus, max_message_bytes=a.max_message_bytes,
                           max_param_bytes=a.max_param_bytes,
