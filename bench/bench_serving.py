@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 
 from bench.common import machine, median, progress, table, write_results
 from bench.peers import LLAMACPP, PEER_NAMES, VLLM, LlamaCppServer, VllmServer, ensure_hf_model, llamacpp_recipe
+from graphmesh import models
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.coordinator_client import CoordinatorClient
@@ -73,7 +74,7 @@ MODEL = "smollm2-135m"
 QUESTION = "Explain in one paragraph why the sky is blue."  # bench_mesh.py's: the two benchmarks' prompts match
 PEER = "vLLM"  # the reference: ratios and token checks are against it
 LLAMA = "llama.cpp"
-WEIGHTS = ("f32", "packed", "packed-bf16")  # the coordinator's --weights
+WEIGHTS = tuple(models.WEIGHTS)  # the coordinator's --weights
 EOG_BIAS = -1e30  # llama.cpp adds it to the banned tokens' logits: -inf in effect, and valid JSON
 CONCURRENCY = "1,4,8,16,32"
 QUICK_CONCURRENCY = "1,4"

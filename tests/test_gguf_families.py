@@ -259,6 +259,34 @@ def test_gguf_over_two_executors_matches_transformers(name: str, tmp_path: Path)
     assert got == want
 
 
+def test_a_mesh_serving_packed_q8_gives_every_stream_its_solo_tokens(tmp_path: Path) -> None:
+    """The real mesh (coordinator, 2 torch executor processes, --weights packed-q8) on a Llama 3 Q4_K_M-style file
+    (its Q4_0 / Q8_0 tensors take int8 rows, its K-quants f32 ones): four concurrent streams each get the tokens
+    they get alone, and the same tokens as numpy's float64 reference of the same arithmetic."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from graphmesh.coordinator_client import CoordinatorClient
+    from graphmesh.launcher import LocalMesh
+
+    c = _make_case("llama3-q4_k_m", tmp_path)
+    prompts = [[5, 17, 99, 3, 250, 42, 7, 11], [600, 12, 1], [8, 9, 10, 11, 12, 13], [77]]
+
+    def tokens(client: CoordinatorClient, prompt: list[int]) -> list[int]:
+        return [t for chunk in client.generate(prompt_token_ids=prompt, max_tokens=16, ignore_eos=True)
+                for t in chunk.token_ids]
+
+    runs: dict[str, list[list[int]]] = {}
+    for backend in ("torch", "numpy"):
+        with LocalMesh(2, backend, str(c.gguf), startup_timeout_s=120, weights="packed-q8",
+                       extra_executor_args=("--kv-cache-bytes", "4Mi")) as mesh:
+            with CoordinatorClient(mesh.coordinator_address) as client:
+                runs[backend] = [tokens(client, p) for p in prompts]
+                if backend == "torch":
+                    with ThreadPoolExecutor(len(prompts)) as pool:
+                        assert list(pool.map(lambda p: tokens(client, p), prompts)) == runs[backend]
+    assert runs["torch"] == runs["numpy"]
+
+
 # -- what is still refused, at open, by field and value ----------------------------------------------------
 
 def _rewrite(src: Path, dst: Path, arch: str | None = None, extra: dict[str, int] | None = None,

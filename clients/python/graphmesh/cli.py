@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-from graphmesh import security
+from graphmesh import models, security
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError, Unavailable
 from graphmesh.launcher import LocalMesh, fastest_backend, parse_gpus
@@ -42,7 +42,7 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
                                                 "(default: the fastest installed)")
     p.add_argument("--model", default="smollm2-135m", help="bundled model name or checkpoint path")
     p.add_argument("--split", default="", help="layers per executor, e.g. 20,10 (default: balanced)")
-    p.add_argument("--weights", default="packed", choices=["f32", "packed", "packed-bf16"],
+    p.add_argument("--weights", default="packed", choices=list(models.WEIGHTS),
                    help="packed (default): quantized blocks kept packed, the same tokens as f32 and faster on CPUs")
     p.add_argument("--speculative", default="off",
                    help="the coordinator's speculative decoding: prompt-lookup[:K], draft:MODEL[:K] (one more executor "

@@ -373,5 +373,5 @@ class GraphBuilder:
     def sample(self, logits: Value, temperature: Value, top_k: Value, top_p: Value, seed: Value) -> Value:
         return self.node("sample", [logits, temperature, top_k, top_p, seed])
 
-    def dequant_matmul(self, x: Value, packed: Value, scheme: str, n: int, k: int) -> Value:
-        return self.node("dequant_matmul", [x, packed], scheme=scheme, n=n, k=k)
+    def dequant_matmul(self, x: Value, packed: Value, scheme: str, n: int, k: int, activations: str = "f32") -> Value:
+        return self.node("dequant_matmul", [x, packed], scheme=scheme, n=n, k=k, activations=activations)

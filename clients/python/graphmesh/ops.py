@@ -373,6 +373,14 @@ QUANT_BLOCKS: dict[str, tuple[int, int]] = {"q4_0": (32, 18), "q4_1": (32, 20), 
                                             "q6_k": (256, 210)}
 
 
+# How dequant_matmul multiplies: "f32", x by the weight's exact dequantized values; "q8", x's rows quantized to int8
+# in blocks of 32 first (d = amax / 127, codes rounded to the nearest even), each block's dot product with q4_0, q4_1
+# or q8_0 codes exact in integers and scaled by d_w * d_x (plus q4_1's min times d_x * sum(codes)): llama.cpp's
+# arithmetic for those blocks. Other schemes multiply f32 rows either way.
+ACTIVATIONS = ("f32", "q8")
+Q8_SCHEMES = ("q4_0", "q4_1", "q8_0")
+
+
 def packed_shape(scheme: str, n: int, k: int) -> tuple[int, int]:
     block, size = QUANT_BLOCKS[scheme]
     return (n, k // block * size)
@@ -390,6 +398,10 @@ def _dequant_matmul(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
         raise _fail(f"k={k} is not a multiple of the {scheme} block size")
     if packed.dtype != "u8" or packed.shape != packed_shape(scheme, n, k):
         raise _fail(f"packed {scheme} weight for [{n}, {k}] must be u8{list(packed_shape(scheme, n, k))}, got {packed}")
+    if attrs["activations"] not in ACTIVATIONS:
+        raise _fail(f"dequant_matmul activations must be one of {ACTIVATIONS}, got {attrs['activations']!r}")
+    if attrs["activations"] == "q8" and x.dtype != "f32":
+        raise _fail(f"dequant_matmul with int8 activations takes f32 rows, got {x}")
     return TensorType(x.dtype, (*x.shape[:-1], n))
 
 
@@ -443,7 +455,8 @@ _register(
     OpSpec("grouped_matmul", 3, 3, _grouped_matmul),
     OpSpec("argmax", 1, 1, _argmax, {"axis": Attr("int", -1)}),
     OpSpec("sample", 5, 5, _sample),
-    OpSpec("dequant_matmul", 2, 2, _dequant_matmul, {"scheme": Attr("str"), "n": Attr("int"), "k": Attr("int")}),
+    OpSpec("dequant_matmul", 2, 2, _dequant_matmul, {"scheme": Attr("str"), "n": Attr("int"), "k": Attr("int"),
+                                                     "activations": Attr("str", "f32")}),
 )
 
 _KIND_CHECK: dict[str, Callable[[Any], bool]] = {

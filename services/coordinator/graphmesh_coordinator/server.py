@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
+from graphmesh import models
 from graphmesh.bundled import resolve_model
 from graphmesh.channels import MESSAGE_OPTIONS
 from graphmesh.checkpoints import open_checkpoint
@@ -347,9 +348,10 @@ def main(argv: list[str] | None = None) -> None:
                              "coordinator, else ~/.local/state/graphmesh/coordinator)")
     parser.add_argument("--kvstore", default="")
     parser.add_argument("--split", default="", help="layers per executor, e.g. 15,15 (default: balanced)")
-    parser.add_argument("--weights", default="packed", choices=["f32", "packed", "packed-bf16"],
+    parser.add_argument("--weights", default="packed", choices=list(models.WEIGHTS),
                         help="packed (default): a GGUF's quantized blocks kept packed (on CPUs the same tokens as f32, "
-                             "faster); f32: dequantized; packed-bf16: bf16 activations into them")
+                             "faster); f32: dequantized; packed-bf16: bf16 activations into them; packed-q8: int8 "
+                             "activations into them (llama.cpp's arithmetic)")
     parser.add_argument("--startup-timeout", type=float, default=60.0)
     parser.add_argument("--rpc-timeout", type=float, default=60.0)
     parser.add_argument("--max-context", type=int, default=0, help="cap on tokens per session (0: the model's)")

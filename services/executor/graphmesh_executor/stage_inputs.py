@@ -83,13 +83,14 @@ class RunInputs(StageState):
         assert self.config is not None and self.spec is not None
         spec = self.spec
         # "packed": GGUF blocks stay packed, consumed by dequant_matmul (exact); "packed-bf16" also runs those
-        # matmuls on bf16 activations, which torch's int4 kernel needs to be fast (not token-exact).
+        # matmuls on bf16 activations, which torch's int4 kernel needs to be fast (not token-exact); "packed-q8"
+        # quantizes their rows to int8 (llama.cpp's arithmetic, the CPU kernels' fastest).
         packed = self._packed
         layout = models.PagedLayout(seqs, blocks, self.pool.block_tokens, self.pool.blocks, decode)
         proto = models.build_stage(self.config, range(spec.layer_start, spec.layer_end), seq_len=tokens, cache_len=0,
                                    first=spec.first, last=spec.last, sample=sample, quantized=packed,
                                    packed_schemes=self._packed_schemes if packed else None,
-                                   packed_activations="bf16" if spec.weights == "packed-bf16" else "f32",
+                                   packed_activations=models.WEIGHTS[spec.weights] or "f32",
                                    dtype=self.dtype, paged=layout, encoded=encoded)
         exe = compile_graph(parse(proto), self.backend, self.device)
         if weights is not None:

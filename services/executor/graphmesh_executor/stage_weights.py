@@ -58,8 +58,8 @@ class StageWeights(RunInputs):
         if not 0 <= spec.layer_start < spec.layer_end <= config.n_layers:
             raise InvalidArgument(f"layers [{spec.layer_start}, {spec.layer_end}) outside the model's "
                                   f"{config.n_layers} layers", "BAD_LAYER_RANGE")
-        if spec.weights not in ("f32", "packed", "packed-bf16"):
-            raise InvalidArgument(f"weights must be 'f32', 'packed' or 'packed-bf16', got {spec.weights!r}",
+        if spec.weights not in models.WEIGHTS:
+            raise InvalidArgument(f"weights must be one of {', '.join(models.WEIGHTS)}, got {spec.weights!r}",
                                   "BAD_WEIGHTS")
         dtype = spec.dtype or ("bf16" if self.device.startswith("cuda") else "f32")
         if dtype not in ("f32", "bf16", "f16"):
@@ -68,7 +68,7 @@ class StageWeights(RunInputs):
         self._packed_schemes = ckpt.packed_schemes()
         # "packed" (the default) keeps a GGUF's quantized blocks packed where the family's stages consume them; a
         # checkpoint with none, or another family (GPT-2), is read as f32 then, so the default serves every model.
-        self._packed = spec.weights in ("packed", "packed-bf16") and bool(self._packed_schemes) and \
+        self._packed = spec.weights != "f32" and bool(self._packed_schemes) and \
             models.quantizable(config)
         recent = list(self._executables)[-WARM_SHAPES:]  # most recently used last
         self._executables.clear()

@@ -10,7 +10,11 @@ from graphmesh.models.llama import PagedLayout
 from graphmesh.ops import TensorType
 from graphmesh.v1 import graph_pb2
 
-__all__ = ["ModelConfig", "PagedLayout", "build_stage", "quantizable", "stage_params"]
+__all__ = ["WEIGHTS", "ModelConfig", "PagedLayout", "build_stage", "quantizable", "stage_params"]
+
+# The weight formats a stage serves (StageSpec.weights, the coordinator's --weights), each the activations its
+# dequant_matmuls take (build_stage's packed_activations); f32 dequantizes the checkpoint instead.
+WEIGHTS = {"f32": "", "packed": "f32", "packed-bf16": "bf16", "packed-q8": "q8"}
 
 
 def quantizable(config: ModelConfig) -> bool:

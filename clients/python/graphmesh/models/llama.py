@@ -31,7 +31,9 @@ stage, in blocks of `block_size` rows:
 Two opt-in precisions (the defaults are the exact f32 graph above): dtype="bf16"/"f16" keeps params, KV
 caches and compute in that dtype while the boundary, logits and token stay as in the contract (a GPU
 stage); packed_activations="bf16" feeds bf16 activations to the dequant_matmuls of a quantized stage's
-layers (not its head), the form torch's packed int4 CPU kernel multiplies without dequantizing the weight.
+layers (not its head), the form torch's packed int4 CPU kernel multiplies without dequantizing the weight;
+packed_activations="q8" has every dequant_matmul, the head's too, quantize its f32 rows to int8 (graphmesh.ops'
+ACTIVATIONS: llama.cpp's arithmetic for its 4- and 8-bit blocks).
 """
 
 from __future__ import annotations
@@ -131,11 +133,11 @@ def cached_attention(g: GraphBuilder, c: ModelConfig, io: StageIO, i: int, q: Va
 @dataclass
 class _Precision:
     dtype: str = "f32"  # params, KV caches and compute
-    packed_activations: str = "f32"  # the dtype dequant_matmuls take
+    packed_activations: str = "f32"  # the dtype dequant_matmuls take, or "q8": f32 rows they quantize to int8
     casts: dict[str, Value] = field(default_factory=dict)  # one cast per activation that several Linears read
 
     def packed_input(self, g: GraphBuilder, x: Value) -> Value:
-        if self.packed_activations == x.dtype:
+        if self.packed_activations in (x.dtype, "q8"):
             return x
         if x.name not in self.casts:
             self.casts[x.name] = g.cast(x, self.packed_activations)
@@ -148,7 +150,8 @@ def _linear(g: GraphBuilder, x: Value, name: str, n: int, k: int, schemes: dict[
     p = precision or _Precision()
     if name in schemes:
         scheme = schemes[name]
-        y = g.dequant_matmul(p.packed_input(g, x), g.param(name, packed_shape(scheme, n, k), "u8"), scheme, n, k)
+        y = g.dequant_matmul(p.packed_input(g, x), g.param(name, packed_shape(scheme, n, k), "u8"), scheme, n, k,
+                             "q8" if p.packed_activations == "q8" else "f32")
         y = g.cast(y, x.dtype) if y.dtype != x.dtype else y
     else:
         y = g.matmul(x, g.param(name, (n, k), p.dtype), transpose_b=True)
@@ -262,8 +265,9 @@ def build_stage(config: ModelConfig, layers: range, seq_len: int, cache_len: int
     if io.last_index is None:
         return stage_outputs(g, io, g.cast(x, "f32") if dtype != "f32" else x, caches)
     x = _norm(g, c, g.gather(x, io.last_index), "model.norm.weight", c.hidden_size, dtype)
-    # The head keeps the stage dtype: bf16 logits near 16 are 0.125 apart, and greedy picks would flip.
-    head = _Precision(dtype, dtype)
+    # The head keeps the stage dtype: bf16 logits near 16 are 0.125 apart, and greedy picks would flip. Int8 rows
+    # (as llama.cpp's head takes them) keep f32 logits.
+    head = _Precision(dtype, "q8" if precision.packed_activations == "q8" else dtype)
     logits = _linear(g, x, "lm_head.weight", c.vocab_size, c.hidden_size, schemes, precision=head)
     logits = g.cast(logits, "f32") if dtype != "f32" else logits
     if c.final_softcap:  # Gemma 2: cap * tanh(logits / cap)

@@ -533,6 +533,190 @@ void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w,
     }
 }
 
+/* Products over int8 activations (weights "packed-q8"), llama.cpp's arithmetic for its Q4/Q8 blocks: each row of
+ * x is quantized once per product in blocks of 32 (quantize_rows_q8: d = amax / 127, q = x / d rounded to the
+ * nearest even, and its sum), and a block's contribution to an output is its integer dot product with the weight's
+ * codes, exact in 32 bits, times d_w * d_x, plus q4_1's min times d_x * sum(q). The integer dots take one
+ * instruction per 4 codes and lane (AVX-512 VNNI's vpdpbusd, else vpmaddubsw + vpmaddwd: the same exact sums), where
+ * the f32 products spend several per weight dequantizing it: a decode row reads its weights at the memory's pace.
+ * Each output is one FMA chain over the blocks in order, from zero, in every build and for every row count: a row's
+ * bits do not depend on the rows beside it, the build or the thread split.
+ * The weights are laid out again (repack_q8) in panels of PANEL rows: per block of 32 columns, the PANEL f16 scales,
+ * for q4_1 the PANEL f16 mins, then the codes in groups that a vector lane reads as one 32-bit word, PANEL words a
+ * group: q4 groups of 8 columns (byte t of a word: column t in the low nibble, t + 4 in the high one), q8_0 groups of
+ * 4 (byte t: column t, signed). */
+#define Q8_BLOCK 32
+
+size_t q8_panel_block_bytes(int scheme) {
+    switch (scheme) {
+    case SCHEME_Q8_0: return 2 * PANEL + 32 * PANEL;
+    case SCHEME_Q4_1: return 4 * PANEL + 16 * PANEL;
+    default: return 2 * PANEL + 16 * PANEL;
+    }
+}
+
+/* GGUF rows [n, k / 32 blocks] of q4_0, q4_1 or q8_0 -> panels [ceil(n / PANEL)][k / 32][q8_panel_block_bytes];
+ * rows past n are zero. */
+void repack_q8(int scheme, int n, int k, const unsigned char *src, unsigned char *dst) {
+    int blocks = k / 32, q8 = scheme == SCHEME_Q8_0, q41 = scheme == SCHEME_Q4_1;
+    size_t row_bytes = (size_t)blocks * gguf_block_bytes(scheme), bb = q8_panel_block_bytes(scheme);
+    for (int panel = 0; panel < (n + PANEL - 1) / PANEL; panel++)
+        for (int b = 0; b < blocks; b++) {
+            unsigned char *out = dst + ((size_t)panel * blocks + b) * bb;
+            unsigned char *codes = out + (q41 ? 4 : 2) * PANEL;
+            memset(out, 0, bb); /* the padding rows: zero scales and codes, products never stored */
+            for (int r = 0; r < PANEL && panel * PANEL + r < n; r++) {
+                const unsigned char *blk = src + (size_t)(panel * PANEL + r) * row_bytes + (size_t)b * gguf_block_bytes(scheme);
+                out[2 * r] = blk[0], out[2 * r + 1] = blk[1]; /* d */
+                if (q41) out[2 * (PANEL + r)] = blk[2], out[2 * (PANEL + r) + 1] = blk[3]; /* m */
+                if (q8) {
+                    for (int c = 0; c < 32; c++) codes[((c / 4) * PANEL + r) * 4 + c % 4] = blk[2 + c];
+                    continue;
+                }
+                const unsigned char *qs = blk + (q41 ? 4 : 2); /* gguf: byte j holds column j (low), j + 16 (high) */
+                for (int c = 0; c < 32; c++) {
+                    int q = c < 16 ? qs[c] & 15 : qs[c - 16] >> 4, g = c / 8, t = c % 8;
+                    codes[(g * PANEL + r) * 4 + t % 4] |= (unsigned char)(q << (t < 4 ? 0 : 4));
+                }
+            }
+        }
+}
+
+/* Rows of x [m, k] (k a multiple of 32) as int8 blocks: q [m, k], per row and block its d and d * sum(q) in
+ * ds [m, k / 32, 2] and sum(q) in sums [m, k / 32]. Scalar IEEE operations, the same in every build. */
+void quantize_rows_q8(int m, int k, const float *x, int ldx, signed char *q, float *ds, int *sums) {
+    int blocks = k / Q8_BLOCK;
+    for (int i = 0; i < m; i++)
+        for (int b = 0; b < blocks; b++) {
+            const float *xb = x + (size_t)i * ldx + Q8_BLOCK * b;
+            signed char *qb = q + (size_t)i * k + Q8_BLOCK * b;
+            float amax = 0.0f;
+            for (int j = 0; j < Q8_BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < Q8_BLOCK; j++) {
+                int v = (int)nearbyintf(xb[j] * id);
+                qb[j] = (signed char)v;
+                sum += v;
+            }
+            size_t at = (size_t)i * blocks + b;
+            ds[2 * at] = d, ds[2 * at + 1] = d * (float)sum, sums[at] = sum;
+        }
+}
+
+/* acc += the dot of each 32-bit lane's 4 unsigned bytes u with the 4 signed bytes s (|u * s + u' * s'| < 2^15
+ * for the codes here, so the 16-bit pair sums never saturate). */
+#ifdef __AVX512F__
+#define DOT4_PLAIN(acc, u, s) _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)))
+#define DOT4_VNNI(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#define ILOAD(p) _mm512_loadu_si512((const void *)(p))
+#define BSET1(v) _mm512_set1_epi8(v)
+/* s negated where w is negative, and |w|: u * s' = w * s for q8_0's signed codes */
+#define SIGNED_PAIR(w, s, u, s2) do { u = _mm512_abs_epi8(w); \
+    s2 = _mm512_mask_sub_epi8(s, _mm512_movepi8_mask(w), _mm512_setzero_si512(), s); } while (0)
+#else
+#define DOT4_PLAIN(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#define ILOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define BSET1(v) _mm256_set1_epi8(v)
+#define SIGNED_PAIR(w, s, u, s2) do { u = _mm256_abs_epi8(w); s2 = _mm256_sign_epi8(s, w); } while (0)
+#endif
+
+/* One panel's outputs n .. n + cols for rows 0..m of the quantized x; DOT is DOT4_PLAIN or DOT4_VNNI. */
+#define Q8_PANEL_BODY(DOT)                                                                                         \
+    int blocks = k / Q8_BLOCK, q41 = scheme == SCHEME_Q4_1, q8 = scheme == SCHEME_Q8_0;                            \
+    size_t bb = q8_panel_block_bytes(scheme);                                                                      \
+    const ivec low = BSET1(15);                                                                                    \
+    for (int i = 0; i < m; i++) {                                                                                  \
+        const signed char *qi = qx + (size_t)i * k;                                                                \
+        const float *dsi = ds + (size_t)i * blocks * 2;                                                            \
+        const int *si = sums + (size_t)i * blocks;                                                                 \
+        vec acc[3] = {vzero(), vzero(), vzero()};                                                                     \
+        const unsigned char *blk = panel;                                                                          \
+        for (int b = 0; b < blocks; b++, blk += bb) {                                                              \
+            ivec dot[3] = {VI(setzero)(), VI(setzero)(), VI(setzero)()};                                              \
+            const unsigned char *codes = blk + (q41 ? 4 : 2) * PANEL;                                              \
+            const signed char *qb = qi + Q8_BLOCK * b;                                                             \
+            if (q8) {                                                                                              \
+                for (int g = 0; g < 8; g++) {                                                                      \
+                    int word;                                                                                      \
+                    memcpy(&word, qb + 4 * g, 4);                                                                  \
+                    ivec s = iset1(word);                                                                          \
+                    for (int v = 0; v < 3; v++) {                                                                  \
+                        ivec u, s2, w = ILOAD(codes + (g * PANEL + VL * v) * 4);                                   \
+                        SIGNED_PAIR(w, s, u, s2);                                                                  \
+                        dot[v] = DOT(dot[v], u, s2);                                                               \
+                    }                                                                                              \
+                }                                                                                                  \
+            } else {                                                                                               \
+                for (int g = 0; g < 4; g++) {                                                                      \
+                    int lo_word, hi_word;                                                                          \
+                    memcpy(&lo_word, qb + 8 * g, 4);                                                               \
+                    memcpy(&hi_word, qb + 8 * g + 4, 4);                                                           \
+                    ivec slo = iset1(lo_word), shi = iset1(hi_word);                                               \
+                    for (int v = 0; v < 3; v++) {                                                                  \
+                        ivec w = ILOAD(codes + (g * PANEL + VL * v) * 4);                                          \
+                        dot[v] = DOT(dot[v], iand(w, low), slo);                                                   \
+                        dot[v] = DOT(dot[v], iand(V(srli_epi16)(w, 4), low), shi);                                 \
+                    }                                                                                              \
+                }                                                                                                  \
+            }                                                                                                      \
+            vec dx = vset1(dsi[2 * b]), sx = vset1(dsi[2 * b + 1]);                                                \
+            ivec bias = iset1(scheme == SCHEME_Q4_0 ? 8 * si[b] : 0);                                              \
+            const unsigned short *scales = (const unsigned short *)blk;                                            \
+            for (int v = 0; v < 3; v++) {                                                                          \
+                acc[v] = vfmadd(itof(isub(dot[v], bias)), vmul(load_f16(scales + VL * v), dx), acc[v]);            \
+                if (q41) acc[v] = vfmadd(load_f16(scales + PANEL + VL * v), sx, acc[v]);                          \
+            }                                                                                                      \
+        }                                                                                                          \
+        float lanes[PANEL] __attribute__((aligned(64)));                                                           \
+        for (int v = 0; v < 3; v++) vstore(lanes + VL * v, acc[v]);                                                \
+        memcpy(out + (size_t)i * ldo + n, lanes, (size_t)cols * sizeof(float));                                   \
+    }
+
+static void q8_panel_plain(int m, int k, const signed char *qx, const float *ds, const int *sums,
+                           const unsigned char *panel, int scheme, float *out, int ldo, int n, int cols) {
+    Q8_PANEL_BODY(DOT4_PLAIN)
+}
+#ifdef __AVX512F__
+__attribute__((target("avx512vnni"))) static void q8_panel_vnni(int m, int k, const signed char *qx, const float *ds,
+        const int *sums, const unsigned char *panel, int scheme, float *out, int ldo, int n, int cols) {
+    Q8_PANEL_BODY(DOT4_VNNI)
+}
+#endif
+
+/* Whether the integer dots use VNNI: -1 until first asked (the CPU's answer), or as q8_use_vnni set it. */
+static int use_vnni = -1;
+void q8_use_vnni(int on) { use_vnni = on; }
+int q8_vnni(void) {
+#ifdef __AVX512F__
+    if (use_vnni < 0) use_vnni = __builtin_cpu_supports("avx512vnni") ? 1 : 0;
+    return use_vnni;
+#else
+    return 0;
+#endif
+}
+
+/* out[m, n0..n1) = x . w.T over quantize_rows_q8's rows (qx, ds, sums) and repack_q8's panels of `scheme`;
+ * n0 a multiple of PANEL. */
+void gemm_q8panels(int m, int k, const signed char *qx, const float *ds, const int *sums, const unsigned char *w,
+                   int scheme, float *out, int ldo, int n0, int n1) {
+    size_t panel_bytes = (size_t)(k / Q8_BLOCK) * q8_panel_block_bytes(scheme);
+    int vnni = q8_vnni();
+    for (int n = n0; n < n1; n += PANEL) {
+        const unsigned char *panel = w + (size_t)(n / PANEL) * panel_bytes;
+        int cols = n1 - n < PANEL ? n1 - n : PANEL;
+        if (n + PANEL < n1) prefetch_l2(panel + panel_bytes, panel_bytes);
+#ifdef __AVX512F__
+        if (vnni) {
+            q8_panel_vnni(m, k, qx, ds, sums, panel, scheme, out, ldo, n, cols);
+            continue;
+        }
+#endif
+        (void)vnni;
+        q8_panel_plain(m, k, qx, ds, sums, panel, scheme, out, ldo, n, cols);
+    }
+}
+
 /* A helper thread for the products of one or two rows (a lone stream's decode) and of light steps (few sessions;
  * cpu_kernels.py's _helped): such a product is too short for a hand-off through Python's thread pool, and its stage
  * is then usually the only one computing on its host (the others wait on it), so an executor held to one thread may
@@ -543,10 +727,13 @@ void gemm_qpanels(int m, int k, const float *x, int ldx, const unsigned char *w,
  * The claim word holds the job's generation (24 bits), its chunk count and the next chunk (20 bits each). */
 typedef struct {
     int m, k, ldx, scheme, ldo, n;
-    const float *x;
+    const void *x; /* f32 rows, or quantize_rows_q8's codes (scheme >= Q8_JOB) */
     const void *w;
     float *out;
+    const float *ds; /* quantize_rows_q8's scales and sums, for scheme >= Q8_JOB */
+    const int *sums;
 } shared_job;
+#define Q8_JOB 16 /* a job's scheme + Q8_JOB: gemm_q8panels */
 static shared_job job;
 static _Atomic unsigned long long claim;
 static _Atomic unsigned int generation; /* the futex word the helper sleeps on */
@@ -560,8 +747,10 @@ static _Atomic long long helped; /* chunks the helper has taken, for the tests *
 
 static void run_chunk(const shared_job *j, int c) {
     int n0 = c * CHUNK_COLS, n1 = n0 + CHUNK_COLS < j->n ? n0 + CHUNK_COLS : j->n;
-    if (j->scheme < 0) gemm_fpanels(j->m, j->k, j->x, j->ldx, (const float *)j->w, j->out, j->ldo, n0, n1);
-    else gemm_qpanels(j->m, j->k, j->x, j->ldx, (const unsigned char *)j->w, j->scheme, j->out, j->ldo, n0, n1);
+    if (j->scheme >= Q8_JOB)
+        gemm_q8panels(j->m, j->k, j->x, j->ds, j->sums, j->w, j->scheme - Q8_JOB, j->out, j->ldo, n0, n1);
+    else if (j->scheme < 0) gemm_fpanels(j->m, j->k, j->x, j->ldx, j->w, j->out, j->ldo, n0, n1);
+    else gemm_qpanels(j->m, j->k, j->x, j->ldx, j->w, j->scheme, j->out, j->ldo, n0, n1);
 }
 
 /* Chunks of generation g until none is left; the helper and the caller alike. */
@@ -613,15 +802,14 @@ int start_helper(void) {
 
 long long helper_chunks(void) { return atomic_load(&helped); }
 
-/* out[m, 0..n) = x . w.T with the helper: w f32 panels (scheme < 0) or repack_blocks' panels of `scheme`. */
-static void gemm_shared(int m, int k, const float *x, int ldx, const void *w, int scheme, float *out, int ldo, int n) {
-    int chunks = (n + CHUNK_COLS - 1) / CHUNK_COLS;
+/* out[m, 0..n) = x . w.T with the helper: the job's product (run_chunk) over all of its columns. */
+static void gemm_shared(shared_job whole) {
+    int chunks = (whole.n + CHUNK_COLS - 1) / CHUNK_COLS;
     if (!helper_started || chunks < 2 || chunks > 0xFFFFF || pthread_mutex_trylock(&caller) != 0) {
-        if (scheme < 0) gemm_fpanels(m, k, x, ldx, (const float *)w, out, ldo, 0, n);
-        else gemm_qpanels(m, k, x, ldx, (const unsigned char *)w, scheme, out, ldo, 0, n);
+        for (int c = 0; c < chunks; c++) run_chunk(&whole, c);
         return;
     }
-    job = (shared_job){m, k, ldx, scheme, ldo, n, x, w, out};
+    job = whole;
     atomic_store(&finished, 0);
     unsigned g = atomic_load(&generation) + 1;
     atomic_store(&claim, ((unsigned long long)(g & 0xFFFFFF) << 40) | ((unsigned long long)chunks << 20));
@@ -637,11 +825,36 @@ static void gemm_shared(int m, int k, const float *x, int ldx, const void *w, in
 
 void gemm_qpanels_shared(int m, int k, const float *x, int ldx, const unsigned char *w, int scheme, float *out,
                          int ldo, int n) {
-    gemm_shared(m, k, x, ldx, w, scheme, out, ldo, n);
+    gemm_shared((shared_job){m, k, ldx, scheme, ldo, n, x, w, out, NULL, NULL});
 }
 
 void gemm_fpanels_shared(int m, int k, const float *x, int ldx, const float *w, float *out, int ldo, int n) {
-    gemm_shared(m, k, x, ldx, w, -1, out, ldo, n);
+    gemm_shared((shared_job){m, k, ldx, -1, ldo, n, x, w, out, NULL, NULL});
+}
+
+/* gemm_q8panels with the helper, of f32 rows x quantized here first (quantize_rows_q8, into this thread's scratch):
+ * a lone row's product in one call from Python, where a quantizing call and its buffers cost as much as the
+ * product saves. 0, or -1 where there was no memory for the codes (nothing is computed then). */
+int gemm_q8panels_shared(int m, int k, const float *x, int ldx, const unsigned char *w, int scheme, float *out,
+                         int ldo, int n) {
+    static __thread signed char *qx;
+    static __thread float *ds;
+    static __thread int *sums;
+    static __thread size_t room;
+    size_t need = (size_t)m * k;
+    if (need > room) {
+        free(qx), free(ds), free(sums);
+        qx = malloc(need), ds = malloc(need / Q8_BLOCK * 2 * sizeof(float)), sums = malloc(need / Q8_BLOCK * sizeof(int));
+        room = qx && ds && sums ? need : 0;
+        if (!room) {
+            free(qx), free(ds), free(sums);
+            qx = NULL, ds = NULL, sums = NULL;
+            return -1;
+        }
+    }
+    quantize_rows_q8(m, k, x, ldx, qx, ds, sums);
+    gemm_shared((shared_job){m, k, k, scheme + Q8_JOB, ldo, n, qx, w, out, ds, sums});
+    return 0;
 }
 
 /* Paged attention for decode, one query row per sequence (f32): out[s, h] = softmax(q[s, h] . K[s]^T * scale) V[s]

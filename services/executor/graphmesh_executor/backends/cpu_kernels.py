@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from graphmesh.ops import QUANT_BLOCKS
+from graphmesh.ops import Q8_SCHEMES, QUANT_BLOCKS
 from graphmesh_executor import affinity
 from graphmesh_executor.backends.torch_tensors import memo
 from graphmesh_server.serving import cpu_flags, user_dir
@@ -49,6 +49,7 @@ _ISA_CPU = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx2", "fma", "f16c", "
 _FLAGS = ["-O3", "-shared", "-fPIC"]
 _LIBS = ["-lm", "-pthread"]
 _PANELS = "_graphmesh_panels"  # a packed tensor's panel form, in its __dict__ (by panel width)
+_Q8_PANELS = "_graphmesh_q8panels"  # its panel form for int8 activations (activations="q8")
 _FPANELS = "_graphmesh_fpanels"  # an f32 weight's panel form, in its __dict__ (by panel width)
 HELPED_ROWS = 2  # products of this many rows at most split their columns with the helper thread (cpu_kernels.c)
 _MIN_SHARE = 384  # output columns a thread takes at least: fewer cost more in the handoff than they save
@@ -161,6 +162,20 @@ def _library(build: str) -> ctypes.CDLL | None:
     lib.gemm_fpanels_shared.restype = None
     lib.gemm_qpanels_shared.argtypes = [i, i, p, i, p, i, p, i, i]
     lib.gemm_qpanels_shared.restype = None
+    lib.q8_panel_block_bytes.argtypes = [i]
+    lib.q8_panel_block_bytes.restype = ctypes.c_size_t
+    lib.repack_q8.argtypes = [i, i, i, p, p]
+    lib.repack_q8.restype = None
+    lib.quantize_rows_q8.argtypes = [i, i, p, i, p, p, p]
+    lib.quantize_rows_q8.restype = None
+    lib.gemm_q8panels.argtypes = [i, i, p, p, p, p, i, p, i, i, i]
+    lib.gemm_q8panels.restype = None
+    lib.gemm_q8panels_shared.argtypes = [i, i, p, i, p, i, p, i, i]
+    lib.gemm_q8panels_shared.restype = i
+    lib.q8_use_vnni.argtypes = [i]
+    lib.q8_use_vnni.restype = None
+    lib.q8_vnni.argtypes = []
+    lib.q8_vnni.restype = i
     lib.paged_decode_attention.argtypes = [i, i, i, i, i, i, p, p, p, p, p, ctypes.c_float, i, ctypes.c_float, p, p, p]
     lib.paged_decode_attention.restype = None
     lib.rms_norm.argtypes = [i, i, p, p, ctypes.c_float, p]
@@ -299,33 +314,72 @@ def packed_usable(x: torch.Tensor, packed: torch.Tensor, scheme: str) -> bool:
             and packs(scheme, x.shape[1]) and library() is not None)
 
 
-def panels(packed: torch.Tensor, scheme: str, n: int, k: int) -> torch.Tensor:
+def panels(packed: torch.Tensor, scheme: str, n: int, k: int, activations: str = "f32") -> torch.Tensor:
     """GGUF blocks [n, k/B * block bytes] (B values a block: 32, a K-quant's 256) laid out again in panels of
-    panel() rows, the form gemm_qpanels reads (cpu_kernels.c's repack_blocks): about the same bytes, give or take
-    the last panel's padding (a q4_k super-block's 6-bit scales and mins take a byte each). Made once per tensor
-    and kept with it (weights are never written in place)."""
+    panel() rows, the form the product reads: gemm_qpanels' (cpu_kernels.c's repack_blocks), or with int8
+    activations gemm_q8panels' (repack_q8); about the same bytes, give or take the last panel's padding (a q4_k
+    super-block's 6-bit scales and mins take a byte each). Made once per tensor and kept with it (weights are never
+    written in place)."""
     width = panel()
-    made: torch.Tensor | None = packed.__dict__.get(f"{_PANELS}{width}")
+    q8 = q8_activations(scheme, activations)
+    key = f"{_Q8_PANELS if q8 else _PANELS}{width}"
+    made: torch.Tensor | None = packed.__dict__.get(key)
     if made is None:
         lib = library()
         assert lib is not None
         blocks = k // QUANT_BLOCKS[scheme][0]
-        made = torch.empty(-(-n // width) * blocks * lib.panel_block_bytes(PACKED_SCHEMES[scheme]), dtype=torch.uint8)
-        lib.repack_blocks(PACKED_SCHEMES[scheme], n, k, packed.contiguous().data_ptr(), made.data_ptr())
-        packed.__dict__[f"{_PANELS}{width}"] = made
+        block_bytes = lib.q8_panel_block_bytes if q8 else lib.panel_block_bytes
+        repack = lib.repack_q8 if q8 else lib.repack_blocks
+        made = torch.empty(-(-n // width) * blocks * block_bytes(PACKED_SCHEMES[scheme]), dtype=torch.uint8)
+        repack(PACKED_SCHEMES[scheme], n, k, packed.contiguous().data_ptr(), made.data_ptr())
+        packed.__dict__[key] = made
     return made
 
 
-def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int, light: bool = False) -> torch.Tensor:
-    """x @ w.T for w [n, k] held as GGUF blocks (packed [n, k/B * block bytes]), read in panels (panels()):
-    w's values are exactly gguf's dequantization, and each output is one FMA chain over k in order, whatever
-    the row count, the thread split and the build: the bits of matmul_xwt over the dequantized weight."""
+def q8_activations(scheme: str, activations: str) -> bool:
+    """Whether a product over `scheme` blocks quantizes its rows to int8 (activations="q8"; the K-quants' products
+    keep f32 rows either way)."""
+    return activations == "q8" and scheme in Q8_SCHEMES
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """f32 rows [m, k] as gemm_q8panels reads them (cpu_kernels.c's quantize_rows_q8): int8 codes [m, k], per block
+    of 32 its scale d and d * sum(codes) [m, k/32, 2], and sum(codes) [m, k/32]."""
+    lib = library()
+    assert lib is not None
+    x = x.contiguous()
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=torch.int8)
+    scales = torch.empty(m, k // 32, 2, dtype=torch.float32)
+    sums = torch.empty(m, k // 32, dtype=torch.int32)
+    lib.quantize_rows_q8(m, k, x.data_ptr(), k, codes.data_ptr(), scales.data_ptr(), sums.data_ptr())
+    return codes, scales, sums
+
+
+def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int, light: bool = False,
+                      activations: str = "f32") -> torch.Tensor:
+    """x @ w.T for w [n, k] held as GGUF blocks (packed [n, k/B * block bytes]), read in panels (panels()).
+    activations="f32": w's values are exactly gguf's dequantization, and each output is one FMA chain over k in
+    order, whatever the row count, the thread split and the build: the bits of matmul_xwt over the dequantized
+    weight. activations="q8" (q4_0, q4_1, q8_0 blocks): x's rows are quantized to int8 blocks first and each
+    block's dot product is exact in integers (llama.cpp's arithmetic), again with bits independent of the row
+    count, the split and the build."""
     lib = library()
     assert lib is not None
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
-    args = (m, k, x.data_ptr(), k, panels(packed, scheme, n, k).data_ptr(), PACKED_SCHEMES[scheme], out.data_ptr(), n)
+    w = panels(packed, scheme, n, k, activations).data_ptr()
+    if q8_activations(scheme, activations):
+        if _helped(lib, m, light):  # quantized in the same call
+            if lib.gemm_q8panels_shared(m, k, x.data_ptr(), k, w, PACKED_SCHEMES[scheme], out.data_ptr(), n, n) < 0:
+                raise MemoryError(f"no memory to quantize {m} rows of {k} for a product")
+            return out
+        codes, scales, sums = quantize_rows(x)
+        q8 = (m, k, codes.data_ptr(), scales.data_ptr(), sums.data_ptr(), w, PACKED_SCHEMES[scheme], out.data_ptr(), n)
+        _run_shares(_shares(n, panel()), lambda i, a, b: lib.gemm_q8panels(*q8, a, b))
+        return out
+    args = (m, k, x.data_ptr(), k, w, PACKED_SCHEMES[scheme], out.data_ptr(), n)
     if _helped(lib, m, light):
         lib.gemm_qpanels_shared(*args, n)
     else:

@@ -10,7 +10,7 @@ import numpy as np
 from graphmesh import dtypes
 from graphmesh.checkpoints import dequantize_packed
 from graphmesh.errors import OutOfRange
-from graphmesh.ops import QUANT_BLOCKS
+from graphmesh.ops import Q8_SCHEMES, QUANT_BLOCKS
 from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_rows
 
 Array = np.ndarray
@@ -227,8 +227,39 @@ def dequantize(packed: Array, scheme: str, n: int, k: int) -> Array:
 
 
 def _dequant_matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
+    if a["activations"] == "q8" and a["scheme"] in Q8_SCHEMES:
+        return _q8_matmul(xs[0], xs[1], a["scheme"], a["n"], a["k"])
     w = dequantize(xs[1], a["scheme"], a["n"], a["k"])
     return (_up(xs[0]) @ w.T).astype(xs[0].dtype)
+
+
+def quantize_q8(x: Array) -> tuple[Array, Array]:
+    """f32 rows [r, k] as int8 blocks of 32 (graphmesh.ops.ACTIVATIONS): codes [r, k/32, 32] and scales [r, k/32],
+    each step an f32 operation as the kernels take it."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    return np.rint(xb * inv[..., None]), d
+
+
+def _q8_matmul(x: Array, packed: Array, scheme: str, n: int, k: int) -> Array:
+    """x @ w.T with x's rows quantized to int8 blocks: each block's integer dot product (exact in float64), scaled
+    by d_w * d_x, summed in float64 (the reference the kernels' f32 sums are held to)."""
+    codes, dx = quantize_q8(x.reshape(-1, k))
+    b = packed.reshape(n, k // 32, -1)
+    dw = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)  # [n, nb]
+    if scheme == "q8_0":
+        w = b[..., 2:].copy().view(np.int8).astype(np.float64)
+    else:
+        qs = b[..., -16:]
+        w = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float64) - (8.0 if scheme == "q4_0" else 0.0)
+    out = np.zeros((codes.shape[0], n))
+    for j in range(k // 32):
+        out += (codes[:, j] @ w[:, j].T) * dw[:, j] * dx[:, j, None].astype(np.float64)
+        if scheme == "q4_1":
+            m = b[:, j, 2:4].copy().view(np.float16)[:, 0].astype(np.float64)
+            out += (dx[:, j].astype(np.float64) * codes[:, j].sum(-1))[:, None] * m
+    return out.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
 def _concat(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:

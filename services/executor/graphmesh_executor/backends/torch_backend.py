@@ -105,8 +105,10 @@ class TorchExecutable(CudaGraphs):
                             and len(graph.params[n.inputs[1]].shape) == 2 and readers[n.inputs[1]] == 1
                             and n.inputs[0] != n.inputs[1]} if self._device.type == "cpu" else set()
         # Packed weights read only by dequant_matmul of f32 rows on the host get the panel form of cpu_kernels at
-        # lay-out, so that no request waits for it (bf16 rows take torch's int4 kernel): (scheme, n, k) by param.
-        self._panelled = {n.inputs[1]: (n.attrs["scheme"], n.attrs["n"], n.attrs["k"]) for n in graph.nodes
+        # lay-out, so that no request waits for it (bf16 rows take torch's int4 kernel): (scheme, n, k, activations)
+        # by param.
+        self._panelled = {n.inputs[1]: (n.attrs["scheme"], n.attrs["n"], n.attrs["k"], n.attrs["activations"])
+                          for n in graph.nodes
                           if n.op == "dequant_matmul" and n.inputs[1] in graph.params and readers[n.inputs[1]] == 1
                           and graph.type_of(n.inputs[0]).dtype == "f32"
                           and cpu_kernels.packs(n.attrs["scheme"], n.attrs["k"])} \
@@ -253,7 +255,7 @@ class TorchExecutable(CudaGraphs):
         if self._device.type != "cuda" and not host:
             return []
         readers = Counter(name for node in graph.nodes for name in node.inputs)
-        groups: dict[tuple[str, str, int, str], list[str]] = {}
+        groups: dict[tuple[str, str, int, str, str], list[str]] = {}
         for node in graph.nodes:
             if node.op == "dequant_matmul":
                 if not host or not cpu_kernels.packs(node.attrs["scheme"], node.attrs["k"]):
@@ -269,7 +271,7 @@ class TorchExecutable(CudaGraphs):
                 continue
             if host and (graph.type_of(x).dtype != "f32" or (not scheme and t.dtype != "f32")):
                 continue  # the host kernels take f32 rows, and f32 or packed weights
-            groups.setdefault((x, t.dtype, t.shape[1], scheme), []).append(node.name)
+            groups.setdefault((x, t.dtype, t.shape[1], scheme, node.attrs.get("activations", "")), []).append(node.name)
         return [tuple(members) for members in groups.values() if len(members) > 1]
 
     def _joined_steps(self, graph: Graph, i: int, members: list[Node], slots: dict[str, int]) -> list[_Step]:
@@ -280,8 +282,8 @@ class TorchExecutable(CudaGraphs):
         places = {j for j, n in enumerate(graph.nodes) if n.name in {m.name for m in members}}
         free = (slots[x],) if later <= places and x not in graph.outputs else ()
         out = slots[f"{members[0].name}+joined"]
-        packed = {"scheme": members[0].attrs["scheme"], "k": members[0].attrs["k"]} \
-            if members[0].op == "dequant_matmul" else {}
+        packed = {"scheme": members[0].attrs["scheme"], "k": members[0].attrs["k"],
+                  "activations": members[0].attrs["activations"]} if members[0].op == "dequant_matmul" else {}
         steps = [_Step(joined_matmul, (slots[x], *(slots[m.inputs[1]] for m in members)), packed, out, free)]
         start = 0
         for m in members:
@@ -366,7 +368,8 @@ class TorchExecutable(CudaGraphs):
             self._join(tuple(node.inputs[1] for node in nodes))
             joined = joined_weight([self._params[node.inputs[1]] for node in nodes if node.inputs[1] in self._params])
             if joined is not None and nodes[0].op == "dequant_matmul":  # the panels a decode reads (see _lay_out)
-                cpu_kernels.panels(joined.whole, nodes[0].attrs["scheme"], joined.whole.shape[0], nodes[0].attrs["k"])
+                cpu_kernels.panels(joined.whole, nodes[0].attrs["scheme"], joined.whole.shape[0], nodes[0].attrs["k"],
+                                   nodes[0].attrs["activations"])
             elif joined is not None and nodes[0].inputs[1] in self._transposed and \
                     self._weight_order(nodes[0].inputs[1]) == "C":
                 cpu_kernels.fpanels(joined.whole)

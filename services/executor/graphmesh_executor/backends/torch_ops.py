@@ -147,7 +147,8 @@ def joined_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tenso
         # not serve the rows, or a member was set on its own since the join, each member runs as it would alone
         # (a member set on its own gets its own panels, see _lay_out), so its bits do not change either.
         if joined is not None and "scheme" in a and cpu_kernels.packed_usable(x, joined.whole, a["scheme"]):
-            return cpu_kernels.matmul_xwt_packed(x, joined.whole, a["scheme"], joined.whole.shape[0], ctx.light)
+            return cpu_kernels.matmul_xwt_packed(x, joined.whole, a["scheme"], joined.whole.shape[0], ctx.light,
+                                                 a["activations"])
         if joined is not None and "scheme" not in a and cpu_kernels.has_fpanels(joined.whole) \
                 and cpu_kernels.usable(x, joined.whole):
             return cpu_kernels.matmul_xwt(x, joined.whole, ctx.light)
@@ -350,6 +351,28 @@ def _int4pack(packed: Tensor, scheme: str, n: int, k: int) -> tuple[Tensor, Tens
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(q.shape[0], k).to(torch.int32), 8), scales
 
 
+def _q8_matmul(x: Tensor, packed: Tensor, scheme: str, n: int, k: int) -> Tensor:
+    """x @ w.T with x's rows quantized to int8 blocks (graphmesh.ops.ACTIVATIONS) where cpu_kernels cannot run it
+    (no compiler, not x86-64, another device): the same quantization, each block's integer dot product exact in
+    float64 and the blocks summed there, so within f32 rounding of the kernel, not its bits."""
+    rows = x.reshape(-1, k).float().reshape(-1, k // 32, 32)
+    d = rows.abs().amax(-1) / 127.0
+    codes = torch.round(rows * torch.where(d != 0, 1.0 / d, torch.zeros_like(d)).unsqueeze(-1)).double()
+    b = packed.reshape(n, k // 32, -1)
+    dw = b[..., 0:2].contiguous().view(torch.float16)[..., 0].double()
+    if scheme == "q8_0":
+        w = b[..., 2:].contiguous().view(torch.int8).double()
+    else:
+        qs = b[..., -16:].to(torch.int32)
+        w = torch.cat([qs & 0x0F, qs >> 4], -1).double() - (8.0 if scheme == "q4_0" else 0.0)
+    dx = d.double()
+    out = torch.einsum("rbj,nbj->rnb", codes, w).mul_(dw.unsqueeze(0)).mul_(dx.unsqueeze(1)).sum(-1)
+    if scheme == "q4_1":
+        m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].double()
+        out += (dx * codes.sum(-1)) @ m.T
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
 def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Tensor:
     x, packed = xs
     scheme, n, k = a["scheme"], a["n"], a["k"]
@@ -358,7 +381,9 @@ def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
         # set (see TorchExecutable._lay_out) or at the first product of a weight that is not a param. One kernel
         # for every row count keeps a row's bits independent of the rows beside it: a prompt chunk's rows went
         # through MKL over a dequantized copy, another summation order (and a dense copy packing meant to avoid).
-        return cpu_kernels.matmul_xwt_packed(x, packed, scheme, n, ctx.light)
+        return cpu_kernels.matmul_xwt_packed(x, packed, scheme, n, ctx.light, a["activations"])
+    if cpu_kernels.q8_activations(scheme, a["activations"]):
+        return _q8_matmul(x, packed, scheme, n, k)
     converted: dict[Any, Any] = packed.__dict__.setdefault(CONVERTED, {})
     # The packed int4 kernel is fast only with bf16 activations (f32/f16 take a slow path there), and it
     # needs n % 16 == 0 and groups of 32 (no K-quant); everything else multiplies by the weight dequantized once
