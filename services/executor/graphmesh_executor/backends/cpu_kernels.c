@@ -583,22 +583,25 @@ void repack_q8(int scheme, int n, int k, const unsigned char *src, unsigned char
 }
 
 /* Rows of x [m, k] (k a multiple of 32) as int8 blocks: q [m, k], per row and block its d and d * sum(q) in
- * ds [m, k / 32, 2] and sum(q) in sums [m, k / 32]. Scalar IEEE operations, the same in every build. */
+ * ds [m, k / 32, 2] and sum(q) in sums [m, k / 32]. The maximum is exact in any order and each code is x * (1 / d)
+ * rounded to the nearest even (the vector conversion in the default rounding mode): the same in every build. */
 void quantize_rows_q8(int m, int k, const float *x, int ldx, signed char *q, float *ds, int *sums) {
     int blocks = k / Q8_BLOCK;
+    const vec sign = vset1(-0.0f);
     for (int i = 0; i < m; i++)
         for (int b = 0; b < blocks; b++) {
             const float *xb = x + (size_t)i * ldx + Q8_BLOCK * b;
             signed char *qb = q + (size_t)i * k + Q8_BLOCK * b;
-            float amax = 0.0f;
-            for (int j = 0; j < Q8_BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            vec top = vzero();
+            for (int j = 0; j < Q8_BLOCK; j += VL) top = V(max_ps)(top, V(andnot_ps)(sign, vload(xb + j)));
+            float lanes[VL], amax = 0.0f;
+            vstore(lanes, top);
+            for (int j = 0; j < VL; j++) amax = fmaxf(amax, lanes[j]);
             float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
-            for (int j = 0; j < Q8_BLOCK; j++) {
-                int v = (int)nearbyintf(xb[j] * id);
-                qb[j] = (signed char)v;
-                sum += v;
-            }
+            int codes[Q8_BLOCK], sum = 0;
+            for (int j = 0; j < Q8_BLOCK; j += VL)
+                VI(storeu)((void *)(codes + j), V(cvtps_epi32)(vmul(vload(xb + j), vset1(id))));
+            for (int j = 0; j < Q8_BLOCK; j++) qb[j] = (signed char)codes[j], sum += codes[j];
             size_t at = (size_t)i * blocks + b;
             ds[2 * at] = d, ds[2 * at + 1] = d * (float)sum, sums[at] = sum;
         }
@@ -621,56 +624,84 @@ void quantize_rows_q8(int m, int k, const float *x, int ldx, signed char *q, flo
 #define SIGNED_PAIR(w, s, u, s2) do { u = _mm256_abs_epi8(w); s2 = _mm256_sign_epi8(s, w); } while (0)
 #endif
 
-/* One panel's outputs n .. n + cols for rows 0..m of the quantized x; DOT is DOT4_PLAIN or DOT4_VNNI. */
+/* One panel's outputs n .. n + cols for rows 0..m of the quantized x; DOT is DOT4_PLAIN or DOT4_VNNI. Rows go
+ * Q8_ROWS at a time, so that a block's codes are unpacked and its scales read once for all of them. */
+#ifdef __AVX512F__
+#define Q8_ROWS 4 /* 12 dot and 6 code vectors of the 32 registers */
+#else
+#define Q8_ROWS 2 /* 6 dot and 6 code vectors of the 16 */
+#endif
 #define Q8_PANEL_BODY(DOT)                                                                                         \
     int blocks = k / Q8_BLOCK, q41 = scheme == SCHEME_Q4_1, q8 = scheme == SCHEME_Q8_0;                            \
     size_t bb = q8_panel_block_bytes(scheme);                                                                      \
     const ivec low = BSET1(15);                                                                                    \
-    for (int i = 0; i < m; i++) {                                                                                  \
-        const signed char *qi = qx + (size_t)i * k;                                                                \
-        const float *dsi = ds + (size_t)i * blocks * 2;                                                            \
-        const int *si = sums + (size_t)i * blocks;                                                                 \
-        vec acc[3] = {vzero(), vzero(), vzero()};                                                                     \
+    for (int i0 = 0; i0 < m; i0 += Q8_ROWS) {                                                                      \
+        int rows = m - i0 < Q8_ROWS ? m - i0 : Q8_ROWS;                                                            \
+        vec acc[Q8_ROWS][3];                                                                                       \
+        for (int r = 0; r < Q8_ROWS; r++)                                                                          \
+            for (int v = 0; v < 3; v++) acc[r][v] = vzero();                                                       \
         const unsigned char *blk = panel;                                                                          \
         for (int b = 0; b < blocks; b++, blk += bb) {                                                              \
-            ivec dot[3] = {VI(setzero)(), VI(setzero)(), VI(setzero)()};                                              \
+            ivec dot[Q8_ROWS][3];                                                                                  \
+            for (int r = 0; r < Q8_ROWS; r++)                                                                      \
+                for (int v = 0; v < 3; v++) dot[r][v] = VI(setzero)();                                             \
             const unsigned char *codes = blk + (q41 ? 4 : 2) * PANEL;                                              \
-            const signed char *qb = qi + Q8_BLOCK * b;                                                             \
             if (q8) {                                                                                              \
                 for (int g = 0; g < 8; g++) {                                                                      \
-                    int word;                                                                                      \
-                    memcpy(&word, qb + 4 * g, 4);                                                                  \
-                    ivec s = iset1(word);                                                                          \
-                    for (int v = 0; v < 3; v++) {                                                                  \
-                        ivec u, s2, w = ILOAD(codes + (g * PANEL + VL * v) * 4);                                   \
-                        SIGNED_PAIR(w, s, u, s2);                                                                  \
-                        dot[v] = DOT(dot[v], u, s2);                                                               \
+                    ivec w[3];                                                                                     \
+                    for (int v = 0; v < 3; v++) w[v] = ILOAD(codes + (g * PANEL + VL * v) * 4);                    \
+                    for (int r = 0; r < Q8_ROWS; r++) {                                                            \
+                        if (r >= rows) break;                                                                      \
+                        int word;                                                                                  \
+                        memcpy(&word, qx + (size_t)(i0 + r) * k + Q8_BLOCK * b + 4 * g, 4);                        \
+                        ivec s = iset1(word);                                                                      \
+                        for (int v = 0; v < 3; v++) {                                                              \
+                            ivec u, s2;                                                                            \
+                            SIGNED_PAIR(w[v], s, u, s2);                                                           \
+                            dot[r][v] = DOT(dot[r][v], u, s2);                                                     \
+                        }                                                                                          \
                     }                                                                                              \
                 }                                                                                                  \
             } else {                                                                                               \
                 for (int g = 0; g < 4; g++) {                                                                      \
-                    int lo_word, hi_word;                                                                          \
-                    memcpy(&lo_word, qb + 8 * g, 4);                                                               \
-                    memcpy(&hi_word, qb + 8 * g + 4, 4);                                                           \
-                    ivec slo = iset1(lo_word), shi = iset1(hi_word);                                               \
+                    ivec lo[3], hi[3];                                                                             \
                     for (int v = 0; v < 3; v++) {                                                                  \
                         ivec w = ILOAD(codes + (g * PANEL + VL * v) * 4);                                          \
-                        dot[v] = DOT(dot[v], iand(w, low), slo);                                                   \
-                        dot[v] = DOT(dot[v], iand(V(srli_epi16)(w, 4), low), shi);                                 \
+                        lo[v] = iand(w, low), hi[v] = iand(V(srli_epi16)(w, 4), low);                              \
+                    }                                                                                              \
+                    for (int r = 0; r < Q8_ROWS; r++) {                                                            \
+                        if (r >= rows) break;                                                                      \
+                        int lo_word, hi_word;                                                                      \
+                        const signed char *qb = qx + (size_t)(i0 + r) * k + Q8_BLOCK * b + 8 * g;                  \
+                        memcpy(&lo_word, qb, 4);                                                                   \
+                        memcpy(&hi_word, qb + 4, 4);                                                               \
+                        ivec slo = iset1(lo_word), shi = iset1(hi_word);                                           \
+                        for (int v = 0; v < 3; v++) dot[r][v] = DOT(DOT(dot[r][v], lo[v], slo), hi[v], shi);       \
                     }                                                                                              \
                 }                                                                                                  \
             }                                                                                                      \
-            vec dx = vset1(dsi[2 * b]), sx = vset1(dsi[2 * b + 1]);                                                \
-            ivec bias = iset1(scheme == SCHEME_Q4_0 ? 8 * si[b] : 0);                                              \
             const unsigned short *scales = (const unsigned short *)blk;                                            \
+            vec d[3], mins[3];                                                                                     \
             for (int v = 0; v < 3; v++) {                                                                          \
-                acc[v] = vfmadd(itof(isub(dot[v], bias)), vmul(load_f16(scales + VL * v), dx), acc[v]);            \
-                if (q41) acc[v] = vfmadd(load_f16(scales + PANEL + VL * v), sx, acc[v]);                          \
+                d[v] = load_f16(scales + VL * v);                                                                  \
+                mins[v] = q41 ? load_f16(scales + PANEL + VL * v) : vzero();                                       \
+            }                                                                                                      \
+            for (int r = 0; r < Q8_ROWS; r++) {                                                                    \
+                if (r >= rows) break;                                                                              \
+                size_t at = (size_t)(i0 + r) * blocks + b;                                                         \
+                vec dx = vset1(ds[2 * at]), sx = vset1(ds[2 * at + 1]);                                            \
+                ivec bias = iset1(scheme == SCHEME_Q4_0 ? 8 * sums[at] : 0);                                       \
+                for (int v = 0; v < 3; v++) {                                                                      \
+                    acc[r][v] = vfmadd(itof(isub(dot[r][v], bias)), vmul(d[v], dx), acc[r][v]);                    \
+                    if (q41) acc[r][v] = vfmadd(mins[v], sx, acc[r][v]);                                           \
+                }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
-        float lanes[PANEL] __attribute__((aligned(64)));                                                           \
-        for (int v = 0; v < 3; v++) vstore(lanes + VL * v, acc[v]);                                                \
-        memcpy(out + (size_t)i * ldo + n, lanes, (size_t)cols * sizeof(float));                                   \
+        for (int r = 0; r < rows; r++) {                                                                           \
+            float lanes[PANEL] __attribute__((aligned(64)));                                                       \
+            for (int v = 0; v < 3; v++) vstore(lanes + VL * v, acc[r][v]);                                         \
+            memcpy(out + (size_t)(i0 + r) * ldo + n, lanes, (size_t)cols * sizeof(float));                        \
+        }                                                                                                          \
     }
 
 static void q8_panel_plain(int m, int k, const signed char *qx, const float *ds, const int *sums,
