@@ -1,5 +1,5 @@
 """Executors that share a host run on cores of their own (graphmesh_executor/affinity.py, LocalMesh._core_shares),
-and the CPU kernels' product helper still borrows any core."""
+and the CPU kernels' product helper borrows the others'."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def thread_cores(pid: int) -> dict[int, frozenset[int]]:
 def test_two_executors_on_one_host_each_keep_to_their_cores_and_lend_their_helper(tmp_path: Path) -> None:
     """A 2-executor torch mesh on this host: with two cores or more, every thread of executor r (gRPC's own
     included) runs on the r-th half of the cores, but one: the product helper, started by a lone stream's decode,
-    which may run on every core. With one core nothing is pinned."""
+    which runs on the other half (beside its caller it would only take turns with it). With one core nothing is
+    pinned."""
     model = make_tiny_llama(tmp_path / "m")
     with LocalMesh(2, "torch", str(model), kvstore=False, extra_executor_args=("--kv-cache-bytes", "4Mi")) as mesh:
         with CoordinatorClient(mesh.coordinator_address) as client:
@@ -47,7 +48,7 @@ def test_two_executors_on_one_host_each_keep_to_their_cores_and_lend_their_helpe
                 continue
             own = frozenset(CORES[rank * half:(rank + 1) * half])
             wide = [tid for tid, c in cores.items() if c != own]
-            assert len(wide) == 1 and cores[wide[0]] == frozenset(CORES), cores  # the helper, and it alone
+            assert len(wide) == 1 and cores[wide[0]] == frozenset(CORES) - own, cores  # the helper, and it alone
             assert len(cores) > 5  # gRPC's, the engine's and the links' threads are all among the pinned
 
 

@@ -210,7 +210,7 @@ def _helper(lib: ctypes.CDLL) -> bool:
     GRAPHMESH_CPU_HELPER=0: never)."""
     if os.environ.get("GRAPHMESH_CPU_HELPER", "1") == "0" or len(affinity.unpinned()) < 2:
         return False
-    with affinity.unpinned_threads():  # pinned (--cpus) or not, it borrows a core the other stages leave idle
+    with affinity.borrowing_threads():  # pinned (--cpus), it borrows a core the other stages leave idle
         return bool(lib.start_helper() == 0)
 
 
