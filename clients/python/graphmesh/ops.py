@@ -381,6 +381,11 @@ ACTIVATIONS = ("f32", "q8")
 Q8_SCHEMES = ("q4_0", "q4_1", "q8_0")
 
 
+def q8_rows(scheme: str, activations: str) -> bool:
+    """Whether a dequant_matmul over `scheme` blocks quantizes its rows to int8 (see ACTIVATIONS)."""
+    return activations == "q8" and scheme in Q8_SCHEMES
+
+
 def packed_shape(scheme: str, n: int, k: int) -> tuple[int, int]:
     block, size = QUANT_BLOCKS[scheme]
     return (n, k // block * size)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from graphmesh.ops import Q8_SCHEMES, QUANT_BLOCKS
+from graphmesh.ops import QUANT_BLOCKS, q8_rows
 from graphmesh_executor import affinity
 from graphmesh_executor.backends.torch_tensors import memo
 from graphmesh_server.serving import cpu_flags, user_dir
@@ -321,7 +321,7 @@ def panels(packed: torch.Tensor, scheme: str, n: int, k: int, activations: str =
     super-block's 6-bit scales and mins take a byte each). Made once per tensor and kept with it (weights are never
     written in place)."""
     width = panel()
-    q8 = q8_activations(scheme, activations)
+    q8 = q8_rows(scheme, activations)
     key = f"{_Q8_PANELS if q8 else _PANELS}{width}"
     made: torch.Tensor | None = packed.__dict__.get(key)
     if made is None:
@@ -334,12 +334,6 @@ def panels(packed: torch.Tensor, scheme: str, n: int, k: int, activations: str =
         repack(PACKED_SCHEMES[scheme], n, k, packed.contiguous().data_ptr(), made.data_ptr())
         packed.__dict__[key] = made
     return made
-
-
-def q8_activations(scheme: str, activations: str) -> bool:
-    """Whether a product over `scheme` blocks quantizes its rows to int8 (activations="q8"; the K-quants' products
-    keep f32 rows either way)."""
-    return activations == "q8" and scheme in Q8_SCHEMES
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -370,7 +364,7 @@ def matmul_xwt_packed(x: torch.Tensor, packed: torch.Tensor, scheme: str, n: int
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
     w = panels(packed, scheme, n, k, activations).data_ptr()
-    if q8_activations(scheme, activations):
+    if q8_rows(scheme, activations):
         if _helped(lib, m, light):  # quantized in the same call
             if lib.gemm_q8panels_shared(m, k, x.data_ptr(), k, w, PACKED_SCHEMES[scheme], out.data_ptr(), n, n) < 0:
                 raise MemoryError(f"no memory to quantize {m} rows of {k} for a product")

@@ -37,7 +37,7 @@ from graphmesh import dtypes
 from graphmesh.checkpoints import dequantize_packed
 from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph
-from graphmesh.ops import Q8_SCHEMES, QUANT_BLOCKS, TensorType
+from graphmesh.ops import QUANT_BLOCKS, TensorType, q8_rows
 from graphmesh_executor.backends.numpy_backend import KERNELS as NUMPY_KERNELS
 from graphmesh_executor.backends.numpy_backend import paged_rows
 from graphmesh_executor.executable import Capabilities, Executable, ExtentCut, Kernel, RunContext, sample_rows
@@ -383,7 +383,7 @@ def _cached(packed: Array, dense: bool, scheme: str, n: int, k: int) -> Any:
 
 def _dequant_matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     x, packed = xs
-    if a["activations"] == "q8" and a["scheme"] in Q8_SCHEMES:
+    if q8_rows(a["scheme"], a["activations"]):
         # mlx has no int8-activation product: numpy's reference computes it (correct, not fast)
         return mx.array(NUMPY_KERNELS["dequant_matmul"](ctx, [np.array(x), np.array(packed)], a))
     compute = mx.float64 if x.dtype == mx.float64 else mx.float32  # numpy: f32 weights, halves computed in f32

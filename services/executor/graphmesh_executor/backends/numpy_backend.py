@@ -10,7 +10,7 @@ import numpy as np
 from graphmesh import dtypes
 from graphmesh.checkpoints import dequantize_packed
 from graphmesh.errors import OutOfRange
-from graphmesh.ops import Q8_SCHEMES, QUANT_BLOCKS
+from graphmesh.ops import QUANT_BLOCKS, q8_rows
 from graphmesh_executor.executable import Capabilities, Executable, Kernel, RunContext, sample_rows
 
 Array = np.ndarray
@@ -227,7 +227,7 @@ def dequantize(packed: Array, scheme: str, n: int, k: int) -> Array:
 
 
 def _dequant_matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
-    if a["activations"] == "q8" and a["scheme"] in Q8_SCHEMES:
+    if q8_rows(a["scheme"], a["activations"]):
         return _q8_matmul(xs[0], xs[1], a["scheme"], a["n"], a["k"])
     w = dequantize(xs[1], a["scheme"], a["n"], a["k"])
     return (_up(xs[0]) @ w.T).astype(xs[0].dtype)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from graphmesh import dtypes
 from graphmesh.checkpoints import dequantize_packed
-from graphmesh.ops import QUANT_BLOCKS
+from graphmesh.ops import QUANT_BLOCKS, q8_rows
 from graphmesh_executor.backends import cpu_kernels, cuda_kernels
 from graphmesh_executor.backends.torch_attention import attention, kv_scatter, kv_write, paged_attention
 from graphmesh_executor.backends.torch_tensors import (
@@ -382,7 +382,7 @@ def _dequant_matmul(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
         # for every row count keeps a row's bits independent of the rows beside it: a prompt chunk's rows went
         # through MKL over a dequantized copy, another summation order (and a dense copy packing meant to avoid).
         return cpu_kernels.matmul_xwt_packed(x, packed, scheme, n, ctx.light, a["activations"])
-    if cpu_kernels.q8_activations(scheme, a["activations"]):
+    if q8_rows(scheme, a["activations"]):
         return _q8_matmul(x, packed, scheme, n, k)
     converted: dict[Any, Any] = packed.__dict__.setdefault(CONVERTED, {})
     # The packed int4 kernel is fast only with bf16 activations (f32/f16 take a slow path there), and it
