@@ -773,7 +773,11 @@ static _Atomic int helper_sleeping;
 static pthread_mutex_t caller = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time; others go alone */
 static int helper_started;
 static _Atomic long long helped; /* chunks the helper has taken, for the tests */
-#define HELPER_SPIN_CYCLES 200000ULL /* ~50 us: the gap between a step's products, not between steps */
+static _Atomic int helper_resting; /* set by helper_rest: the step is over, sleep now */
+/* ~0.5 ms: longer than any gap between a step's products (a layer's attention and ropes between its q, k, v and its
+ * output products took ~55 us, past the 50 us it spun before, so it slept and came late to the next product); the
+ * step's end ends it sooner (helper_rest), so it does not spin on into the core the next stage computes on. */
+#define HELPER_SPIN_CYCLES 2000000ULL
 #define CHUNK_COLS (2 * PANEL)
 
 static void run_chunk(const shared_job *j, int c) {
@@ -803,7 +807,7 @@ static void *helper_main(void *unused) {
     unsigned seen = atomic_load(&generation);
     for (;;) {
         unsigned long long until = __rdtsc() + HELPER_SPIN_CYCLES;
-        while (atomic_load(&generation) == seen && __rdtsc() < until) _mm_pause();
+        while (atomic_load(&generation) == seen && __rdtsc() < until && !atomic_load(&helper_resting)) _mm_pause();
         if (atomic_load(&generation) == seen) {
             atomic_store(&helper_sleeping, 1);
             while (atomic_load(&generation) == seen)
@@ -831,6 +835,9 @@ int start_helper(void) {
     return helper_started ? 0 : -1;
 }
 
+/* The caller's step is over: the helper sleeps until the next product instead of spinning on. */
+void helper_rest(void) { atomic_store(&helper_resting, 1); }
+
 long long helper_chunks(void) { return atomic_load(&helped); }
 
 /* out[m, 0..n) = x . w.T with the helper: the job's product (run_chunk) over all of its columns. */
@@ -841,6 +848,7 @@ static void gemm_shared(shared_job whole) {
         return;
     }
     job = whole;
+    atomic_store(&helper_resting, 0);
     atomic_store(&finished, 0);
     unsigned g = atomic_load(&generation) + 1;
     atomic_store(&claim, ((unsigned long long)(g & 0xFFFFFF) << 40) | ((unsigned long long)chunks << 20));

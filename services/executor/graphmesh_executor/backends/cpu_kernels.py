@@ -156,6 +156,8 @@ def _library(build: str) -> ctypes.CDLL | None:
     lib.gemm_qpanels.restype = None
     lib.start_helper.argtypes = []
     lib.start_helper.restype = i
+    lib.helper_rest.argtypes = []
+    lib.helper_rest.restype = None
     lib.helper_chunks.argtypes = []
     lib.helper_chunks.restype = ctypes.c_longlong
     lib.gemm_fpanels_shared.argtypes = [i, i, p, i, p, p, i, i]
@@ -212,6 +214,14 @@ def _helper(lib: ctypes.CDLL) -> bool:
         return False
     with affinity.borrowing_threads():  # pinned (--cpus), it borrows a core the other stages leave idle
         return bool(lib.start_helper() == 0)
+
+
+def rest_helper() -> None:
+    """A run is over: the helper thread, if it runs, sleeps now rather than spin on (cpu_kernels.c's helper_rest)
+    on a core that another stage's run may want next."""
+    lib = library()
+    if lib is not None and _helper.cache_info().currsize and _helper(lib):
+        lib.helper_rest()
 
 
 def _helped(lib: ctypes.CDLL, m: int, light: bool) -> bool:

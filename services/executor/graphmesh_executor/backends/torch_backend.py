@@ -502,7 +502,11 @@ class TorchExecutable(CudaGraphs):
             return self._run_plan(env, ctx, cut.plan)
         if self._static_key is not None:
             return self._run_static(env, self._static_key)
-        return self._run_plan(env, ctx)
+        try:
+            return self._run_plan(env, ctx)
+        finally:
+            if self._device.type == "cpu":
+                cpu_kernels.rest_helper()
 
     def _flush_expert_tally(self) -> None:
         if self._expert_tally is None:
