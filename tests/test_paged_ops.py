@@ -311,3 +311,20 @@ def test_sample_greedy_rows_are_argmax(backend: str) -> None:
     logits = rand((4, 30), 2.0)
     tokens = run_sample(backend, logits, [np.zeros(4, np.float32), TOP_K, TOP_P, np.arange(4)])
     np.testing.assert_array_equal(tokens, np.argmax(logits, axis=1))
+
+
+def test_a_steps_runs_fit_the_row_kernel_when_each_is_short_and_padding_rows_stand_alone() -> None:
+    """torch_attention.rows_fit, the host check that lets a CUDA prompt step run static: a run is adjacent rows of
+    one sequence at consecutive positions, so a bucket's padding (sequence 0, position 0) never lengthens a run."""
+    from graphmesh_executor.backends.torch_attention import ROW_KERNEL_RUN, rows_fit
+
+    def step(lengths: list[int], padding: int) -> tuple[np.ndarray, np.ndarray]:
+        seqs = np.concatenate([np.full(n, s) for s, n in enumerate(lengths)] + [np.zeros(padding, np.int64)])
+        pos = np.concatenate([np.arange(n) + 7 * s for s, n in enumerate(lengths)] + [np.zeros(padding, np.int64)])
+        return seqs.astype(np.int64), pos.astype(np.int64)
+
+    assert rows_fit(*step([3, ROW_KERNEL_RUN, 1], 0))
+    assert not rows_fit(*step([3, ROW_KERNEL_RUN + 1, 1], 0))
+    assert rows_fit(*step([ROW_KERNEL_RUN], ROW_KERNEL_RUN))  # sequence 0's run, then padding rows of sequence 0
+    assert rows_fit(*step([5, 9], 3 * ROW_KERNEL_RUN))
+    assert rows_fit(np.zeros(0, np.int64), np.zeros(0, np.int64))

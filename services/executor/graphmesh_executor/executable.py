@@ -261,6 +261,11 @@ class Executable(Generic[T]):
         host[rows] = data
         return self._from_host(host)
 
+    def replays_rows(self, rows: int) -> bool:
+        """Whether a run whose sequences have at most `rows` rows each may replay a captured graph of its whole bucket,
+        far cheaper than an eager run of its real rows alone. False where the backend captures nothing."""
+        return False
+
     def reads_own_blocks(self) -> bool:
         """Whether every paged attention of the graph reads each row's own blocks only, up to its position, so that a
         block table's width costs nothing and one width may serve every run. False where the backend does not say

@@ -254,8 +254,8 @@ class RunInputs(StageState):
                     seed=np.array([seed_for(r.sampling.seed, r.start + n) for r, n in zip(rows, counts)] + [0] * pad,
                                   np.int64))
         exe = self._executable(tokens, seqs, blocks, decode, sample or not spec.last, encoded)
-        # Only the real rows are computed (the padding is a bucket's, for a handful of executables), except in a CUDA
-        # decode: that replays a captured graph of the whole bucket, far cheaper than an eager run of fewer rows.
-        extent = (total, tokens) if total < tokens and not (decode and self.device.startswith("cuda")) else None
+        # Only the real rows are computed (the padding is a bucket's, for a handful of executables), except where the
+        # run may replay a captured graph of the whole bucket (a CUDA decode), far cheaper than an eager run of fewer.
+        extent = (total, tokens) if total < tokens and not exe.replays_rows(max(counts)) else None
         return Prepared(iteration, rows, sample, exe, inputs, tokens, seqs, blocks, extent,
                         np.fromiter((r.steps or 1 for r in rows), np.int64, len(rows)))

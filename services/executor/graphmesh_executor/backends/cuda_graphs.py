@@ -20,7 +20,7 @@ import torch
 from graphmesh import dtypes
 from graphmesh.errors import OutOfRange
 from graphmesh.graph import Graph, Node
-from graphmesh_executor.backends import cuda_kernels
+from graphmesh_executor.backends import cuda_kernels, torch_attention
 from graphmesh_executor.backends.torch_tensors import MEMO, TORCH_DTYPES, Tensor
 from graphmesh_executor.executable import Executable, RunContext, conform
 
@@ -91,7 +91,8 @@ def _host_bounds(x: np.ndarray, bound: int, what: str) -> None:
 
 def _paged_check(node: Node, values: list[Callable[[dict[str, np.ndarray]], np.ndarray | None]],
                  graph: Graph) -> HostCheck:
-    """paged_attention's index checks on the host inputs; only a decode graph runs static (it reads no host value)."""
+    """paged_attention's index checks on the host inputs; a decode runs static, and prompt chunks whose every run
+    takes the row kernel (torch_attention.rows_fit): neither reads a host value."""
     pool_rows, (seqs, blocks) = graph.type_of(node.inputs[1]).shape[0], graph.type_of(node.inputs[3]).shape
     bounds = ((pool_rows // node.attrs["block_size"], "block_table block"), (seqs, "token_seq sequence"),
               (blocks * node.attrs["block_size"], "q_positions position"))
@@ -102,7 +103,9 @@ def _paged_check(node: Node, values: list[Callable[[dict[str, np.ndarray]], np.n
             return False
         for x, (bound, what) in zip(xs, bounds):
             _host_bounds(x, bound, what)  # type: ignore[arg-type]
-        return bool(node.attrs["decode"])
+        q = graph.type_of(node.inputs[0])
+        return bool(node.attrs["decode"]) or (cuda_kernels.paged_serves(q.shape[-1], q.dtype)
+                                              and torch_attention.rows_fit(xs[1], xs[2]))  # type: ignore[arg-type]
     return check
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -199,6 +200,11 @@ def paged_attention(ctx: RunContext, xs: list[Tensor], a: dict[str, Any]) -> Ten
         p = torch.softmax(scores, -1).to(v.dtype)
         return torch.matmul(p, v.permute(0, 2, 1, 3)).reshape(t, hq, d).to(q.dtype)
     # Chunks of prompts (and decodes) mixed: each sequence's queries are one contiguous run of rows.
+    if static_run(ctx) and cuda_kernels.paged_decode_usable(q, k_pool, v_pool):
+        # Every run fits the row kernel (cuda_graphs checked rows_fit on the host inputs): each row of the bucket is
+        # a query of it, as _rows_attention gives a short run's rows, with no host read (a captured graph).
+        row_table = memo(token_seq, ("static-row-table", id(table)), lambda: table.index_select(0, token_seq.long()))
+        return cuda_kernels.paged_decode_attention(q, k_pool, v_pool, row_table, pos, block, scale, window, softcap)
     runs = _prompt_runs(token_seq, pos)
     if q.is_cuda and cuda_kernels.paged_decode_usable(q, k_pool, v_pool):
         return _rows_attention(q, k_pool, v_pool, table, token_seq, pos, runs, a)
@@ -268,15 +274,25 @@ def _hiding_bias(pos: Tensor, keys: int, dtype: torch.dtype, window: int = 0) ->
 Run = tuple[int, int, int, int, bool]  # (sequence, first row, end row, keys, its rows are positions 0.. in order)
 
 
+def rows_fit(token_seq: np.ndarray, pos: np.ndarray) -> bool:
+    """Whether every run of a step's rows (_prompt_runs) has at most ROW_KERNEL_RUN rows: then each row takes the row
+    kernel, and a static run may give it every row with no host read (cuda_graphs' check, on the host inputs)."""
+    if not token_seq.size:
+        return True
+    starts = np.flatnonzero(np.concatenate([[True], (token_seq[1:] != token_seq[:-1]) | (pos[1:] != pos[:-1] + 1)]))
+    return int(np.diff(np.append(starts, token_seq.size)).max()) <= ROW_KERNEL_RUN
+
+
 def _prompt_runs(token_seq: Tensor, pos: Tensor) -> list[Run]:
-    """The runs of adjacent rows of one sequence; once a run, not once a layer (a host read: a sync on CUDA)."""
+    """The runs of adjacent rows of one sequence at consecutive positions (a bucket's padding rows, all at position
+    0, are each a run of their own); once a run, not once a layer (a host read: a sync on CUDA)."""
     def split() -> list[Run]:
         seqs, positions = token_seq.tolist(), pos.tolist()
         runs: list[Run] = []
         start = 0
         while start < len(seqs):
-            end = start
-            while end < len(seqs) and seqs[end] == seqs[start]:
+            end = start + 1
+            while end < len(seqs) and seqs[end] == seqs[start] and positions[end] == positions[end - 1] + 1:
                 end += 1
             keys = max(positions[start:end]) + 1
             from_zero = positions[start] == 0 and positions[end - 1] == end - start - 1 and keys == end - start

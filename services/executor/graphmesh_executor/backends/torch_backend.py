@@ -14,6 +14,7 @@ graphs: cuda_graphs.py.
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -28,7 +29,7 @@ from graphmesh.graph import Graph, Node
 from graphmesh.ops import TensorType
 from graphmesh_executor.backends import cpu_kernels, cuda_kernels
 from graphmesh_executor.backends.cuda_graphs import CudaGraphs
-from graphmesh_executor.backends.torch_attention import DONATED, kv_scatter_pair
+from graphmesh_executor.backends.torch_attention import DONATED, ROW_KERNEL_RUN, kv_scatter_pair
 from graphmesh_executor.backends.torch_ops import (
     BF16,
     CONVERTED,
@@ -458,6 +459,11 @@ class TorchExecutable(CudaGraphs):
         if value.device.type != "cpu" or value.dtype != torch.float32 or not value.is_contiguous():
             return None
         return value.numpy()
+
+    def replays_rows(self, rows: int) -> bool:
+        # A CUDA decode, and prompt chunks whose runs all take the row kernel (torch_attention.rows_fit).
+        return self._device.type == "cuda" and (rows == 1 or (
+            rows <= ROW_KERNEL_RUN and self.reads_own_blocks() and os.environ.get("GRAPHMESH_STATIC_PROMPTS") == "1"))
 
     def reads_own_blocks(self) -> bool:
         # On CUDA a decode and a prompt's short runs take the row kernel, a long run a flash kernel over its own
