@@ -87,12 +87,10 @@ def test_every_decode_bucket_is_captured_at_load_and_no_step_compiles(tiny_llama
     assert [r.compiles for r in runtimes] == compiled
 
 
-def test_prompt_steps_of_short_runs_replay_captured_graphs_with_transformers_tokens(
-        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prompt_steps_of_short_runs_replay_captured_graphs_with_transformers_tokens(tiny_llama: Path) -> None:
     """A step of prompt chunks whose every run takes the row kernel runs its whole bucket static (no cut to its real
     rows, no host read) and, from the bucket's second run (the load's warm-up is its first), replays a captured
     graph: the tokens are transformers' still."""
-    monkeypatch.setenv("GRAPHMESH_STATIC_PROMPTS", "1")
     runtimes = _pipeline(tiny_llama)
     prompts = {"a": [5, 17, 99], "b": [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25],
                "c": [300, 2], "d": [1, 2, 3, 4, 5, 6, 7]}

@@ -14,7 +14,6 @@ graphs: cuda_graphs.py.
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -462,8 +461,7 @@ class TorchExecutable(CudaGraphs):
 
     def replays_rows(self, rows: int) -> bool:
         # A CUDA decode, and prompt chunks whose runs all take the row kernel (torch_attention.rows_fit).
-        return self._device.type == "cuda" and (rows == 1 or (
-            rows <= ROW_KERNEL_RUN and self.reads_own_blocks() and os.environ.get("GRAPHMESH_STATIC_PROMPTS") == "1"))
+        return self._device.type == "cuda" and (rows == 1 or (rows <= ROW_KERNEL_RUN and self.reads_own_blocks()))
 
     def reads_own_blocks(self) -> bool:
         # On CUDA a decode and a prompt's short runs take the row kernel, a long run a flash kernel over its own
