@@ -4,7 +4,7 @@ Executors that share a host each get their own cores (graphmesh.launcher splits 
 stage's threads between cores at every hand-off of a boundary, and wakes them wherever the other stage just ran. The
 CPU kernels' product helper is the exception: it exists to borrow a core the other stages leave idle (a lone stream
 computes on one stage at a time), so it starts on the cores the process had before it was pinned, less its own: woken
-beside its caller, it took the caller's core in turns with it (perf sched: ~10% of its time)."""
+beside its caller, it would only take the caller's core in turns with it."""
 
 from __future__ import annotations
 

@@ -774,9 +774,9 @@ static pthread_mutex_t caller = PTHREAD_MUTEX_INITIALIZER; /* one caller at a ti
 static int helper_started;
 static _Atomic long long helped; /* chunks the helper has taken, for the tests */
 static _Atomic int helper_resting; /* set by helper_rest: the step is over, sleep now */
-/* ~0.5 ms: longer than any gap between a step's products (a layer's attention and ropes between its q, k, v and its
- * output products took ~55 us, past the 50 us it spun before, so it slept and came late to the next product); the
- * step's end ends it sooner (helper_rest), so it does not spin on into the core the next stage computes on. */
+/* ~0.5 ms: longer than any gap between a step's products (a layer's attention and ropes lie between two of them),
+ * so it never sleeps inside a step and comes late to the next product; the step's end ends it sooner (helper_rest),
+ * so it does not spin on into the core the next stage computes on. */
 #define HELPER_SPIN_CYCLES 2000000ULL
 #define CHUNK_COLS (2 * PANEL)
 
