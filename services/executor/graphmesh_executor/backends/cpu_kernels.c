@@ -582,8 +582,8 @@ void repack_q8(int scheme, int n, int k, const unsigned char *src, unsigned char
         }
 }
 
-/* Rows of x [m, k] (k a multiple of 32) as int8 blocks: q [m, k], per row and block its d and d * sum(q) in
- * ds [m, k / 32, 2] and sum(q) in sums [m, k / 32]. The maximum is exact in any order and each code is x * (1 / d)
+/* Rows of x [m, k] (k a multiple of 32) as int8 blocks: q [m, k], per row and block its d in ds [m, k / 32] and
+ * sum(q) in sums [m, k / 32]. The maximum is exact in any order and each code is x * (1 / d)
  * rounded to the nearest even (the vector conversion in the default rounding mode): the same in every build. */
 void quantize_rows_q8(int m, int k, const float *x, int ldx, signed char *q, float *ds, int *sums) {
     int blocks = k / Q8_BLOCK;
@@ -603,7 +603,7 @@ void quantize_rows_q8(int m, int k, const float *x, int ldx, signed char *q, flo
                 VI(storeu)((void *)(codes + j), V(cvtps_epi32)(vmul(vload(xb + j), vset1(id))));
             for (int j = 0; j < Q8_BLOCK; j++) qb[j] = (signed char)codes[j], sum += codes[j];
             size_t at = (size_t)i * blocks + b;
-            ds[2 * at] = d, ds[2 * at + 1] = d * (float)sum, sums[at] = sum;
+            ds[at] = d, sums[at] = sum;
         }
 }
 
@@ -689,7 +689,7 @@ void quantize_rows_q8(int m, int k, const float *x, int ldx, signed char *q, flo
             for (int r = 0; r < Q8_ROWS; r++) {                                                                    \
                 if (r >= rows) break;                                                                              \
                 size_t at = (size_t)(i0 + r) * blocks + b;                                                         \
-                vec dx = vset1(ds[2 * at]), sx = vset1(ds[2 * at + 1]);                                            \
+                vec dx = vset1(ds[at]), sx = vset1(ds[at] * (float)sums[at]);                                      \
                 ivec bias = iset1(scheme == SCHEME_Q4_0 ? 8 * sums[at] : 0);                                       \
                 for (int v = 0; v < 3; v++) {                                                                      \
                     acc[r][v] = vfmadd(itof(isub(dot[r][v], bias)), vmul(d[v], dx), acc[r][v]);                    \
@@ -883,7 +883,7 @@ int gemm_q8panels_shared(int m, int k, const float *x, int ldx, const unsigned c
     size_t need = (size_t)m * k;
     if (need > room) {
         free(qx), free(ds), free(sums);
-        qx = malloc(need), ds = malloc(need / Q8_BLOCK * 2 * sizeof(float)), sums = malloc(need / Q8_BLOCK * sizeof(int));
+        qx = malloc(need), ds = malloc(need / Q8_BLOCK * sizeof(float)), sums = malloc(need / Q8_BLOCK * sizeof(int));
         room = qx && ds && sums ? need : 0;
         if (!room) {
             free(qx), free(ds), free(sums);

@@ -348,13 +348,13 @@ def panels(packed: torch.Tensor, scheme: str, n: int, k: int, activations: str =
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """f32 rows [m, k] as gemm_q8panels reads them (cpu_kernels.c's quantize_rows_q8): int8 codes [m, k], per block
-    of 32 its scale d and d * sum(codes) [m, k/32, 2], and sum(codes) [m, k/32]."""
+    of 32 its scale d [m, k/32] and sum(codes) [m, k/32]."""
     lib = library()
     assert lib is not None
     x = x.contiguous()
     m, k = x.shape
     codes = torch.empty(m, k, dtype=torch.int8)
-    scales = torch.empty(m, k // 32, 2, dtype=torch.float32)
+    scales = torch.empty(m, k // 32, dtype=torch.float32)
     sums = torch.empty(m, k // 32, dtype=torch.int32)
     lib.quantize_rows_q8(m, k, x.data_ptr(), k, codes.data_ptr(), scales.data_ptr(), sums.data_ptr())
     return codes, scales, sums
