@@ -738,3 +738,29 @@ def test_http_bodies_that_are_not_requests_and_the_responses_fields(mesh: LocalM
             failures.append(("GET", path[:40], status))
     assert not failures, failures
     assert _status(mesh).ready
+
+
+def test_a_serving_heap_is_frozen_and_its_cycles_still_collected() -> None:
+    """settle_heap (run before every service serves): start-up's objects leave the collector's traversal, the
+    collector runs every COLLECT_EVERY net allocations instead of 700, and a cycle made while serving is still
+    collected once that many more objects live. In a process of its own: the settings are process-wide."""
+    script = """
+import gc, weakref
+from graphmesh_server.serving import COLLECT_EVERY, settle_heap
+settle_heap()
+assert gc.get_freeze_count() > 1000, gc.get_freeze_count()
+assert gc.get_threshold()[0] == COLLECT_EVERY, gc.get_threshold()
+class Node:
+    pass
+a, b = Node(), Node()
+a.other, b.other = b, a
+gone = weakref.ref(a)
+del a, b
+kept = [[] for _ in range(500)]
+assert gone() is not None, "collected after 500 allocations: the threshold is not in force"
+kept += [[] for _ in range(COLLECT_EVERY)]
+assert gone() is None, "a cycle outlived COLLECT_EVERY allocations"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
