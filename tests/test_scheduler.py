@@ -80,7 +80,7 @@ class FakeMesh:
         self.kvstore: object | None = object() if store else None
         self.stored: set[tuple[int, ...]] = set()
         self.seeded_tokens = 0
-        self.ranks = [SimpleNamespace(device="cpu")] * ranks  # what the scheduler reads of a rank
+        self.ranks = [SimpleNamespace(device="cpu", gpu_uuid="")] * ranks  # what the scheduler reads of a rank
         self.kv_pool_blocks = blocks
         self.incarnation = 1
         self.ready = True
@@ -395,6 +395,42 @@ def test_steps_fill_the_pipeline_with_one_micro_batch_per_stage() -> None:
     assert mesh.max_in_flight_steps == 2  # both stages busy; never a session in both (checked by the mesh)
 
 
+@pytest.mark.parametrize(("gpus", "sessions", "micro_batches"),
+                         [(["GPU-a", "GPU-a"], 32, 1), (["GPU-a", "GPU-a"], 128, 2), (["GPU-a", "GPU-b"], 32, 2)])
+def test_stages_sharing_a_gpu_split_only_micro_batches_of_many_rows(gpus: list[str], sessions: int,
+                                                                     micro_batches: int) -> None:
+    """Two stages on one GPU: one micro-batch of 32 sessions (two of 16 would read the weights twice per token),
+    two of 64 from 128; on two GPUs, two micro-batches whatever their rows. Tokens never change."""
+    rows: list[int] = []
+
+    class Counting(FakeMesh):
+        def execute_step(self, step_rows: Sequence[stage_pb2.StepRow], output: int, incarnation: int,
+                         decode_steps: int = 1, sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
+            rows.append(len(step_rows))
+            return super().execute_step(step_rows, output, incarnation, decode_steps, sent)
+
+    mesh = Counting(2, 100_000)
+    mesh.ranks = [SimpleNamespace(device="cuda:0", gpu_uuid=g) for g in gpus]
+    mesh.ready = False  # every session is waiting when the first step is scheduled
+    scheduler = Scheduler(cast(Mesh, mesh))
+    jobs = [([i + 1, 2, 3], 6) for i in range(sessions)]
+    seqs = [Seq(SessionInfo(f"s{i}"), list(p), stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, n,
+                max_tokens_total=len(p) + n) for i, (p, n) in enumerate(jobs)]
+    try:
+        for seq in seqs:
+            scheduler.submit(seq)
+        mesh.ready = True
+        got = [[cast(Output, seq.events.get(timeout=60)).token for _ in range(n)] for seq, (_, n) in zip(seqs, jobs)]
+    finally:
+        for seq in seqs:
+            scheduler.finish(seq)
+        scheduler.close()
+    assert got == [solo(p, n) for p, n in jobs]
+    assert rows[:micro_batches] == [sessions // micro_batches] * micro_batches  # the first steps split them so
+    assert max(rows) == sessions // micro_batches and mesh.max_in_flight_steps <= micro_batches
+    assert not mesh.violations
+
+
 @pytest.mark.parametrize("steps_in_flight", [1, 4])
 def test_steps_in_flight_bounds_the_micro_batches_and_changes_no_token(steps_in_flight: int) -> None:
     mesh = FakeMesh(2, 1000)
@@ -487,7 +523,7 @@ def test_decodes_that_fill_a_step_run_as_decode_runs_while_prompts_wait() -> Non
 def test_a_step_takes_256_sessions_on_gpus_and_64_on_cpus_by_default() -> None:
     for device, seqs in (("cuda:0", 256), ("cpu", 64)):
         mesh = FakeMesh(2, 100)
-        mesh.ranks = [SimpleNamespace(device=device)] * 2
+        mesh.ranks = [SimpleNamespace(device=device, gpu_uuid="")] * 2
         default, pinned = Scheduler(cast(Mesh, mesh)), Scheduler(cast(Mesh, mesh), max_step_seqs=7)
         try:
             assert (default._step_seqs(), pinned._step_seqs()) == (seqs, 7)

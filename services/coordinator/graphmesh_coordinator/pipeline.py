@@ -75,6 +75,7 @@ class Rank:
     healthy: bool = True
     model_identity: str = ""
     kv_pool_blocks: int = 0
+    gpu_uuid: str = ""  # the GPU it computes on; "" off CUDA
 
 
 class Mesh:
@@ -235,6 +236,7 @@ class Mesh:
                                   f"{error.message}", "INSTALL_FAILED", {"highest_seen": seen} if seen else None) from e
             rank.backend, rank.device, rank.param_bytes = reply.backend, reply.device, reply.param_bytes
             rank.model_identity, rank.kv_pool_blocks = reply.model_identity, reply.kv_pool_blocks
+            rank.gpu_uuid = reply.gpu_uuid
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: stage_pb2.OutputKind.ValueType,
                      incarnation: int, decode_steps: int = 1,

@@ -238,7 +238,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.InstallResponse(backend=self.runtime.backend, device=self.runtime.device,
                                          param_bytes=self.runtime.param_bytes, load_ms=load_ms,
                                          model_identity=self.runtime.model_identity,
-                                         kv_pool_blocks=self.runtime.pool.lendable, dtype=self.runtime.dtype)
+                                         kv_pool_blocks=self.runtime.pool.lendable, dtype=self.runtime.dtype,
+                                         gpu_uuid=transport.gpu_uuid(self.runtime.device))
 
     @rpc
     def ExecuteStep(self, request: stage_pb2.ExecuteStepRequest,

@@ -99,14 +99,26 @@ def _torch_cuda() -> Any:
     return torch if torch.cuda.is_available() else None
 
 
+def _visible_gpu_uuids(device: str) -> list[str]:
+    """The UUIDs of the GPUs this process sees, in its CUDA device order; none off CUDA."""
+    torch = _torch_cuda() if device.startswith("cuda") else None
+    if torch is None:
+        return []
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def gpu_uuid(device: str) -> str:
+    """The UUID of the GPU `device` names ("cuda:1"); "" off CUDA."""
+    torch = _torch_cuda() if device.startswith("cuda") else None
+    if torch is None:
+        return ""
+    return str(torch.cuda.get_device_properties(torch.device(device).index or 0).uuid)
+
+
 def local_end(device: str) -> stage_pb2.BoundaryLinkEnd:
     """This executor's end of a link."""
-    end = stage_pb2.BoundaryLinkEnd(host_id=host_id(), device=device, tcp_only=tcp_only())
-    torch = _torch_cuda() if device.startswith("cuda") else None
-    if torch is not None:
-        uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-        end.gpu_uuid = uuids[torch.device(device).index or 0]
-        end.visible_gpu_uuids.extend(uuids)
+    end = stage_pb2.BoundaryLinkEnd(host_id=host_id(), device=device, tcp_only=tcp_only(), gpu_uuid=gpu_uuid(device))
+    end.visible_gpu_uuids.extend(_visible_gpu_uuids(device))
     return end
 
 

@@ -664,6 +664,7 @@ class InstallResponse(_message.Message):
     MODEL_IDENTITY_FIELD_NUMBER: _builtins.int
     KV_POOL_BLOCKS_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
+    GPU_UUID_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     """backend and device of this executor, e.g. "torch" and "cpu"."""
     device: _builtins.str
@@ -683,6 +684,11 @@ class InstallResponse(_message.Message):
     """
     dtype: _builtins.str
     """dtype is the stage graphs' dtype after resolving the default."""
+    gpu_uuid: _builtins.str
+    """gpu_uuid is the UUID of the GPU the stage computes on; empty off CUDA.
+    Stages on one GPU take turns on it: the coordinator sizes its
+    micro-batches by how many GPUs the stages have, not by how many stages.
+    """
     def __init__(
         self,
         *,
@@ -693,10 +699,11 @@ class InstallResponse(_message.Message):
         model_identity: _builtins.str = ...,
         kv_pool_blocks: _builtins.int = ...,
         dtype: _builtins.str = ...,
+        gpu_uuid: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "dtype", b"dtype", "kv_pool_blocks", b"kv_pool_blocks", "load_ms", b"load_ms", "model_identity", b"model_identity", "param_bytes", b"param_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "dtype", b"dtype", "gpu_uuid", b"gpu_uuid", "kv_pool_blocks", b"kv_pool_blocks", "load_ms", b"load_ms", "model_identity", b"model_identity", "param_bytes", b"param_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
