@@ -208,22 +208,28 @@ def _sample(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
     return sample_rows(ctx.rng, *xs)
 
 
+def _blocks(packed: Array, scheme: str, n: int, k: int) -> tuple[Array, Array, Array | None]:
+    """A 32-element scheme's blocks [n, k/32 * block_bytes] u8 as their scales d f16 [n, k/32], codes int16
+    [n, k/32, 32] (q4_0's less 8: the value is code * d) and q4_1's minimums m f16 [n, k/32] (code * d + m; None
+    for the other schemes)."""
+    b = packed.reshape(n, k // 32, -1)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]
+    if scheme == "q8_0":
+        return d, b[..., 2:].copy().view(np.int8).astype(np.int16), None
+    qs = b[..., -16:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)  # low nibbles are elements 0..15
+    if scheme == "q4_0":
+        return d, q - 8, None
+    return d, q, b[..., 2:4].copy().view(np.float16)[..., 0]
+
+
 def dequantize(packed: Array, scheme: str, n: int, k: int) -> Array:
     """GGUF blocks [n, k/32 * block_bytes] u8 -> f32 [n, k] (K-quants: super-blocks of 256, gguf's dequantization)."""
-    block, size = QUANT_BLOCKS[scheme]
-    if block != 32:
+    if QUANT_BLOCKS[scheme][0] != 32:
         return dequantize_packed(packed, scheme, n, k)
-    b = packed.reshape(n, k // block, size)
-    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, nb, 1]
-    if scheme == "q8_0":
-        q = b[..., 2:].copy().view(np.int8).astype(np.float32)
-        return (q * d).reshape(n, k)
-    qs = b[..., -16:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float32)  # low nibbles are elements 0..15
-    if scheme == "q4_0":
-        return ((q - 8.0) * d).reshape(n, k)
-    m = b[..., 2:4].copy().view(np.float16).astype(np.float32)
-    return (q * d + m).reshape(n, k)
+    d, q, m = _blocks(packed, scheme, n, k)
+    w = q.astype(np.float32) * d.astype(np.float32)[..., None]
+    return (w if m is None else w + m.astype(np.float32)[..., None]).reshape(n, k)
 
 
 def _dequant_matmul(ctx: RunContext, xs: list[Array], a: dict[str, Any]) -> Array:
@@ -246,19 +252,13 @@ def _q8_matmul(x: Array, packed: Array, scheme: str, n: int, k: int) -> Array:
     """x @ w.T with x's rows quantized to int8 blocks: each block's integer dot product (exact in float64), scaled
     by d_w * d_x, summed in float64 (the reference the kernels' f32 sums are held to)."""
     codes, dx = quantize_q8(x.reshape(-1, k))
-    b = packed.reshape(n, k // 32, -1)
-    dw = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)  # [n, nb]
-    if scheme == "q8_0":
-        w = b[..., 2:].copy().view(np.int8).astype(np.float64)
-    else:
-        qs = b[..., -16:]
-        w = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float64) - (8.0 if scheme == "q4_0" else 0.0)
+    d, q, m = _blocks(packed, scheme, n, k)
+    dw, w = d.astype(np.float64), q.astype(np.float64)
     out = np.zeros((codes.shape[0], n))
     for j in range(k // 32):
         out += (codes[:, j] @ w[:, j].T) * dw[:, j] * dx[:, j, None].astype(np.float64)
-        if scheme == "q4_1":
-            m = b[:, j, 2:4].copy().view(np.float16)[:, 0].astype(np.float64)
-            out += (dx[:, j].astype(np.float64) * codes[:, j].sum(-1))[:, None] * m
+        if m is not None:
+            out += (dx[:, j].astype(np.float64) * codes[:, j].sum(-1))[:, None] * m[:, j].astype(np.float64)
     return out.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
