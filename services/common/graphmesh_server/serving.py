@@ -89,8 +89,8 @@ COLLECT_EVERY = 50_000
 def settle_heap() -> None:
     """Once a service has started: what start-up made (modules, the model's config and tokenizer, the plan) is
     frozen, never traversed by the cyclic collector again, and the collector runs every COLLECT_EVERY net
-    allocations. By default it ran every 700, and every hundredth run traversed the whole heap with the GIL held:
-    a quarter of the coordinator's CPU at 256 streams, in pauses that stall every stream and the step in flight
+    allocations. By default it ran every 700, and every hundredth run traversed the whole heap with the GIL held: a
+    good share of the coordinator's CPU at 256 streams, in pauses that stall every stream and the step in flight
     (bench/RESULTS.md). What serving allocates, reference counting frees nearly all of; the rare cycle still goes."""
     gc.collect()
     gc.freeze()
