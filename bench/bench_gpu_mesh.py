@@ -71,7 +71,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.bench_gpu import SMALL, TINYLLAMA
-from bench.common import RESULTS_DIR, generate_streams, machine, median, metrics, progress, stream_record, table
+from bench.common import RESULTS_DIR, cpu_seconds, generate_streams, machine, median, metrics, progress, stream_record, table
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh, free_port, gpu_env, wait_healthy
 from graphmesh.v1 import coordinator_pb2
@@ -119,6 +119,13 @@ STEP_KINDS = ("prompt", "decode_run", "decode", "verify")  # the coordinator's g
 
 def scrape(mesh: LocalMesh) -> dict[str, dict[tuple[str, str], float]]:
     return {name: metrics(port) for name, port in mesh.metrics_ports.items()}
+
+
+def cpu_by_process(mesh: LocalMesh) -> dict[str, float]:
+    """The CPU seconds so far (user + system) of the coordinator and of each executor."""
+    assert mesh.coordinator_process is not None
+    return {"coordinator": cpu_seconds(mesh.coordinator_process.pid),
+            **{f"executor-{i}": cpu_seconds(p.pid) for i, p in enumerate(mesh.executor_processes)}}
 
 
 def where_time_went(before: dict[str, dict[tuple[str, str], float]], after: dict[str, dict[tuple[str, str], float]],
@@ -353,9 +360,12 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
             reps = []
             for r in range(a.repeats):
                 progress(f"== {label}: {n} streams, repeat {r + 1}/{a.repeats}")
-                counted = scrape(mesh)
+                counted, cpu = scrape(mesh), cpu_by_process(mesh)
                 reps.append(run_level(address, prompts[:n], a.tokens, a.client))
-                reps[-1]["where"] = where_time_went(counted, scrape(mesh), reps[-1]["wall_s"])
+                wall = reps[-1]["wall_s"]
+                reps[-1]["where"] = where_time_went(counted, scrape(mesh), wall)
+                # how busy each process was: one core busy in the coordinator is its GIL's limit
+                reps[-1]["where"]["cores"] = {k: (v - cpu[k]) / wall for k, v in cpu_by_process(mesh).items()}
             same = sum(ids == solo[i] for rep in reps for i, ids in enumerate(rep["ids"][:len(solo)]))
             rows.append({"streams": n, **{k: median([x[k] for x in reps]) for k in
                                           ("tok_s", "decode_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
@@ -556,11 +566,13 @@ def main() -> None:
         print(f"\n{a.shape}, {a.dtype}, {name}; recoveries during the run: {run['recoveries']}")
         print(table(cols, [[row[c] for c in cols] for row in run["rows"]]))
         print("where the time went (last repeat; ms of the coordinator's steps by kind, steps, mean rows):")
-        print(table(["streams", "wall", "prompt", "decode_run", "decode", "outside steps", "compiles"], [
+        print(table(["streams", "wall", "prompt", "decode_run", "decode", "outside steps", "compiles",
+                     "cores busy: coordinator / executors"], [
             [row["streams"], f"{1e3 * w['wall_s']:.0f}",
              *(f"{1e3 * w[k]['s']:.0f} ({w[k]['steps']:.0f}, {w[k]['rows'] / max(w[k]['steps'], 1):.0f})"
                for k in ("prompt", "decode_run", "decode")),
-             f"{1e3 * w['outside_steps_s']:.0f}", f"{w['compiles']:.0f} ({1e3 * w['compile_s']:.0f} ms)"]
+             f"{1e3 * w['outside_steps_s']:.0f}", f"{w['compiles']:.0f} ({1e3 * w['compile_s']:.0f} ms)",
+             " / ".join(f"{v:.2f}" for v in w["cores"].values())]
             for row in run["rows"] for w in row["where"][-1:]]))
         if run["poisson"]:
             print("Poisson serving run: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
