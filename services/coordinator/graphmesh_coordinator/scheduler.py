@@ -324,11 +324,8 @@ class Scheduler:
         """The next step's rows and its decode run's length (1: one token per row); or, when `draft` and sessions of
         it want the draft model's proposals, those sessions (Scheduler._draft makes them, then this runs again)."""
         mesh = self.mesh
-        if not mesh.ready:
-            return None
-        live = sum(1 for s in self._seqs if not s.done)
-        in_flight = self._micro_batches(live)
-        if self._in_flight >= in_flight:
+        in_flight = self._micro_batches()
+        if not mesh.ready or self._in_flight >= in_flight:
             return None
         if mesh.incarnation != self._incarnation:  # a new roster holds no session's KV
             self._incarnation, self._releasing = mesh.incarnation, 0
@@ -352,6 +349,7 @@ class Scheduler:
         # steps only with each other, so no other session's tokens ever come from a different graph.
         kind = (ready[0].output, ready[0].sampling.logprobs or ready[0].guide is not None)
         ready = [s for s in ready if (s.output, s.sampling.logprobs or s.guide is not None) == kind]
+        live = sum(1 for s in self._seqs if not s.done)
         cap = min(self._step_seqs(), max(1, math.ceil(live / in_flight)))
         decoding = [s for s in ready if len(s.pending) == 1 and s.session.incarnation == mesh.incarnation
                     and not (s.encoded is not None and s.encoded.positions[-1] >= s.session.tokens)]
@@ -418,18 +416,20 @@ class Scheduler:
                 budget -= len(proposed)
         return out, drafts
 
-    def _micro_batches(self, live: int) -> int:
+    def _micro_batches(self) -> int:
         """Steps in flight at most: --steps-in-flight, else one per stage so that every stage works on a micro-batch
         of its own. Stages that share a GPU take turns on it, and a decode iteration reads all of a stage's weights
         whatever its rows: there two micro-batches of a few rows cost the GPU twice what one of them all does, so a
-        micro-batch has at least SHARED_GPU_ROWS rows, and there are at least as many as the stages have GPUs."""
-        stages = max(1, len(self.mesh.ranks))
+        micro-batch has at least SHARED_GPU_ROWS rows, and there are at least as many as the stages have GPUs. Only
+        there does it count the live sessions: a pass that finds the steps in flight full costs nothing per session."""
         if self.steps_in_flight:
             return self.steps_in_flight
+        stages = max(1, len(self.mesh.ranks))
         gpus = {r.gpu_uuid for r in self.mesh.ranks}
         if "" in gpus or len(gpus) >= stages:
             return stages
-        return max(1, min(stages, max(len(gpus), live // SHARED_GPU_ROWS)))
+        live = sum(1 for s in self._seqs if not s.done)
+        return min(stages, max(len(gpus), live // SHARED_GPU_ROWS))
 
     def _longest_run(self) -> int:
         return self.decode_steps or (DECODE_STEPS_CUDA if self._on_gpus() else DECODE_STEPS_CPU)
