@@ -520,6 +520,39 @@ def test_decodes_that_fill_a_step_run_as_decode_runs_while_prompts_wait() -> Non
     assert mesh._steps < 240 // (4 * 2), mesh._steps
 
 
+@pytest.mark.parametrize(("sessions", "run_length"), [(10, 8), (64, 8), (130, 24), (256, 32)])
+def test_on_gpus_a_decode_run_grows_with_its_rows(sessions: int, run_length: int) -> None:
+    """The coordinator's work per run grows with its rows (a message per stream) and the GPU's hardly: by default a
+    run takes 8 tokens a row per 64 rows, up to 32. Tokens never change."""
+    runs: list[int] = []
+
+    class Counting(FakeMesh):
+        def execute_step(self, step_rows: Sequence[stage_pb2.StepRow], output: int, incarnation: int,
+                         decode_steps: int = 1, sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
+            if decode_steps > 1:
+                runs.append(decode_steps)
+            return super().execute_step(step_rows, output, incarnation, decode_steps, sent)
+
+    mesh = Counting(1, 100_000)
+    mesh.ranks = [SimpleNamespace(device="cuda:0", gpu_uuid="GPU-a")]
+    mesh.ready = False  # every session is waiting when the first step is scheduled: one prompt step for all
+    scheduler = Scheduler(cast(Mesh, mesh))
+    jobs = [([i + 1, 2, 3], 40) for i in range(sessions)]
+    seqs = [Seq(SessionInfo(f"s{i}"), list(p), stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, n,
+                max_tokens_total=len(p) + n) for i, (p, n) in enumerate(jobs)]
+    try:
+        for seq in seqs:
+            scheduler.submit(seq)
+        mesh.ready = True
+        got = [tokens(seq, n) for seq, (_, n) in zip(seqs, jobs)]
+    finally:
+        for seq in seqs:
+            scheduler.finish(seq)
+        scheduler.close()
+    assert got == [solo(p, n) for p, n in jobs]
+    assert runs[0] == run_length and not mesh.violations
+
+
 def test_a_step_takes_256_sessions_on_gpus_and_64_on_cpus_by_default() -> None:
     for device, seqs in (("cuda:0", 256), ("cpu", 64)):
         mesh = FakeMesh(2, 100)

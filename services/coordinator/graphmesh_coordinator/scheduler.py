@@ -55,6 +55,10 @@ MAX_RECOVERIES = 3  # in a row, for one session
 # The longest decode run when none is set: on GPUs a step's compute is ~1 ms and its round trips several, so longer
 # runs pay; on CPUs compute dominates and a run's tokens reach the client in one burst, so shorter ones.
 DECODE_STEPS_CUDA, DECODE_STEPS_CPU = 8, 4
+# On GPUs a run grows by DECODE_STEPS_CUDA tokens for every RUN_ROWS_CUDA rows, up to LONGEST_RUN_CUDA: what the
+# coordinator does per run grows with its rows (each stream's tokens streamed to its client, in one message a run),
+# what the GPU does per token hardly, so the host's share of a token stays what it is at RUN_ROWS_CUDA rows.
+RUN_ROWS_CUDA, LONGEST_RUN_CUDA = 64, 32
 # The token budget of a step when none is set; a decode row spends one token of it. On a GPU a step costs about the
 # same up to thousands of rows, and 256 decodes left no room for the prompts waiting behind them (256 streams waited
 # seconds for their first tokens), so the budget is vLLM's chunked-prefill budget. On CPUs a token costs the same
@@ -367,7 +371,8 @@ class Scheduler:
         if proposals:
             pass  # a verified chunk is one pass: its step is no decode run
         elif decoding and (not others or len(decoding) >= cap) and kind == (stage_pb2.OUTPUT_KIND_TOKEN, False):
-            steps = min(self._longest_run(), max(s.remaining for s in decoding))  # any of them may take a row
+            rows = min(len(decoding), cap)
+            steps = min(self._run_length(rows), max(s.remaining for s in decoding))  # any of them may take a row
         budget = self._step_tokens()
         step: list[_Row] = []
         # A prompt never joins a decode run, not even where a decode found no blocks and left it room.
@@ -432,7 +437,13 @@ class Scheduler:
         return min(stages, max(len(gpus), live // SHARED_GPU_ROWS))
 
     def _longest_run(self) -> int:
-        return self.decode_steps or (DECODE_STEPS_CUDA if self._on_gpus() else DECODE_STEPS_CPU)
+        return self.decode_steps or (LONGEST_RUN_CUDA if self._on_gpus() else DECODE_STEPS_CPU)
+
+    def _run_length(self, rows: int) -> int:
+        """The decode run of a step of `rows` decodes: --decode-steps, else by the devices (RUN_ROWS_CUDA)."""
+        if self.decode_steps or not self._on_gpus():
+            return self._longest_run()
+        return min(LONGEST_RUN_CUDA, DECODE_STEPS_CUDA * max(1, math.ceil(rows / RUN_ROWS_CUDA)))
 
     def _step_seqs(self) -> int:
         return self.max_step_seqs or (STEP_SEQS_CUDA if self._on_gpus() else STEP_SEQS_CPU)

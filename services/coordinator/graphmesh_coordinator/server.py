@@ -374,8 +374,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="the longest decode run: a step of decodes alone (no prompt waiting) decodes up to this "
                              "many tokens per session on the executors, the last stage feeding each token back to "
                              "the first, with no round trip here between them; tokens then reach clients in bursts "
-                             f"of that many. 1: every token is its own step. Default: {sched.DECODE_STEPS_CUDA} when "
-                             f"every executor is on CUDA, else {sched.DECODE_STEPS_CPU}")
+                             f"of that many. 1: every token is its own step. Default: when every executor is on "
+                             f"CUDA {sched.DECODE_STEPS_CUDA} per {sched.RUN_ROWS_CUDA} rows of the step, up to "
+                             f"{sched.LONGEST_RUN_CUDA}; else {sched.DECODE_STEPS_CPU}")
     parser.add_argument("--speculative", default="off",
                         help="speculative decoding of requests that do not choose: prompt-lookup (k proposed tokens "
                              "from n-gram matches over the session's prompt and output, verified in one pass through "
