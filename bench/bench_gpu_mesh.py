@@ -323,7 +323,8 @@ def poisson(address: str, a: argparse.Namespace, vocab: int) -> dict[str, Any]:
     ttfts = [r["ttft"] for r in runs]
     gaps_all = [g for r in runs for g in r["gaps"]]
     good = [r for r in runs if r["ttft"] <= GOOD_TTFT_S and (not r["gaps"] or np.percentile(r["gaps"], 99) <= GOOD_ITL_P99_S)]
-    return {"requests": a.requests, "rate": a.rate, "tok_s": sum(len(r["ids"]) for r in runs) / wall,
+    return {"requests": a.requests, "rate": a.rate, "wall_s": wall, "tok_s": sum(len(r["ids"]) for r in runs) / wall,
+            "prompt_tok_s": sum(len(p) for p, _ in reqs) / wall,
             "goodput_tok_s": sum(len(r["ids"]) for r in good) / wall, "good_requests": len(good),
             "ttft_p50_ms": 1e3 * float(np.percentile(ttfts, 50)), "ttft_p99_ms": 1e3 * float(np.percentile(ttfts, 99)),
             "itl_p50_ms": 1e3 * float(np.percentile(gaps_all, 50)) if gaps_all else 0.0,
@@ -375,7 +376,10 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
         served = None
         if a.workload == "poisson":
             progress(f"== {label}: Poisson arrivals, {a.requests} requests at {a.rate}/s")
+            counted, cpu = scrape(mesh), cpu_by_process(mesh)
             served = poisson(address, a, vocab)
+            served["where"] = where_time_went(counted, scrape(mesh), served["wall_s"])
+            served["where"]["cores"] = {k: (v - cpu[k]) / served["wall_s"] for k, v in cpu_by_process(mesh).items()}
         with CoordinatorClient(address) as client:
             after = client.status().incarnation
     one = float(rows[0]["tok_s"]) if rows and rows[0]["streams"] == 1 else 0.0
@@ -566,17 +570,19 @@ def main() -> None:
         print(f"\n{a.shape}, {a.dtype}, {name}; recoveries during the run: {run['recoveries']}")
         print(table(cols, [[row[c] for c in cols] for row in run["rows"]]))
         print("where the time went (last repeat; ms of the coordinator's steps by kind, steps, mean rows):")
+        wheres = [(row["streams"], row["where"][-1]) for row in run["rows"]]
+        if run["poisson"]:
+            wheres.append(("Poisson", run["poisson"]["where"]))
         print(table(["streams", "wall", "prompt", "decode_run", "decode", "outside steps", "compiles",
                      "cores busy: coordinator / executors"], [
-            [row["streams"], f"{1e3 * w['wall_s']:.0f}",
+            [streams, f"{1e3 * w['wall_s']:.0f}",
              *(f"{1e3 * w[k]['s']:.0f} ({w[k]['steps']:.0f}, {w[k]['rows'] / max(w[k]['steps'], 1):.0f})"
                for k in ("prompt", "decode_run", "decode")),
              f"{1e3 * w['outside_steps_s']:.0f}", f"{w['compiles']:.0f} ({1e3 * w['compile_s']:.0f} ms)",
-             " / ".join(f"{v:.2f}" for v in w["cores"].values())]
-            for row in run["rows"] for w in row["where"][-1:]]))
+             " / ".join(f"{v:.2f}" for v in w["cores"].values())] for streams, w in wheres]))
         if run["poisson"]:
             print("Poisson serving run: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                                      for k, v in run["poisson"].items()))
+                                                      for k, v in run["poisson"].items() if k != "where"))
     result = {"benchmark": "gpu_mesh", "machine": machine(load), "shape": a.shape,
               "model": f"random {shape.get('model_type', 'llama')}, {a.shape} shape",
               "dtype": a.dtype, "device": a.device, "gpus": a.gpus, "tokens_per_stream": a.tokens,
