@@ -95,6 +95,7 @@ class FakeMesh:
         self.recoveries = 0
         self.shared_tokens = self.share_refusals = 0
         self.decode_run_steps = 0
+        self.release_calls: list[tuple[str, ...]] = []  # the sessions of each release call
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: int, incarnation: int,
                      decode_steps: int = 1, sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
@@ -182,11 +183,13 @@ class FakeMesh:
         rank.lent[s] = rank.lent.get(s, 0) + max(0, need)
         rank.open[s] = (r.epoch, r.start_position, list(r.token_ids))
 
-    def release(self, session_id: str) -> None:
+    def release(self, session_id: str, *more: str) -> None:
         with self._lock:
+            self.release_calls.append((session_id, *more))
             for rank in self._ranks:
-                for table in (rank.kv, rank.tokens, rank.open, rank.committed, rank.lent, rank.dropped):
-                    table.pop(session_id, None)
+                for released in (session_id, *more):
+                    for table in (rank.kv, rank.tokens, rank.open, rank.committed, rank.lent, rank.dropped):
+                        table.pop(released, None)
 
     def recover(self, failed: int) -> None:
         with self._lock:
@@ -551,6 +554,28 @@ def test_on_gpus_a_decode_run_grows_with_its_rows(sessions: int, run_length: int
         scheduler.close()
     assert got == [solo(p, n) for p, n in jobs]
     assert runs[0] == run_length and not mesh.violations
+
+
+def test_sessions_that_end_in_one_step_are_released_in_one_call_and_their_blocks_come_back() -> None:
+    mesh = FakeMesh(1, 1000)
+    mesh.ready = False  # every session is waiting when the first step is scheduled: they run and end together
+    scheduler = Scheduler(cast(Mesh, mesh), max_step_tokens=256, decode_steps=1)
+    jobs = [([i + 1, 2, 3], 3) for i in range(16)]
+    seqs = [Seq(SessionInfo(f"s{i}"), list(p), stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, n,
+                max_tokens_total=len(p) + n) for i, (p, n) in enumerate(jobs)]
+    try:
+        for seq in seqs:
+            scheduler.submit(seq)
+        mesh.ready = True
+        got = [tokens(seq, n) for seq, (_, n) in zip(seqs, jobs)]
+        deadline = time.monotonic() + 30
+        while scheduler.used_blocks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.used_blocks == 0
+    finally:
+        scheduler.close()
+    assert got == [solo(p, n) for p, n in jobs]
+    assert mesh.release_calls == [tuple(f"s{i}" for i in range(16))]
 
 
 def test_a_step_takes_256_sessions_on_gpus_and_64_on_cpus_by_default() -> None:

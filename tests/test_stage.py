@@ -486,6 +486,19 @@ def test_a_new_session_shares_a_prefix_another_holds_and_computes_the_same_token
     assert e.value.reason == "PREFIX_NOT_HELD"
 
 
+def test_one_release_frees_every_session_it_names_and_only_those(tiny_llama: Path) -> None:
+    runtimes = _pipeline(tiny_llama, 1, 2)
+    for session in ("a", "b", "c"):
+        _invoke(runtimes, session, 1, 0, 0, [5, 6, 7])
+    free = runtimes[0].pool.free
+    assert runtimes[0].release(1, "a", "c", "never-held")
+    assert sorted(dict(runtimes[0].sessions())) == ["b"] and runtimes[0].pool.free > free
+    assert not runtimes[0].release(1, "a", "never-held")  # none of these is held any more
+    with pytest.raises(FailedPrecondition):
+        runtimes[1].release(0, "a", "b")  # a stale incarnation releases nothing
+    assert sorted(dict(runtimes[1].sessions())) == ["a", "b", "c"]
+
+
 def test_replan_takes_standby_weights_and_compiles_the_recent_shapes(tiny_llama: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank that held the rest of the model in standby takes a re-plan's new layers without reading the

@@ -636,12 +636,13 @@ class Mesh:
                         if rank.plan.address == address:
                             rank.healthy = False
 
-    def release(self, session_id: str) -> None:
-        """Drops the session on every rank. A rank the health watch finds lost is not waited for: a frozen executor
-        held every caller for the call's whole deadline (a failed seed releases under the scheduler's lock, so all
-        admission stalled for a minute), and the install that replaces it drops the session anyway."""
+    def release(self, session_id: str, *more: str) -> None:
+        """Drops the sessions on every rank, in one call a rank. A rank the health watch finds lost is not waited for:
+        a frozen executor held every caller for the call's whole deadline (a failed seed releases under the
+        scheduler's lock, so all admission stalled for a minute), and the install that replaces it drops the session
+        anyway."""
         request = stage_pb2.ReleaseSessionRequest(
-            header=stage_pb2.FencingHeader(incarnation=self.incarnation, session_id=session_id))
+            header=stage_pb2.FencingHeader(incarnation=self.incarnation, session_id=session_id), session_ids=more)
         calls = [(r.plan.address, r.stub.ReleaseSession.future(request, timeout=self.rpc_timeout_s)) for r in self.ranks]
         for address, call in calls:
             while address not in self._lost:
@@ -650,7 +651,8 @@ class Mesh:
                     break
                 except grpc.FutureTimeoutError:
                     continue
-        self.state.forget(session_id)  # no rank holds it: none will ask how its epochs ended
+        for released in (session_id, *more):
+            self.state.forget(released)  # no rank holds it: none will ask how its epochs ended
 
     def share_prefix(self, session_id: str, donor_id: str, token_ids: Sequence[int]) -> int:
         """Starts a new session on every rank with the KV blocks of a prefix its donor holds there (shared, not

@@ -101,8 +101,12 @@ class StagePhases(StageKv):
             log.info("epoch resolved", extra={"session": session_id, "epoch": epoch, "outcome": outcome.name})
             return session.txn.kv_length
 
-    def release(self, incarnation: int, session_id: str) -> bool:
+    def release(self, incarnation: int, *session_ids: str) -> bool:
+        """Whether this rank held any of the sessions."""
+        held = False
         with self._lock:
             self.authority.check(incarnation)
-            self.pool.release(session_id)
-            return self._sessions.pop(session_id, None) is not None
+            for session_id in session_ids:
+                self.pool.release(session_id)
+                held = self._sessions.pop(session_id, None) is not None or held
+        return held

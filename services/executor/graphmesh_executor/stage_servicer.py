@@ -330,7 +330,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def ReleaseSession(self, request: stage_pb2.ReleaseSessionRequest,
                        context: grpc.ServicerContext) -> stage_pb2.ReleaseSessionResponse:
         h = request.header
-        return stage_pb2.ReleaseSessionResponse(released=self.runtime.release(h.incarnation, h.session_id))
+        return stage_pb2.ReleaseSessionResponse(released=self.runtime.release(h.incarnation, h.session_id,
+                                                                              *request.session_ids))
 
     @rpc
     def ShareSessionKv(self, request: stage_pb2.ShareSessionKvRequest,

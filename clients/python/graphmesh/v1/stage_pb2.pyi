@@ -1555,16 +1555,25 @@ class ReleaseSessionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
+    SESSION_IDS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def header(self) -> Global___FencingHeader: ...
+    @_builtins.property
+    def session_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """More sessions released with header.session_id, under header.incarnation: the
+        sessions a step ended, in one call (a call each cost both sides more than the
+        release itself).
+        """
+
     def __init__(
         self,
         *,
         header: Global___FencingHeader | None = ...,
+        session_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "session_ids", b"session_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1576,6 +1585,7 @@ class ReleaseSessionResponse(_message.Message):
 
     RELEASED_FIELD_NUMBER: _builtins.int
     released: _builtins.bool
+    """Whether this rank held any of the sessions."""
     def __init__(
         self,
         *,

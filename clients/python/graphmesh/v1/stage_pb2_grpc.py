@@ -206,7 +206,7 @@ class StageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseSession(self, request, context):
-        """ReleaseSession frees a session's KV rows on this rank.
+        """ReleaseSession frees the KV rows of sessions on this rank.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -81,7 +81,7 @@ class StageServiceStub:
     durable decision log.
     """
     ReleaseSession: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ReleaseSessionRequest, _stage_pb2.ReleaseSessionResponse]
-    """ReleaseSession frees a session's KV rows on this rank."""
+    """ReleaseSession frees the KV rows of sessions on this rank."""
     ShareSessionKv: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ShareSessionKvRequest, _stage_pb2.ShareSessionKvResponse]
     """ShareSessionKv starts a new session with the KV of a prompt prefix that
     another session on this rank holds: its whole committed blocks are shared
@@ -168,7 +168,7 @@ class StageServiceAsyncStub(StageServiceStub):
     durable decision log.
     """
     ReleaseSession: _aio.UnaryUnaryMultiCallable[_stage_pb2.ReleaseSessionRequest, _stage_pb2.ReleaseSessionResponse]  # type: ignore[assignment]
-    """ReleaseSession frees a session's KV rows on this rank."""
+    """ReleaseSession frees the KV rows of sessions on this rank."""
     ShareSessionKv: _aio.UnaryUnaryMultiCallable[_stage_pb2.ShareSessionKvRequest, _stage_pb2.ShareSessionKvResponse]  # type: ignore[assignment]
     """ShareSessionKv starts a new session with the KV of a prompt prefix that
     another session on this rank holds: its whole committed blocks are shared
@@ -306,7 +306,7 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _stage_pb2.ReleaseSessionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.ReleaseSessionResponse, _abc.Awaitable[_stage_pb2.ReleaseSessionResponse]]:
-        """ReleaseSession frees a session's KV rows on this rank."""
+        """ReleaseSession frees the KV rows of sessions on this rank."""
 
     @_abc_1.abstractmethod
     def ShareSessionKv(
