@@ -96,6 +96,7 @@ class FakeMesh:
         self.shared_tokens = self.share_refusals = 0
         self.decode_run_steps = 0
         self.release_calls: list[tuple[str, ...]] = []  # the sessions of each release call
+        self.step_shapes: list[tuple[int, int]] = []  # each step's rows and decode run length, in sending order
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: int, incarnation: int,
                      decode_steps: int = 1, sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
@@ -108,6 +109,7 @@ class FakeMesh:
             if set(ids) & self.in_flight or len(set(ids)) != len(ids):
                 self.violations.append(f"step {step}: a session in two steps in flight: {ids}")
             self.in_flight |= set(ids)
+            self.step_shapes.append((len(rows), decode_steps))
             self._flying += 1
             self.max_in_flight_steps = max(self.max_in_flight_steps, self._flying)
             if decode_steps > 1 and any(len(r.token_ids) != 1 for r in rows):
@@ -289,6 +291,28 @@ def tokens(seq: Seq, n: int) -> list[int]:
     return out
 
 
+def run_together(mesh: FakeMesh, jobs: list[tuple[list[int], int]], **limits: int) -> tuple[list[list[int]], int]:
+    """Every job's tokens, all of them submitted while the mesh is not ready (so that the first step sees them all),
+    and the blocks still counted once the ended sessions' releases are done."""
+    mesh.ready = False
+    scheduler = Scheduler(cast(Mesh, mesh), **limits)
+    seqs = [Seq(SessionInfo(f"s{i}"), list(p), stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, n,
+                max_tokens_total=len(p) + n) for i, (p, n) in enumerate(jobs)]
+    try:
+        for seq in seqs:
+            scheduler.submit(seq)
+        mesh.ready = True
+        got = [tokens(seq, n) for seq, (_, n) in zip(seqs, jobs)]
+        deadline = time.monotonic() + 30
+        while scheduler.used_blocks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return got, scheduler.used_blocks
+    finally:
+        for seq in seqs:
+            scheduler.finish(seq)
+        scheduler.close()
+
+
 jobs_strategy = st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
                                    st.integers(1, 12)), min_size=1, max_size=10)
 
@@ -404,31 +428,11 @@ def test_stages_sharing_a_gpu_split_only_micro_batches_of_many_rows(gpus: list[s
                                                                      micro_batches: int) -> None:
     """Two stages on one GPU: one micro-batch of 32 sessions (two of 16 would read the weights twice per token),
     two of 64 from 128; on two GPUs, two micro-batches whatever their rows. Tokens never change."""
-    rows: list[int] = []
-
-    class Counting(FakeMesh):
-        def execute_step(self, step_rows: Sequence[stage_pb2.StepRow], output: int, incarnation: int,
-                         decode_steps: int = 1, sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
-            rows.append(len(step_rows))
-            return super().execute_step(step_rows, output, incarnation, decode_steps, sent)
-
-    mesh = Counting(2, 100_000)
+    mesh = FakeMesh(2, 100_000)
     mesh.ranks = [SimpleNamespace(device="cuda:0", gpu_uuid=g) for g in gpus]
-    mesh.ready = False  # every session is waiting when the first step is scheduled
-    scheduler = Scheduler(cast(Mesh, mesh))
     jobs = [([i + 1, 2, 3], 6) for i in range(sessions)]
-    seqs = [Seq(SessionInfo(f"s{i}"), list(p), stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, n,
-                max_tokens_total=len(p) + n) for i, (p, n) in enumerate(jobs)]
-    try:
-        for seq in seqs:
-            scheduler.submit(seq)
-        mesh.ready = True
-        got = [[cast(Output, seq.events.get(timeout=60)).token for _ in range(n)] for seq, (_, n) in zip(seqs, jobs)]
-    finally:
-        for seq in seqs:
-            scheduler.finish(seq)
-        scheduler.close()
-    assert got == [solo(p, n) for p, n in jobs]
+    assert run_together(mesh, jobs)[0] == [solo(p, n) for p, n in jobs]
+    rows = [n for n, _ in mesh.step_shapes]
     assert rows[:micro_batches] == [sessions // micro_batches] * micro_batches  # the first steps split them so
     assert max(rows) == sessions // micro_batches and mesh.max_in_flight_steps <= micro_batches
     assert not mesh.violations
@@ -527,54 +531,17 @@ def test_decodes_that_fill_a_step_run_as_decode_runs_while_prompts_wait() -> Non
 def test_on_gpus_a_decode_run_grows_with_its_rows(sessions: int, run_length: int) -> None:
     """The coordinator's work per run grows with its rows (a message per stream) and the GPU's hardly: by default a
     run takes 8 tokens a row per 64 rows, up to 32. Tokens never change."""
-    runs: list[int] = []
-
-    class Counting(FakeMesh):
-        def execute_step(self, step_rows: Sequence[stage_pb2.StepRow], output: int, incarnation: int,
-                         decode_steps: int = 1, sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
-            if decode_steps > 1:
-                runs.append(decode_steps)
-            return super().execute_step(step_rows, output, incarnation, decode_steps, sent)
-
-    mesh = Counting(1, 100_000)
+    mesh = FakeMesh(1, 100_000)
     mesh.ranks = [SimpleNamespace(device="cuda:0", gpu_uuid="GPU-a")]
-    mesh.ready = False  # every session is waiting when the first step is scheduled: one prompt step for all
-    scheduler = Scheduler(cast(Mesh, mesh))
-    jobs = [([i + 1, 2, 3], 40) for i in range(sessions)]
-    seqs = [Seq(SessionInfo(f"s{i}"), list(p), stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, n,
-                max_tokens_total=len(p) + n) for i, (p, n) in enumerate(jobs)]
-    try:
-        for seq in seqs:
-            scheduler.submit(seq)
-        mesh.ready = True
-        got = [tokens(seq, n) for seq, (_, n) in zip(seqs, jobs)]
-    finally:
-        for seq in seqs:
-            scheduler.finish(seq)
-        scheduler.close()
-    assert got == [solo(p, n) for p, n in jobs]
-    assert runs[0] == run_length and not mesh.violations
+    jobs = [([i + 1, 2, 3], 40) for i in range(sessions)]  # one prompt step for all, then decode runs
+    assert run_together(mesh, jobs)[0] == [solo(p, n) for p, n in jobs]
+    assert next(d for _, d in mesh.step_shapes if d > 1) == run_length and not mesh.violations
 
 
 def test_sessions_that_end_in_one_step_are_released_in_one_call_and_their_blocks_come_back() -> None:
     mesh = FakeMesh(1, 1000)
-    mesh.ready = False  # every session is waiting when the first step is scheduled: they run and end together
-    scheduler = Scheduler(cast(Mesh, mesh), max_step_tokens=256, decode_steps=1)
-    jobs = [([i + 1, 2, 3], 3) for i in range(16)]
-    seqs = [Seq(SessionInfo(f"s{i}"), list(p), stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, n,
-                max_tokens_total=len(p) + n) for i, (p, n) in enumerate(jobs)]
-    try:
-        for seq in seqs:
-            scheduler.submit(seq)
-        mesh.ready = True
-        got = [tokens(seq, n) for seq, (_, n) in zip(seqs, jobs)]
-        deadline = time.monotonic() + 30
-        while scheduler.used_blocks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert scheduler.used_blocks == 0
-    finally:
-        scheduler.close()
-    assert got == [solo(p, n) for p, n in jobs]
+    jobs = [([i + 1, 2, 3], 3) for i in range(16)]  # one step for all of them: they end together
+    assert run_together(mesh, jobs, max_step_tokens=256, decode_steps=1) == ([solo(p, n) for p, n in jobs], 0)
     assert mesh.release_calls == [tuple(f"s{i}" for i in range(16))]
 
 
