@@ -186,3 +186,40 @@ def test_code_after_a_wait_now_runs_alone_and_holds_back_no_other_stream() -> No
         unblock.set()
         server.stop(None).wait(10)
         pool.shutdown(wait=False)
+
+
+def test_a_stream_that_runs_to_its_end_takes_a_pool_task_per_item_and_no_more() -> None:
+    """A generator behavior is created on the loop (calling it runs none of its code) and, once it ran to its end,
+    closing it is nothing to run: only its code takes pool tasks, one per item until its first Wait, and the last."""
+    ended: list[bool] = []
+    tasks: list[str] = []
+
+    class Counting(futures.ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> futures.Future[Any]:
+            tasks.append(getattr(fn, "__name__", repr(fn)))
+            return super().submit(fn, *args, **kwargs)
+
+    def stream(request: bytes, context: Any) -> Iterator[bytes]:
+        try:
+            yield b"a"
+            yield b"b"
+        finally:
+            ended.append(True)
+
+    pool = Counting(4)
+    server = AioServer(pool)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "t.T", {"S": grpc.unary_stream_rpc_method_handler(stream)}),))
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    try:
+        with grpc.insecure_channel(address) as channel:
+            call: Any = channel.unary_stream("/t.T/S")
+            assert list(call(b"", timeout=30)) == [b"a", b"b"]
+        _until(lambda: bool(ended), "the behavior ended")
+        time.sleep(0.2)  # anything the call's end would still submit
+    finally:
+        server.stop(None).wait(10)
+        pool.shutdown(wait=False)
+    assert tasks == ["next", "next", "next"]  # b"a", b"b", then its end

@@ -523,6 +523,7 @@ class _Bridge(grpc.aio.ServerInterceptor):
 
     def _pooled(self, handler: Any) -> Any:
         behavior, pool = behavior_of(handler), self.pool
+        lazy = inspect.isgeneratorfunction(behavior)  # calling it runs none of its code: no pool task needed
 
         def sync_requests(requests: AsyncIterator[Any], loop: asyncio.AbstractEventLoop) -> Iterator[Any]:
             """The aio request stream as the iterator a synchronous behavior reads, from its pool thread."""
@@ -555,8 +556,11 @@ class _Bridge(grpc.aio.ServerInterceptor):
                 responses: Iterator[Any] | None = None
                 advancing = _Advancing(pool)
                 try:
-                    advancing.running = pool.submit(behavior, request, sync)
-                    responses = iter(await asyncio.wrap_future(advancing.running))
+                    if lazy:
+                        responses = behavior(request, sync)
+                    else:
+                        advancing.running = pool.submit(behavior, request, sync)
+                        responses = iter(await asyncio.wrap_future(advancing.running))
                     async for item in advancing.items(responses):
                         yield item
                 except _Aborted:
@@ -567,7 +571,8 @@ class _Bridge(grpc.aio.ServerInterceptor):
 
                     def end() -> None:
                         close = getattr(responses, "close", None)
-                        if close is None:  # not a generator, or the behavior never returned one
+                        # not a generator, the behavior never returned one, or a generator that ran to its end
+                        if close is None or getattr(responses, "gi_frame", True) is None:
                             sync.finish()
                         else:  # the generator's finally blocks (a session's end) run in the pool, then the call ends
                             pool.submit(close).add_done_callback(lambda _: loop.call_soon_threadsafe(sync.finish))
