@@ -3,15 +3,16 @@
 A proxy, on a CPU host, for "the coordinator is never the bottleneck at 256 streams" on a GPU: the mesh is one
 torch executor serving a tiny random Llama with a byte-level tokenizer (tests/model_fixtures.py: the executor's
 compute is cheap, and the coordinator detokenizes every token as for a real model), and the coordinator schedules
-with the GPU defaults unless told otherwise (256 rows a step, 2,048 step tokens, decode runs of 8), so that its
-steps are shaped as on the H200. N streams of M tokens each go through the real gRPC Generate stream at
-once, and the coordinator's user + system CPU time (/proc/PID/stat) is read before and after: CPU time, not wall
+with the GPU defaults unless told otherwise (256 rows a step, 2,048 step tokens, decode runs of 32: what a step of
+256 rows takes on a GPU), so that its steps are shaped as on the H100 at 256 streams. N streams of M tokens each go
+through the real gRPC Generate stream at once (or, with --multiplexed, all over one GenerateStreams stream, as a
+front end sends them), and the coordinator's user + system CPU time (/proc/PID/stat) is read before and after: CPU time, not wall
 time, so other load on a shared machine hardly moves it. A warm-up burst first takes the one-off costs (first
 use of each batch shape, imports) out of the figures. Prints a table; writes bench/results/coordinator_cpu.json
 (or NAME) with --write.
 
     .venv/bin/python bench/bench_coordinator_cpu.py [--streams 1,64,256] [--tokens 128] [--rounds 1]
-        [--coordinator-args "--max-step-seqs 64"] [--py-spy FILE] [--write [NAME]]
+        [--coordinator-args "--max-step-seqs 64"] [--multiplexed] [--py-spy FILE] [--write [NAME]]
 """
 
 from __future__ import annotations
@@ -29,12 +30,22 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` and `tests` importable
 
-from bench.common import cpu_seconds, generate_streams, machine, median, metrics, progress, table, write_results
+from bench.common import (
+    cpu_seconds,
+    generate_multiplexed,
+    generate_streams,
+    machine,
+    median,
+    metrics,
+    progress,
+    table,
+    write_results,
+)
 from graphmesh.launcher import LocalMesh
 from graphmesh.v1 import coordinator_pb2
 from tests.model_fixtures import VOCAB, make_tiny_llama, write_tiny_tokenizer
 
-GPU_SCHEDULE = "--max-step-seqs 256 --max-step-tokens 2048 --decode-steps 8"  # scheduler.py's *_CUDA defaults
+GPU_SCHEDULE = "--max-step-seqs 256 --max-step-tokens 2048 --decode-steps 32"  # the CUDA defaults' at 256 rows
 PROMPT_TOKENS = 8
 
 
@@ -43,9 +54,11 @@ def prompt(i: int) -> list[int]:
     return [(3 + 7 * i + 13 * j) % (VOCAB - 3) + 3 for j in range(PROMPT_TOKENS)]
 
 
-async def burst(address: str, streams: int, tokens: int) -> int:
-    """Runs `streams` Generate streams at once; returns the tokens they received (each must get all of its)."""
-    runs = await generate_streams(address, [coordinator_pb2.GenerateRequest(
+async def burst(address: str, streams: int, tokens: int, multiplexed: bool = False) -> int:
+    """Runs `streams` Generate calls at once, each a stream of its own or all over one GenerateStreams stream;
+    returns the tokens they received (each must get all of its)."""
+    run = generate_multiplexed if multiplexed else generate_streams
+    runs = await run(address, [coordinator_pb2.GenerateRequest(
         prompt_token_ids=prompt(i), max_tokens=tokens, ignore_eos=True) for i in range(streams)])
     got = [len(r["ids"]) for r in runs]
     if any(n != tokens for n in got):
@@ -58,11 +71,11 @@ def steps(metrics_port: int) -> float:
     return metrics(metrics_port)[("graphmesh_steps_total", "")]
 
 
-def measure(mesh: LocalMesh, streams: int, tokens: int) -> dict[str, Any]:
+def measure(mesh: LocalMesh, streams: int, tokens: int, multiplexed: bool = False) -> dict[str, Any]:
     assert mesh.coordinator_process is not None
     pid, port = mesh.coordinator_process.pid, mesh.metrics_ports["coordinator"]
     cpu0, steps0, t0 = cpu_seconds(pid), steps(port), time.perf_counter()
-    got = asyncio.run(burst(mesh.coordinator_address, streams, tokens))
+    got = asyncio.run(burst(mesh.coordinator_address, streams, tokens, multiplexed))
     wall = time.perf_counter() - t0
     cpu, n_steps = cpu_seconds(pid) - cpu0, steps(port) - steps0
     # cores: how busy the coordinator was (1.0 is one core, where the GIL caps a process's Python); wall time
@@ -87,6 +100,8 @@ def main() -> None:
                    help=f"extra coordinator flags (default: the GPU schedule, {GPU_SCHEDULE!r}; '' for the CPU one)")
     p.add_argument("--py-spy", default="", metavar="FILE",
                    help="also profile the coordinator with py-spy during the largest level (collapsed stacks)")
+    p.add_argument("--multiplexed", action="store_true",
+                   help="each level's calls over one GenerateStreams stream (a front end's), not a stream each")
     p.add_argument("--write", default="", nargs="?", const="coordinator_cpu.json", metavar="NAME",
                    help="write bench/results/NAME (default coordinator_cpu.json)")
     a = p.parse_args()
@@ -98,10 +113,10 @@ def main() -> None:
     with LocalMesh(1, "torch", str(model), kvstore=False, metrics=True,
                    extra_coordinator_args=shlex.split(a.coordinator_args)) as mesh:
         progress("warm-up")
-        measure(mesh, max(levels), 4)
+        measure(mesh, max(levels), 4, a.multiplexed)
         for streams in levels:
             spy = profile(mesh, a.py_spy) if a.py_spy and streams == max(levels) else None
-            runs = [measure(mesh, streams, a.tokens) for _ in range(a.rounds)]
+            runs = [measure(mesh, streams, a.tokens, a.multiplexed) for _ in range(a.rounds)]
             if spy is not None:
                 spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
                 spy.wait()
@@ -114,7 +129,7 @@ def main() -> None:
                 [[r["streams"], int(r["tokens"]), int(r["steps"]), r["cpu_s"], r["cores"], r["cpu_ms_per_token"] * 1e3,
                   r["cpu_ms_per_step"]] for r in rows]))
     if a.write:
-        write_results(a.write, {"machine": machine(load), "tokens_per_stream": a.tokens,
+        write_results(a.write, {"machine": machine(load), "tokens_per_stream": a.tokens, "multiplexed": a.multiplexed,
                                                "coordinator_args": a.coordinator_args, "levels": rows})
 
 

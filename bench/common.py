@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import numpy as np
+from google.rpc import status_pb2
 
 from graphmesh.channels import MESSAGE_OPTIONS
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -161,6 +162,28 @@ def stream_record(t0: float, stamps: list[float], sizes: list[int], ids: list[in
 
 
 STREAMS_PER_CHANNEL = 64  # under HTTP/2's usual limit of 100 concurrent streams on one connection
+
+
+async def generate_multiplexed(address: str, requests: Sequence[coordinator_pb2.GenerateRequest]) -> list[dict[str, Any]]:
+    """generate_streams' records, the calls made over one GenerateStreams stream (as a front end makes its clients'):
+    a call's chunks are its responses, stamped when the message that carried them came."""
+    t0 = time.perf_counter()
+    stamps: list[list[float]] = [[] for _ in requests]
+    sizes: list[list[int]] = [[] for _ in requests]
+    ids: list[list[int]] = [[] for _ in requests]
+    async with grpc.aio.insecure_channel(address, options=MESSAGE_OPTIONS) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        calls = [coordinator_pb2.GenerateStreamsRequest(id=i, generate=r) for i, r in enumerate(requests)]
+        async for message in stub.GenerateStreams(iter(calls), timeout=600.0):
+            now = time.perf_counter()
+            for event in message.events:
+                if event.HasField("response"):
+                    stamps[event.id].append(now)
+                    sizes[event.id].append(len(event.response.token_ids))
+                    ids[event.id] += event.response.token_ids
+                elif event.status:  # not OK
+                    raise RuntimeError(f"call {event.id} ended: {status_pb2.Status.FromString(event.status)}")
+    return [stream_record(t0, s, n, i) for s, n, i in zip(stamps, sizes, ids)]
 
 
 async def generate_streams(address: str, requests: Sequence[coordinator_pb2.GenerateRequest]) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf.message_factory import GetMessageClass
+from google.rpc import status_pb2
 
 from graphmesh import channels, security
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
@@ -521,8 +522,14 @@ def _call(channel: grpc.Channel, service: str, method: Any, payload: Any, raw: b
         elif kinds == (True, False):
             channel.stream_unary(path, request_serializer=serialize)(iter([payload, payload]), timeout=timeout)
         else:
-            for _ in channel.stream_stream(path, request_serializer=serialize)(iter([payload]), timeout=timeout):
-                pass
+            messages: Iterator[bytes] = channel.stream_stream(path, request_serializer=serialize)(iter([payload]),
+                                                                                               timeout=timeout)
+            for message in messages:
+                if method.output_type.full_name == "graphmesh.v1.GenerateStreamsResponse":  # calls end in-band
+                    for event in coordinator_pb2.GenerateStreamsResponse.FromString(message).events:
+                        code = status_pb2.Status.FromString(event.status).code if event.HasField("status") else 0
+                        if code:
+                            return next(c for c in grpc.StatusCode if c.value[0] == code)
     except grpc.RpcError as e:
         return e.code()  # type: ignore[no-any-return]
     return grpc.StatusCode.OK
@@ -666,6 +673,8 @@ def test_coordinator_and_kserve_rpcs_swept_field_by_field(mesh: LocalMesh) -> No
     infer.inputs.add(name="text_input", datatype="BYTES", shape=[1])
     bases: dict[str, Any] = {
         "Generate": coordinator_pb2.GenerateRequest(prompt="hi", raw=True, max_tokens=1),
+        "GenerateStreams": coordinator_pb2.GenerateStreamsRequest(
+            id=1, generate=coordinator_pb2.GenerateRequest(prompt="hi", raw=True, max_tokens=1)),
         "ComputeLogits": coordinator_pb2.ComputeLogitsRequest(token_ids=[1, 2, 3]),
         "ModelInfer": infer, "ModelStreamInfer": infer,
         "ModelMetadata": kserve_pb2.ModelMetadataRequest(name=model),

@@ -389,6 +389,7 @@ def test_write_session_kv_refuses_before_allocating_and_garbage_is_invalid(setup
     targets = [(_client_channel(setup), "/graphmesh.v1.CoordinatorService/Status", "unary"),
                (_client_channel(setup), "/graphmesh.v1.CoordinatorService/Generate", "stream"),
                (_client_channel(setup), "/inference.GRPCInferenceService/ModelStreamInfer", "bidi"),
+               (_client_channel(setup), "/graphmesh.v1.CoordinatorService/GenerateStreams", "bidi"),
                (setup.member(setup.mesh.executor_addresses[0]), "/graphmesh.v1.StageService/Status", "unary")]
     for channel, method, kind in targets:
         with channel, pytest.raises(grpc.RpcError) as info:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent import futures
+from typing import Any, cast
 
 import grpc
+from google.rpc import status_pb2
 
 from graphmesh import plan as dag
 from graphmesh import tensors
@@ -17,12 +20,15 @@ from graphmesh_coordinator import guided, speculative
 from graphmesh_coordinator.failures import public_error
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import Mesh
-from graphmesh_server.aio_serving import Wait
+from graphmesh_server.aio_serving import Wait, aiterate
 from graphmesh_server.bootstrap import ServerSecurity
 from graphmesh_server.policy import MESH
 
 log = logging.getLogger("graphmesh.coordinator")
 RECOVERY_WAIT_S = 120.0
+STREAM_WORKERS = 32  # threads that run the code of GenerateStreams' calls (each only while it runs: Waits)
+_OK = status_pb2.Status().SerializeToString()
+_CANCELLED = status_pb2.Status(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled by the caller").SerializeToString()
 
 _FINISH: dict[str, coordinator_pb2.FinishReason.ValueType] = {
     "length": coordinator_pb2.FINISH_REASON_LENGTH, "eos": coordinator_pb2.FINISH_REASON_EOS,
@@ -62,6 +68,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self.generator, self.mesh, self.model_name = generator, mesh, model_name
         self.security = security or ServerSecurity()
         self.leader_gate = leader_gate
+        self._pool = futures.ThreadPoolExecutor(STREAM_WORKERS, thread_name_prefix="generate-streams")
 
     def _check_model(self, model: str, wait_ready: bool = True) -> None:
         if self.leader_gate is not None:
@@ -101,6 +108,74 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 first = False
         except Exception as e:
             context.abort_with_status(as_status(e))
+
+    async def GenerateStreams(self, requests: AsyncIterator[coordinator_pb2.GenerateStreamsRequest],
+                              context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        """Generate calls over one stream, each run as Generate runs it (its code on this servicer's pool while it
+        runs, its waits on the loop), their responses gathered: a message carries every response ready when it is
+        written, which at hundreds of calls is a step's worth. A bad or failed call ends with its status in-band; the id
+        of a call still running ends the stream (INVALID_ARGUMENT: its events could not be told apart). Once the
+        caller closes its side, the stream ends after the calls it started; if the caller leaves, every call ends."""
+        # events, then None once every call ended; or the caller's protocol error, which ends the stream
+        out: asyncio.Queue[coordinator_pb2.GenerateStreamsEvent | InvalidArgument | None] = asyncio.Queue()
+        running: dict[int, asyncio.Task[None]] = {}
+
+        def ended(call_id: int, status: bytes) -> None:
+            out.put_nowait(coordinator_pb2.GenerateStreamsEvent(id=call_id, status=status))
+
+        async def serve(call_id: int, request: coordinator_pb2.GenerateRequest) -> None:
+            call = _Multiplexed(lambda: not context.done())
+            try:
+                async for response in aiterate(self._pool, lambda: self.Generate(request, cast(grpc.ServicerContext, call))):
+                    out.put_nowait(coordinator_pb2.GenerateStreamsEvent(id=call_id, response=response))
+                ended(call_id, _OK)
+            except _Ended as e:
+                ended(call_id, e.status)
+            except asyncio.CancelledError:
+                ended(call_id, _CANCELLED)  # the caller's cancel (the iterator is closed: the session ends)
+            except Exception as e:  # not one of Generate's own (those end the call with their status)
+                ended(call_id, public_error(e).to_status_proto().SerializeToString())
+            finally:
+                running.pop(call_id, None)
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    action = request.WhichOneof("action")
+                    if action == "generate" and request.id in running:  # its events would be taken for the other's
+                        out.put_nowait(InvalidArgument(f"call {request.id} is running already: an id names one call "
+                                                       "until it ended", "DUPLICATE_CALL_ID"))
+                        return
+                    if action == "generate":
+                        running[request.id] = asyncio.create_task(serve(request.id, request.generate))
+                    elif action == "cancel":
+                        task = running.get(request.id)
+                        if task is not None:
+                            task.cancel()
+                    else:
+                        ended(request.id, InvalidArgument(f"call {request.id} has neither generate nor cancel",
+                                                          "BAD_STREAM_CALL").to_status_proto().SerializeToString())
+            finally:  # the caller closed its side, or left (then the calls see context.done() and end)
+                await asyncio.gather(*running.values(), return_exceptions=True)
+                out.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            item = await out.get()
+            while isinstance(item, coordinator_pb2.GenerateStreamsEvent):
+                events = [item]
+                while not out.empty() and isinstance(item := out.get_nowait(), coordinator_pb2.GenerateStreamsEvent):
+                    events.append(item)
+                yield coordinator_pb2.GenerateStreamsResponse(events=events)
+                if isinstance(item, coordinator_pb2.GenerateStreamsEvent):
+                    item = await out.get()
+            if item is not None:
+                status = item.to_status()
+                await context.abort(status.code, status.details, status.trailing_metadata)
+        finally:
+            reader.cancel()
+            for task in list(running.values()):
+                task.cancel()
 
     @staticmethod
     def _response(event: Event, prompt_ids: list[int] | None) -> coordinator_pb2.GenerateResponse:
@@ -144,3 +219,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             for info in sessions:
                 response.sessions.add(session_id=info.session_id, tokens=info.tokens, epoch=info.epoch)
         return response
+
+
+class _Ended(Exception):
+    """A call of GenerateStreams ended with a status other than OK (Generate aborted it)."""
+
+    def __init__(self, status: grpc.Status) -> None:
+        super().__init__(status.details)
+        details = dict(status.trailing_metadata or ()).get("grpc-status-details-bin")
+        self.status = details if isinstance(details, bytes) else status_pb2.Status(
+            code=status.code.value[0], message=status.details).SerializeToString()
+
+
+class _Multiplexed:
+    """What Generate uses of its ServicerContext, for a call of GenerateStreams: it waits without a thread (Waits),
+    it is active while its stream is, and aborting it ends only it."""
+
+    yields_waits = True
+
+    def __init__(self, stream_active: Callable[[], bool]) -> None:
+        self._stream_active = stream_active
+
+    def is_active(self) -> bool:
+        return self._stream_active()
+
+    def abort_with_status(self, status: grpc.Status) -> None:
+        raise _Ended(status)

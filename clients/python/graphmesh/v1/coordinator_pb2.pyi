@@ -277,6 +277,101 @@ class GuidedDecoding(_message.Message):
 Global___GuidedDecoding: _TypeAlias = GuidedDecoding  # noqa: Y015
 
 @_typing.final
+class GenerateStreamsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    GENERATE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """id names the call on this stream: the sender's choice, unique among its
+    calls that have not ended.
+    """
+    cancel: _builtins.bool
+    """cancel ends the call (its client left): its session stops and its KV
+    is released; it ends with CANCELLED.
+    """
+    @_builtins.property
+    def generate(self) -> Global___GenerateRequest:
+        """generate starts the call."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        generate: Global___GenerateRequest | None = ...,
+        cancel: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "generate", b"generate"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "generate", b"generate", "id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["generate", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
+
+Global___GenerateStreamsRequest: _TypeAlias = GenerateStreamsRequest  # noqa: Y015
+
+@_typing.final
+class GenerateStreamsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerateStreamsEvent]:
+        """events are the responses and ends of the stream's calls, in order per
+        call.
+        """
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___GenerateStreamsEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateStreamsResponse: _TypeAlias = GenerateStreamsResponse  # noqa: Y015
+
+@_typing.final
+class GenerateStreamsEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """id is the call's, as its GenerateStreamsRequest named it."""
+    status: _builtins.bytes
+    """status ends the call: a google.rpc.Status, serialized (its code OK
+    after the call's last response), with the google.rpc.ErrorInfo that
+    Generate's status would carry.
+    """
+    @_builtins.property
+    def response(self) -> Global___GenerateResponse:
+        """response is what Generate would have sent."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        response: Global___GenerateResponse | None = ...,
+        status: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "response", b"response", "status", b"status"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "kind", b"kind", "response", b"response", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["response", "status"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___GenerateStreamsEvent: _TypeAlias = GenerateStreamsEvent  # noqa: Y015
+
+@_typing.final
 class GenerateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

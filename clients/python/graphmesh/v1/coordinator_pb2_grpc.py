@@ -40,6 +40,11 @@ class CoordinatorServiceStub:
                 request_serializer=graphmesh_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=graphmesh_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStreams = channel.stream_stream(
+                '/graphmesh.v1.CoordinatorService/GenerateStreams',
+                request_serializer=graphmesh_dot_v1_dot_coordinator__pb2.GenerateStreamsRequest.SerializeToString,
+                response_deserializer=graphmesh_dot_v1_dot_coordinator__pb2.GenerateStreamsResponse.FromString,
+                _registered_method=True)
         self.ComputeLogits = channel.unary_unary(
                 '/graphmesh.v1.CoordinatorService/ComputeLogits',
                 request_serializer=graphmesh_dot_v1_dot_coordinator__pb2.ComputeLogitsRequest.SerializeToString,
@@ -61,6 +66,17 @@ class CoordinatorServiceServicer:
         INVALID_ARGUMENT: empty prompt, prompt longer than the context,
         max_tokens <= 0, bad sampling values. NOT_FOUND: unknown model.
         UNAVAILABLE: the mesh is not ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStreams(self, request_iterator, context):
+        """GenerateStreams runs many Generate calls over one stream, as a front end
+        (an API server in a process of its own) does for its clients: each
+        message it answers carries every response ready by then, of any of them,
+        where Generate sends a message per response per call. A call that fails
+        ends with its status in-band; the stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,6 +105,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=graphmesh_dot_v1_dot_coordinator__pb2.GenerateRequest.FromString,
                     response_serializer=graphmesh_dot_v1_dot_coordinator__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStreams': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStreams,
+                    request_deserializer=graphmesh_dot_v1_dot_coordinator__pb2.GenerateStreamsRequest.FromString,
+                    response_serializer=graphmesh_dot_v1_dot_coordinator__pb2.GenerateStreamsResponse.SerializeToString,
             ),
             'ComputeLogits': grpc.unary_unary_rpc_method_handler(
                     servicer.ComputeLogits,
@@ -129,6 +150,33 @@ class CoordinatorService:
             '/graphmesh.v1.CoordinatorService/Generate',
             graphmesh_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
             graphmesh_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStreams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/graphmesh.v1.CoordinatorService/GenerateStreams',
+            graphmesh_dot_v1_dot_coordinator__pb2.GenerateStreamsRequest.SerializeToString,
+            graphmesh_dot_v1_dot_coordinator__pb2.GenerateStreamsResponse.FromString,
             options,
             channel_credentials,
             insecure,

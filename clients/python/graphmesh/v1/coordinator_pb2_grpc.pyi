@@ -39,6 +39,13 @@ class CoordinatorServiceStub:
     max_tokens <= 0, bad sampling values. NOT_FOUND: unknown model.
     UNAVAILABLE: the mesh is not ready.
     """
+    GenerateStreams: _grpc.StreamStreamMultiCallable[_coordinator_pb2.GenerateStreamsRequest, _coordinator_pb2.GenerateStreamsResponse]
+    """GenerateStreams runs many Generate calls over one stream, as a front end
+    (an API server in a process of its own) does for its clients: each
+    message it answers carries every response ready by then, of any of them,
+    where Generate sends a message per response per call. A call that fails
+    ends with its status in-band; the stream goes on.
+    """
     ComputeLogits: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ComputeLogitsRequest, _coordinator_pb2.ComputeLogitsResponse]
     """ComputeLogits runs a prefill of the given token ids and returns the
     logits of the last position.
@@ -58,6 +65,13 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     INVALID_ARGUMENT: empty prompt, prompt longer than the context,
     max_tokens <= 0, bad sampling values. NOT_FOUND: unknown model.
     UNAVAILABLE: the mesh is not ready.
+    """
+    GenerateStreams: _aio.StreamStreamMultiCallable[_coordinator_pb2.GenerateStreamsRequest, _coordinator_pb2.GenerateStreamsResponse]  # type: ignore[assignment]
+    """GenerateStreams runs many Generate calls over one stream, as a front end
+    (an API server in a process of its own) does for its clients: each
+    message it answers carries every response ready by then, of any of them,
+    where Generate sends a message per response per call. A call that fails
+    ends with its status in-band; the stream goes on.
     """
     ComputeLogits: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ComputeLogitsRequest, _coordinator_pb2.ComputeLogitsResponse]  # type: ignore[assignment]
     """ComputeLogits runs a prefill of the given token ids and returns the
@@ -81,6 +95,19 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         INVALID_ARGUMENT: empty prompt, prompt longer than the context,
         max_tokens <= 0, bad sampling values. NOT_FOUND: unknown model.
         UNAVAILABLE: the mesh is not ready.
+        """
+
+    @_abc_1.abstractmethod
+    def GenerateStreams(
+        self,
+        request_iterator: _MaybeAsyncIterator[_coordinator_pb2.GenerateStreamsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.GenerateStreamsResponse], _abc.AsyncIterator[_coordinator_pb2.GenerateStreamsResponse]]:
+        """GenerateStreams runs many Generate calls over one stream, as a front end
+        (an API server in a process of its own) does for its clients: each
+        message it answers carries every response ready by then, of any of them,
+        where Generate sends a message per response per call. A call that fails
+        ends with its status in-band; the stream goes on.
         """
 
     @_abc_1.abstractmethod
