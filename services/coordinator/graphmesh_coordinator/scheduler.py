@@ -806,7 +806,7 @@ class Scheduler:
         releases."""
         seq.busy = True
         self._to_release.append(_Released(seq, self._incarnation, seq.blocks - seq.dropped, seq not in self._seqs))
-        if len(self._to_release) == 1 and not self._releasing_now:
+        if not self._releasing_now:  # else the releasing worker takes it with the others when its call is done
             self._releasing_now = True
             self._workers.submit(self._release_pending)
 
