@@ -71,7 +71,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
 from bench.bench_gpu import SMALL, TINYLLAMA
-from bench.common import RESULTS_DIR, cpu_seconds, generate_streams, machine, median, metrics, progress, stream_record, table
+from bench.common import (
+    RESULTS_DIR,
+    cpu_seconds,
+    generate_multiplexed,
+    generate_streams,
+    machine,
+    median,
+    metrics,
+    progress,
+    stream_record,
+    table,
+)
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh, free_port, gpu_env, wait_healthy
 from graphmesh.v1 import coordinator_pb2
@@ -90,10 +101,13 @@ def stream(address: str, prompt: list[int], tokens: int) -> dict[str, Any]:
 
 
 def run_level(address: str, prompts: list[list[int]], tokens: int, client: str = "aio") -> dict[str, Any]:
-    """One level's streams, all at once: from one asyncio loop (client "aio") or a thread and a CoordinatorClient
-    each ("threads", the benchmark's client before 2026-12-06)."""
-    if client == "aio":
-        runs = asyncio.run(generate_streams(address, [
+    """One level's streams, all at once: from one asyncio loop (client "aio"), all over one GenerateStreams stream
+    ("multiplexed": what a front end in a process of its own would send, the coordinator spared a gRPC stream and
+    message per call), or a thread and a CoordinatorClient each ("threads", the benchmark's client before
+    2026-12-06)."""
+    if client in ("aio", "multiplexed"):
+        run = generate_multiplexed if client == "multiplexed" else generate_streams
+        runs = asyncio.run(run(address, [
             coordinator_pb2.GenerateRequest(prompt_token_ids=p, max_tokens=tokens, ignore_eos=True) for p in prompts]))
     else:
         barrier = threading.Barrier(len(prompts))
@@ -488,8 +502,9 @@ def main() -> None:
     p.add_argument("--transports", default="links",
                    help="comma-separated: links (boundary links, the default) and/or grpc (PushBoundary calls)")
     p.add_argument("--mps", default="off", help="comma-separated: off and/or on (NVIDIA MPS for the executors)")
-    p.add_argument("--client", default="aio", choices=["aio", "threads"],
-                   help="the streams' client: one asyncio loop over shared channels, or a thread and channel each")
+    p.add_argument("--client", default="aio", choices=["aio", "multiplexed", "threads"],
+                   help="the streams' client: one asyncio loop over shared channels, all of them over one "
+                        "GenerateStreams stream, or a thread and channel each")
     p.add_argument("--no-peer", action="store_true", help="the meshes only (the peer needs CUDA)")
     p.add_argument("--peer-from", default="", help="an earlier results file whose peer rows to reuse (the peer is "
                    "not run again: a 10-minute call holds the peer or a mesh or two, not all); the JSON records the "
@@ -587,7 +602,7 @@ def main() -> None:
               "model": f"random {shape.get('model_type', 'llama')}, {a.shape} shape",
               "dtype": a.dtype, "device": a.device, "gpus": a.gpus, "tokens_per_stream": a.tokens,
               "prompt_tokens": a.prompt_tokens,
-              "repeats": a.repeats, "decode_steps": a.decode_steps,
+              "repeats": a.repeats, "decode_steps": a.decode_steps, "client": a.client,
               "max_step_tokens": a.max_step_tokens,
               "peer": {"kind": "gpu_peer.py: torch.compile(mode='reduce-overhead'), static KV cache, SDPA",
                        "rows": list(peer.values()), "from": a.peer_from or "this run"}, "meshes": runs,
