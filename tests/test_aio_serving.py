@@ -4,9 +4,10 @@ order; an error after items ends the stream after them; a client that leaves clo
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -63,19 +64,27 @@ class Feeder:
                     wake()
 
 
-@pytest.fixture
-def served() -> Iterator[tuple[str, Feeder]]:
-    feeder = Feeder()
-    pool = futures.ThreadPoolExecutor(8)
+@contextlib.contextmanager
+def serving(stream: Callable[[bytes, Any], Iterator[Any]], pool: futures.ThreadPoolExecutor) -> Iterator[str]:
+    """An AioServer on `pool` whose one method, /t.T/S, streams `stream`'s items; its address."""
     server = AioServer(pool)
-    handler = grpc.method_handlers_generic_handler("t.T", {"S": grpc.unary_stream_rpc_method_handler(feeder.stream)})
-    server.add_generic_rpc_handlers((handler,))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "t.T", {"S": grpc.unary_stream_rpc_method_handler(stream)}),))
     address = f"127.0.0.1:{free_port()}"
     server.add_insecure_port(address)
     server.start()
-    yield address, feeder
-    server.stop(None).wait(10)
-    pool.shutdown(wait=False)
+    try:
+        yield address
+    finally:
+        server.stop(None).wait(10)
+        pool.shutdown(wait=False)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[str, Feeder]]:
+    feeder = Feeder()
+    with serving(feeder.stream, futures.ThreadPoolExecutor(8)) as address:
+        yield address, feeder
 
 
 def _until(condition: Any, what: str) -> None:
@@ -164,15 +173,8 @@ def test_code_after_a_wait_now_runs_alone_and_holds_back_no_other_stream() -> No
             unblock.wait(30)
         yield request + b":second"
 
-    pool = futures.ThreadPoolExecutor(8)
-    server = AioServer(pool)
-    handler = grpc.method_handlers_generic_handler("t.T", {"S": grpc.unary_stream_rpc_method_handler(stream)})
-    server.add_generic_rpc_handlers((handler,))
-    address = f"127.0.0.1:{free_port()}"
-    server.add_insecure_port(address)
-    server.start()
-    try:
-        with grpc.insecure_channel(address) as channel:
+    with serving(stream, futures.ThreadPoolExecutor(8)) as address, grpc.insecure_channel(address) as channel:
+        try:
             stub: Any = channel.unary_stream("/t.T/S")
             a, b = stub(b"A", timeout=10), stub(b"B", timeout=30)
             _until(lambda: len(wakers) == 2, "both streams wait")
@@ -182,10 +184,8 @@ def test_code_after_a_wait_now_runs_alone_and_holds_back_no_other_stream() -> No
             assert list(a) == [b"A:first", b"A:second"]  # while B's code is still blocked
             unblock.set()
             assert list(b) == [b"B:first", b"B:second"]
-    finally:
-        unblock.set()
-        server.stop(None).wait(10)
-        pool.shutdown(wait=False)
+        finally:
+            unblock.set()
 
 
 def test_a_stream_that_runs_to_its_end_takes_a_pool_task_per_item_and_no_more() -> None:
@@ -206,20 +206,10 @@ def test_a_stream_that_runs_to_its_end_takes_a_pool_task_per_item_and_no_more() 
         finally:
             ended.append(True)
 
-    pool = Counting(4)
-    server = AioServer(pool)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "t.T", {"S": grpc.unary_stream_rpc_method_handler(stream)}),))
-    address = f"127.0.0.1:{free_port()}"
-    server.add_insecure_port(address)
-    server.start()
-    try:
+    with serving(stream, Counting(4)) as address:
         with grpc.insecure_channel(address) as channel:
             call: Any = channel.unary_stream("/t.T/S")
             assert list(call(b"", timeout=30)) == [b"a", b"b"]
         _until(lambda: bool(ended), "the behavior ended")
         time.sleep(0.2)  # anything the call's end would still submit
-    finally:
-        server.stop(None).wait(10)
-        pool.shutdown(wait=False)
     assert tasks == ["next", "next", "next"]  # b"a", b"b", then its end
