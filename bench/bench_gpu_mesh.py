@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -61,7 +62,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,17 @@ def where_time_went(before: dict[str, dict[tuple[str, str], float]], after: dict
     out["wall_s"] = wall
     out["outside_steps_s"] = wall - sum(out[kind]["s"] for kind in STEP_KINDS)
     return out
+
+
+def measured(mesh: LocalMesh, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`run()`'s record (with its "wall_s") and, under "where", where its time went: steps by kind, compiles, and how
+    busy each process was (one core busy in the coordinator is its GIL's limit)."""
+    counted, cpu = scrape(mesh), cpu_by_process(mesh)
+    record = run()
+    wall = record["wall_s"]
+    record["where"] = where_time_went(counted, scrape(mesh), wall)
+    record["where"]["cores"] = {k: (v - cpu[k]) / wall for k, v in cpu_by_process(mesh).items()}
+    return record
 
 
 def steady_decode(runs: list[dict[str, Any]]) -> float:
@@ -375,12 +387,7 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
             reps = []
             for r in range(a.repeats):
                 progress(f"== {label}: {n} streams, repeat {r + 1}/{a.repeats}")
-                counted, cpu = scrape(mesh), cpu_by_process(mesh)
-                reps.append(run_level(address, prompts[:n], a.tokens, a.client))
-                wall = reps[-1]["wall_s"]
-                reps[-1]["where"] = where_time_went(counted, scrape(mesh), wall)
-                # how busy each process was: one core busy in the coordinator is its GIL's limit
-                reps[-1]["where"]["cores"] = {k: (v - cpu[k]) / wall for k, v in cpu_by_process(mesh).items()}
+                reps.append(measured(mesh, functools.partial(run_level, address, prompts[:n], a.tokens, a.client)))
             same = sum(ids == solo[i] for rep in reps for i, ids in enumerate(rep["ids"][:len(solo)]))
             rows.append({"streams": n, **{k: median([x[k] for x in reps]) for k in
                                           ("tok_s", "decode_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
@@ -390,10 +397,7 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
         served = None
         if a.workload == "poisson":
             progress(f"== {label}: Poisson arrivals, {a.requests} requests at {a.rate}/s")
-            counted, cpu = scrape(mesh), cpu_by_process(mesh)
-            served = poisson(address, a, vocab)
-            served["where"] = where_time_went(counted, scrape(mesh), served["wall_s"])
-            served["where"]["cores"] = {k: (v - cpu[k]) / served["wall_s"] for k, v in cpu_by_process(mesh).items()}
+            served = measured(mesh, lambda: poisson(address, a, vocab))
         with CoordinatorClient(address) as client:
             after = client.status().incarnation
     one = float(rows[0]["tok_s"]) if rows and rows[0]["streams"] == 1 else 0.0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -76,9 +76,9 @@ class Stream:
                         self.statuses[event.id] = status_pb2.Status.FromString(event.status)
                 self.changed.notify_all()
 
-    def wait(self, condition: object, what: str) -> None:
+    def wait(self, condition: Callable[[], bool], what: str) -> None:
         with self.changed:
-            assert self.changed.wait_for(condition, 60), what  # type: ignore[arg-type]
+            assert self.changed.wait_for(condition, 60), what
 
     def close(self) -> None:
         self.sending.put(None)

@@ -453,8 +453,10 @@ class Scheduler:
 
     def _run_length(self, rows: int) -> int:
         """The decode run of a step of `rows` decodes: --decode-steps, else by the devices (RUN_ROWS_CUDA)."""
-        if self.decode_steps or not self._on_gpus():
-            return self._longest_run()
+        if self.decode_steps:
+            return self.decode_steps
+        if not self._on_gpus():
+            return DECODE_STEPS_CPU
         return min(LONGEST_RUN_CUDA, DECODE_STEPS_CUDA * max(1, math.ceil(rows / RUN_ROWS_CUDA)))
 
     def _step_seqs(self) -> int:
