@@ -9,12 +9,14 @@ a flash kernel per sequence.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from graphmesh.errors import OutOfRange
 from graphmesh_executor.backends import cpu_kernels, cuda_kernels
@@ -225,10 +227,20 @@ def _run_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, pos
     mask = None if causal or (from_zero and not window) else _visible(ps, keys, window)
     if softcap:
         return _explicit_attention(qs, k, v, _visible(ps, keys, window) if causal else mask, scale, softcap)
+    gqa = q.shape[1] != hkv
+    if q.is_cuda and mask is not None and gqa:  # the memory-efficient kernel takes a mask but not grouped heads
+        k, v, gqa = k.repeat_interleave(q.shape[1] // hkv, 1), v.repeat_interleave(q.shape[1] // hkv, 1), False
     # A batch axis of 1: torch's CPU flash kernel takes 4-d inputs only.
-    o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != hkv)
+    with _no_cudnn() if q.is_cuda else contextlib.nullcontext():
+        o = F.scaled_dot_product_attention(qs.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
     return o[0].transpose(0, 1)
+
+
+def _no_cudnn() -> contextlib.AbstractContextManager[None]:
+    """SDPA's kernels but cuDNN's, which builds a graph for every new (queries, keys) shape the first time it meets it
+    (0.2-0.7 s on an H100): a prompt run has its own shape, nearly every one new under a serving load."""
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 # Runs of at most this many query rows take the row kernel on CUDA (each row over its own keys, as a decode row);
