@@ -139,7 +139,8 @@ def scrape(mesh: LocalMesh) -> dict[str, dict[tuple[str, str], float]]:
 def cpu_by_process(mesh: LocalMesh) -> dict[str, float]:
     """The CPU seconds so far (user + system) of the coordinator and of each executor."""
     assert mesh.coordinator_process is not None
-    return {"coordinator": cpu_seconds(mesh.coordinator_process.pid),
+    front = {"frontend": cpu_seconds(mesh.frontend_process.pid)} if mesh.frontend_process is not None else {}
+    return {"coordinator": cpu_seconds(mesh.coordinator_process.pid), **front,
             **{f"executor-{i}": cpu_seconds(p.pid) for i, p in enumerate(mesh.executor_processes)}}
 
 
@@ -364,7 +365,7 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
     # With --gpus the launcher pins each executor to its GPU (cuda:0 in its own order). A prefill chunk's boundary
     # of 2,048 tokens is 64 MiB at the 70B shape's width, f32: over the 64 MiB default frame limit.
     device_args = [] if a.gpus else ["--device", a.device]
-    mesh = LocalMesh(executors, "torch", model, kvstore=False, startup_timeout_s=900, metrics=True,
+    mesh = LocalMesh(executors, "torch", model, kvstore=False, startup_timeout_s=900, metrics=True, frontend=a.frontend,
                      gpus=list(range(executors)) if a.gpus else (),
                      extra_executor_args=[*device_args, "--kv-cache-bytes", a.kv_cache_bytes,
                                           "--max-message-bytes", "1Gi", *link_args],
@@ -373,7 +374,7 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
                                              "--decode-steps", str(a.decode_steps),
                                              "--max-step-tokens", str(a.max_step_tokens)])
     with mesh:
-        address = mesh.coordinator_address
+        address = mesh.client_address
         with CoordinatorClient(address) as client:
             before = client.status().incarnation
         # As long as the measured streams: the executors met every run shape at load; this pass warms the rest
@@ -509,6 +510,8 @@ def main() -> None:
     p.add_argument("--client", default="aio", choices=["aio", "multiplexed", "threads"],
                    help="the streams' client: one asyncio loop over shared channels, all of them over one "
                         "GenerateStreams stream, or a thread and channel each")
+    p.add_argument("--frontend", action="store_true",
+                   help="the streams call a graphmesh-frontend, which relays them to the coordinator over one stream")
     p.add_argument("--no-peer", action="store_true", help="the meshes only (the peer needs CUDA)")
     p.add_argument("--peer-from", default="", help="an earlier results file whose peer rows to reuse (the peer is "
                    "not run again: a 10-minute call holds the peer or a mesh or two, not all); the JSON records the "
@@ -593,7 +596,7 @@ def main() -> None:
         if run["poisson"]:
             wheres.append(("Poisson", run["poisson"]["where"]))
         print(table(["streams", "wall", "prompt", "decode_run", "decode", "outside steps", "compiles",
-                     "cores busy: coordinator / executors"], [
+                     "cores busy: " + " / ".join(wheres[0][1]["cores"]) if wheres else ""], [
             [streams, f"{1e3 * w['wall_s']:.0f}",
              *(f"{1e3 * w[k]['s']:.0f} ({w[k]['steps']:.0f}, {w[k]['rows'] / max(w[k]['steps'], 1):.0f})"
                for k in ("prompt", "decode_run", "decode")),
@@ -606,7 +609,7 @@ def main() -> None:
               "model": f"random {shape.get('model_type', 'llama')}, {a.shape} shape",
               "dtype": a.dtype, "device": a.device, "gpus": a.gpus, "tokens_per_stream": a.tokens,
               "prompt_tokens": a.prompt_tokens,
-              "repeats": a.repeats, "decode_steps": a.decode_steps, "client": a.client,
+              "repeats": a.repeats, "decode_steps": a.decode_steps, "client": a.client, "frontend": a.frontend,
               "max_step_tokens": a.max_step_tokens,
               "peer": {"kind": "gpu_peer.py: torch.compile(mode='reduce-overhead'), static KV cache, SDPA",
                        "rows": list(peer.values()), "from": a.peer_from or "this run"}, "meshes": runs,

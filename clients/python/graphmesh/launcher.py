@@ -172,6 +172,7 @@ class LocalMesh(Startable):
     startup_timeout_s: float = 300.0
     coordinator_listen: str = ""
     http_listen: str = ""  # HOST:PORT of the coordinator's OpenAI HTTP API; "": off
+    frontend: bool = False  # clients call a graphmesh-frontend (frontend_address), which relays to the coordinator
     kvstore: bool = True  # start a KV store (when graphmesh-kvstore is installed) and write KV behind to it
     fault_injection: bool = False  # executors accept StageService.InjectFault
     proxied: bool = False  # the coordinator and the boundary pushes reach executors through fault proxies
@@ -205,6 +206,8 @@ class LocalMesh(Startable):
     proxies: list[TcpProxy] = field(default_factory=list)
     coordinator_process: subprocess.Popen[bytes] | None = None
     coordinator_address: str = ""
+    frontend_address: str = ""
+    frontend_process: subprocess.Popen[bytes] | None = None
     kvstore_address: str = ""
     _coordinator_args: list[str] = field(default_factory=list)
     _draft_args: list[str] = field(default_factory=list)
@@ -257,8 +260,10 @@ class LocalMesh(Startable):
                 args += [flag, path]
         if self.mesh_token_file:
             args += ["--mesh-token-file", self.mesh_token_file]
-        if name == "coordinator" and self.auth_token_file:
+        if name in ("coordinator", "frontend") and self.auth_token_file:
             args += ["--auth-token-file", self.auth_token_file]
+        if name == "frontend" and self.auth_token_file:  # its clients' token is the coordinator's too
+            args += ["--coordinator-token-file", self.auth_token_file]
         extra = {"kvstore": self.extra_kvstore_args, "coordinator": self.extra_coordinator_args}
         return args + list(extra.get(name, self.extra_executor_args if name.startswith("executor") else ()))
 
@@ -340,12 +345,25 @@ class LocalMesh(Startable):
             args += ["--draft-executor", self.draft_address]
         self._coordinator_args = args
         self.coordinator_process = self._spawn("coordinator", self._coordinator_args)
+        if self.frontend:
+            self.frontend_address = f"127.0.0.1:{free_port()}"
+            self.frontend_process = self._spawn("frontend", ["graphmesh_coordinator.frontend", "--listen",
+                                                             self.frontend_address, "--coordinator",
+                                                             self.coordinator_address])
         for address, process, rank in spawned:
             wait_healthy(address, process, EXECUTOR_START_S, f"executor {rank}", self.credentials(),
                          log=self.log(f"executor-{rank}"))
         if self.draft_executor:
             self._wait_draft_executor()
         self._wait_coordinator()
+        if self.frontend:  # serving once the coordinator it relays to is
+            wait_healthy(self.frontend_address, self.frontend_process, self.startup_timeout_s, "front end",
+                         self.credentials(), log=self.log("frontend"))
+
+    @property
+    def client_address(self) -> str:
+        """Where clients call CoordinatorService: the front end when the mesh has one, else the coordinator."""
+        return self.frontend_address or self.coordinator_address
 
     @property
     def http_url(self) -> str:

@@ -1,0 +1,272 @@
+"""graphmesh-frontend: CoordinatorService for clients, in a process of its own.
+
+Each client's Generate stream costs the process that serves it a gRPC call of its own (its HTTP/2 stream, a
+message per response, its start and end): at hundreds of streams that was a fifth of a core of the coordinator,
+whose GIL also runs the scheduler (bench/RESULTS.md, "One stream for many calls"). A front end takes those calls and
+relays them to the coordinator over one GenerateStreams stream, where a message carries every response ready at
+once; several front ends share one coordinator. Status and ComputeLogits are forwarded as they are."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.rpc import status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from graphmesh.channels import MESSAGE_OPTIONS, open_channel
+from graphmesh.errors import Unavailable
+from graphmesh.security import Tls, bearer, read_token
+from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from graphmesh_server import bootstrap, logs, telemetry
+from graphmesh_server.aio_serving import AioServer, MirroredHealth
+from graphmesh_server.bootstrap import ServerSecurity
+from graphmesh_server.serving import run_until_signalled
+
+log = logging.getLogger("graphmesh.frontend")
+HEALTH_RETRY_S = 1.0  # between watches of the coordinator's health, while it cannot be reached
+
+
+class _StreamEnded(Exception):
+    """The relay's stream to the coordinator ended while a call was on it."""
+
+
+class Relay:
+    """Generate calls to one coordinator over one GenerateStreams stream, opened when the first call comes and again
+    after it ends. A call's events come to it through a queue of its own, so a slow client holds up no other; a call
+    whose client leaves is cancelled on the stream (its session ends, its KV is released)."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]]) -> None:
+        # Any: the generated stub types its calls as a synchronous channel's
+        self._stub: Any = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        self._metadata = tuple(metadata)
+        self._stream: _Stream | None = None
+        self.streams_opened = 0
+
+    @property
+    def calls(self) -> int:
+        """Calls on their way now."""
+        return len(self._stream.calls) if self._stream is not None else 0
+
+    async def generate(self, request: coordinator_pb2.GenerateRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        if self._stream is None or self._stream.ended:
+            self._stream = _Stream(self._stub, self._metadata)
+            self.streams_opened += 1
+        async for response in self._stream.call(request):
+            yield response
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
+
+
+class _Stream:
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._outbox: asyncio.Queue[coordinator_pb2.GenerateStreamsRequest | None] = asyncio.Queue()
+        self.calls: dict[int, asyncio.Queue[coordinator_pb2.GenerateStreamsEvent | None]] = {}
+        self._ids = itertools.count()
+        self.ended = ""  # why the stream ended; "" while it runs
+        self._reader = asyncio.create_task(self._read(stub, metadata))
+
+    async def _requests(self) -> AsyncIterator[coordinator_pb2.GenerateStreamsRequest]:
+        while (request := await self._outbox.get()) is not None:
+            yield request
+
+    async def _read(self, stub: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+        try:
+            async for message in stub.GenerateStreams(self._requests(), metadata=metadata):
+                for event in message.events:
+                    queue = self.calls.get(event.id)
+                    if queue is not None:  # else a call that its client left, whose cancel is on its way
+                        queue.put_nowait(event)
+            self.ended = "the coordinator ended the stream"
+        except grpc.aio.AioRpcError as e:
+            self.ended = f"{e.code().name}: {e.details()}"
+        except asyncio.CancelledError:
+            self.ended = "the front end is stopping"
+        finally:
+            if not self.ended:
+                self.ended = "the stream failed"
+            log.warning("the stream to the coordinator ended", extra={"why": self.ended, "calls": len(self.calls)})
+            for queue in self.calls.values():
+                queue.put_nowait(None)
+
+    async def call(self, request: coordinator_pb2.GenerateRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        """The call's responses; it ends as the coordinator's Generate would (_CallFailed with its status)."""
+        if self.ended:  # before the call's first await: a stream that has not ended yet tells its calls when it does
+            raise _StreamEnded(self.ended)
+        call_id = next(self._ids)
+        queue: asyncio.Queue[coordinator_pb2.GenerateStreamsEvent | None] = asyncio.Queue()
+        self.calls[call_id] = queue
+        self._outbox.put_nowait(coordinator_pb2.GenerateStreamsRequest(id=call_id, generate=request))
+        over = False
+        try:
+            while True:
+                event = await queue.get()
+                if event is None:
+                    over = True
+                    raise _StreamEnded(self.ended)
+                if event.WhichOneof("kind") == "response":
+                    yield event.response
+                    continue
+                over = True
+                status = status_pb2.Status.FromString(event.status)
+                if status.code != grpc.StatusCode.OK.value[0]:
+                    raise _CallFailed(status)
+                return
+        finally:
+            del self.calls[call_id]
+            if not over and not self.ended:  # the client left (or its deadline passed): end the session now
+                self._outbox.put_nowait(coordinator_pb2.GenerateStreamsRequest(id=call_id, cancel=True))
+
+    async def close(self) -> None:
+        self._outbox.put_nowait(None)
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class _CallFailed(Exception):
+    def __init__(self, status: status_pb2.Status) -> None:
+        super().__init__(status.message)
+        self.status = status
+
+
+class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    def __init__(self, relay: Relay, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]]) -> None:
+        self.relay = relay
+        self._stub: Any = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        self._metadata = tuple(metadata)
+
+    async def Generate(self, request: coordinator_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        try:
+            async for response in self.relay.generate(request):
+                yield response
+        except _CallFailed as e:  # the coordinator's status as it is, its ErrorInfo with it
+            status = rpc_status.to_status(e.status)
+            await context.abort(status.code, status.details, status.trailing_metadata)
+        except _StreamEnded as e:
+            status = Unavailable(f"the front end lost its stream to the coordinator ({e}); resume or retry the call",
+                                 "COORDINATOR_STREAM_LOST").to_status()
+            await context.abort(status.code, status.details, status.trailing_metadata)
+
+    async def GenerateStreams(self, requests: AsyncIterator[coordinator_pb2.GenerateStreamsRequest],
+                              context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        """Not relayed: it is what a front end itself sends, so a caller that multiplexes its calls gains nothing
+        here over calling the coordinator."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a front end relays Generate; call GenerateStreams on the "
+                                                           "coordinator")
+        yield  # an async generator, as the method streams
+
+    async def Status(self, request: coordinator_pb2.StatusRequest,
+                     context: grpc.aio.ServicerContext[Any, Any]) -> coordinator_pb2.StatusResponse:
+        return await self._forward(self._stub.Status, request, context)
+
+    async def ComputeLogits(self, request: coordinator_pb2.ComputeLogitsRequest,
+                            context: grpc.aio.ServicerContext[Any, Any]) -> coordinator_pb2.ComputeLogitsResponse:
+        return await self._forward(self._stub.ComputeLogits, request, context)
+
+    async def _forward(self, method: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            return await method(request, metadata=self._metadata, timeout=context.time_remaining())
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or "", e.trailing_metadata())
+            raise
+
+
+def mirror_health(address: str, credentials: grpc.ChannelCredentials | None, health: MirroredHealth) -> None:
+    """The coordinator's readiness as this front end's, for ever (a thread): SERVING while it serves (a standby, a
+    recovering mesh and an unreachable coordinator are NOT_SERVING), so that whatever routes clients routes them
+    only where they are served."""
+    with open_channel(address, credentials) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                for answer in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                    health.set("", answer.status)
+            except grpc.RpcError:
+                pass
+            health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            time.sleep(HEALTH_RETRY_S)
+
+
+@dataclass
+class FrontendConfig:
+    listen: str
+    coordinator: str
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    coordinator_token: str = ""  # the bearer token the coordinator wants of its clients
+    metrics_port: int = 0  # Prometheus /metrics; 0: off
+
+
+@dataclass
+class Frontend:
+    server: AioServer
+    port: int
+    relay: Relay
+
+
+def build_server(config: FrontendConfig) -> Frontend:
+    server = config.security.server(64, MESSAGE_OPTIONS, (), "frontend-rpc", asynchronous=True)
+    assert isinstance(server, AioServer)
+    tls: Tls | None = config.security.tls
+
+    async def open_channel() -> grpc.aio.Channel:
+        if tls is None:
+            return grpc.aio.insecure_channel(config.coordinator, options=MESSAGE_OPTIONS)
+        return grpc.aio.secure_channel(config.coordinator, tls.channel_credentials(), options=MESSAGE_OPTIONS)
+    channel = server.run(open_channel())
+    metadata = bearer(config.coordinator_token)
+    relay = Relay(channel, metadata)
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(FrontendServicer(relay, channel, metadata), server)
+    health = MirroredHealth(server)
+    name = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
+    port, _ = config.security.start(server, config.listen, [name], health,
+                                    {"": health_pb2.HealthCheckResponse.NOT_SERVING})
+    threading.Thread(target=mirror_health, args=(config.coordinator, tls.channel_credentials() if tls else None, health),
+                     name="health-mirror", daemon=True).start()
+    if config.metrics_port:
+        telemetry.expose(
+            ("graphmesh_frontend_calls", "gauge", "Generate calls relayed to the coordinator now", lambda: relay.calls),
+            ("graphmesh_frontend_streams_opened", "counter", "GenerateStreams streams opened to the coordinator "
+             "(one, and one more each time one ended)", lambda: relay.streams_opened))
+        telemetry.serve_metrics(config.metrics_port)
+    return Frontend(server, port, relay)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="graphmesh-frontend", description=__doc__)
+    parser.add_argument("--listen", default="127.0.0.1:50040")
+    parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    parser.add_argument("--coordinator-token-file", default="",
+                        help="file holding the bearer token the coordinator wants of its clients (its "
+                             "--auth-token-file); default: none")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
+    bootstrap.add_arguments(parser, auth_token=True)
+    args = parser.parse_args(argv)
+    logs.configure("frontend")
+    try:
+        config = FrontendConfig(args.listen, args.coordinator, bootstrap.from_args(args),
+                                read_token(args.coordinator_token_file), args.metrics_port)
+        running = build_server(config)
+    except Exception as e:
+        log.error("front end failed to start", extra={"error": str(e)})
+        raise SystemExit(f"graphmesh-frontend: {e}") from e
+    log.info("serving", extra={"listen": config.listen, "port": running.port, "coordinator": config.coordinator})
+    try:
+        run_until_signalled(running.server, grace_s=2.0)
+    finally:
+        running.server.run(running.relay.close())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""graphmesh-frontend: clients call CoordinatorService on a process of its own, which relays their calls to the
+coordinator over one GenerateStreams stream. Through it each stream's tokens are those of the coordinator alone, its
+errors are the coordinator's, a client that leaves ends its session, its readiness is the coordinator's, and a
+coordinator that restarts loses no stream of a client that resumes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from graphmesh import errors
+from graphmesh.coordinator_client import CoordinatorClient
+from graphmesh.launcher import LocalMesh
+from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.model_fixtures import make_tiny_llama
+
+TOKENS = 12
+
+
+def _request(i: int) -> dict[str, object]:
+    """Greedy streams, and every third one sampled with a seed of its own."""
+    sampled = {"temperature": 0.8, "top_k": 20, "seed": 100 + i} if i % 3 == 2 else {}
+    return {"prompt_token_ids": [5 + 7 * i + j for j in range(6)], "max_tokens": TOKENS, "ignore_eos": True, **sampled}
+
+
+def _generate(address: str, request: dict[str, object], resume_timeout_s: float = 0.0) -> list[int]:
+    with CoordinatorClient(address, timeout=120, resume_timeout_s=resume_timeout_s) as client:
+        return [t for chunk in client.generate(**request) for t in chunk.token_ids]  # type: ignore[arg-type]
+
+
+def _together(address: str, n: int, resume_timeout_s: float = 0.0) -> list[list[int]]:
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: _generate(address, _request(i), resume_timeout_s), range(n)))
+
+
+def _active_sessions(address: str) -> int:
+    with CoordinatorClient(address) as client:
+        return client.status().active_sessions
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+        except grpc.RpcError:
+            return health_pb2.HealthCheckResponse.UNKNOWN
+
+
+def _wait(condition: object, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "not within the timeout"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def mesh(model: Path) -> Iterator[LocalMesh]:
+    with LocalMesh(2, "numpy", str(model), kvstore=False, frontend=True) as m:
+        yield m
+
+
+def test_concurrent_streams_through_the_front_end_are_the_coordinators_own(mesh: LocalMesh) -> None:
+    alone = [_generate(mesh.coordinator_address, _request(i)) for i in range(3)]
+    through = _together(mesh.frontend_address, 24)
+    direct = _together(mesh.coordinator_address, 24)
+    assert through == direct
+    assert through[:3] == alone
+    assert all(len(tokens) == TOKENS for tokens in through)
+
+
+def test_the_coordinators_errors_reach_the_client_as_they_are(mesh: LocalMesh) -> None:
+    for request, code, reason in ((coordinator_pb2.GenerateRequest(model="nope", prompt="hi", max_tokens=2),
+                                   grpc.StatusCode.NOT_FOUND, "UNKNOWN_MODEL"),
+                                  (coordinator_pb2.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=-3),
+                                   None, None)):
+        got = []
+        for address in (mesh.coordinator_address, mesh.frontend_address):
+            with grpc.insecure_channel(address) as channel:
+                with pytest.raises(grpc.RpcError) as caught:
+                    list(coordinator_pb2_grpc.CoordinatorServiceStub(channel).Generate(request, timeout=30))
+            error = errors.from_rpc_error(caught.value)
+            got.append((caught.value.code(), caught.value.details(), error.reason, error.metadata))
+        assert got[0] == got[1]
+        if code is not None:
+            assert (got[1][0], got[1][2]) == (code, reason)
+    assert _together(mesh.frontend_address, 2) == _together(mesh.coordinator_address, 2)  # and it serves on
+
+
+def test_a_client_that_leaves_ends_its_session(mesh: LocalMesh) -> None:
+    with grpc.insecure_channel(mesh.frontend_address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        call = stub.Generate(coordinator_pb2.GenerateRequest(prompt_token_ids=[3, 4, 5], max_tokens=100_000,
+                                                             ignore_eos=True), timeout=120)
+        next(call)
+        assert _active_sessions(mesh.coordinator_address) == 1
+        call.cancel()
+    _wait(lambda: _active_sessions(mesh.coordinator_address) == 0)
+    with grpc.insecure_channel(mesh.frontend_address) as channel:  # and a deadline ends one the same way
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(coordinator_pb2.GenerateRequest(prompt_token_ids=[3, 4, 5], max_tokens=100_000,
+                                                               ignore_eos=True), timeout=1.0))
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait(lambda: _active_sessions(mesh.coordinator_address) == 0)
+
+
+def test_status_and_logits_are_forwarded_and_generate_streams_is_not(mesh: LocalMesh) -> None:
+    with CoordinatorClient(mesh.frontend_address) as front, CoordinatorClient(mesh.coordinator_address) as coordinator:
+        assert front.status().model == coordinator.status().model
+        assert (front.compute_logits([5, 6, 7]) == coordinator.compute_logits([5, 6, 7])).all()
+    with grpc.insecure_channel(mesh.frontend_address) as channel:  # what a front end sends is not relayed
+        with pytest.raises(grpc.RpcError) as caught:
+            list(coordinator_pb2_grpc.CoordinatorServiceStub(channel).GenerateStreams(iter([]), timeout=30))
+        assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_coordinator_restart_loses_no_stream_of_a_resuming_client(model: Path) -> None:
+    """kill -9 of the coordinator mid-run: the front end turns NOT_SERVING, its calls end UNAVAILABLE, the clients
+    resume through it once the coordinator is back, and every stream ends with the tokens of a run without the
+    fault."""
+    with LocalMesh(2, "numpy", str(model), kvstore=False, frontend=True) as mesh:
+        clean = _together(mesh.frontend_address, 8)
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(_together, mesh.frontend_address, 8, 60.0)
+            _wait(lambda: _active_sessions(mesh.coordinator_address) > 0)
+            assert mesh.coordinator_process is not None
+            mesh.coordinator_process.kill()
+            mesh.coordinator_process.wait()
+            _wait(lambda: _health(mesh.frontend_address) == health_pb2.HealthCheckResponse.NOT_SERVING)
+            mesh.start_coordinator()
+            _wait(lambda: _health(mesh.frontend_address) == health_pb2.HealthCheckResponse.SERVING)
+            assert running.result(timeout=120) == clean
+
+
+def test_the_front_end_wants_the_token_and_passes_it_on(model: Path, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("a-client-token-of-enough-length\n")
+    with LocalMesh(1, "numpy", str(model), kvstore=False, frontend=True, auth_token_file=str(token)) as mesh:
+        with pytest.raises(errors.Unauthenticated):
+            _generate(mesh.frontend_address, _request(0))
+        with CoordinatorClient(mesh.frontend_address, token="a-client-token-of-enough-length") as client:
+            assert len([t for c in client.generate(**_request(0)) for t in c.token_ids]) == TOKENS  # type: ignore[arg-type]
