@@ -20,6 +20,11 @@ def message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]
 
 
 MESSAGE_OPTIONS = message_options()
+# A frozen (SIGSTOPped, partitioned) server keeps its TCP connections open and sends nothing: only a ping that goes
+# unanswered breaks a stream to it. These ping every second and give it a second to answer (the coordinator's server
+# allows pings that often).
+KEEPALIVE_OPTIONS: list[tuple[str, int]] = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 1000),
+                                            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
 class CallDetails(collections.namedtuple("CallDetails", ("method", "timeout", "metadata", "credentials",

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from graphmesh import tensors
-from graphmesh.channels import MESSAGE_OPTIONS, open_channel
+from graphmesh.channels import KEEPALIVE_OPTIONS, MESSAGE_OPTIONS, open_channel
 from graphmesh.errors import GraphmeshError, from_rpc_error
 from graphmesh.security import bearer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
@@ -40,7 +40,6 @@ class Chunk:
 
 
 RESUME_BACKOFF_S = (0.05, 0.1)  # waits between attempts to find the leader, the last one repeated (a standby answers fast)
-KEEPALIVE_S = 1  # a resuming client pings every second and gives a silent coordinator one second to answer
 
 
 def _addresses(address: str | Sequence[str]) -> list[str]:
@@ -64,10 +63,7 @@ class CoordinatorClient:
         self.resume_timeout_s = (30.0 if len(self.addresses) > 1 else 0.0) if resume_timeout_s is None \
             else resume_timeout_s
         if self.resume_timeout_s > 0:
-            # A frozen (SIGSTOPped, partitioned) leader keeps its TCP connections open and sends nothing: only a
-            # ping that goes unanswered breaks such a stream, so that it resumes on the new leader.
-            options += [("grpc.keepalive_time_ms", KEEPALIVE_S * 1000), ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
-                        ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+            options += KEEPALIVE_OPTIONS  # a frozen leader's streams break, so that they resume on the new one
         self._channels = [open_channel(a, credentials, options) for a in self.addresses]
         self._stubs = [coordinator_pb2_grpc.CoordinatorServiceStub(c) for c in self._channels]
         self._current = 0  # the coordinator that answered last: the leader, as far as this client knows

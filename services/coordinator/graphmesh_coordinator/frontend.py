@@ -23,7 +23,7 @@ from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from graphmesh.channels import MESSAGE_OPTIONS, open_channel
+from graphmesh.channels import KEEPALIVE_OPTIONS, MESSAGE_OPTIONS, open_channel
 from graphmesh.errors import Unavailable
 from graphmesh.security import Tls, bearer, read_token
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -220,10 +220,12 @@ def build_server(config: FrontendConfig) -> Frontend:
     assert isinstance(server, AioServer)
     tls: Tls | None = config.security.tls
 
+    options = [*MESSAGE_OPTIONS, *KEEPALIVE_OPTIONS]  # a frozen coordinator's stream breaks: its calls resume
+
     async def open_channel() -> grpc.aio.Channel:
         if tls is None:
-            return grpc.aio.insecure_channel(config.coordinator, options=MESSAGE_OPTIONS)
-        return grpc.aio.secure_channel(config.coordinator, tls.channel_credentials(), options=MESSAGE_OPTIONS)
+            return grpc.aio.insecure_channel(config.coordinator, options=options)
+        return grpc.aio.secure_channel(config.coordinator, tls.channel_credentials(), options=options)
     channel = server.run(open_channel())
     metadata = bearer(config.coordinator_token)
     relay = Relay(channel, metadata)
