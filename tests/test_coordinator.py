@@ -173,12 +173,13 @@ def test_cli_says_in_one_line_when_no_coordinator_answers(command: list[str]) ->
 
 
 def test_a_backgrounded_graphmesh_up_stops_on_sigint(tmp_path: Path) -> None:
-    """A shell's background job starts with SIGINT ignored; `kill -INT` must still stop the mesh, children too."""
+    """A shell's background job starts with SIGINT ignored; `kill -INT` must still stop the mesh, children (its front
+    end among them) too."""
     import signal
 
     path = _tiny("gpt2", tmp_path / "gpt2")
     up = subprocess.Popen([sys.executable, "-m", "graphmesh.cli", "up", "--model", str(path), "--backend", "numpy",
-                           "--executors", "1", "--listen", f"127.0.0.1:{free_port()}", "--http-listen", ""],
+                           "--executors", "1", "--listen", f"127.0.0.1:{free_port()}", "--http-listen", "", "--frontend"],
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
@@ -189,8 +190,14 @@ def test_a_backgrounded_graphmesh_up_stops_on_sigint(tmp_path: Path) -> None:
             if "Ctrl-C to stop" in line:
                 break
         assert any("Ctrl-C to stop" in line for line in lines), lines
+        front = next(line.split()[2] for line in lines if line.startswith("front end "))
+        with CoordinatorClient(front) as client:
+            assert client.status().ready
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
+        with grpc.insecure_channel(front) as channel:  # the front end stopped with the rest
+            with pytest.raises(grpc.FutureTimeoutError):
+                grpc.channel_ready_future(channel).result(timeout=2)
     finally:
         if up.poll() is None:  # SIGTERM unwinds the CLI's mesh, children included; kill only what still stands
             up.terminate()

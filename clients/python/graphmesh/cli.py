@@ -50,7 +50,7 @@ def _mesh_args(p: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def _mesh(args: argparse.Namespace, listen: str = "", http_listen: str = "") -> Iterator[LocalMesh]:
+def _mesh(args: argparse.Namespace, listen: str = "", http_listen: str = "", frontend: bool = False) -> Iterator[LocalMesh]:
     """An embedded mesh, started and stopped with the block. A process of it that does not start ends `graphmesh`
     with status 1 and that process's own one line (what is wrong and what to do), not the launcher's traceback."""
     backends = [b for b in args.backend.split(",") if b]
@@ -64,7 +64,7 @@ def _mesh(args: argparse.Namespace, listen: str = "", http_listen: str = "") -> 
     backend: str | list[str] = backends if len(backends) > 1 else (backends[0] if backends else fastest_backend())
     count = len(backends) if len(backends) > 1 else (len(args.gpus) or args.executors or 2)
     mesh = LocalMesh(count, backend, args.model, [int(x) for x in args.split.split(",") if x], args.weights,
-                     coordinator_listen=listen, http_listen=http_listen, gpus=args.gpus,
+                     coordinator_listen=listen, http_listen=http_listen, gpus=args.gpus, frontend=frontend,
                      extra_coordinator_args=["--speculative", args.speculative],
                      draft_executor=args.speculative.startswith("draft:"))
     try:
@@ -97,8 +97,10 @@ def _coordinator(args: argparse.Namespace) -> Iterator[str]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    with _mesh(args, args.listen, args.http_listen) as mesh:
+    with _mesh(args, args.listen, args.http_listen, args.frontend) as mesh:
         print(f"coordinator {mesh.coordinator_address}", flush=True)
+        if mesh.frontend_address:
+            print(f"front end {mesh.frontend_address} (gRPC clients call it, not the coordinator)", flush=True)
         if mesh.http_url:
             print(f"OpenAI API {mesh.http_url} (model {mesh.model!r})", flush=True)
         if mesh.kvstore_address:
@@ -204,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--listen", default=DEFAULT_COORDINATOR, help="coordinator address")
     up.add_argument("--http-listen", default=DEFAULT_HTTP,
                     help="address of the coordinator's OpenAI-compatible HTTP API ('' turns it off)")
+    up.add_argument("--frontend", action="store_true",
+                    help="also start a graphmesh-frontend, which serves gRPC clients and relays their calls to the "
+                         "coordinator over one stream (for hundreds of concurrent streams)")
     gen = sub.add_parser("generate", help="generate text")
     _mesh_args(gen)
     gen.add_argument("--prompt", required=True)
