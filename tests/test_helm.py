@@ -418,6 +418,9 @@ def test_model_and_plan_reach_the_coordinator_from_the_configmap(rendered: dict[
         (["--set", "coordinator.speculative=prompt-lookup:17"], "speculative"),
         (["--set", "coordinator.redis.url=cache:6379"], "redis/url"),
         (["--set", "coordinator.redis.existingSecret=cache-auth"], "coordinator.redis.existingSecret needs"),
+        (["--set", "frontend.enabled=true", "--set", "tls.enabled=true", "--set", "tls.roleSecrets.coordinator=c",
+          "--set", "tls.roleSecrets.executor=e", "--set", "tls.roleSecrets.kvstore=k"], "needs tls.roleSecrets.frontend"),
+        (["--set", "frontend.enabled=true", "--set", "frontend.replicas=0"], "replicas"),
     ],
 )
 def test_bad_values_are_refused(helm_template: Template, args: list[str], message: str) -> None:
@@ -674,3 +677,202 @@ def test_the_coordinator_accepts_the_rendered_draft_flags(helm_template: Templat
         assert drafter.address == "graphmesh-draft-executor:50051"
     finally:
         drafter.close()
+
+
+def frontend_parts(docs: list[Doc]) -> tuple[Doc, Doc, str]:
+    """The front end's Deployment, the Service that selects its pods and the address clients dial there, derived
+    from the objects alone."""
+    dep = one(docs, "Deployment", "frontend")
+    service = one(docs, "Service", "frontend")
+    assert service["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    pod_port = next(p["containerPort"] for p in container(dep)["ports"] if p["name"] == "grpc")
+    grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    assert grpc["targetPort"] == "grpc" and grpc["port"] == pod_port and grpc["appProtocol"] == "grpc"
+    return dep, service, f"{service['metadata']['name']}:{grpc['port']}"
+
+
+def coordinator_address(docs: list[Doc]) -> str:
+    """Where the coordinator's clients dial it: its Service's gRPC port."""
+    service = one(docs, "Service", "coordinator")
+    grpc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
+    return f"{service['metadata']['name']}:{grpc['port']}"
+
+
+def test_the_front_end_relays_to_the_coordinator_as_a_client(rendered: dict[str, list[Doc]]) -> None:
+    """frontend.enabled: graphmesh-frontend from the coordinator's image, dialing the coordinator's Service; under
+    auth it asks clients for the coordinator's token and sends that token on; under mutual TLS a certificate of its
+    own that names its Service and no mesh role; never the mesh token (it is no mesh member)."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    from graphmesh_server.policy import role_of
+
+    docs = rendered["frontend-values"]
+    v = values("frontend-values")
+    dep, service, address = frontend_parts(docs)
+    c = container(dep)
+    coordinator_dep = one(docs, "Deployment", "coordinator")
+    coordinator = container(coordinator_dep)
+    assert c["command"] == ["tini", "--", "graphmesh-frontend"] and c["image"] == coordinator["image"]
+    assert flag(c["args"], "--coordinator") == coordinator_address(docs) == "graphmesh-coordinator:50050"
+    assert address == f"graphmesh-frontend:{v['frontend']['port']}" == "graphmesh-frontend:50040"
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert flag(c["args"], "--listen") == f"0.0.0.0:{ports['grpc']}"
+    assert flag(c["args"], "--metrics-port") == str(ports["metrics"])
+    assert next(p for p in service["spec"]["ports"] if p["name"] == "metrics")["targetPort"] == "metrics"
+    assert dep["spec"]["replicas"] == v["frontend"]["replicas"] == 2
+    pdb = one(docs, "PodDisruptionBudget", "frontend")
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    # the coordinator's Service, PDB and Deployment do not select the front end's pods, nor it theirs
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert not one(docs, "Service", "coordinator")["spec"]["selector"].items() <= labels.items()
+    assert not service["spec"]["selector"].items() <= coordinator_dep["spec"]["template"]["metadata"]["labels"].items()
+    # auth: one token, mounted from the auth secret, asked of clients and sent to the coordinator
+    pod = dep["spec"]["template"]["spec"]
+    auth = next(m for m in c["volumeMounts"] if m["name"] == "auth")
+    assert auth["readOnly"] is True
+    assert flag(c["args"], "--auth-token-file") == flag(c["args"], "--coordinator-token-file") == \
+        f"{auth['mountPath']}/token" == flag(coordinator["args"], "--auth-token-file")
+    assert next(x for x in pod["volumes"] if x["name"] == "auth")["secret"]["secretName"] == "graphmesh-auth"
+    # no mesh member: no mesh token, mounted or passed; authenticated, so it listens beyond loopback without more
+    assert "--mesh-token-file" not in c["args"] and "--allow-insecure-remote" not in c["args"]
+    assert all(x.get("secret", {}).get("secretName") != "graphmesh-mesh-token" for x in pod["volumes"])
+    assert all(m["mountPath"] != "/mesh" for m in c["volumeMounts"])
+    # TLS: the flags name the mounted secret's files; the probes go to the plain-text health listener
+    tls = next(m for m in c["volumeMounts"] if m["name"] == "tls")
+    assert tls["readOnly"] is True
+    for arg, key in (("--tls-cert", "tls.crt"), ("--tls-key", "tls.key"), ("--tls-ca", "ca.crt")):
+        assert flag(c["args"], arg) == f"{tls['mountPath']}/{key}"
+    health = int(flag(c["args"], "--health-listen").rsplit(":", 1)[1])
+    assert health == ports["health"] == v["tls"]["healthPort"]
+    # ready only while the coordinator serves (its health mirrors the coordinator's); alive while it listens, so a
+    # coordinator outage restarts no front end
+    assert c["readinessProbe"]["grpc"] == {"port": health, "service": ""}
+    assert set(c["livenessProbe"]) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"tcpSocket"}
+    assert c["livenessProbe"]["tcpSocket"]["port"] == health and "startupProbe" not in c
+    # its own certificate, of the mesh's CA: the front end's Service names, no mesh role (a client of the coordinator)
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    secret = next(x for x in pod["volumes"] if x["name"] == "tls")["secret"]["secretName"]
+    assert secret == "graphmesh-tls-frontend"
+    assert secret != next(x for x in coordinator_dep["spec"]["template"]["spec"]["volumes"]
+                          if x["name"] == "tls")["secret"]["secretName"]
+    data = secrets[secret]["data"]
+    cert = x509.load_pem_x509_certificate(base64.b64decode(data["tls.crt"]))
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secrets["graphmesh-tls-ca"]["data"]["tls.crt"]))
+    assert cert.issuer == ca.subject and base64.b64decode(data["ca.crt"]) == \
+        base64.b64decode(secrets["graphmesh-tls-ca"]["data"]["tls.crt"])
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    common = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+    assert isinstance(common, str)
+    assert all(role_of(n) is None for n in [common, *names]), (common, names)
+    assert not [n for n in names if n.endswith(".graphmesh.internal")]
+    host = address.rsplit(":", 1)[0]
+    assert common == host and {host, f"{host}.graphmesh.svc", f"{host}.graphmesh.svc.cluster.local"} <= set(names)
+    # the pod as every other: non-root, read-only root, no service account token, tracing under its own name
+    assert pod["securityContext"] == coordinator_dep["spec"]["template"]["spec"]["securityContext"]
+    assert c["securityContext"] == coordinator["securityContext"] and c["securityContext"]["readOnlyRootFilesystem"]
+    assert pod["automountServiceAccountToken"] is False and any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["OTEL_SERVICE_NAME"] == "graphmesh-frontend" and env["HOME"] == "/tmp"
+
+
+def test_the_front_end_is_off_by_default(rendered: dict[str, list[Doc]]) -> None:
+    assert DEFAULTS["frontend"]["enabled"] is False
+    for name, docs in rendered.items():
+        if name == "frontend-values":
+            continue
+        assert not [d["metadata"]["name"] for d in docs
+                    if d["metadata"]["labels"].get("app.kubernetes.io/component") == "frontend"
+                    or "frontend" in d["metadata"]["name"]], name
+
+
+def test_the_front_end_follows_the_coordinator_image_release_and_port(helm_template: Template) -> None:
+    """Its image is the coordinator's (whose package ships it) unless frontend.image says otherwise; without auth and
+    TLS it checks no caller, as the coordinator's public API doesn't, so it must be told to listen beyond loopback."""
+    proc = helm_template("--set", "frontend.enabled=true", "--set", "coordinator.image.tag=1.2.3",
+                         "--set", "coordinator.port=50070", "--set", "frontend.port=6000", release="prod")
+    assert proc.returncode == 0, proc.stderr
+    docs = load(proc.stdout)
+    dep, _, address = frontend_parts(docs)
+    c = container(dep)
+    assert c["image"] == container(one(docs, "Deployment", "coordinator"))["image"] == "graphmesh/coordinator:1.2.3"
+    assert flag(c["args"], "--coordinator") == coordinator_address(docs) == "prod-graphmesh-coordinator:50070"
+    assert address == "prod-graphmesh-frontend:6000" and flag(c["args"], "--listen") == "0.0.0.0:6000"
+    assert "--allow-insecure-remote" in c["args"]
+    assert not [a for a in c["args"] if a.startswith("--tls") or a.endswith("-token-file")]
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}
+    assert c["readinessProbe"]["grpc"]["port"] == c["livenessProbe"]["tcpSocket"]["port"] == 6000
+    proc = helm_template("--set", "frontend.enabled=true", "--set", "frontend.image.repository=example/fe",
+                         "--set-string", "frontend.image.tag=7", "--set", "image.registry=registry.example.com/")
+    assert proc.returncode == 0, proc.stderr
+    assert container(one(load(proc.stdout), "Deployment", "frontend"))["image"] == "registry.example.com/example/fe:7"
+    # tls.roleSecrets.frontend: the front end's own secret; tls.existingSecret alone: the one every service shares
+    roles = ("--set", "tls.enabled=true", "--set", "tls.roleSecrets.coordinator=c", "--set", "tls.roleSecrets.executor=e",
+             "--set", "tls.roleSecrets.kvstore=k")
+    for extra, secret in ((("--set", "tls.roleSecrets.frontend=f"), "f"),
+                          (("--set", "tls.enabled=true", "--set", "tls.existingSecret=shared"), "shared")):
+        proc = helm_template("--set", "frontend.enabled=true", *(roles if secret == "f" else ()), *extra)
+        assert proc.returncode == 0, proc.stderr
+        dep = one(load(proc.stdout), "Deployment", "frontend")
+        assert next(x for x in dep["spec"]["template"]["spec"]["volumes"]
+                    if x["name"] == "tls")["secret"]["secretName"] == secret
+    proc = helm_template("--set", "frontend.enabled=true", "--set", "frontend.replicas=1")
+    assert proc.returncode == 0, proc.stderr
+    assert not [d for d in load(proc.stdout) if d["kind"] == "PodDisruptionBudget"
+                and d["metadata"]["labels"]["app.kubernetes.io/component"] == "frontend"]
+
+
+def test_the_front_end_accepts_the_rendered_flags(rendered: dict[str, list[Doc]], helm_template: Template,
+                                                  tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """graphmesh-frontend's own parser and security bootstrap take the chart's flags: its main() runs on the rendered
+    args, with the mounted secrets written out as the kubelet would (under tmp_path), up to the server it would build."""
+    from graphmesh_coordinator import frontend
+    from graphmesh_server import logs
+
+    class Built(Exception):
+        pass
+
+    configs: list[frontend.FrontendConfig] = []
+
+    def build_server(config: frontend.FrontendConfig) -> frontend.Frontend:
+        configs.append(config)
+        raise Built("stopped before serving")
+
+    monkeypatch.setattr(frontend, "build_server", build_server)
+    monkeypatch.setattr(logs, "configure", lambda service: None)  # main() would take over the root logger
+
+    def start(docs: list[Doc], root: Path) -> frontend.FrontendConfig:
+        c = container(one(docs, "Deployment", "frontend"))
+        volumes = {x["name"]: x for x in one(docs, "Deployment", "frontend")["spec"]["template"]["spec"]["volumes"]}
+        args = list(c["args"])
+        for mount in c["volumeMounts"]:
+            secret = volumes[mount["name"]].get("secret")
+            if secret is None:
+                continue
+            data = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == secret["secretName"])["data"]
+            there = root / mount["mountPath"].strip("/")
+            there.mkdir(parents=True)
+            for key, value in data.items():
+                (there / key).write_bytes(base64.b64decode(value))
+                (there / key).chmod(secret["defaultMode"])
+            args = [str(there) + a[len(mount["mountPath"]):] if a.startswith(mount["mountPath"] + "/") else a for a in args]
+        configs.clear()
+        with pytest.raises(SystemExit) as exit_:
+            frontend.main(args)
+        assert "stopped before serving" in str(exit_.value.code), exit_.value.code
+        assert len(configs) == 1
+        return configs[0]
+
+    docs = rendered["frontend-values"]
+    config = start(docs, tmp_path / "secure")
+    token = values("frontend-values")["auth"]["token"]
+    assert config.listen == "0.0.0.0:50040" and config.coordinator == coordinator_address(docs)
+    assert config.coordinator_token == config.security.auth_token == token and config.metrics_port == 9090
+    assert config.security.tls is not None and config.security.mutual_tls and config.security.authenticated
+    assert config.security.mesh_token == "" and not config.security.allow_insecure_remote
+    assert config.security.health_listen == "0.0.0.0:50060"
+    proc = helm_template("--set", "frontend.enabled=true")
+    assert proc.returncode == 0, proc.stderr
+    config = start(load(proc.stdout), tmp_path / "plain")
+    assert config.security.tls is None and not config.security.authenticated and config.security.allow_insecure_remote
+    assert config.coordinator == "graphmesh-coordinator:50050" and config.coordinator_token == ""

@@ -21,6 +21,7 @@
 {{- define "graphmesh.executorHeadless" -}}{{ include "graphmesh.executor" . }}-headless{{- end -}}
 {{- /* 37 + "-draft-executor": the StatefulSet's controller-revision-hash label (name-<10>) stays within 63 */}}
 {{- define "graphmesh.draft" -}}{{ include "graphmesh.fullname" . | trunc 37 | trimSuffix "-" }}-draft-executor{{- end -}}
+{{- define "graphmesh.frontend" -}}{{ include "graphmesh.fullname" . | trunc 54 }}-frontend{{- end -}}
 {{- define "graphmesh.kvstore" -}}{{ include "graphmesh.fullname" . | trunc 55 }}-kvstore{{- end -}}
 {{- define "graphmesh.valkey" -}}{{ include "graphmesh.fullname" . | trunc 56 }}-valkey{{- end -}}
 {{- define "graphmesh.etcd" -}}{{ include "graphmesh.fullname" . | trunc 58 }}-etcd{{- end -}}
@@ -47,7 +48,8 @@
 {{/* The TLS secret one component serves and calls with; pass (dict "ctx" $ "component" "executor"), and "role" when
      the component serves another's role (the draft executor: "executor"). A role's own certificate (tls.roleSecrets,
      or the ones the chart issues with tls.issue, one per component) names its mesh role, e.g.
-     executor.graphmesh.internal: with tls.ca every hop is mutual TLS and each RPC is checked against the caller's role. */}}
+     executor.graphmesh.internal: with tls.ca every hop is mutual TLS and each RPC is checked against the caller's role.
+     The front end ("frontend": tls.roleSecrets.frontend, or the one tls.issue makes) names no role: a client. */}}
 {{- define "graphmesh.tlsSecretFor" -}}
 {{- $tls := .ctx.Values.tls -}}
 {{- $role := default .component .role -}}
@@ -115,6 +117,14 @@ app.kubernetes.io/part-of: graphmesh
 {{- else -}}
 {{- include "graphmesh.executorImage" . -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The front end's image: frontend.image where given, else the coordinator's (whose package ships
+     graphmesh-frontend). */}}
+{{- define "graphmesh.frontendImage" -}}
+{{- $c := .Values.coordinator.image -}}
+{{- $f := .Values.frontend.image -}}
+{{- include "graphmesh.image" (dict "ctx" . "image" (dict "repository" (default $c.repository $f.repository) "tag" (default $c.tag $f.tag))) -}}
 {{- end -}}
 
 {{/* The coordinator's --draft-executor: the draft's Service (headless, one pod behind it). */}}
