@@ -6,13 +6,14 @@ compute is cheap, and the coordinator detokenizes every token as for a real mode
 with the GPU defaults unless told otherwise (256 rows a step, 2,048 step tokens, decode runs of 32: what a step of
 256 rows takes on a GPU), so that its steps are shaped as on the H100 at 256 streams. N streams of M tokens each go
 through the real gRPC Generate stream at once (or, with --multiplexed, all over one GenerateStreams stream, as a
-front end sends them), and the coordinator's user + system CPU time (/proc/PID/stat) is read before and after: CPU time, not wall
-time, so other load on a shared machine hardly moves it. A warm-up burst first takes the one-off costs (first
+front end sends them; with --frontend, through a graphmesh-frontend, whose CPU is read too), and the coordinator's
+user + system CPU time (/proc/PID/stat) is read before and after: CPU time, not wall time, so other load on a
+shared machine hardly moves it. A warm-up burst first takes the one-off costs (first
 use of each batch shape, imports) out of the figures. Prints a table; writes bench/results/coordinator_cpu.json
 (or NAME) with --write.
 
     .venv/bin/python bench/bench_coordinator_cpu.py [--streams 1,64,256] [--tokens 128] [--rounds 1]
-        [--coordinator-args "--max-step-seqs 64"] [--multiplexed] [--py-spy FILE] [--write [NAME]]
+        [--coordinator-args "--max-step-seqs 64"] [--multiplexed | --frontend] [--py-spy FILE] [--write [NAME]]
 """
 
 from __future__ import annotations
@@ -74,14 +75,17 @@ def steps(metrics_port: int) -> float:
 def measure(mesh: LocalMesh, streams: int, tokens: int, multiplexed: bool = False) -> dict[str, Any]:
     assert mesh.coordinator_process is not None
     pid, port = mesh.coordinator_process.pid, mesh.metrics_ports["coordinator"]
-    cpu0, steps0, t0 = cpu_seconds(pid), steps(port), time.perf_counter()
-    got = asyncio.run(burst(mesh.coordinator_address, streams, tokens, multiplexed))
+    front = mesh.frontend_process.pid if mesh.frontend_process is not None else 0
+    cpu0, front0, steps0, t0 = cpu_seconds(pid), cpu_seconds(front) if front else 0.0, steps(port), time.perf_counter()
+    got = asyncio.run(burst(mesh.client_address, streams, tokens, multiplexed))
     wall = time.perf_counter() - t0
     cpu, n_steps = cpu_seconds(pid) - cpu0, steps(port) - steps0
+    front_cpu = cpu_seconds(front) - front0 if front else 0.0
     # cores: how busy the coordinator was (1.0 is one core, where the GIL caps a process's Python); wall time
     # itself depends on the machine's other load and is only recorded
     return {"streams": streams, "tokens": got, "steps": n_steps, "cpu_s": cpu, "wall_s": wall, "cores": cpu / wall,
-            "cpu_ms_per_token": cpu * 1e3 / got, "cpu_ms_per_step": cpu * 1e3 / n_steps if n_steps else float("nan")}
+            "cpu_ms_per_token": cpu * 1e3 / got, "cpu_ms_per_step": cpu * 1e3 / n_steps if n_steps else float("nan"),
+            "frontend_cpu_ms_per_token": front_cpu * 1e3 / got}
 
 
 def profile(mesh: LocalMesh, path: str) -> subprocess.Popen[bytes]:
@@ -102,6 +106,8 @@ def main() -> None:
                    help="also profile the coordinator with py-spy during the largest level (collapsed stacks)")
     p.add_argument("--multiplexed", action="store_true",
                    help="each level's calls over one GenerateStreams stream (a front end's), not a stream each")
+    p.add_argument("--frontend", action="store_true",
+                   help="the streams call a graphmesh-frontend, which relays them to the coordinator over one stream")
     p.add_argument("--write", default="", nargs="?", const="coordinator_cpu.json", metavar="NAME",
                    help="write bench/results/NAME (default coordinator_cpu.json)")
     a = p.parse_args()
@@ -110,7 +116,7 @@ def main() -> None:
     # with a tokenizer: the coordinator detokenizes every token, as it does for any real model
     model = write_tiny_tokenizer(make_tiny_llama(Path(tempfile.mkdtemp(prefix="graphmesh-bench-")) / "llama"))
     rows: list[dict[str, Any]] = []
-    with LocalMesh(1, "torch", str(model), kvstore=False, metrics=True,
+    with LocalMesh(1, "torch", str(model), kvstore=False, metrics=True, frontend=a.frontend,
                    extra_coordinator_args=shlex.split(a.coordinator_args)) as mesh:
         progress("warm-up")
         measure(mesh, max(levels), 4, a.multiplexed)
@@ -121,16 +127,16 @@ def main() -> None:
                 spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
                 spy.wait()
             row = {k: median([r[k] for r in runs]) for k in ("tokens", "steps", "cpu_s", "cores", "cpu_ms_per_token",
-                                                             "cpu_ms_per_step")}
+                                                             "cpu_ms_per_step", "frontend_cpu_ms_per_token")}
             rows.append({"streams": streams, **row, "rounds": runs})
             progress(f"  {streams} streams: {row['cpu_ms_per_token']:.3f} CPU-ms/token")
     print(table(["streams", "tokens", "steps", "coordinator CPU s", "cores busy", "CPU-ms / 1k tokens",
-                 "CPU-ms / step"],
+                 "CPU-ms / step", "front end CPU-ms / 1k tokens"],
                 [[r["streams"], int(r["tokens"]), int(r["steps"]), r["cpu_s"], r["cores"], r["cpu_ms_per_token"] * 1e3,
-                  r["cpu_ms_per_step"]] for r in rows]))
+                  r["cpu_ms_per_step"], r["frontend_cpu_ms_per_token"] * 1e3] for r in rows]))
     if a.write:
         write_results(a.write, {"machine": machine(load), "tokens_per_stream": a.tokens, "multiplexed": a.multiplexed,
-                                               "coordinator_args": a.coordinator_args, "levels": rows})
+                                "frontend": a.frontend, "coordinator_args": a.coordinator_args, "levels": rows})
 
 
 if __name__ == "__main__":
