@@ -75,7 +75,7 @@ def mesh(receiver: tuple[Receiver, int], tmp_path_factory: pytest.TempPathFactor
            "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": "", "OTEL_TRACES_SAMPLER": "always_on"}
     # a pool of a few hundred blocks: the default (up to 512 MiB) costs the numpy backend a copy of it every step
     with LocalMesh(2, "numpy", str(path), env=env, extra_executor_args=("--kv-cache-bytes", "4Mi"),
-                   http_listen=f"127.0.0.1:{free_port()}") as m:
+                   http_listen=f"127.0.0.1:{free_port()}", frontend=True) as m:
         yield m
 
 
@@ -160,6 +160,35 @@ def test_one_generate_is_one_trace_across_every_service(mesh: LocalMesh, receive
         assert (service, name) in names, (service, name)
     steps = sorted((e.span for e in trace if e.span.name == "mesh.step"), key=lambda span: span.start_time_unix_nano)
     assert [_attrs(span)["decode_steps"] for span in steps] == [1, 2]  # the prefill, then a decode run of two tokens
+
+
+def test_a_generate_through_the_front_end_is_one_trace_under_the_callers(
+        mesh: LocalMesh, receiver: tuple[Receiver, int]) -> None:
+    """The front end's span of the call is the caller's child, and the coordinator's (relayed over GenerateStreams)
+    the front end's, with everything the coordinator does for the call below it."""
+    spans = receiver[0]
+    trace_id, parent = "5ce92f3577b34da6a3ce929d0e0e4736", "10f067aa0ba902b7"
+    with CoordinatorClient(mesh.frontend_address, metadata=[("traceparent", f"00-{trace_id}-{parent}-01")]) as client:
+        chunks = list(client.generate(prompt_token_ids=[11, *PROMPT], max_tokens=3, ignore_eos=True))
+    assert sum(len(c.token_ids) for c in chunks) == 3
+    trace: list[Exported] = []
+
+    def why() -> str:
+        nonlocal trace
+        trace = spans.trace(bytes.fromhex(trace_id))
+        ids = {e.span.span_id for e in trace}
+        tops = [(e.service, e.span.name, e.span.parent_span_id.hex()) for e in trace if e.span.parent_span_id not in ids]
+        if tops != [("graphmesh-frontend", GENERATE, parent)]:
+            return f"spans not under the caller's: {tops}"
+        return _covers(trace, EVERY_SERVICE | {"graphmesh-frontend"}, 5)
+
+    _wait_for(why)
+    front = next(e.span for e in trace if e.service == "graphmesh-frontend")
+    relayed = [e.span for e in trace if e.service == "graphmesh-coordinator" and e.span.name == GENERATE]
+    assert [span.parent_span_id for span in relayed] == [front.span_id]
+    assert relayed[0].kind == trace_pb2.Span.SPAN_KIND_SERVER
+    below = {e.span.name for e in _subtree(trace, next(e for e in trace if e.span is relayed[0]))}
+    assert {"generate", "mesh.step", "stage.execute"} <= below, below
 
 
 def test_every_step_is_one_span_tree_across_the_coordinator_and_both_executors(

@@ -17,7 +17,8 @@ UNCOUNTED = frozenset({"/grpc.health.v1.Health/Check",
 # Not counted either: the serving code queues these itself, in order, with a bound of its own (the coordinator's
 # --max-waiting-requests), and they hold no thread while they wait. Counting them refused the 65th concurrent
 # Generate of a coordinator whose KV cache had room for far more.
-QUEUED = frozenset({"/graphmesh.v1.CoordinatorService/Generate"})
+GENERATE = "/graphmesh.v1.CoordinatorService/Generate"
+QUEUED = frozenset({GENERATE})
 
 
 class Role(Enum):

@@ -144,6 +144,27 @@ def start_request_span(name: str, headers: dict[str, str], attributes: dict[str,
     return _tracer.start_span(name, context=propagate.extract(headers), kind=SpanKind.SERVER, attributes=attributes)
 
 
+def start_rpc_span(method: str, headers: Mapping[str, str]) -> Span:
+    """A SERVER span that the caller ends (finish_rpc_span), for a call that reached this process inside another
+    (GenerateStreams' calls): named and described as the gRPC instrumentation names a call, under the W3C trace
+    context in `headers`."""
+    service, _, name = method.lstrip("/").partition("/")
+    return start_request_span(method, dict(headers), {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+
+
+def finish_rpc_span(span_: Span, code: grpc.StatusCode, details: str = "") -> None:
+    """Ends a call's span with its status (marked failed unless OK)."""
+    span_.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code is not grpc.StatusCode.OK:
+        span_.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}"))
+    span_.end()
+
+
+def span_carrier(span_: Span) -> dict[str, str]:
+    """carrier() of the context in which `span_` is current: what a hop that is not a gRPC call sends on."""
+    return carrier(trace.set_span_in_context(span_))
+
+
 def use(span_: Span) -> AbstractContextManager[Span]:
     """Makes `span_` current inside the block without ending it there."""
     if _provider is None:
@@ -159,11 +180,10 @@ def end_when_done(span_: Span, future: grpc.Future[Any]) -> None:
 # -- client side -----------------------------------------------------------------------------------------
 def _end_client_span(span_: Span, call: Any) -> None:
     code = call.code()
-    if code is not None:
-        span_.set_attribute("rpc.grpc.status_code", code.value[0])
-        if code is not grpc.StatusCode.OK:
-            span_.set_status(Status(StatusCode.ERROR, f"{code.name}: {call.details()}"))
-    span_.end()
+    if code is None:
+        span_.end()
+    else:
+        finish_rpc_span(span_, code, call.details())
 
 
 class _ClientTracing(ForwardingClientInterceptor):

@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +30,11 @@ from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_server import bootstrap, logs, telemetry
 from graphmesh_server.aio_serving import AioServer, MirroredHealth
 from graphmesh_server.bootstrap import ServerSecurity
+from graphmesh_server.policy import GENERATE
 from graphmesh_server.serving import run_until_signalled
 
 log = logging.getLogger("graphmesh.frontend")
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as the client's metadata carries it
 HEALTH_RETRY_S = 1.0  # between watches of the coordinator's health, while it cannot be reached
 
 
@@ -57,11 +59,14 @@ class Relay:
         """Calls on their way now."""
         return len(self._stream.calls) if self._stream is not None else 0
 
-    async def generate(self, request: coordinator_pb2.GenerateRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+    async def generate(self, request: coordinator_pb2.GenerateRequest,
+                       trace_context: Mapping[str, str]) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        """The call's responses; it ends as the coordinator's Generate would (_CallFailed with its status), or with
+        _StreamEnded. trace_context: the W3C trace context the coordinator's work on it joins."""
         if self._stream is None or self._stream.ended:
             self._stream = _Stream(self._stub, self._metadata)
             self.streams_opened += 1
-        async for response in self._stream.call(request):
+        async for response in self._stream.call(request, trace_context):
             yield response
 
     async def close(self) -> None:
@@ -100,14 +105,15 @@ class _Stream:
             for queue in self.calls.values():
                 queue.put_nowait(None)
 
-    async def call(self, request: coordinator_pb2.GenerateRequest) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        """The call's responses; it ends as the coordinator's Generate would (_CallFailed with its status)."""
+    async def call(self, request: coordinator_pb2.GenerateRequest,
+                   trace_context: Mapping[str, str]) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         if self.ended:  # before the call's first await: a stream that has not ended yet tells its calls when it does
             raise _StreamEnded(self.ended)
         call_id = next(self._ids)
         queue: asyncio.Queue[coordinator_pb2.GenerateStreamsEvent | None] = asyncio.Queue()
         self.calls[call_id] = queue
-        self._outbox.put_nowait(coordinator_pb2.GenerateStreamsRequest(id=call_id, generate=request))
+        self._outbox.put_nowait(coordinator_pb2.GenerateStreamsRequest(id=call_id, generate=request,
+                                                                       trace_context=trace_context))
         over = False
         try:
             while True:
@@ -148,16 +154,26 @@ class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     async def Generate(self, request: coordinator_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        headers = {k: v for k, v in context.invocation_metadata() or () if k in TRACE_HEADERS and isinstance(v, str)}
+        span = telemetry.start_rpc_span(GENERATE, headers)
+        status: grpc.Status | None = None
         try:
-            async for response in self.relay.generate(request):
+            # the coordinator's work joins this span's trace (its client's, when it sent one)
+            async for response in self.relay.generate(request, telemetry.span_carrier(span) or headers):
                 yield response
         except _CallFailed as e:  # the coordinator's status as it is, its ErrorInfo with it
             status = rpc_status.to_status(e.status)
-            await context.abort(status.code, status.details, status.trailing_metadata)
         except _StreamEnded as e:
             status = Unavailable(f"the front end lost its stream to the coordinator ({e}); resume or retry the call",
                                  "COORDINATOR_STREAM_LOST").to_status()
-            await context.abort(status.code, status.details, status.trailing_metadata)
+        except asyncio.CancelledError:
+            telemetry.finish_rpc_span(span, grpc.StatusCode.CANCELLED)
+            raise
+        if status is None:
+            telemetry.finish_rpc_span(span, grpc.StatusCode.OK)
+            return
+        telemetry.finish_rpc_span(span, status.code, status.details)
+        await context.abort(status.code, status.details, status.trailing_metadata)
 
     async def GenerateStreams(self, requests: AsyncIterator[coordinator_pb2.GenerateStreamsRequest],
                               context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
@@ -256,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     bootstrap.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
     logs.configure("frontend")
+    telemetry.setup("graphmesh-frontend")
     try:
         config = FrontendConfig(args.listen, args.coordinator, bootstrap.from_args(args),
                                 read_token(args.coordinator_token_file), args.metrics_port)

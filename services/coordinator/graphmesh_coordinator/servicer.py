@@ -20,9 +20,10 @@ from graphmesh_coordinator import guided, speculative
 from graphmesh_coordinator.failures import public_error
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
 from graphmesh_coordinator.pipeline import Mesh
+from graphmesh_server import telemetry
 from graphmesh_server.aio_serving import Wait, aiterate
 from graphmesh_server.bootstrap import ServerSecurity
-from graphmesh_server.policy import MESH
+from graphmesh_server.policy import GENERATE, MESH
 
 log = logging.getLogger("graphmesh.coordinator")
 RECOVERY_WAIT_S = 120.0
@@ -123,20 +124,31 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         def ended(call_id: int, status: bytes) -> None:
             out.put_nowait(coordinator_pb2.GenerateStreamsEvent(id=call_id, status=status))
 
-        async def serve(call_id: int, request: coordinator_pb2.GenerateRequest) -> None:
+        async def serve(call_id: int, request: coordinator_pb2.GenerateStreamsRequest) -> None:
             call = _Multiplexed(lambda: not context.done())
+            span = telemetry.start_rpc_span(GENERATE, request.trace_context)  # as a Generate call's own
+            code, details = grpc.StatusCode.OK, ""
+
+            def events() -> Iterator[Any]:
+                with telemetry.use(span):  # the Generator's spans and the steps join the call's trace
+                    yield from self.Generate(request.generate, cast(grpc.ServicerContext, call))
             try:
-                async for response in aiterate(self._pool, lambda: self.Generate(request, cast(grpc.ServicerContext, call))):
+                async for response in aiterate(self._pool, events):
                     out.put_nowait(coordinator_pb2.GenerateStreamsEvent(id=call_id, response=response))
                 ended(call_id, _OK)
             except _Ended as e:
                 ended(call_id, e.status)
+                code, details = e.code, str(e)
             except asyncio.CancelledError:
                 ended(call_id, _CANCELLED)  # the caller's cancel (the iterator is closed: the session ends)
+                code = grpc.StatusCode.CANCELLED
             except Exception as e:  # not one of Generate's own (those end the call with their status)
-                ended(call_id, public_error(e).to_status_proto().SerializeToString())
+                error = public_error(e)
+                ended(call_id, error.to_status_proto().SerializeToString())
+                code, details = error.code, error.message
             finally:
                 running.pop(call_id, None)
+                telemetry.finish_rpc_span(span, code, details)
 
         async def read() -> None:
             try:
@@ -147,7 +159,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                                        "until it ended", "DUPLICATE_CALL_ID"))
                         return
                     if action == "generate":
-                        running[request.id] = asyncio.create_task(serve(request.id, request.generate))
+                        running[request.id] = asyncio.create_task(serve(request.id, request))
                     elif action == "cancel":
                         task = running.get(request.id)
                         if task is not None:
@@ -226,6 +238,7 @@ class _Ended(Exception):
 
     def __init__(self, status: grpc.Status) -> None:
         super().__init__(status.details)
+        self.code = status.code
         details = dict(status.trailing_metadata or ()).get("grpc-status-details-bin")
         self.status = details if isinstance(details, bytes) else status_pb2.Status(
             code=status.code.value[0], message=status.details).SerializeToString()
