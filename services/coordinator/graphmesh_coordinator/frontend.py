@@ -157,23 +157,21 @@ class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         headers = {k: v for k, v in context.invocation_metadata() or () if k in TRACE_HEADERS and isinstance(v, str)}
         span = telemetry.start_rpc_span(GENERATE, headers)
         status: grpc.Status | None = None
+        code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: its client left
         try:
             # the coordinator's work joins this span's trace (its client's, when it sent one)
             async for response in self.relay.generate(request, telemetry.span_carrier(span) or headers):
                 yield response
+            code = grpc.StatusCode.OK
         except _CallFailed as e:  # the coordinator's status as it is, its ErrorInfo with it
             status = rpc_status.to_status(e.status)
         except _StreamEnded as e:
             status = Unavailable(f"the front end lost its stream to the coordinator ({e}); resume or retry the call",
                                  "COORDINATOR_STREAM_LOST").to_status()
-        except asyncio.CancelledError:
-            telemetry.finish_rpc_span(span, grpc.StatusCode.CANCELLED)
-            raise
-        if status is None:
-            telemetry.finish_rpc_span(span, grpc.StatusCode.OK)
-            return
-        telemetry.finish_rpc_span(span, status.code, status.details)
-        await context.abort(status.code, status.details, status.trailing_metadata)
+        finally:
+            telemetry.finish_rpc_span(span, *((status.code, status.details) if status is not None else (code,)))
+        if status is not None:
+            await context.abort(status.code, status.details, status.trailing_metadata)
 
     async def GenerateStreams(self, requests: AsyncIterator[coordinator_pb2.GenerateStreamsRequest],
                               context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
