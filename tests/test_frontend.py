@@ -5,12 +5,14 @@ coordinator that restarts loses no stream of a client that resumes."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -18,6 +20,7 @@ from graphmesh import errors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from tests.health_probe import HealthProbe
 from tests.model_fixtures import make_tiny_llama
 
 TOKENS = 12
@@ -77,6 +80,38 @@ def test_concurrent_streams_through_the_front_end_are_the_coordinators_own(mesh:
     assert through == direct
     assert through[:3] == alone
     assert all(len(tokens) == TOKENS for tokens in through)
+
+
+def test_a_thousand_concurrent_streams_through_the_front_end_all_complete(mesh: LocalMesh) -> None:
+    """As against the coordinator itself (tests/test_queueing.py): with default flags every one completes with its
+    solo tokens, and the front end's health answers within a second throughout."""
+    prompts = [[5 + 7 * i + j for j in range(6)] for i in range(4)]
+    solo = [_generate(mesh.coordinator_address, {"prompt_token_ids": p, "max_tokens": 3, "ignore_eos": True})
+            for p in prompts]
+
+    async def burst() -> list[list[int] | str]:
+        channels = [grpc.aio.insecure_channel(mesh.frontend_address) for _ in range(16)]
+
+        async def one(i: int) -> list[int] | str:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channels[i % len(channels)])
+            request = coordinator_pb2.GenerateRequest(prompt_token_ids=prompts[i % len(prompts)], max_tokens=3,
+                                                      ignore_eos=True)
+            try:
+                return [t async for r in stub.Generate(request, timeout=300) for t in r.token_ids]
+            except grpc.aio.AioRpcError as e:
+                return e.code().name
+        try:
+            return list(await asyncio.gather(*(one(i) for i in range(1000))))
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    with HealthProbe(mesh.frontend_address) as probe:
+        results = asyncio.run(burst())
+    failed = [r for r in results if isinstance(r, str)]
+    assert not failed, f"{len(failed)} of 1000 streams failed: {sorted(set(failed))[:5]}"
+    assert all(r == solo[i % len(prompts)] for i, r in enumerate(results))
+    probe.check()
 
 
 def test_the_coordinators_errors_reach_the_client_as_they_are(mesh: LocalMesh) -> None:
