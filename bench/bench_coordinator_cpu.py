@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` and `tests` importable
 
 from bench.common import (
-    cpu_seconds,
+    cpu_by_process,
     generate_multiplexed,
     generate_streams,
     machine,
@@ -73,14 +73,12 @@ def steps(metrics_port: int) -> float:
 
 
 def measure(mesh: LocalMesh, streams: int, tokens: int, multiplexed: bool = False) -> dict[str, Any]:
-    assert mesh.coordinator_process is not None
-    pid, port = mesh.coordinator_process.pid, mesh.metrics_ports["coordinator"]
-    front = mesh.frontend_process.pid if mesh.frontend_process is not None else 0
-    cpu0, front0, steps0, t0 = cpu_seconds(pid), cpu_seconds(front) if front else 0.0, steps(port), time.perf_counter()
+    port = mesh.metrics_ports["coordinator"]
+    cpu0, steps0, t0 = cpu_by_process(mesh), steps(port), time.perf_counter()
     got = asyncio.run(burst(mesh.client_address, streams, tokens, multiplexed))
     wall = time.perf_counter() - t0
-    cpu, n_steps = cpu_seconds(pid) - cpu0, steps(port) - steps0
-    front_cpu = cpu_seconds(front) - front0 if front else 0.0
+    used = {k: v - cpu0[k] for k, v in cpu_by_process(mesh).items()}
+    cpu, front_cpu, n_steps = used["coordinator"], used.get("frontend", 0.0), steps(port) - steps0
     # cores: how busy the coordinator was (1.0 is one core, where the GIL caps a process's Python); wall time
     # itself depends on the machine's other load and is only recorded
     return {"streams": streams, "tokens": got, "steps": n_steps, "cpu_s": cpu, "wall_s": wall, "cores": cpu / wall,

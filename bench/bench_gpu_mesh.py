@@ -74,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 from bench.bench_gpu import SMALL, TINYLLAMA
 from bench.common import (
     RESULTS_DIR,
-    cpu_seconds,
+    cpu_by_process,
     generate_multiplexed,
     generate_streams,
     machine,
@@ -134,14 +134,6 @@ STEP_KINDS = ("prompt", "decode_run", "decode", "verify")  # the coordinator's g
 
 def scrape(mesh: LocalMesh) -> dict[str, dict[tuple[str, str], float]]:
     return {name: metrics(port) for name, port in mesh.metrics_ports.items()}
-
-
-def cpu_by_process(mesh: LocalMesh) -> dict[str, float]:
-    """The CPU seconds so far (user + system) of the coordinator and of each executor."""
-    assert mesh.coordinator_process is not None
-    front = {"frontend": cpu_seconds(mesh.frontend_process.pid)} if mesh.frontend_process is not None else {}
-    return {"coordinator": cpu_seconds(mesh.coordinator_process.pid), **front,
-            **{f"executor-{i}": cpu_seconds(p.pid) for i, p in enumerate(mesh.executor_processes)}}
 
 
 def where_time_went(before: dict[str, dict[tuple[str, str], float]], after: dict[str, dict[tuple[str, str], float]],

@@ -25,6 +25,7 @@ import numpy as np
 from google.rpc import status_pb2
 
 from graphmesh.channels import MESSAGE_OPTIONS
+from graphmesh.launcher import LocalMesh
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from graphmesh_executor.server import tune_malloc
 from graphmesh_server.serving import cpu_flags
@@ -92,6 +93,15 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_process(mesh: LocalMesh) -> dict[str, float]:
+    """The CPU seconds so far (user + system) of a local mesh's coordinator, its front end when it has one, and
+    each executor."""
+    assert mesh.coordinator_process is not None
+    front = {"frontend": cpu_seconds(mesh.frontend_process.pid)} if mesh.frontend_process is not None else {}
+    return {"coordinator": cpu_seconds(mesh.coordinator_process.pid), **front,
+            **{f"executor-{i}": cpu_seconds(p.pid) for i, p in enumerate(mesh.executor_processes)}}
 
 
 def metrics(port: int) -> dict[tuple[str, str], float]:

@@ -25,7 +25,7 @@ import pytest
 from google.protobuf.message_factory import GetMessageClass
 from google.rpc import status_pb2
 
-from graphmesh import channels, security
+from graphmesh import channels, errors, security
 from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.launcher import LocalMesh, free_port
@@ -527,9 +527,10 @@ def _call(channel: grpc.Channel, service: str, method: Any, payload: Any, raw: b
             for message in messages:
                 if method.output_type.full_name == "graphmesh.v1.GenerateStreamsResponse":  # calls end in-band
                     for event in coordinator_pb2.GenerateStreamsResponse.FromString(message).events:
-                        code = status_pb2.Status.FromString(event.status).code if event.HasField("status") else 0
-                        if code:
-                            return next(c for c in grpc.StatusCode if c.value[0] == code)
+                        ended = errors.from_status_proto(status_pb2.Status.FromString(event.status)) \
+                            if event.HasField("status") else None
+                        if ended is not None:  # not OK
+                            return ended.code
     except grpc.RpcError as e:
         return e.code()  # type: ignore[no-any-return]
     return grpc.StatusCode.OK
