@@ -109,6 +109,9 @@ def test_a_generation_moves_the_counters(mesh: LocalMesh) -> None:
     assert kinds["prompt"][:2] == [1, 1] and kinds["decode_run"][0] >= 1 and kinds["verify"][0] == 0
     assert sum(k[0] for k in kinds.values()) == steps and all(k[1] == k[0] for k in kinds.values())
     assert all(k[2] > 0 for k in kinds.values() if k[0])
+    # one session's steps follow one another: the time with a step in flight is their seconds' sum, no more
+    busy = value(c1, "graphmesh_steps_busy_seconds_total") - value(c0, "graphmesh_steps_busy_seconds_total")
+    assert 0 < busy <= sum(k[2] for k in kinds.values()) + 1e-3
     for rank in (0, 1):  # each stage compiled the shapes of those steps as they first came, and timed it
         compiled = after[f"executor-{rank}"]
         assert value(compiled, "graphmesh_stage_compiles_total") >= 1

@@ -209,6 +209,11 @@ class Scheduler:
         # that a waiting prompt joins).
         self.kind_steps, self.kind_rows, self.kind_seconds = ({k: 0.0 for k in STEP_KINDS} for _ in range(3))
         self.run_tokens = 0  # tokens decode runs produced past each row's first: no step of their own
+        # Seconds with at least one step sent and not yet answered: with steps of several micro-batches in flight
+        # their seconds overlap, and a mesh's time outside steps is the wall time less this, not less their sum.
+        self.busy_seconds = 0.0
+        self._busy = threading.Lock()  # steps are sent and answered on several worker threads
+        self._stepping, self._busy_since = 0, 0.0
         self.preemptions = 0
         self.shared_tokens = 0  # prompt tokens a new session took from another's KV blocks instead of computing
         # Whole committed blocks on every rank, by SHA-256 chain link (kvkeys.link): the local prefix cache. A new
@@ -677,22 +682,24 @@ class Scheduler:
             if not delivered:
                 delivered = True
                 self._deliver(done)
-        t0 = time.perf_counter()
+        t0 = self._stepping_starts()
         try:
             with telemetry.span("scheduler.step", parent=step[0].seq.context, rows=len(step), decode_steps=decode_steps):
                 reply = self.mesh.execute_step([r.row for r in step], step[0].seq.output, incarnation, decode_steps,
                                                sent=deliver)
         except InvocationFailed as failure:
+            self._stepping_ends()
             deliver()
             self._failed(step, failure, incarnation)
             return None, []
         except Exception as e:  # not a protocol failure: these sessions end with it, the others go on
+            self._stepping_ends()
             deliver()
             log.exception("step failed")
             self._end(step, e)
             return None, []
+        self._tally(step, decode_steps, self._stepping_ends() - t0)
         deliver()
-        self._tally(step, decode_steps, time.perf_counter() - t0)
         logits = tensors.from_proto(reply.logits) if reply.HasField("logits") else None
         self.run_tokens += sum(r.row.decode_steps - 1 for r in step)
         next_step: tuple[list[_Row], int, int] | None = None
@@ -737,6 +744,24 @@ class Scheduler:
                 next_step = (*scheduled, self._incarnation)
             self._cond.notify_all()
         return next_step, [r.seq for r in step]
+
+    def _stepping_starts(self) -> float:
+        """A step is sent now (perf_counter, returned)."""
+        with self._busy:
+            now = time.perf_counter()
+            if not self._stepping:
+                self._busy_since = now
+            self._stepping += 1
+        return now
+
+    def _stepping_ends(self) -> float:
+        """A step sent by _stepping_starts is answered (or failed) now (perf_counter, returned)."""
+        with self._busy:
+            now = time.perf_counter()
+            self._stepping -= 1
+            if not self._stepping:
+                self.busy_seconds += now - self._busy_since
+        return now
 
     def _tally(self, step: list[_Row], decode_steps: int, seconds: float) -> None:
         kind = ("prompt" if any(len(r.row.token_ids) > 1 and not r.proposed for r in step) else

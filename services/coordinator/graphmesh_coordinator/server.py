@@ -206,6 +206,8 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
             ("graphmesh_step_rows", "counter", "Rows of the steps answered, by kind", lambda: scheduler.kind_rows),
             ("graphmesh_step_seconds", "counter", "Seconds from sending each step to its reply, by kind",
              lambda: scheduler.kind_seconds),
+            ("graphmesh_steps_busy_seconds", "counter", "Seconds with at least one step sent and not yet answered",
+             lambda: scheduler.busy_seconds),
             ("graphmesh_decode_run_tokens", "counter", "Tokens decode runs produced past each row's first",
              lambda: scheduler.run_tokens),
             ("graphmesh_preemptions", "counter", "Sessions preempted for KV blocks", lambda: scheduler.preemptions),
