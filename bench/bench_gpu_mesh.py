@@ -387,6 +387,7 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
                                            "tokens_per_chunk")},
                          "same_as_solo": f"{same}/{sum(min(n, len(solo)) for _ in reps)}",
                          "where": [rep["where"] for rep in reps]})
+        profiles = profile_level(mesh, a, prompts[:max(levels)], label) if a.py_spy else {}
         served = None
         if a.workload == "poisson":
             progress(f"== {label}: Poisson arrivals, {a.requests} requests at {a.rate}/s")
@@ -396,7 +397,55 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
     one = float(rows[0]["tok_s"]) if rows and rows[0]["streams"] == 1 else 0.0
     for row in rows:
         row["vs_one_stream"] = float(row["tok_s"]) / one if one else 0.0
-    return {"recoveries": after - before, "rows": rows, "poisson": served}
+    return {"recoveries": after - before, "rows": rows, "poisson": served, "profiles": profiles}
+
+
+def profile_level(mesh: LocalMesh, a: argparse.Namespace, prompts: list[list[int]], label: str) -> dict[str, Any]:
+    """py-spy on every process of the mesh (each thread while it runs: collapsed stacks) through --py-spy more passes
+    of the largest level; each process's stacks go beside --out, and what its busiest threads did comes back."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    assert mesh.coordinator_process is not None
+    processes = {"coordinator": mesh.coordinator_process,
+                 **({"frontend": mesh.frontend_process} if mesh.frontend_process is not None else {}),
+                 **{f"executor-{i}": p for i, p in enumerate(mesh.executor_processes)}}
+    stem = Path(a.out).with_suffix("")
+    files = {name: Path(f"{stem}_{label.split(',')[0].replace(' ', '')}_{name}.txt") for name in processes}
+    spies = [subprocess.Popen([spy, "record", "--pid", str(p.pid), "--format", "raw", "--threads", "--nonblocking",
+                               "--rate", str(SPY_RATE), "-o", str(files[name])],
+                              stdout=subprocess.DEVNULL) for name, p in processes.items()]
+    time.sleep(1.0)  # py-spy attaches
+    progress(f"== {label}: py-spy on {len(spies)} processes, {a.py_spy} passes of {len(prompts)} streams")
+    t0 = time.perf_counter()
+    try:
+        for _ in range(a.py_spy):
+            run_level(mesh.client_address, prompts, a.tokens, a.client)
+    finally:
+        seconds = time.perf_counter() - t0
+        for p in spies:
+            p.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
+        for p in spies:
+            p.wait(60)
+    return {name: busiest_threads(path, seconds * SPY_RATE) for name, path in files.items() if path.exists()}
+
+
+SPY_RATE = 250  # py-spy's samples a second
+
+
+def busiest_threads(path: Path, ticks: float, threads: int = 4, frames: int = 6) -> list[dict[str, Any]]:
+    """From py-spy's collapsed stacks (`thread (tid): name;frame;...;frame count`, a sample wherever a thread ran):
+    the threads that ran most, each one's share of the `ticks` samples the run lasted, and its commonest leaf frames
+    with their shares of its samples."""
+    by_thread: dict[str, dict[str, int]] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        thread, *rest = stack.split(";")
+        leaf = rest[-1] if rest else "(no frame)"
+        leaves = by_thread.setdefault(thread.partition(": ")[2] or thread, {})
+        leaves[leaf] = leaves.get(leaf, 0) + int(count)
+    ranked = sorted(by_thread.items(), key=lambda kv: -sum(kv[1].values()))
+    return [{"thread": name, "samples": sum(leaves.values()), "busy": round(sum(leaves.values()) / ticks, 3),
+             "leaves": [(leaf, round(n / sum(leaves.values()), 3)) for leaf, n in
+                        sorted(leaves.items(), key=lambda kv: -kv[1])[:frames]]} for name, leaves in ranked[:threads]]
 
 
 def measure_boundary(a: argparse.Namespace, shape: dict[str, Any]) -> list[dict[str, Any]]:
@@ -521,6 +570,9 @@ def main() -> None:
     p.add_argument("--measure-boundary", action="store_true",
                    help="time a 32k-token prefill boundary between two GPUs (or the device) and stop")
     p.add_argument("--boundary-repeats", type=int, default=5)
+    p.add_argument("--py-spy", type=int, default=0, metavar="PASSES",
+                   help="after the levels, py-spy every process of each mesh through this many passes of the largest "
+                        "level (collapsed stacks beside --out; the busiest threads' frames printed)")
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu_mesh.json"))
     a = p.parse_args()
     shape = SHAPES[a.shape]
@@ -594,6 +646,11 @@ def main() -> None:
                for k in ("prompt", "decode_run", "decode")),
              f"{1e3 * w['outside_steps_s']:.0f}", f"{w['compiles']:.0f} ({1e3 * w['compile_s']:.0f} ms)",
              " / ".join(f"{v:.2f}" for v in w["cores"].values())] for streams, w in wheres]))
+        for process, busiest in run["profiles"].items():
+            print(f"py-spy, {process}: the busiest threads and their commonest frames (share of the thread's samples)")
+            for t in busiest:
+                print(f"  {t['thread']} (running {t['busy']:.0%} of the time): " +
+                      "; ".join(f"{leaf} {share:.0%}" for leaf, share in t["leaves"]))
         if run["poisson"]:
             print("Poisson serving run: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
                                                       for k, v in run["poisson"].items() if k != "where"))
