@@ -10,8 +10,9 @@ so the venv belongs to the CPU it was built on and its recipe names that CPU and
 It serves the bundled GGUF itself, as stored (Q4_1): no conversion.
 
 The llama.cpp build is not -march=native (GGML_NATIVE) on x86: that build died with a general protection fault in
-libggml-cpu.so on an Intel AVX-512+AMX host on any prompt of more than one token. The failing path is ggml's AMX
-back end (ggml-cpu/amx/, most likely; nothing here has AMX to reproduce it on). The evidence:
+libggml-cpu.so on an Intel AVX-512+AMX host on any prompt of more than a few tokens. The failing path is ggml's AMX
+back end (ggml-cpu/amx/), reproduced on such a host: the fault is at LDTILECFG in ggml_backend_amx_mul_mat, whose
+64-byte tile config on the stack has only its first 32 bytes zeroed (DEVELOPERS.md). The evidence before that:
 - -march=native on an AMX CPU defines __AMX_INT8__ and __AVX512VNNI__. Only then is ggml-cpu/amx compiled in, and
   its "AMX" buffer type is put first among the extra buffer types that llama.cpp puts weights in by default
   (use_extra_bufts; llama-cpp-python's server has no switch for it). qtype_has_amx_kernels names Q4_1, so the
