@@ -39,7 +39,7 @@ class Scripted:
 
     def feed(self) -> None:
         for item in self.batches.pop(0) if self.batches else []:
-            self.seq.events.put(item if isinstance(item, BaseException) else Output(item, None, 3))
+            self.seq.events.put(item if isinstance(item, BaseException) else Output([item], None, 3))
 
     def finish(self, seq: Seq) -> None:
         self.finished.append(seq)

@@ -71,11 +71,11 @@ def _generate(scheduler: Scheduler, tokens: list[int], n: int, on_token: threadi
     scheduler.submit(seq)
     out: list[int] = []
     try:
-        for _ in range(n):
+        while len(out) < n:
             event = seq.events.get(timeout=60)
             assert not isinstance(event, BaseException), event
-            out.append(event.token)
-            if on_token is not None and len(out) == 3:
+            out += event.tokens
+            if on_token is not None and len(out) >= 3:
                 on_token.set()
     finally:
         scheduler.finish(seq)

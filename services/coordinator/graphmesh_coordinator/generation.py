@@ -235,6 +235,16 @@ def _next_events(seq: SchedulerSequence, alive: Callable[[], bool] | None) -> li
     return _behind(seq, events)
 
 
+def _tokens(outs: list[Output | BaseException]) -> Iterator[tuple[Output | BaseException, int]]:
+    """Each output's tokens in turn with their output; an error (which ends them) with -1."""
+    for out in outs:
+        if isinstance(out, BaseException):
+            yield out, -1
+            return
+        for token in out.tokens:
+            yield out, token
+
+
 def _behind(seq: SchedulerSequence, events: list[Output | BaseException]) -> list[Output | BaseException]:
     """`events` and every output already queued behind them (up to an error, which ends them)."""
     while not events or not isinstance(events[-1], BaseException):
@@ -392,11 +402,10 @@ class Generator:
                     first, tokens, text, logprobs, finish = step == 0, [], "", [], ""
                     error: BaseException | None = None
                     texts: list[int] = []  # tokens whose text is detokenized together after the loop (no stop strings)
-                    for out in outs:  # the outputs that came together stream as one event
+                    for out, token in _tokens(outs):  # the outputs that came together stream as one event
                         if isinstance(out, BaseException):
                             error = out
                             break
-                        token = out.token
                         (TTFT_SECONDS if step == 0 else INTER_TOKEN_SECONDS).observe(now - last)
                         last = now
                         tokens.append(token)

@@ -93,9 +93,9 @@ class SessionInfo:
         return len(self.history)
 
 
-@dataclass(slots=True)  # one per generated token, made on the scheduler's critical path
+@dataclass(slots=True)  # one per row of a step that gave a session tokens, made on the scheduler's critical path
 class Output:
-    token: int
+    tokens: list[int]  # in order: a decode run's, or the one a step sampled (at least one)
     logits: np.ndarray | None
     computed_tokens: int  # the tokens this session's rows computed to produce its first output (0 after)
     row: stage_pb2.StepRowResult | None = None  # the last stage's result (logprobs, when the sampling asked)
@@ -725,16 +725,19 @@ class Scheduler:
                 s.solo, s.recoveries = False, 0
                 s.computed += len(r.row.token_ids)
                 if r.final and not s.done:
-                    row_logits = None if logits is None else logits[i]
-                    for token in sampled:  # per token only its Output: this runs for every row of every step
-                        if s.guide is not None:
+                    # A run's tokens up to the session's end (its last, or a stop token) as one Output: this runs
+                    # for every row of every step, between a step's reply and the next step's send.
+                    taken = sampled[:max(1, s.remaining)]
+                    if not s.stop_ids.isdisjoint(taken):
+                        taken = taken[:next(j for j, t in enumerate(taken) if t in s.stop_ids) + 1]
+                    if s.guide is not None:
+                        for token in taken:
                             s.guide.accept(token)
-                        s.outbox.append(Output(token, row_logits, s.computed, result))
-                        s.computed, s.remaining = 0, s.remaining - 1
-                        if s.remaining <= 0 or token in s.stop_ids:
-                            s.done = True
-                            break
-                    s.pending = [token]  # the last token it took feeds its next row
+                    s.outbox.append(Output(taken, None if logits is None else logits[i], s.computed, result))
+                    s.computed, s.remaining = 0, s.remaining - len(taken)
+                    if s.remaining <= 0 or taken[-1] in s.stop_ids:
+                        s.done = True
+                    s.pending = [taken[-1]]  # the last token it took feeds its next row
                 s.busy = False
                 if s.done:
                     self._drop(s)
