@@ -212,7 +212,7 @@ class Scheduler:
         # Seconds with at least one step sent and not yet answered: with steps of several micro-batches in flight
         # their seconds overlap, and a mesh's time outside steps is the wall time less this, not less their sum.
         self.busy_seconds = 0.0
-        self._busy = threading.Lock()  # steps are sent and answered on several worker threads
+        self._busy_lock = threading.Lock()  # steps are sent and answered on several worker threads
         self._stepping, self._busy_since = 0, 0.0
         self.preemptions = 0
         self.shared_tokens = 0  # prompt tokens a new session took from another's KV blocks instead of computing
@@ -750,7 +750,7 @@ class Scheduler:
 
     def _stepping_starts(self) -> float:
         """A step is sent now (perf_counter, returned)."""
-        with self._busy:
+        with self._busy_lock:
             now = time.perf_counter()
             if not self._stepping:
                 self._busy_since = now
@@ -759,7 +759,7 @@ class Scheduler:
 
     def _stepping_ends(self) -> float:
         """A step sent by _stepping_starts is answered (or failed) now (perf_counter, returned)."""
-        with self._busy:
+        with self._busy_lock:
             now = time.perf_counter()
             self._stepping -= 1
             if not self._stepping:
