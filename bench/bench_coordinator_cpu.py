@@ -39,6 +39,7 @@ from bench.common import (
     median,
     metrics,
     progress,
+    py_spy,
     table,
     write_results,
 )
@@ -89,8 +90,7 @@ def measure(mesh: LocalMesh, streams: int, tokens: int, multiplexed: bool = Fals
 def profile(mesh: LocalMesh, path: str) -> subprocess.Popen[bytes]:
     """py-spy sampling the coordinator's thread that holds the GIL (collapsed stacks) until interrupted."""
     assert mesh.coordinator_process is not None
-    return subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid",
-                             str(mesh.coordinator_process.pid), "--format", "raw", "--gil", "--rate", "100", "-o", path])
+    return py_spy(mesh.coordinator_process.pid, path, "--gil", "--rate", "100")
 
 
 def main() -> None:

@@ -79,8 +79,10 @@ from bench.common import (
     generate_streams,
     machine,
     median,
+    mesh_processes,
     metrics,
     progress,
+    py_spy,
     stream_record,
     table,
 )
@@ -403,16 +405,12 @@ def run_mesh(a: argparse.Namespace, model: str, executors: int, transport: str, 
 def profile_level(mesh: LocalMesh, a: argparse.Namespace, prompts: list[list[int]], label: str) -> dict[str, Any]:
     """py-spy on every process of the mesh (each thread while it runs: collapsed stacks) through --py-spy more passes
     of the largest level; each process's stacks go beside --out, and what its busiest threads did comes back."""
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    assert mesh.coordinator_process is not None
-    processes = {"coordinator": mesh.coordinator_process,
-                 **({"frontend": mesh.frontend_process} if mesh.frontend_process is not None else {}),
-                 **{f"executor-{i}": p for i, p in enumerate(mesh.executor_processes)}}
+    processes = mesh_processes(mesh)
     stem = Path(a.out).with_suffix("")
+    stem.parent.mkdir(parents=True, exist_ok=True)  # before the results file is written: py-spy writes there first
     files = {name: Path(f"{stem}_{label.split(',')[0].replace(' ', '')}_{name}.txt") for name in processes}
-    spies = [subprocess.Popen([spy, "record", "--pid", str(p.pid), "--format", "raw", "--threads", "--nonblocking",
-                               "--rate", str(SPY_RATE), "-o", str(files[name])],
-                              stdout=subprocess.DEVNULL) for name, p in processes.items()]
+    spies = [py_spy(p.pid, files[name], "--threads", "--nonblocking", "--rate", str(SPY_RATE))
+             for name, p in processes.items()]
     time.sleep(1.0)  # py-spy attaches
     progress(f"== {label}: py-spy on {len(spies)} processes, {a.py_spy} passes of {len(prompts)} streams")
     t0 = time.perf_counter()

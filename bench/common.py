@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -95,13 +96,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_by_process(mesh: LocalMesh) -> dict[str, float]:
-    """The CPU seconds so far (user + system) of a local mesh's coordinator, its front end when it has one, and
-    each executor."""
+def mesh_processes(mesh: LocalMesh) -> dict[str, subprocess.Popen[bytes]]:
+    """A local mesh's coordinator, its front end when it has one, and each executor (executor-0, ...), by name."""
     assert mesh.coordinator_process is not None
-    front = {"frontend": cpu_seconds(mesh.frontend_process.pid)} if mesh.frontend_process is not None else {}
-    return {"coordinator": cpu_seconds(mesh.coordinator_process.pid), **front,
-            **{f"executor-{i}": cpu_seconds(p.pid) for i, p in enumerate(mesh.executor_processes)}}
+    front = {"frontend": mesh.frontend_process} if mesh.frontend_process is not None else {}
+    return {"coordinator": mesh.coordinator_process, **front,
+            **{f"executor-{i}": p for i, p in enumerate(mesh.executor_processes)}}
+
+
+def cpu_by_process(mesh: LocalMesh) -> dict[str, float]:
+    """The CPU seconds so far (user + system) of each of a local mesh's processes (mesh_processes)."""
+    return {name: cpu_seconds(p.pid) for name, p in mesh_processes(mesh).items()}
+
+
+def py_spy(pid: int, path: str | Path, *flags: str) -> subprocess.Popen[bytes]:
+    """py-spy sampling process `pid` into `path` (collapsed stacks) until interrupted (SIGINT: it writes them and
+    exits); the one on PATH (a GPU machine's carried wheel), else the venv's."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--format", "raw", *flags, "-o", str(path)],
+                            stdout=subprocess.DEVNULL)
 
 
 def metrics(port: int) -> dict[tuple[str, str], float]:
