@@ -54,6 +54,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import os
 import shutil
 import struct
@@ -74,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script,
 from bench.bench_gpu import SMALL, TINYLLAMA
 from bench.common import (
     RESULTS_DIR,
+    GpuBusy,
     cpu_by_process,
     generate_multiplexed,
     generate_streams,
@@ -157,14 +159,20 @@ def where_time_went(before: dict[str, dict[tuple[str, str], float]], after: dict
 
 
 def measured(mesh: LocalMesh, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """`run()`'s record (with its "wall_s") and, under "where", where its time went: steps by kind, compiles, and how
-    busy each process was (one core busy in the coordinator is its GIL's limit)."""
+    """`run()`'s record (with its "wall_s") and, under "where", where its time went: steps by kind, compiles, how
+    busy each process was (one core busy in the coordinator is its GIL's limit) and the GPU (GpuBusy)."""
     counted, cpu = scrape(mesh), cpu_by_process(mesh)
-    record = run()
+    with GpuBusy() as gpu:
+        record = run()
     wall = record["wall_s"]
     record["where"] = where_time_went(counted, scrape(mesh), wall)
     record["where"]["cores"] = {k: (v - cpu[k]) / wall for k, v in cpu_by_process(mesh).items()}
+    record["where"]["gpu_busy"] = gpu.share
     return record
+
+
+def _share(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.0%}"
 
 
 def steady_decode(runs: list[dict[str, Any]]) -> float:
@@ -637,13 +645,14 @@ def main() -> None:
         wheres = [(row["streams"], row["where"][-1]) for row in run["rows"]]
         if run["poisson"]:
             wheres.append(("Poisson", run["poisson"]["where"]))
-        print(table(["streams", "wall", "prompt", "decode_run", "decode", "outside steps", "compiles",
+        print(table(["streams", "wall", "prompt", "decode_run", "decode", "outside steps", "compiles", "GPU busy",
                      "cores busy: " + " / ".join(wheres[0][1]["cores"]) if wheres else ""], [
             [streams, f"{1e3 * w['wall_s']:.0f}",
              *(f"{1e3 * w[k]['s']:.0f} ({w[k]['steps']:.0f}, {w[k]['rows'] / max(w[k]['steps'], 1):.0f})"
                for k in ("prompt", "decode_run", "decode")),
              f"{1e3 * w['outside_steps_s']:.0f}", f"{w['compiles']:.0f} ({1e3 * w['compile_s']:.0f} ms)",
-             " / ".join(f"{v:.2f}" for v in w["cores"].values())] for streams, w in wheres]))
+             _share(w.get("gpu_busy", math.nan)), " / ".join(f"{v:.2f}" for v in w["cores"].values())]
+            for streams, w in wheres]))
         for process, busiest in run["profiles"].items():
             print(f"py-spy, {process}: the busiest threads and their commonest frames (share of the thread's samples)")
             for t in busiest:

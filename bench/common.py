@@ -109,6 +109,31 @@ def cpu_by_process(mesh: LocalMesh) -> dict[str, float]:
     return {name: cpu_seconds(p.pid) for name, p in mesh_processes(mesh).items()}
 
 
+class GpuBusy:
+    """The share of time GPU 0 ran a kernel while the block runs: nvidia-smi's utilization.gpu, asked for every 100 ms
+    (the driver updates it about every 200 ms), averaged; NaN without nvidia-smi or a sample."""
+
+    def __init__(self) -> None:
+        self.share = float("nan")
+        self._smi: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> GpuBusy:
+        smi = shutil.which("nvidia-smi")
+        if smi:
+            self._smi = subprocess.Popen([smi, "--id=0", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                          "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._smi is None:
+            return
+        self._smi.terminate()
+        out, _ = self._smi.communicate()
+        samples = [float(line) for line in out.decode().split() if line.replace(".", "", 1).isdigit()]
+        if samples:
+            self.share = sum(samples) / len(samples) / 100
+
+
 def py_spy(pid: int, path: str | Path, *flags: str) -> subprocess.Popen[bytes]:
     """py-spy sampling process `pid` into `path` (collapsed stacks) until interrupted (SIGINT: it writes them and
     exits); the one on PATH (a GPU machine's carried wheel), else the venv's."""
