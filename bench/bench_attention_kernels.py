@@ -318,12 +318,8 @@ def main() -> None:
                 decode.append(decode_rows(torch, fi, shape, rows, context, dtype))
         result["decode"][shape_name] = decode
         _write(a.out, result, load)
-        names = ["triton", "sdpa", "flashinfer", "flashinfer_tc"]
-        print(f"\n{shape_name} {shape}: one decode layer, GPU us (a graph of {LAYERS} calls), max |err| vs f64")
-        print(table(["rows", "keys", *[f"{n} us" for n in names], "fi plan us", "triton err", "fi err"],
-                    [[r["rows"], r["context"], *[r.get(f"{n}_us", float("nan")) for n in names],
-                      r.get("flashinfer_plan_us", float("nan")), r.get("triton_err", float("nan")),
-                      r.get("flashinfer_err", float("nan"))] for r in decode]))
+        _print(f"{shape_name} {shape}: one decode layer, GPU us (a graph of {LAYERS} calls), max |err| vs f64",
+               ["rows", "context"], ["triton", "sdpa", "flashinfer", "flashinfer_tc"], decode)
         if a.no_prefill:
             continue
         prefill = []
@@ -331,13 +327,19 @@ def main() -> None:
             progress(f"== {shape_name} prefill: {name}")
             prefill.append(prefill_step(torch, fi, shape, name, runs, dtype))
         result["prefill"][shape_name] = prefill
-        names = ["mesh", "row_kernel", "sdpa", "flashinfer"]
-        print(f"\n{shape_name}: one prompt step's layer, wall us (eager, host work included), max |err| vs f64")
-        print(table(["step", "tokens", *[f"{n} us" for n in names], "fi plan us", "mesh err", "fi err"],
-                    [[r["step"], r["tokens"], *[r.get(f"{n}_us", float("nan")) for n in names],
-                      r.get("flashinfer_plan_us", float("nan")), r.get("mesh_err", float("nan")),
-                      r.get("flashinfer_err", float("nan"))] for r in prefill]))
+        _print(f"{shape_name}: one prompt step's layer, wall us (eager, host work included), max |err| vs f64",
+               ["step", "tokens"], ["mesh", "row_kernel", "sdpa", "flashinfer"], prefill)
         _write(a.out, result, load)  # after each shape: a call that runs out of time keeps what it measured
+
+
+def _print(title: str, keys: list[str], names: list[str], rows: list[dict[str, Any]]) -> None:
+    """A table of `rows`: their keys, each kernel's microseconds, FlashInfer's plan, the first kernel's and
+    FlashInfer's largest error."""
+    nan = float("nan")
+    print(f"\n{title}")
+    print(table([*keys, *[f"{n} us" for n in names], "fi plan us", f"{names[0]} err", "fi err"],
+                [[*[r[k] for k in keys], *[r.get(f"{n}_us", nan) for n in names], r.get("flashinfer_plan_us", nan),
+                  r.get(f"{names[0]}_err", nan), r.get("flashinfer_err", nan)] for r in rows]))
 
 
 def _write(out: str, result: dict[str, Any], load: tuple[float, float, float]) -> None:
