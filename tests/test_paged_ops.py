@@ -63,26 +63,27 @@ def paged_ref(ins: list[np.ndarray], block: int, scale: float = 0.0) -> np.ndarr
 
 
 def paged_inputs(table: np.ndarray, chunks: list[tuple[int, int, int]], n_blocks: int, dtype: str, hq: int = 8,
-                 hkv: int = 2, shuffle: bool = False) -> list[np.ndarray]:
+                 hkv: int = 2, shuffle: bool = False, d: int = D, block: int = BLOCK) -> list[np.ndarray]:
     """Inputs for chunks of (sequence, first position, tokens); each sequence's rows 0..its last position are live."""
     token_seq = np.concatenate([np.full(n, s) for s, _, n in chunks]).astype(np.int64)
     pos = np.concatenate([np.arange(start, start + n) for _, start, n in chunks]).astype(np.int64)
     if shuffle:  # token order is free: a kernel must not assume a sequence's tokens are adjacent
         perm = rng.permutation(len(pos))
         token_seq, pos = token_seq[perm], pos[perm]
-    k_pool, v_pool = rand((n_blocks * BLOCK, hkv, D), 30.0), rand((n_blocks * BLOCK, hkv, D), 30.0)
+    k_pool, v_pool = rand((n_blocks * block, hkv, d), 30.0), rand((n_blocks * block, hkv, d), 30.0)
     for s in np.unique(token_seq):
         j = np.arange(int(pos[token_seq == s].max()) + 1)
-        rows = table[s, j // BLOCK].astype(np.int64) * BLOCK + j % BLOCK
-        k_pool[rows], v_pool[rows] = rand((len(j), hkv, D)), rand((len(j), hkv, D))
-    floats = [x.astype(dtypes.to_numpy(dtype)) for x in (rand((len(pos), hq, D)), k_pool, v_pool)]
+        rows = table[s, j // block].astype(np.int64) * block + j % block
+        k_pool[rows], v_pool[rows] = rand((len(j), hkv, d)), rand((len(j), hkv, d))
+    floats = [x.astype(dtypes.to_numpy(dtype)) for x in (rand((len(pos), hq, d)), k_pool, v_pool)]
     return [*floats, table, token_seq, pos]
 
 
-def run_paged(backend: str, ins: list[np.ndarray], decode: bool = False, scale: float = 0.0) -> np.ndarray:
+def run_paged(backend: str, ins: list[np.ndarray], decode: bool = False, scale: float = 0.0,
+              block: int = BLOCK) -> np.ndarray:
     g = GraphBuilder("paged")
     q, k, v, table, token_seq, pos = (g.input(n, a.shape, dtypes.from_numpy(a.dtype)) for n, a in zip(PA_INPUTS, ins))
-    g.output(g.paged_attention(q, k, v, table, token_seq, pos, block_size=BLOCK, decode=decode, scale=scale))
+    g.output(g.paged_attention(q, k, v, table, token_seq, pos, block_size=block, decode=decode, scale=scale))
     (out,) = compile_(backend, g).run(dict(zip(PA_INPUTS, ins)), typed=True)
     assert out.dtype == ins[0].dtype and out.shape == ins[0].shape, (out.dtype, out.shape)
     return out
@@ -155,11 +156,28 @@ def test_cuda_mixed_step_rows_and_long_runs(backend: str, dtype: str, shuffle: b
     # go through the row kernel in one launch, the long run through its own flash call, each against the reference.
     from graphmesh_executor.backends import torch_attention
     long = torch_attention.ROW_KERNEL_RUN + 20
-    table = np.full((4, 80), 319)
-    table[:, :] = rng.permutation(320)[:320].reshape(4, 80)
+    width = -(-max(long, 130) // BLOCK)  # every sequence's keys fit its table row
+    table = rng.permutation(4 * width).reshape(4, width)
     chunks = [(0, 11, 5), (1, 40, 1), (2, 0, long), (3, 100, 30)]
-    ins = paged_inputs(table, chunks, 320, dtype, shuffle=shuffle)
+    ins = paged_inputs(table, chunks, 4 * width, dtype, shuffle=shuffle)
     assert_close(run_paged(backend, ins), paged_ref(ins, BLOCK))
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["adjacent", "shuffled"])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "torch:cuda"] or
+                         [pytest.param("torch:cuda", marks=pytest.mark.skip(reason="no CUDA device"))])
+def test_cuda_long_runs_through_flashinfer(backend: str, shuffle: bool) -> None:
+    # Where flashinfer-python is installed, a bf16 step's long runs (one from position 0, one after a prefix) take
+    # its paged prefill in one launch, the rest the row kernel: each row against the reference.
+    pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
+    from graphmesh_executor.backends import flashinfer_prefill, torch_attention
+    long, block = torch_attention.ROW_KERNEL_RUN + 20, 16
+    table = rng.permutation(160)[:160].reshape(4, 40)
+    chunks = [(0, 11, 5), (1, 40, 1), (2, 0, long), (3, 100, long)]
+    ins = paged_inputs(table, chunks, 160, "bf16", hq=8, hkv=2, shuffle=shuffle, d=64, block=block)
+    before = flashinfer_prefill.calls
+    assert_close(run_paged(backend, ins, block=block), paged_ref(ins, block))
+    assert flashinfer_prefill.calls - before == (0 if shuffle else 2)  # shuffled rows make no long run
 
 
 # One index made bad: (input, where, value). Inputs 3, 4, 5 are block_table, token_seq, q_positions.

@@ -4,7 +4,12 @@ donated the pool), and paged attention over a block table, on CPU or CUDA.
 Decode rows (one query per sequence) take one kernel over the pool (cpu_kernels, or the Triton row kernel on CUDA):
 no gathered copy of a sequence's blocks. Prompt chunks mixed with decodes take, on CUDA, the same row kernel for
 every run of up to ROW_KERNEL_RUN rows, so a row's bits depend on its own run alone; longer runs and CPU prompts take
-a flash kernel per sequence.
+a flash kernel per sequence (their bits their run's alone too), or on CUDA in bf16 and f16, where flashinfer-python
+is installed, FlashInfer's paged prefill, every long run of the step in one launch (flashinfer_prefill.py).
+
+Why decode keeps the row kernel and not FlashInfer's (measured beside it over one pool, bench_attention_kernels.py):
+FlashInfer's is no faster from 32 rows on and needs a host plan every step; it is faster for a few rows over
+thousands of keys, where it splits a row's keys across the GPU and the row kernel runs a program per row and kv head.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from graphmesh.errors import OutOfRange
-from graphmesh_executor.backends import cpu_kernels, cuda_kernels
+from graphmesh_executor.backends import cpu_kernels, cuda_kernels, flashinfer_prefill
 from graphmesh_executor.backends.torch_tensors import HALF, MEMO, Tensor, check_indices, memo, span, static_run, upcast
 from graphmesh_executor.executable import RunContext
 
@@ -245,6 +250,7 @@ def _no_cudnn() -> contextlib.AbstractContextManager[None]:
 
 # Runs of at most this many query rows take the row kernel on CUDA (each row over its own keys, as a decode row);
 # longer ones a flash kernel of their own, which reads each key once per tile of queries instead of once per row.
+# 512 made a serving load's prompt steps slower (chunks after long prefixes; bench/RESULTS.md).
 ROW_KERNEL_RUN = 256
 
 
@@ -270,8 +276,10 @@ def _rows_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, to
     if rows.numel():
         out.index_copy_(0, rows, cuda_kernels.paged_decode_attention(q.index_select(0, rows), k_pool, v_pool,
                                                                       row_table, pos.index_select(0, rows), **kernel))
-    for r in long:
-        out[r[1]:r[2]] = _run_attention(q, k_pool, v_pool, table, pos, r, a)
+    if not (flashinfer_prefill.usable(q, k_pool, v_pool, a)
+            and flashinfer_prefill.attend(q, k_pool, v_pool, table, token_seq, long, a, out)):
+        for r in long:
+            out[r[1]:r[2]] = _run_attention(q, k_pool, v_pool, table, pos, r, a)
     return out
 
 
