@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=14, help="timed steps per row count and engine (3 more warm up)")
     p.add_argument("--layers", default="0,30", help="the stage's layer range")
     p.add_argument("--weights", default="f32", choices=["f32", "packed"])
+    p.add_argument("--output", help="file name under bench/results/ (default cpu_kernels[-WEIGHTS].json)")
     a = p.parse_args(argv)
     load = os.getloadavg()
     torch.set_num_threads(1)
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(["rows", *[f"{name} ms" for name in names], *[f"{b} x torch" for b in builds], "same tokens"],
                 [[r["rows"], *[r[f"{name}_ms"] for name in names], *[r[f"{b}_x_torch"] for b in builds],
                   str(r["same_tokens"])] for r in rows]))
-    write_results("cpu_kernels.json" if a.weights == "f32" else f"cpu_kernels-{a.weights}.json",
+    write_results(a.output or ("cpu_kernels.json" if a.weights == "f32" else f"cpu_kernels-{a.weights}.json"),
                   {"benchmark": "cpu_kernels", "machine": machine(load), "model": "smollm2-135m", "weights": a.weights,
                    "layers": list(layers), "threads": 1, "steps": a.steps, "builds": builds, "rows": rows})
 
