@@ -153,7 +153,8 @@ def test_paged_attention_decode(backend: str, dtype: str) -> None:
                          [pytest.param("torch:cuda", marks=pytest.mark.skip(reason="no CUDA device"))])
 def test_cuda_mixed_step_rows_and_long_runs(backend: str, dtype: str, shuffle: bool) -> None:
     # A step of decodes, short prompt chunks and one chunk longer than the row kernel takes: the short runs' rows
-    # go through the row kernel in one launch, the long run through its own flash call, each against the reference.
+    # go through the row kernel in one launch, the long run through its own flash call (FlashInfer's prefill in bf16
+    # where it is installed), each against the reference.
     from graphmesh_executor.backends import torch_attention
     long = torch_attention.ROW_KERNEL_RUN + 20
     width = -(-max(long, 130) // BLOCK)  # every sequence's keys fit its table row
@@ -172,9 +173,10 @@ def test_cuda_long_runs_through_flashinfer(backend: str, shuffle: bool) -> None:
     pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
     from graphmesh_executor.backends import flashinfer_prefill, torch_attention
     long, block = torch_attention.ROW_KERNEL_RUN + 20, 16
-    table = rng.permutation(160)[:160].reshape(4, 40)
+    width = -(-(100 + long) // block)
+    table = rng.permutation(4 * width).reshape(4, width)
     chunks = [(0, 11, 5), (1, 40, 1), (2, 0, long), (3, 100, long)]
-    ins = paged_inputs(table, chunks, 160, "bf16", hq=8, hkv=2, shuffle=shuffle, d=64, block=block)
+    ins = paged_inputs(table, chunks, 4 * width, "bf16", hq=8, hkv=2, shuffle=shuffle, d=64, block=block)
     before = flashinfer_prefill.calls
     assert_close(run_paged(backend, ins, block=block), paged_ref(ins, block))
     assert flashinfer_prefill.calls - before == (0 if shuffle else 2)  # shuffled rows make no long run

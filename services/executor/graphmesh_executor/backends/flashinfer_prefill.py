@@ -27,8 +27,7 @@ log = logging.getLogger("graphmesh.executor.flashinfer")
 
 ENV = "GRAPHMESH_FLASHINFER"  # "0": never
 HEAD_SIZES = (64, 128, 256)  # those its prefill kernels are built for
-WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace for split-KV partials; its recommended 128 MB was too
-# little for a 2,048-token step of 32 heads in the benchmark's plans
+WORKSPACE_BYTES = 256 << 20  # its float workspace for split-KV partials: what bench_attention_kernels measured with
 
 Run = tuple[int, int, int, int, bool]  # torch_attention.Run: (sequence, first row, end row, keys, from position 0)
 
