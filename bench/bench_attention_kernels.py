@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
-from bench.common import RESULTS_DIR, machine, median, progress, table
+from bench.common import RESULTS_DIR, interleaved_medians, machine, median, progress, table
 
 SHAPES = {"tinyllama": (32, 4, 64), "llama8b": (32, 8, 128)}  # query heads, kv heads, head size
 BLOCK = 16  # StageSpec.kv_block_tokens: the mesh's block on every device
@@ -137,18 +137,10 @@ def _graph_us(torch: Any, call: Callable[[], Any], replays: int = 20) -> float:
 
 def _wall_us(torch: Any, call: Callable[[], Any], repeats: int = 15) -> float:
     """Wall microseconds of one eager `call`, host work and the GPU's together."""
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return median(times)
+    return interleaved_medians([lambda: (call(), torch.cuda.synchronize())], repeats)[0] * 1e6
 
 
-def _error(torch: Any, out: Any, ref: Any) -> float:
+def _error(out: Any, ref: Any) -> float:
     return float((out.double() - ref).abs().max())
 
 
@@ -203,7 +195,7 @@ def decode_rows(torch: Any, fi: Any, shape: tuple[int, int, int], rows: int, con
                 lambda w=wrapper: w.run(case.q, (k4, v4)))  # type: ignore[misc]
     for name, call in kernels.items():
         try:
-            row[f"{name}_err"] = _error(torch, call(), ref)
+            row[f"{name}_err"] = _error(call(), ref)
             row[f"{name}_us"] = _graph_us(torch, call)
         except Exception as e:  # one kernel's failure is a figure of its own, not the end of the run
             row[f"{name}_failed"] = f"{type(e).__name__}: {e}"[:300]
@@ -281,7 +273,7 @@ def prefill_step(torch: Any, fi: Any, shape: tuple[int, int, int], name: str, ru
         kernels["flashinfer"] = lambda: wrapper.run(case.q, (k4, v4))
     for kname, call in kernels.items():
         try:
-            row[f"{kname}_err"] = _error(torch, call(), ref)
+            row[f"{kname}_err"] = _error(call(), ref)
             row[f"{kname}_us"] = _wall_us(torch, call)
         except Exception as e:
             row[f"{kname}_failed"] = f"{type(e).__name__}: {e}"[:300]

@@ -21,16 +21,13 @@ from typing import Any
 
 import torch
 
-from graphmesh_executor.backends.torch_tensors import Tensor, memo
+from graphmesh_executor.backends.torch_tensors import Run, Tensor, memo
 
 log = logging.getLogger("graphmesh.executor.flashinfer")
 
 ENV = "GRAPHMESH_FLASHINFER"  # "0": never
 HEAD_SIZES = (64, 128, 256)  # those its prefill kernels are built for
 WORKSPACE_BYTES = 256 << 20  # its float workspace for split-KV partials: what bench_attention_kernels measured with
-
-Run = tuple[int, int, int, int, bool]  # torch_attention.Run: (sequence, first row, end row, keys, from position 0)
-
 
 @dataclass
 class _Device:
@@ -52,7 +49,7 @@ def _module() -> Any:
     return flashinfer
 
 
-def usable(q: Tensor, k_pool: Tensor, v_pool: Tensor, a: dict[str, Any]) -> bool:
+def _usable(q: Tensor, k_pool: Tensor, v_pool: Tensor, a: dict[str, Any]) -> bool:
     """Whether the step's long runs may go through FlashInfer: CUDA, a half dtype, a head size it is built for, plain
     causal attention over contiguous pools, and FlashInfer present and not failed here."""
     return (not _failed and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
@@ -81,19 +78,21 @@ class _Layout:
 def _layout(table: Tensor, long: list[Run], block: int, device: torch.device) -> _Layout:
     blocks = [-(-keys // block) for _, _, _, keys, _ in long]
     rows = torch.cat([torch.arange(start, end) for _, start, end, _, _ in long])
-    qo = torch.tensor([0] + [end - start for _, start, end, _, _ in long], dtype=torch.int32).cumsum(0)
-    kv = torch.tensor([0, *blocks], dtype=torch.int32).cumsum(0)
+    qo = torch.tensor([0] + [end - start for _, start, end, _, _ in long]).cumsum(0)
+    kv = torch.tensor([0, *blocks]).cumsum(0)
     indices = torch.cat([table[seq, :n] for (seq, _, _, _, _), n in zip(long, blocks)]).to(torch.int32)
     last = torch.tensor([(keys - 1) % block + 1 for _, _, _, keys, _ in long], dtype=torch.int32)
-    return _Layout(rows.to(device), qo.to(torch.int32).to(device), kv.to(torch.int32).to(device), indices,
-                   last.to(device))
+    return _Layout(rows.to(device), qo.to(device, torch.int32), kv.to(device, torch.int32), indices, last.to(device))
 
 
 def attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, token_seq: Tensor, long: list[Run],
            a: dict[str, Any], out: Tensor) -> bool:
     """Writes the long runs' rows of `out` (each run's queries over its sequence's keys up to its own position);
-    False, nothing written, where FlashInfer failed (then, and from then on, the caller's flash calls serve)."""
+    False, nothing written, where FlashInfer may not serve them (_usable) or failed (then, and from then on, the
+    caller's flash calls serve)."""
     global _failed, calls
+    if not _usable(q, k_pool, v_pool, a):
+        return False
     block, (hkv, d), hq = a["block_size"], k_pool.shape[1:], q.shape[1]
     scale = a["scale"] or d**-0.5
     layout: _Layout = memo(token_seq, ("flashinfer-layout", id(table)),

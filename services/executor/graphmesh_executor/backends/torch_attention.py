@@ -26,7 +26,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from graphmesh.errors import OutOfRange
 from graphmesh_executor.backends import cpu_kernels, cuda_kernels, flashinfer_prefill
-from graphmesh_executor.backends.torch_tensors import HALF, MEMO, Tensor, check_indices, memo, span, static_run, upcast
+from graphmesh_executor.backends.torch_tensors import (
+    HALF,
+    MEMO,
+    Run,
+    Tensor,
+    check_indices,
+    memo,
+    span,
+    static_run,
+    upcast,
+)
 from graphmesh_executor.executable import RunContext
 
 # A tensor attribute: the kv_write cache the executable hands over for an in-place write (TorchExecutable's donations).
@@ -277,8 +287,7 @@ def _rows_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, table: Tensor, to
     if rows.numel():
         out.index_copy_(0, rows, cuda_kernels.paged_decode_attention(q.index_select(0, rows), k_pool, v_pool,
                                                                       row_table, pos.index_select(0, rows), **kernel))
-    if not (flashinfer_prefill.usable(q, k_pool, v_pool, a)
-            and flashinfer_prefill.attend(q, k_pool, v_pool, table, token_seq, long, a, out)):
+    if not flashinfer_prefill.attend(q, k_pool, v_pool, table, token_seq, long, a, out):
         for r in long:
             out[r[1]:r[2]] = _run_attention(q, k_pool, v_pool, table, pos, r, a)
     return out
@@ -290,9 +299,6 @@ def _hiding_bias(pos: Tensor, keys: int, dtype: torch.dtype, window: int = 0) ->
     call."""
     hide = ~_visible(pos, keys, window)
     return torch.zeros(hide.shape, dtype=dtype, device=pos.device).masked_fill_(hide, -math.inf)
-
-
-Run = tuple[int, int, int, int, bool]  # (sequence, first row, end row, keys, its rows are positions 0.. in order)
 
 
 def rows_fit(token_seq: np.ndarray, pos: np.ndarray) -> bool:

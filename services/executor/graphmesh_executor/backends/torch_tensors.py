@@ -21,6 +21,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 # and kept in its __dict__ under this name. They live exactly as long as the tensor, which is never written in place.
 MEMO = "_graphmesh_memo"
 HALF = (torch.float16, torch.bfloat16)  # computed in f32 where a CPU op would round each step (upcast)
+# A run of a prompt step's rows: (sequence, first row, end row, keys, its rows are positions 0.. in order)
+Run = tuple[int, int, int, int, bool]
 
 
 def upcast(x: Tensor) -> Tensor:
