@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 from graphmesh import plan as dag
 from graphmesh.errors import FailedPrecondition
 from graphmesh.protocol import ProtocolError
+from graphmesh_executor.executable import Executable, HostOutput
 from graphmesh_executor.fencing import AuthorityState, SessionPhase
 from graphmesh_executor.stage import StageRuntime
 from graphmesh_executor.stage_types import Boundary, KvBlocks, Sampling, StageSpec, StepResult, StepRow
@@ -168,6 +170,76 @@ def test_a_row_takes_its_share_of_a_decode_run_and_rides_along_to_the_end(tiny_l
     for r in runtimes:
         assert _txn(r, "a") == (SessionPhase.IN_TXN, 3, 16)
         assert dict(r.sessions())["a"].tokens == prompts["a"] + want["a"][:2]  # the KV rows of its share alone
+
+
+def _outputs_land_later(monkeypatch: pytest.MonkeyPatch, hold: Callable[[int], None]) -> list[str]:
+    """Every stage run's output comes back not ready, as TorchExecutable.run_async's do on CUDA: the result is read
+    where Engine.after puts it (the engine's completion thread). `hold(n)` runs as the n-th output is read.
+    Returns the names of the threads that read them."""
+    readers: list[str] = []
+
+    def later(self: Executable[Any], inputs: dict[str, np.ndarray], index: int, extent: tuple[int, int] | None = None,
+              light: bool = False) -> HostOutput:
+        value = self.run(inputs, [index], typed=True, extent=extent, light=light)[0]
+        n = len(readers)
+        readers.append("")
+
+        def wait() -> np.ndarray:
+            readers[n] = threading.current_thread().name
+            hold(n)
+            return value
+        return HostOutput(wait=wait)
+    monkeypatch.setattr(Executable, "run_async", later)
+    return readers
+
+
+def _within(seconds: float, condition: Callable[[], bool], why: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.001)
+
+
+def test_outputs_read_on_the_completion_thread_give_the_same_tokens(tiny_llama: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode run over two ranks whose every output lands on the engine's completion thread samples what single
+    steps do, and every rank still knows the run's tokens."""
+    sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    prompts = {"a": [5, 17, 99], "b": [8, 9]}
+    want = _one_at_a_time(tiny_llama, prompts, {"a": Sampling(), "b": sampled})
+    readers = _outputs_land_later(monkeypatch, lambda n: None)
+    runtimes = _run_pipeline(tiny_llama, 2)
+    first = _run(runtimes, [StepRow("a", 1, 0, 0, prompts["a"]), StepRow("b", 1, 0, 0, prompts["b"], sampled)], 1)
+    run = _run(runtimes, [StepRow("a", 2, 1, 3, [first.tokens[0]]), StepRow("b", 2, 1, 2, [first.tokens[1]], sampled)],
+               5)
+    assert [[t, *r] for t, r in zip(first.tokens, run.run_tokens)] == [want["a"][:6], want["b"][:6]]
+    after = _run(runtimes, [StepRow("a", 3, 2, 8, [run.run_tokens[0][-1]]),
+                            StepRow("b", 3, 2, 7, [run.run_tokens[1][-1]], sampled)], 1)
+    assert after.tokens == [want["a"][6], want["b"][6]]
+    for r in runtimes:
+        assert dict(r.sessions())["a"].tokens == prompts["a"] + want["a"][:5]
+    assert len(readers) == 2 * (1 + 5 + 1) and all(name.endswith("-done") for name in readers), readers
+
+
+def test_the_engine_launches_another_step_while_an_output_is_on_its_way(tiny_llama: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step's output is held until a second step's run has been launched: the engine thread does not wait
+    for an output it only hands on (on CUDA, a rank's other micro-batch goes to the device meanwhile)."""
+    second_launched = threading.Event()
+
+    def hold(n: int) -> None:
+        if n == 0:
+            second_launched.wait(10)
+    readers = _outputs_land_later(monkeypatch, hold)
+    runtime = _run_pipeline(tiny_llama, 1)[0]
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(runtime.execute_step, 1, next(_step_ids), [StepRow("a", 1, 0, 0, [5, 17, 99])], False, 20.0)
+        _within(10, lambda: len(readers) == 1, "the first step's run was never launched")
+        b = pool.submit(runtime.execute_step, 1, next(_step_ids), [StepRow("b", 1, 0, 0, [8, 9])], False, 20.0)
+        _within(10, lambda: len(readers) == 2, "the engine waited for the first output before the second launch")
+        second_launched.set()
+        assert a.result().tokens and b.result().tokens
+    assert readers[0].endswith("-done") and readers[1].endswith("-done")
 
 
 def _cuda() -> bool:

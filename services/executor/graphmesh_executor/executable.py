@@ -68,6 +68,25 @@ class RunContext:
     tally: Any = None
 
 
+class HostOutput:
+    """An output on its way to the host: `result()` returns it once the device has made it. A run on the host
+    is one already (`wait` None); on CUDA the copy is queued behind the run and `wait` blocks for it, so whoever
+    launched the run need not be the thread that waits."""
+
+    def __init__(self, value: np.ndarray | None = None, wait: Callable[[], np.ndarray] | None = None) -> None:
+        self._value, self._wait = value, wait
+
+    @property
+    def ready(self) -> bool:
+        return self._wait is None
+
+    def result(self) -> np.ndarray:
+        if self._wait is not None:
+            self._value, self._wait = self._wait(), None
+        assert self._value is not None
+        return self._value
+
+
 _MASK64 = (1 << 64) - 1
 MAX_CUTS = 64  # graphs cut to an active extent, kept per executable
 
@@ -369,6 +388,12 @@ class Executable(Generic[T]):
                                  "OUTPUT_INDEX_OUT_OF_RANGE")
         self._run_env(self._gather_inputs(inputs), list(inputs), extent, light)
         return [self.read_output(i, typed) for i in indices]
+
+    def run_async(self, inputs: dict[str, np.ndarray], index: int, extent: tuple[int, int] | None = None,
+                  light: bool = False) -> HostOutput:
+        """run() reading output `index` typed, without waiting for the device: here the run is done on return;
+        TorchExecutable on CUDA queues the copy to the host behind it and returns before either ends."""
+        return HostOutput(self.run(inputs, [index], typed=True, extent=extent, light=light)[0])
 
     def _run_env(self, env: dict[str, T], fed: list[str], extent: tuple[int, int] | None, light: bool) -> None:
         """Runs once over gathered inputs (`fed`: the names the caller gave); its outputs become _last_outputs."""

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -41,7 +41,7 @@ from graphmesh.models.config import ModelConfig
 from graphmesh.protocol import ACTIONS, METADATA_KEY, Action, ErrorClass, ProtocolError
 from graphmesh_executor.encoder_group import EncoderGroup
 from graphmesh_executor.engine import Engine
-from graphmesh_executor.executable import Executable, RngOptions
+from graphmesh_executor.executable import Executable, HostOutput, RngOptions
 from graphmesh_executor.fencing import Authority, AuthorityState, SessionPhase
 from graphmesh_executor.kv_pool import KvPool
 from graphmesh_executor.logprobs import RowSampling, sample_with_logprobs
@@ -61,6 +61,7 @@ from graphmesh_executor.stage_weights import StageWeights
 from graphmesh_server import telemetry
 
 log = logging.getLogger("graphmesh.executor.stage")
+R = TypeVar("R")
 
 # A step of this many sessions at most is light: the host's other stages are likely idle (one or two streams), so its
 # products may borrow a core (cpu_kernels' helper thread; on a busy host it costs only the chunk it has begun).
@@ -90,6 +91,17 @@ class _InFlight:
     done: Future[StepResult] = field(default_factory=Future)
     prepared: Prepared | None = None  # the next iteration's run, built while its boundary was on the way
     last_run: Prepared | None = None  # the run of the iteration that ran last: a decode run's next one follows it
+
+
+@dataclass(eq=False)
+class _Launch:
+    """An iteration launched on the device, and what landing it needs once its output is on the host."""
+
+    output: HostOutput
+    rows: list[StepRow]
+    tokens: int  # the rows' tokens: the output's real rows
+    t0: float  # perf_counter at launch
+    host: bool  # the last stage samples on the host (logprobs, guided)
 
 
 class StageRuntime(StageWeights, StagePhases):
@@ -461,58 +473,64 @@ class StageRuntime(StageWeights, StagePhases):
             for route in self.plan.routes_from(wave.group.id):
                 self._send(step, route, {dag.ENCODED_ROWS: encoded}, self._dims(step, len(features)), wave.ordinal)
         except Exception as e:
-            with self._lock:
-                self._fail(step, e if isinstance(e, ProtocolError) else ProtocolError(ErrorClass.COMM, e))
+            self._failed(step, e)
 
     def _advance(self, step: _InFlight, bundles: dict[int, Boundary]) -> None:
-        """Runs the step's next iteration (engine thread), or all of a decode run's chained, then posts or awaits the
-        one after it."""
-        assert self.spec is not None
-        spec, i = self.spec, step.iteration
+        """Launches the step's next iteration (engine thread), or runs all of a decode run's chained; the rest of an
+        iteration (its output pushed on, or the step's result) follows once the device is done (Engine.after), so
+        the engine may launch another step's meanwhile."""
         if step.done.done():
             return  # aborted or fenced while it was queued
         try:
-            if i or bundles or not self._chains(step) or not self._chain(step):  # else every iteration ran chained
-                self._one_iteration(step, bundles)
+            if not step.iteration and not bundles and self._chains(step) and self._chain(step):
+                self._advanced(step)  # every iteration ran chained
+                return
+            launch = self._launch(step, bundles)
         except Exception as e:
-            with self._lock:
-                self._fail(step, e if isinstance(e, ProtocolError) else ProtocolError(ErrorClass.COMM, e))
+            self._failed(step, e)
             return
+        self.engine.after("stage.iteration_done", launch.output, lambda: self._landed(step, launch))
+
+    def _failed(self, step: _InFlight, e: Exception) -> None:
+        with self._lock:
+            self._fail(step, e if isinstance(e, ProtocolError) else ProtocolError(ErrorClass.COMM, e))
+
+    def _landed(self, step: _InFlight, launch: _Launch) -> None:
+        """The rest of a launched iteration once its output is on the host (the engine's completion thread on CUDA,
+        else the engine thread): its output pushed on or its result filled, and on the last stage of a decode run
+        its samples and their feedback to the first; then the step's next iteration or its end."""
+        assert self.spec is not None and self.plan is not None and self.group is not None
+        if step.done.done():
+            return
+        try:
+            i = step.iteration
+            out = self._land(step, launch)
+            if step.steps > 1 and self.spec.last:
+                for t, token in zip(step.sampled, out):
+                    t.append(int(token))
+                if i + 1 < step.steps:
+                    tokens = np.asarray([t[-1] for t in step.sampled], np.int64)
+                    for route in self.plan.routes_from(self.group.id, feedback=True):
+                        self._send(step, route, {dag.RUN_TOKENS: tokens}, self._dims(step),
+                                   self._wave(step, self.group), iteration=i + 1)
+        except Exception as e:
+            self._failed(step, e)
+            return
+        self._advanced(step)
+
+    def _advanced(self, step: _InFlight) -> None:
+        """After an iteration (or a chained run's last): waits for the next one's input, or ends the step."""
+        assert self.spec is not None
         with self._lock:
             step.iteration += 1
             if step.iteration < step.steps:
                 self._next_input(step)
                 return
-            if step.steps > 1 and spec.last:
+            if step.steps > 1 and self.spec.last:
                 step.result.tokens = [t[0] for t in step.sampled]
                 step.result.run_tokens = [t[:r.steps] for t, r in zip(step.sampled, step.rows)]
             step.computed = True
             self._finish(step)
-
-    def _one_iteration(self, step: _InFlight, bundles: dict[int, Boundary]) -> None:
-        """Iteration `step.iteration` alone (engine thread): its rows, the tokens fed to them, its run, and on the last
-        stage of a decode run its samples and their feedback to the first."""
-        assert self.spec is not None and self.plan is not None and self.group is not None
-        i = step.iteration
-        if i:
-            fed = next((b.values.get(dag.RUN_TOKENS) for b in bundles.values()), None) if bundles else \
-                np.array([t[-1] for t in step.sampled], np.int64)
-            if fed is None or fed.shape != (len(step.rows),):
-                raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
-                    f"iteration {i} of decode run {step.step_id} came without its {len(step.rows)} tokens",
-                    "SCHEMA_MISMATCH"))
-            prepared = step.prepared if step.prepared is not None and step.prepared.iteration == i else None
-            step.rows = self._next_rows(step.rows) if prepared is None else prepared.rows
-            self._feed(step.rows, fed, i)
-        out = self._iteration(step, bundles)
-        if step.steps > 1 and self.spec.last:
-            for t, token in zip(step.sampled, out):
-                t.append(int(token))
-            if i + 1 < step.steps:
-                tokens = np.asarray([t[-1] for t in step.sampled], np.int64)
-                for route in self.plan.routes_from(self.group.id, feedback=True):
-                    self._send(step, route, {dag.RUN_TOKENS: tokens}, self._dims(step), self._wave(step, self.group),
-                               iteration=i + 1)
 
     def _feed(self, rows: list[StepRow], fed: np.ndarray, iteration: int) -> None:
         """Writes a decode run's fed tokens into `iteration`'s rows, and into their sessions' pending tokens while
@@ -557,12 +575,22 @@ class StageRuntime(StageWeights, StagePhases):
             values.update(b.values)
         return values
 
-    def _iteration(self, step: _InFlight, bundles: dict[int, Boundary]) -> np.ndarray:
-        """Runs the decoder group once over the step's rows (engine thread) and pushes its boundary on (with the rows'
-        tokens after a decode run's first iteration: the next ranks know those from the request), or, on the last
-        stage, fills the step's result; returns the group's output."""
-        assert self.spec is not None and self.config is not None and self.plan is not None and self.group is not None
-        spec, rows, result = self.spec, step.rows, step.result
+    def _launch(self, step: _InFlight, bundles: dict[int, Boundary]) -> _Launch:
+        """Launches iteration `step.iteration` alone (engine thread): its rows (a decode run's later iteration: one
+        position on, fed the tokens the one before sampled) and its run over them."""
+        assert self.spec is not None
+        spec, i = self.spec, step.iteration
+        if i:
+            fed = next((b.values.get(dag.RUN_TOKENS) for b in bundles.values()), None) if bundles else \
+                np.array([t[-1] for t in step.sampled], np.int64)
+            if fed is None or fed.shape != (len(step.rows),):
+                raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
+                    f"iteration {i} of decode run {step.step_id} came without its {len(step.rows)} tokens",
+                    "SCHEMA_MISMATCH"))
+            prepared = step.prepared if step.prepared is not None and step.prepared.iteration == i else None
+            step.rows = self._next_rows(step.rows) if prepared is None else prepared.rows
+            self._feed(step.rows, fed, i)
+        rows = step.rows
         total = sum(len(row.token_ids) for row in rows)
         received = self._received(step, bundles)
         hidden, encoded = received.get(dag.ACTIVATION), received.get(dag.ENCODED_ROWS)
@@ -570,25 +598,32 @@ class StageRuntime(StageWeights, StagePhases):
             raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
                 f"step {step.step_id} reached rank {self.rank} without an activation", "SCHEMA_MISMATCH"))
         sample = self._samples(step, rows)
-        host = spec.last and not step.want_logits and not sample  # logprobs, guided: sampled on the host
         t0 = time.perf_counter()
-        with telemetry.span("stage.compute", step=step.step_id, iteration=step.iteration, rows=len(rows)):
+        with telemetry.span("stage.compute", step=step.step_id, iteration=i, rows=len(rows)):
             prepared = step.prepared
             run = prepared if prepared is not None and prepared.rows is rows and prepared.sample == sample and \
-                encoded is None else self._inputs_for(step.last_run, rows, sample, step.iteration, encoded is not None)
-            out = self._guarded(lambda: self._compute(rows, hidden, encoded, run))
+                encoded is None else self._inputs_for(step.last_run, rows, sample, i, encoded is not None)
+            output = self._guarded(lambda: self._compute(rows, hidden, encoded, run))
         step.prepared, step.last_run = None, run
-        result.compute_us += (time.perf_counter() - t0) * 1e6
-        result.computed_tokens += total
+        step.result.computed_tokens += total
+        return _Launch(output, rows, total, t0, host=spec.last and not step.want_logits and not sample)
+
+    def _land(self, step: _InFlight, launch: _Launch) -> np.ndarray:
+        """A launched iteration's output, pushed on with the rows' tokens after a decode run's first iteration (the
+        next ranks know those from the request), or, on the last stage, the step's result filled; returns it."""
+        assert self.spec is not None and self.plan is not None and self.group is not None
+        spec, rows, result = self.spec, launch.rows, step.result
+        out = self._guarded(launch.output.result)
+        result.compute_us += (time.perf_counter() - launch.t0) * 1e6
         if not spec.last:
-            values = {dag.ACTIVATION: out[:total]}
+            values = {dag.ACTIVATION: out[:launch.tokens]}
             if step.iteration:
                 values[dag.RUN_TOKENS] = np.asarray([r.token_ids[0] for r in rows], np.int64)
             for route in self.plan.routes_from(self.group.id):
                 self._send(step, route, values, self._dims(step), self._wave(step, self.group))
         elif step.want_logits:
             result.logits = out[: len(rows)].astype(np.float32)
-        elif host:
+        elif launch.host:
             # Stage executables draw with the default RngOptions (they never set_rng), as sample_with_logprobs does.
             result.tokens, result.logprobs = sample_with_logprobs(RngOptions(), out[: len(rows)], [
                 RowSampling(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p,
@@ -649,7 +684,7 @@ class StageRuntime(StageWeights, StagePhases):
         return not step.want_logits and not (self.spec.last and any(r.sampling.logprobs or r.allowed_tokens
                                                                     for r in rows))
 
-    def _guarded(self, compute: Callable[[], np.ndarray]) -> np.ndarray:
+    def _guarded(self, compute: Callable[[], R]) -> R:
         """Runs a group's compute, its failure classified: a bad shape or input is ARCH, a device error COMM."""
         try:
             return compute()
@@ -709,7 +744,7 @@ class StageRuntime(StageWeights, StagePhases):
         return ProtocolError(ErrorClass.COMM, Internal(f"device {self.device} failed: {what}", "DEVICE_FAILURE"))
 
     def _compute(self, rows: list[StepRow], hidden: np.ndarray | None, encoded: np.ndarray | None,
-                 run: Prepared) -> np.ndarray:
+                 run: Prepared) -> HostOutput:
         """One run over every row, on the engine thread, with `run`'s executable and inputs. `encoded`: the
         encoder's rows for the rows' placeholder tokens, in order (first stage), which replace those tokens'
         embeddings."""
@@ -734,10 +769,10 @@ class StageRuntime(StageWeights, StagePhases):
             padded = np.zeros((tokens, config.hidden_size), np.float32)
             padded[:total] = hidden
             inputs["hidden_in"] = padded
-        return self._on_device(run, len(rows), lambda exe: exe.run(
-            inputs, read_indices=[0], typed=True, extent=run.extent, light=len(rows) <= LIGHT_STEP_SESSIONS)[0])
+        return self._on_device(run, len(rows), lambda exe: exe.run_async(
+            inputs, 0, extent=run.extent, light=len(rows) <= LIGHT_STEP_SESSIONS))
 
-    def _on_device(self, run: Prepared, rows: int, call: Callable[[Executable[Any]], np.ndarray]) -> np.ndarray:
+    def _on_device(self, run: Prepared, rows: int, call: Callable[[Executable[Any]], R]) -> R:
         """`call` on `run`'s executable with the KV pools swapped in (engine thread), in the run's span."""
         if self._take_fault("device"):
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -22,6 +22,7 @@ from graphmesh_executor.stage_types import StageState, StepRow, copied
 from graphmesh_executor.weights import load_params
 
 log = logging.getLogger("graphmesh.executor.stage")
+R = TypeVar("R")
 
 MIN_PREFILL_ROWS = 16
 # A block table at least this wide (blocks per sequence), or the context's width if narrower, where the width costs
@@ -166,7 +167,7 @@ class RunInputs(StageState):
         for _ in range(times):
             self._with_pools(exe, lambda e: e.run(inputs, read_indices=[0], typed=True)[0])
 
-    def _with_pools(self, exe: Executable[Any], call: Callable[[Executable[Any]], np.ndarray]) -> np.ndarray:
+    def _with_pools(self, exe: Executable[Any], call: Callable[[Executable[Any]], R]) -> R:
         """`call` on `exe` with the stage's KV pools swapped in as its handles (engine thread)."""
         own = exe.swap_handles(self._pools)
         try:

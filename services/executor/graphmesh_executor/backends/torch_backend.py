@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from graphmesh import dtypes
-from graphmesh.errors import FailedPrecondition, InvalidArgument
+from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
 from graphmesh.graph import Graph, Node
 from graphmesh.ops import TensorType
 from graphmesh_executor.backends import cpu_kernels, cuda_kernels
@@ -44,7 +44,15 @@ from graphmesh_executor.backends.torch_ops import (
     tallied_grouped_matmul,
 )
 from graphmesh_executor.backends.torch_tensors import MEMO, TORCH_DTYPES, Tensor
-from graphmesh_executor.executable import Capabilities, Executable, ExtentCut, Kernel, RunContext, conform
+from graphmesh_executor.executable import (
+    Capabilities,
+    Executable,
+    ExtentCut,
+    HostOutput,
+    Kernel,
+    RunContext,
+    conform,
+)
 
 
 def configure(threads: int | None) -> None:
@@ -545,6 +553,29 @@ class TorchExecutable(CudaGraphs):
         torch.cuda.current_stream(self._device).synchronize()  # type: ignore[no-untyped-call]
         return [[(c.view(torch.int16).numpy().view(BF16) if c.dtype == torch.bfloat16 else c.numpy())
                  .astype(np.float32, copy=False) for c in copies] for copies in staged]
+
+    def run_async(self, inputs: dict[str, np.ndarray], index: int, extent: tuple[int, int] | None = None,
+                  light: bool = False) -> HostOutput:
+        """On CUDA the output is copied, behind the run on the stream, into pinned host memory (a captured graph's
+        next replay overwrites its outputs), and an event after the copy is what the result waits for: the thread
+        that launched the run is free to launch the next while the device works (a rank's other micro-batch)."""
+        if self._device.type != "cuda":
+            return super().run_async(inputs, index, extent, light)
+        if not 0 <= index < len(self.graph.outputs):
+            raise OutOfRange(f"output index {index} out of range: the graph has {len(self.graph.outputs)} outputs",
+                             "OUTPUT_INDEX_OUT_OF_RANGE")
+        self._run_env(self._gather_inputs(inputs), list(inputs), extent, light)
+        assert self._last_outputs is not None
+        out = self._last_outputs[index]
+        pinned = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        pinned.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record()
+
+        def wait() -> np.ndarray:
+            done.synchronize()  # type: ignore[no-untyped-call]  # releases the GIL while the device works
+            return pinned.view(torch.int16).numpy().view(BF16) if pinned.dtype == torch.bfloat16 else pinned.numpy()
+        return HostOutput(wait=wait)
 
     def run_fed(self, input_sets: Sequence[dict[str, np.ndarray]], feed: str, rows: int,
                 extent: tuple[int, int] | None = None, light: bool = False) -> np.ndarray:
