@@ -134,8 +134,8 @@ def test_three_executors_on_mixed_backends_match_transformers(smollm2_reference:
     with LocalMesh(3, ["numpy", "torch", "torch"], "smollm2-135m") as mesh:
         with CoordinatorClient(mesh.coordinator_address) as client:
             assert [s.backend for s in client.status().stages] == ["numpy", "torch", "torch"]
-        for q in QUESTIONS:
-            assert _generate_ids(mesh.coordinator_address, prompt=q, max_tokens=64) == smollm2_reference[q], q
+        for q in QUESTIONS:  # 24 tokens each: the numpy stage decodes at a few tokens a second
+            assert _generate_ids(mesh.coordinator_address, prompt=q, max_tokens=24) == smollm2_reference[q][:24], q
 
 
 def test_coordinator_reports_an_executor_that_does_not_answer(tmp_path: Path) -> None:
