@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -25,13 +26,11 @@ from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
-from graphmesh_coordinator import responses
 from graphmesh_coordinator import scheduler as sched
 from graphmesh_coordinator.draft import Drafter
 from graphmesh_coordinator.election import Election, EtcdState, LeaderMesh, not_leader
 from graphmesh_coordinator.generation import DEFAULT_MAX_WAITING, Generator
 from graphmesh_coordinator.kserve import KServeServicer
-from graphmesh_coordinator.openai_server import OpenAIServer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
 from graphmesh_coordinator.servicer import CoordinatorServicer
 from graphmesh_coordinator.speculative import DEFAULT_K, DRAFT, Mode, parse_mode
@@ -41,6 +40,9 @@ from graphmesh_server.aio_serving import AioServer, MirroredHealth
 from graphmesh_server.bootstrap import ServerSecurity
 from graphmesh_server.etcd import EtcdClient
 from graphmesh_server.serving import run_until_signalled
+
+if TYPE_CHECKING:
+    from graphmesh_coordinator.openai_server import OpenAIServer
 
 log = logging.getLogger("graphmesh.coordinator")
 # grpc.health.v1 service name that is SERVING while this process is worth keeping: a standby too (it waits to lead),
@@ -215,6 +217,10 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
              lambda: scheduler.shared_tokens))
     http = None
     if config.http_listen:
+        # Imported here: FastAPI's import is ~0.3 s of every coordinator start that serves no HTTP.
+        from graphmesh_coordinator import responses
+        from graphmesh_coordinator.openai_server import OpenAIServer
+
         http = OpenAIServer(generator, mesh, config.model, config.security.auth_token, config.http_ready_wait_s, gate,
                             responses.open_store(config.redis_url, config.redis_password_file))
         http.start(_http_listen(config), config.security.tls, max_connections=config.http_max_connections)
