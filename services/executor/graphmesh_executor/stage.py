@@ -7,9 +7,11 @@ Every session's KV lives in the stage's pools (kv_pool.KvPool lends their blocks
 shared by every step of the same bucketed shape (tokens, sequences, blocks per sequence) and write new K/V
 rows into the pools in place (kv_scatter), so no KV is ever copied on the hot path. All device work runs on
 the executor's one engine thread (engine.Engine): handler threads begin and commit the rows' epochs, and each
-iteration of a step (one, or a decode run's several) is an engine task posted by whoever brings its input, its
-boundary pushed on (stage_servicer.BoundaryPusher). While a decode run waits for its next boundary, the engine
-builds that iteration's inputs (_prepare), so the boundary's arrival starts the run at once.
+iteration of a step (one, or a decode run's several) is an engine task posted by whoever brings its input. The
+engine launches it (_launch) and the iteration lands once its output is on the host (_landed: on CUDA on the
+engine's completion thread, so the engine may launch another step meanwhile), its boundary pushed on
+(stage_servicer.BoundaryPusher). While a decode run waits for its next boundary, the engine builds that
+iteration's inputs (_prepare), so the boundary's arrival starts the run at once.
 """
 
 from __future__ import annotations
