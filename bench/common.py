@@ -13,6 +13,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -161,6 +162,21 @@ def git_commit() -> str:
     return head.strip() + ("+dirty" if dirty.strip() else "")
 
 
+def git_tree(repo: Path = REPO) -> str:
+    """The hash git gives the working tree's files (tracked, and untracked ones it does not ignore: what a GPU call
+    carries), whatever HEAD says: `git rev-parse COMMIT^{tree}` names the same for the commit holding these files.
+    A copy whose git metadata is stale (the lent GPU machine's) reports a HEAD the numbers do not belong to."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}  # the checkout's own index untouched
+            for args in (["read-tree", "HEAD"], ["add", "-A"]):
+                subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, check=True)
+            return subprocess.run(["git", "write-tree"], cwd=repo, env=env, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def cpu_model() -> str:
     """lscpu's model name: the figures of one host kind do not carry over to another."""
     try:
@@ -174,7 +190,8 @@ def machine(load_at_start: tuple[float, float, float], **extra: Any) -> dict[str
     """Where and under what load the numbers were taken: other processes on a small machine move them."""
     return {"cpus": os.cpu_count(), "cpu": cpu_model(), "cpu_flags": sorted(cpu_flags()),
             "platform": platform.platform(), "python": platform.python_version(),
-            "grpcio": grpc.__version__, "git_commit": git_commit(), "load_average_at_start": list(load_at_start),
+            "grpcio": grpc.__version__, "git_commit": git_commit(), "git_tree": git_tree(),
+            "load_average_at_start": list(load_at_start),
             "load_average_at_end": list(os.getloadavg()), **extra}
 
 
