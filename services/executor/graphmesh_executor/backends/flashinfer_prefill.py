@@ -27,7 +27,10 @@ log = logging.getLogger("graphmesh.executor.flashinfer")
 
 ENV = "GRAPHMESH_FLASHINFER"  # "0": never
 HEAD_SIZES = (64, 128, 256)  # those its prefill kernels are built for
-WORKSPACE_BYTES = 256 << 20  # its float workspace for split-KV partials: what bench_attention_kernels measured with
+# Its float workspace for split-KV partials: the 128 MB its docs suggest was too little for a 2,048-token step of 32
+# heads in bench_attention_kernels' plans.
+WORKSPACE_BYTES = 256 << 20
+
 
 @dataclass
 class _Device:
