@@ -383,11 +383,14 @@ class Executable(Generic[T]):
         `light`: the run is a step of few sessions, whose host is likely idle besides it (RunContext.light)."""
         indices = list(range(len(self.graph.outputs))) if read_indices is None else list(read_indices)
         for i in indices:
-            if not 0 <= i < len(self.graph.outputs):
-                raise OutOfRange(f"output index {i} out of range: the graph has {len(self.graph.outputs)} outputs",
-                                 "OUTPUT_INDEX_OUT_OF_RANGE")
+            self._check_output_index(i)
         self._run_env(self._gather_inputs(inputs), list(inputs), extent, light)
         return [self.read_output(i, typed) for i in indices]
+
+    def _check_output_index(self, i: int) -> None:
+        if not 0 <= i < len(self.graph.outputs):
+            raise OutOfRange(f"output index {i} out of range: the graph has {len(self.graph.outputs)} outputs",
+                             "OUTPUT_INDEX_OUT_OF_RANGE")
 
     def run_async(self, inputs: dict[str, np.ndarray], index: int, extent: tuple[int, int] | None = None,
                   light: bool = False) -> HostOutput:

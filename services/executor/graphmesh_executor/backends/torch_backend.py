@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from graphmesh import dtypes
-from graphmesh.errors import FailedPrecondition, InvalidArgument, OutOfRange
+from graphmesh.errors import FailedPrecondition, InvalidArgument
 from graphmesh.graph import Graph, Node
 from graphmesh.ops import TensorType
 from graphmesh_executor.backends import cpu_kernels, cuda_kernels
@@ -53,6 +53,11 @@ from graphmesh_executor.executable import (
     RunContext,
     conform,
 )
+
+
+def _numpy(host: Tensor) -> np.ndarray:
+    """A host tensor as numpy, sharing its memory (numpy has no bfloat16 of its own: its bits as ml_dtypes')."""
+    return host.view(torch.int16).numpy().view(BF16) if host.dtype == torch.bfloat16 else host.numpy()
 
 
 def configure(threads: int | None) -> None:
@@ -417,10 +422,7 @@ class TorchExecutable(CudaGraphs):
 
     def _to_host(self, value: Tensor) -> np.ndarray:
         # A copy: handles may later be written in place, and callers keep what they read.
-        host = value.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
-        if host.dtype == torch.bfloat16:
-            return host.view(torch.int16).numpy().view(BF16)
-        return host.numpy()
+        return _numpy(value.detach().to("cpu", memory_format=torch.contiguous_format, copy=True))
 
     def _zeros(self, t: TensorType) -> Tensor:
         return torch.zeros(t.shape, dtype=TORCH_DTYPES[t.dtype], device=self._device)
@@ -551,8 +553,7 @@ class TorchExecutable(CudaGraphs):
                 copies.append(pinned.copy_(out, non_blocking=True))
             staged.append(copies)
         torch.cuda.current_stream(self._device).synchronize()  # type: ignore[no-untyped-call]
-        return [[(c.view(torch.int16).numpy().view(BF16) if c.dtype == torch.bfloat16 else c.numpy())
-                 .astype(np.float32, copy=False) for c in copies] for copies in staged]
+        return [[_numpy(c).astype(np.float32, copy=False) for c in copies] for copies in staged]
 
     def run_async(self, inputs: dict[str, np.ndarray], index: int, extent: tuple[int, int] | None = None,
                   light: bool = False) -> HostOutput:
@@ -561,9 +562,7 @@ class TorchExecutable(CudaGraphs):
         that launched the run is free to launch the next while the device works (a rank's other micro-batch)."""
         if self._device.type != "cuda":
             return super().run_async(inputs, index, extent, light)
-        if not 0 <= index < len(self.graph.outputs):
-            raise OutOfRange(f"output index {index} out of range: the graph has {len(self.graph.outputs)} outputs",
-                             "OUTPUT_INDEX_OUT_OF_RANGE")
+        self._check_output_index(index)
         self._run_env(self._gather_inputs(inputs), list(inputs), extent, light)
         assert self._last_outputs is not None
         out = self._last_outputs[index]
@@ -574,7 +573,7 @@ class TorchExecutable(CudaGraphs):
 
         def wait() -> np.ndarray:
             done.synchronize()  # type: ignore[no-untyped-call]  # releases the GIL while the device works
-            return pinned.view(torch.int16).numpy().view(BF16) if pinned.dtype == torch.bfloat16 else pinned.numpy()
+            return _numpy(pinned)
         return HostOutput(wait=wait)
 
     def run_fed(self, input_sets: Sequence[dict[str, np.ndarray]], feed: str, rows: int,
