@@ -19,11 +19,12 @@ link and maps again.
 The CUDA path: the sender keeps a few device buffers (slots) per link. A bundle of at least DEVICE_MIN_BYTES is
 copied into a free slot on a stream of its own, that stream is synchronized, and a DEVICE_PUSH frame goes out
 with the slot's number, its IPC handle when the slot is new to the receiver, and the PushBoundaryRequest without
-its tensors' bytes. The receiver copies the bytes out of the mapped slot (synchronously) before it answers, and
-the slot is free again once the answer is back: a slot is never written while the receiver may read it. Smaller
-bundles (decode steps) stay TCP frames on the same link, in the same order: a frame's round trip is ~0.07 ms, and
-the GPU path adds a stream synchronization at each end (not measured against it yet). A failed device push breaks
-the link (COMM); after DEVICE_STRIKES in a row to one address the sender keeps that pair on TCP.
+its tensors' bytes. The receiver copies the bytes out of the mapped slot, on a stream of its own that it waits for,
+before it answers, and the slot is free again once the answer is back: a slot is never written while the receiver
+may read it. Smaller bundles (decode steps) stay TCP frames on the same link, in the same order: a frame's round
+trip is ~0.07 ms, and the GPU path adds a stream synchronization at each end (not measured against it yet). A
+failed device push breaks the link (COMM); after DEVICE_STRIKES in a row to one address the sender keeps that pair
+on TCP.
 
 Boundary values are host arrays today (the stage's runs return numpy), so the sender copies host to GPU and the
 receiver GPU to host: the bundle skips serialization and the socket, not host memory. A torch CUDA tensor given to
@@ -254,6 +255,9 @@ class DeviceReceiver:
         self._torch = torch
         self._uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
         self._slots: dict[int, tuple[int, Any]] = {}  # slot -> (generation, the mapped buffer)
+        # Copies out of a slot run on a stream of their own: on the legacy default stream they would wait behind
+        # every kernel this process's engine has queued, though the sender synchronized before it pushed.
+        self._streams: dict[int, Any] = {}
 
     def request(self, payload: bytes) -> stage_pb2.PushBoundaryRequest:
         """The PushBoundaryRequest a DEVICE_PUSH frame carries, its tensors' bytes copied out of the slot."""
@@ -275,14 +279,34 @@ class DeviceReceiver:
             raise ValueError(f"slot {slot} generation {generation} was never mapped on this link")
         buffer = mapped[1]
         request = stage_pb2.PushBoundaryRequest.FromString(payload[at + length:])
+        spans: list[tuple[int, int]] = []
         offset = 0
         for t in request.tensors:
             n = _nbytes(t.tensor)
-            if offset + n > buffer.numel():
-                raise ValueError(f"the bundle's tensors need {offset + n} bytes, its slot holds {buffer.numel()}")
-            t.tensor.data = buffer[offset:offset + n].cpu().numpy().tobytes()  # a synchronous copy: read before
-            offset += _aligned(n)                                                # the answer frees the slot
+            spans.append((offset, n))
+            offset += _aligned(n)
+        end = spans[-1][0] + spans[-1][1] if spans else 0
+        if end > buffer.numel():
+            raise ValueError(f"the bundle's tensors need {end} bytes, its slot holds {buffer.numel()}")
+        data = self._read(buffer[:end])
+        for t, (start, n) in zip(request.tensors, spans):
+            t.tensor.data = data[start:start + n].tobytes()
         return request
+
+    def _read(self, span: Any) -> np.ndarray:
+        """`span` of a slot in host memory, read before the answer frees the slot (a slot on the CPU, which tests
+        use to check the layout, is read as it is)."""
+        if span.device.type != "cuda":
+            return cast(np.ndarray, span.numpy())
+        torch = self._torch
+        stream = self._streams.get(span.device.index)
+        if stream is None:
+            stream = self._streams[span.device.index] = torch.cuda.Stream(span.device)
+        host = torch.empty(span.numel(), dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(span, non_blocking=True)
+        stream.synchronize()
+        return cast(np.ndarray, host.numpy())
 
     def _map(self, handle: dict[str, Any]) -> Any:
         """The sender's buffer, mapped on the device that holds it in this process's order (a CUDA context there
