@@ -6,14 +6,16 @@ compute is cheap, and the coordinator detokenizes every token as for a real mode
 with the GPU defaults unless told otherwise (256 rows a step, 2,048 step tokens, decode runs of 32: what a step of
 256 rows takes on a GPU), so that its steps are shaped as on the H100 at 256 streams. N streams of M tokens each go
 through the real gRPC Generate stream at once (or, with --multiplexed, all over one GenerateStreams stream, as a
-front end sends them; with --frontend, through a graphmesh-frontend, whose CPU is read too), and the coordinator's
+front end sends them; with --frontend, through a graphmesh-frontend, whose CPU is read too; with --http, as
+streamed /v1/completions of the OpenAI API, a client thread each), and the coordinator's
 user + system CPU time (/proc/PID/stat) is read before and after: CPU time, not wall time, so other load on a
 shared machine hardly moves it. A warm-up burst first takes the one-off costs (first
 use of each batch shape, imports) out of the figures. Prints a table; writes bench/results/coordinator_cpu.json
 (or NAME) with --write.
 
     .venv/bin/python bench/bench_coordinator_cpu.py [--streams 1,64,256] [--tokens 128] [--rounds 1]
-        [--coordinator-args "--max-step-seqs 64"] [--multiplexed | --frontend] [--py-spy FILE] [--write [NAME]]
+        [--coordinator-args "--max-step-seqs 64"] [--multiplexed | --frontend | --http] [--py-spy FILE]
+        [--write [NAME]]
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` and `tests` importable
 
+from bench.bench_openai import http_target
 from bench.common import (
     cpu_by_process,
     generate_multiplexed,
@@ -43,7 +47,7 @@ from bench.common import (
     table,
     write_results,
 )
-from graphmesh.launcher import LocalMesh
+from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.v1 import coordinator_pb2
 from tests.model_fixtures import VOCAB, make_tiny_llama, write_tiny_tokenizer
 
@@ -68,15 +72,27 @@ async def burst(address: str, streams: int, tokens: int, multiplexed: bool = Fal
     return sum(got)
 
 
+def http_burst(base_url: str, model: str, streams: int, tokens: int) -> int:
+    """The same burst as streamed /v1/completions, a client thread and connection each."""
+    generate = http_target(base_url, model=model)
+    with ThreadPoolExecutor(streams) as pool:
+        got = list(pool.map(lambda i: generate(prompt(i), tokens).tokens, range(streams)))
+    if any(n != tokens for n in got):
+        raise RuntimeError(f"streams ended short: {sorted(set(got))} tokens of {tokens}")
+    return sum(got)
+
+
 def steps(metrics_port: int) -> float:
     """The coordinator's graphmesh_steps counter."""
     return metrics(metrics_port)[("graphmesh_steps_total", "")]
 
 
-def measure(mesh: LocalMesh, streams: int, tokens: int, multiplexed: bool = False) -> dict[str, Any]:
+def measure(mesh: LocalMesh, streams: int, tokens: int, multiplexed: bool = False, model: str = "") -> dict[str, Any]:
+    """One burst; over the OpenAI API when `model` (the name it serves) is given."""
     port = mesh.metrics_ports["coordinator"]
     cpu0, steps0, t0 = cpu_by_process(mesh), steps(port), time.perf_counter()
-    got = asyncio.run(burst(mesh.client_address, streams, tokens, multiplexed))
+    got = (http_burst(mesh.http_url, model, streams, tokens) if model
+           else asyncio.run(burst(mesh.client_address, streams, tokens, multiplexed)))
     wall = time.perf_counter() - t0
     used = {k: v - cpu0[k] for k, v in cpu_by_process(mesh).items()}
     cpu, front_cpu, n_steps = used["coordinator"], used.get("frontend", 0.0), steps(port) - steps0
@@ -106,6 +122,8 @@ def main() -> None:
                    help="each level's calls over one GenerateStreams stream (a front end's), not a stream each")
     p.add_argument("--frontend", action="store_true",
                    help="the streams call a graphmesh-frontend, which relays them to the coordinator over one stream")
+    p.add_argument("--http", action="store_true",
+                   help="the streams are streamed /v1/completions of the coordinator's OpenAI API")
     p.add_argument("--write", default="", nargs="?", const="coordinator_cpu.json", metavar="NAME",
                    help="write bench/results/NAME (default coordinator_cpu.json)")
     a = p.parse_args()
@@ -114,13 +132,15 @@ def main() -> None:
     # with a tokenizer: the coordinator detokenizes every token, as it does for any real model
     model = write_tiny_tokenizer(make_tiny_llama(Path(tempfile.mkdtemp(prefix="graphmesh-bench-")) / "llama"))
     rows: list[dict[str, Any]] = []
+    served = str(model) if a.http else ""
     with LocalMesh(1, "torch", str(model), kvstore=False, metrics=True, frontend=a.frontend,
+                   http_listen=f"127.0.0.1:{free_port()}" if a.http else "",
                    extra_coordinator_args=shlex.split(a.coordinator_args)) as mesh:
         progress("warm-up")
-        measure(mesh, max(levels), 4, a.multiplexed)
+        measure(mesh, max(levels), 4, a.multiplexed, served)
         for streams in levels:
             spy = profile(mesh, a.py_spy) if a.py_spy and streams == max(levels) else None
-            runs = [measure(mesh, streams, a.tokens, a.multiplexed) for _ in range(a.rounds)]
+            runs = [measure(mesh, streams, a.tokens, a.multiplexed, served) for _ in range(a.rounds)]
             if spy is not None:
                 spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
                 spy.wait()
@@ -134,7 +154,7 @@ def main() -> None:
                   r["cpu_ms_per_step"], r["frontend_cpu_ms_per_token"] * 1e3] for r in rows]))
     if a.write:
         write_results(a.write, {"machine": machine(load), "tokens_per_stream": a.tokens, "multiplexed": a.multiplexed,
-                                "frontend": a.frontend, "coordinator_args": a.coordinator_args, "levels": rows})
+                                "frontend": a.frontend, "http": a.http, "coordinator_args": a.coordinator_args, "levels": rows})
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ main(parser.parse_args(sys.argv[1:]))
 """
 
 
-def http_target(base_url: str, guided: bool = False) -> Target:
+def http_target(base_url: str, guided: bool = False, model: str = MODEL) -> Target:
     """bench_serving's Stream over /v1/completions: a chunk per SSE event that carries text, the token count from
     the usage that closes the stream (a token ending inside a UTF-8 character arrives with the next one). `guided`:
     with response_format json_schema (SCHEMA) instead of ignore_eos."""
@@ -74,7 +74,7 @@ def http_target(base_url: str, guided: bool = False) -> Target:
         "name": "numbers", "schema": SCHEMA, "strict": True}}} if guided else {"ignore_eos": True})
 
     def generate(prompt: list[int], tokens: int) -> Stream:
-        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0,
                            "stream": True, "stream_options": {"include_usage": True}, **constraint}).encode()
         connection = http.client.HTTPConnection(host, int(port), timeout=REQUEST_TIMEOUT_S)  # one per client
         try:
@@ -94,6 +94,9 @@ def http_target(base_url: str, guided: bool = False) -> Target:
                     stream.prompt_tokens = int(event["usage"]["prompt_tokens"])
             if stream.chunk_tokens:
                 stream.chunk_tokens[-1] += generated - len(stream.chunk_tokens)
+            elif generated:  # tokens that made no text (bytes of a character never completed) came at the end
+                stream.arrivals.append(time.perf_counter())
+                stream.chunk_tokens.append(generated)
         finally:
             connection.close()
         return stream
