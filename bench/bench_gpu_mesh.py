@@ -209,7 +209,6 @@ MOE_SMALL: dict[str, Any] = {**QWEN3_MOE, "vocab_size": 1000, "hidden_size": 64,
                              "num_experts_per_tok": 2}  # the MoE shape's dry run, and tests/test_gpu_peer.py's
 SHAPES = {"small": SMALL, "medium": MEDIUM, "tinyllama": TINYLLAMA, "llama8b": LLAMA8B, "llama70b": LLAMA70B,
           "moe": QWEN3_MOE, "moe-small": MOE_SMALL}
-BOUNDARY_TOKENS = 32768  # --measure-boundary: a 32k-token prefill
 
 
 def hf_config(shape: dict[str, Any]) -> Any:
@@ -455,24 +454,27 @@ def busiest_threads(path: Path, ticks: float, threads: int = 4, frames: int = 6)
 
 
 def measure_boundary(a: argparse.Namespace, shape: dict[str, Any]) -> list[dict[str, Any]]:
-    """A 32k-token prefill's boundary, f32 [BOUNDARY_TOKENS, hidden], pushed from this process (on GPU 0, or
-    --device) to an executor on the next GPU, once per transport the pair can take; seconds from the push to the
-    receiver's answer, which it sends once it has read every byte. The executor holds no stage, so it answers
-    NOT_INSTALLED after reading the bundle: that answer is the expected one."""
+    """Boundaries of each of --boundary-tokens tokens, f32 [tokens, hidden], pushed from this process (on GPU 0, or
+    --device) to an executor on the next GPU (or the same one), once per transport the pair can take, every size
+    over the GPU path when it is one (DEVICE_MIN_BYTES aside); seconds from the push to the receiver's answer, which
+    it sends once it has read every byte. The executor holds no stage, so it answers NOT_INSTALLED after reading the
+    bundle: that answer is the expected one."""
     import torch
 
     from graphmesh import plan as dag
+    from graphmesh_executor import transport
     from graphmesh_executor.stage_servicer import BoundaryPusher
     from graphmesh_executor.stage_types import Boundary
-    from graphmesh_executor.transport import ENV, NAMES
 
     on_gpu = a.device.startswith("cuda") or bool(a.gpus)
     sender_device = "cuda:0" if a.gpus else a.device
-    value = np.random.default_rng(0).standard_normal((BOUNDARY_TOKENS, shape["hidden_size"]), np.float32)
+    transport.DEVICE_MIN_BYTES = 0  # each size through the transport the pair chose, the smallest too
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal((int(n), shape["hidden_size"]), np.float32) for n in a.boundary_tokens.split(",")]
     rows: list[dict[str, Any]] = []
     for forced in (["tcp", "auto"] if on_gpu else ["tcp"]):
         address = f"127.0.0.1:{free_port()}"
-        env = {**os.environ, ENV: forced, **(gpu_env([0, 1], 1) if a.gpus >= 2 else {})}
+        env = {**os.environ, transport.ENV: forced, **(gpu_env([0, 1], 1) if a.gpus >= 2 else {})}
         device = "cuda:0" if a.gpus else a.device
         log = Path(tempfile.mkdtemp(prefix="boundary-")) / "executor.log"
         with open(log, "wb") as out:
@@ -482,25 +484,29 @@ def measure_boundary(a: argparse.Namespace, shape: dict[str, Any]) -> list[dict[
         try:
             wait_healthy(address, receiver, 300.0, "the receiving executor", log=log)
             pusher = BoundaryPusher(device=sender_device)
-            times, answers = [], set()
-            for i in range(a.boundary_repeats + 1):  # the first opens the link (and maps the slots): not counted
-                boundary = Boundary(i + 1, values={dag.ACTIVATION: value})
-                done: Future[Exception | None] = Future()
-                began = time.perf_counter()
-                pusher(address, 1, boundary, 120.0, done.set_result)
-                error = done.result(timeout=300)
-                if i:
-                    times.append(time.perf_counter() - began)
-                answers.add(getattr(error, "reason", repr(error)))
-            if answers != {"NOT_INSTALLED"}:
-                raise RuntimeError(f"the receiving executor answered {answers}, not NOT_INSTALLED: see {log}")
-            choice = pusher.transports[address]
-            seconds = median(times)
-            rows.append({"transport": NAMES[choice.transport], "reason": choice.reason, "tokens": BOUNDARY_TOKENS,
-                         "bytes": value.nbytes, "seconds": seconds, "gb_s": value.nbytes / seconds / 1e9,
-                         "sender": sender_device, "receiver_gpu": 1 if a.gpus >= 2 else 0 if on_gpu else None})
-            progress(f"   {rows[-1]['transport']}: {seconds * 1e3:.1f} ms, {rows[-1]['gb_s']:.2f} GB/s "
-                     f"({choice.reason})")
+            step = 0
+            for value in values:
+                times, answers = [], set()
+                for i in range(a.boundary_repeats + 1):  # the first opens the link or maps a slot: not counted
+                    step += 1
+                    boundary = Boundary(step, values={dag.ACTIVATION: value})
+                    done: Future[Exception | None] = Future()
+                    began = time.perf_counter()
+                    pusher(address, 1, boundary, 120.0, done.set_result)
+                    error = done.result(timeout=300)
+                    if i:
+                        times.append(time.perf_counter() - began)
+                    answers.add(getattr(error, "reason", repr(error)))
+                if answers != {"NOT_INSTALLED"}:
+                    raise RuntimeError(f"the receiving executor answered {answers}, not NOT_INSTALLED: see {log}")
+                choice = pusher.transports[address]
+                seconds = median(times)
+                rows.append({"transport": transport.NAMES[choice.transport], "reason": choice.reason,
+                             "tokens": value.shape[0], "bytes": value.nbytes, "seconds": seconds,
+                             "gb_s": value.nbytes / seconds / 1e9, "sender": sender_device,
+                             "receiver_gpu": 1 if a.gpus >= 2 else 0 if on_gpu else None})
+                progress(f"   {rows[-1]['transport']}, {value.nbytes / 2**20:.1f} MiB: {seconds * 1e3:.2f} ms, "
+                         f"{rows[-1]['gb_s']:.2f} GB/s ({choice.reason})")
         finally:
             receiver.terminate()
             receiver.wait(timeout=30)
@@ -574,7 +580,9 @@ def main() -> None:
                    help="the most the writer holds in host memory at once")
     p.add_argument("--write-only", default="", help="write the random checkpoint to this directory and stop")
     p.add_argument("--measure-boundary", action="store_true",
-                   help="time a 32k-token prefill boundary between two GPUs (or the device) and stop")
+                   help="time boundaries between two GPUs (or on the device) by transport and size, and stop")
+    p.add_argument("--boundary-tokens", default="32768",
+                   help="--measure-boundary's sizes in f32 rows of the shape's width (default: a 32k-token prefill)")
     p.add_argument("--boundary-repeats", type=int, default=5)
     p.add_argument("--py-spy", type=int, default=0, metavar="PASSES",
                    help="after the levels, py-spy every process of each mesh through this many passes of the largest "
@@ -592,7 +600,7 @@ def main() -> None:
               f"{stats['largest_shard_bytes'] / 2**20:.0f} MiB, pieces of {a.write_piece_bytes / 2**20:.0f} MiB)")
         return
     if a.measure_boundary:
-        progress(f"== a {BOUNDARY_TOKENS}-token prefill boundary, {a.shape} width")
+        progress(f"== boundaries of {a.boundary_tokens} tokens, {a.shape} width")
         boundary = measure_boundary(a, shape)
         out = Path(a.out if a.out != str(RESULTS_DIR / "gpu_mesh.json") else RESULTS_DIR / "gpu_boundary.json")
         out.parent.mkdir(parents=True, exist_ok=True)
