@@ -24,7 +24,7 @@ from graphmesh.errors import DeadlineExceeded, GraphmeshError, from_rpc_error
 from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.links import ACK, HEADER, HELLO, PUSH, KvLink, KvLinks, LinkError, frame, read_frame
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
-from graphmesh_executor import boundary_link
+from graphmesh_executor import boundary_link, transport
 from graphmesh_executor.boundary_link import BoundaryLink
 from graphmesh_executor.stage_servicer import BoundaryPusher
 from graphmesh_executor.stage_types import Boundary
@@ -96,13 +96,13 @@ def test_a_push_that_is_never_taken_fails_at_its_deadline_and_breaks_the_link() 
     link = BoundaryLink.connect(listener.address, b"t" * 32, 5.0)
     results: list[Future[Exception | None]] = [Future(), Future()]
     t0 = time.monotonic()
-    assert link.push(b"first", 0.3, results[0].set_result)
-    assert link.push(b"second", 30.0, results[1].set_result)
+    assert link.push([b"first"], 0.3, results[0].set_result)
+    assert link.push([b"second"], 30.0, results[1].set_result)
     errors = [r.result(timeout=10) for r in results]
     assert time.monotonic() - t0 < 5.0  # the first deadline broke the link, the second push with it
     assert all(isinstance(e, DeadlineExceeded) and e.reason == "BOUNDARY_LINK_TIMEOUT" for e in errors), errors
     assert listener.frames == [PUSH, PUSH]
-    assert not link.push(b"third", 1.0, lambda _: None)  # a broken link sends nothing more
+    assert not link.push([b"third"], 1.0, lambda _: None)  # a broken link sends nothing more
 
 
 def test_a_push_now_never_blocks_on_a_next_rank_that_stopped_reading() -> None:
@@ -114,7 +114,7 @@ def test_a_push_now_never_blocks_on_a_next_rank_that_stopped_reading() -> None:
     delivered: list[Future[Exception | None]] = []
     for _ in range(1000):  # the send buffer (4 MiB) and the peer's receive buffer fill long before this
         done: Future[Exception | None] = Future()
-        if not link.push_now(payload, 30.0, done.set_result):
+        if not link.push_now([payload], 30.0, done.set_result):
             break
         delivered.append(done)
     else:
@@ -123,7 +123,7 @@ def test_a_push_now_never_blocks_on_a_next_rank_that_stopped_reading() -> None:
     assert not any(d.done() for d in delivered)
     listener.reading.set()
     assert [d.result(timeout=30) for d in delivered] == [None] * len(delivered)
-    assert link.push_now(payload, 30.0, lambda _: None)  # room again once the next rank reads
+    assert link.push_now([payload], 30.0, lambda _: None)  # room again once the next rank reads
     assert link.broken is None
 
 
@@ -209,7 +209,8 @@ def test_a_link_opens_while_its_listener_is_flooded(monkeypatch: pytest.MonkeyPa
     HELLO_TIMEOUT_S is up, however often they send a byte."""
     monkeypatch.setattr(boundary_link, "HELLO_TIMEOUT_S", 3.0)
     taken: list[stage_pb2.PushBoundaryRequest] = []
-    listener = boundary_link.LinkListener("127.0.0.1", 0, taken.append, 1 << 20)
+    listener = boundary_link.LinkListener("127.0.0.1", 0, lambda request, values: taken.append(request),
+                                           1 << 20)
     address = f"127.0.0.1:{listener.port}"
     flood = _Flood(address, junk=2 * boundary_link.MAX_HANDSHAKES, slow=24)
     try:
@@ -220,7 +221,8 @@ def test_a_link_opens_while_its_listener_is_flooded(monkeypatch: pytest.MonkeyPa
         for step in range(3):  # again and again while the flood goes on
             link = BoundaryLink.connect(address, listener.ticket(), 5.0)
             done: Future[Exception | None] = Future()
-            assert link.push(stage_pb2.PushBoundaryRequest(step_id=step).SerializeToString(), 10.0, done.set_result)
+            assert link.push(transport.push_parts(stage_pb2.PushBoundaryRequest(step_id=step), []), 10.0,
+                             done.set_result)
             assert done.result(timeout=10) is None
             link.fail(DeadlineExceeded("done", "TEST"))
             time.sleep(1.0)
@@ -285,7 +287,7 @@ def test_a_replan_links_under_a_connection_flood(tmp_path: Path) -> None:
             link = BoundaryLink.connect(target, _ticket(mesh, mesh.executor_addresses[2]), 10.0)
             done: Future[Exception | None] = Future()
             stale = stage_pb2.PushBoundaryRequest(header=stage_pb2.FencingHeader(incarnation=1), step_id=1)
-            assert link.push(stale.SerializeToString(), 10.0, done.set_result)
+            assert link.push(transport.push_parts(stale, []), 10.0, done.set_result)
             error = done.result(timeout=30)
             assert isinstance(error, GraphmeshError) and error.reason == "STALE_INCARNATION", error
             link.fail(DeadlineExceeded("done", "TEST"))
@@ -327,7 +329,7 @@ _LOW_LIMIT_LISTENER = """
 import resource, sys
 from graphmesh_executor.boundary_link import LinkListener
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-listener = LinkListener("127.0.0.1", 0, lambda request: None, 1 << 20)
+listener = LinkListener("127.0.0.1", 0, lambda request, values: None, 1 << 20)
 print(listener.port, flush=True)
 for _ in sys.stdin:  # a line asks for a ticket
     print(listener.ticket().hex(), flush=True)
@@ -356,7 +358,8 @@ def test_a_link_opens_while_the_flood_has_taken_every_descriptor() -> None:
             process.stdin.flush()
             link = BoundaryLink.connect(address, bytes.fromhex(process.stdout.readline()), 5.0)
             done: Future[Exception | None] = Future()
-            assert link.push(stage_pb2.PushBoundaryRequest(step_id=1).SerializeToString(), 10.0, done.set_result)
+            assert link.push(transport.push_parts(stage_pb2.PushBoundaryRequest(step_id=1), []), 10.0,
+                             done.set_result)
             assert done.result(timeout=10) is None
             link.fail(DeadlineExceeded("done", "TEST"))
     finally:

@@ -19,8 +19,9 @@ from graphmesh import channels, tensors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError, Unavailable, from_rpc_error
 from graphmesh.launcher import LocalMesh
-from graphmesh.links import HEADER, HELLO
+from graphmesh.links import HEADER, HELLO, Buffer
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh_executor import transport
 from graphmesh_executor.boundary_link import BoundaryLink
 from graphmesh_server import faults
 from tests.model_fixtures import make_tiny_llama
@@ -88,9 +89,18 @@ def _link(mesh: LocalMesh, address: str) -> tuple[str, bytes]:
     return f"{host or '127.0.0.1'}:{port}", answer.ticket
 
 
-def _over_link(link: BoundaryLink, payload: bytes) -> Exception | None:
+def _over_link(link: BoundaryLink, request: stage_pb2.PushBoundaryRequest | bytes) -> Exception | None:
+    """Pushes `request` as a PUSH frame (its tensors' bytes after the message), or bytes as the frame's payload."""
+    if isinstance(request, bytes):
+        parts: list[Buffer] = [request]
+    else:
+        bare = stage_pb2.PushBoundaryRequest()
+        bare.CopyFrom(request)
+        for t in bare.tensors:
+            t.tensor.ClearField("data")
+        parts = transport.push_parts(bare, [tensors.from_proto(t.tensor) for t in request.tensors])
     done: Future[Exception | None] = Future()
-    assert link.push(payload, 10.0, done.set_result)
+    assert link.push(parts, 10.0, done.set_result)
     return done.result(timeout=30)
 
 
@@ -202,7 +212,7 @@ def test_stale_or_poisoned_messages_are_refused_and_change_nothing(mesh: LocalMe
             assert error.code == grpc.StatusCode.FAILED_PRECONDITION and error.reason == "STALE_INCARNATION"
         # the same bundle over the executor's boundary link gets the same answer
         link = BoundaryLink.connect(*_link(mesh, mesh.executor_addresses[1]), 10.0)
-        answer = _over_link(link, calls[-1][1].SerializeToString())
+        answer = _over_link(link, calls[-1][1])
         assert isinstance(answer, GraphmeshError) and answer.reason == "STALE_INCARNATION"
         assert answer.code == grpc.StatusCode.FAILED_PRECONDITION
         link.fail(Unavailable("done", "TEST"))
@@ -240,7 +250,7 @@ def test_a_boundary_link_takes_only_its_ticket_and_survives_bad_frames(mesh: Loc
     error = _over_link(link, b"\xff\xff\xff\xff")
     assert isinstance(error, GraphmeshError) and error.reason == "BAD_REQUEST"
     stale = stage_pb2.PushBoundaryRequest(header=stage_pb2.FencingHeader(incarnation=k - 1), step_id=1)
-    error = _over_link(link, stale.SerializeToString())
+    error = _over_link(link, stale)
     assert isinstance(error, GraphmeshError) and error.reason == "STALE_INCARNATION"
     link.fail(Unavailable("done", "TEST"))
     # A connection whose first frame claims to be bigger than a ticket is closed before it sends it.

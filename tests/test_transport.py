@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from graphmesh import dtypes, security, tensors
 from graphmesh import plan as dag
-from graphmesh import security, tensors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError, Unavailable
 from graphmesh.launcher import LocalMesh, free_port, gpu_env, parse_gpus
@@ -192,13 +192,14 @@ def test_a_gpu_push_to_a_cpu_executor_is_refused_and_the_link_goes_on(model: Pat
         assert (answer.transport, answer.transport_reason) == (TCP, "the sender is on cpu")
         assert answer.receiver.device == "cpu" and answer.receiver.host_id == local_end("cpu").host_id
         link = BoundaryLink.connect(f"127.0.0.1:{answer.address.rsplit(':', 1)[1]}", answer.ticket, 10.0)
+        value = np.zeros((2, 64), np.float32)
         request = stage_pb2.PushBoundaryRequest(step_id=1)
-        request.tensors.add(role=dag.role_proto(dag.ACTIVATION), tensor=tensors.to_proto(np.zeros((2, 64), np.float32)))
+        request.tensors.add(role=dag.role_proto(dag.ACTIVATION), tensor=tensors.to_proto(value)).tensor.ClearField("data")
         errors = []
-        for kind, payload in ((transport.DEVICE_PUSH, b"\0" * 12 + request.SerializeToString()),
-                              (PUSH, request.SerializeToString())):
+        for kind, parts in ((transport.DEVICE_PUSH, [b"\0" * 12 + request.SerializeToString()]),
+                            (PUSH, transport.push_parts(request, [value]))):
             done: Future[Exception | None] = Future()
-            assert link.push(payload, 10.0, done.set_result, kind=kind)
+            assert link.push(parts, 10.0, done.set_result, kind=kind)
             errors.append(done.result(timeout=30))
         assert isinstance(errors[0], GraphmeshError) and errors[0].reason == transport.DEVICE_FAILED
         assert "reached an executor on cpu" in errors[0].message
@@ -206,6 +207,34 @@ def test_a_gpu_push_to_a_cpu_executor_is_refused_and_the_link_goes_on(model: Pat
         assert isinstance(errors[1], GraphmeshError) and errors[1].reason != transport.DEVICE_FAILED
         assert link.broken is None
         link.fail(Unavailable("the test is done", "TEST_DONE"))
+
+
+def test_a_push_frame_carries_each_tensor_after_the_message_byte_exact() -> None:
+    """A PUSH payload (push_parts) read back (read_push): every tensor's dtype, shape and bits, bf16 and an empty
+    one included, each starting at an ALIGN offset of the payload and read as a view of it (no copy); the frame the
+    link sends is the same bytes, joined. A payload whose lengths do not add up is refused BAD_REQUEST."""
+    rng = np.random.default_rng(3)
+    values = [rng.standard_normal((5, 37)).astype(np.float32),
+              rng.standard_normal((3, 8)).astype(np.float32).astype(dtypes.to_numpy("bf16")),
+              rng.integers(-9, 9, 7, dtype=np.int64), np.zeros((0, 4), np.float32),
+              rng.standard_normal((2, 3)).astype(np.float32).T]  # not contiguous: sent as its C-order copy
+    request = stage_pb2.PushBoundaryRequest(step_id=7, route_id=2)
+    for value in values:
+        request.tensors.add(role=dag.role_proto(dag.ACTIVATION), tensor=tensors.to_proto(value)).tensor.ClearField("data")
+    payload = bytearray(b"".join(bytes(p) for p in transport.push_parts(request, values)))
+    got, arrays = transport.read_push(payload)
+    assert got == request
+    for array, value in zip(arrays, values, strict=True):
+        assert array.dtype == value.dtype and array.shape == value.shape
+        assert array.tobytes() == np.ascontiguousarray(value).tobytes()
+        if array.size:
+            assert array.base is not None and np.shares_memory(array, np.frombuffer(payload, np.uint8))
+            assert (array.__array_interface__["data"][0] - np.frombuffer(payload, np.uint8).ctypes.data) \
+                % transport.ALIGN == 0
+    for bad in (payload[:3], payload[:-1], payload + b"\0", b"\xff\xff\xff\xff" + payload[4:]):
+        with pytest.raises(GraphmeshError) as e:
+            transport.read_push(bytearray(bad))
+        assert e.value.reason == "BAD_REQUEST"
 
 
 def test_bundles_cross_a_links_slots_byte_exact(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,10 +269,10 @@ def test_bundles_cross_a_links_slots_byte_exact(monkeypatch: pytest.MonkeyPatch)
         assert framed is not None
         payload, slot = framed
         handle = int.from_bytes(payload[8:12], "little")
-        got = receiver.request(payload)
+        got, arrays = receiver.request(payload)
         assert got.step_id == rows and [t.role for t in got.tensors] == [t.role for t in request.tensors]
-        for t, value in zip(got.tensors, values):
-            assert np.array_equal(tensors.from_proto(t.tensor), value)
+        for array, value in zip(arrays, values, strict=True):
+            assert array.dtype == value.dtype and np.array_equal(array, value)
         return slot, handle
 
     first, handle = through(100)  # 14,800 + 800 bytes: the second tensor at offset 14,848

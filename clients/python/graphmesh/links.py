@@ -53,20 +53,51 @@ def read_into(sock: socket.socket, view: memoryview) -> None:
 
 
 def read_exact(sock: socket.socket, n: int) -> bytes:
+    return bytes(read_buffer(sock, n))
+
+
+def read_buffer(sock: socket.socket, n: int) -> bytearray:
+    """read_exact without the copy into bytes: what a push's tensors are read into, and stay in."""
     data = bytearray(n)
     read_into(sock, memoryview(data))
-    return bytes(data)
+    return data
 
 
 def read_frame(sock: socket.socket, max_bytes: int) -> tuple[int, bytes]:
+    kind, payload = read_frame_buffer(sock, max_bytes)
+    return kind, bytes(payload)
+
+
+def read_frame_buffer(sock: socket.socket, max_bytes: int) -> tuple[int, bytearray]:
     length, kind = HEADER.unpack(read_exact(sock, HEADER.size))
     if length > max_bytes:
         raise LinkError(f"a frame of {length} bytes, over the limit of {max_bytes}")
-    return kind, read_exact(sock, length)
+    return kind, read_buffer(sock, length)
 
 
 def frame(kind: int, payload: bytes) -> bytes:
     return HEADER.pack(len(payload), kind) + payload
+
+
+Buffer = bytes | bytearray | memoryview
+
+
+def frame_bytes(parts: Sequence[Buffer]) -> int:
+    """The length of a frame whose payload is `parts`, its header included."""
+    return HEADER.size + sum(len(p) for p in parts)
+
+
+def send_frame(sock: socket.socket, kind: int, parts: Sequence[Buffer]) -> None:
+    """Sends frame(kind, b"".join(parts)) without joining them: the parts go to the kernel where they are (one
+    sendmsg, repeated for what it did not take), so a tensor's bytes are copied only into the socket."""
+    views = [memoryview(p).cast("B") for p in (HEADER.pack(frame_bytes(parts) - HEADER.size, kind), *parts) if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
 
 
 def nodelay(sock: socket.socket) -> socket.socket:

@@ -3,9 +3,9 @@
 A gRPC unary PushBoundary costs ~1 ms a hop on the 2-core VM and ~1.4 ms on the H200 host, more than a decode
 step's compute on a GPU, and a decode run makes two hops per token (the activation on, the sampled tokens back).
 A link is one TCP connection from a rank to the next carrying length-prefixed frames (graphmesh.links: the framing
-and the senders other services need): each PUSH frame is a serialized PushBoundaryRequest, the message
-PushBoundary takes, and the receiver answers every one, in order, with an ACK frame holding the google.rpc.Status
-PushBoundary would have answered. A round trip costs ~0.07 ms.
+and the senders other services need): each PUSH frame is the PushBoundaryRequest that PushBoundary takes, its
+tensors' bytes after the message (transport.push_parts), and the receiver answers every one, in order, with an ACK
+frame holding the google.rpc.Status PushBoundary would have answered. A round trip costs ~0.07 ms.
 
 The control plane stays gRPC. The sender asks the next rank for a link with StageService.OpenBoundaryLink, which
 is authenticated like every mesh call (mesh token or mutual TLS) and answers the link's address and a one-time
@@ -34,7 +34,7 @@ import termios
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -57,16 +57,20 @@ from graphmesh.links import (
     KV_BEGIN,
     KV_DATA,
     PUSH,
+    Buffer,
     LinkError,
     connect,
     frame,
+    frame_bytes,
     nodelay,
     read_exact,
     read_frame,
+    read_frame_buffer,
     read_into,
+    send_frame,
 )
 from graphmesh.v1 import stage_pb2
-from graphmesh_executor.transport import DEVICE_PUSH, DeviceReceiver, receiver_factory
+from graphmesh_executor.transport import DEVICE_PUSH, DeviceReceiver, read_push, receiver_factory
 
 log = logging.getLogger("graphmesh.executor.boundary_link")
 
@@ -85,6 +89,7 @@ SEND_BUFFER_BYTES = 4 << 20
 _OK = status_pb2.Status().SerializeToString()
 
 Delivered = Callable[[Exception | None], None]
+Accept = Callable[[stage_pb2.PushBoundaryRequest, list[np.ndarray]], None]  # a bundle: the request, its tensors
 
 
 def _answer(e: Exception, what: str) -> bytes:
@@ -138,7 +143,7 @@ class LinkListener:
     once; the others wait in at most MAX_HANDSHAKES slots, for at most HELLO_TIMEOUT_S in all, the oldest closed
     first when a new connection needs a slot."""
 
-    def __init__(self, host: str, port: int, accept: Callable[[stage_pb2.PushBoundaryRequest], None],
+    def __init__(self, host: str, port: int, accept: Accept,
                  max_frame_bytes: int, advertise: str = "", kv_writer: KvWriter | None = None) -> None:
         host = host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -291,19 +296,19 @@ class LinkListener:
         device: list[DeviceReceiver] = []  # the sender's GPU buffers this link mapped (transport.py), if any
         try:
             while True:
-                kind, payload = read_frame(conn, self._max_frame_bytes)
+                kind, payload = read_frame_buffer(conn, self._max_frame_bytes)
                 if kind == KV_BEGIN and self._kv_writer is not None:
-                    self._serve_kv_write(conn, payload)
+                    self._serve_kv_write(conn, bytes(payload))
                     continue
                 if kind not in (PUSH, DEVICE_PUSH):
                     raise LinkError(f"a frame of kind {kind} where a push was expected")
                 try:
                     if kind == DEVICE_PUSH:  # the bundle's bytes are in the sender's GPU buffer
                         device = device or [self.device_receiver()]
-                        request = device[0].request(payload)
+                        request, values = device[0].request(bytes(payload))  # no tensor bytes
                     else:
-                        request = stage_pb2.PushBoundaryRequest.FromString(payload)
-                    self._accept(request)
+                        request, values = read_push(payload)
+                    self._accept(request, values)
                     with self._lock:
                         self.pushes += 1
                     answer = _OK
@@ -383,33 +388,32 @@ class BoundaryLink:
         """Connects to the listener at `address` and presents `ticket`; raises what the listener answered."""
         return cls(connect(address, ticket, timeout_s), address)
 
-    def push(self, request: bytes, timeout_s: float, delivered: Delivered, kind: int = PUSH) -> bool:
-        """Sends a serialized PushBoundaryRequest (or a DEVICE_PUSH payload, transport.py); False (nothing sent)
-        when the link is already broken."""
+    def push(self, parts: Sequence[Buffer], timeout_s: float, delivered: Delivered, kind: int = PUSH) -> bool:
+        """Sends a frame of `kind` whose payload is `parts` (transport.push_parts, or a DEVICE_PUSH payload); False
+        (nothing sent) when the link is already broken."""
         with self._lock:
             if self.broken is not None:
                 return False
             self._pending.append((time.monotonic() + timeout_s, delivered))
             try:
-                self._sock.sendall(frame(kind, request))
+                send_frame(self._sock, kind, parts)
                 return True
             except OSError as e:
                 reason = str(e)
         self.fail(Unavailable(f"boundary link to {self.address} broke: {reason}", "BOUNDARY_LINK_BROKEN"))
         return True
 
-    def push_now(self, request: bytes, timeout_s: float, delivered: Delivered) -> bool:
-        """Sends a serialized PushBoundaryRequest only if that cannot block: the link is free (no sender is in
-        `push`) and its send buffer has room for the frame. False: nothing was sent (push it the blocking way)."""
-        data = frame(PUSH, request)
+    def push_now(self, parts: Sequence[Buffer], timeout_s: float, delivered: Delivered) -> bool:
+        """Sends a PUSH frame of `parts` only if that cannot block: the link is free (no sender is in `push`) and
+        its send buffer has room for the frame. False: nothing was sent (push it the blocking way)."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            if self.broken is not None or self._room() < len(data):
+            if self.broken is not None or self._room() < frame_bytes(parts):
                 return False
             self._pending.append((time.monotonic() + timeout_s, delivered))
             try:
-                self._sock.sendall(data)
+                send_frame(self._sock, PUSH, parts)
                 return True
             except OSError as e:
                 reason = str(e)

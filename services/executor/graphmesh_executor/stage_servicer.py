@@ -90,13 +90,15 @@ class BoundaryPusher:
         if device is not None and device[0] is link and _nbytes(boundary) >= transport.DEVICE_MIN_BYTES:
             return False  # for the GPU path, from a sender thread
         with telemetry.span("stage.push_boundary", step=boundary.step_id, iteration=boundary.iteration):
-            request = self._request(incarnation, boundary)
+            request = self._request(incarnation, boundary, data=False)
             request.trace_context.update(telemetry.carrier(telemetry.current_context()))
-            return link.push_now(request.SerializeToString(), timeout_s, delivered)
+            return link.push_now(transport.push_parts(request, list(boundary.values.values())), timeout_s,
+                                 delivered)
 
     @staticmethod
     def _request(incarnation: int, boundary: Boundary, data: bool = True) -> stage_pb2.PushBoundaryRequest:
-        """The bundle as PushBoundary takes it; without the tensors' bytes (`data` False) for the GPU path."""
+        """The bundle as PushBoundary takes it; without the tensors' bytes (`data` False) for a link, which sends
+        them after the message (transport.py)."""
         request = stage_pb2.PushBoundaryRequest(header=stage_pb2.FencingHeader(incarnation=incarnation),
                                                 step_id=boundary.step_id, iteration=boundary.iteration,
                                                 route_id=boundary.route_id, schema_identity=boundary.schema_identity,
@@ -110,22 +112,21 @@ class BoundaryPusher:
     def _send(self, stub: stage_pb2_grpc.StageServiceStub, address: str, incarnation: int, boundary: Boundary,
               timeout_s: float, delivered: Callable[[Exception | None], None], context: telemetry.Context) -> None:
         try:
-            request = self._request(incarnation, boundary)
             with telemetry.span("stage.push_boundary", parent=context, step=boundary.step_id,
                                 iteration=boundary.iteration):
                 link = self._link(stub, address, timeout_s) if self.links else None
                 if link is not None:
+                    request = self._request(incarnation, boundary, data=False)
                     request.trace_context.update(telemetry.carrier(telemetry.current_context()))
-                    if self._push_on(link, address, incarnation, boundary, request, timeout_s, delivered):
+                    if self._push_on(link, address, boundary, request, timeout_s, delivered):
                         return
                     link = self._link(stub, address, timeout_s)  # broke since: nothing was sent, so send it anew
-                    if link is not None and self._push_on(link, address, incarnation, boundary, request, timeout_s,
-                                                          delivered):
+                    if link is not None and self._push_on(link, address, boundary, request, timeout_s, delivered):
                         return
                 if address not in self.transports:
                     self._chosen(address, Choice(transport.GRPC, "a TLS mesh" if not self.links else
                                                  "the next rank has no boundary link listener"))
-                stub.PushBoundary(request, timeout=timeout_s)
+                stub.PushBoundary(self._request(incarnation, boundary), timeout=timeout_s)
         except grpc.RpcError as e:
             delivered(from_rpc_error(e))
             return
@@ -134,17 +135,17 @@ class BoundaryPusher:
             return
         delivered(None)
 
-    def _push_on(self, link: BoundaryLink, address: str, incarnation: int, boundary: Boundary,
-                 request: stage_pb2.PushBoundaryRequest, timeout_s: float,
-                 delivered: Callable[[Exception | None], None]) -> bool:
-        """BoundaryLink.push, through the link's GPU buffers where its receiver chose CUDA IPC and the bundle is
-        large enough (transport.py); a TCP frame on the same link otherwise."""
+    def _push_on(self, link: BoundaryLink, address: str, boundary: Boundary, request: stage_pb2.PushBoundaryRequest,
+                 timeout_s: float, delivered: Callable[[Exception | None], None]) -> bool:
+        """BoundaryLink.push of `boundary` (`request`: its message without the tensors' bytes), through the link's
+        GPU buffers where its receiver chose CUDA IPC and the bundle is large enough (transport.py); a TCP frame
+        on the same link otherwise."""
         with self._lock:
             device = self._device.get(address)
         sender = device[1] if device is not None and device[0] is link else None
+        values = list(boundary.values.values())
         try:
-            framed = sender.frame(self._request(incarnation, boundary, data=False),
-                                  list(boundary.values.values())) if sender is not None else None
+            framed = sender.frame(request, values) if sender is not None else None
         except Exception as e:  # a CUDA error copying into the slot: the link's GPU path failed
             failed = Unavailable(f"a bundle could not be put in a CUDA IPC slot: {type(e).__name__}: {e}",
                                  transport.DEVICE_FAILED)
@@ -153,7 +154,7 @@ class BoundaryPusher:
             delivered(failed)
             return True
         if sender is None or framed is None:
-            return link.push(request.SerializeToString(), timeout_s, delivered)
+            return link.push(transport.push_parts(request, values), timeout_s, delivered)
         payload, slot = framed
 
         def answered(error: Exception | None) -> None:
@@ -164,7 +165,7 @@ class BoundaryPusher:
                 self._strikes[address] = self._strikes.get(address, 0) + 1
                 link.fail(error)  # this link's GPU path is unusable: the next push opens a new link, mapped anew
             delivered(error)
-        if link.push(payload, timeout_s, answered, kind=transport.DEVICE_PUSH):
+        if link.push([payload], timeout_s, answered, kind=transport.DEVICE_PUSH):
             return True
         sender.release(slot)
         return False
@@ -275,12 +276,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     @rpc
     def PushBoundary(self, request: stage_pb2.PushBoundaryRequest,
                      context: grpc.ServicerContext) -> stage_pb2.PushBoundaryResponse:
-        self.accept_push(request)
+        self.accept_push(request, [tensors.from_proto(t.tensor) for t in request.tensors])
         return stage_pb2.PushBoundaryResponse()
 
-    def accept_push(self, request: stage_pb2.PushBoundaryRequest) -> None:
-        """A pushed bundle, from PushBoundary or a boundary link."""
-        values = {dag.role_of(t.role): tensors.from_proto(t.tensor) for t in request.tensors}
+    def accept_push(self, request: stage_pb2.PushBoundaryRequest, arrays: list[np.ndarray]) -> None:
+        """A pushed bundle, from PushBoundary or a boundary link: its message and its tensors' values in order."""
+        values = {dag.role_of(t.role): array for t, array in zip(request.tensors, arrays)}
         if len(values) != len(request.tensors):  # a role twice: fails the route's check, as any bad bundle
             values[""] = np.zeros((0,), np.float64)
         boundary = Boundary(request.step_id, request.iteration, request.route_id, values, request.schema_identity,

@@ -28,7 +28,13 @@ on TCP.
 
 Boundary values are host arrays today (the stage's runs return numpy), so the sender copies host to GPU and the
 receiver GPU to host: the bundle skips serialization and the socket, not host memory. A torch CUDA tensor given to
-the sender is copied into the slot device to device; the receiver still hands the stage host bytes.
+the sender is copied into the slot device to device; the receiver still hands the stage host arrays.
+
+A TCP frame (PUSH) carries the PushBoundaryRequest without its tensors' bytes, then the bytes themselves, each
+tensor at an ALIGN offset: the sender hands the arrays to the kernel where they lie (graphmesh.links.send_frame)
+and the receiver reads them into one buffer that the stage's arrays are views of. Inside the message, a 1 MiB
+activation was copied five times on the way (to bytes, into the message, serialized, framed, out of the read
+buffer) and parsed once more.
 """
 
 from __future__ import annotations
@@ -41,15 +47,16 @@ import socket
 import struct
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeAlias, cast
 
 import numpy as np
 
-from graphmesh import dtypes
-from graphmesh.errors import Unavailable
+from graphmesh import dtypes, tensors
+from graphmesh.errors import InvalidArgument, Unavailable
+from graphmesh.links import Buffer
 from graphmesh.v1 import stage_pb2
 
 log = logging.getLogger("graphmesh.executor.transport")
@@ -64,6 +71,8 @@ DEVICE_STRIKES = 3  # failed device pushes in a row to one address before its li
 ALIGN = 256  # each tensor's offset in a slot
 DEVICE_FAILED = "BOUNDARY_DEVICE_FAILED"
 _SLOT_HEADER = struct.Struct("<III")  # slot, generation, length of the handle that follows (0: mapped already)
+_PUSH_HEADER = struct.Struct("<I")  # a PUSH payload's: the length of the message that follows
+_PADDING = bytes(ALIGN)
 
 Transport: TypeAlias = stage_pb2.BoundaryTransport.ValueType
 TCP: Transport = stage_pb2.BOUNDARY_TRANSPORT_TCP
@@ -164,6 +173,44 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def push_parts(request: stage_pb2.PushBoundaryRequest, values: Sequence[np.ndarray]) -> list[Buffer]:
+    """A PUSH frame's payload for `request` (its tensors without bytes) whose tensors' bytes are `values` in order:
+    the message, then each value's bytes at an ALIGN offset of the payload, as views of the arrays."""
+    message = request.SerializeToString()
+    parts: list[Buffer] = [_PUSH_HEADER.pack(len(message)), message]
+    at = _PUSH_HEADER.size + len(message)
+    for value in values:
+        parts.append(_PADDING[:_aligned(at) - at])
+        data = np.ascontiguousarray(value).reshape(-1).view(np.uint8).data
+        parts.append(data)
+        at = _aligned(at) + len(data)
+    return parts
+
+
+def read_push(payload: bytearray) -> tuple[stage_pb2.PushBoundaryRequest, list[np.ndarray]]:
+    """The request and the tensors of a PUSH payload (push_parts), the tensors as views of `payload`."""
+    if len(payload) < _PUSH_HEADER.size:
+        raise InvalidArgument(f"a push of {len(payload)} bytes", "BAD_REQUEST")
+    (length,) = _PUSH_HEADER.unpack_from(payload)
+    at = _PUSH_HEADER.size + length
+    if at > len(payload):
+        raise InvalidArgument(f"a push announces a message of {length} bytes in a frame of {len(payload)}",
+                              "BAD_REQUEST")
+    view = memoryview(payload)
+    request = stage_pb2.PushBoundaryRequest.FromString(bytes(view[_PUSH_HEADER.size:at]))  # no tensor bytes
+    values = []
+    for t in request.tensors:
+        start, n = _aligned(at), _nbytes(t.tensor)
+        if start + n > len(payload):
+            raise InvalidArgument(f"the push's tensors need {start + n} bytes, its frame holds {len(payload)}",
+                                  "BAD_REQUEST")
+        values.append(tensors.from_bytes(dtypes.from_proto(t.tensor.dtype), t.tensor.shape, view[start:start + n]))
+        at = start + n
+    if at != len(payload):
+        raise InvalidArgument(f"{len(payload) - at} bytes follow the push's last tensor", "BAD_REQUEST")
+    return request, values
+
+
 def _export(buffer: Any, gpu_uuid: str) -> bytes:
     """An IPC handle of a device buffer, as torch.multiprocessing shares a CUDA tensor (its storage's handle,
     offset in the allocation, reference counter and the event its writes are ordered by)."""
@@ -259,8 +306,8 @@ class DeviceReceiver:
         # every kernel this process's engine has queued, though the sender synchronized before it pushed.
         self._streams: dict[int, Any] = {}
 
-    def request(self, payload: bytes) -> stage_pb2.PushBoundaryRequest:
-        """The PushBoundaryRequest a DEVICE_PUSH frame carries, its tensors' bytes copied out of the slot."""
+    def request(self, payload: bytes) -> tuple[stage_pb2.PushBoundaryRequest, list[np.ndarray]]:
+        """The PushBoundaryRequest a DEVICE_PUSH frame carries, and its tensors copied out of the slot."""
         try:
             return self._request(payload)
         except Unavailable:
@@ -269,7 +316,7 @@ class DeviceReceiver:
             raise Unavailable(f"a bundle over CUDA IPC could not be read: {type(e).__name__}: {e}",
                               DEVICE_FAILED) from e
 
-    def _request(self, payload: bytes) -> stage_pb2.PushBoundaryRequest:
+    def _request(self, payload: bytes) -> tuple[stage_pb2.PushBoundaryRequest, list[np.ndarray]]:
         slot, generation, length = _SLOT_HEADER.unpack_from(payload)
         at = _SLOT_HEADER.size
         if length:
@@ -288,10 +335,9 @@ class DeviceReceiver:
         end = spans[-1][0] + spans[-1][1] if spans else 0
         if end > buffer.numel():
             raise ValueError(f"the bundle's tensors need {end} bytes, its slot holds {buffer.numel()}")
-        data = self._read(buffer[:end])
-        for t, (start, n) in zip(request.tensors, spans):
-            t.tensor.data = data[start:start + n].tobytes()
-        return request
+        data = self._read(buffer[:end]).data
+        return request, [tensors.from_bytes(dtypes.from_proto(t.tensor.dtype), t.tensor.shape, data[start:start + n])
+                         for t, (start, n) in zip(request.tensors, spans)]
 
     def _read(self, span: Any) -> np.ndarray:
         """`span` of a slot in host memory, read before the answer frees the slot (a slot on the CPU, which tests
