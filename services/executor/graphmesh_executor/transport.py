@@ -21,8 +21,10 @@ copied into a free slot on a stream of its own, that stream is synchronized, and
 with the slot's number, its IPC handle when the slot is new to the receiver, and the PushBoundaryRequest without
 its tensors' bytes. The receiver copies the bytes out of the mapped slot, on a stream of its own that it waits for,
 before it answers, and the slot is free again once the answer is back: a slot is never written while the receiver
-may read it. Smaller bundles (decode steps) stay TCP frames on the same link, in the same order: a frame's round
-trip is ~0.07 ms, and the GPU path adds a stream synchronization at each end (not measured against it yet). A
+may read it. Smaller bundles stay TCP frames on the same link, in the same order, and that is every decode step's
+(up to 256 bf16 rows of an 8B model: 4 MiB): at 1 MiB, two executors on one H200 decoded 8-17% faster over TCP
+frames than over the slots, whose path adds a copy and a stream synchronization at each end, and that was before
+the frames lost their copies (bench/RESULTS.md). A prompt chunk of 2,048 tokens (16 MiB and more) takes the slots. A
 failed device push breaks the link (COMM); after DEVICE_STRIKES in a row to one address the sender keeps that pair
 on TCP.
 
@@ -65,7 +67,7 @@ ENV = "GRAPHMESH_BOUNDARY_TRANSPORT"  # "tcp": never the GPU path; "auto" (defau
 DEVICE_PUSH = 6  # frame kind, after graphmesh.links' 1..5: slot header + PushBoundaryRequest without tensor bytes
 # Smaller bundles go as TCP frames on the same link (the environment variable lets a test send every one through
 # the GPU path).
-DEVICE_MIN_BYTES = int(os.environ.get("GRAPHMESH_CUDA_IPC_MIN_BYTES", 1 << 20))
+DEVICE_MIN_BYTES = int(os.environ.get("GRAPHMESH_CUDA_IPC_MIN_BYTES", 8 << 20))
 SLOTS = 4  # device buffers per link: bundles in flight at once over the GPU path
 DEVICE_STRIKES = 3  # failed device pushes in a row to one address before its links stay on TCP
 ALIGN = 256  # each tensor's offset in a slot
