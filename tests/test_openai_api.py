@@ -18,11 +18,13 @@ from http.client import HTTPConnection, HTTPException
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import openai
 import pytest
 
 from graphmesh.coordinator_client import CoordinatorClient
+from graphmesh.errors import GraphmeshError
 from graphmesh.launcher import LocalMesh, free_port
 from tests import pki
 
@@ -202,6 +204,17 @@ def test_logprobs_come_from_the_last_stage_and_leave_the_tokens_alone(client: op
     logits = grpc_client.compute_logits(prompt_ids).astype(np.float64)
     reference = np.sort(logits - logits.max() - np.log(np.exp(logits - logits.max()).sum()))[::-1]
     assert [t.logprob for t in entries[0].top_logprobs] == pytest.approx(reference[:2], abs=1e-4)
+    # gRPC's Generate gives the same tokens their same logprobs, and refuses what the HTTP API refuses
+    chunks = list(grpc_client.generate(QUESTION, max_tokens=4, logprobs=True, top_logprobs=2))
+    over_grpc = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in over_grpc] == [t for c in chunks for t in c.token_ids] and len(over_grpc) == 4
+    assert [lp.logprob for lp in over_grpc] == [e.logprob for e in entries]
+    assert [[t.logprob for t in lp.top] for lp in over_grpc] == [[t.logprob for t in e.top_logprobs] for e in entries]
+    assert not [lp for c in grpc_client.generate(QUESTION, max_tokens=2) for lp in c.logprobs]
+    for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):
+        with pytest.raises(GraphmeshError) as refused:
+            list(grpc_client.generate(QUESTION, max_tokens=1, **bad))  # type: ignore[arg-type]
+        assert refused.value.reason == "BAD_LOGPROBS" and refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
     text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
     lp = text.choices[0].logprobs

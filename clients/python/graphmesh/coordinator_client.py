@@ -37,6 +37,7 @@ class Chunk:
     prompt_token_ids: list[int] = field(default_factory=list)
     ttft_ms: float = 0.0
     prefill_computed_tokens: int = 0
+    logprobs: list[coordinator_pb2.GeneratedLogprob] = field(default_factory=list)  # one per token id, when asked
 
 
 RESUME_BACKOFF_S = (0.05, 0.1)  # waits between attempts to find the leader, the last one repeated (a standby answers fast)
@@ -96,13 +97,16 @@ class CoordinatorClient:
                  ignore_eos: bool = False, model: str = "", parse_special_tokens: bool = False,
                  encoder_input: np.ndarray | None = None,
                  guided: coordinator_pb2.GuidedDecoding | None = None,
-                 speculative: coordinator_pb2.SpeculativeDecoding | None = None) -> Iterator[Chunk]:
+                 speculative: coordinator_pb2.SpeculativeDecoding | None = None, logprobs: bool = False,
+                 top_logprobs: int = 0) -> Iterator[Chunk]:
         """Streams the completion; raises graphmesh.errors types on a bad request. parse_special_tokens: special
         tokens spelled in the prompt or messages ("<|im_start|>") are control tokens, not text. encoder_input: f32
-        [n, input_dim], the features of the prompt's n encoder placeholder tokens (a model with an encoder)."""
+        [n, input_dim], the features of the prompt's n encoder placeholder tokens (a model with an encoder).
+        logprobs: each chunk's tokens' log-probabilities (Chunk.logprobs), with the top_logprobs most likely tokens
+        at each position."""
         request = coordinator_pb2.GenerateRequest(
             model=model, prompt=prompt, raw=raw, max_tokens=max_tokens, stop=list(stop), ignore_eos=ignore_eos,
-            parse_special_tokens=parse_special_tokens,
+            parse_special_tokens=parse_special_tokens, logprobs=logprobs, top_logprobs=top_logprobs,
             prompt_token_ids=list(prompt_token_ids),
             messages=[coordinator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
             sampling=stage_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
@@ -126,7 +130,8 @@ class CoordinatorClient:
                     delivered += r.token_ids
                     finished = finished or r.finish_reason != coordinator_pb2.FINISH_REASON_UNSPECIFIED
                     yield Chunk(list(r.token_ids), r.text, _FINISH.get(r.finish_reason, ""), r.session_id,
-                                list(r.prompt_token_ids) if first else [], r.ttft_ms, r.prefill_computed_tokens)
+                                list(r.prompt_token_ids) if first else [], r.ttft_ms, r.prefill_computed_tokens,
+                                list(r.logprobs))
                 return
             except grpc.RpcError as e:
                 error = from_rpc_error(e)

@@ -171,6 +171,8 @@ def validate(request: GenerationRequest, context_tokens: int, vocab_size: int,
     if request.temperature < 0 or not 0 <= request.top_k <= INT32_MAX or not 0.0 <= request.top_p <= 1.0:
         raise InvalidArgument(f"bad sampling: temperature {request.temperature} (>= 0), top_k {request.top_k} "
                               f"(in [0, {INT32_MAX}]), top_p {request.top_p} (in [0, 1])", "BAD_SAMPLING")
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs", "BAD_LOGPROBS", {"parameter": "top_logprobs"})
     if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}",
                               "BAD_LOGPROBS", {"parameter": "top_logprobs"})

@@ -15,7 +15,7 @@ from graphmesh import plan as dag
 from graphmesh import tensors
 from graphmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from graphmesh.tokenizer import Tokenizer
-from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from graphmesh_coordinator import guided, speculative
 from graphmesh_coordinator.failures import public_error
 from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
@@ -97,7 +97,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                     guided=guided.from_fields(request.guided.json_schema, request.guided.json_object,
                                                               request.guided.regex, request.guided.grammar),
                                     speculative=speculative.from_proto(request.speculative, self.generator.speculative)
-                                    if request.HasField("speculative") else None)
+                                    if request.HasField("speculative") else None,
+                                    logprobs=request.logprobs, top_logprobs=request.top_logprobs)
             first = True
             events = (self.generator.generate_waiting if getattr(context, "yields_waits", False)
                       else self.generator.generate)(gen, alive=context.is_active, ready_wait_s=RECOVERY_WAIT_S)
@@ -198,6 +199,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                                     prefill_computed_tokens=event.prefill_computed_tokens)
         if prompt_ids is not None:
             response.prompt_token_ids.extend(prompt_ids)
+        for lp in event.logprobs:
+            response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                                  top=[stage_pb2.TokenLogprob(token_id=t, logprob=p) for t, p in lp.top])
         return response
 
     def ComputeLogits(self, request: coordinator_pb2.ComputeLogitsRequest,

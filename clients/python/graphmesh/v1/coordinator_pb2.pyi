@@ -118,6 +118,8 @@ class GenerateRequest(_message.Message):
     ENCODER_INPUT_FIELD_NUMBER: _builtins.int
     GUIDED_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """model names the model; empty uses the coordinator's model."""
     prompt: _builtins.str
@@ -134,6 +136,16 @@ class GenerateRequest(_message.Message):
     """parse_special_tokens lets special-token text in prompt and messages
     (e.g. "<|im_start|>") become control tokens. false (the default): user
     text is tokenized as text, and only the chat template adds control tokens.
+    """
+    logprobs: _builtins.bool
+    """logprobs asks for each generated token's natural-log probability under
+    the model (before temperature, top-k and top-p), in
+    GenerateResponse.logprobs. It never changes the tokens; such a request
+    does not speculate.
+    """
+    top_logprobs: _builtins.int
+    """top_logprobs, with logprobs, adds the most likely tokens at each position,
+    most likely first: 0 to 20. INVALID_ARGUMENT without logprobs.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
@@ -200,10 +212,12 @@ class GenerateRequest(_message.Message):
         encoder_input: _tensor_pb2.Tensor | None = ...,
         guided: Global___GuidedDecoding | None = ...,
         speculative: Global___SpeculativeDecoding | None = ...,
+        logprobs: _builtins.bool = ...,
+        top_logprobs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "speculative", b"speculative", "stop", b"stop"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "speculative", b"speculative", "stop", b"stop", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -412,6 +426,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     TTFT_MS_FIELD_NUMBER: _builtins.int
     PREFILL_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """text is the new text these tokens complete."""
     session_id: _builtins.str
@@ -432,6 +447,12 @@ class GenerateResponse(_message.Message):
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """prompt_token_ids echoes the prompt tokens (first message only)."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___GeneratedLogprob]:
+        """logprobs, when the request asked for them, has one entry per token_ids
+        entry, in the same order.
+        """
+
     def __init__(
         self,
         *,
@@ -442,14 +463,52 @@ class GenerateResponse(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         ttft_ms: _builtins.float = ...,
         prefill_computed_tokens: _builtins.int = ...,
+        logprobs: _abc.Iterable[Global___GeneratedLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "prefill_computed_tokens", b"prefill_computed_tokens", "prompt_token_ids", b"prompt_token_ids", "session_id", b"session_id", "text", b"text", "token_ids", b"token_ids", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "prefill_computed_tokens", b"prefill_computed_tokens", "prompt_token_ids", b"prompt_token_ids", "session_id", b"session_id", "text", b"text", "token_ids", b"token_ids", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class GeneratedLogprob(_message.Message):
+    """GeneratedLogprob is a generated token's log-probability and, when asked,
+    the most likely tokens at its position.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    logprob: _builtins.float
+    """logprob is the natural-log probability of token_id at its position (the
+    last stage computes it in f32).
+    """
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[_stage_pb2.TokenLogprob]:
+        """top are the request's top_logprobs most likely tokens there, most likely
+        first.
+        """
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        top: _abc.Iterable[_stage_pb2.TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GeneratedLogprob: _TypeAlias = GeneratedLogprob  # noqa: Y015
 
 @_typing.final
 class ComputeLogitsRequest(_message.Message):
