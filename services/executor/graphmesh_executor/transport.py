@@ -22,7 +22,7 @@ with the slot's number, its IPC handle when the slot is new to the receiver, and
 its tensors' bytes. The receiver copies the bytes out of the mapped slot, on a stream of its own that it waits for,
 before it answers, and the slot is free again once the answer is back: a slot is never written while the receiver
 may read it. Smaller bundles stay TCP frames on the same link, in the same order, and that is every decode step's
-(up to 256 bf16 rows of an 8B model: 4 MiB): at 1 MiB, two executors on one H200 decoded 8-17% faster over TCP
+(up to 256 f32 rows of an 8B model: 4 MiB): at 1 MiB, two executors on one H200 decoded 8-17% faster over TCP
 frames than over the slots, whose path adds a copy and a stream synchronization at each end, and that was before
 the frames lost their copies (bench/RESULTS.md). A prompt chunk of 2,048 tokens (16 MiB and more) takes the slots. A
 failed device push breaks the link (COMM); after DEVICE_STRIKES in a row to one address the sender keeps that pair
