@@ -231,6 +231,8 @@ def test_a_push_frame_carries_each_tensor_after_the_message_byte_exact() -> None
             assert array.base is not None and np.shares_memory(array, np.frombuffer(payload, np.uint8))
             assert (array.__array_interface__["data"][0] - np.frombuffer(payload, np.uint8).ctypes.data) \
                 % transport.ALIGN == 0
+    with pytest.raises(ValueError, match="a boundary value of 8 bytes where its tensor needs 24"):
+        transport.push_parts(request, [*values[:-1], np.zeros(2, np.float32)])  # not what the message says it is
     for bad in (payload[:3], payload[:-1], payload + b"\0", b"\xff\xff\xff\xff" + payload[4:]):
         with pytest.raises(GraphmeshError) as e:
             transport.read_push(bytearray(bad))

@@ -175,17 +175,44 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _spans(request: stage_pb2.PushBoundaryRequest, at: int) -> list[tuple[int, int]]:
+    """Where the request's tensors lie in a buffer whose bytes before `at` are not theirs, a slot's or a PUSH
+    frame's: (offset, bytes) of each in order, each at the next ALIGN offset."""
+    spans = []
+    for t in request.tensors:
+        start, n = _aligned(at), _nbytes(t.tensor)
+        spans.append((start, n))
+        at = start + n
+    return spans
+
+
+def _end(spans: list[tuple[int, int]], at: int) -> int:
+    """Where the last span ends (`at` when there is none)."""
+    return spans[-1][0] + spans[-1][1] if spans else at
+
+
+def _views(request: stage_pb2.PushBoundaryRequest, data: memoryview, spans: list[tuple[int, int]]) -> list[np.ndarray]:
+    """The request's tensors as arrays viewing `data` at their spans (no copy)."""
+    return [tensors.from_bytes(dtypes.from_proto(t.tensor.dtype), t.tensor.shape, data[start:start + n])
+            for t, (start, n) in zip(request.tensors, spans, strict=True)]
+
+
+def _wrong_size(got: int, need: int) -> ValueError:
+    return ValueError(f"a boundary value of {got} bytes where its tensor needs {need}")
+
+
 def push_parts(request: stage_pb2.PushBoundaryRequest, values: Sequence[np.ndarray]) -> list[Buffer]:
     """A PUSH frame's payload for `request` (its tensors without bytes) whose tensors' bytes are `values` in order:
-    the message, then each value's bytes at an ALIGN offset of the payload, as views of the arrays."""
+    the message, then each value's bytes at its span of the payload, as views of the arrays."""
     message = request.SerializeToString()
     parts: list[Buffer] = [_PUSH_HEADER.pack(len(message)), message]
     at = _PUSH_HEADER.size + len(message)
-    for value in values:
-        parts.append(_PADDING[:_aligned(at) - at])
+    for value, (start, n) in zip(values, _spans(request, at), strict=True):
         data = np.ascontiguousarray(value).reshape(-1).view(np.uint8).data
-        parts.append(data)
-        at = _aligned(at) + len(data)
+        if len(data) != n:
+            raise _wrong_size(len(data), n)
+        parts += [_PADDING[:start - at], data]
+        at = start + n
     return parts
 
 
@@ -200,17 +227,13 @@ def read_push(payload: bytearray) -> tuple[stage_pb2.PushBoundaryRequest, list[n
                               "BAD_REQUEST")
     view = memoryview(payload)
     request = stage_pb2.PushBoundaryRequest.FromString(bytes(view[_PUSH_HEADER.size:at]))  # no tensor bytes
-    values = []
-    for t in request.tensors:
-        start, n = _aligned(at), _nbytes(t.tensor)
-        if start + n > len(payload):
-            raise InvalidArgument(f"the push's tensors need {start + n} bytes, its frame holds {len(payload)}",
-                                  "BAD_REQUEST")
-        values.append(tensors.from_bytes(dtypes.from_proto(t.tensor.dtype), t.tensor.shape, view[start:start + n]))
-        at = start + n
-    if at != len(payload):
-        raise InvalidArgument(f"{len(payload) - at} bytes follow the push's last tensor", "BAD_REQUEST")
-    return request, values
+    spans = _spans(request, at)
+    end = _end(spans, at)
+    if end > len(payload):
+        raise InvalidArgument(f"the push's tensors need {end} bytes, its frame holds {len(payload)}", "BAD_REQUEST")
+    if end != len(payload):
+        raise InvalidArgument(f"{len(payload) - end} bytes follow the push's last tensor", "BAD_REQUEST")
+    return request, _views(request, view, spans)
 
 
 def _export(buffer: Any, gpu_uuid: str) -> bytes:
@@ -246,8 +269,8 @@ class DeviceSender:
         """A DEVICE_PUSH payload for `request` (its tensors without bytes) whose tensor bytes are `values` in
         order (numpy arrays or torch tensors), and the slot it holds until `release`; None when the bundle is
         under DEVICE_MIN_BYTES or every slot is in flight (then it goes as a TCP frame)."""
-        sizes = [_nbytes(t.tensor) for t in request.tensors]
-        need = sum(_aligned(n) for n in sizes)
+        spans = _spans(request, 0)
+        need = _aligned(_end(spans, 0))
         if need < DEVICE_MIN_BYTES:
             return None
         with self._lock:
@@ -255,13 +278,13 @@ class DeviceSender:
                 return None
             slot = self._free.popleft()
         try:
-            return self._fill(slot, request, values, sizes, need), slot
+            return self._fill(slot, request, values, spans, need), slot
         except BaseException:
             self.release(slot)
             raise
 
-    def _fill(self, slot: int, request: stage_pb2.PushBoundaryRequest, values: list[Any], sizes: list[int],
-              need: int) -> bytes:
+    def _fill(self, slot: int, request: stage_pb2.PushBoundaryRequest, values: list[Any],
+              spans: list[tuple[int, int]], need: int) -> bytes:
         torch = self._torch
         buffer = self._slots[slot]
         if buffer is None or buffer.numel() < need:
@@ -269,17 +292,15 @@ class DeviceSender:
             self._slots[slot] = buffer = torch.empty(1 << (need - 1).bit_length(), dtype=torch.uint8,
                                                      device=self._device)
             self._generations[slot] += 1
-        offset = 0
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            for value, n in zip(values, sizes):
+            for value, (start, n) in zip(values, spans):
                 if isinstance(value, np.ndarray):
                     source = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
                 else:
                     source = value.contiguous().reshape(-1).view(torch.uint8)
                 if source.numel() != n:
-                    raise ValueError(f"a boundary value of {source.numel()} bytes where its tensor needs {n}")
-                buffer[offset:offset + n].copy_(source, non_blocking=source.is_cuda)
-                offset += _aligned(n)
+                    raise _wrong_size(source.numel(), n)
+                buffer[start:start + n].copy_(source, non_blocking=source.is_cuda)
         if self._stream is not None:
             self._stream.synchronize()  # the bytes are in the slot before the receiver is told to read them
         handle = b""
@@ -328,18 +349,11 @@ class DeviceReceiver:
             raise ValueError(f"slot {slot} generation {generation} was never mapped on this link")
         buffer = mapped[1]
         request = stage_pb2.PushBoundaryRequest.FromString(payload[at + length:])
-        spans: list[tuple[int, int]] = []
-        offset = 0
-        for t in request.tensors:
-            n = _nbytes(t.tensor)
-            spans.append((offset, n))
-            offset += _aligned(n)
-        end = spans[-1][0] + spans[-1][1] if spans else 0
+        spans = _spans(request, 0)
+        end = _end(spans, 0)
         if end > buffer.numel():
             raise ValueError(f"the bundle's tensors need {end} bytes, its slot holds {buffer.numel()}")
-        data = self._read(buffer[:end]).data
-        return request, [tensors.from_bytes(dtypes.from_proto(t.tensor.dtype), t.tensor.shape, data[start:start + n])
-                         for t, (start, n) in zip(request.tensors, spans)]
+        return request, _views(request, self._read(buffer[:end]).data, spans)
 
     def _read(self, span: Any) -> np.ndarray:
         """`span` of a slot in host memory, read before the answer frees the slot (a slot on the CPU, which tests
