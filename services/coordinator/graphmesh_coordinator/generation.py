@@ -275,6 +275,16 @@ class Generator:
         self._grammars_lock = threading.Lock()
         self.speculative = OFF  # the default of requests that do not choose (--speculative)
 
+    @property
+    def session_tokens(self) -> int:
+        """The most tokens one session may hold: the context, or the smallest stage's KV pool when that holds less
+        (a windowed mesh holds only the window of a session at once, Scheduler._most_held, so its context bounds it).
+        A request without max_tokens generates up to this: a default must never be refused for not fitting."""
+        mesh = self.mesh
+        if mesh.kv_pool_blocks and not mesh.kv_window_tokens:
+            return min(self.context_tokens, mesh.kv_pool_blocks * mesh.kv_block_tokens)
+        return self.context_tokens
+
     def guide(self, spec: GuidedSpec) -> Guide:
         """A fresh matcher for `spec` (compiled once per spec; INVALID_ARGUMENT when it does not compile)."""
         if self.tokenizer is None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -38,6 +39,7 @@ from prometheus_client import Counter, Histogram
 
 from graphmesh.errors import InvalidArgument
 from graphmesh.tokenizer import Tokenizer
+from graphmesh.v1 import coordinator_pb2
 
 log = logging.getLogger("graphmesh.coordinator.guided")
 
@@ -252,3 +254,50 @@ def from_fields(json_schema: str = "", json_object: bool = False, regex: str = "
     if json_object:
         return GuidedSpec("json_object")
     return GuidedSpec("regex", regex) if regex else GuidedSpec("grammar", grammar)
+
+
+def from_proto(guided: coordinator_pb2.GuidedDecoding) -> GuidedSpec | None:
+    """GenerateRequest.guided's spec; None when no field is set."""
+    spec = from_fields(guided.json_schema, guided.json_object, guided.regex, guided.grammar)
+    if not guided.HasField("tool_call"):
+        return spec
+    if spec is not None:
+        raise bad(f"at most one of json_schema, json_object, regex, grammar and tool_call may be given, got "
+                  f"{spec.kind} and tool_call", "tool_call")
+    call = guided.tool_call
+    if call.format not in TOOL_CALL_FORMATS:
+        raise bad(f"tool_call.format must be one of {', '.join(TOOL_CALL_FORMATS)}, got {call.format!r}",
+                  "tool_call.format")
+    if not call.functions:
+        raise bad("tool_call names no function", "tool_call.functions")
+    functions = []
+    for i, f in enumerate(call.functions):
+        where = f"tool_call.functions[{i}]"
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", f.name):
+            raise bad(f"{where}.name must be 1-64 letters, digits, '_', '.' or '-'", f"{where}.name")
+        try:
+            parameters = json.loads(f.parameters_json) if f.parameters_json else {"type": "object", "properties": {}}
+        except ValueError as e:
+            raise bad(f"{where}.parameters_json is not JSON: {e}", f"{where}.parameters_json") from None
+        if not isinstance(parameters, dict):
+            raise bad(f"{where}.parameters_json must be a JSON Schema object", f"{where}.parameters_json")
+        functions.append({"name": f.name, "parameters": parameters})
+    return GuidedSpec.tool_call(functions, call.format)
+
+
+def to_proto(spec: GuidedSpec | None) -> coordinator_pb2.GuidedDecoding:
+    """from_proto's inverse: what a front end sends for a request it parsed."""
+    if spec is None:
+        return coordinator_pb2.GuidedDecoding()
+    if spec.kind == "tool_call":
+        source = json.loads(spec.source)
+        return coordinator_pb2.GuidedDecoding(tool_call=coordinator_pb2.GuidedToolCall(
+            format=source["format"], functions=[coordinator_pb2.GuidedFunction(
+                name=f["name"], parameters_json=json.dumps(f["parameters"], sort_keys=True))
+                for f in source["functions"]]))
+    if spec.kind == "json_object":
+        return coordinator_pb2.GuidedDecoding(json_object=True)
+    if spec.kind == "json_schema":
+        return coordinator_pb2.GuidedDecoding(json_schema=spec.source)
+    return coordinator_pb2.GuidedDecoding(regex=spec.source) if spec.kind == "regex" else \
+        coordinator_pb2.GuidedDecoding(grammar=spec.source)

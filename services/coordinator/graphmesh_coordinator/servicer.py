@@ -94,8 +94,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                     tuple(request.stop), request.ignore_eos, resume_ids=tuple(request.resume_token_ids),
                                     encoder_input=tensors.from_proto(request.encoder_input)
                                     if request.HasField("encoder_input") else None,
-                                    guided=guided.from_fields(request.guided.json_schema, request.guided.json_object,
-                                                              request.guided.regex, request.guided.grammar),
+                                    guided=guided.from_proto(request.guided),
                                     speculative=speculative.from_proto(request.speculative, self.generator.speculative)
                                     if request.HasField("speculative") else None,
                                     logprobs=request.logprobs, top_logprobs=request.top_logprobs)
@@ -219,7 +218,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         mesh = self.mesh
         response = coordinator_pb2.StatusResponse(model=self.model_name, incarnation=mesh.incarnation,
                                                   recoveries=mesh.recoveries, ready=mesh.ready,
-                                                  speculative=str(self.generator.speculative))
+                                                  speculative=str(self.generator.speculative),
+                                                  context_tokens=self.generator.context_tokens,
+                                                  session_tokens=self.generator.session_tokens,
+                                                  vocab_size=mesh.config.vocab_size)
         if mesh.plan is not None:
             response.plan.CopyFrom(dag.to_proto(mesh.plan))
         for rank in mesh.ranks:

@@ -126,6 +126,21 @@ def _mode(method: str, k: int, default: Mode, field: str) -> Mode:
     return Mode(DRAFT, k, default.model)
 
 
+def to_proto(mode: Mode) -> coordinator_pb2.SpeculativeDecoding:
+    """from_proto's inverse (a draft is the coordinator's own, so its model is not named)."""
+    method = {"off": coordinator_pb2.SPECULATIVE_METHOD_OFF, "prompt-lookup": coordinator_pb2.SPECULATIVE_METHOD_PROMPT_LOOKUP,
+              DRAFT: coordinator_pb2.SPECULATIVE_METHOD_DRAFT}[mode.method]
+    return coordinator_pb2.SpeculativeDecoding(method=method, max_proposed=mode.max_k)
+
+
+def from_status(text: str) -> Mode:
+    """StatusResponse.speculative (a Mode as str() writes it: "off", "prompt-lookup k=4", "draft:MODEL k=4")."""
+    head, _, k = text.rpartition(" k=")
+    if not head or not k.isdigit():
+        return OFF
+    return Mode(DRAFT, int(k), head.removeprefix(DRAFT + ":")) if head.startswith(DRAFT + ":") else Mode(head, int(k))
+
+
 def from_json(value: object, default: Mode) -> Mode:
     """The OpenAI API's extension field (and KServe's parameter): "prompt-lookup", "draft", "off", or
     {"method": ..., "max_proposed": k}. A draft is the coordinator's own (--speculative draft:MODEL)."""

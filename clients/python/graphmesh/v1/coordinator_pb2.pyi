@@ -264,6 +264,7 @@ class GuidedDecoding(_message.Message):
     JSON_OBJECT_FIELD_NUMBER: _builtins.int
     REGEX_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_FIELD_NUMBER: _builtins.int
     json_schema: _builtins.str
     """json_schema is a JSON Schema (as JSON text) the completion must satisfy."""
     json_object: _builtins.bool
@@ -274,6 +275,14 @@ class GuidedDecoding(_message.Message):
     """grammar is a context-free grammar in xgrammar's EBNF (GBNF-like, the
     start rule named root).
     """
+    @_builtins.property
+    def tool_call(self) -> Global___GuidedToolCall:
+        """tool_call asks for a call of one of its functions, written as the model
+        writes tool calls: what an OpenAI chat's tool_choice "required" (or a
+        named function) asks, so that a front end serving the OpenAI API can
+        relay such a chat.
+        """
+
     def __init__(
         self,
         *,
@@ -281,14 +290,72 @@ class GuidedDecoding(_message.Message):
         json_object: _builtins.bool = ...,
         regex: _builtins.str = ...,
         grammar: _builtins.str = ...,
+        tool_call: Global___GuidedToolCall | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tool_call", b"tool_call"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex", "tool_call", b"tool_call"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GuidedDecoding: _TypeAlias = GuidedDecoding  # noqa: Y015
+
+@_typing.final
+class GuidedToolCall(_message.Message):
+    """GuidedToolCall is a completion that calls one of functions, arguments
+    satisfying its parameters.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FORMAT_FIELD_NUMBER: _builtins.int
+    FUNCTIONS_FIELD_NUMBER: _builtins.int
+    format: _builtins.str
+    """format is the model's tool-call syntax: "hermes"
+    (<tool_call>{"name", "arguments"}</tool_call>), "llama3_json" (a bare
+    {"name", "parameters"} object) or "mistral" ([TOOL_CALLS][...]).
+    """
+    @_builtins.property
+    def functions(self) -> _containers.RepeatedCompositeFieldContainer[Global___GuidedFunction]: ...
+    def __init__(
+        self,
+        *,
+        format: _builtins.str = ...,
+        functions: _abc.Iterable[Global___GuidedFunction] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["format", b"format", "functions", b"functions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GuidedToolCall: _TypeAlias = GuidedToolCall  # noqa: Y015
+
+@_typing.final
+class GuidedFunction(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PARAMETERS_JSON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """name is 1-64 letters, digits, '_', '.' or '-'."""
+    parameters_json: _builtins.str
+    """parameters_json is the JSON Schema (as JSON text) of the arguments;
+    empty: an object with any properties.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        parameters_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "parameters_json", b"parameters_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GuidedFunction: _TypeAlias = GuidedFunction  # noqa: Y015
 
 @_typing.final
 class GenerateStreamsRequest(_message.Message):
@@ -650,6 +717,9 @@ class StatusResponse(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
+    CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
+    SESSION_TOKENS_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     incarnation: _builtins.int
     recoveries: _builtins.int
@@ -661,6 +731,17 @@ class StatusResponse(_message.Message):
     """speculative is the coordinator's default speculative decoding
     ("prompt-lookup" or "off"), with its maximum k ("prompt-lookup k=4").
     """
+    context_tokens: _builtins.int
+    """context_tokens is the most tokens a session may reach: prompt and
+    completion together (the model's context, or --max-context-tokens).
+    """
+    session_tokens: _builtins.int
+    """session_tokens is the most one session may hold at once: the context,
+    or the KV cache of the smallest stage when that holds less. A request
+    without max_tokens generates up to it.
+    """
+    vocab_size: _builtins.int
+    """vocab_size is the model's vocabulary: token ids are below it."""
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageAssignment]: ...
     @_builtins.property
@@ -687,10 +768,13 @@ class StatusResponse(_message.Message):
         active_sessions: _builtins.int = ...,
         plan: _stage_pb2.PartitionPlan | None = ...,
         speculative: _builtins.str = ...,
+        context_tokens: _builtins.int = ...,
+        session_tokens: _builtins.int = ...,
+        vocab_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "incarnation", b"incarnation", "model", b"model", "plan", b"plan", "ready", b"ready", "recoveries", b"recoveries", "sessions", b"sessions", "speculative", b"speculative", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "context_tokens", b"context_tokens", "incarnation", b"incarnation", "model", b"model", "plan", b"plan", "ready", b"ready", "recoveries", b"recoveries", "session_tokens", b"session_tokens", "sessions", b"sessions", "speculative", b"speculative", "stages", b"stages", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
