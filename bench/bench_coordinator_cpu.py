@@ -7,14 +7,14 @@ with the GPU defaults unless told otherwise (256 rows a step, 2,048 step tokens,
 256 rows takes on a GPU), so that its steps are shaped as on the H100 at 256 streams. N streams of M tokens each go
 through the real gRPC Generate stream at once (or, with --multiplexed, all over one GenerateStreams stream, as a
 front end sends them; with --frontend, through a graphmesh-frontend, whose CPU is read too; with --http, as
-streamed /v1/completions of the OpenAI API, a client thread each), and the coordinator's
+streamed /v1/completions of the OpenAI API, a client thread each: the front end's with both), and the coordinator's
 user + system CPU time (/proc/PID/stat) is read before and after: CPU time, not wall time, so other load on a
 shared machine hardly moves it. A warm-up burst first takes the one-off costs (first
 use of each batch shape, imports) out of the figures. Prints a table; writes bench/results/coordinator_cpu.json
 (or NAME) with --write.
 
     .venv/bin/python bench/bench_coordinator_cpu.py [--streams 1,64,256] [--tokens 128] [--rounds 1]
-        [--coordinator-args "--max-step-seqs 64"] [--multiplexed | --frontend | --http] [--py-spy FILE]
+        [--coordinator-args "--max-step-seqs 64"] [--multiplexed | --frontend] [--http] [--py-spy FILE]
         [--write [NAME]]
 """
 
@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--frontend", action="store_true",
                    help="the streams call a graphmesh-frontend, which relays them to the coordinator over one stream")
     p.add_argument("--http", action="store_true",
-                   help="the streams are streamed /v1/completions of the coordinator's OpenAI API")
+                   help="the streams are streamed /v1/completions of the OpenAI API (the front end's with --frontend)")
     p.add_argument("--write", default="", nargs="?", const="coordinator_cpu.json", metavar="NAME",
                    help="write bench/results/NAME (default coordinator_cpu.json)")
     a = p.parse_args()

@@ -1,12 +1,18 @@
 """graphmesh-frontend: clients call CoordinatorService on a process of its own, which relays their calls to the
 coordinator over one GenerateStreams stream. Through it each stream's tokens are those of the coordinator alone, its
 errors are the coordinator's, a client that leaves ends its session, its readiness is the coordinator's, and a
-coordinator that restarts loses no stream of a client that resumes."""
+coordinator that restarts loses no stream of a client that resumes. Its OpenAI API (--http-listen) answers every
+request as the coordinator's own API does: the same JSON, the same streams, the same errors."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import http.client
+import json
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,12 +24,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from graphmesh import errors
 from graphmesh.coordinator_client import CoordinatorClient
-from graphmesh.launcher import LocalMesh
+from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.health_probe import HealthProbe
-from tests.model_fixtures import make_tiny_llama
+from tests.model_fixtures import make_tiny_llama, write_tiny_tokenizer
 
 TOKENS = 12
+CONTEXT = 2048
 
 
 def _request(i: int) -> dict[str, object]:
@@ -64,13 +71,23 @@ def _wait(condition: object, timeout_s: float = 30.0) -> None:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("llama"))
+    # a context that holds a chat with tools, which the byte-level tokenizer spells a token a byte
+    return write_tiny_tokenizer(make_tiny_llama(tmp_path_factory.mktemp("llama"), max_position=CONTEXT))
 
 
 @pytest.fixture(scope="module")
 def mesh(model: Path) -> Iterator[LocalMesh]:
-    with LocalMesh(2, "numpy", str(model), kvstore=False, frontend=True) as m:
+    """The front end serves gRPC and the OpenAI API; the coordinator serves its own OpenAI API beside it (its_http)
+    for the comparison."""
+    with LocalMesh(2, "numpy", str(model), kvstore=False, frontend=True, http_listen=f"127.0.0.1:{free_port()}",
+                   extra_coordinator_args=("--http-listen", f"127.0.0.1:{free_port()}")) as m:
         yield m
+
+
+def its_http(mesh: LocalMesh) -> str:
+    """The coordinator's own OpenAI API."""
+    args = mesh.extra_coordinator_args
+    return f"http://{args[args.index('--http-listen') + 1]}/v1"
 
 
 def test_concurrent_streams_through_the_front_end_are_the_coordinators_own(mesh: LocalMesh) -> None:
@@ -186,3 +203,123 @@ def test_the_front_end_wants_the_token_and_passes_it_on(model: Path, tmp_path: P
             _generate(mesh.frontend_address, _request(0))
         with CoordinatorClient(mesh.frontend_address, token="a-client-token-of-enough-length") as client:
             assert len([t for c in client.generate(**_request(0)) for t in c.token_ids]) == TOKENS  # type: ignore[arg-type]
+
+
+def _http(url: str, body: dict[str, object] | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, json.dumps(body).encode() if body is not None else None,
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _same(reply: bytes) -> object:
+    """A reply without what differs between any two answers: ids and times (and a tool call's generated id)."""
+    def strip(value: object) -> object:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in ("id", "created", "created_at")}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+    if reply.startswith(b"data: "):  # Server-Sent Events: each event's JSON, [DONE] last
+        return [strip(json.loads(line[6:])) if line != b"data: [DONE]" else "[DONE]"
+                for line in reply.split(b"\n\n") if line]
+    return strip(json.loads(reply))
+
+
+WEATHER = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {}}}}]
+CHAT = [{"role": "user", "content": "Hello there"}]
+BODIES: list[tuple[str, dict[str, object]]] = [
+    ("chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 0}),
+    ("chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 0.9, "top_p": 0.8, "seed": 7, "n": 2}),
+    ("chat/completions", {"messages": CHAT, "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}),
+    ("chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 0, "stream": True,
+                          "stream_options": {"include_usage": True}}),
+    ("chat/completions", {"messages": CHAT, "max_tokens": 40, "temperature": 0.7, "seed": 3, "tools": WEATHER,
+                          "tool_choice": "required"}),
+    ("chat/completions", {"messages": CHAT, "max_tokens": 40, "temperature": 0.7, "seed": 4, "tools": WEATHER,
+                          "tool_choice": {"type": "function", "function": {"name": "weather"}}, "stream": True}),
+    ("chat/completions", {"messages": CHAT, "max_tokens": 24, "temperature": 0.7, "seed": 5,
+                          "response_format": {"type": "json_object"}}),
+    ("completions", {"prompt": ["Once upon", "A time"], "max_tokens": 7, "temperature": 0, "logprobs": 2}),
+    ("completions", {"prompt": [5, 6, 7, 8], "max_tokens": 9, "temperature": 0, "stop": ["a"], "ignore_eos": True}),
+    # no max_tokens: up to what the session may hold (the coordinator's Status tells the front end)
+    ("completions", {"prompt": "Count:" + "x" * (CONTEXT - 40), "temperature": 0, "ignore_eos": True}),
+    ("completions", {"prompt": "Count:", "max_tokens": 5, "temperature": 0, "speculative": "prompt-lookup"}),
+    ("responses", {"input": "Hello", "max_output_tokens": 6, "temperature": 0}),
+]
+
+
+@pytest.mark.parametrize("route,body", BODIES, ids=[f"{r}-{i}" for i, (r, _) in enumerate(BODIES)])
+def test_the_front_ends_openai_api_answers_as_the_coordinators_own(mesh: LocalMesh, route: str,
+                                                                      body: dict[str, object]) -> None:
+    body = {"model": mesh.model, **copy.deepcopy(body)}
+    front = _http(f"{mesh.http_url}/{route}", body)
+    own = _http(f"{its_http(mesh)}/{route}", body)
+    assert front[0] == own[0] == 200, (front, own)
+    assert _same(front[1]) == _same(own[1])
+
+
+def test_the_front_ends_openai_errors_are_the_coordinators(mesh: LocalMesh) -> None:
+    bad: list[tuple[str, dict[str, object]]] = [("chat/completions", {"model": "nope", "messages": CHAT}),
+                        ("chat/completions", {"model": mesh.model, "messages": CHAT, "temperature": -1}),
+                        ("completions", {"model": mesh.model, "prompt": "x" * CONTEXT, "max_tokens": 2}),
+                        ("completions", {"model": mesh.model, "prompt": "x", "max_tokens": CONTEXT}),
+                        ("completions", {"model": mesh.model, "prompt": [1, 10_000], "max_tokens": 2}),
+                        ("chat/completions", {"model": mesh.model, "messages": CHAT, "tools": WEATHER,
+                                              "tool_choice": {"type": "function", "function": {"name": "nope"}}})]
+    for route, body in bad:
+        front, own = _http(f"{mesh.http_url}/{route}", body), _http(f"{its_http(mesh)}/{route}", body)
+        assert 400 <= front[0] < 500 and (front[0], json.loads(front[1])) == (own[0], json.loads(own[1])), (front, own)
+    for path in ("models", f"models/{mesh.model}"):
+        assert _http(f"{mesh.http_url}/{path}")[0] == 200
+        assert _same(_http(f"{mesh.http_url}/{path}")[1]) == _same(_http(f"{its_http(mesh)}/{path}")[1])
+    assert _http(mesh.http_url.removesuffix("/v1") + "/health") == (200, b"ok")
+
+
+def test_a_client_that_leaves_the_front_ends_stream_ends_its_session(mesh: LocalMesh) -> None:
+    host, port = mesh.http_url.split("//")[1].split("/")[0].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps({
+        "model": mesh.model, "prompt": [3, 4, 5], "max_tokens": 200, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    assert _active_sessions(mesh.coordinator_address) == 1
+    connection.close()
+    _wait(lambda: _active_sessions(mesh.coordinator_address) == 0)
+
+
+def test_guided_specs_and_speculative_modes_cross_the_relay_unchanged() -> None:
+    """What the front end's OpenAI API parsed reaches the coordinator as the same spec and mode (guided.to_proto /
+    from_proto, speculative.to_proto / from_status), and a bad tool call guide is refused with what was wrong."""
+    from graphmesh_coordinator import guided, speculative
+    from graphmesh_coordinator.guided import GuidedSpec
+
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    for spec in (None, GuidedSpec.json_schema(params), GuidedSpec("json_object"), GuidedSpec("regex", "a+b"),
+                 GuidedSpec("grammar", 'root ::= "yes" | "no"'), GuidedSpec.tool_call([{"name": "f", "parameters": params}]),
+                 GuidedSpec.tool_call([{"name": "g.h", "parameters": {"type": "object", "properties": {}}}], "mistral")):
+        assert guided.from_proto(guided.to_proto(spec)) == spec
+    for mode in (speculative.OFF, speculative.Mode("prompt-lookup", 3),
+                 speculative.Mode(speculative.DRAFT, 5, "/models/a:b")):
+        assert speculative.from_status(str(mode)) == mode
+        assert speculative.from_proto(speculative.to_proto(mode), mode) == mode
+    call, fn = coordinator_pb2.GuidedToolCall, coordinator_pb2.GuidedFunction
+    for bad, where in ((call(format="nope", functions=[fn(name="f")]), "tool_call.format"),
+                       (call(format="hermes"), "tool_call.functions"),
+                       (call(format="hermes", functions=[fn(name="a b")]), "tool_call.functions[0].name"),
+                       (call(format="hermes", functions=[fn(name="f", parameters_json="{")]),
+                        "tool_call.functions[0].parameters_json"),
+                       (call(format="hermes", functions=[fn(name="f", parameters_json="[1]")]),
+                        "tool_call.functions[0].parameters_json")):
+        with pytest.raises(errors.InvalidArgument) as caught:
+            guided.from_proto(coordinator_pb2.GuidedDecoding(tool_call=bad))
+        assert (caught.value.reason, caught.value.metadata["parameter"]) == ("BAD_GUIDED_DECODING", where)
+    with pytest.raises(errors.InvalidArgument, match="at most one"):
+        guided.from_proto(coordinator_pb2.GuidedDecoding(regex="a", tool_call=call(format="hermes",
+                                                                                   functions=[fn(name="f")])))

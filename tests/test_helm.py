@@ -774,6 +774,18 @@ def test_the_front_end_relays_to_the_coordinator_as_a_client(rendered: dict[str,
     assert pod["automountServiceAccountToken"] is False and any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["OTEL_SERVICE_NAME"] == "graphmesh-frontend" and env["HOME"] == "/tmp"
+    # the OpenAI API: on its Service's http port, parsed with the coordinator's model's tokenizer (the same config
+    # and models volume, read-only)
+    assert v["frontend"].get("http", DEFAULTS["frontend"]["http"])["enabled"] is True
+    assert flag(c["args"], "--http-listen") == f"0.0.0.0:{ports['http']}"
+    assert next(p for p in service["spec"]["ports"] if p["name"] == "http") == {
+        "name": "http", "port": ports["http"], "targetPort": "http", "protocol": "TCP", "appProtocol": "https"}
+    assert flag(c["args"], "--model") == flag(coordinator["args"], "--model") == "$(GRAPHMESH_MODEL)"
+    assert c["envFrom"] == coordinator["envFrom"]
+    models = next(m for m in c["volumeMounts"] if m["name"] == "models")
+    assert models == next(m for m in coordinator["volumeMounts"] if m["name"] == "models") and models["readOnly"]
+    assert next(x for x in pod["volumes"] if x["name"] == "models") == \
+        next(x for x in coordinator_dep["spec"]["template"]["spec"]["volumes"] if x["name"] == "models")
 
 
 def test_the_front_end_is_off_by_default(rendered: dict[str, list[Doc]]) -> None:
@@ -800,8 +812,25 @@ def test_the_front_end_follows_the_coordinator_image_release_and_port(helm_templ
     assert address == "prod-graphmesh-frontend:6000" and flag(c["args"], "--listen") == "0.0.0.0:6000"
     assert "--allow-insecure-remote" in c["args"]
     assert not [a for a in c["args"] if a.startswith("--tls") or a.endswith("-token-file")]
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp", "/models"}  # no secret: no auth, no TLS
     assert c["readinessProbe"]["grpc"]["port"] == c["livenessProbe"]["tcpSocket"]["port"] == 6000
+    # frontend.http.enabled=false: gRPC alone, no model; coordinator.redis: the store the coordinator's API uses
+    proc = helm_template("--set", "frontend.enabled=true", "--set", "frontend.http.enabled=false")
+    assert proc.returncode == 0, proc.stderr
+    docs = load(proc.stdout)
+    dep, service, _ = frontend_parts(docs)
+    c = container(dep)
+    assert "--http-listen" not in c["args"] and "--model" not in c["args"] and "envFrom" not in c
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"} and "http" not in {p["name"] for p in c["ports"]}
+    assert "http" not in {p["name"] for p in service["spec"]["ports"]}
+    proc = helm_template("--set", "frontend.enabled=true", "--set", "coordinator.redis.url=redis://r:6379/0",
+                         "--set", "coordinator.redis.existingSecret=pw")
+    assert proc.returncode == 0, proc.stderr
+    docs = load(proc.stdout)
+    front, coordinator = container(one(docs, "Deployment", "frontend")), container(one(docs, "Deployment", "coordinator"))
+    for flag_name in ("--redis-url", "--redis-password-file"):
+        assert flag(front["args"], flag_name) == flag(coordinator["args"], flag_name)
+    assert next(m for m in front["volumeMounts"] if m["name"] == "redis-password")["mountPath"] == "/redis"
     proc = helm_template("--set", "frontend.enabled=true", "--set", "frontend.image.repository=example/fe",
                          "--set-string", "frontend.image.tag=7", "--set", "image.registry=registry.example.com/")
     assert proc.returncode == 0, proc.stderr

@@ -100,7 +100,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     with _mesh(args, args.listen, args.http_listen, args.frontend) as mesh:
         print(f"coordinator {mesh.coordinator_address}", flush=True)
         if mesh.frontend_address:
-            print(f"front end {mesh.frontend_address} (gRPC clients call it, not the coordinator)", flush=True)
+            print(f"front end {mesh.frontend_address} (gRPC and HTTP clients call it, not the coordinator)",
+                  flush=True)
         if mesh.http_url:
             print(f"OpenAI API {mesh.http_url} (model {mesh.model!r})", flush=True)
         if mesh.kvstore_address:
@@ -205,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     _mesh_args(up)
     up.add_argument("--listen", default=DEFAULT_COORDINATOR, help="coordinator address")
     up.add_argument("--http-listen", default=DEFAULT_HTTP,
-                    help="address of the coordinator's OpenAI-compatible HTTP API ('' turns it off)")
+                    help="address of the OpenAI-compatible HTTP API, the front end's with --frontend ('' turns it "
+                         "off)")
     up.add_argument("--frontend", action="store_true",
-                    help="also start a graphmesh-frontend, which serves gRPC clients and relays their calls to the "
-                         "coordinator over one stream (for hundreds of concurrent streams)")
+                    help="also start a graphmesh-frontend, which serves gRPC clients and the OpenAI API and relays "
+                         "their calls to the coordinator over one stream each (for hundreds of concurrent streams)")
     gen = sub.add_parser("generate", help="generate text")
     _mesh_args(gen)
     gen.add_argument("--prompt", required=True)

@@ -171,8 +171,9 @@ class LocalMesh(Startable):
     extra_coordinator_args: Sequence[str] = ()
     startup_timeout_s: float = 300.0
     coordinator_listen: str = ""
-    http_listen: str = ""  # HOST:PORT of the coordinator's OpenAI HTTP API; "": off
-    frontend: bool = False  # clients call a graphmesh-frontend (frontend_address), which relays to the coordinator
+    http_listen: str = ""  # HOST:PORT of the OpenAI HTTP API (the front end's when there is one); "": off
+    # clients call a graphmesh-frontend (frontend_address, and the HTTP API), which relays to the coordinator
+    frontend: bool = False
     kvstore: bool = True  # start a KV store (when graphmesh-kvstore is installed) and write KV behind to it
     fault_injection: bool = False  # executors accept StageService.InjectFault
     proxied: bool = False  # the coordinator and the boundary pushes reach executors through fault proxies
@@ -339,7 +340,7 @@ class LocalMesh(Startable):
             args += ["--split", ",".join(str(n) for n in self.split)]
         if self.kvstore_address:
             args += ["--kvstore", self.kvstore_address]
-        if self.http_listen:
+        if self.http_listen and not self.frontend:
             args += ["--http-listen", self.http_listen]
         if self.draft_address:
             args += ["--draft-executor", self.draft_address]
@@ -347,9 +348,10 @@ class LocalMesh(Startable):
         self.coordinator_process = self._spawn("coordinator", self._coordinator_args)
         if self.frontend:
             self.frontend_address = f"127.0.0.1:{free_port()}"
+            http = ["--http-listen", self.http_listen, "--model", self.model] if self.http_listen else []
             self.frontend_process = self._spawn("frontend", ["graphmesh_coordinator.frontend", "--listen",
                                                              self.frontend_address, "--coordinator",
-                                                             self.coordinator_address])
+                                                             self.coordinator_address, *http])
         for address, process, rank in spawned:
             wait_healthy(address, process, EXECUTOR_START_S, f"executor {rank}", self.credentials(),
                          log=self.log(f"executor-{rank}"))

@@ -27,7 +27,7 @@ import inspect
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -313,7 +313,7 @@ class _Advancing:
                 raise tail
 
 
-async def aiterate(pool: futures.Executor, make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
+async def aiterate(pool: futures.Executor, make: Callable[[], Iterator[Any]]) -> AsyncGenerator[Any, None]:
     """The items of the synchronous iterator `make()` returns, its code run on `pool` (_Advancing), its Waits awaited
     on the loop (none is yielded): a stream that mostly waits holds a thread only while its code runs. When the
     consumer stops early (or is cancelled), the iterator is closed on the pool once its code in progress, if any, is

@@ -1,10 +1,16 @@
-"""graphmesh-frontend: CoordinatorService for clients, in a process of its own.
+"""graphmesh-frontend: CoordinatorService and the OpenAI HTTP API for clients, in a process of its own.
 
 Each client's Generate stream costs the process that serves it a gRPC call of its own (its HTTP/2 stream, a
 message per response, its start and end): at hundreds of streams that was a fifth of a core of the coordinator,
 whose GIL also runs the scheduler (bench/RESULTS.md, "One stream for many calls"). A front end takes those calls and
 relays them to the coordinator over one GenerateStreams stream, where a message carries every response ready at
-once; several front ends share one coordinator. Status and ComputeLogits are forwarded as they are."""
+once; several front ends share one coordinator. Status and ComputeLogits are forwarded as they are.
+
+With --http-listen it serves the OpenAI API too, as vLLM's API server process does: it parses each request
+(tokenizing its chat with the model's tokenizer, --model), relays its choices as Generate calls over a stream of its
+own, and writes their JSON or Server-Sent Events, so that of an HTTP request the coordinator does only what a gRPC
+one costs it. What it needs of the model beyond the tokenizer (the context, what one session may hold, the
+vocabulary, the default speculation) is the coordinator's Status, read each time the coordinator turns serving."""
 
 from __future__ import annotations
 
@@ -14,24 +20,36 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from graphmesh import errors
+from graphmesh.bundled import resolve_model
 from graphmesh.channels import KEEPALIVE_OPTIONS, MESSAGE_OPTIONS, open_channel
-from graphmesh.errors import Unavailable
+from graphmesh.checkpoints import open_checkpoint
+from graphmesh.errors import NotFound, Unavailable
 from graphmesh.security import Tls, bearer, read_token
-from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from graphmesh.tokenizer import Tokenizer
+from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from graphmesh_coordinator import guided, http_api, speculative
+from graphmesh_coordinator.generation import Event, GenerationRequest, TokenLogprob
+from graphmesh_coordinator.http_api import HttpApi
+from graphmesh_coordinator.speculative import Mode
 from graphmesh_server import bootstrap, logs, telemetry
 from graphmesh_server.aio_serving import AioServer, MirroredHealth
 from graphmesh_server.bootstrap import ServerSecurity
 from graphmesh_server.policy import GENERATE
 from graphmesh_server.serving import run_until_signalled
+
+if TYPE_CHECKING:
+    from graphmesh_coordinator.openai_calls import Sessions
+    from graphmesh_coordinator.openai_server import OpenAIServer
 
 log = logging.getLogger("graphmesh.frontend")
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as the client's metadata carries it
@@ -197,18 +215,116 @@ class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise
 
 
-def mirror_health(address: str, credentials: grpc.ChannelCredentials | None, health: MirroredHealth) -> None:
+_FINISH = {coordinator_pb2.FINISH_REASON_LENGTH: "length", coordinator_pb2.FINISH_REASON_EOS: "eos",
+           coordinator_pb2.FINISH_REASON_STOP: "stop"}
+
+
+def generate_request(request: GenerationRequest) -> coordinator_pb2.GenerateRequest:
+    """A request the OpenAI API parsed, as the Generate call that runs it (the servicer's reading inverted)."""
+    return coordinator_pb2.GenerateRequest(
+        prompt_token_ids=request.prompt_ids, max_tokens=request.max_tokens,
+        sampling=stage_pb2.SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                          seed=request.seed),
+        stop=request.stop, ignore_eos=request.ignore_eos, resume_token_ids=request.resume_ids,
+        guided=guided.to_proto(request.guided), logprobs=request.logprobs, top_logprobs=request.top_logprobs,
+        speculative=speculative.to_proto(request.speculative) if request.speculative is not None else None)
+
+
+def event(response: coordinator_pb2.GenerateResponse) -> Event:
+    return Event(list(response.token_ids), response.text, _FINISH.get(response.finish_reason, ""), response.ttft_ms,
+                 response.prefill_computed_tokens, response.session_id,
+                 [TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                  for lp in response.logprobs])
+
+
+class RelayUpstream:
+    """The OpenAI API's sessions as Generate calls to the coordinator, over a relay of their own (opened on the HTTP
+    server's loop by its first request). What it knows of the model is the coordinator's Status (follow())."""
+
+    def __init__(self, tokenizer: Tokenizer | None, open_channel: Callable[[], Awaitable[grpc.aio.Channel]],
+                 metadata: Sequence[tuple[str, str]]) -> None:
+        self._tokenizer, self._open, self._metadata = tokenizer, open_channel, tuple(metadata)
+        self._relay: Relay | None = None
+        self.status: coordinator_pb2.StatusResponse | None = None  # the coordinator's, as it last turned serving
+        self.serving = False
+
+    def follow(self, channel: grpc.Channel, serving: bool) -> None:
+        """The coordinator's health changed (mirror_health's thread): when it serves, its Status is read again (a
+        new leader, a mesh installed afresh, may hold another KV pool)."""
+        if serving:
+            status = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Status(
+                coordinator_pb2.StatusRequest(), metadata=self._metadata, timeout=HEALTH_RETRY_S * 5)
+            if self._tokenizer is not None:
+                from graphmesh_coordinator.server import prompt_bytes_limit
+
+                self._tokenizer.max_input_bytes = prompt_bytes_limit(0, status.context_tokens)
+            self.status = status
+        self.serving = serving
+
+    def _status(self) -> coordinator_pb2.StatusResponse:
+        if self.status is None:
+            raise Unavailable("the front end has not reached the coordinator yet", "COORDINATOR_UNKNOWN")
+        return self.status
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    @property
+    def context_tokens(self) -> int:
+        return self._status().context_tokens
+
+    @property
+    def session_tokens(self) -> int:
+        return self._status().session_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self._status().vocab_size
+
+    @property
+    def speculative(self) -> Mode:
+        return speculative.from_status(self._status().speculative)
+
+    def ready(self) -> bool:
+        return self.serving and self.status is not None
+
+    async def events(self, request: GenerationRequest, sessions: Sessions) -> AsyncGenerator[Event, None]:
+        if self._relay is None:
+            self._relay = Relay(await self._open(), self._metadata)
+        try:
+            # the coordinator's work joins the request's trace
+            async for response in self._relay.generate(generate_request(request),
+                                                       telemetry.span_carrier(sessions.span)):
+                yield event(response)
+        except _CallFailed as e:  # the coordinator's status, as the API's error
+            raise errors.from_status_proto(e.status) or errors.Internal(e.status.message) from None
+        except _StreamEnded as e:
+            raise Unavailable(f"the front end lost its stream to the coordinator ({e}); retry the request",
+                              "COORDINATOR_STREAM_LOST") from None
+
+    async def close(self) -> None:
+        if self._relay is not None:
+            await self._relay.close()
+
+
+def mirror_health(address: str, credentials: grpc.ChannelCredentials | None, health: MirroredHealth,
+                  follow: Callable[[grpc.Channel, bool], None] | None = None) -> None:
     """The coordinator's readiness as this front end's, for ever (a thread): SERVING while it serves (a standby, a
     recovering mesh and an unreachable coordinator are NOT_SERVING), so that whatever routes clients routes them
-    only where they are served."""
+    only where they are served. `follow` is told each change, with the channel to the coordinator."""
     with open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
                 for answer in stub.Watch(health_pb2.HealthCheckRequest(service="")):
+                    if follow is not None:
+                        follow(channel, answer.status == health_pb2.HealthCheckResponse.SERVING)
                     health.set("", answer.status)
             except grpc.RpcError:
                 pass
+            if follow is not None:
+                follow(channel, False)
             health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             time.sleep(HEALTH_RETRY_S)
 
@@ -220,6 +336,8 @@ class FrontendConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     coordinator_token: str = ""  # the bearer token the coordinator wants of its clients
     metrics_port: int = 0  # Prometheus /metrics; 0: off
+    http: HttpApi = field(default_factory=HttpApi)  # the OpenAI HTTP API; off unless it has an address
+    model: str = ""  # the coordinator's --model: the tokenizer of the HTTP API's requests
 
 
 @dataclass
@@ -227,6 +345,7 @@ class Frontend:
     server: AioServer
     port: int
     relay: Relay
+    http: OpenAIServer | None = None
 
 
 def build_server(config: FrontendConfig) -> Frontend:
@@ -248,7 +367,15 @@ def build_server(config: FrontendConfig) -> Frontend:
     name = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
     port, _ = config.security.start(server, config.listen, [name], health,
                                     {"": health_pb2.HealthCheckResponse.NOT_SERVING})
-    threading.Thread(target=mirror_health, args=(config.coordinator, tls.channel_credentials() if tls else None, health),
+    http, upstream = None, None
+    if config.http.listen:
+        if not config.model:
+            raise errors.InvalidArgument("--http-listen needs --model: the HTTP API tokenizes requests with the "
+                                         "coordinator's model's tokenizer", "NO_MODEL")
+        upstream = RelayUpstream(_tokenizer(config.model), open_channel, metadata)
+        http = http_api.start(config.http, upstream, config.model, config.security)
+    threading.Thread(target=mirror_health, args=(config.coordinator, tls.channel_credentials() if tls else None, health,
+                                                 upstream.follow if upstream is not None else None),
                      name="health-mirror", daemon=True).start()
     if config.metrics_port:
         telemetry.expose(
@@ -256,7 +383,15 @@ def build_server(config: FrontendConfig) -> Frontend:
             ("graphmesh_frontend_streams_opened", "counter", "GenerateStreams streams opened to the coordinator "
              "(one, and one more each time one ended)", lambda: relay.streams_opened))
         telemetry.serve_metrics(config.metrics_port)
-    return Frontend(server, port, relay)
+    return Frontend(server, port, relay, http)
+
+
+def _tokenizer(model: str) -> Tokenizer | None:
+    try:
+        return Tokenizer.from_checkpoint(open_checkpoint(resolve_model(model)))
+    except NotFound as e:
+        log.warning("no tokenizer: the HTTP API serves only token-id prompts", extra={"reason": e.message})
+        return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -267,13 +402,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="file holding the bearer token the coordinator wants of its clients (its "
                              "--auth-token-file); default: none")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
+    parser.add_argument("--model", default="",
+                        help="the coordinator's --model (a bundled name or a checkpoint directory): the tokenizer of "
+                             "the HTTP API's requests and the model it names; needed with --http-listen")
+    http_api.add_arguments(parser)
     bootstrap.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
+    http = http_api.from_args(args, parser)
     logs.configure("frontend")
     telemetry.setup("graphmesh-frontend")
     try:
         config = FrontendConfig(args.listen, args.coordinator, bootstrap.from_args(args),
-                                read_token(args.coordinator_token_file), args.metrics_port)
+                                read_token(args.coordinator_token_file), args.metrics_port, http, args.model)
         running = build_server(config)
     except Exception as e:
         log.error("front end failed to start", extra={"error": str(e)})
@@ -282,6 +422,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_until_signalled(running.server, grace_s=2.0)
     finally:
+        if running.http is not None:
+            running.http.stop()
         running.server.run(running.relay.close())
 
 

@@ -1,15 +1,16 @@
-"""The OpenAI HTTP API's server (`--http-listen`) on the coordinator's Generator, beside gRPC, in the same process.
+"""The OpenAI HTTP API's server: the coordinator's (`--http-listen`, on its Generator, beside gRPC, in the same
+process), or a front end's (graphmesh-frontend --http-listen, relaying each request to the coordinator).
 
 POST /v1/chat/completions and /v1/completions (streamed as Server-Sent Events ending in `data: [DONE]`, or not),
 GET /v1/models, /health (200 only while the mesh can serve) and /metrics (every Prometheus metric of the process).
 Requests are checked the way Generate checks them (generation.validate); their schemas and the error shape are
 openai_protocol.py's.
 
-FastAPI serves on uvicorn's event loop in a thread of its own. Every choice of a request is a task there that runs
-the Generator's code on a small pool only while it computes (aiterate), so a request waiting for the mesh, for KV
-cache or for its tokens holds no thread; when a client goes away its tasks are cancelled, which ends their sessions
-and releases their KV. Requests are never refused for load: they queue with the gRPC ones, and get 429 only past
---max-waiting-requests.
+FastAPI serves on uvicorn's event loop in a thread of its own. Every choice of a request is a task there (the
+coordinator's runs the Generator's code on a small pool only while it computes, aiterate), so a request waiting for
+the mesh, for KV cache or for its tokens holds no thread; when a client goes away its tasks are cancelled, which
+ends their sessions and releases their KV. Requests are never refused for load: they queue with the gRPC ones, and
+get 429 only past --max-waiting-requests.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from graphmesh.errors import GraphmeshError, NotFound, Unauthenticated
 from graphmesh.security import Tls
 from graphmesh_coordinator import genai, http_limits, responses, speculative, structured, tool_calls
-from graphmesh_coordinator.generation import Event, GenerationRequest, Generator, TokenLogprob, validate
-from graphmesh_coordinator.openai_calls import Call, Sessions
+from graphmesh_coordinator.generation import Event, GenerationRequest, TokenLogprob, validate
+from graphmesh_coordinator.openai_calls import Call, Sessions, Upstream
 from graphmesh_coordinator.openai_protocol import (
     FINISH,
     MAX_CHOICES,
@@ -58,7 +59,6 @@ from graphmesh_coordinator.openai_protocol import (
     message_text,
     stop_strings,
 )
-from graphmesh_coordinator.pipeline import Mesh
 from graphmesh_coordinator.servicer import prompt_token_ids
 from graphmesh_server import telemetry
 
@@ -115,10 +115,10 @@ class _Choice:
 
 # -- the server ----------------------------------------------------------------------------------------------
 class OpenAIServer:
-    def __init__(self, generator: Generator, mesh: Mesh, model_name: str, auth_token: str = "",
+    def __init__(self, upstream: Upstream, model_name: str, auth_token: str = "",
                  ready_wait_s: float = 10.0, leader_gate: Callable[[], None] | None = None,
                  responses_store: responses.Store | None = None) -> None:
-        self.generator, self.mesh, self.model_name = generator, mesh, model_name
+        self.upstream, self.model_name = upstream, model_name
         self.leader_gate = leader_gate  # raises NOT_LEADER (503 here) on a standby, naming the leader
         self._expected = f"Bearer {auth_token}" if auth_token else ""
         # the requests' code while it runs (parsing, tokenizing, detokenizing); none waits on it
@@ -184,7 +184,7 @@ class OpenAIServer:
     async def health(self) -> Response:
         if self.leader_gate is not None:
             self.leader_gate()
-        if self.mesh.ready:
+        if self.upstream.ready():
             return PlainTextResponse("ok")
         return PlainTextResponse("the mesh is not ready (starting or recovering)", 503, headers={"Retry-After": "1"})
 
@@ -193,7 +193,7 @@ class OpenAIServer:
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "graphmesh",
-                "max_model_len": self.generator.context_tokens}
+                "max_model_len": self.upstream.context_tokens}
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self._model_card()]}
@@ -219,7 +219,7 @@ class OpenAIServer:
         thread: tokenizing a long prompt must not hold up every other stream on the event loop."""
         self._check_model(body.model)
         check_unsupported(body)
-        tokenizer, model = self.generator.tokenizer, self.model_name
+        tokenizer, model = self.upstream.tokenizer, self.model_name
         tool_format, tool_prefix = tool_calls.HERMES, ""
         if isinstance(body, ChatCompletionRequest):
             if not body.messages:
@@ -273,7 +273,7 @@ class OpenAIServer:
         top_p = 1.0 if body.top_p is None else body.top_p
         requests = []
         for ids in prompts:
-            context = self.generator.context_tokens
+            context = self.upstream.context_tokens
             if max_tokens is not None and len(ids) < context < len(ids) + max_tokens:
                 # Generate quietly stops at the context; an OpenAI client expects to be told, as OpenAI and vLLM do.
                 raise APIError(400, f"the context holds {context} tokens: {len(ids)} in the prompt and "
@@ -283,26 +283,18 @@ class OpenAIServer:
                 # A seed makes a request reproducible; its choices differ from each other because each draws with
                 # its own. Without one, every choice draws with a fresh random seed (OpenAI's behaviour).
                 seed = (body.seed + i) & _SEED_MASK if body.seed is not None else secrets.randbits(63)
-                budget = max_tokens if max_tokens is not None else self._room(len(ids))
+                # the default must never be a request that is refused for not fitting
+                budget = max_tokens if max_tokens is not None else max(1, self.upstream.session_tokens - len(ids))
                 request = GenerationRequest(ids, budget, temperature, body.top_k or 0, top_p, seed, stop,
                                             body.ignore_eos, logprobs, top, guided=guided,
-                                            speculative=speculative.from_json(body.speculative, self.generator.speculative))
-                validate(request, self.generator.context_tokens, self.mesh.config.vocab_size)
+                                            speculative=speculative.from_json(body.speculative, self.upstream.speculative))
+                validate(request, context, self.upstream.vocab_size)
                 requests.append(request)
         structured.count(kind)
         tools = isinstance(body, ChatCompletionRequest) and kind in ("tool_call", "tools")
         parallel = not isinstance(body, ChatCompletionRequest) or body.parallel_tool_calls is not False
         return Call(operation, body, prompts, requests, logprobs, top, max_tokens, tools, parallel,
                      tool_format, tool_prefix)
-
-    def _room(self, prompt_tokens: int) -> int:
-        """The default max_tokens: up to the context, or what one session may hold of the KV pool when that is
-        less (the default must never be a request that is refused for not fitting); a windowed mesh holds only the
-        window of a session at once (Scheduler._most_held), so only its context bounds it."""
-        limit = self.generator.context_tokens
-        if self.mesh.kv_pool_blocks and not self.mesh.kv_window_tokens:
-            limit = min(limit, self.mesh.kv_pool_blocks * self.mesh.kv_block_tokens)
-        return max(1, limit - prompt_tokens)
 
     async def _serve(self, operation: Literal["chat", "text_completion"], body: ChatCompletionRequest | CompletionRequest,
                      request: Request) -> Response:
@@ -318,7 +310,7 @@ class OpenAIServer:
             usage.input_tokens = sum(len(p) for p in call.prompts)
             # Queued with every other generation (the Generator's --max-waiting-requests: 429 past it), waiting out
             # a mesh that is not ready for ready_wait_s (503 after)
-            sessions = Sessions(self.generator, call.requests, span, self.pool, self.ready_wait_s)
+            sessions = Sessions(self.upstream, call.requests, span, self.pool, self.ready_wait_s)
             choices = [_Choice(i, len(call.prompts[i // body.n])) for i in range(len(call.requests))]
             try:
                 first = await sessions.queue.get()  # an error before the first token is an HTTP status, not an event
@@ -426,7 +418,7 @@ class OpenAIServer:
                 "text_offset": offsets}
 
     def _token_text(self, token_id: int) -> str:
-        tokenizer = self.generator.tokenizer
+        tokenizer = self.upstream.tokenizer
         return tokenizer.decode([token_id]) if tokenizer is not None else ""
 
     def _full_response(self, call: Call, choices: list[_Choice], response_id: str, usage: genai.Usage) -> dict[str, Any]:

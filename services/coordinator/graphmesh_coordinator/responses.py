@@ -35,8 +35,8 @@ from pydantic import BaseModel, ConfigDict
 
 from graphmesh.errors import Unavailable
 from graphmesh_coordinator import genai
-from graphmesh_coordinator.generation import Event, Generator
-from graphmesh_coordinator.openai_calls import Call, Sessions
+from graphmesh_coordinator.generation import Event
+from graphmesh_coordinator.openai_calls import Call, Sessions, Upstream
 from graphmesh_coordinator.openai_protocol import FINISH, APIError, ChatCompletionRequest, CompletionRequest, api_error
 from graphmesh_server import telemetry
 
@@ -178,7 +178,7 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 class ChatServer(Protocol):
     """What the Responses API takes of the OpenAI server it is mounted on (OpenAIServer): its chat path."""
 
-    generator: Generator
+    upstream: Upstream
     model_name: str
     ready_wait_s: float
     pool: ThreadPoolExecutor
@@ -243,7 +243,7 @@ class ResponsesAPI:
             chat, conversation = await asyncio.get_running_loop().run_in_executor(server.pool, self._chat, body)
             call = await asyncio.get_running_loop().run_in_executor(server.pool, server.parse, "chat", chat)
             usage.input_tokens = len(call.prompts[0])
-            sessions = Sessions(server.generator, call.requests, span, server.pool, server.ready_wait_s)
+            sessions = Sessions(server.upstream, call.requests, span, server.pool, server.ready_wait_s)
             first = await sessions.queue.get()
             if isinstance(first[1], BaseException):
                 sessions.cancel()

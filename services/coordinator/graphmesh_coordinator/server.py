@@ -26,10 +26,12 @@ from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
 from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from graphmesh_coordinator import http_api
 from graphmesh_coordinator import scheduler as sched
 from graphmesh_coordinator.draft import Drafter
 from graphmesh_coordinator.election import Election, EtcdState, LeaderMesh, not_leader
 from graphmesh_coordinator.generation import DEFAULT_MAX_WAITING, Generator
+from graphmesh_coordinator.http_api import HttpApi
 from graphmesh_coordinator.kserve import KServeServicer
 from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
 from graphmesh_coordinator.servicer import CoordinatorServicer
@@ -68,8 +70,7 @@ class CoordinatorConfig:
     dtype: str = ""  # stage dtype: f32, bf16, f16; "" is bf16 on CUDA executors, f32 on CPU ones
     max_step_tokens: int = 0  # tokens per step (decode rows and prompt chunks together); 0: by the ranks' devices
     max_step_seqs: int = 0  # sessions per step; 0: by the devices (scheduler.STEP_SEQS_*)
-    http_listen: str = ""  # HOST:PORT of the OpenAI HTTP API; "": off
-    http_ready_wait_s: float = 10.0  # how long an HTTP request waits out a recovery before its 503
+    http: HttpApi = field(default_factory=HttpApi)  # the OpenAI HTTP API; off unless it has an address
     steps_in_flight: int = 0  # steps in flight at most; 0: one per stage
     decode_steps: int = 0  # the longest decode run (tokens per row of a step of decodes alone); 0: by the devices
     speculative: str = "off"  # speculative decoding of requests that do not choose: prompt-lookup[:K], draft:MODEL[:K]
@@ -82,9 +83,6 @@ class CoordinatorConfig:
     min_executors: int = 1  # with etcd: the members (static and registered) a new leader waits for before planning
     max_waiting_requests: int = DEFAULT_MAX_WAITING  # generation requests that may wait for their first token
     max_prompt_bytes: int = 0  # UTF-8 bytes of prompt text tokenized for one request; 0: by the context
-    http_max_connections: int = 0  # open HTTP connections at most; 0: by the descriptor limit
-    redis_url: str = ""  # the Responses API's store: redis://HOST:PORT/DB; "": in memory
-    redis_password_file: Path | None = None  # the store's password, read once at start
 
 
 @dataclass
@@ -105,18 +103,6 @@ def prompt_bytes_limit(flag: int, context_tokens: int) -> int:
     no token is spelled by more than a few bytes, so text beyond 16 bytes a context token (at least 1 MiB) is
     refused before it is tokenized. Tokenizing costs about 1 s a MiB: the limit is what one request can cost."""
     return flag if flag > 0 else max(MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN * context_tokens)
-
-
-def _http_listen(config: CoordinatorConfig) -> str:
-    """The HTTP API's address under the gRPC port's rule: a coordinator that authenticates nobody serves loopback
-    only unless --allow-insecure-remote says otherwise."""
-    host, _, port = config.http_listen.rpartition(":")
-    sec = config.security
-    if sec.authenticated or sec.allow_insecure_remote or bootstrap.is_loopback(host):
-        return config.http_listen
-    log.warning("no credentials configured: the HTTP API listens on loopback only; --allow-insecure-remote "
-                "listens as asked", extra={"http_listen": config.http_listen})
-    return f"127.0.0.1:{port}"
 
 
 def build_server(config: CoordinatorConfig) -> Coordinator:
@@ -185,7 +171,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
                                     {"": health_pb2.HealthCheckResponse.NOT_SERVING,
                                      LIVENESS_SERVICE: health_pb2.HealthCheckResponse.SERVING})
     # Registered before the HTTP API (which serves /metrics too) starts: a scrape never finds a metric missing
-    if config.metrics_port or config.http_listen:
+    if config.metrics_port or config.http.listen:
         telemetry.expose(
             ("graphmesh_incarnation", "gauge", "The incarnation the mesh runs under", lambda: mesh.incarnation),
             ("graphmesh_recoveries", "counter", "Rosters rebuilt after a lost incarnation", lambda: mesh.recoveries),
@@ -216,15 +202,10 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
             ("graphmesh_prefix_shared_tokens", "counter", "Prompt tokens shared from a live session's KV blocks",
              lambda: scheduler.shared_tokens))
     http = None
-    if config.http_listen:
-        # Imported here: FastAPI's import is ~0.3 s of every coordinator start that serves no HTTP.
-        from graphmesh_coordinator import responses
-        from graphmesh_coordinator.openai_server import OpenAIServer
+    if config.http.listen:
+        from graphmesh_coordinator.openai_calls import LocalUpstream
 
-        http = OpenAIServer(generator, mesh, config.model, config.security.auth_token, config.http_ready_wait_s, gate,
-                            responses.open_store(config.redis_url, config.redis_password_file))
-        http.start(_http_listen(config), config.security.tls, max_connections=config.http_max_connections)
-        log.info("HTTP API", extra={"http_listen": config.http_listen, "port": http.port})
+        http = http_api.start(config.http, LocalUpstream(generator, mesh), config.model, config.security, gate)
     if election is None:
         wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
         _take_over(config, mesh, state.incarnation, health_servicer, drafter)
@@ -394,9 +375,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-executor", default="",
                         help="HOST:PORT of the executor that runs the draft model of --speculative draft:MODEL (one "
                              "of its own, not one of --executors)")
-    parser.add_argument("--http-listen", default="", help="HOST:PORT of the OpenAI-compatible HTTP API (default: off)")
-    parser.add_argument("--http-ready-wait", type=float, default=10.0,
-                        help="seconds an HTTP request waits for a recovering mesh before a 503")
     parser.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
                         help="generation requests (gRPC Generate, KServe text inference, the HTTP API together) that "
                              "may wait at once for their first token: for a recovering mesh, for KV cache, in "
@@ -408,26 +386,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="UTF-8 bytes of prompt text one request may have tokenized (chat messages together); "
                              "more is refused (INVALID_ARGUMENT / HTTP 400, reason PROMPT_TOO_LARGE) before any "
                              f"work. Default 0: {PROMPT_BYTES_PER_TOKEN} bytes per context token, at least 1 MiB")
-    parser.add_argument("--http-max-connections", type=int, default=0,
-                        help="open connections the HTTP API keeps at most; more are closed as they are accepted. "
-                             "Default 0: a quarter of the process's descriptor limit, at most 4096")
-    parser.add_argument("--redis-url", default="",
-                        help="redis://HOST:PORT/DB (Redis or Valkey; rediss:// for TLS) keeping the Responses API's "
-                             "stored responses, so that every coordinator on it continues their conversations "
-                             "(previous_response_id). Default: in this process's memory")
-    parser.add_argument("--redis-password-file", type=Path, help="file holding the password of --redis-url's server")
+    http_api.add_arguments(parser)
     bootstrap.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
-    if args.redis_url and not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
-        parser.error(f"--redis-url must be redis://HOST:PORT/DB, rediss://... or unix://..., not {args.redis_url!r}")
-    if args.redis_password_file and not args.redis_url:
-        parser.error("--redis-password-file needs --redis-url")
+    http = http_api.from_args(args, parser)
     if args.max_waiting_requests < 1:
         parser.error(f"--max-waiting-requests must be >= 1, not {args.max_waiting_requests}")
     for flag, value in (("--decode-steps", args.decode_steps), ("--max-step-tokens", args.max_step_tokens),
                         ("--max-step-seqs", args.max_step_seqs),
-                        ("--max-prompt-bytes", args.max_prompt_bytes),
-                        ("--http-max-connections", args.http_max_connections)):
+                        ("--max-prompt-bytes", args.max_prompt_bytes)):
         if value < 0:  # a negative budget would schedule no step at all: every request would wait forever
             parser.error(f"{flag} must be >= 0 (0: the default), not {value}")
     logs.configure("coordinator")
@@ -437,16 +404,14 @@ def main(argv: list[str] | None = None) -> None:
                                    args.kvstore, [int(x) for x in args.split.split(",") if x], args.weights,
                                    args.startup_timeout, args.rpc_timeout, args.max_context, args.metrics_port,
                                    bootstrap.from_args(args), args.dtype, args.max_step_tokens, args.max_step_seqs,
-                                   http_listen=args.http_listen, http_ready_wait_s=args.http_ready_wait,
+                                   http=http,
                                    steps_in_flight=args.steps_in_flight, decode_steps=args.decode_steps,
                                    speculative=args.speculative, draft_executor=args.draft_executor,
                                    health_window_s=args.health_window,
                                    etcd=args.etcd, cluster_name=args.cluster_name,
                                    lease_ttl_s=args.lease_ttl, advertise=args.advertise,
                                    min_executors=args.min_executors, max_waiting_requests=args.max_waiting_requests,
-                                   max_prompt_bytes=args.max_prompt_bytes,
-                                   http_max_connections=args.http_max_connections, redis_url=args.redis_url,
-                                   redis_password_file=args.redis_password_file)
+                                   max_prompt_bytes=args.max_prompt_bytes)
         telemetry.serve_metrics(config.metrics_port)
         running = build_server(config)
     except Exception as e:
