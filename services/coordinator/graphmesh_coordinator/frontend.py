@@ -291,7 +291,11 @@ class RelayUpstream:
 
     async def events(self, request: GenerationRequest, sessions: Sessions) -> AsyncGenerator[Event, None]:
         if self._relay is None:
-            self._relay = Relay(await self._open(), self._metadata)
+            channel = await self._open()
+            if self._relay is None:  # else another request opened it meanwhile
+                self._relay = Relay(channel, self._metadata)
+            else:
+                await channel.close()
         try:
             # the coordinator's work joins the request's trace
             async for response in self._relay.generate(generate_request(request),
@@ -302,10 +306,6 @@ class RelayUpstream:
         except _StreamEnded as e:
             raise Unavailable(f"the front end lost its stream to the coordinator ({e}); retry the request",
                               "COORDINATOR_STREAM_LOST") from None
-
-    async def close(self) -> None:
-        if self._relay is not None:
-            await self._relay.close()
 
 
 def mirror_health(address: str, credentials: grpc.ChannelCredentials | None, health: MirroredHealth,
