@@ -323,3 +323,20 @@ def test_guided_specs_and_speculative_modes_cross_the_relay_unchanged() -> None:
     with pytest.raises(errors.InvalidArgument, match="at most one"):
         guided.from_proto(coordinator_pb2.GuidedDecoding(regex="a", tool_call=call(format="hermes",
                                                                                    functions=[fn(name="f")])))
+
+
+def test_skip_text_leaves_the_text_to_the_caller_unless_stop_strings_need_it(mesh: LocalMesh) -> None:
+    """GenerateRequest.skip_text: the same tokens and no text (the front end's API detokenizes them itself, which
+    test_the_front_ends_openai_api_answers_as_the_coordinators_own checks text for text); with stop strings the
+    coordinator still writes the text, where it finds them."""
+    with grpc.insecure_channel(mesh.coordinator_address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+
+        def run(**fields: object) -> tuple[list[int], str]:
+            responses = list(stub.Generate(coordinator_pb2.GenerateRequest(prompt="Hi", max_tokens=16, **fields),
+                                           timeout=60))
+            return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses)
+        tokens, text = run()
+        assert text and run(skip_text=True) == (tokens, "")
+        stopped = run(stop=[text[len(text) // 2:][:2]])
+        assert run(stop=[text[len(text) // 2:][:2]], skip_text=True) == stopped and stopped[1]

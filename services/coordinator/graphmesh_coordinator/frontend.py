@@ -38,7 +38,7 @@ from graphmesh.security import Tls, bearer, read_token
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from graphmesh_coordinator import guided, http_api, speculative
-from graphmesh_coordinator.generation import Event, GenerationRequest, TokenLogprob
+from graphmesh_coordinator.generation import Detokenizer, Event, GenerationRequest, TokenLogprob
 from graphmesh_coordinator.http_api import HttpApi
 from graphmesh_coordinator.speculative import Mode
 from graphmesh_server import bootstrap, logs, telemetry
@@ -219,9 +219,9 @@ _FINISH = {coordinator_pb2.FINISH_REASON_LENGTH: "length", coordinator_pb2.FINIS
            coordinator_pb2.FINISH_REASON_STOP: "stop"}
 
 
-def generate_request(request: GenerationRequest) -> coordinator_pb2.GenerateRequest:
+def generate_request(request: GenerationRequest, skip_text: bool = False) -> coordinator_pb2.GenerateRequest:
     """A request the OpenAI API parsed, as the Generate call that runs it (the servicer's reading inverted)."""
-    return coordinator_pb2.GenerateRequest(
+    return coordinator_pb2.GenerateRequest(skip_text=skip_text,
         prompt_token_ids=request.prompt_ids, max_tokens=request.max_tokens,
         sampling=stage_pb2.SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                           seed=request.seed),
@@ -230,9 +230,13 @@ def generate_request(request: GenerationRequest) -> coordinator_pb2.GenerateRequ
         speculative=speculative.to_proto(request.speculative) if request.speculative is not None else None)
 
 
-def event(response: coordinator_pb2.GenerateResponse) -> Event:
-    return Event(list(response.token_ids), response.text, _FINISH.get(response.finish_reason, ""), response.ttft_ms,
-                 response.prefill_computed_tokens, response.session_id,
+def event(response: coordinator_pb2.GenerateResponse, detok: Detokenizer | None = None) -> Event:
+    """A response as the Generator's Event; with `detok`, its text detokenized here from its tokens as the Generator
+    does (an end-of-sequence token that ends it adds none)."""
+    finish = _FINISH.get(response.finish_reason, "")
+    tokens = list(response.token_ids)
+    text = response.text if detok is None else detok.push_many(tokens[:-1] if finish == "eos" else tokens)
+    return Event(tokens, text, finish, response.ttft_ms, response.prefill_computed_tokens, response.session_id,
                  [TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
                   for lp in response.logprobs])
 
@@ -296,11 +300,13 @@ class RelayUpstream:
                 self._relay = Relay(channel, self._metadata)
             else:
                 await channel.close()
+        # Detokenized here, off the coordinator's GIL, unless the coordinator needs the text for stop strings.
+        detok = Detokenizer(self._tokenizer) if self._tokenizer is not None and not request.stop else None
         try:
             # the coordinator's work joins the request's trace
-            async for response in self._relay.generate(generate_request(request),
+            async for response in self._relay.generate(generate_request(request, detok is not None),
                                                        telemetry.span_carrier(sessions.span)):
-                yield event(response)
+                yield event(response, detok)
         except _CallFailed as e:  # the coordinator's status, as the API's error
             raise errors.from_status_proto(e.status) or errors.Internal(e.status.message) from None
         except _StreamEnded as e:

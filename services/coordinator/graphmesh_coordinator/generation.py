@@ -67,6 +67,8 @@ class GenerationRequest:
     guided: GuidedSpec | None = None
     # Speculative decoding for this request (speculative.py); None: the coordinator's default. Never changes tokens.
     speculative: Mode | None = None
+    # Events without text: the caller detokenizes (GenerateRequest.skip_text); stop strings still need the text
+    skip_text: bool = False
 
 
 @dataclass(frozen=True)
@@ -439,7 +441,7 @@ class Generator:
                         if step == budget:
                             finish = "length"
                             break
-                    if texts:
+                    if texts and not request.skip_text:
                         text = detok.push_many(texts)
                     if tokens:
                         TOKENS_GENERATED.inc(len(tokens))

@@ -97,7 +97,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                     guided=guided.from_proto(request.guided),
                                     speculative=speculative.from_proto(request.speculative, self.generator.speculative)
                                     if request.HasField("speculative") else None,
-                                    logprobs=request.logprobs, top_logprobs=request.top_logprobs)
+                                    logprobs=request.logprobs, top_logprobs=request.top_logprobs,
+                                    skip_text=request.skip_text)
             first = True
             events = (self.generator.generate_waiting if getattr(context, "yields_waits", False)
                       else self.generator.generate)(gen, alive=context.is_active, ready_wait_s=RECOVERY_WAIT_S)

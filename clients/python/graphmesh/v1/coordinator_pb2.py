@@ -26,7 +26,7 @@ from graphmesh.v1 import stage_pb2 as graphmesh_dot_v1_dot_stage__pb2
 from graphmesh.v1 import tensor_pb2 as graphmesh_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egraphmesh/v1/coordinator.proto\x12\x0cgraphmesh.v1\x1a\x18graphmesh/v1/stage.proto\x1a\x19graphmesh/v1/tensor.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdd\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0b\n\x03raw\x18\x03 \x01(\x08\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.graphmesh.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x03\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.graphmesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1c\n\x14parse_special_tokens\x18\n \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x0b \x03(\x03\x12+\n\rencoder_input\x18\x0c \x01(\x0b\x32\x14.graphmesh.v1.Tensor\x12,\n\x06guided\x18\r \x01(\x0b\x32\x1c.graphmesh.v1.GuidedDecoding\x12\x36\n\x0bspeculative\x18\x0e \x01(\x0b\x32!.graphmesh.v1.SpeculativeDecoding\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\r\"\\\n\x13SpeculativeDecoding\x12/\n\x06method\x18\x01 \x01(\x0e\x32\x1f.graphmesh.v1.SpeculativeMethod\x12\x14\n\x0cmax_proposed\x18\x02 \x01(\r\"\x8b\x01\n\x0eGuidedDecoding\x12\x13\n\x0bjson_schema\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0f\n\x07grammar\x18\x04 \x01(\t\x12/\n\ttool_call\x18\x05 \x01(\x0b\x32\x1c.graphmesh.v1.GuidedToolCall\"Q\n\x0eGuidedToolCall\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12/\n\tfunctions\x18\x02 \x03(\x0b\x32\x1c.graphmesh.v1.GuidedFunction\"7\n\x0eGuidedFunction\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0fparameters_json\x18\x02 \x01(\t\"\xf7\x01\n\x16GenerateStreamsRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x08generate\x18\x02 \x01(\x0b\x32\x1d.graphmesh.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12M\n\rtrace_context\x18\x04 \x03(\x0b\x32\x36.graphmesh.v1.GenerateStreamsRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06\x61\x63tion\"M\n\x17GenerateStreamsResponse\x12\x32\n\x06\x65vents\x18\x01 \x03(\x0b\x32\".graphmesh.v1.GenerateStreamsEvent\"p\n\x14GenerateStreamsEvent\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x32\n\x08response\x18\x02 \x01(\x0b\x32\x1e.graphmesh.v1.GenerateResponseH\x00\x12\x10\n\x06status\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04kind\"\xf8\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x03\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.graphmesh.v1.FinishReason\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x1f\n\x17prefill_computed_tokens\x18\x07 \x01(\r\x12\x30\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1e.graphmesh.v1.GeneratedLogprob\"^\n\x10GeneratedLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.graphmesh.v1.TokenLogprob\"8\n\x14\x43omputeLogitsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\"=\n\x15\x43omputeLogitsResponse\x12$\n\x06logits\x18\x01 \x01(\x0b\x32\x14.graphmesh.v1.Tensor\"\x0f\n\rStatusRequest\"\x9f\x01\n\x0fStageAssignment\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12\x13\n\x0bparam_bytes\x18\x08 \x01(\x04\"C\n\x0eSessionSummary\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\xd3\x02\n\x0eStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12-\n\x06stages\x18\x03 \x03(\x0b\x32\x1d.graphmesh.v1.StageAssignment\x12.\n\x08sessions\x18\x04 \x03(\x0b\x32\x1c.graphmesh.v1.SessionSummary\x12\x12\n\nrecoveries\x18\x05 \x01(\x04\x12\r\n\x05ready\x18\x06 \x01(\x08\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\r\x12)\n\x04plan\x18\x08 \x01(\x0b\x32\x1b.graphmesh.v1.PartitionPlan\x12\x13\n\x0bspeculative\x18\t \x01(\t\x12\x16\n\x0e\x63ontext_tokens\x18\n \x01(\r\x12\x16\n\x0esession_tokens\x18\x0b \x01(\r\x12\x12\n\nvocab_size\x18\x0c \x01(\r*\x97\x01\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\x1a\n\x16SPECULATIVE_METHOD_OFF\x10\x01\x12$\n SPECULATIVE_METHOD_PROMPT_LOOKUP\x10\x02\x12\x1c\n\x18SPECULATIVE_METHOD_DRAFT\x10\x03*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xe4\x02\n\x12\x43oordinatorService\x12K\n\x08Generate\x12\x1d.graphmesh.v1.GenerateRequest\x1a\x1e.graphmesh.v1.GenerateResponse0\x01\x12\x62\n\x0fGenerateStreams\x12$.graphmesh.v1.GenerateStreamsRequest\x1a%.graphmesh.v1.GenerateStreamsResponse(\x01\x30\x01\x12X\n\rComputeLogits\x12\".graphmesh.v1.ComputeLogitsRequest\x1a#.graphmesh.v1.ComputeLogitsResponse\x12\x43\n\x06Status\x12\x1b.graphmesh.v1.StatusRequest\x1a\x1c.graphmesh.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egraphmesh/v1/coordinator.proto\x12\x0cgraphmesh.v1\x1a\x18graphmesh/v1/stage.proto\x1a\x19graphmesh/v1/tensor.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf0\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x0b\n\x03raw\x18\x03 \x01(\x08\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.graphmesh.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x03\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.graphmesh.v1.SamplingParams\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1c\n\x14parse_special_tokens\x18\n \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x0b \x03(\x03\x12+\n\rencoder_input\x18\x0c \x01(\x0b\x32\x14.graphmesh.v1.Tensor\x12,\n\x06guided\x18\r \x01(\x0b\x32\x1c.graphmesh.v1.GuidedDecoding\x12\x36\n\x0bspeculative\x18\x0e \x01(\x0b\x32!.graphmesh.v1.SpeculativeDecoding\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\r\x12\x11\n\tskip_text\x18\x11 \x01(\x08\"\\\n\x13SpeculativeDecoding\x12/\n\x06method\x18\x01 \x01(\x0e\x32\x1f.graphmesh.v1.SpeculativeMethod\x12\x14\n\x0cmax_proposed\x18\x02 \x01(\r\"\x8b\x01\n\x0eGuidedDecoding\x12\x13\n\x0bjson_schema\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0f\n\x07grammar\x18\x04 \x01(\t\x12/\n\ttool_call\x18\x05 \x01(\x0b\x32\x1c.graphmesh.v1.GuidedToolCall\"Q\n\x0eGuidedToolCall\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12/\n\tfunctions\x18\x02 \x03(\x0b\x32\x1c.graphmesh.v1.GuidedFunction\"7\n\x0eGuidedFunction\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0fparameters_json\x18\x02 \x01(\t\"\xf7\x01\n\x16GenerateStreamsRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x08generate\x18\x02 \x01(\x0b\x32\x1d.graphmesh.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12M\n\rtrace_context\x18\x04 \x03(\x0b\x32\x36.graphmesh.v1.GenerateStreamsRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06\x61\x63tion\"M\n\x17GenerateStreamsResponse\x12\x32\n\x06\x65vents\x18\x01 \x03(\x0b\x32\".graphmesh.v1.GenerateStreamsEvent\"p\n\x14GenerateStreamsEvent\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x32\n\x08response\x18\x02 \x01(\x0b\x32\x1e.graphmesh.v1.GenerateResponseH\x00\x12\x10\n\x06status\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04kind\"\xf8\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x03\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.graphmesh.v1.FinishReason\x12\x0f\n\x07ttft_ms\x18\x06 \x01(\x01\x12\x1f\n\x17prefill_computed_tokens\x18\x07 \x01(\r\x12\x30\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1e.graphmesh.v1.GeneratedLogprob\"^\n\x10GeneratedLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.graphmesh.v1.TokenLogprob\"8\n\x14\x43omputeLogitsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\"=\n\x15\x43omputeLogitsResponse\x12$\n\x06logits\x18\x01 \x01(\x0b\x32\x14.graphmesh.v1.Tensor\"\x0f\n\rStatusRequest\"\x9f\x01\n\x0fStageAssignment\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07healthy\x18\x07 \x01(\x08\x12\x13\n\x0bparam_bytes\x18\x08 \x01(\x04\"C\n\x0eSessionSummary\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\xd3\x02\n\x0eStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12-\n\x06stages\x18\x03 \x03(\x0b\x32\x1d.graphmesh.v1.StageAssignment\x12.\n\x08sessions\x18\x04 \x03(\x0b\x32\x1c.graphmesh.v1.SessionSummary\x12\x12\n\nrecoveries\x18\x05 \x01(\x04\x12\r\n\x05ready\x18\x06 \x01(\x08\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\r\x12)\n\x04plan\x18\x08 \x01(\x0b\x32\x1b.graphmesh.v1.PartitionPlan\x12\x13\n\x0bspeculative\x18\t \x01(\t\x12\x16\n\x0e\x63ontext_tokens\x18\n \x01(\r\x12\x16\n\x0esession_tokens\x18\x0b \x01(\r\x12\x12\n\nvocab_size\x18\x0c \x01(\r*\x97\x01\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\x1a\n\x16SPECULATIVE_METHOD_OFF\x10\x01\x12$\n SPECULATIVE_METHOD_PROMPT_LOOKUP\x10\x02\x12\x1c\n\x18SPECULATIVE_METHOD_DRAFT\x10\x03*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32\xe4\x02\n\x12\x43oordinatorService\x12K\n\x08Generate\x12\x1d.graphmesh.v1.GenerateRequest\x1a\x1e.graphmesh.v1.GenerateResponse0\x01\x12\x62\n\x0fGenerateStreams\x12$.graphmesh.v1.GenerateStreamsRequest\x1a%.graphmesh.v1.GenerateStreamsResponse(\x01\x30\x01\x12X\n\rComputeLogits\x12\".graphmesh.v1.ComputeLogitsRequest\x1a#.graphmesh.v1.ComputeLogitsResponse\x12\x43\n\x06Status\x12\x1b.graphmesh.v1.StatusRequest\x1a\x1c.graphmesh.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,46 +35,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATESTREAMSREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_GENERATESTREAMSREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATIVEMETHOD']._serialized_start=2505
-  _globals['_SPECULATIVEMETHOD']._serialized_end=2656
-  _globals['_FINISHREASON']._serialized_start=2658
-  _globals['_FINISHREASON']._serialized_end=2776
+  _globals['_SPECULATIVEMETHOD']._serialized_start=2524
+  _globals['_SPECULATIVEMETHOD']._serialized_end=2675
+  _globals['_FINISHREASON']._serialized_start=2677
+  _globals['_FINISHREASON']._serialized_end=2795
   _globals['_CHATMESSAGE']._serialized_start=101
   _globals['_CHATMESSAGE']._serialized_end=145
   _globals['_GENERATEREQUEST']._serialized_start=148
-  _globals['_GENERATEREQUEST']._serialized_end=625
-  _globals['_SPECULATIVEDECODING']._serialized_start=627
-  _globals['_SPECULATIVEDECODING']._serialized_end=719
-  _globals['_GUIDEDDECODING']._serialized_start=722
-  _globals['_GUIDEDDECODING']._serialized_end=861
-  _globals['_GUIDEDTOOLCALL']._serialized_start=863
-  _globals['_GUIDEDTOOLCALL']._serialized_end=944
-  _globals['_GUIDEDFUNCTION']._serialized_start=946
-  _globals['_GUIDEDFUNCTION']._serialized_end=1001
-  _globals['_GENERATESTREAMSREQUEST']._serialized_start=1004
-  _globals['_GENERATESTREAMSREQUEST']._serialized_end=1251
-  _globals['_GENERATESTREAMSREQUEST_TRACECONTEXTENTRY']._serialized_start=1190
-  _globals['_GENERATESTREAMSREQUEST_TRACECONTEXTENTRY']._serialized_end=1241
-  _globals['_GENERATESTREAMSRESPONSE']._serialized_start=1253
-  _globals['_GENERATESTREAMSRESPONSE']._serialized_end=1330
-  _globals['_GENERATESTREAMSEVENT']._serialized_start=1332
-  _globals['_GENERATESTREAMSEVENT']._serialized_end=1444
-  _globals['_GENERATERESPONSE']._serialized_start=1447
-  _globals['_GENERATERESPONSE']._serialized_end=1695
-  _globals['_GENERATEDLOGPROB']._serialized_start=1697
-  _globals['_GENERATEDLOGPROB']._serialized_end=1791
-  _globals['_COMPUTELOGITSREQUEST']._serialized_start=1793
-  _globals['_COMPUTELOGITSREQUEST']._serialized_end=1849
-  _globals['_COMPUTELOGITSRESPONSE']._serialized_start=1851
-  _globals['_COMPUTELOGITSRESPONSE']._serialized_end=1912
-  _globals['_STATUSREQUEST']._serialized_start=1914
-  _globals['_STATUSREQUEST']._serialized_end=1929
-  _globals['_STAGEASSIGNMENT']._serialized_start=1932
-  _globals['_STAGEASSIGNMENT']._serialized_end=2091
-  _globals['_SESSIONSUMMARY']._serialized_start=2093
-  _globals['_SESSIONSUMMARY']._serialized_end=2160
-  _globals['_STATUSRESPONSE']._serialized_start=2163
-  _globals['_STATUSRESPONSE']._serialized_end=2502
-  _globals['_COORDINATORSERVICE']._serialized_start=2779
-  _globals['_COORDINATORSERVICE']._serialized_end=3135
+  _globals['_GENERATEREQUEST']._serialized_end=644
+  _globals['_SPECULATIVEDECODING']._serialized_start=646
+  _globals['_SPECULATIVEDECODING']._serialized_end=738
+  _globals['_GUIDEDDECODING']._serialized_start=741
+  _globals['_GUIDEDDECODING']._serialized_end=880
+  _globals['_GUIDEDTOOLCALL']._serialized_start=882
+  _globals['_GUIDEDTOOLCALL']._serialized_end=963
+  _globals['_GUIDEDFUNCTION']._serialized_start=965
+  _globals['_GUIDEDFUNCTION']._serialized_end=1020
+  _globals['_GENERATESTREAMSREQUEST']._serialized_start=1023
+  _globals['_GENERATESTREAMSREQUEST']._serialized_end=1270
+  _globals['_GENERATESTREAMSREQUEST_TRACECONTEXTENTRY']._serialized_start=1209
+  _globals['_GENERATESTREAMSREQUEST_TRACECONTEXTENTRY']._serialized_end=1260
+  _globals['_GENERATESTREAMSRESPONSE']._serialized_start=1272
+  _globals['_GENERATESTREAMSRESPONSE']._serialized_end=1349
+  _globals['_GENERATESTREAMSEVENT']._serialized_start=1351
+  _globals['_GENERATESTREAMSEVENT']._serialized_end=1463
+  _globals['_GENERATERESPONSE']._serialized_start=1466
+  _globals['_GENERATERESPONSE']._serialized_end=1714
+  _globals['_GENERATEDLOGPROB']._serialized_start=1716
+  _globals['_GENERATEDLOGPROB']._serialized_end=1810
+  _globals['_COMPUTELOGITSREQUEST']._serialized_start=1812
+  _globals['_COMPUTELOGITSREQUEST']._serialized_end=1868
+  _globals['_COMPUTELOGITSRESPONSE']._serialized_start=1870
+  _globals['_COMPUTELOGITSRESPONSE']._serialized_end=1931
+  _globals['_STATUSREQUEST']._serialized_start=1933
+  _globals['_STATUSREQUEST']._serialized_end=1948
+  _globals['_STAGEASSIGNMENT']._serialized_start=1951
+  _globals['_STAGEASSIGNMENT']._serialized_end=2110
+  _globals['_SESSIONSUMMARY']._serialized_start=2112
+  _globals['_SESSIONSUMMARY']._serialized_end=2179
+  _globals['_STATUSRESPONSE']._serialized_start=2182
+  _globals['_STATUSRESPONSE']._serialized_end=2521
+  _globals['_COORDINATORSERVICE']._serialized_start=2798
+  _globals['_COORDINATORSERVICE']._serialized_end=3154
 # @@protoc_insertion_point(module_scope)

@@ -120,6 +120,7 @@ class GenerateRequest(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    SKIP_TEXT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """model names the model; empty uses the coordinator's model."""
     prompt: _builtins.str
@@ -146,6 +147,12 @@ class GenerateRequest(_message.Message):
     top_logprobs: _builtins.int
     """top_logprobs, with logprobs, adds the most likely tokens at each position,
     most likely first: 0 to 20. INVALID_ARGUMENT without logprobs.
+    """
+    skip_text: _builtins.bool
+    """skip_text leaves GenerateResponse.text empty: the caller detokenizes the
+    token ids itself (a front end that has the model's tokenizer), which
+    takes that work off the coordinator. Ignored when stop strings are given:
+    the coordinator finds those in the text.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
@@ -214,10 +221,11 @@ class GenerateRequest(_message.Message):
         speculative: Global___SpeculativeDecoding | None = ...,
         logprobs: _builtins.bool = ...,
         top_logprobs: _builtins.int = ...,
+        skip_text: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "sampling", b"sampling", "speculative", b"speculative"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "speculative", b"speculative", "stop", b"stop", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoder_input", b"encoder_input", "guided", b"guided", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parse_special_tokens", b"parse_special_tokens", "prompt", b"prompt", "prompt_token_ids", b"prompt_token_ids", "raw", b"raw", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "skip_text", b"skip_text", "speculative", b"speculative", "stop", b"stop", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
