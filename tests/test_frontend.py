@@ -340,3 +340,25 @@ def test_skip_text_leaves_the_text_to_the_caller_unless_stop_strings_need_it(mes
         assert text and run(skip_text=True) == (tokens, "")
         stopped = run(stop=[text[len(text) // 2:][:2]])
         assert run(stop=[text[len(text) // 2:][:2]], skip_text=True) == stopped and stopped[1]
+
+
+def test_relayed_calls_text_is_written_on_the_front_end_as_the_coordinator_writes_it(mesh: LocalMesh) -> None:
+    """The front end has the model's tokenizer (--model): it asks the coordinator for token ids alone and writes each
+    response's text itself, the same text, response for response; where stop strings need the coordinator's text,
+    or the client itself asked for ids alone, it relays the call as it is."""
+    def responses(address: str, request: coordinator_pb2.GenerateRequest) -> list[tuple[list[int], str, int]]:
+        with grpc.insecure_channel(address) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+            return [(list(r.token_ids), r.text, r.finish_reason) for r in stub.Generate(request, timeout=60)]
+    sampled = coordinator_pb2.GenerateRequest(prompt="Tell me", max_tokens=40, sampling={"temperature": 1.0, "seed": 3})
+    requests = [coordinator_pb2.GenerateRequest(prompt="Hello", max_tokens=24),
+                coordinator_pb2.GenerateRequest(prompt_token_ids=[256, 72, 105, 257], max_tokens=30, ignore_eos=True),
+                sampled, coordinator_pb2.GenerateRequest(prompt="Hello", max_tokens=24, skip_text=True),
+                # ends with the end-of-sequence token, whose text is none
+                coordinator_pb2.GenerateRequest(prompt="Hi", max_tokens=8, guided={"regex": "[a-z]{3}"})]
+    direct = [responses(mesh.coordinator_address, r) for r in requests]
+    assert direct[-1][-1][2] == coordinator_pb2.FINISH_REASON_EOS and len("".join(t for _, t, _ in direct[-1])) == 3
+    assert [responses(mesh.frontend_address, r) for r in requests] == direct
+    assert any(text for _, text, _ in direct[0]) and not any(text for _, text, _ in direct[3])
+    stop = coordinator_pb2.GenerateRequest(prompt="Hello", max_tokens=24, stop=["".join(t for _, t, _ in direct[0])[3:5]])
+    assert responses(mesh.frontend_address, stop) == responses(mesh.coordinator_address, stop)

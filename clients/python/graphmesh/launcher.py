@@ -348,10 +348,10 @@ class LocalMesh(Startable):
         self.coordinator_process = self._spawn("coordinator", self._coordinator_args)
         if self.frontend:
             self.frontend_address = f"127.0.0.1:{free_port()}"
-            http = ["--http-listen", self.http_listen, "--model", self.model] if self.http_listen else []
+            http = ["--http-listen", self.http_listen] if self.http_listen else []
             self.frontend_process = self._spawn("frontend", ["graphmesh_coordinator.frontend", "--listen",
                                                              self.frontend_address, "--coordinator",
-                                                             self.coordinator_address, *http])
+                                                             self.coordinator_address, "--model", self.model, *http])
         for address, process, rank in spawned:
             wait_healthy(address, process, EXECUTOR_START_S, f"executor {rank}", self.credentials(),
                          log=self.log(f"executor-{rank}"))

@@ -165,10 +165,12 @@ class _CallFailed(Exception):
 
 
 class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
-    def __init__(self, relay: Relay, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]]) -> None:
+    def __init__(self, relay: Relay, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]],
+                 tokenizer: Tokenizer | None = None) -> None:
         self.relay = relay
         self._stub: Any = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         self._metadata = tuple(metadata)
+        self._tokenizer = tokenizer
 
     async def Generate(self, request: coordinator_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
@@ -176,9 +178,17 @@ class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         span = telemetry.start_rpc_span(GENERATE, headers)
         status: grpc.Status | None = None
         code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: its client left
+        detok = None
+        if self._tokenizer is not None and not request.stop and not request.skip_text:
+            detok = Detokenizer(self._tokenizer)  # the text written here, off the coordinator's GIL
+            relayed = coordinator_pb2.GenerateRequest()
+            relayed.CopyFrom(request)
+            relayed.skip_text, request = True, relayed
         try:
             # the coordinator's work joins this span's trace (its client's, when it sent one)
             async for response in self.relay.generate(request, telemetry.span_carrier(span) or headers):
+                if detok is not None:
+                    response.text = text(response, detok)
                 yield response
             code = grpc.StatusCode.OK
         except _CallFailed as e:  # the coordinator's status as it is, its ErrorInfo with it
@@ -230,15 +240,19 @@ def generate_request(request: GenerationRequest, skip_text: bool = False) -> coo
         speculative=speculative.to_proto(request.speculative) if request.speculative is not None else None)
 
 
-def event(response: coordinator_pb2.GenerateResponse, detok: Detokenizer | None = None) -> Event:
-    """A response as the Generator's Event; with `detok`, its text detokenized here from its tokens as the Generator
-    does (an end-of-sequence token that ends it adds none)."""
-    finish = _FINISH.get(response.finish_reason, "")
+def text(response: coordinator_pb2.GenerateResponse, detok: Detokenizer) -> str:
+    """The text of a response the coordinator sent without (skip_text), detokenized as the Generator does: an
+    end-of-sequence token that ends the completion adds none."""
     tokens = list(response.token_ids)
-    text = response.text if detok is None else detok.push_many(tokens[:-1] if finish == "eos" else tokens)
-    return Event(tokens, text, finish, response.ttft_ms, response.prefill_computed_tokens, response.session_id,
-                 [TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-                  for lp in response.logprobs])
+    return detok.push_many(tokens[:-1] if response.finish_reason == coordinator_pb2.FINISH_REASON_EOS else tokens)
+
+
+def event(response: coordinator_pb2.GenerateResponse, detok: Detokenizer | None = None) -> Event:
+    """A response as the Generator's Event, its text written here with `detok`."""
+    return Event(list(response.token_ids), response.text if detok is None else text(response, detok),
+                 _FINISH.get(response.finish_reason, ""), response.ttft_ms, response.prefill_computed_tokens,
+                 response.session_id, [TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                                       for lp in response.logprobs])
 
 
 class RelayUpstream:
@@ -343,7 +357,7 @@ class FrontendConfig:
     coordinator_token: str = ""  # the bearer token the coordinator wants of its clients
     metrics_port: int = 0  # Prometheus /metrics; 0: off
     http: HttpApi = field(default_factory=HttpApi)  # the OpenAI HTTP API; off unless it has an address
-    model: str = ""  # the coordinator's --model: the tokenizer of the HTTP API's requests
+    model: str = ""  # the coordinator's --model: its tokenizer parses HTTP requests and detokenizes relayed tokens
 
 
 @dataclass
@@ -368,7 +382,9 @@ def build_server(config: FrontendConfig) -> Frontend:
     channel = server.run(open_channel())
     metadata = bearer(config.coordinator_token)
     relay = Relay(channel, metadata)
-    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(FrontendServicer(relay, channel, metadata), server)
+    tokenizer = _tokenizer(config.model) if config.model else None
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(FrontendServicer(relay, channel, metadata, tokenizer),
+                                                                  server)
     health = MirroredHealth(server)
     name = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
     port, _ = config.security.start(server, config.listen, [name], health,
@@ -378,7 +394,7 @@ def build_server(config: FrontendConfig) -> Frontend:
         if not config.model:
             raise errors.InvalidArgument("--http-listen needs --model: the HTTP API tokenizes requests with the "
                                          "coordinator's model's tokenizer", "NO_MODEL")
-        upstream = RelayUpstream(_tokenizer(config.model), open_channel, metadata)
+        upstream = RelayUpstream(tokenizer, open_channel, metadata)
         http = http_api.start(config.http, upstream, config.model, config.security)
     threading.Thread(target=mirror_health, args=(config.coordinator, tls.channel_credentials() if tls else None, health,
                                                  upstream.follow if upstream is not None else None),
@@ -409,8 +425,9 @@ def main(argv: list[str] | None = None) -> None:
                              "--auth-token-file); default: none")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
     parser.add_argument("--model", default="",
-                        help="the coordinator's --model (a bundled name or a checkpoint directory): the tokenizer of "
-                             "the HTTP API's requests and the model it names; needed with --http-listen")
+                        help="the coordinator's --model (a bundled name or a checkpoint directory): its tokenizer "
+                             "parses the HTTP API's requests and writes the text of every relayed call's tokens (off "
+                             "the coordinator's GIL); needed with --http-listen")
     http_api.add_arguments(parser)
     bootstrap.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
