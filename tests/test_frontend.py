@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from graphmesh import errors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh, free_port
-from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc
+from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from tests.health_probe import HealthProbe
 from tests.model_fixtures import make_tiny_llama, write_tiny_tokenizer
 
@@ -332,14 +332,15 @@ def test_skip_text_leaves_the_text_to_the_caller_unless_stop_strings_need_it(mes
     with grpc.insecure_channel(mesh.coordinator_address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
 
-        def run(**fields: object) -> tuple[list[int], str]:
-            responses = list(stub.Generate(coordinator_pb2.GenerateRequest(prompt="Hi", max_tokens=16, **fields),
-                                           timeout=60))
+        def run(stop: list[str] | None = None, skip_text: bool = False) -> tuple[list[int], str]:
+            request = coordinator_pb2.GenerateRequest(prompt="Hi", max_tokens=16, stop=stop, skip_text=skip_text)
+            responses = list(stub.Generate(request, timeout=60))
             return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses)
         tokens, text = run()
         assert text and run(skip_text=True) == (tokens, "")
-        stopped = run(stop=[text[len(text) // 2:][:2]])
-        assert run(stop=[text[len(text) // 2:][:2]], skip_text=True) == stopped and stopped[1]
+        stop = [text[len(text) // 2:][:2]]
+        stopped = run(stop)
+        assert run(stop, skip_text=True) == stopped and stopped[1]
 
 
 def test_relayed_calls_text_is_written_on_the_front_end_as_the_coordinator_writes_it(mesh: LocalMesh) -> None:
@@ -350,12 +351,14 @@ def test_relayed_calls_text_is_written_on_the_front_end_as_the_coordinator_write
         with grpc.insecure_channel(address) as channel:
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             return [(list(r.token_ids), r.text, r.finish_reason) for r in stub.Generate(request, timeout=60)]
-    sampled = coordinator_pb2.GenerateRequest(prompt="Tell me", max_tokens=40, sampling={"temperature": 1.0, "seed": 3})
+    sampled = coordinator_pb2.GenerateRequest(prompt="Tell me", max_tokens=40,
+                                              sampling=stage_pb2.SamplingParams(temperature=1.0, seed=3))
     requests = [coordinator_pb2.GenerateRequest(prompt="Hello", max_tokens=24),
                 coordinator_pb2.GenerateRequest(prompt_token_ids=[256, 72, 105, 257], max_tokens=30, ignore_eos=True),
                 sampled, coordinator_pb2.GenerateRequest(prompt="Hello", max_tokens=24, skip_text=True),
                 # ends with the end-of-sequence token, whose text is none
-                coordinator_pb2.GenerateRequest(prompt="Hi", max_tokens=8, guided={"regex": "[a-z]{3}"})]
+                coordinator_pb2.GenerateRequest(prompt="Hi", max_tokens=8,
+                                                guided=coordinator_pb2.GuidedDecoding(regex="[a-z]{3}"))]
     direct = [responses(mesh.coordinator_address, r) for r in requests]
     assert direct[-1][-1][2] == coordinator_pb2.FINISH_REASON_EOS and len("".join(t for _, t, _ in direct[-1])) == 3
     assert [responses(mesh.frontend_address, r) for r in requests] == direct
