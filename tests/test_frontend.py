@@ -180,8 +180,12 @@ def test_status_and_logits_are_forwarded_and_generate_streams_is_not(mesh: Local
 def test_a_coordinator_restart_loses_no_stream_of_a_resuming_client(model: Path) -> None:
     """kill -9 of the coordinator mid-run: the front end turns NOT_SERVING, its calls end UNAVAILABLE, the clients
     resume through it once the coordinator is back, and every stream ends with the tokens of a run without the
-    fault."""
-    with LocalMesh(2, "numpy", str(model), kvstore=False, frontend=True) as mesh:
+    fault. Its OpenAI API answers 503 meanwhile, and the same completion as before once the coordinator is back."""
+    with LocalMesh(2, "numpy", str(model), kvstore=False, frontend=True,
+                   http_listen=f"127.0.0.1:{free_port()}") as mesh:
+        completion = {"model": mesh.model, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        before = _http(f"{mesh.http_url}/completions", completion)
+        assert before[0] == 200
         clean = _together(mesh.frontend_address, 8)
         with ThreadPoolExecutor(1) as pool:
             running = pool.submit(_together, mesh.frontend_address, 8, 60.0)
@@ -190,19 +194,34 @@ def test_a_coordinator_restart_loses_no_stream_of_a_resuming_client(model: Path)
             mesh.coordinator_process.kill()
             mesh.coordinator_process.wait()
             _wait(lambda: _health(mesh.frontend_address) == health_pb2.HealthCheckResponse.NOT_SERVING)
+            assert _http(mesh.http_url.removesuffix("/v1") + "/health")[0] == 503
+            down = _http(f"{mesh.http_url}/completions", completion)
+            assert down[0] == 503 and json.loads(down[1])["error"]["code"] == "coordinator_stream_lost", down
             mesh.start_coordinator()
             _wait(lambda: _health(mesh.frontend_address) == health_pb2.HealthCheckResponse.SERVING)
             assert running.result(timeout=120) == clean
+        assert _same(_http(f"{mesh.http_url}/completions", completion)[1]) == _same(before[1])
 
 
 def test_the_front_end_wants_the_token_and_passes_it_on(model: Path, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("a-client-token-of-enough-length\n")
-    with LocalMesh(1, "numpy", str(model), kvstore=False, frontend=True, auth_token_file=str(token)) as mesh:
+    with LocalMesh(1, "numpy", str(model), kvstore=False, frontend=True, auth_token_file=str(token),
+                   http_listen=f"127.0.0.1:{free_port()}") as mesh:
         with pytest.raises(errors.Unauthenticated):
             _generate(mesh.frontend_address, _request(0))
         with CoordinatorClient(mesh.frontend_address, token="a-client-token-of-enough-length") as client:
             assert len([t for c in client.generate(**_request(0)) for t in c.token_ids]) == TOKENS  # type: ignore[arg-type]
+        # its OpenAI API too: the same token, and the front end sends it on (the coordinator wants it as well)
+        body = json.dumps({"model": mesh.model, "prompt": [5, 6], "max_tokens": 2}).encode()
+        for sent, status in (("", 401), ("Bearer wrong", 401), ("Bearer a-client-token-of-enough-length", 200)):
+            request = urllib.request.Request(f"{mesh.http_url}/completions", body, {
+                "Content-Type": "application/json", **({"Authorization": sent} if sent else {})})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as r:
+                    assert r.status == status
+            except urllib.error.HTTPError as e:
+                assert e.code == status, e.read()
 
 
 def _http(url: str, body: dict[str, object] | None = None) -> tuple[int, bytes]:
