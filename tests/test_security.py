@@ -667,3 +667,16 @@ def test_graphmesh_up_stops_its_children_on_sigterm(model: Path) -> None:
             up.wait()
         for pid in filter(_alive, children):  # a failed run must not leave the mesh behind
             os.kill(pid, signal.SIGKILL)
+
+
+def test_the_http_api_listens_beyond_loopback_only_with_credentials_or_when_told() -> None:
+    """The OpenAI API's address (the coordinator's and the front end's alike) under the gRPC port's rule."""
+    from graphmesh_coordinator.http_api import HttpApi, listen_address
+    from graphmesh_server.bootstrap import ServerSecurity
+
+    anywhere, loopback = HttpApi("0.0.0.0:8000"), HttpApi("127.0.0.1:8000")
+    assert listen_address(anywhere, ServerSecurity()) == "127.0.0.1:8000"
+    assert listen_address(loopback, ServerSecurity()) == "127.0.0.1:8000"
+    for allowed in (ServerSecurity(auth_token="t"), ServerSecurity(mesh_token="m"),
+                    ServerSecurity(allow_insecure_remote=True)):
+        assert listen_address(anywhere, allowed) == "0.0.0.0:8000"
