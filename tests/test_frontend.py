@@ -300,6 +300,27 @@ def test_the_front_ends_openai_errors_are_the_coordinators(mesh: LocalMesh) -> N
     assert _http(mesh.http_url.removesuffix("/v1") + "/health") == (200, b"ok")
 
 
+def test_a_thousand_concurrent_openai_streams_through_the_front_end_all_complete(mesh: LocalMesh) -> None:
+    """As gRPC streams through it (above) and against the coordinator's own API (tests/test_queueing.py): with
+    default flags every one of 1,000 streamed completions at once ends with its [DONE], the front end's health and
+    /health answer within a second throughout, and it answers as the coordinator's API does after."""
+    from tests.test_queueing import MAX_TOKENS, PROMPTS, _http_stream
+
+    address = mesh.http_url.split("//")[1].split("/")[0]
+    solo = [_same(_http(f"{its_http(mesh)}/completions", {"model": mesh.model, "prompt": p, "max_tokens": MAX_TOKENS,
+                                                            "ignore_eos": True, "temperature": 0})[1]) for p in PROMPTS]
+
+    async def burst() -> list[str]:
+        return list(await asyncio.gather(*(_http_stream(address, mesh.model, i) for i in range(1000))))
+    with HealthProbe(mesh.frontend_address, mesh.http_url.removesuffix("/v1")) as probe:
+        results = asyncio.run(burst())
+    failed = [r for r in results if r != "ok"]
+    assert not failed, f"{len(failed)} of 1000 streams failed: {sorted(set(failed))[:5]}"
+    probe.check()
+    assert [_same(_http(f"{mesh.http_url}/completions", {"model": mesh.model, "prompt": p, "max_tokens": MAX_TOKENS,
+                                                         "ignore_eos": True, "temperature": 0})[1]) for p in PROMPTS] == solo
+
+
 def test_a_client_that_leaves_the_front_ends_stream_ends_its_session(mesh: LocalMesh) -> None:
     host, port = mesh.http_url.split("//")[1].split("/")[0].split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=60)
