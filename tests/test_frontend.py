@@ -31,6 +31,7 @@ from tests.model_fixtures import make_tiny_llama, write_tiny_tokenizer
 
 TOKENS = 12
 CONTEXT = 2048
+PROMPT_BYTES = 8192  # the coordinator's --max-prompt-bytes, which the front end's API applies too
 
 
 def _request(i: int) -> dict[str, object]:
@@ -80,7 +81,8 @@ def mesh(model: Path) -> Iterator[LocalMesh]:
     """The front end serves gRPC and the OpenAI API; the coordinator serves its own OpenAI API beside it (its_http)
     for the comparison."""
     with LocalMesh(2, "numpy", str(model), kvstore=False, frontend=True, http_listen=f"127.0.0.1:{free_port()}",
-                   extra_coordinator_args=("--http-listen", f"127.0.0.1:{free_port()}")) as m:
+                   extra_coordinator_args=("--http-listen", f"127.0.0.1:{free_port()}", "--max-prompt-bytes",
+                                           str(PROMPT_BYTES))) as m:
         yield m
 
 
@@ -287,6 +289,7 @@ def test_the_front_ends_openai_errors_are_the_coordinators(mesh: LocalMesh) -> N
     bad: list[tuple[str, dict[str, object]]] = [("chat/completions", {"model": "nope", "messages": CHAT}),
                         ("chat/completions", {"model": mesh.model, "messages": CHAT, "temperature": -1}),
                         ("completions", {"model": mesh.model, "prompt": "x" * CONTEXT, "max_tokens": 2}),
+                        ("completions", {"model": mesh.model, "prompt": "x" * (PROMPT_BYTES + 1), "max_tokens": 2}),
                         ("completions", {"model": mesh.model, "prompt": "x", "max_tokens": CONTEXT}),
                         ("completions", {"model": mesh.model, "prompt": [1, 10_000], "max_tokens": 2}),
                         ("chat/completions", {"model": mesh.model, "messages": CHAT, "tools": WEATHER,

@@ -272,10 +272,8 @@ class RelayUpstream:
         if serving:
             status = coordinator_pb2_grpc.CoordinatorServiceStub(channel).Status(
                 coordinator_pb2.StatusRequest(), metadata=self._metadata, timeout=HEALTH_RETRY_S * 5)
-            if self._tokenizer is not None:
-                from graphmesh_coordinator.server import prompt_bytes_limit
-
-                self._tokenizer.max_input_bytes = prompt_bytes_limit(0, status.context_tokens)
+            if self._tokenizer is not None:  # the coordinator's bound (--max-prompt-bytes) on what one request costs
+                self._tokenizer.max_input_bytes = status.max_prompt_bytes
             self.status = status
         self.serving = serving
 

@@ -222,7 +222,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
                                                   speculative=str(self.generator.speculative),
                                                   context_tokens=self.generator.context_tokens,
                                                   session_tokens=self.generator.session_tokens,
-                                                  vocab_size=mesh.config.vocab_size)
+                                                  vocab_size=mesh.config.vocab_size,
+                                                  max_prompt_bytes=self.generator.tokenizer.max_input_bytes
+                                                  if self.generator.tokenizer is not None else 0)
         if mesh.plan is not None:
             response.plan.CopyFrom(dag.to_proto(mesh.plan))
         for rank in mesh.ranks:

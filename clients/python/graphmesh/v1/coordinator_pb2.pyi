@@ -728,6 +728,7 @@ class StatusResponse(_message.Message):
     CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
     SESSION_TOKENS_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    MAX_PROMPT_BYTES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     incarnation: _builtins.int
     recoveries: _builtins.int
@@ -750,6 +751,11 @@ class StatusResponse(_message.Message):
     """
     vocab_size: _builtins.int
     """vocab_size is the model's vocabulary: token ids are below it."""
+    max_prompt_bytes: _builtins.int
+    """max_prompt_bytes is the most UTF-8 bytes of prompt text one request may
+    have tokenized (--max-prompt-bytes, or by the context); 0: the
+    coordinator has no tokenizer.
+    """
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageAssignment]: ...
     @_builtins.property
@@ -779,10 +785,11 @@ class StatusResponse(_message.Message):
         context_tokens: _builtins.int = ...,
         session_tokens: _builtins.int = ...,
         vocab_size: _builtins.int = ...,
+        max_prompt_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "context_tokens", b"context_tokens", "incarnation", b"incarnation", "model", b"model", "plan", b"plan", "ready", b"ready", "recoveries", b"recoveries", "session_tokens", b"session_tokens", "sessions", b"sessions", "speculative", b"speculative", "stages", b"stages", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sessions", b"active_sessions", "context_tokens", b"context_tokens", "incarnation", b"incarnation", "max_prompt_bytes", b"max_prompt_bytes", "model", b"model", "plan", b"plan", "ready", b"ready", "recoveries", b"recoveries", "session_tokens", b"session_tokens", "sessions", b"sessions", "speculative", b"speculative", "stages", b"stages", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
