@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from graphmesh_coordinator import guided, http_api, speculative
 from graphmesh_coordinator.generation import Detokenizer, Event, GenerationRequest, TokenLogprob
 from graphmesh_coordinator.http_api import HttpApi
+from graphmesh_coordinator.servicer import as_status, prompt_token_ids
 from graphmesh_coordinator.speculative import Mode
 from graphmesh_server import bootstrap, logs, telemetry
 from graphmesh_server.aio_serving import AioServer, MirroredHealth
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("graphmesh.frontend")
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as the client's metadata carries it
 HEALTH_RETRY_S = 1.0  # between watches of the coordinator's health, while it cannot be reached
+TOKENIZE_WORKERS = 4  # threads tokenizing relayed calls' prompts
 
 
 class _StreamEnded(Exception):
@@ -166,11 +169,33 @@ class _CallFailed(Exception):
 
 class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def __init__(self, relay: Relay, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]],
-                 tokenizer: Tokenizer | None = None) -> None:
+                 model: RelayUpstream | None = None) -> None:
+        """model: the coordinator's model as this front end knows it (--model), whose tokenizer turns the calls'
+        text into tokens and their tokens into text here, off the coordinator's GIL; None: relayed as they are."""
         self.relay = relay
         self._stub: Any = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         self._metadata = tuple(metadata)
-        self._tokenizer = tokenizer
+        self._model = model
+        # tokenizing a long prompt takes the thread it runs on for a while: not the loop every stream is served from
+        self._pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="tokenize")
+
+    def _tokenized(self, request: coordinator_pb2.GenerateRequest) -> coordinator_pb2.GenerateRequest:
+        """The request with its text prompt as token ids, tokenized as the coordinator would (the same function,
+        under the coordinator's --max-prompt-bytes), once this front end has read the coordinator's Status; a call
+        that names another model, or brings its token ids, goes as it is."""
+        model = self._model
+        if model is None or model.tokenizer is None or model.status is None or request.prompt_token_ids or \
+                (request.model and request.model != model.status.model) or not (request.prompt or request.messages):
+            return request
+        ids = prompt_token_ids(model.tokenizer, model.status.model, prompt=request.prompt, raw=request.raw,
+                               messages=[(m.role, m.content) for m in request.messages],
+                               parse_special=request.parse_special_tokens)
+        tokenized = coordinator_pb2.GenerateRequest()
+        tokenized.CopyFrom(request)
+        tokenized.ClearField("prompt")
+        tokenized.ClearField("messages")
+        tokenized.prompt_token_ids[:] = ids
+        return tokenized
 
     async def Generate(self, request: coordinator_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
@@ -179,12 +204,15 @@ class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         status: grpc.Status | None = None
         code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: its client left
         detok = None
-        if self._tokenizer is not None and not request.stop and not request.skip_text:
-            detok = Detokenizer(self._tokenizer)  # the text written here, off the coordinator's GIL
-            relayed = coordinator_pb2.GenerateRequest()
-            relayed.CopyFrom(request)
-            relayed.skip_text, request = True, relayed
         try:
+            if self._model is not None and self._model.status is not None and not request.prompt_token_ids:
+                request = await asyncio.get_running_loop().run_in_executor(self._pool, self._tokenized, request)
+            tokenizer = self._model.tokenizer if self._model is not None else None
+            if tokenizer is not None and not request.stop and not request.skip_text:
+                detok = Detokenizer(tokenizer)  # the text written here, off the coordinator's GIL
+                relayed = coordinator_pb2.GenerateRequest()
+                relayed.CopyFrom(request)
+                relayed.skip_text, request = True, relayed
             # the coordinator's work joins this span's trace (its client's, when it sent one)
             async for response in self.relay.generate(request, telemetry.span_carrier(span) or headers):
                 if detok is not None:
@@ -193,6 +221,8 @@ class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             code = grpc.StatusCode.OK
         except _CallFailed as e:  # the coordinator's status as it is, its ErrorInfo with it
             status = rpc_status.to_status(e.status)
+        except errors.GraphmeshError as e:  # its prompt, refused here as the coordinator would
+            status = as_status(e)
         except _StreamEnded as e:
             status = Unavailable(f"the front end lost its stream to the coordinator ({e}); resume or retry the call",
                                  "COORDINATOR_STREAM_LOST").to_status()
@@ -380,22 +410,22 @@ def build_server(config: FrontendConfig) -> Frontend:
     channel = server.run(open_channel())
     metadata = bearer(config.coordinator_token)
     relay = Relay(channel, metadata)
-    tokenizer = _tokenizer(config.model) if config.model else None
-    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(FrontendServicer(relay, channel, metadata, tokenizer),
+    # the coordinator's model, followed through its Status: for the calls' text and the HTTP API
+    model = RelayUpstream(_tokenizer(config.model), open_channel, metadata) if config.model else None
+    coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(FrontendServicer(relay, channel, metadata, model),
                                                                   server)
     health = MirroredHealth(server)
     name = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
     port, _ = config.security.start(server, config.listen, [name], health,
                                     {"": health_pb2.HealthCheckResponse.NOT_SERVING})
-    http, upstream = None, None
+    http = None
     if config.http.listen:
-        if not config.model:
+        if model is None:
             raise errors.InvalidArgument("--http-listen needs --model: the HTTP API tokenizes requests with the "
                                          "coordinator's model's tokenizer", "NO_MODEL")
-        upstream = RelayUpstream(tokenizer, open_channel, metadata)
-        http = http_api.start(config.http, upstream, config.model, config.security)
+        http = http_api.start(config.http, model, config.model, config.security)
     threading.Thread(target=mirror_health, args=(config.coordinator, tls.channel_credentials() if tls else None, health,
-                                                 upstream.follow if upstream is not None else None),
+                                                 model.follow if model is not None else None),
                      name="health-mirror", daemon=True).start()
     if config.metrics_port:
         telemetry.expose(
@@ -424,8 +454,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
     parser.add_argument("--model", default="",
                         help="the coordinator's --model (a bundled name or a checkpoint directory): its tokenizer "
-                             "parses the HTTP API's requests and writes the text of every relayed call's tokens (off "
-                             "the coordinator's GIL); needed with --http-listen")
+                             "parses the HTTP API's requests, tokenizes relayed calls' prompts and writes their "
+                             "tokens' text (off the coordinator's GIL); needed with --http-listen")
     http_api.add_arguments(parser)
     bootstrap.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
