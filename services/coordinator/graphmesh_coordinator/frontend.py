@@ -286,8 +286,9 @@ def event(response: coordinator_pb2.GenerateResponse, detok: Detokenizer | None 
 
 
 class RelayUpstream:
-    """The OpenAI API's sessions as Generate calls to the coordinator, over a relay of their own (opened on the HTTP
-    server's loop by its first request). What it knows of the model is the coordinator's Status (follow())."""
+    """The coordinator's model as a front end knows it: its tokenizer (--model) and the coordinator's Status
+    (follow()), which the relayed gRPC calls' prompts and text use too; and the OpenAI API's sessions as Generate
+    calls to the coordinator, over a relay of their own (opened on the HTTP server's loop by its first request)."""
 
     def __init__(self, tokenizer: Tokenizer | None, open_channel: Callable[[], Awaitable[grpc.aio.Channel]],
                  metadata: Sequence[tuple[str, str]]) -> None:
