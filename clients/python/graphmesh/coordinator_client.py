@@ -22,8 +22,9 @@ from graphmesh.errors import GraphmeshError, from_rpc_error
 from graphmesh.security import bearer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
-_FINISH = {coordinator_pb2.FINISH_REASON_LENGTH: "length", coordinator_pb2.FINISH_REASON_EOS: "eos",
-           coordinator_pb2.FINISH_REASON_STOP: "stop"}
+# GenerateResponse.finish_reason as the Generator names it (the coordinator's servicer maps it back)
+FINISH_REASONS = {coordinator_pb2.FINISH_REASON_LENGTH: "length", coordinator_pb2.FINISH_REASON_EOS: "eos",
+                  coordinator_pb2.FINISH_REASON_STOP: "stop"}
 
 
 @dataclass
@@ -129,7 +130,7 @@ class CoordinatorClient:
                     first = not delivered  # the prompt is echoed once, however many coordinators served the stream
                     delivered += r.token_ids
                     finished = finished or r.finish_reason != coordinator_pb2.FINISH_REASON_UNSPECIFIED
-                    yield Chunk(list(r.token_ids), r.text, _FINISH.get(r.finish_reason, ""), r.session_id,
+                    yield Chunk(list(r.token_ids), r.text, FINISH_REASONS.get(r.finish_reason, ""), r.session_id,
                                 list(r.prompt_token_ids) if first else [], r.ttft_ms, r.prefill_computed_tokens,
                                 list(r.logprobs))
                 return

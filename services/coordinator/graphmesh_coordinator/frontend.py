@@ -34,6 +34,7 @@ from graphmesh import errors
 from graphmesh.bundled import resolve_model
 from graphmesh.channels import KEEPALIVE_OPTIONS, MESSAGE_OPTIONS, open_channel
 from graphmesh.checkpoints import open_checkpoint
+from graphmesh.coordinator_client import FINISH_REASONS
 from graphmesh.errors import NotFound, Unavailable
 from graphmesh.security import Tls, bearer, read_token
 from graphmesh.tokenizer import Tokenizer
@@ -179,23 +180,23 @@ class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         # tokenizing a long prompt takes the thread it runs on for a while: not the loop every stream is served from
         self._pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="tokenize")
 
-    def _tokenized(self, request: coordinator_pb2.GenerateRequest) -> coordinator_pb2.GenerateRequest:
-        """The request with its text prompt as token ids, tokenized as the coordinator would (the same function,
-        under the coordinator's --max-prompt-bytes), once this front end has read the coordinator's Status; a call
-        that names another model, or brings its token ids, goes as it is."""
+    def _tokenizes(self, request: coordinator_pb2.GenerateRequest) -> bool:
+        """Whether the call's text prompt is tokenized here: once this front end has read the coordinator's Status,
+        for a call of the coordinator's model; one that names another model, or brings its token ids, goes as it
+        is."""
         model = self._model
-        if model is None or model.tokenizer is None or model.status is None or request.prompt_token_ids or \
-                (request.model and request.model != model.status.model) or not (request.prompt or request.messages):
-            return request
-        ids = prompt_token_ids(model.tokenizer, model.status.model, prompt=request.prompt, raw=request.raw,
-                               messages=[(m.role, m.content) for m in request.messages],
-                               parse_special=request.parse_special_tokens)
-        tokenized = coordinator_pb2.GenerateRequest()
-        tokenized.CopyFrom(request)
-        tokenized.ClearField("prompt")
-        tokenized.ClearField("messages")
-        tokenized.prompt_token_ids[:] = ids
-        return tokenized
+        return model is not None and model.tokenizer is not None and model.status is not None and \
+            not request.prompt_token_ids and bool(request.prompt or request.messages) and \
+            request.model in ("", model.status.model)
+
+    def _prompt_ids(self, request: coordinator_pb2.GenerateRequest) -> list[int]:
+        """The call's prompt as the coordinator would tokenize it: the same function, under the coordinator's
+        --max-prompt-bytes (_tokenizes said it can)."""
+        model = self._model
+        assert model is not None and model.status is not None
+        return prompt_token_ids(model.tokenizer, model.status.model, prompt=request.prompt, raw=request.raw,
+                                messages=[(m.role, m.content) for m in request.messages],
+                                parse_special=request.parse_special_tokens)
 
     async def Generate(self, request: coordinator_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
@@ -203,16 +204,22 @@ class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
         span = telemetry.start_rpc_span(GENERATE, headers)
         status: grpc.Status | None = None
         code = grpc.StatusCode.CANCELLED  # unless it ends otherwise: its client left
-        detok = None
         try:
-            if self._model is not None and self._model.status is not None and not request.prompt_token_ids:
-                request = await asyncio.get_running_loop().run_in_executor(self._pool, self._tokenized, request)
+            ids = await asyncio.get_running_loop().run_in_executor(self._pool, self._prompt_ids, request) \
+                if self._tokenizes(request) else None
             tokenizer = self._model.tokenizer if self._model is not None else None
-            if tokenizer is not None and not request.stop and not request.skip_text:
-                detok = Detokenizer(tokenizer)  # the text written here, off the coordinator's GIL
+            # the text written here, off the coordinator's GIL, unless stop strings need the coordinator's
+            detok = Detokenizer(tokenizer) if tokenizer is not None and not request.stop and not request.skip_text \
+                else None
+            if ids is not None or detok is not None:  # the call as relayed: one copy of the client's
                 relayed = coordinator_pb2.GenerateRequest()
                 relayed.CopyFrom(request)
-                relayed.skip_text, request = True, relayed
+                if ids is not None:
+                    relayed.ClearField("prompt")
+                    relayed.ClearField("messages")
+                    relayed.prompt_token_ids[:] = ids
+                relayed.skip_text |= detok is not None
+                request = relayed
             # the coordinator's work joins this span's trace (its client's, when it sent one)
             async for response in self.relay.generate(request, telemetry.span_carrier(span) or headers):
                 if detok is not None:
@@ -255,10 +262,6 @@ class FrontendServicer(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise
 
 
-_FINISH = {coordinator_pb2.FINISH_REASON_LENGTH: "length", coordinator_pb2.FINISH_REASON_EOS: "eos",
-           coordinator_pb2.FINISH_REASON_STOP: "stop"}
-
-
 def generate_request(request: GenerationRequest, skip_text: bool = False) -> coordinator_pb2.GenerateRequest:
     """A request the OpenAI API parsed, as the Generate call that runs it (the servicer's reading inverted)."""
     return coordinator_pb2.GenerateRequest(skip_text=skip_text,
@@ -280,7 +283,7 @@ def text(response: coordinator_pb2.GenerateResponse, detok: Detokenizer) -> str:
 def event(response: coordinator_pb2.GenerateResponse, detok: Detokenizer | None = None) -> Event:
     """A response as the Generator's Event, its text written here with `detok`."""
     return Event(list(response.token_ids), response.text if detok is None else text(response, detok),
-                 _FINISH.get(response.finish_reason, ""), response.ttft_ms, response.prefill_computed_tokens,
+                 FINISH_REASONS.get(response.finish_reason, ""), response.ttft_ms, response.prefill_computed_tokens,
                  response.session_id, [TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
                                        for lp in response.logprobs])
 
@@ -441,7 +444,8 @@ def _tokenizer(model: str) -> Tokenizer | None:
     try:
         return Tokenizer.from_checkpoint(open_checkpoint(resolve_model(model)))
     except NotFound as e:
-        log.warning("no tokenizer: the HTTP API serves only token-id prompts", extra={"reason": e.message})
+        log.warning("no tokenizer: the HTTP API serves only token-id prompts, and relayed calls are tokenized and "
+                    "detokenized by the coordinator", extra={"reason": e.message})
         return None
 
 

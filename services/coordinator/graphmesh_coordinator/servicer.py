@@ -13,6 +13,7 @@ from google.rpc import status_pb2
 
 from graphmesh import plan as dag
 from graphmesh import tensors
+from graphmesh.coordinator_client import FINISH_REASONS
 from graphmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
@@ -31,9 +32,7 @@ STREAM_WORKERS = 32  # threads that run the code of GenerateStreams' calls (each
 _OK = status_pb2.Status().SerializeToString()
 _CANCELLED = status_pb2.Status(code=grpc.StatusCode.CANCELLED.value[0], message="cancelled by the caller").SerializeToString()
 
-_FINISH: dict[str, coordinator_pb2.FinishReason.ValueType] = {
-    "length": coordinator_pb2.FINISH_REASON_LENGTH, "eos": coordinator_pb2.FINISH_REASON_EOS,
-    "stop": coordinator_pb2.FINISH_REASON_STOP}
+_FINISH: dict[str, coordinator_pb2.FinishReason.ValueType] = {name: kind for kind, name in FINISH_REASONS.items()}
 
 
 def as_status(error: BaseException) -> grpc.Status:
