@@ -24,6 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from graphmesh import errors
 from graphmesh.coordinator_client import CoordinatorClient
+from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
+from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from tests.health_probe import HealthProbe
@@ -229,6 +231,24 @@ def test_the_front_end_wants_the_token_and_passes_it_on(model: Path, tmp_path: P
                     assert r.status == status
             except urllib.error.HTTPError as e:
                 assert e.code == status, e.read()
+        # and its KServe: the same token, sent on with the logits request (ComputeLogits) and the text one (Generate)
+        ids = kserve_pb2.ModelInferRequest.InferInputTensor(
+            name="input_ids", datatype="INT64", shape=[1, 3], contents=kserve_pb2.InferTensorContents(
+                int64_contents=[5, 6, 7]))
+        text = kserve_pb2.ModelInferRequest.InferInputTensor(
+            name="text_input", datatype="BYTES", shape=[1], contents=kserve_pb2.InferTensorContents(
+                bytes_contents=[b"hi"]))
+        with grpc.insecure_channel(mesh.frontend_address) as channel:
+            stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+            for tensor in (ids, text):
+                infer = kserve_pb2.ModelInferRequest(model_name=mesh.model, inputs=[tensor], parameters={
+                    "max_tokens": kserve_pb2.InferParameter(int64_param=2)})
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.ModelInfer(infer, timeout=60)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                reply = stub.ModelInfer(infer, timeout=60,
+                                        metadata=(("authorization", "Bearer a-client-token-of-enough-length"),))
+                assert reply.outputs[0].name == ("logits" if tensor is ids else "text_output")
 
 
 def _http(url: str, body: dict[str, object] | None = None) -> tuple[int, bytes]:

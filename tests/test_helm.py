@@ -774,8 +774,8 @@ def test_the_front_end_relays_to_the_coordinator_as_a_client(rendered: dict[str,
     assert pod["automountServiceAccountToken"] is False and any(m["mountPath"] == "/tmp" for m in c["volumeMounts"])
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["OTEL_SERVICE_NAME"] == "graphmesh-frontend" and env["HOME"] == "/tmp"
-    # the OpenAI API: on its Service's http port, parsed with the coordinator's model's tokenizer (the same config
-    # and models volume, read-only)
+    # the OpenAI API: on its Service's http port, parsed (as KServe's requests are) with the coordinator's model's
+    # tokenizer (the same config and models volume, read-only)
     assert v["frontend"].get("http", DEFAULTS["frontend"]["http"])["enabled"] is True
     assert flag(c["args"], "--http-listen") == f"0.0.0.0:{ports['http']}"
     assert next(p for p in service["spec"]["ports"] if p["name"] == "http") == {
@@ -814,14 +814,16 @@ def test_the_front_end_follows_the_coordinator_image_release_and_port(helm_templ
     assert not [a for a in c["args"] if a.startswith("--tls") or a.endswith("-token-file")]
     assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp", "/models"}  # no secret: no auth, no TLS
     assert c["readinessProbe"]["grpc"]["port"] == c["livenessProbe"]["tcpSocket"]["port"] == 6000
-    # frontend.http.enabled=false: gRPC alone, no model; coordinator.redis: the store the coordinator's API uses
+    # frontend.http.enabled=false: gRPC alone (CoordinatorService and KServe, which still want the model's tokenizer);
+    # coordinator.redis: the store the coordinator's API uses
     proc = helm_template("--set", "frontend.enabled=true", "--set", "frontend.http.enabled=false")
     assert proc.returncode == 0, proc.stderr
     docs = load(proc.stdout)
     dep, service, _ = frontend_parts(docs)
     c = container(dep)
-    assert "--http-listen" not in c["args"] and "--model" not in c["args"] and "envFrom" not in c
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"} and "http" not in {p["name"] for p in c["ports"]}
+    assert "--http-listen" not in c["args"] and flag(c["args"], "--model") == "$(GRAPHMESH_MODEL)" and c["envFrom"]
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp", "/models"}
+    assert "http" not in {p["name"] for p in c["ports"]}
     assert "http" not in {p["name"] for p in service["spec"]["ports"]}
     proc = helm_template("--set", "frontend.enabled=true", "--set", "coordinator.redis.url=redis://r:6379/0",
                          "--set", "coordinator.redis.existingSecret=pw")

@@ -3,6 +3,8 @@
 tritonclient pins protobuf < 7 and the product needs 7, so the client runs in its own venv (build/triton-venv,
 made here on first use) as a subprocess: tests/kserve_client.py makes every call once and prints JSON, and the
 tests below hold it against the native CoordinatorService on the same mesh (SmolLM2-135M over 2 torch executors).
+Each runs twice: against the coordinator, which serves KServe over its own Generator, and against a front end, which
+parses and answers the same requests and relays their sessions to the coordinator.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,14 +69,20 @@ def test_bytes_elements_round_trip_and_truncation_is_refused() -> None:
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[LocalMesh]:
-    with LocalMesh(2, "torch", MODEL, metrics=True) as mesh:  # metrics: whether verified chunks ran
+    with LocalMesh(2, "torch", MODEL, metrics=True, frontend=True) as mesh:  # metrics: whether verified chunks ran
         yield mesh
 
 
+@pytest.fixture(scope="module", params=["coordinator", "frontend"])
+def address(request: pytest.FixtureRequest, mesh: LocalMesh) -> str:
+    """Where KServe's calls go: the coordinator's server, or the front end relaying to it."""
+    return mesh.coordinator_address if request.param == "coordinator" else mesh.frontend_address
+
+
 @pytest.fixture(scope="module")
-def client_run(mesh: LocalMesh, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def client_run(address: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     logits_path = tmp_path_factory.mktemp("kserve") / "logits.npy"
-    out = run_client("check", {"address": mesh.coordinator_address, "model": MODEL, "prompt": PROMPT,
+    out = run_client("check", {"address": address, "model": MODEL, "prompt": PROMPT,
                                "params": SAMPLING, "token_ids": TOKEN_IDS, "logits_path": str(logits_path)})
     out["logits"] = np.load(logits_path)
     return out
@@ -147,11 +156,11 @@ def test_bad_requests_get_the_protocol_statuses_and_the_server_keeps_serving(cli
 
 
 @pytest.mark.slow
-def test_typed_contents_and_the_rarer_refusals_over_our_own_stubs(mesh: LocalMesh) -> None:
+def test_typed_contents_and_the_rarer_refusals_over_our_own_stubs(mesh: LocalMesh, address: str) -> None:
     """What tritonclient never sends (typed contents instead of raw bytes) and the refusals it cannot provoke,
     through graphmesh's own stubs of the same wire protocol."""
     Tensor = pb.ModelInferRequest.InferInputTensor
-    with grpc.insecure_channel(mesh.coordinator_address) as channel, \
+    with grpc.insecure_channel(address) as channel, \
             CoordinatorClient(mesh.coordinator_address) as native:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
 
@@ -211,7 +220,7 @@ GROUNDED = ("Repeat this passage word for word: The lighthouse keeper climbed th
 
 
 @pytest.mark.slow
-def test_the_speculative_parameter_keeps_every_token_and_refuses_bad_values(mesh: LocalMesh) -> None:
+def test_the_speculative_parameter_keeps_every_token_and_refuses_bad_values(mesh: LocalMesh, address: str) -> None:
     """`speculative` as Generate's field: prompt lookup verifies proposals (the coordinator counts its passes) and
     the text is that of the same request without it, greedy and seeded; a bad value is INVALID_ARGUMENT naming it,
     on ModelInfer and in-band on ModelStreamInfer."""
@@ -229,7 +238,7 @@ def test_the_speculative_parameter_keeps_every_token_and_refuses_bad_values(mesh
 
     seeded = {"temperature": pb.InferParameter(double_param=0.8), "top_k": pb.InferParameter(int64_param=40),
               "seed": pb.InferParameter(int64_param=11)}
-    with grpc.insecure_channel(mesh.coordinator_address) as channel:
+    with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
 
         def infer(extra: dict[str, pb.InferParameter], sampling: dict[str, pb.InferParameter]) -> str:
@@ -261,3 +270,37 @@ def test_the_speculative_parameter_keeps_every_token_and_refuses_bad_values(mesh
             string_param="ngram")}, {})]), timeout=60))
         assert len(streamed) == 1 and streamed[0].error_message.startswith("INVALID_ARGUMENT: ")
         assert "speculative" in streamed[0].error_message and "'ngram'" in streamed[0].error_message
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_ends_its_session(mesh: LocalMesh, address: str) -> None:
+    """A ModelStreamInfer stream cancelled after its first piece, and a ModelInfer call cancelled while it generates:
+    the coordinator's sessions end with them, where each would otherwise generate 2,000 tokens."""
+    long = {"max_tokens": pb.InferParameter(int64_param=2000), "ignore_eos": pb.InferParameter(bool_param=True)}
+    request = pb.ModelInferRequest(model_name=MODEL, id="long", parameters=long,
+                                   inputs=[pb.ModelInferRequest.InferInputTensor(name="text_input", datatype="BYTES",
+                                                                                 shape=[1])],
+                                   raw_input_contents=[pack_bytes([PROMPT.encode()])])
+
+    def sessions_end(native: CoordinatorClient) -> None:
+        deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+        while native.status().active_sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert native.status().active_sessions == 0
+
+    with grpc.insecure_channel(address) as channel, CoordinatorClient(mesh.coordinator_address) as native:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        stream = stub.ModelStreamInfer(iter([request]), timeout=300)
+        first = next(stream)
+        assert first.error_message == "" and not first.infer_response.parameters[FINAL].bool_param
+        assert native.status().active_sessions == 1
+        stream.cancel()
+        sessions_end(native)
+
+        unary = stub.ModelInfer.future(request, timeout=300)
+        deadline = time.monotonic() + 60
+        while not native.status().active_sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert native.status().active_sessions == 1 and not unary.done()
+        unary.cancel()
+        sessions_end(native)

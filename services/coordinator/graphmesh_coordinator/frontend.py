@@ -21,27 +21,32 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import numpy as np
 from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
+from opentelemetry import trace
 
-from graphmesh import errors
+from graphmesh import errors, tensors
 from graphmesh.bundled import resolve_model
 from graphmesh.channels import KEEPALIVE_OPTIONS, MESSAGE_OPTIONS, open_channel
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.coordinator_client import FINISH_REASONS
 from graphmesh.errors import NotFound, Unavailable
+from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
+from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.security import Tls, bearer, read_token
 from graphmesh.tokenizer import Tokenizer
 from graphmesh.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from graphmesh_coordinator import guided, http_api, speculative
 from graphmesh_coordinator.generation import Detokenizer, Event, GenerationRequest, TokenLogprob
 from graphmesh_coordinator.http_api import HttpApi
+from graphmesh_coordinator.kserve import KServeServicer
 from graphmesh_coordinator.servicer import as_status, prompt_token_ids
 from graphmesh_coordinator.speculative import Mode
 from graphmesh_server import bootstrap, logs, telemetry
@@ -51,8 +56,8 @@ from graphmesh_server.policy import GENERATE
 from graphmesh_server.serving import run_until_signalled
 
 if TYPE_CHECKING:
-    from graphmesh_coordinator.openai_calls import Sessions
     from graphmesh_coordinator.openai_server import OpenAIServer
+    from graphmesh_coordinator.upstream import Sessions
 
 log = logging.getLogger("graphmesh.frontend")
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, as the client's metadata carries it
@@ -90,6 +95,13 @@ class Relay:
             self.streams_opened += 1
         async for response in self._stream.call(request, trace_context):
             yield response
+
+    async def logits(self, request: coordinator_pb2.ComputeLogitsRequest,
+                     trace_context: Mapping[str, str]) -> coordinator_pb2.ComputeLogitsResponse:
+        """The coordinator's ComputeLogits (a unary call: one forward pass, not a stream of tokens)."""
+        response: coordinator_pb2.ComputeLogitsResponse = await self._stub.ComputeLogits(
+            request, metadata=(*self._metadata, *trace_context.items()))
+        return response
 
     async def close(self) -> None:
         if self._stream is not None:
@@ -290,13 +302,15 @@ def event(response: coordinator_pb2.GenerateResponse, detok: Detokenizer | None 
 
 class RelayUpstream:
     """The coordinator's model as a front end knows it: its tokenizer (--model) and the coordinator's Status
-    (follow()), which the relayed gRPC calls' prompts and text use too; and the OpenAI API's sessions as Generate
-    calls to the coordinator, over a relay of their own (opened on the HTTP server's loop by its first request)."""
+    (follow()), which the relayed gRPC calls' prompts and text use too; and the sessions of the APIs served here
+    (KServe on the gRPC server's loop, the OpenAI API on the HTTP server's) as Generate calls to the coordinator, over
+    a relay per loop (`relays`: those already open; another is opened by its loop's first request)."""
 
     def __init__(self, tokenizer: Tokenizer | None, open_channel: Callable[[], Awaitable[grpc.aio.Channel]],
-                 metadata: Sequence[tuple[str, str]]) -> None:
+                 metadata: Sequence[tuple[str, str]],
+                 relays: Mapping[asyncio.AbstractEventLoop, Relay] | None = None) -> None:
         self._tokenizer, self._open, self._metadata = tokenizer, open_channel, tuple(metadata)
-        self._relay: Relay | None = None
+        self._relays = dict(relays or {})
         self.status: coordinator_pb2.StatusResponse | None = None  # the coordinator's, as it last turned serving
         self.serving = False
 
@@ -339,18 +353,23 @@ class RelayUpstream:
     def ready(self) -> bool:
         return self.serving and self.status is not None
 
-    async def events(self, request: GenerationRequest, sessions: Sessions) -> AsyncGenerator[Event, None]:
-        if self._relay is None:
+    async def _relay(self) -> Relay:
+        loop = asyncio.get_running_loop()
+        if loop not in self._relays:
             channel = await self._open()
-            if self._relay is None:  # else another request opened it meanwhile
-                self._relay = Relay(channel, self._metadata)
+            if loop not in self._relays:  # else another request opened it meanwhile
+                self._relays[loop] = Relay(channel, self._metadata)
             else:
                 await channel.close()
+        return self._relays[loop]
+
+    async def events(self, request: GenerationRequest, sessions: Sessions) -> AsyncGenerator[Event, None]:
+        relay = await self._relay()
         # Detokenized here, off the coordinator's GIL, unless the coordinator needs the text for stop strings.
         detok = Detokenizer(self._tokenizer) if self._tokenizer is not None and not request.stop else None
         try:
             # the coordinator's work joins the request's trace
-            async for response in self._relay.generate(generate_request(request, detok is not None),
+            async for response in relay.generate(generate_request(request, detok is not None),
                                                        telemetry.span_carrier(sessions.span)):
                 yield event(response, detok)
         except _CallFailed as e:  # the coordinator's status, as the API's error
@@ -358,6 +377,17 @@ class RelayUpstream:
         except _StreamEnded as e:
             raise Unavailable(f"the front end lost its stream to the coordinator ({e}); retry the request",
                               "COORDINATOR_STREAM_LOST") from None
+
+
+    async def logits(self, token_ids: list[int], pool: Executor, ready_wait_s: float) -> np.ndarray:
+        """The coordinator's ComputeLogits (which answers UNAVAILABLE while its mesh is not ready)."""
+        relay = await self._relay()
+        try:
+            response = await relay.logits(coordinator_pb2.ComputeLogitsRequest(token_ids=token_ids),
+                                          telemetry.span_carrier(trace.get_current_span()))
+        except grpc.aio.AioRpcError as e:
+            raise errors.from_rpc_error(e) from None
+        return tensors.from_proto(response.logits)
 
 
 def mirror_health(address: str, credentials: grpc.ChannelCredentials | None, health: MirroredHealth,
@@ -414,13 +444,17 @@ def build_server(config: FrontendConfig) -> Frontend:
     channel = server.run(open_channel())
     metadata = bearer(config.coordinator_token)
     relay = Relay(channel, metadata)
-    # the coordinator's model, followed through its Status: for the calls' text and the HTTP API
-    model = RelayUpstream(_tokenizer(config.model), open_channel, metadata) if config.model else None
+    # the coordinator's model, followed through its Status: for the calls' text, KServe and the HTTP API
+    model = RelayUpstream(_tokenizer(config.model), open_channel, metadata, {server.loop: relay}) \
+        if config.model else None
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(FrontendServicer(relay, channel, metadata, model),
                                                                   server)
+    names = [coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name]
+    if model is not None:  # KServe's requests are parsed and answered here, the coordinator's name checked here
+        kserve_grpc.add_GRPCInferenceServiceServicer_to_server(KServeServicer(model, config.model), server)
+        names.append(kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name)
     health = MirroredHealth(server)
-    name = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
-    port, _ = config.security.start(server, config.listen, [name], health,
+    port, _ = config.security.start(server, config.listen, names, health,
                                     {"": health_pb2.HealthCheckResponse.NOT_SERVING})
     http = None
     if config.http.listen:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from graphmesh_server.bootstrap import ServerSecurity, is_loopback
 
 if TYPE_CHECKING:
-    from graphmesh_coordinator.openai_calls import Upstream
     from graphmesh_coordinator.openai_server import OpenAIServer
+    from graphmesh_coordinator.upstream import Upstream
 
 log = logging.getLogger("graphmesh.coordinator.http")
 

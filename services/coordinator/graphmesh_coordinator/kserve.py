@@ -1,4 +1,5 @@
-"""The Open Inference Protocol (KServe v2) beside CoordinatorService, on the same server and Generator.
+"""The Open Inference Protocol (KServe v2) beside CoordinatorService: on the coordinator, over its own Generator,
+and on a front end (graphmesh-frontend --model), relayed to the coordinator (an Upstream either way, upstream.py).
 
 The coordinator's model answers two kinds of request, told apart by the input's name:
 - "text_input" (BYTES, shape [1]) generates text: "text_output" (BYTES, shape [1]); the request's parameters
@@ -15,24 +16,23 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TypeVar
 
 import grpc
 import grpc.aio
 import numpy as np
+from opentelemetry import trace
 
-from graphmesh.errors import GraphmeshError, InvalidArgument, NotFound, Unavailable
+from graphmesh.errors import GraphmeshError, InvalidArgument, NotFound
 from graphmesh.kserve import grpc_service_pb2 as pb
 from graphmesh.kserve import grpc_service_pb2_grpc as pb_grpc
 from graphmesh_coordinator import guided, speculative
-from graphmesh_coordinator.generation import Event, GenerationRequest, Generator
-from graphmesh_coordinator.pipeline import Mesh
+from graphmesh_coordinator.generation import Event, GenerationRequest
 from graphmesh_coordinator.servicer import RECOVERY_WAIT_S, as_status, prompt_token_ids
-from graphmesh_server.aio_serving import Wait, aiterate
+from graphmesh_coordinator.upstream import Sessions, Upstream
 from graphmesh_server.interceptors import Admission
 
 MODEL_VERSION = "1"
@@ -43,7 +43,6 @@ GUIDED_PARAMETERS = ("guided_json", "guided_json_object", "guided_regex", "guide
 # Threads for the inference requests' code while it runs (parsing, tokenizing, detokenizing, a logits call): a
 # generation waiting for its tokens holds none, so thousands of queued requests share these.
 STREAM_WORKERS = 32
-T = TypeVar("T")
 
 _LENGTH = struct.Struct("<I")
 _INT32_MAX, _UINT64_MAX = 2**31 - 1, 2**64 - 1
@@ -117,11 +116,13 @@ def _message(error: Exception) -> str:
 
 
 class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, generator: Generator, mesh: Mesh, model_name: str, admission: Admission | None = None,
+    def __init__(self, upstream: Upstream, model_name: str, admission: Admission | None = None,
                  leader_gate: Callable[[], None] | None = None) -> None:
-        self.generator, self.mesh, self.model_name = generator, mesh, model_name
+        self.upstream, self.model_name = upstream, model_name
         self.leader_gate = leader_gate  # raises NOT_LEADER on a standby (CoordinatorServicer's)
-        self.admission = admission  # the server's: ModelStreamInfer counts each request it runs against it
+        # the coordinator's server's: a logits request is counted against it (a front end's goes to the coordinator's
+        # ComputeLogits, counted there)
+        self.admission = admission
         self._pool = futures.ThreadPoolExecutor(STREAM_WORKERS, thread_name_prefix="kserve-stream")
 
     def _check_model(self, name: str, version: str) -> None:
@@ -137,7 +138,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerLiveResponse(live=True)
 
     def ServerReady(self, request: pb.ServerReadyRequest, context: grpc.ServicerContext) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self.mesh.ready)
+        return pb.ServerReadyResponse(ready=self.upstream.ready())
 
     def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.ServicerContext) -> pb.ModelReadyResponse:
         try:
@@ -145,7 +146,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         except GraphmeshError as e:
             context.abort_with_status(e.to_status())
             raise
-        return pb.ModelReadyResponse(ready=self.mesh.ready)
+        return pb.ModelReadyResponse(ready=self.upstream.ready())
 
     def ServerMetadata(self, request: pb.ServerMetadataRequest,
                        context: grpc.ServicerContext) -> pb.ServerMetadataResponse:
@@ -156,13 +157,14 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
                       context: grpc.ServicerContext) -> pb.ModelMetadataResponse:
         try:
             self._check_model(request.name, request.version)
+            vocab_size = self.upstream.vocab_size
         except GraphmeshError as e:
             context.abort_with_status(e.to_status())
             raise
         T = pb.ModelMetadataResponse.TensorMetadata
         inputs = [T(name=IDS_INPUT, datatype="INT64", shape=[1, -1])]
-        outputs = [T(name=LOGITS_OUTPUT, datatype="FP32", shape=[1, self.mesh.config.vocab_size])]
-        if self.generator.tokenizer is not None:  # without one, only token ids can be served
+        outputs = [T(name=LOGITS_OUTPUT, datatype="FP32", shape=[1, vocab_size])]
+        if self.upstream.tokenizer is not None:  # without one, only token ids can be served
             inputs.append(T(name=TEXT_INPUT, datatype="BYTES", shape=[1]))
             outputs.append(T(name=TEXT_OUTPUT, datatype="BYTES", shape=[1]))
         return pb.ModelMetadataResponse(name=self.model_name, versions=[MODEL_VERSION], platform="graphmesh",
@@ -229,7 +231,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _generation(self, request: pb.ModelInferRequest, text: str) -> GenerationRequest:
         p = dict(request.parameters)
-        ids = prompt_token_ids(self.generator.tokenizer, self.model_name, prompt=text, raw=_bool(p, "raw"),
+        ids = prompt_token_ids(self.upstream.tokenizer, self.model_name, prompt=text, raw=_bool(p, "raw"),
                                parse_special=_bool(p, "parse_special_tokens"))
         # top_p 0 means "unset" as in Generate, where it is a proto3 default.
         return GenerationRequest(ids, _int(p, "max_tokens", DEFAULT_MAX_TOKENS, 1, _INT32_MAX),
@@ -244,7 +246,7 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
     def _speculative(self, params: dict[str, pb.InferParameter]) -> speculative.Mode | None:
         if "speculative" not in params:
             return None
-        return speculative.from_json(_str(params, "speculative"), self.generator.speculative)
+        return speculative.from_json(_str(params, "speculative"), self.upstream.speculative)
 
     def _response(self, request: pb.ModelInferRequest, output: Output,
                   parameters: dict[str, pb.InferParameter]) -> pb.ModelInferResponse:
@@ -253,28 +255,33 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         response.outputs.add(name=output.name, datatype=output.datatype, shape=output.shape)
         return response
 
-    def _logits(self, token_ids: list[int]) -> Output:
-        if not self.mesh.wait_ready(RECOVERY_WAIT_S):
-            raise Unavailable(f"the mesh has not been ready for {RECOVERY_WAIT_S:.0f} s", "MESH_NOT_READY")
-        logits = np.ascontiguousarray(self.generator.logits(token_ids), "<f4").reshape(1, -1)  # [1, vocab]
-        return Output(LOGITS_OUTPUT, "FP32", list(logits.shape), logits.tobytes())
+    async def _logits(self, token_ids: list[int]) -> Output:
+        """Compute, not a queued generation: admitted as any call."""
+        if self.admission is not None and not self.admission.enter():
+            raise self.admission.error()
+        try:
+            logits = await self.upstream.logits(token_ids, self._pool, RECOVERY_WAIT_S)
+        finally:
+            if self.admission is not None:
+                self.admission.leave()
+        raw = np.ascontiguousarray(logits, "<f4").reshape(1, -1)  # [1, vocab]
+        return Output(LOGITS_OUTPUT, "FP32", list(raw.shape), raw.tobytes())
 
     @staticmethod
     def _text_output(text: str) -> Output:
         return Output(TEXT_OUTPUT, "BYTES", [1], pack_bytes([text.encode("utf-8")]))
 
-    def _generation_events(self, call: GenerationRequest, active: Callable[[], bool]) -> Iterator[Event | Wait]:
-        return self.generator.generate_waiting(call, alive=active, ready_wait_s=RECOVERY_WAIT_S)
-
-    async def _admitted(self, work: Callable[[], T]) -> T:
-        """`work` (a logits request: compute, not a queued generation) on the pool, within an admission slot."""
-        if self.admission is not None and not self.admission.enter():
-            raise self.admission.error()
+    async def _events(self, call: GenerationRequest) -> AsyncIterator[Event]:
+        """The generation's events. It waits for its turn, the mesh and its tokens holding no thread; when the
+        client leaves, the call's task is cancelled and the session ends with it."""
+        sessions = Sessions(self.upstream, [call], trace.get_current_span(), self._pool, RECOVERY_WAIT_S)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+            while (item := (await sessions.queue.get())[1]) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
         finally:
-            if self.admission is not None:
-                self.admission.leave()
+            sessions.cancel()
 
     async def ModelInfer(self, request: pb.ModelInferRequest,
                          context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
@@ -284,10 +291,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             call = await asyncio.get_running_loop().run_in_executor(self._pool, self._parse, request)
             if not isinstance(call, GenerationRequest):
-                ids = call
-                return await self._admitted(lambda: self._response(request, self._logits(ids), {}))
+                return self._response(request, await self._logits(call), {})
             text, finish = "", ""
-            async for event in aiterate(self._pool, lambda: self._generation_events(call, lambda: not context.done())):
+            async for event in self._events(call):
                 text, finish = text + event.text, event.finish_reason or finish
             return self._response(request, self._text_output(text),
                                   {"finish_reason": pb.InferParameter(string_param=finish)})
@@ -296,19 +302,12 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         await context.abort(status.code, status.details, status.trailing_metadata)
         raise AssertionError("abort returns by raising")
 
-    def _logits_response(self, request: pb.ModelInferRequest, token_ids: list[int]) -> pb.ModelInferResponse:
-        return self._response(request, self._logits(token_ids), {FINAL: pb.InferParameter(bool_param=True)})
-
-    async def _stream(self, request: pb.ModelInferRequest,
-                      active: Callable[[], bool]) -> AsyncIterator[pb.ModelInferResponse]:
+    async def _stream(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelInferResponse]:
         call = await asyncio.get_running_loop().run_in_executor(self._pool, self._parse, request)
         if not isinstance(call, GenerationRequest):
-            ids = call
-            yield await self._admitted(lambda: self._logits_response(request, ids))
+            yield self._response(request, await self._logits(call), {FINAL: pb.InferParameter(bool_param=True)})
             return
-        async for event in aiterate(self._pool, lambda: self._generation_events(call, active)):
-            if not active():
-                return  # the client left: closing the iterator ends the session
+        async for event in self._events(call):
             final = bool(event.finish_reason)
             if event.text or final:
                 parameters = {FINAL: pb.InferParameter(bool_param=final)}
@@ -326,8 +325,9 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         slot (tritonclient keeps one open per client, so counting open streams would let idle clients lock the
         others out). A text request queues with the other generations (--max-waiting-requests) and a logits request
         is admitted on its own (--max-concurrent-rpcs); either is refused in-band with RESOURCE_EXHAUSTED past its
-        bound, and holds a thread only while its code runs."""
+        bound, and holds a thread only while its code runs. When the client leaves, its requests' sessions end."""
         out: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()  # the requests in progress (a long-lived stream keeps no others)
 
         def failed(request: pb.ModelInferRequest, error: Exception) -> pb.ModelStreamInferResponse:
             return pb.ModelStreamInferResponse(error_message=_message(error),
@@ -335,18 +335,18 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         async def serve(request: pb.ModelInferRequest) -> None:
             try:
-                async for response in self._stream(request, lambda: not context.done()):
+                async for response in self._stream(request):
                     out.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             except Exception as e:
                 out.put_nowait(failed(request, e))
 
         async def read() -> None:
-            running: list[asyncio.Task[None]] = []
             try:
                 async for request in request_iterator:
-                    running.append(asyncio.create_task(serve(request)))
-            finally:
-                # the client may have cancelled the stream: the running requests see it and stop
+                    task = asyncio.create_task(serve(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+            finally:  # the client is done sending: the stream ends when its requests are answered
                 await asyncio.gather(*running, return_exceptions=True)
                 out.put_nowait(None)
 
@@ -354,6 +354,6 @@ class KServeServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             while (response := await out.get()) is not None:
                 yield response
-        finally:
-            if not reader.done():
-                reader.cancel()
+        finally:  # the stream ended, or its client left: what still runs for it stops
+            for task in (reader, *running):
+                task.cancel()

@@ -44,7 +44,7 @@ from graphmesh.errors import GraphmeshError, NotFound, Unauthenticated
 from graphmesh.security import Tls
 from graphmesh_coordinator import genai, http_limits, responses, speculative, structured, tool_calls
 from graphmesh_coordinator.generation import Event, GenerationRequest, TokenLogprob, validate
-from graphmesh_coordinator.openai_calls import Call, Sessions, Upstream
+from graphmesh_coordinator.openai_calls import Call
 from graphmesh_coordinator.openai_protocol import (
     FINISH,
     MAX_CHOICES,
@@ -60,6 +60,7 @@ from graphmesh_coordinator.openai_protocol import (
     stop_strings,
 )
 from graphmesh_coordinator.servicer import prompt_token_ids
+from graphmesh_coordinator.upstream import Sessions, Upstream
 from graphmesh_server import telemetry
 
 log = logging.getLogger("graphmesh.coordinator.http")

@@ -36,8 +36,9 @@ from pydantic import BaseModel, ConfigDict
 from graphmesh.errors import Unavailable
 from graphmesh_coordinator import genai
 from graphmesh_coordinator.generation import Event
-from graphmesh_coordinator.openai_calls import Call, Sessions, Upstream
+from graphmesh_coordinator.openai_calls import Call
 from graphmesh_coordinator.openai_protocol import FINISH, APIError, ChatCompletionRequest, CompletionRequest, api_error
+from graphmesh_coordinator.upstream import Sessions, Upstream
 from graphmesh_server import telemetry
 
 STORE_LIMIT = 1024  # stored responses (memory), the oldest dropped first

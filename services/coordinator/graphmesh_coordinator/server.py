@@ -37,6 +37,7 @@ from graphmesh_coordinator.pipeline import Mesh, wait_for_executors
 from graphmesh_coordinator.servicer import CoordinatorServicer
 from graphmesh_coordinator.speculative import DEFAULT_K, DRAFT, Mode, parse_mode
 from graphmesh_coordinator.state import DurableState, default_state_dir
+from graphmesh_coordinator.upstream import LocalUpstream
 from graphmesh_server import bootstrap, etcd, logs, membership, telemetry
 from graphmesh_server.aio_serving import AioServer, MirroredHealth
 from graphmesh_server.bootstrap import ServerSecurity
@@ -161,8 +162,9 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
                 raise not_leader(election)
     coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
         CoordinatorServicer(generator, mesh, config.model, config.security, gate), server)
+    upstream = LocalUpstream(generator, mesh)  # what KServe and the HTTP API run their sessions on
     kserve_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(generator, mesh, config.model, server.admission, gate), server)
+        KServeServicer(upstream, config.model, server.admission, gate), server)
     health_servicer = MirroredHealth(server)
     names = (coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"].full_name,
              kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name)
@@ -203,9 +205,7 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
              lambda: scheduler.shared_tokens))
     http = None
     if config.http.listen:
-        from graphmesh_coordinator.openai_calls import LocalUpstream
-
-        http = http_api.start(config.http, LocalUpstream(generator, mesh), config.model, config.security, gate)
+        http = http_api.start(config.http, upstream, config.model, config.security, gate)
     if election is None:
         wait_for_executors(config.executors, config.startup_timeout_s, config.security.tls)
         _take_over(config, mesh, state.incarnation, health_servicer, drafter)
