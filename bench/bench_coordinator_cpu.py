@@ -7,14 +7,15 @@ with the GPU defaults unless told otherwise (256 rows a step, 2,048 step tokens,
 256 rows takes on a GPU), so that its steps are shaped as on the H100 at 256 streams. N streams of M tokens each go
 through the real gRPC Generate stream at once (or, with --multiplexed, all over one GenerateStreams stream, as a
 front end sends them; with --frontend, through a graphmesh-frontend, whose CPU is read too; with --http, as
-streamed /v1/completions of the OpenAI API, a client thread each: the front end's with both), and the coordinator's
+streamed /v1/completions of the OpenAI API, a client thread each: the front end's with both; with --kserve, as KServe
+ModelStreamInfer text requests, a stream each, tritonclient's way: the front end's with --frontend), and the coordinator's
 user + system CPU time (/proc/PID/stat) is read before and after: CPU time, not wall time, so other load on a
 shared machine hardly moves it. A warm-up burst first takes the one-off costs (first
 use of each batch shape, imports) out of the figures. Prints a table; writes bench/results/coordinator_cpu.json
 (or NAME) with --write.
 
     .venv/bin/python bench/bench_coordinator_cpu.py [--streams 1,64,256] [--tokens 128] [--rounds 1]
-        [--coordinator-args "--max-step-seqs 64"] [--multiplexed | --frontend] [--http] [--py-spy FILE]
+        [--coordinator-args "--max-step-seqs 64"] [--multiplexed | --frontend] [--http | --kserve] [--py-spy FILE]
         [--write [NAME]]
 """
 
@@ -32,6 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc.aio
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` and `tests` importable
 
 from bench.bench_openai import http_target
@@ -47,6 +51,8 @@ from bench.common import (
     table,
     write_results,
 )
+from graphmesh.kserve import grpc_service_pb2 as kserve_pb2
+from graphmesh.kserve import grpc_service_pb2_grpc as kserve_grpc
 from graphmesh.launcher import LocalMesh, free_port
 from graphmesh.v1 import coordinator_pb2
 from tests.model_fixtures import VOCAB, make_tiny_llama, write_tiny_tokenizer
@@ -82,17 +88,46 @@ def http_burst(base_url: str, model: str, streams: int, tokens: int) -> int:
     return sum(got)
 
 
+async def kserve_burst(address: str, model: str, streams: int, tokens: int) -> int:
+    """The same burst as KServe ModelStreamInfer text requests (raw prompts, a stream each); every one must end for
+    its length, so each generated `tokens` tokens."""
+    async def one(stub: Any, i: int) -> str:
+        request = kserve_pb2.ModelInferRequest(model_name=model, inputs=[kserve_pb2.ModelInferRequest.InferInputTensor(
+            name="text_input", datatype="BYTES", shape=[1], contents=kserve_pb2.InferTensorContents(
+                bytes_contents=[f"stream {i}:".encode()]))], parameters={
+            "max_tokens": kserve_pb2.InferParameter(int64_param=tokens),
+            "ignore_eos": kserve_pb2.InferParameter(bool_param=True), "raw": kserve_pb2.InferParameter(bool_param=True)})
+        finish = ""
+        async for response in stub.ModelStreamInfer(iter([request]), timeout=600):
+            if response.error_message:
+                raise RuntimeError(response.error_message)
+            if "finish_reason" in response.infer_response.parameters:
+                finish = response.infer_response.parameters["finish_reason"].string_param
+        return finish
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        finishes = await asyncio.gather(*(one(stub, i) for i in range(streams)))
+    if set(finishes) != {"length"}:
+        raise RuntimeError(f"streams ended short: {sorted(set(finishes))}")
+    return streams * tokens
+
+
 def steps(metrics_port: int) -> float:
     """The coordinator's graphmesh_steps counter."""
     return metrics(metrics_port)[("graphmesh_steps_total", "")]
 
 
-def measure(mesh: LocalMesh, streams: int, tokens: int, multiplexed: bool = False, model: str = "") -> dict[str, Any]:
-    """One burst; over the OpenAI API when `model` (the name it serves) is given."""
+def measure(mesh: LocalMesh, streams: int, tokens: int, multiplexed: bool = False, model: str = "",
+            kserve: bool = False) -> dict[str, Any]:
+    """One burst; over the OpenAI API, or KServe with `kserve`, when `model` (the name it serves) is given."""
     port = mesh.metrics_ports["coordinator"]
     cpu0, steps0, t0 = cpu_by_process(mesh), steps(port), time.perf_counter()
-    got = (http_burst(mesh.http_url, model, streams, tokens) if model
-           else asyncio.run(burst(mesh.client_address, streams, tokens, multiplexed)))
+    if kserve:
+        got = asyncio.run(kserve_burst(mesh.client_address, model, streams, tokens))
+    else:
+        got = (http_burst(mesh.http_url, model, streams, tokens) if model
+               else asyncio.run(burst(mesh.client_address, streams, tokens, multiplexed)))
     wall = time.perf_counter() - t0
     used = {k: v - cpu0[k] for k, v in cpu_by_process(mesh).items()}
     cpu, front_cpu, n_steps = used["coordinator"], used.get("frontend", 0.0), steps(port) - steps0
@@ -124,6 +159,8 @@ def main() -> None:
                    help="the streams call a graphmesh-frontend, which relays them to the coordinator over one stream")
     p.add_argument("--http", action="store_true",
                    help="the streams are streamed /v1/completions of the OpenAI API (the front end's with --frontend)")
+    p.add_argument("--kserve", action="store_true",
+                   help="the streams are KServe ModelStreamInfer text requests (the front end's with --frontend)")
     p.add_argument("--write", default="", nargs="?", const="coordinator_cpu.json", metavar="NAME",
                    help="write bench/results/NAME (default coordinator_cpu.json)")
     a = p.parse_args()
@@ -132,15 +169,17 @@ def main() -> None:
     # with a tokenizer: the coordinator detokenizes every token, as it does for any real model
     model = write_tiny_tokenizer(make_tiny_llama(Path(tempfile.mkdtemp(prefix="graphmesh-bench-")) / "llama"))
     rows: list[dict[str, Any]] = []
-    served = str(model) if a.http else ""
+    if a.http and a.kserve:
+        p.error("--http and --kserve are two ways of sending the streams: choose one")
+    served = str(model) if a.http or a.kserve else ""
     with LocalMesh(1, "torch", str(model), kvstore=False, metrics=True, frontend=a.frontend,
                    http_listen=f"127.0.0.1:{free_port()}" if a.http else "",
                    extra_coordinator_args=shlex.split(a.coordinator_args)) as mesh:
         progress("warm-up")
-        measure(mesh, max(levels), 4, a.multiplexed, served)
+        measure(mesh, max(levels), 4, a.multiplexed, served, a.kserve)
         for streams in levels:
             spy = profile(mesh, a.py_spy) if a.py_spy and streams == max(levels) else None
-            runs = [measure(mesh, streams, a.tokens, a.multiplexed, served) for _ in range(a.rounds)]
+            runs = [measure(mesh, streams, a.tokens, a.multiplexed, served, a.kserve) for _ in range(a.rounds)]
             if spy is not None:
                 spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
                 spy.wait()
@@ -154,7 +193,8 @@ def main() -> None:
                   r["cpu_ms_per_step"], r["frontend_cpu_ms_per_token"] * 1e3] for r in rows]))
     if a.write:
         write_results(a.write, {"machine": machine(load), "tokens_per_stream": a.tokens, "multiplexed": a.multiplexed,
-                                "frontend": a.frontend, "http": a.http, "coordinator_args": a.coordinator_args, "levels": rows})
+                                "frontend": a.frontend, "http": a.http, "kserve": a.kserve,
+                                "coordinator_args": a.coordinator_args, "levels": rows})
 
 
 if __name__ == "__main__":
