@@ -9,11 +9,13 @@ import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from graphmesh import errors
 from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.launcher import LocalMesh
+from graphmesh_server import telemetry
 from tests.model_fixtures import make_tiny_llama
 
 PROMPT = list(range(200, 240))  # two whole 16-token blocks
@@ -158,3 +160,24 @@ def test_a_refused_request_is_counted_with_its_status(mesh: LocalMesh) -> None:
     assert value(after, "graphmesh_rpc_server_seconds_count", method=generate, code="NOT_FOUND") - \
         value(before, "graphmesh_rpc_server_seconds_count", method=generate, code="NOT_FOUND") == 1
     assert value(after, "graphmesh_tokens_generated_total") == value(before, "graphmesh_tokens_generated_total")
+
+
+def test_many_observations_at_once_are_those_one_at_a_time() -> None:
+    """telemetry.observe_many against prometheus_client's own observe, called count times: the same buckets (a
+    bound itself included, +Inf), sum and count, with and without labels; a count of 0 observes nothing."""
+    def exposition(observe: Callable[[Histogram, float, int], None]) -> bytes:
+        registry = CollectorRegistry()
+        plain = Histogram("h_seconds", "h", buckets=(0.005, 0.25, 1), registry=registry)
+        labelled = Histogram("l_seconds", "l", ["kind"], buckets=(0.5, 2), registry=registry)
+        for amount, count in ((0.0, 31), (0.005, 3), (0.0075, 2), (0.25, 1), (0.5, 4), (7.0, 5), (0.125, 0)):
+            observe(plain, amount, count)
+            observe(labelled.labels("a"), amount, count)
+        return b"\n".join(line for line in generate_latest(registry).splitlines() if b"_created" not in line)
+
+    def one_at_a_time(histogram: Histogram, amount: float, count: int) -> None:
+        for _ in range(count):
+            histogram.observe(amount)
+
+    single = exposition(one_at_a_time)
+    assert b'h_seconds_bucket{le="0.005"} 34.0' in single and b'h_seconds_count 46.0' in single
+    assert exposition(telemetry.observe_many) == single

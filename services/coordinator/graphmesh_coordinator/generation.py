@@ -420,8 +420,6 @@ class Generator:
                         if isinstance(out, BaseException):
                             error = out
                             break
-                        (TTFT_SECONDS if step == 0 else INTER_TOKEN_SECONDS).observe(now - last)
-                        last = now
                         tokens.append(token)
                         if request.logprobs and out.row is not None:
                             logprobs.append(_logprob(token, out.row))
@@ -443,7 +441,10 @@ class Generator:
                             break
                     if texts and not request.skip_text:
                         text = detok.push_many(texts)
-                    if tokens:
+                    if tokens:  # the first came `now - last` after the token before; the others with it
+                        (TTFT_SECONDS if first else INTER_TOKEN_SECONDS).observe(now - last)
+                        telemetry.observe_many(INTER_TOKEN_SECONDS, 0.0, len(tokens) - 1)
+                        last = now
                         TOKENS_GENERATED.inc(len(tokens))
                         span.set_attribute("completion_tokens", step)
                         yield Event(tokens, text, finish, (now - t0) * 1000.0 if first else 0.0,
