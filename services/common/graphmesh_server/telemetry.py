@@ -60,7 +60,6 @@ def observe_many(histogram: Histogram, amount: float, count: int) -> None:
     taking a lock. tests/test_metrics.py holds the exposition to that of single observations."""
     if count <= 0:
         return
-    histogram._raise_if_not_observable()
     histogram._sum.inc(amount * count)
     histogram._buckets[bisect.bisect_left(histogram._upper_bounds, amount)].inc(count)
 
