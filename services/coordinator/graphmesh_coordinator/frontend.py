@@ -370,14 +370,13 @@ class RelayUpstream:
         try:
             # the coordinator's work joins the request's trace
             async for response in relay.generate(generate_request(request, detok is not None),
-                                                       telemetry.span_carrier(sessions.span)):
+                                                 telemetry.span_carrier(sessions.span)):
                 yield event(response, detok)
         except _CallFailed as e:  # the coordinator's status, as the API's error
             raise errors.from_status_proto(e.status) or errors.Internal(e.status.message) from None
         except _StreamEnded as e:
             raise Unavailable(f"the front end lost its stream to the coordinator ({e}); retry the request",
                               "COORDINATOR_STREAM_LOST") from None
-
 
     async def logits(self, token_ids: list[int], pool: Executor, ready_wait_s: float) -> np.ndarray:
         """The coordinator's ComputeLogits (which answers UNAVAILABLE while its mesh is not ready)."""
