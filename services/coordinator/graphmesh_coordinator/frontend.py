@@ -1,10 +1,12 @@
-"""graphmesh-frontend: CoordinatorService and the OpenAI HTTP API for clients, in a process of its own.
+"""graphmesh-frontend: CoordinatorService, KServe v2 and the OpenAI HTTP API for clients, in a process of its own.
 
 Each client's Generate stream costs the process that serves it a gRPC call of its own (its HTTP/2 stream, a
 message per response, its start and end): at hundreds of streams that was a fifth of a core of the coordinator,
 whose GIL also runs the scheduler (bench/RESULTS.md, "One stream for many calls"). A front end takes those calls and
 relays them to the coordinator over one GenerateStreams stream, where a message carries every response ready at
-once; several front ends share one coordinator. Status and ComputeLogits are forwarded as they are.
+once; several front ends share one coordinator. Status and ComputeLogits are forwarded as they are. With the
+model's tokenizer (--model) it also serves KServe v2 (kserve.py), its requests parsed and answered here and their
+sessions relayed the same way.
 
 With --http-listen it serves the OpenAI API too, as vLLM's API server process does: it parses each request
 (tokenizing its chat with the model's tokenizer, --model), relays its choices as Generate calls over a stream of its
