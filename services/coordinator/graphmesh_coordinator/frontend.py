@@ -494,8 +494,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0 is off")
     parser.add_argument("--model", default="",
                         help="the coordinator's --model (a bundled name or a checkpoint directory): its tokenizer "
-                             "parses the HTTP API's requests, tokenizes relayed calls' prompts and writes their "
-                             "tokens' text (off the coordinator's GIL); needed with --http-listen")
+                             "parses KServe's and the HTTP API's requests, tokenizes relayed calls' prompts and "
+                             "writes their tokens' text (off the coordinator's GIL); needed for KServe and with "
+                             "--http-listen")
     http_api.add_arguments(parser)
     bootstrap.add_arguments(parser, auth_token=True)
     args = parser.parse_args(argv)
