@@ -168,7 +168,9 @@ def choose(sender: stage_pb2.BoundaryLinkEnd, receiver: stage_pb2.BoundaryLinkEn
 
 
 def _nbytes(tensor: Any) -> int:
-    return int(np.prod(tensor.shape, dtype=np.int64)) * dtypes.itemsize(dtypes.from_proto(tensor.dtype))
+    # math.prod (tensors.nbytes), not np.prod: numpy converts the proto's repeated field first, and every push pays
+    # this per tensor at both ends
+    return tensors.nbytes(dtypes.from_proto(tensor.dtype), tuple(tensor.shape))
 
 
 def _aligned(n: int) -> int:
