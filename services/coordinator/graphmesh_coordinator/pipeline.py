@@ -479,8 +479,8 @@ class Mesh:
             def done(call: grpc.Future[health_pb2.HealthCheckResponse]) -> None:
                 try:
                     ok = call.result().status == health_pb2.HealthCheckResponse.SERVING
-                except (grpc.RpcError, grpc.FutureCancelledError):
-                    ok = False
+                except (grpc.RpcError, grpc.FutureCancelledError, ValueError):  # ValueError: the mesh closed the
+                    ok = False  # channel meanwhile (close()), which must not end this thread with an error
                 if ok:
                     with lock:
                         last_ok[address] = max(last_ok.get(address, 0.0), sent)
