@@ -125,9 +125,10 @@ def measure(mesh: LocalMesh, streams: int, tokens: int, multiplexed: bool = Fals
     cpu0, steps0, t0 = cpu_by_process(mesh), steps(port), time.perf_counter()
     if kserve:
         got = asyncio.run(kserve_burst(mesh.client_address, model, streams, tokens))
+    elif model:
+        got = http_burst(mesh.http_url, model, streams, tokens)
     else:
-        got = (http_burst(mesh.http_url, model, streams, tokens) if model
-               else asyncio.run(burst(mesh.client_address, streams, tokens, multiplexed)))
+        got = asyncio.run(burst(mesh.client_address, streams, tokens, multiplexed))
     wall = time.perf_counter() - t0
     used = {k: v - cpu0[k] for k, v in cpu_by_process(mesh).items()}
     cpu, front_cpu, n_steps = used["coordinator"], used.get("frontend", 0.0), steps(port) - steps0
