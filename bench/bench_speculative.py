@@ -17,11 +17,19 @@ recorded: on a shared small machine it is part of the result.
 
     .venv/bin/python bench/bench_speculative.py [--repeats 3] [--tokens 128] [--streams 1,16] [--k 8]
         [--executors 2] [--weights f32] [--no-peer] [--quick] [--draft PATH]
+        [--shape NAME [--draft-layers N] [--device cuda] [--dtype bf16]]
 
 --quick: 1 repeat, 1 stream, 16 tokens, one prompt of each kind, no peer: a smoke test of the harness, not figures.
 --draft PATH: a draft model of SmolLM2's tokenizer (a checkpoint path or bundled name) on one more executor
 (--speculative draft:PATH:K), run as a third mesh engine "mesh+draft"; its tokens must equal the mesh's without
 speculation too (same_tokens_draft_off).
+
+--shape NAME (a shape of bench_gpu_mesh.py, e.g. tinyllama on --device cuda): a random-weight model of that shape
+written by the benchmark instead of SmolLM2, no peer, prompts of random token ids ("repeated": a 16-token passage
+four times; "random"); --draft-layers N adds the draft-model pair: the target's first N layers with its embedding,
+final norm and head (a truncated self-draft). A random model's acceptance is its own, not a real model's: the
+figures show what verification and drafting cost on the device at the acceptance measured (tokens_per_pass: a
+verified pass's tokens, from the coordinator's counters).
 """
 
 from __future__ import annotations
@@ -30,16 +38,20 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, `bench` is still importable
 
+from bench.bench_gpu_mesh import SHAPES, write_random_model
 from bench.bench_serving import EOG_BIAS, REQUEST_TIMEOUT_S, Stream, _completion_events
-from bench.common import machine, median, progress, table, write_results
+from bench.common import machine, median, metrics, progress, table, write_results
 from bench.peers import LlamaCppServer
 from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
@@ -82,6 +94,48 @@ def decode_tps(streams: list[Stream]) -> float:
         return (s.tokens - s.chunk_tokens[0]) / span if span > 0 else float("nan")
     start, end = min(s.started for s in streams), max(s.arrivals[-1] for s in streams)
     return sum(s.tokens for s in streams) / (end - start)
+
+
+SPECULATION = ("passes", "pass_tokens", "proposed_tokens", "accepted_tokens")
+
+
+def speculation(port: int) -> dict[str, float]:
+    """The coordinator's speculation counters (verified passes, their tokens, proposals, accepted proposals)."""
+    samples = metrics(port)
+    return {name: samples.get((f"graphmesh_speculative_{name}_total", ""), 0.0) for name in SPECULATION}
+
+
+def per_pass(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Tokens a verified pass and the share of proposals accepted between two readings (nan: none)."""
+    d = {name: after[name] - before[name] for name in SPECULATION}
+    return {"tokens_per_pass": d["pass_tokens"] / d["passes"] if d["passes"] else float("nan"),
+            "acceptance": d["accepted_tokens"] / d["proposed_tokens"] if d["proposed_tokens"] else float("nan")}
+
+
+def write_draft(target: Path, layers: int, path: Path) -> None:
+    """The target's first `layers` layers with its embedding, final norm and head, as a checkpoint of its own."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}, indent=1))
+    (path / "generation_config.json").write_text((target / "generation_config.json").read_text())
+    weight_map: dict[str, str] = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
+    kept = {}
+    for file in sorted(set(weight_map.values())):
+        with safe_open(str(target / file), framework="pt") as f:
+            for name in f.keys():
+                if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers:
+                    kept[name] = f.get_tensor(name)
+    save_file(kept, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def random_prompts(vocab: int, seed: int = 0) -> dict[str, list[tuple[str, list[int]]]]:
+    rng = np.random.default_rng(seed)
+    passage = rng.integers(3, vocab, 16).tolist()
+    return {"repeated": [("repeated", passage * 4)],
+            "random": [(f"random-{i}", rng.integers(3, vocab, 64).tolist()) for i in range(2)]}
 
 
 def lookup_bound(prompt: list[int], output: list[int], k: int) -> float:
@@ -147,39 +201,60 @@ def main() -> None:
     p.add_argument("--output", default="", help="results file under bench/results/ (default speculative.json)")
     p.add_argument("--draft", default="", help="a draft model of the same tokenizer: a third mesh engine speculating "
                                                "with it (on one more executor)")
+    p.add_argument("--shape", default="", choices=["", *sorted(SHAPES)],
+                   help="a random-weight model of this shape instead of SmolLM2 (no peer)")
+    p.add_argument("--draft-layers", type=int, default=0,
+                   help="with --shape: a third engine drafting with the target's first N layers")
+    p.add_argument("--device", default="cpu", help="the executors' device")
+    p.add_argument("--dtype", default="", help="the stages' dtype (default: the coordinator's for the device)")
     a = p.parse_args()
     repeats, tokens, streams_list = a.repeats, a.tokens, [int(x) for x in a.streams.split(",")]
-    prompts = {kind: list(v) for kind, v in PROMPTS.items()}
-    peer = not a.no_peer
-    if a.quick:
-        repeats, tokens, streams_list, peer = 1, 16, [1], False
-        prompts = {kind: v[:1] for kind, v in prompts.items()}
+    peer = not a.no_peer and not a.shape
     load = os.getloadavg()
-    path = resolve_model(MODEL)
-    tokenizer = Tokenizer.from_checkpoint(open_checkpoint(path))
+    scratch = tempfile.TemporaryDirectory(prefix="graphmesh-speculative-")
+    model, draft = MODEL, a.draft
     ids: dict[str, list[int]] = {}
     texts: dict[tuple[int, ...], str] = {}
-    for named in prompts.values():
-        for name, question in named:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
-            ids[name] = tokenizer.encode(text)
-            texts[tuple(ids[name])] = text
+    kind_of: dict[str, str] = {}
+    if a.shape:
+        model = str(Path(scratch.name) / a.shape)
+        progress(f"writing a random {a.shape} model")
+        write_random_model(SHAPES[a.shape], a.device, Path(model))
+        if a.draft_layers:
+            draft = str(Path(scratch.name) / f"{a.shape}-{a.draft_layers}-layers")
+            write_draft(Path(model), a.draft_layers, Path(draft))
+        for kind, numbered in random_prompts(SHAPES[a.shape]["vocab_size"]).items():
+            for name, prompt in numbered:
+                ids[name], kind_of[name] = prompt, kind
+    else:
+        tokenizer = Tokenizer.from_checkpoint(open_checkpoint(resolve_model(MODEL)))
+        for kind, named in PROMPTS.items():
+            for name, question in named:
+                text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+                ids[name], kind_of[name] = tokenizer.encode(text), kind
+                texts[tuple(ids[name])] = text
+    if a.quick:
+        repeats, tokens, streams_list, peer = 1, 16, [1], False
+        firsts = {next(name for name in ids if kind_of[name] == kind) for kind in set(kind_of.values())}
+        ids = {name: prompt for name, prompt in ids.items() if name in firsts}
     progress(f"{len(ids)} prompts, {tokens} tokens, streams {streams_list}, {repeats} repeat(s), k {a.k}; "
              f"load average {load}")
     on = cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_PROMPT_LOOKUP, max_proposed=a.k)
     off = cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_OFF)
     servers: list[LlamaCppServer] = []
-    drafting = ["--speculative", f"draft:{a.draft}:{a.k}"] if a.draft else []
-    with LocalMesh(a.executors, "torch", MODEL, kvstore=False, weights=a.weights, extra_coordinator_args=drafting,
-                   draft_executor=bool(a.draft)) as mesh, \
+    drafting = ["--speculative", f"draft:{draft}:{a.k}"] if draft else []
+    dtype = ["--dtype", a.dtype] if a.dtype else []
+    with scratch, LocalMesh(a.executors, "torch", model, kvstore=False, weights=a.weights, startup_timeout_s=900,
+                            extra_coordinator_args=[*drafting, *dtype], extra_executor_args=["--device", a.device], metrics=True,
+                            draft_executor=bool(draft)) as mesh, \
             CoordinatorClient(mesh.coordinator_address, timeout=REQUEST_TIMEOUT_S) as client:
         targets: dict[str, Callable[[list[int], int], Stream]] = {
             MESH_OFF: mesh_target(client, off), MESH_ON: mesh_target(client, on)}
-        if a.draft:
+        if draft:
             targets[MESH_DRAFT] = mesh_target(client, cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_DRAFT,
                                                                                max_proposed=a.k))
         if peer:
-            gguf = Path(path)
+            gguf = Path(resolve_model(MODEL))
             n_ctx = max(len(v) for v in ids.values()) + tokens + 64
             plain = LlamaCppServer(gguf, n_ctx=n_ctx)
             spec = LlamaCppServer(gguf, n_ctx=n_ctx, extra_args=["--draft_model", "prompt-lookup-decoding",
@@ -194,20 +269,23 @@ def main() -> None:
                 for target in targets.values():
                     target(ids[name], 4)
             runs: dict[tuple[str, int, str], list[float]] = {}
+            passes: dict[tuple[str, int, str], list[dict[str, float]]] = {}
             tokens_of: dict[tuple[str, int, str], list[int]] = {}
             for r in range(repeats):
                 for n in streams_list:
                     for name in ids:
                         for engine, target in targets.items():
+                            before = speculation(mesh.metrics_ports["coordinator"])
                             with ThreadPoolExecutor(n) as pool:
                                 done = list(pool.map(target, [ids[name]] * n, [tokens] * n))
                             runs.setdefault((name, n, engine), []).append(decode_tps(done))
+                            passes.setdefault((name, n, engine), []).append(
+                                per_pass(before, speculation(mesh.metrics_ports["coordinator"])))
                             tokens_of[(name, n, engine)] = done[0].token_ids
                             progress(f"repeat {r + 1}: {name} x{n} {engine}: {runs[(name, n, engine)][-1]:.1f} tok/s")
         finally:
             for server in servers:
                 server.stop()
-    kind_of = {name: kind for kind, named in prompts.items() for name, _ in named}
     rows, results = [], []
     for n in streams_list:
         for name in ids:
@@ -215,29 +293,33 @@ def main() -> None:
             same = tokens_of[(name, n, MESH_ON)] == tokens_of[(name, n, MESH_OFF)]
             entry: dict[str, Any] = {"prompt": name, "kind": kind_of[name], "streams": n, "tokens_per_s": med,
                                      "runs": {e: runs[(name, n, e)] for e in targets},
+                                     **{measure: {e: median([x[measure] for x in passes[(name, n, e)]])
+                                                  for e in (MESH_ON, MESH_DRAFT) if e in targets}
+                                        for measure in ("tokens_per_pass", "acceptance")},
                                      "mesh_on_over_off": med[MESH_ON] / med[MESH_OFF], "same_tokens_on_off": same}
             entry["lookup_bound_tokens_per_pass"] = lookup_bound(ids[name], tokens_of[(name, n, MESH_OFF)], a.k)
             row = [name, kind_of[name], n, med[MESH_OFF], med[MESH_ON], entry["mesh_on_over_off"],
-                   entry["lookup_bound_tokens_per_pass"]]
-            if a.draft:
+                   entry["tokens_per_pass"][MESH_ON], entry["lookup_bound_tokens_per_pass"]]
+            if draft:
                 entry["mesh_draft_over_off"] = med[MESH_DRAFT] / med[MESH_OFF]
                 entry["same_tokens_draft_off"] = tokens_of[(name, n, MESH_DRAFT)] == tokens_of[(name, n, MESH_OFF)]
                 same = same and entry["same_tokens_draft_off"]
-                row += [med[MESH_DRAFT], entry["mesh_draft_over_off"]]
+                row += [med[MESH_DRAFT], entry["mesh_draft_over_off"], entry["tokens_per_pass"][MESH_DRAFT]]
             if peer:
                 entry["llamacpp_on_over_off"] = med[LLAMA_ON] / med[LLAMA_OFF]
                 entry["mesh_on_over_llamacpp_on"] = med[MESH_ON] / med[LLAMA_ON]
                 row += [med[LLAMA_OFF], med[LLAMA_ON], entry["llamacpp_on_over_off"], entry["mesh_on_over_llamacpp_on"]]
             rows.append([*row, "yes" if same else "NO"])
             results.append(entry)
-    headers = ["prompt", "kind", "streams", "mesh tok/s", "+spec", "on/off", "lookup bound",
-               *(["+draft", "draft/off"] if a.draft else [])]
+    headers = ["prompt", "kind", "streams", "mesh tok/s", "+spec", "on/off", "tok/pass", "lookup bound",
+               *(["+draft", "draft/off", "tok/pass"] if draft else [])]
     if peer:
         headers += ["llama.cpp", "+spec", "on/off", "mesh/llama (spec)"]
     print(table([*headers, "same tokens"], rows))
     write_results(a.output or ("speculative.json" if not a.quick else "speculative_quick.json"), {
-        "benchmark": "bench_speculative", "model": MODEL, "weights": a.weights, "executors": a.executors,
-        "draft": a.draft or None,
+        "benchmark": "bench_speculative", "model": f"random {a.shape}" if a.shape else MODEL,
+        "weights": "random bf16 checkpoint" if a.shape else a.weights, "device": a.device, "dtype": a.dtype or None,
+        "executors": a.executors, "draft": f"its first {a.draft_layers} layers" if a.draft_layers else a.draft or None,
         "tokens": tokens, "k": a.k, "repeats": repeats, "peer": "llama-cpp-python server" if peer else None,
         "results": results, "machine": machine(load)})
 
