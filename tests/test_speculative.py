@@ -28,7 +28,7 @@ from graphmesh.launcher import LocalMesh
 from graphmesh.v1 import coordinator_pb2 as cpb
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_coordinator import speculative
-from graphmesh_coordinator.speculative import Mode, Speculation, parse_mode, propose
+from graphmesh_coordinator.speculative import Mode, PassCosts, Speculation, parse_mode, propose
 from graphmesh_executor.stage import _positions, _verify
 from graphmesh_executor.stage_types import StepResult, StepRow
 from graphmesh_server import faults
@@ -75,6 +75,42 @@ def test_k_adapts_to_acceptance_and_backs_off_to_plain_decoding() -> None:
     spec.verified(1, 1)  # a probe that pays ends the probation: later misses count as before
     spec.verified(2, 0)
     assert spec.k == 1 and spec.backoff == 0
+
+
+def test_a_step_verifies_only_where_its_passes_beat_a_decode_run() -> None:
+    costs = PassCosts()
+    assert costs.verify_pays([1.0], rows=1, run=8, draft=False)  # nothing measured yet: verify, and learn its cost
+    costs.verified(0.5)  # the first pass is a first use of its shapes, not a cost
+    costs.verified(0.004)
+    assert costs.verify_s == 0.004
+    assert costs.verify_pays([1.0], rows=1, run=8, draft=False)  # runs not measured yet
+    costs.ran(0.016, steps=8)
+    assert costs.verify_pays([0.0], rows=1, run=8, draft=False)  # no pass has given tokens yet: one must  # 2 ms a token of a run
+    costs.turned(0.002)
+    # a run of 8: 8 tokens in 8 * 2 + 2 = 18 ms; a pass: its tokens in 4 + 2 = 6 ms
+    assert costs.verify_pays([3.0], rows=1, run=8, draft=False)  # 3 in 6 ms beats 8 in 18
+    assert costs.verify_pays([2.5], rows=1, run=1, draft=False)  # the alternative is one token: a pass gives more
+    assert costs.verify_s == 0.004
+    assert not costs.verify_pays([2.5], rows=1, run=8, draft=False)
+    assert costs.verify_s == pytest.approx(0.004 * speculative.AGING)  # a decline ages the pass's cost
+    costs.verify_s = 0.004
+    costs.drafted(0.006)
+    assert not costs.verify_pays([3.0], rows=1, run=8, draft=True)  # the draft's pass counts: 3 in 12 ms
+    costs.verify_s = 0.004
+    # 16 rows, one of them speculating: a pass gives 15 + 4 tokens in 6 ms, a run 128 in 18
+    assert not costs.verify_pays([4.0], rows=16, run=8, draft=False)
+    declines = 0
+    while not costs.verify_pays([2.0], rows=1, run=8, draft=False):
+        declines += 1
+    assert 5 < declines < 40  # aged until a pass of 2 tokens would pay: tried again, and measured
+    spec = Speculation(8)
+    assert costs.expected(spec) == 0.0  # nothing verified yet
+    costs.passed(4)
+    costs.passed(2)
+    assert costs.expected(spec) == pytest.approx(0.7 * 4 + 0.3 * 2)  # a new session expects what passes gave lately
+    spec.verified(8, 0)
+    spec.verified(8, 8)
+    assert costs.expected(spec) == spec.tokens_per_pass == pytest.approx(0.7 * 1 + 0.3 * 9)  # then its own
 
 
 def test_modes_parse_and_refuse_clearly() -> None:
@@ -126,10 +162,15 @@ def _passes(mesh: LocalMesh) -> tuple[float, float]:
             value(samples, "graphmesh_speculative_accepted_tokens_total"))
 
 
+# One token a plain step: against it a verified chunk always pays (PassCosts), so these meshes verify chunks
+# whatever this host's timings. With decode runs, whether a step verifies is the measured costs' call.
+ONE_TOKEN_STEPS = ["--decode-steps", "1"]
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3])
 def mesh(request: pytest.FixtureRequest) -> Iterator[LocalMesh]:
     with LocalMesh(request.param, "torch", "smollm2-135m", kvstore=False, metrics=True, fault_injection=True,
-                   extra_coordinator_args=["--speculative", "prompt-lookup"]) as m:
+                   extra_coordinator_args=["--speculative", "prompt-lookup", *ONE_TOKEN_STEPS]) as m:
         yield m
 
 
@@ -156,6 +197,22 @@ def test_sixteen_streams_equal_their_solo_runs_without_speculation(mesh: LocalMe
         batched = list(pool.map(lambda pj: _generate(mesh.coordinator_address, pj[0], cpb.SpeculativeDecoding(),
                                                      **pj[1]), zip(prompts, jobs)))
     assert batched == solo
+
+
+@pytest.mark.slow
+def test_streams_that_verify_or_run_by_measured_costs_keep_their_tokens() -> None:
+    """At the coordinator's default decode runs, whether a step verifies proposals or runs is the measured costs'
+    call (PassCosts), so which steps verify depends on this host's timings: whichever they are, four streams at
+    once, greedy and seeded, are their tokens without speculation."""
+    jobs: list[dict[str, Any]] = [{}, {"temperature": 0.8, "top_k": 40, "seed": 3}] * 2
+    prompts = [GROUNDED[i % len(GROUNDED)] for i in range(len(jobs))]
+    with LocalMesh(2, "torch", "smollm2-135m", kvstore=False, extra_coordinator_args=["--speculative", "prompt-lookup"]) \
+            as mesh:
+        plain = [_generate(mesh.coordinator_address, p, OFF, max_tokens=40, **job) for p, job in zip(prompts, jobs)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            speculated = list(pool.map(lambda pj: _generate(mesh.coordinator_address, pj[0], ON, max_tokens=40, **pj[1]),
+                                   zip(prompts, jobs)))
+    assert speculated == plain
 
 
 @pytest.mark.slow
@@ -251,7 +308,7 @@ def test_sampled_verification_follows_the_target_distribution(tmp_path: Path) ->
                            for t in range(VOCAB)])
     expected_p = first @ second
     n = 600
-    with LocalMesh(2, "torch", str(path), kvstore=False, metrics=True) as mesh:
+    with LocalMesh(2, "torch", str(path), kvstore=False, metrics=True, extra_coordinator_args=ONE_TOKEN_STEPS) as mesh:
         def draw(seed: int) -> int:
             with CoordinatorClient(mesh.coordinator_address) as client:
                 tokens = [t for c in client.generate(prompt_token_ids=prompt, max_tokens=3, temperature=1.0,

@@ -33,6 +33,7 @@ from graphmesh_coordinator.speculative import Mode, parse_mode
 from graphmesh_server import faults
 from tests.model_fixtures import VOCAB, make_tiny_llama
 from tests.test_metrics import scrape, value
+from tests.test_speculative import ONE_TOKEN_STEPS
 
 DRAFT = cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_DRAFT, max_proposed=4)
 OFF = cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_OFF)
@@ -89,7 +90,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _mesh(executors: int, target: Path, draft: Path | None, **kw: Any) -> LocalMesh:
     """A mesh of the target; with a draft, one more executor runs it (LocalMesh.draft_executor)."""
-    extra = ["--speculative", f"draft:{draft}"] if draft is not None else []
+    extra = ["--speculative", f"draft:{draft}", *ONE_TOKEN_STEPS] if draft is not None else []
     return LocalMesh(executors, "torch", str(target), kvstore=False, metrics=True, fault_injection=True,
                      extra_coordinator_args=extra, draft_executor=draft is not None, **kw)
 

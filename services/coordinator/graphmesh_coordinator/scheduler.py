@@ -194,6 +194,8 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens  # a step's token budget; 0: by the roster's devices
         self.max_step_seqs = max_step_seqs  # sessions per step; 0: by the roster's devices
         self.drafter: Drafter | None = None  # the draft model of --speculative draft:MODEL (draft.py)
+        self.costs = speculative.PassCosts()  # whether a step of decodes verifies proposals or runs
+        self._draft_passes = 0
         self._drafting = False  # a pass runs the draft model (off the lock): the others do not draft meanwhile
         self._cond = threading.Condition()
         self._seqs: list[Sequence] = []  # arrival order
@@ -327,9 +329,12 @@ class Scheduler:
             s.busy = True
         self._in_flight += 1
         self._used, self._drafting = None, True
+        self._draft_passes += 1
         self._cond.release()
+        t0 = time.perf_counter()
         try:
             proposed = self.drafter.propose([(s.session.session_id, tokens, k) for s, tokens, k in drafts.batch])
+            self.costs.drafted(time.perf_counter() - t0)
         finally:
             self._cond.acquire()
             self._in_flight -= 1
@@ -411,14 +416,28 @@ class Scheduler:
         """The proposals of this step's speculating decodes, by id, when the step has room for verified chunks: no
         prompt waits to join and few decodes share it (on a busy mesh the step is full already); and, when `draft`,
         the decodes whose proposals the draft model is still to make (session, tokens, k; without `draft` they
-        decode plainly this pass). Guided rows and rows with logprobs never speculate."""
+        decode plainly this pass). None where a decode run gives more tokens a second (PassCosts). Guided rows
+        and rows with logprobs never speculate."""
         limit = SPEC_SEQS_CUDA if self._on_gpus() else SPEC_SEQS_CPU
         if others or not decoding or len(decoding) > limit or kind != (stage_pb2.OUTPUT_KIND_TOKEN, False):
+            return {}, []
+        drafter = self.drafter if self.drafter is not None and self.drafter.ready else None
+        drafted = any(s.drafted is not None for s in decoding)  # for this pass already: verifying them was decided
+        run = min(self._run_length(len(decoding)), max(s.remaining for s in decoding))
+        speculating = [s.speculation for s in decoding
+                       if s.speculation is not None and s.guide is None and s.speculation.want(s.remaining - 1)]
+        # As if each of them proposed: where even that would not beat a decode run, no proposal is worth looking
+        # up (prompt lookup over every session's tokens costs the scheduler's turn on a busy step)
+        if not speculating and not drafted:
+            return {}, []
+        if not drafted and not self.costs.verify_pays([self.costs.expected(spec) for spec in speculating],
+                                                      len(decoding), run, draft and drafter is not None and
+                                                      any(spec.draft for spec in speculating)):
             return {}, []
         budget = self._step_tokens() - len(decoding)
         out: dict[int, list[int]] = {}
         drafts: list[tuple[Sequence, list[int], int]] = []
-        drafter = self.drafter if self.drafter is not None and self.drafter.ready else None
+        yields: list[float] = []  # the tokens each speculating session expects of a verified pass
         for s in decoding:
             spec = s.speculation
             if spec is None or s.guide is not None or budget <= 0:
@@ -428,6 +447,7 @@ class Scheduler:
                 k = spec.want(room) if s.drafted is None and draft else 0
                 if k:
                     drafts.append((s, tokens, k))
+                    yields.append(self.costs.expected(spec))
                     budget -= k
                     continue
                 proposed = (s.drafted or [])[:room]  # drafted off the lock for this pass (Scheduler._draft)
@@ -435,7 +455,10 @@ class Scheduler:
                 proposed = spec.proposals(tokens, room)
             if proposed:
                 out[id(s)] = proposed
+                yields.append(self.costs.expected(spec))
                 budget -= len(proposed)
+        if (out or drafts) and not drafted and not self.costs.pays(yields, len(decoding), run, bool(drafts)):
+            return {}, []
         return out, drafts
 
     def _micro_batches(self) -> int:
@@ -698,13 +721,15 @@ class Scheduler:
             log.exception("step failed")
             self._end(step, e)
             return None, []
-        self._tally(step, decode_steps, self._stepping_ends() - t0)
+        replied = self._stepping_ends()
+        self._tally(step, decode_steps, replied - t0)
         deliver()
         logits = tensors.from_proto(reply.logits) if reply.HasField("logits") else None
         self.run_tokens += sum(r.row.decode_steps - 1 for r in step)
         next_step: tuple[list[_Row], int, int] | None = None
         block, window = self.mesh.kv_block_tokens, self.mesh.kv_window_tokens
         with self._cond:
+            draft_passes = self._draft_passes
             for i, r in enumerate(step):
                 s, session, result = r.seq, r.seq.session, reply.rows[i]
                 self._register(s)  # what the ranks committed: everything before this row (its commit was folded)
@@ -714,6 +739,7 @@ class Scheduler:
                     s.verified_epoch = r.row.epoch
                     if s.speculation is not None:
                         s.speculation.verified(r.proposed, len(sampled) - 1)
+                    self.costs.passed(len(sampled))
                 else:
                     session.history += list(r.row.token_ids) + sampled[:-1]  # the KV rows the ranks now hold
                     if s.speculation is not None and r.final:
@@ -745,6 +771,8 @@ class Scheduler:
             scheduled = None if self._stopped else self._next_step()
             if scheduled:
                 next_step = (*scheduled, self._incarnation)
+                if self._draft_passes == draft_passes:  # a turn that drafted is the draft's cost (PassCosts)
+                    self.costs.turned(time.perf_counter() - replied)
             self._cond.notify_all()
         return next_step, [r.seq for r in step]
 
@@ -772,6 +800,10 @@ class Scheduler:
         self.kind_steps[kind] += 1
         self.kind_rows[kind] += len(step)
         self.kind_seconds[kind] += seconds
+        if kind == "verify":
+            self.costs.verified(seconds)
+        elif kind == "decode_run":
+            self.costs.ran(seconds, decode_steps)
 
     def _failed(self, step: list[_Row], failure: InvocationFailed, incarnation: int) -> None:
         ended: list[tuple[Sequence, BaseException]] = []

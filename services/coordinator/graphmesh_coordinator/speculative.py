@@ -18,10 +18,15 @@ advanced over tokens not yet delivered, and logprobs are sampled on the host one
 
 A draft model (`--speculative draft:MODEL[:K]`, draft.py) proposes its own greedy tokens: deterministic too, so the
 same verification stays exact, and the same adaptive k, backoff and metrics apply.
+
+Whether a step of decodes verifies proposals at all is the mesh's measured costs' call (PassCosts): a decode run
+gives every row several tokens a round trip, a verified chunk one more than it accepts, so a step verifies only
+where its sessions' tokens per pass beat the run's tokens per second on this mesh.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +47,10 @@ DEFAULT_K, MAX_K = 8, 16
 MIN_ACCEPTANCE = 0.25
 EMA = 0.3  # weight of the newest pass in the acceptance average
 BACKOFF_TOKENS, MAX_BACKOFF_TOKENS = 8, 256  # plain tokens before speculating again, doubled on each fall to 0
+# What a verified pass's cost keeps each time a step of decodes runs instead (PassCosts): a cost not measured
+# lately (a lighter load since, a larger k) is tried again after a few declines, ~14 where passes cost twice
+# what pays.
+AGING = 0.95
 
 PROPOSED_TOKENS = Counter("graphmesh_speculative_proposed_tokens", "Tokens proposed for verification (prompt lookup "
                           "or a draft model)")
@@ -196,6 +205,11 @@ def propose(tokens: list[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: in
     return []
 
 
+def _average(old: float, new: float) -> float:
+    """An exponential average of weight EMA; `old` 0 is none yet."""
+    return new if old == 0.0 else (1 - EMA) * old + EMA * new
+
+
 @dataclass
 class Speculation:
     """One session's speculative state: its largest k, the k of its next pass, and its acceptance."""
@@ -208,6 +222,7 @@ class Speculation:
     probation: bool = False  # back from a backoff: one pass that accepts nothing sends it back, for longer
     passes: int = 0
     draft: bool = False  # proposals come from the coordinator's draft model (draft.py), else prompt lookup
+    tokens_per_pass: float = 0.0  # what its verified passes gave (an exponential average); 0: none yet
 
     def __post_init__(self) -> None:
         self.k = self.max_k
@@ -236,6 +251,7 @@ class Speculation:
         PASS_TOKENS.inc(accepted + 1)
         self.passes += 1
         self.acceptance = (1 - EMA) * self.acceptance + EMA * accepted / proposed
+        self.tokens_per_pass = _average(self.tokens_per_pass, accepted + 1)
         if accepted == proposed:
             self.k, self.probation = min(self.max_k, self.k + 1), False
         elif (self.probation and accepted == 0) or (self.acceptance < MIN_ACCEPTANCE and self.passes >= 3):
@@ -246,3 +262,57 @@ class Speculation:
             self.acceptance, self.passes, self.probation = 0.5, 0, False
         else:
             self.k, self.probation = max(1, min(self.max_k, accepted + 1)), False
+
+
+@dataclass
+class PassCosts:
+    """What this mesh's passes cost lately (exponential averages of seconds; 0: not measured yet): a verified
+    chunk's step, a decode run's step per token, the draft model's pass, and the scheduler's turn from a step's
+    reply to its next step's send. One per scheduler, which observes every step and asks verify_pays of each step of
+    decodes with proposals. A race between two observers loses an update of an average, nothing else."""
+
+    verify_s: float = 0.0
+    run_token_s: float = 0.0
+    draft_s: float = 0.0
+    turn_s: float = 0.0
+    verify_seen: int = 0  # verified steps observed; the first is not a cost (a first use of its shapes)
+    # What any session's verified pass gave lately: a new session's expectation until its own passes say
+    tokens_per_pass: float = 0.0
+
+    def verified(self, seconds: float) -> None:
+        self.verify_seen += 1
+        if self.verify_seen > 1:
+            self.verify_s = _average(self.verify_s, seconds)
+
+    def passed(self, tokens: int) -> None:
+        self.tokens_per_pass = _average(self.tokens_per_pass, tokens)
+
+    def ran(self, seconds: float, steps: int) -> None:
+        self.run_token_s = _average(self.run_token_s, seconds / steps)
+
+    def drafted(self, seconds: float) -> None:
+        self.draft_s = _average(self.draft_s, seconds)
+
+    def turned(self, seconds: float) -> None:
+        self.turn_s = _average(self.turn_s, seconds)
+
+    def expected(self, spec: Speculation) -> float:
+        """The tokens a verified pass of this session should give: its own passes', else this mesh's lately."""
+        return spec.tokens_per_pass or self.tokens_per_pass
+
+    def pays(self, yields: Sequence[float], rows: int, run: int, draft: bool) -> bool:
+        """Whether a step of `rows` decodes, the speculating ones expecting `yields` tokens from a verified pass
+        (the others one), gives more tokens a second verified than as a decode run of `run` tokens a row. True
+        until both are measured, and while a session has nothing to expect of a pass yet."""
+        if run <= 1 or not self.verify_s or not self.run_token_s or not all(yields):
+            return True
+        verify = (sum(yields) + rows - len(yields)) / (self.verify_s + self.turn_s + (self.draft_s if draft else 0.0))
+        return verify >= rows * run / (self.run_token_s * run + self.turn_s)
+
+    def verify_pays(self, yields: Sequence[float], rows: int, run: int, draft: bool) -> bool:
+        """pays(), where a decline ages the verified pass's cost (AGING): measured long ago, under another load or
+        k, it counts for less until a pass measures it again."""
+        if self.pays(yields, rows, run, draft):
+            return True
+        self.verify_s *= AGING
+        return False
