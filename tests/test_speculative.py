@@ -1,9 +1,9 @@
 """Speculative decoding by prompt lookup (issue 39): the proposer, the owner rank's verification, and real meshes.
 
 Speculation never changes a token: greedy and seeded streams are token-identical with it on and off, over 1, 2
-and 3 executors of SmolLM2 (f32), alone and 16 at once, and across a kill -9 of a stage while verified chunks are
-in flight. Sampled verification follows the target's distribution: a chi-square over many seeds against a tiny
-random model's exact next-token distribution (transformers, float64).
+and 3 executors of SmolLM2 (f32), alone and 16 at once, with a grammar, and across a kill -9 of a stage while
+verified chunks are in flight. Sampled verification follows the target's distribution: a chi-square over many
+seeds against a tiny random model's exact next-token distribution (transformers, float64).
 """
 
 from __future__ import annotations
@@ -151,9 +151,9 @@ def test_verification_keeps_proposals_while_the_samples_agree() -> None:
 
 # -- real meshes ----------------------------------------------------------------------------------------------
 def _generate(address: str, prompt: str, spec: cpb.SpeculativeDecoding, **kw: Any) -> list[int]:
+    kw.setdefault("ignore_eos", "guided" not in kw)  # a finished grammar allows only its end
     with CoordinatorClient(address) as client:
-        return [t for chunk in client.generate(prompt, speculative=spec, ignore_eos=True, **kw)
-                for t in chunk.token_ids]
+        return [t for chunk in client.generate(prompt, speculative=spec, **kw) for t in chunk.token_ids]
 
 
 def _passes(mesh: LocalMesh) -> tuple[float, float]:
@@ -183,6 +183,24 @@ def test_greedy_and_seeded_streams_equal_with_speculation_on_and_off(mesh: Local
             assert _generate(mesh.coordinator_address, prompt, ON, max_tokens=40, **sampling) == off
     passes, accepted = (a - b for a, b in zip(_passes(mesh), before))
     assert passes > 0 and accepted > 0  # verified chunks ran, and proposals were taken: equality is not vacuous
+
+
+def test_guided_streams_speculate_within_their_grammar(mesh: LocalMesh) -> None:
+    """With a grammar, proposals stop where it refuses one and each position of a verified pass samples under its
+    own mask (the grammar's after the proposals before it): greedy and seeded guided streams are their tokens
+    without speculation, and a copied JSON object's proposals were accepted."""
+    record = '{"keeper": "Margaret Innes", "built": 1874, "steps": 112, "light": "Skerry Point", "sea": "calm"}'
+    cases = [(f"Repeat this JSON object exactly, nothing else: {record}", cpb.GuidedDecoding(json_object=True)),
+             # the passage has capitals and a full stop the grammar refuses: masks decide where the copy goes
+             (GROUNDED[0], cpb.GuidedDecoding(regex="[a-z ,]+"))]
+    before = _passes(mesh)
+    for prompt, guided in cases:
+        for sampling in ({}, {"temperature": 0.8, "top_k": 40, "seed": 11}):
+            off = _generate(mesh.coordinator_address, prompt, OFF, max_tokens=48, guided=guided, **sampling)
+            on = _generate(mesh.coordinator_address, prompt, ON, max_tokens=48, guided=guided, **sampling)
+            assert on == off, (guided, sampling)
+    passes, accepted = (a - b for a, b in zip(_passes(mesh), before))
+    assert passes > 0 and accepted > 0
 
 
 @pytest.mark.slow
@@ -252,7 +270,8 @@ def test_an_executor_refuses_a_malformed_prediction_target(mesh: LocalMesh) -> N
     stub = stage_pb2_grpc.StageServiceStub(channels.channel(mesh.executor_addresses[0], None,
                                                             mesh_token=mesh.mesh_token))
     with CoordinatorClient(mesh.coordinator_address) as client:
-        incarnation = client.status().incarnation
+        served = client.status()
+    incarnation, words = served.incarnation, -(-served.vocab_size // 32)
     target = stage_pb2.PredictionTarget(proposed=2, proposer=stage_pb2.PROPOSER_PROMPT_LOOKUP)
     for i, (row, reason) in enumerate((
             (stage_pb2.StepRow(session_id="bad", epoch=1, token_ids=[1, 2], prediction_target=target),
@@ -260,7 +279,10 @@ def test_an_executor_refuses_a_malformed_prediction_target(mesh: LocalMesh) -> N
             (stage_pb2.StepRow(session_id="bad", epoch=1, token_ids=[1, 2, 3], prediction_target=target,
                                sampling=stage_pb2.SamplingParams(logprobs=True)), "BAD_PREDICTION_TARGET"),
             (stage_pb2.StepRow(session_id="bad", epoch=1, token_ids=[1], commit_epoch=1, commit_length=5),
-             "BAD_COMMIT_LENGTH"))):
+             "BAD_COMMIT_LENGTH"),
+            # a guided prediction target carries a mask for each of its 3 sampled positions, not one
+            (stage_pb2.StepRow(session_id="bad", epoch=1, token_ids=[1, 2, 3], prediction_target=target,
+                               allowed_tokens=b"\xff" * 4 * words), "BAD_ALLOWED_TOKENS"))):
         request = stage_pb2.ExecuteStepRequest(incarnation=incarnation, step_id=(1 << 50) + i, rows=[row],
                                                output=stage_pb2.OUTPUT_KIND_TOKEN, boundary_timeout_ms=2000)
         with pytest.raises(grpc.RpcError) as e:

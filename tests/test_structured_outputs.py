@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
 
@@ -373,6 +374,34 @@ def test_schema_strings_refuse_raw_control_characters(byte_model: Path) -> None:
         "city": {"type": "string", "maxLength": 16}}, "required": ["city"]}}])
     assert accepts(call, '<tool_call>\n{"name": "f", "arguments": {"city": "Oslo"}}\n</tool_call>')
     assert not accepts(call, '<tool_call>\n{"name": "f", "arguments": {"city": "Os\x07lo"}}\n</tool_call>')
+
+
+def test_a_guided_sessions_proposals_stop_where_its_grammar_refuses(byte_model: Path) -> None:
+    """Speculative decoding with a grammar: of a proposer's tokens the guide keeps those its grammar allows one after
+    another, with the mask of each position a verified pass samples (the grammar's after the proposals before it),
+    and is left where it was."""
+    from graphmesh.tokenizer import Tokenizer
+    from graphmesh_coordinator.guided import Grammars, GuidedSpec
+
+    tokenizer = Tokenizer.from_hf_dir(byte_model)
+    grammars = Grammars(tokenizer, 1000)
+    guide = grammars.guide(GuidedSpec("regex", "(ab)+c"))
+    a, b, c, x = b"abcx"
+
+    def allows(masks: bytes, position: int) -> set[int]:
+        words = np.frombuffer(masks, "<u4")[position * guide.mask_bytes // 4:(position + 1) * guide.mask_bytes // 4]
+        return {t for t in range(1000) if (int(words[t >> 5]) >> (t & 31)) & 1}
+
+    before = guide.mask()
+    kept, masks = guide.proposals([a, b, a, x, b])
+    assert kept == [a, b, a] and len(masks) == 4 * guide.mask_bytes  # cut at x; a mask for each sampled position
+    assert [allows(masks, i) for i in range(4)] == [{a}, {b}, {a, c}, {b}]
+    assert guide.mask() == before and guide.tokens == 0  # the matcher is where it was
+    assert guide.accept(a) and guide.accept(b) and guide.accept(c)
+    stop = sorted(tokenizer.eos_token_ids)[0]
+    assert stop in allows(guide.proposals([])[1], 0)  # the grammar is complete: its stop token may end it
+    kept, masks = guide.proposals([stop])  # but it ends the session: never proposed
+    assert kept == [] and len(masks) == guide.mask_bytes
 
 
 def test_sampled_json_schema_output_is_strict_json(byte_model: Path) -> None:

@@ -387,7 +387,7 @@ class Generator:
                 guide.accept(token)
             seq.guide = guide
         mode = request.speculative or self.speculative
-        if mode.on and guide is None and not request.logprobs:
+        if mode.on and not request.logprobs:  # logprobs are sampled on the host one position a row
             seq.speculation = Speculation(mode.max_k, draft=mode.method == DRAFT)
         detok = Detokenizer(self.tokenizer)
         for token in resumed:  # the text already delivered: stop strings and UTF-8 boundaries span the break

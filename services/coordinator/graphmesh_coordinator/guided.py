@@ -18,7 +18,8 @@ words, 6 KiB for SmolLM2) to the ranks; the last stage samples it on the host fr
 at -inf, with the same seeded draw as in-graph sampling (executor logprobs.py). The matcher advances only on tokens
 the scheduler delivers (committed outputs), so a replay after a fault asks again with the same mask and the same seed
 and gets the same token, and a resumed stream first replays its delivered tokens into a fresh matcher. What it costs:
-a guided row never takes a decode run (one token per step: the next mask needs the coordinator), and guided rows
+a guided row never takes a decode run (one token per step, or a verified pass of proposals the grammar allows:
+the next mask needs the coordinator), and guided rows
 share steps only with guided rows (as rows with logprobs do), so an unguided session's tokens always come from the
 same graph as alone.
 """
@@ -213,6 +214,7 @@ class Guide:
 
         self._matcher = xgr.GrammarMatcher(compiled)
         self._bitmask = torch.zeros((1, words), dtype=torch.int32)
+        self.mask_bytes = 4 * words
         self.tokens = 0  # tokens accepted
 
     def mask(self) -> bytes:
@@ -222,6 +224,30 @@ class Guide:
         out = np.asarray(self._bitmask.numpy()[0], "<i4").tobytes()
         GRAMMAR_MASK_SECONDS.observe(time.perf_counter() - t0)
         return out
+
+    def proposals(self, tokens: list[int]) -> tuple[list[int], bytes]:
+        """Of a proposer's `tokens`, those the grammar allows one after another, up to the first it refuses or a stop
+        token (a pass that samples one ends the session anyway), and the masks of the positions a verified pass of
+        them samples, one after another: each the grammar's after the proposals before it (stage.proto
+        StepRow.allowed_tokens). The matcher is left where it was."""
+        import torch
+
+        t0 = time.perf_counter()
+        masks = torch.zeros((len(tokens) + 1, self._bitmask.shape[1]), dtype=torch.int32)
+        stops = set(self._matcher.stop_token_ids)
+        kept: list[int] = []
+        for token in tokens:
+            self._matcher.fill_next_token_bitmask(masks, len(kept))
+            words = masks[len(kept)]
+            if (token in stops or token >> 5 >= len(words) or not (int(words[token >> 5]) >> (token & 31)) & 1
+                    or not self._matcher.accept_token(token)):
+                break
+            kept.append(token)
+        self._matcher.fill_next_token_bitmask(masks, len(kept))
+        if kept:
+            self._matcher.rollback(len(kept))
+        GRAMMAR_MASK_SECONDS.observe(time.perf_counter() - t0)
+        return kept, np.asarray(masks[:len(kept) + 1].numpy(), "<i4").tobytes()
 
     def accept(self, token: int) -> bool:
         """Advances past `token` (one the mask allowed). False: the grammar refused it (the matcher is unchanged)."""

@@ -152,6 +152,7 @@ class Sequence:
     speculation: Speculation | None = None
     verified_epoch: int = 0
     drafted: list[int] | None = None  # the draft model's proposals for the pass being scheduled (Scheduler._draft)
+    proposal_masks: bytes = b""  # a guided session's masks of the positions its proposals' pass samples (Guide)
 
     def wake(self) -> None:
         waker = self.waker
@@ -416,16 +417,16 @@ class Scheduler:
         """The proposals of this step's speculating decodes, by id, when the step has room for verified chunks: no
         prompt waits to join and few decodes share it (on a busy mesh the step is full already); and, when `draft`,
         the decodes whose proposals the draft model is still to make (session, tokens, k; without `draft` they
-        decode plainly this pass). None where a decode run gives more tokens a second (PassCosts). Guided rows
-        and rows with logprobs never speculate."""
+        decode plainly this pass). None where a decode run gives more tokens a second (PassCosts). Rows with
+        logprobs never speculate; a guided row's proposals stop where its grammar refuses one."""
         limit = SPEC_SEQS_CUDA if self._on_gpus() else SPEC_SEQS_CPU
-        if others or not decoding or len(decoding) > limit or kind != (stage_pb2.OUTPUT_KIND_TOKEN, False):
+        if others or not decoding or len(decoding) > limit or kind[0] != stage_pb2.OUTPUT_KIND_TOKEN:
             return {}, []
         drafter = self.drafter if self.drafter is not None and self.drafter.ready else None
         drafted = any(s.drafted is not None for s in decoding)  # for this pass already: verifying them was decided
         run = min(self._run_length(len(decoding)), max(s.remaining for s in decoding))
         speculating = [s.speculation for s in decoding
-                       if s.speculation is not None and s.guide is None and s.speculation.want(s.remaining - 1)]
+                       if s.speculation is not None and s.speculation.want(s.remaining - 1)]
         # As if each of them proposed: where even that would not beat a decode run, no proposal is worth looking
         # up (prompt lookup over every session's tokens costs the scheduler's turn on a busy step)
         if not speculating and not drafted:
@@ -440,7 +441,7 @@ class Scheduler:
         yields: list[float] = []  # the tokens each speculating session expects of a verified pass
         for s in decoding:
             spec = s.speculation
-            if spec is None or s.guide is not None or budget <= 0:
+            if spec is None or budget <= 0:
                 continue
             tokens, room = s.session.history + s.pending, min(s.remaining - 1, budget)
             if spec.draft and drafter is not None:  # else (draft lost, recovering) prompt lookup meanwhile
@@ -453,6 +454,8 @@ class Scheduler:
                 proposed = (s.drafted or [])[:room]  # drafted off the lock for this pass (Scheduler._draft)
             else:
                 proposed = spec.proposals(tokens, room)
+            if proposed and s.guide is not None:  # only what the grammar allows, each position with its mask
+                proposed, s.proposal_masks = s.guide.proposals(proposed)
             if proposed:
                 out[id(s)] = proposed
                 yields.append(self.costs.expected(spec))
@@ -559,8 +562,10 @@ class Scheduler:
                                               else stage_pb2.PROPOSER_PROMPT_LOOKUP)
         if s.verified_epoch and s.verified_epoch == session.delivered_epoch and not restore:
             row.commit_length = start  # the verified chunk it commits keeps its accepted rows only
-        if s.guide is not None and n == len(s.pending):  # the row samples: its token's mask (never a decode run)
-            row.allowed_tokens = s.guide.mask()
+        if s.guide is not None and n == len(s.pending) + len(proposals):
+            # the row samples: its token's mask (never a decode run), or the masks of its proposals' pass's positions
+            row.allowed_tokens = (s.proposal_masks[:(len(proposals) + 1) * s.guide.mask_bytes] if proposals
+                                  else s.guide.mask())
         if s.encoded is not None:
             offsets, features = s.encoded.slice(start, start + n)
             if offsets:

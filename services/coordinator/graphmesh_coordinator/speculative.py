@@ -13,8 +13,10 @@ Prompt lookup proposes the tokens that followed the latest earlier occurrence of
 (n from MAX_NGRAM down to MIN_NGRAM) in its prompt and output: no weights, and it pays where the output repeats
 its input (summaries, edits, code). k adapts per session: it grows while whole proposals are accepted and
 shrinks with the acceptance rate, down to 0 (plain decoding, and decode runs) for a while when speculation does
-not pay. Guided rows (a grammar) and rows with logprobs do not speculate: a proposal would need the grammar
-advanced over tokens not yet delivered, and logprobs are sampled on the host one position a row.
+not pay. Rows with logprobs do not speculate (they are sampled on the host one position a row). A guided row
+proposes what its grammar allows one after another (guided.Guide.proposals, the matcher rolled back after), and
+each position of its pass is sampled under its own mask, the grammar's after the proposals before it: the token
+plain guided decoding would sample there.
 
 A draft model (`--speculative draft:MODEL[:K]`, draft.py) proposes its own greedy tokens: deterministic too, so the
 same verification stays exact, and the same adaptive k, backoff and metrics apply.

@@ -46,7 +46,7 @@ from graphmesh_executor.engine import Engine
 from graphmesh_executor.executable import Executable, HostOutput, RngOptions
 from graphmesh_executor.fencing import Authority, AuthorityState, SessionPhase
 from graphmesh_executor.kv_pool import KvPool
-from graphmesh_executor.logprobs import RowSampling, sample_with_logprobs
+from graphmesh_executor.logprobs import RowLogprobs, RowSampling, sample_with_logprobs
 from graphmesh_executor.stage_inputs import Prepared, seed_for
 from graphmesh_executor.stage_phases import StagePhases
 from graphmesh_executor.stage_types import (
@@ -277,22 +277,24 @@ class StageRuntime(StageWeights, StagePhases):
             raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
                 f"a row takes more tokens of a decode run than its {decode_steps}", "BAD_DECODE_RUN"))
         for row in rows:
-            if row.proposed and (decode_steps > 1 or logits or row.sampling.logprobs or row.allowed_tokens
+            if row.proposed and (decode_steps > 1 or logits or row.sampling.logprobs
                                  or row.proposed >= len(row.token_ids)):
                 raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
                     f"row of session {row.session_id!r} proposes {row.proposed} of its {len(row.token_ids)} tokens; "
-                    "a prediction target takes fewer proposals than tokens, sampled in the graph (no decode run, "
-                    "logits, logprobs or allowed_tokens)", "BAD_PREDICTION_TARGET"))
+                    "a prediction target takes fewer proposals than tokens, sampled (no decode run, logits or "
+                    "logprobs)", "BAD_PREDICTION_TARGET"))
             if row.commit_length and row.commit_length != row.start:
                 raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
                     f"row of session {row.session_id!r} commits to {row.commit_length} rows but starts at {row.start}",
                     "BAD_COMMIT_LENGTH"))
         words = -(-self.config.vocab_size // 32)
         for row in rows:
-            if row.allowed_tokens and len(row.allowed_tokens) != 4 * words:
+            masks = row.proposed + 1 if row.proposed else 1  # a prediction target's: one a sampled position
+            if row.allowed_tokens and len(row.allowed_tokens) != 4 * words * masks:
                 raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
-                    f"row of session {row.session_id!r}: allowed_tokens holds {len(row.allowed_tokens)} bytes; the "
-                    f"vocabulary of {self.config.vocab_size} takes {4 * words}", "BAD_ALLOWED_TOKENS"))
+                    f"row of session {row.session_id!r}: allowed_tokens holds {len(row.allowed_tokens)} bytes; "
+                    f"{masks} mask(s) of the vocabulary of {self.config.vocab_size} take {4 * words * masks}",
+                    "BAD_ALLOWED_TOKENS"))
             n = len(row.token_ids)
             if n == 0:
                 raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
@@ -870,10 +872,14 @@ def _own_steps(rows: list[StepRow], decode_steps: int) -> list[StepRow]:
 
 
 def _positions(row: StepRow) -> list[StepRow]:
-    """A prediction-target row as the single-token rows of its positions; any other row as itself."""
+    """A prediction-target row as the single-token rows of its positions, a guided one's sampled positions each
+    with its own mask (the grammar's after the proposals before it); any other row as itself."""
     if not row.proposed:
         return [row]
-    return [StepRow(row.session_id, row.epoch, row.commit_epoch, row.start + i, [t], row.sampling)
+    first = len(row.token_ids) - row.proposed - 1  # the first sampled position: after the last real token
+    size = len(row.allowed_tokens) // (row.proposed + 1)
+    return [StepRow(row.session_id, row.epoch, row.commit_epoch, row.start + i, [t], row.sampling,
+                    allowed_tokens=row.allowed_tokens[(i - first) * size:(i - first + 1) * size] if i >= first else b"")
             for i, t in enumerate(row.token_ids)]
 
 
@@ -884,16 +890,22 @@ def _verify(rows: list[StepRow], result: StepResult) -> None:
     draw from the rest of the distribution: speculative sampling's rule for a deterministic proposer, and the
     very token plain decoding would have drawn there with the same seed."""
     samples = iter(result.tokens)
+    logprobs = iter(result.logprobs or [None] * len(result.tokens))
     tokens: list[int] = []
     runs: list[list[int]] = []
     accepted: list[int] = []
+    kept_logprobs: list[RowLogprobs | None] = []  # a prediction target asks for none (_check_rows)
     for row in rows:
         if not row.proposed:
             tokens.append(next(samples))
+            kept_logprobs.append(next(logprobs))
             runs.append([])
             accepted.append(0)
             continue
         drawn = [next(samples) for _ in row.token_ids]
+        kept_logprobs.append(None)
+        for _ in row.token_ids:
+            next(logprobs)
         base = len(row.token_ids) - row.proposed  # drawn[base - 1] follows the last real token
         a = 0
         while a < row.proposed and drawn[base - 1 + a] == row.token_ids[base + a]:
@@ -903,6 +915,8 @@ def _verify(rows: list[StepRow], result: StepResult) -> None:
         runs.append(kept)
         accepted.append(a)
     result.tokens, result.run_tokens, result.accepted = tokens, runs, accepted
+    if result.logprobs:
+        result.logprobs = kept_logprobs
 
 
 

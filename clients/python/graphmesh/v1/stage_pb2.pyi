@@ -798,7 +798,9 @@ class StepRow(_message.Message):
     then samples this row on the host from the logits graph, every other
     token's logit set to -inf, by the same function as in-graph sampling; a
     step carries only rows that agree on whether they are guided, and never
-    as a decode run (one mask per token).
+    as a decode run (one mask per token). A prediction target's holds
+    proposed + 1 masks one after another: that of each sampled position, the
+    grammar's after the proposals before it.
     """
     commit_length: _builtins.int
     """commit_length, when non-zero, bounds the folded commit: after committing
@@ -843,8 +845,8 @@ class StepRow(_message.Message):
         then the samples of the accepted positions and the one after them
         (accepted_tokens + 1 tokens). The rows of the rejected proposals stay
         written until the next row's commit_length rolls them back. Refused
-        (ARCH, BAD_PREDICTION_TARGET) in a decode run, with logits, logprobs or
-        allowed_tokens, or with proposed >= len(token_ids).
+        (ARCH, BAD_PREDICTION_TARGET) in a decode run, with logits or logprobs,
+        or with proposed >= len(token_ids).
         """
 
     def __init__(
