@@ -17,12 +17,16 @@ recorded: on a shared small machine it is part of the result.
 
     .venv/bin/python bench/bench_speculative.py [--repeats 3] [--tokens 128] [--streams 1,16] [--k 8]
         [--executors 2] [--weights f32] [--no-peer] [--quick] [--draft PATH]
-        [--shape NAME [--draft-layers N] [--device cuda] [--dtype bf16]]
+        [--shape NAME [--draft-layers N] [--device cuda] [--dtype bf16]] [--guided]
 
 --quick: 1 repeat, 1 stream, 16 tokens, one prompt of each kind, no peer: a smoke test of the harness, not figures.
 --draft PATH: a draft model of SmolLM2's tokenizer (a checkpoint path or bundled name) on one more executor
 (--speculative draft:PATH:K), run as a third mesh engine "mesh+draft"; its tokens must equal the mesh's without
 speculation too (same_tokens_draft_off).
+
+--guided: guided prompts instead, no peer: a JSON object copied under json_object, whose proposals its grammar
+allows, and the passage copied under a regex that refuses its capitals and full stops (proposals stop where it
+refuses one, each verified position sampled under its own mask). Its streams end where their grammar does.
 
 --shape NAME (a shape of bench_gpu_mesh.py, e.g. tinyllama on --device cuda): a random-weight model of that shape
 written by the benchmark instead of SmolLM2, no peer, prompts of random token ids ("repeated": a 16-token passage
@@ -81,6 +85,14 @@ PROMPTS: dict[str, list[tuple[str, str]]] = {
         ("chat", "Tell me about your favourite season and why."),
         ("story", "Write a short story about a fox who learns to swim."),
     ],
+}
+RECORD = ('{"lighthouse": "Skerry Point", "built": 1874, "steps": 112, "keeper": "Margaret Innes", '
+          '"automated": 1964, "logbooks": "the village library"}')
+# Guided decoding under speculation: a copied JSON object whose proposals its grammar allows, and the passage
+# under a grammar that refuses its capitals and full stops (proposals cut where it refuses one)
+GUIDED: dict[str, tuple[str, cpb.GuidedDecoding]] = {
+    "json": (f"Repeat this JSON object exactly, nothing else:\n\n{RECORD}", cpb.GuidedDecoding(json_object=True)),
+    "lowercase": (f"Repeat this passage word for word:\n\n{PASSAGE}", cpb.GuidedDecoding(regex="[a-z ,]+")),
 }
 MESH_OFF, MESH_ON, MESH_DRAFT = "mesh", "mesh+spec", "mesh+draft"
 LLAMA_OFF, LLAMA_ON = "llama.cpp", "llama.cpp+spec"
@@ -156,10 +168,13 @@ def lookup_bound(prompt: list[int], output: list[int], k: int) -> float:
     return (len(output) - 1) / passes if passes else float("nan")
 
 
-def mesh_target(client: CoordinatorClient, spec: cpb.SpeculativeDecoding) -> Callable[[list[int], int], Stream]:
+def mesh_target(client: CoordinatorClient, spec: cpb.SpeculativeDecoding,
+                guided: dict[tuple[int, ...], cpb.GuidedDecoding]) -> Callable[[list[int], int], Stream]:
     def generate(prompt: list[int], tokens: int) -> Stream:
         stream = Stream(time.perf_counter(), prompt_tokens=len(prompt))
-        for chunk in client.generate(prompt_token_ids=prompt, max_tokens=tokens, ignore_eos=True, speculative=spec):
+        grammar = guided.get(tuple(prompt))  # its end may come before `tokens`: a finished grammar allows only that
+        for chunk in client.generate(prompt_token_ids=prompt, max_tokens=tokens, ignore_eos=grammar is None,
+                                     speculative=spec, guided=grammar):
             if chunk.token_ids:
                 stream.arrived(time.perf_counter(), chunk.token_ids)
         return stream
@@ -207,15 +222,17 @@ def main() -> None:
                    help="with --shape: a third engine drafting with the target's first N layers")
     p.add_argument("--device", default="cpu", help="the executors' device")
     p.add_argument("--dtype", default="", help="the stages' dtype (default: the coordinator's for the device)")
+    p.add_argument("--guided", action="store_true", help="guided prompts instead (SmolLM2, no peer)")
     a = p.parse_args()
     repeats, tokens, streams_list = a.repeats, a.tokens, [int(x) for x in a.streams.split(",")]
-    peer = not a.no_peer and not a.shape
+    peer = not a.no_peer and not a.shape and not a.guided
     load = os.getloadavg()
     scratch = tempfile.TemporaryDirectory(prefix="graphmesh-speculative-")
     model, draft = MODEL, a.draft
     ids: dict[str, list[int]] = {}
     texts: dict[tuple[int, ...], str] = {}
     kind_of: dict[str, str] = {}
+    guided: dict[tuple[int, ...], cpb.GuidedDecoding] = {}
     if a.shape:
         model = str(Path(scratch.name) / a.shape)
         progress(f"writing a random {a.shape} model")
@@ -228,11 +245,14 @@ def main() -> None:
                 ids[name], kind_of[name] = prompt, kind
     else:
         tokenizer = Tokenizer.from_checkpoint(open_checkpoint(resolve_model(MODEL)))
-        for kind, named in PROMPTS.items():
+        questions = {"guided": [(name, question) for name, (question, _) in GUIDED.items()]} if a.guided else PROMPTS
+        for kind, named in questions.items():
             for name, question in named:
                 text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
                 ids[name], kind_of[name] = tokenizer.encode(text), kind
                 texts[tuple(ids[name])] = text
+                if a.guided:
+                    guided[tuple(ids[name])] = GUIDED[name][1]
     if a.quick:
         repeats, tokens, streams_list, peer = 1, 16, [1], False
         firsts = {next(name for name in ids if kind_of[name] == kind) for kind in set(kind_of.values())}
@@ -249,10 +269,10 @@ def main() -> None:
                             draft_executor=bool(draft)) as mesh, \
             CoordinatorClient(mesh.coordinator_address, timeout=REQUEST_TIMEOUT_S) as client:
         targets: dict[str, Callable[[list[int], int], Stream]] = {
-            MESH_OFF: mesh_target(client, off), MESH_ON: mesh_target(client, on)}
+            MESH_OFF: mesh_target(client, off, guided), MESH_ON: mesh_target(client, on, guided)}
         if draft:
             targets[MESH_DRAFT] = mesh_target(client, cpb.SpeculativeDecoding(method=cpb.SPECULATIVE_METHOD_DRAFT,
-                                                                               max_proposed=a.k))
+                                                                               max_proposed=a.k), guided)
         if peer:
             gguf = Path(resolve_model(MODEL))
             n_ctx = max(len(v) for v in ids.values()) + tokens + 64
@@ -320,6 +340,7 @@ def main() -> None:
         "benchmark": "bench_speculative", "model": f"random {a.shape}" if a.shape else MODEL,
         "weights": "random bf16 checkpoint" if a.shape else a.weights, "device": a.device, "dtype": a.dtype or None,
         "executors": a.executors, "draft": f"its first {a.draft_layers} layers" if a.draft_layers else a.draft or None,
+        "guided": {name: str(g).strip() for name, (_, g) in GUIDED.items()} if a.guided else None,
         "tokens": tokens, "k": a.k, "repeats": repeats, "peer": "llama-cpp-python server" if peer else None,
         "results": results, "machine": machine(load)})
 
