@@ -112,16 +112,27 @@ SPECULATION = ("passes", "pass_tokens", "proposed_tokens", "accepted_tokens")
 
 
 def speculation(port: int) -> dict[str, float]:
-    """The coordinator's speculation counters (verified passes, their tokens, proposals, accepted proposals)."""
+    """The coordinator's speculation counters (verified passes, their tokens, proposals, accepted proposals) and
+    its steps' (verified and decode-run steps, their seconds from send to reply)."""
     samples = metrics(port)
-    return {name: samples.get((f"graphmesh_speculative_{name}_total", ""), 0.0) for name in SPECULATION}
+    out = {name: samples.get((f"graphmesh_speculative_{name}_total", ""), 0.0) for name in SPECULATION}
+    for kind in ("verify", "decode_run"):
+        out[f"{kind}_steps"] = samples.get(("graphmesh_steps_by_kind_total", kind), 0.0)
+        out[f"{kind}_s"] = samples.get(("graphmesh_step_seconds_total", kind), 0.0)
+    return out
 
 
 def per_pass(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Tokens a verified pass and the share of proposals accepted between two readings (nan: none)."""
-    d = {name: after[name] - before[name] for name in SPECULATION}
-    return {"tokens_per_pass": d["pass_tokens"] / d["passes"] if d["passes"] else float("nan"),
-            "acceptance": d["accepted_tokens"] / d["proposed_tokens"] if d["proposed_tokens"] else float("nan")}
+    """Between two readings: tokens a verified pass, the share of proposals accepted, and the mean milliseconds from
+    sending a verified step, and a decode run's step, to its reply (nan: none)."""
+    d = {name: after[name] - before[name] for name in after}
+
+    def ratio(a: float, b: float, scale: float = 1.0) -> float:
+        return scale * a / b if b else float("nan")
+    return {"tokens_per_pass": ratio(d["pass_tokens"], d["passes"]),
+            "acceptance": ratio(d["accepted_tokens"], d["proposed_tokens"]),
+            "verify_step_ms": ratio(d["verify_s"], d["verify_steps"], 1e3),
+            "run_step_ms": ratio(d["decode_run_s"], d["decode_run_steps"], 1e3)}
 
 
 def write_draft(target: Path, layers: int, path: Path) -> None:
@@ -314,8 +325,9 @@ def main() -> None:
             entry: dict[str, Any] = {"prompt": name, "kind": kind_of[name], "streams": n, "tokens_per_s": med,
                                      "runs": {e: runs[(name, n, e)] for e in targets},
                                      **{measure: {e: median([x[measure] for x in passes[(name, n, e)]])
-                                                  for e in (MESH_ON, MESH_DRAFT) if e in targets}
-                                        for measure in ("tokens_per_pass", "acceptance")},
+                                                  for e in (MESH_OFF, MESH_ON, MESH_DRAFT) if e in targets}
+                                        for measure in ("tokens_per_pass", "acceptance", "verify_step_ms",
+                                                        "run_step_ms")},
                                      "mesh_on_over_off": med[MESH_ON] / med[MESH_OFF], "same_tokens_on_off": same}
             entry["lookup_bound_tokens_per_pass"] = lookup_bound(ids[name], tokens_of[(name, n, MESH_OFF)], a.k)
             row = [name, kind_of[name], n, med[MESH_OFF], med[MESH_ON], entry["mesh_on_over_off"],

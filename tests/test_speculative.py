@@ -183,6 +183,8 @@ def test_greedy_and_seeded_streams_equal_with_speculation_on_and_off(mesh: Local
             assert _generate(mesh.coordinator_address, prompt, ON, max_tokens=40, **sampling) == off
     passes, accepted = (a - b for a, b in zip(_passes(mesh), before))
     assert passes > 0 and accepted > 0  # verified chunks ran, and proposals were taken: equality is not vacuous
+    costs = scrape(mesh.metrics_ports["coordinator"])
+    assert value(costs, "graphmesh_speculative_cost_seconds", kind="verify") > 0  # what the gate weighs passes by
 
 
 def test_guided_streams_speculate_within_their_grammar(mesh: LocalMesh) -> None:

@@ -202,7 +202,10 @@ def build_server(config: CoordinatorConfig) -> Coordinator:
              lambda: scheduler.run_tokens),
             ("graphmesh_preemptions", "counter", "Sessions preempted for KV blocks", lambda: scheduler.preemptions),
             ("graphmesh_prefix_shared_tokens", "counter", "Prompt tokens shared from a live session's KV blocks",
-             lambda: scheduler.shared_tokens))
+             lambda: scheduler.shared_tokens),
+            ("graphmesh_speculative_cost_seconds", "gauge", "What speculation's gate measured lately, by kind: a "
+             "verified step, a decode run's step per token, a draft pass, the turn between steps (PassCosts)",
+             lambda: scheduler.costs.seconds()))
     http = None
     if config.http.listen:
         http = http_api.start(config.http, upstream, config.model, config.security, gate)

@@ -298,6 +298,9 @@ class PassCosts:
     def turned(self, seconds: float) -> None:
         self.turn_s = _average(self.turn_s, seconds)
 
+    def seconds(self) -> dict[str, float]:
+        return {"verify": self.verify_s, "run_token": self.run_token_s, "draft": self.draft_s, "turn": self.turn_s}
+
     def expected(self, spec: Speculation) -> float:
         """The tokens a verified pass of this session should give: its own passes', else this mesh's lately."""
         return spec.tokens_per_pass or self.tokens_per_pass
