@@ -424,7 +424,9 @@ class Scheduler:
             return {}, []
         drafter = self.drafter if self.drafter is not None and self.drafter.ready else None
         drafted = any(s.drafted is not None for s in decoding)  # for this pass already: verifying them was decided
-        run = min(self._run_length(len(decoding)), max(s.remaining for s in decoding))
+        # the step's alternative: a decode run, or for guided rows (their next mask needs this turn) one token
+        run = (min(self._run_length(len(decoding)), max(s.remaining for s in decoding))
+               if kind == (stage_pb2.OUTPUT_KIND_TOKEN, False) else 1)
         speculating = [s.speculation for s in decoding
                        if s.speculation is not None and s.speculation.want(s.remaining - 1)]
         # As if each of them proposed: where even that would not beat a decode run, no proposal is worth looking
