@@ -119,12 +119,15 @@ def speculation(port: int) -> dict[str, float]:
     for kind in ("verify", "decode_run"):
         out[f"{kind}_steps"] = samples.get(("graphmesh_steps_by_kind_total", kind), 0.0)
         out[f"{kind}_s"] = samples.get(("graphmesh_step_seconds_total", kind), 0.0)
+    for kind in ("verify", "run_token", "turn"):
+        out[f"gate_{kind}"] = samples.get(("graphmesh_speculative_cost_seconds", kind), 0.0)
     return out
 
 
 def per_pass(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Between two readings: tokens a verified pass, the share of proposals accepted, and the mean milliseconds from
-    sending a verified step, and a decode run's step, to its reply (nan: none)."""
+    """Between two readings: tokens a verified pass, the share of proposals accepted, the mean milliseconds from
+    sending a verified step, and a decode run's step, to its reply (nan: none) and how many there were; and what
+    speculation's gate weighed at the second."""
     d = {name: after[name] - before[name] for name in after}
 
     def ratio(a: float, b: float, scale: float = 1.0) -> float:
@@ -132,7 +135,10 @@ def per_pass(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
     return {"tokens_per_pass": ratio(d["pass_tokens"], d["passes"]),
             "acceptance": ratio(d["accepted_tokens"], d["proposed_tokens"]),
             "verify_step_ms": ratio(d["verify_s"], d["verify_steps"], 1e3),
-            "run_step_ms": ratio(d["decode_run_s"], d["decode_run_steps"], 1e3)}
+            "run_step_ms": ratio(d["decode_run_s"], d["decode_run_steps"], 1e3),
+            "verify_steps": d["verify_steps"], "run_steps": d["decode_run_steps"],
+            # what speculation's gate weighed at the end (PassCosts): a verified step, a run's token, the turn
+            **{f"gate_{kind}_ms": 1e3 * after[f"gate_{kind}"] for kind in ("verify", "run_token", "turn")}}
 
 
 def write_draft(target: Path, layers: int, path: Path) -> None:
@@ -327,7 +333,8 @@ def main() -> None:
                                      **{measure: {e: median([x[measure] for x in passes[(name, n, e)]])
                                                   for e in (MESH_OFF, MESH_ON, MESH_DRAFT) if e in targets}
                                         for measure in ("tokens_per_pass", "acceptance", "verify_step_ms",
-                                                        "run_step_ms")},
+                                                        "run_step_ms", "verify_steps", "run_steps", "gate_verify_ms",
+                                                        "gate_run_token_ms", "gate_turn_ms")},
                                      "mesh_on_over_off": med[MESH_ON] / med[MESH_OFF], "same_tokens_on_off": same}
             entry["lookup_bound_tokens_per_pass"] = lookup_bound(ids[name], tokens_of[(name, n, MESH_OFF)], a.k)
             row = [name, kind_of[name], n, med[MESH_OFF], med[MESH_ON], entry["mesh_on_over_off"],
