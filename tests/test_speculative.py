@@ -84,8 +84,8 @@ def test_a_step_verifies_only_where_its_passes_beat_a_decode_run() -> None:
     costs.verified(0.004)
     assert costs.verify_s == 0.004
     assert costs.verify_pays([1.0], rows=1, run=8, draft=False)  # runs not measured yet
-    costs.ran(0.016, steps=8)
-    assert costs.verify_pays([0.0], rows=1, run=8, draft=False)  # no pass has given tokens yet: one must  # 2 ms a token of a run
+    costs.ran(0.016, steps=8)  # 2 ms a token of a run
+    assert costs.verify_pays([0.0], rows=1, run=8, draft=False)  # no pass has given tokens yet: one must
     costs.turned(0.002)
     # a run of 8: 8 tokens in 8 * 2 + 2 = 18 ms; a pass: its tokens in 4 + 2 = 6 ms
     assert costs.verify_pays([3.0], rows=1, run=8, draft=False)  # 3 in 6 ms beats 8 in 18

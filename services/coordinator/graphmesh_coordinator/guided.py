@@ -238,9 +238,7 @@ class Guide:
         kept: list[int] = []
         for token in tokens:
             self._matcher.fill_next_token_bitmask(masks, len(kept))
-            words = masks[len(kept)]
-            if (token in stops or token >> 5 >= len(words) or not (int(words[token >> 5]) >> (token & 31)) & 1
-                    or not self._matcher.accept_token(token)):
+            if token in stops or not self._matcher.accept_token(token):  # it refuses what the mask leaves out
                 break
             kept.append(token)
         self._matcher.fill_next_token_bitmask(masks, len(kept))
