@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -28,6 +29,7 @@ from graphmesh.links import PUSH
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc
 from graphmesh_executor import transport
 from graphmesh_executor.boundary_link import BoundaryLink
+from graphmesh_executor.executable import DeviceValue
 from graphmesh_executor.stage_servicer import BoundaryPusher
 from graphmesh_executor.stage_types import Boundary
 from graphmesh_executor.transport import CUDA_IPC, ENV, TCP, choose, local_end
@@ -290,6 +292,49 @@ def test_bundles_cross_a_links_slots_byte_exact(monkeypatch: pytest.MonkeyPatch)
     assert sender.frame(*bundle(10)) is None  # 1,480 + 80 bytes: under DEVICE_MIN_BYTES
 
 
+def test_chained_bundles_stay_device_values_and_grow_the_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chained push (a decode run's iteration run ahead) takes a slot whatever its size, of device values or host
+    arrays, grows the link's slots while every one is in flight (up to CHAINED_SLOTS: its answer comes only once
+    the receiver's copy has run), and reaches the receiver as device values holding the same bytes, described as
+    the host arrays they stand for. (The stream's wait for the slot's event needs CUDA:
+    test_two_executors_on_one_gpu_run_decode_runs_ahead_with_the_same_tokens.)"""
+    exported: list[torch.Tensor] = []
+
+    def export(buffer: torch.Tensor, gpu: str) -> bytes:
+        exported.append(buffer)
+        return json.dumps({"gpu": gpu, "id": len(exported) - 1}).encode()
+    monkeypatch.setattr(transport, "_export", export)
+    monkeypatch.setattr(transport.DeviceReceiver, "_map", lambda self, handle: exported[handle["id"]])
+    sender = transport.DeviceSender("cpu", GPU_A)
+    receiver = object.__new__(transport.DeviceReceiver)
+    receiver._slots, receiver._torch = {}, torch
+    rng = np.random.default_rng(3)
+    slots = []
+    for rows in range(1, transport.CHAINED_SLOTS + 1):
+        activation = torch.from_numpy(rng.standard_normal((rows, 8)).astype(np.float32))
+        tokens = rng.integers(0, 1000, rows, dtype=np.int64)
+        values: list[Any] = [DeviceValue(activation, np.dtype(np.float32), (rows, 8)), tokens]
+        request = stage_pb2.PushBoundaryRequest(step_id=rows, route_id=1)
+        for role, value in zip((dag.ACTIVATION, dag.RUN_TOKENS), (activation.numpy(), tokens)):
+            request.tensors.add(role=dag.role_proto(role), tensor=tensors.to_proto(value)).tensor.ClearField("data")
+        assert sender.frame(request, values) is None  # under DEVICE_MIN_BYTES: not chained, a TCP frame
+        framed = sender.frame(request, values, chained=True)
+        assert framed is not None
+        payload, slot = framed
+        slots.append(slot)
+        got, arrays = receiver.chained(payload)
+        assert got.step_id == rows and all(isinstance(a, DeviceValue) and a.ready is None for a in arrays)
+        assert [(a.dtype, a.shape) for a in arrays] == [(np.dtype(np.float32), (rows, 8)), (np.dtype(np.int64), (rows,))]
+        assert torch.equal(arrays[0].tensor, activation) and np.array_equal(arrays[1].tensor.numpy(), tokens)
+    assert slots == list(range(transport.CHAINED_SLOTS))  # none answered: each push took a new slot
+    request = stage_pb2.PushBoundaryRequest(step_id=99, route_id=1)
+    request.tensors.add(role=dag.role_proto(dag.RUN_TOKENS), tensor=tensors.to_proto(tokens)).tensor.ClearField("data")
+    assert sender.frame(request, [tokens], chained=True) is None  # every slot in flight
+    sender.release(5)
+    framed = sender.frame(request, [tokens], chained=True)
+    assert framed is not None and framed[1] == 5
+
+
 def test_a_failed_gpu_push_breaks_the_link_and_the_next_push_opens_another(monkeypatch: pytest.MonkeyPatch) -> None:
     """A device push the receiver cannot read fails as the link's failure (BOUNDARY_DEVICE_FAILED: the step is COMM),
     the link is broken and the strike counted, and the next push opens a new link, whose handshake chooses again."""
@@ -339,3 +384,18 @@ def test_two_executors_on_one_gpu_take_cuda_ipc_with_the_same_tokens(cuda_model:
         assert [(a, t) for a, t, _ in links] == [(mesh.executor_addresses[1], CUDA_IPC)], links
         assert "same GPU" in links[0][2]
         assert "boundary link offered" in mesh.log("executor-1").read_text()
+
+
+def test_two_executors_on_one_gpu_run_decode_runs_ahead_with_the_same_tokens(cuda_model: Path) -> None:
+    """With the defaults, two executors on one GPU run decode runs ahead (each iteration's output handed on as a
+    device value at launch, the receiver's stream waiting for the slot's event): greedy and seeded tokens are those
+    of the same mesh over TCP, where every iteration lands on the host."""
+    args = ("--device", "cuda:0")
+    coordinator = ("--dtype", "f32")
+    with _mesh(cuda_model, 2, env={ENV: "tcp"}, backend="torch", executor_args=args,
+               coordinator_args=coordinator) as mesh:
+        over_tcp = _tokens(mesh, 4)
+    with _mesh(cuda_model, 2, backend="torch", executor_args=args, coordinator_args=coordinator) as mesh:
+        assert _tokens(mesh, 4) == over_tcp
+        for rank in (0, 1):
+            assert "decode runs run ahead" in mesh.log(f"executor-{rank}").read_text(), rank

@@ -21,6 +21,7 @@ import functools
 import hashlib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -60,6 +61,17 @@ class BoundaryRole:
     run_only: bool = False  # present only in the iterations after the first of a decode run
 
 
+class Shaped(Protocol):
+    """What a schema reads of a bundle's value: a host array, or a value that stays on a device described as one."""
+
+    @property
+    def dtype(self) -> np.dtype[Any]: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def ndim(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class BoundarySchema:
     roles: tuple[BoundaryRole, ...]  # the primary role first, then the auxiliaries in transport order
@@ -76,7 +88,7 @@ class BoundarySchema:
         return {r.role: (r.dtype, tuple(d if isinstance(d, int) else dims[d] for d in r.shape))
                 for r in self.roles if iteration or not r.run_only}
 
-    def check(self, bundle: Mapping[str, np.ndarray], dims: Mapping[str, int], iteration: int = 0) -> str:
+    def check(self, bundle: Mapping[str, Shaped], dims: Mapping[str, int], iteration: int = 0) -> str:
         """Why `bundle` breaks this schema for the invocation, or "" when it keeps it."""
         expected = self.resolve(dims, iteration)
         if set(bundle) != set(expected):
@@ -87,7 +99,7 @@ class BoundarySchema:
                 return f"{role} is {value.dtype}{list(value.shape)}, the schema wants {dtype}{list(shape)}"
         return ""
 
-    def admits(self, bundle: Mapping[str, np.ndarray]) -> str:
+    def admits(self, bundle: Mapping[str, Shaped]) -> str:
         """Why `bundle` cannot be one of this schema's in any invocation (a role it does not declare, another dtype
         or rank, another fixed size), or "": what a receiver can check before it knows the step's dimensions."""
         declared = {r.role: r for r in self.roles}

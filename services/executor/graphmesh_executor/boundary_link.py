@@ -37,6 +37,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from google.rpc import status_pb2
@@ -70,7 +71,14 @@ from graphmesh.links import (
     send_frame,
 )
 from graphmesh.v1 import stage_pb2
-from graphmesh_executor.transport import DEVICE_PUSH, DeviceReceiver, read_push, receiver_factory
+from graphmesh_executor.transport import (
+    DEVICE_CHAINED,
+    DEVICE_FAILED,
+    DEVICE_PUSH,
+    DeviceReceiver,
+    read_push,
+    receiver_factory,
+)
 
 log = logging.getLogger("graphmesh.executor.boundary_link")
 
@@ -300,20 +308,32 @@ class LinkListener:
                 if kind == KV_BEGIN and self._kv_writer is not None:
                     self._serve_kv_write(conn, bytes(payload))
                     continue
-                if kind not in (PUSH, DEVICE_PUSH):
+                if kind not in (PUSH, DEVICE_PUSH, DEVICE_CHAINED):
                     raise LinkError(f"a frame of kind {kind} where a push was expected")
+                copied: Sequence[object] = ()  # a chained bundle's copies out of the sender's slot
+                values: list[Any]  # host arrays, or a chained bundle's DeviceValues
                 try:
-                    if kind == DEVICE_PUSH:  # the bundle's bytes are in the sender's GPU buffer
-                        device = device or [self.device_receiver()]
-                        request, values = device[0].request(bytes(payload))  # no tensor bytes
-                    else:
+                    if kind == PUSH:
                         request, values = read_push(payload)
+                    else:  # the bundle's bytes are in the sender's GPU buffer
+                        device = device or [self.device_receiver()]
+                        if kind == DEVICE_CHAINED:
+                            request, copied = device[0].chained(bytes(payload))
+                            values = list(copied)
+                        else:
+                            request, values = device[0].request(bytes(payload))  # no tensor bytes
                     self._accept(request, values)
                     with self._lock:
                         self.pushes += 1
                     answer = _OK
                 except Exception as e:  # the sender's step fails with it; this link and everyone else go on
                     answer = _answer(e, "PushBoundaryRequest")
+                if copied:  # answered once copied out: the answer frees the sender's slot
+                    try:
+                        DeviceReceiver.settle(copied)
+                    except Exception as e:
+                        answer = _answer(Unavailable(f"a chained bundle's copy failed: {type(e).__name__}: {e}",
+                                                     DEVICE_FAILED), "PushBoundaryRequest")
                 conn.sendall(frame(ACK, answer))
         finally:
             for d in device:

@@ -87,6 +87,26 @@ class HostOutput:
         return self._value
 
 
+@dataclass(frozen=True)
+class DeviceValue:
+    """A boundary value that stays on the device (a backend tensor): described as the host array it stands for
+    (numpy dtype and shape), so a route's schema checks it as one, and with the event (or None) that a stream must
+    wait for before it reads the tensor: a copy another process or stream still has in flight."""
+
+    tensor: Any
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    ready: Any = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def head(self, rows: int) -> DeviceValue:
+        """Its first `rows` rows (a view)."""
+        return DeviceValue(self.tensor[:rows], self.dtype, (rows, *self.shape[1:]), self.ready)
+
+
 _MASK64 = (1 << 64) - 1
 MAX_CUTS = 64  # graphs cut to an active extent, kept per executable
 
@@ -435,6 +455,25 @@ class Executable(Generic[T]):
                 inputs = {**inputs, feed: fed}
             outs.append(self.run(inputs, [0], typed=True, extent=extent, light=light)[0])
         return np.stack(outs)
+
+    def keeps_on_device(self) -> bool:
+        """Whether run_on_device serves here: outputs that stay on a GPU for the next rank (TorchExecutable on
+        CUDA)."""
+        return False
+
+    def run_on_device(self, inputs: dict[str, np.ndarray], index: int, fed: dict[str, DeviceValue],
+                      extent: tuple[int, int] | None = None, light: bool = False,
+                      host: bool = False) -> tuple[DeviceValue, HostOutput | None]:
+        """run_async whose output `index` stays on the device (a copy that later runs do not overwrite) and is read
+        to the host too where `host`; each of `fed` is an input given on the device, copied into that input's
+        first rows once its ready event has fired. Only where keeps_on_device()."""
+        raise FailedPrecondition(f"{type(self).__name__} on {self.device} keeps no output on a device",
+                                 "NO_DEVICE_OUTPUTS")
+
+    def host_async(self, values: list[DeviceValue]) -> HostOutput:
+        """`values` (device values of one shape, run_on_device's) stacked and on their way to the host."""
+        raise FailedPrecondition(f"{type(self).__name__} on {self.device} keeps no output on a device",
+                                 "NO_DEVICE_OUTPUTS")
 
     def read_output(self, index: int, typed: bool = False) -> np.ndarray:
         if self._last_outputs is None:

@@ -12,6 +12,11 @@ engine launches it (_launch) and the iteration lands once its output is on the h
 engine's completion thread, so the engine may launch another step meanwhile), its boundary pushed on
 (stage_servicer.BoundaryPusher). While a decode run waits for its next boundary, the engine builds that
 iteration's inputs (_prepare), so the boundary's arrival starts the run at once.
+
+Across ranks whose links map one another's GPU memory (transport.py), a decode run whose tokens are all sampled in
+the graph runs ahead (_ran_ahead): each iteration's output goes on as a device value the moment it is launched, the
+next rank's stream waiting for it on the GPU, and the host goes on to the next iteration without waiting for the
+device; the tokens each rank's KV rows hold reach its host once, at the run's end (_settle_fed).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from graphmesh.models.config import ModelConfig
 from graphmesh.protocol import ACTIONS, METADATA_KEY, Action, ErrorClass, ProtocolError
 from graphmesh_executor.encoder_group import EncoderGroup
 from graphmesh_executor.engine import Engine
-from graphmesh_executor.executable import Executable, HostOutput, RngOptions
+from graphmesh_executor.executable import DeviceValue, Executable, HostOutput, RngOptions
 from graphmesh_executor.fencing import Authority, AuthorityState, SessionPhase
 from graphmesh_executor.kv_pool import KvPool
 from graphmesh_executor.logprobs import RowLogprobs, RowSampling, sample_with_logprobs
@@ -52,6 +57,7 @@ from graphmesh_executor.stage_phases import StagePhases
 from graphmesh_executor.stage_types import (
     BlockWriter,
     Boundary,
+    BoundaryValue,
     Pusher,
     StageSession,
     StageSpec,
@@ -93,23 +99,29 @@ class _InFlight:
     done: Future[StepResult] = field(default_factory=Future)
     prepared: Prepared | None = None  # the next iteration's run, built while its boundary was on the way
     last_run: Prepared | None = None  # the run of the iteration that ran last: a decode run's next one follows it
+    # (iteration, tokens) fed to a decode run that ran ahead, whose sessions' pending tokens are written at its end:
+    # the tokens came as device values, or after some that did (the pending tokens keep the iterations' order)
+    fed_later: list[tuple[int, np.ndarray | DeviceValue]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class _Launch:
     """An iteration launched on the device, and what landing it needs once its output is on the host."""
 
-    output: HostOutput
+    output: HostOutput | None  # None: an iteration run ahead whose output only goes on (not the last stage)
     rows: list[StepRow]
     tokens: int  # the rows' tokens: the output's real rows
     t0: float  # perf_counter at launch
     host: bool  # the last stage samples on the host (logprobs, guided)
+    ahead: DeviceValue | None = None  # the output of an iteration run ahead, to push on at once
+    fed: np.ndarray | DeviceValue | None = None  # the tokens a decode run's later iteration was fed
 
 
 class StageRuntime(StageWeights, StagePhases):
     def __init__(self, backend: str, device: str = "cpu", model_root: str | None = None,
                  pusher: Pusher | None = None, block_writer: BlockWriter | None = None,
-                 faults_enabled: bool = False, kv_cache_bytes: int = 0, standby_weights: bool | None = None) -> None:
+                 faults_enabled: bool = False, kv_cache_bytes: int = 0, standby_weights: bool | None = None,
+                 device_links: Callable[[str], bool] | None = None) -> None:
         self.backend = backend
         self.device = device
         self.model_root = model_root
@@ -124,6 +136,8 @@ class StageRuntime(StageWeights, StagePhases):
         self.param_bytes = 0
         self.dtype = "f32"
         self._pusher = pusher
+        # Whether a bundle to an address may stay on the GPU (BoundaryPusher.on_device): a decode run runs ahead
+        self._device_links = device_links or (lambda address: False)
         self._block_writer = block_writer
         self.faults_enabled = faults_enabled
         self.kv_cache_bytes = kv_cache_bytes  # 0: stage_weights.default_kv_cache_bytes()
@@ -493,7 +507,12 @@ class StageRuntime(StageWeights, StagePhases):
         except Exception as e:
             self._failed(step, e)
             return
-        self.engine.after("stage.iteration_done", launch.output, lambda: self._landed(step, launch))
+        if launch.ahead is not None:
+            self._ran_ahead(step, launch)
+            return
+        assert launch.output is not None
+        output = launch.output
+        self.engine.after("stage.iteration_done", output, lambda: self._landed(step, launch))
 
     def _failed(self, step: _InFlight, e: Exception) -> None:
         with self._lock:
@@ -509,14 +528,106 @@ class StageRuntime(StageWeights, StagePhases):
         try:
             i = step.iteration
             out = self._land(step, launch)
+            if i + 1 == step.steps:
+                self._settle_fed(step)
             if step.steps > 1 and self.spec.last:
-                for t, token in zip(step.sampled, out):
-                    t.append(int(token))
+                self._sampled(step, out)
                 if i + 1 < step.steps:
                     tokens = np.asarray([t[-1] for t in step.sampled], np.int64)
                     for route in self.plan.routes_from(self.group.id, feedback=True):
                         self._send(step, route, {dag.RUN_TOKENS: tokens}, self._dims(step),
                                    self._wave(step, self.group), iteration=i + 1)
+        except Exception as e:
+            self._failed(step, e)
+            return
+        self._advanced(step)
+
+    def _sampled(self, step: _InFlight, out: np.ndarray) -> None:
+        """A decode run's iteration's tokens, on the last stage."""
+        for t, token in zip(step.sampled, out):
+            t.append(int(token))
+
+    def _ahead(self, step: _InFlight, run: Prepared, encoded: bool) -> bool:
+        """Whether iteration `step.iteration` runs ahead: its output goes on as a device value at launch and the host
+        does not wait for it. So in a decode run whose every token is sampled in the graph, on an executable that
+        keeps outputs on its GPU, where every next rank's link maps that GPU. The last stage's last iteration feeds
+        nothing back, and lands as any other."""
+        assert self.spec is not None and self.plan is not None and self.group is not None
+        spec, plan = self.spec, self.plan
+        if step.steps < 2 or encoded or step.want_logits or not run.exe.keeps_on_device():
+            return False
+        if spec.last and (step.iteration + 1 >= step.steps or not self._samples(step, step.rows)):
+            return False
+        if any(r.sampling.logprobs or r.allowed_tokens for r in step.rows):  # the last stage samples on the host
+            return False
+        routes = plan.routes_from(self.group.id, feedback=spec.last)
+        return bool(routes) and all(r.destination_rank != self.rank and
+                                    self._device_links(plan.addresses[r.destination_rank]) for r in routes)
+
+    def _ran_ahead(self, step: _InFlight, launch: _Launch) -> None:
+        """An iteration launched ahead (engine thread): its output pushed on at once (the last stage's tokens fed back
+        to the first), and the step on to its next iteration without waiting for the device. The last stage's
+        tokens still land on the completion thread, in launch order; a run's last iteration ends the step once the
+        tokens fed to this rank are on the host."""
+        assert self.spec is not None and self.plan is not None and self.group is not None and launch.ahead is not None
+        spec, plan, i = self.spec, self.plan, step.iteration
+        try:
+            if spec.last:
+                for route in plan.routes_from(self.group.id, feedback=True):
+                    self._send(step, route, {dag.RUN_TOKENS: launch.ahead.head(len(launch.rows))},
+                               self._dims(step), self._wave(step, self.group), iteration=i + 1)
+            else:
+                values: dict[str, BoundaryValue] = {dag.ACTIVATION: launch.ahead.head(launch.tokens)}
+                if i:
+                    assert launch.fed is not None
+                    values[dag.RUN_TOKENS] = launch.fed
+                for route in plan.routes_from(self.group.id):
+                    self._send(step, route, values, self._dims(step), self._wave(step, self.group))
+        except Exception as e:
+            self._failed(step, e)
+            return
+        if spec.last:
+            assert launch.output is not None
+            output = launch.output
+            self.engine.after("stage.iteration_done", output, lambda: self._took(step, output))
+        elif i + 1 == step.steps and step.fed_later:
+            assert step.last_run is not None
+            fed = self._fed_on_host(step)
+            self.engine.after("stage.run_done", fed, lambda: self._settled(step, fed))
+            return
+        self._advanced(step)
+
+    def _took(self, step: _InFlight, output: HostOutput) -> None:
+        """The tokens of an iteration the last stage ran ahead, on the host (completion thread)."""
+        if step.done.done():
+            return
+        try:
+            self._sampled(step, self._guarded(output.result))
+        except Exception as e:
+            self._failed(step, e)
+
+    def _fed_on_host(self, step: _InFlight) -> HostOutput:
+        """The device values among the tokens fed to a run that ran ahead, on their way to the host."""
+        assert step.last_run is not None
+        on_device = [v for _, v in step.fed_later if isinstance(v, DeviceValue)]
+        return step.last_run.exe.host_async(on_device) if on_device else HostOutput(np.zeros((0, 0), np.int64))
+
+    def _settle_fed(self, step: _InFlight, fed: HostOutput | None = None) -> None:
+        """Adds the tokens fed to a run that ran ahead to their sessions' pending tokens, in the iterations' order,
+        once they are on the host (waiting for them here when `fed` was not read yet)."""
+        if not step.fed_later:
+            return
+        host = iter(self._guarded((fed or self._fed_on_host(step)).result))
+        for i, tokens in step.fed_later:
+            self._pend(step.rows, (next(host) if isinstance(tokens, DeviceValue) else tokens)[None], i)
+        step.fed_later = []
+
+    def _settled(self, step: _InFlight, fed: HostOutput) -> None:
+        """A run that ran ahead, on a rank before the last, at its end (completion thread)."""
+        if step.done.done():
+            return
+        try:
+            self._settle_fed(step, fed)
         except Exception as e:
             self._failed(step, e)
             return
@@ -565,12 +676,12 @@ class StageRuntime(StageWeights, StagePhases):
         except Exception as e:
             log.debug("iteration not prepared", extra={"step": step.step_id, "error": repr(e)})
 
-    def _received(self, step: _InFlight, bundles: dict[int, Boundary]) -> dict[str, np.ndarray]:
+    def _received(self, step: _InFlight, bundles: dict[int, Boundary]) -> dict[str, BoundaryValue]:
         """The values of this iteration's bundles by role, each bundle checked whole against its route's schema
         resolved for the step (CONTRACT: a bundle its sender should never have sent)."""
         assert self.plan is not None
         dims = self._dims(step, sum(len(r.encoded_offsets) for r in step.rows))
-        values: dict[str, np.ndarray] = {}
+        values: dict[str, BoundaryValue] = {}
         for route_id, b in bundles.items():
             why = self.plan.routes[route_id].schema.check(b.values, dims, step.iteration)
             if why:
@@ -584,20 +695,30 @@ class StageRuntime(StageWeights, StagePhases):
         position on, fed the tokens the one before sampled) and its run over them."""
         assert self.spec is not None
         spec, i = self.spec, step.iteration
+        fed: np.ndarray | DeviceValue | None = None
         if i:
             fed = next((b.values.get(dag.RUN_TOKENS) for b in bundles.values()), None) if bundles else \
                 np.array([t[-1] for t in step.sampled], np.int64)
-            if fed is None or fed.shape != (len(step.rows),):
+            if fed is None or tuple(fed.shape) != (len(step.rows),):
                 raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
                     f"iteration {i} of decode run {step.step_id} came without its {len(step.rows)} tokens",
                     "SCHEMA_MISMATCH"))
             prepared = step.prepared if step.prepared is not None and step.prepared.iteration == i else None
             step.rows = self._next_rows(step.rows) if prepared is None else prepared.rows
-            self._feed(step.rows, fed, i)
+            if isinstance(fed, DeviceValue) or step.fed_later:
+                if not isinstance(fed, DeviceValue):
+                    for r, t in zip(step.rows, fed.tolist()):
+                        r.token_ids[0] = t
+                step.fed_later.append((i, fed))
+            else:
+                self._feed(step.rows, fed, i)
         rows = step.rows
         total = sum(len(row.token_ids) for row in rows)
         received = self._received(step, bundles)
         hidden, encoded = received.get(dag.ACTIVATION), received.get(dag.ENCODED_ROWS)
+        if isinstance(encoded, DeviceValue):  # only a decode run's later iterations run ahead, and those encode nothing
+            raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
+                f"step {step.step_id} brought encoder rows on a device", "SCHEMA_MISMATCH"))
         if not spec.first and hidden is None:
             raise ProtocolError(ErrorClass.CONTRACT, InvalidArgument(
                 f"step {step.step_id} reached rank {self.rank} without an activation", "SCHEMA_MISMATCH"))
@@ -607,20 +728,23 @@ class StageRuntime(StageWeights, StagePhases):
             prepared = step.prepared
             run = prepared if prepared is not None and prepared.rows is rows and prepared.sample == sample and \
                 encoded is None else self._inputs_for(step.last_run, rows, sample, i, encoded is not None)
-            output = self._guarded(lambda: self._compute(rows, hidden, encoded, run))
+            ahead = self._ahead(step, run, encoded is not None)
+            output, kept = self._guarded(lambda: self._compute(rows, hidden, encoded, run, fed, ahead))
         step.prepared, step.last_run = None, run
         step.result.computed_tokens += total
-        return _Launch(output, rows, total, t0, host=spec.last and not step.want_logits and not sample)
+        return _Launch(output, rows, total, t0, host=spec.last and not step.want_logits and not sample,
+                       ahead=kept if ahead else None, fed=fed)
 
     def _land(self, step: _InFlight, launch: _Launch) -> np.ndarray:
         """A launched iteration's output, pushed on with the rows' tokens after a decode run's first iteration (the
         next ranks know those from the request), or, on the last stage, the step's result filled; returns it."""
         assert self.spec is not None and self.plan is not None and self.group is not None
-        spec, rows, result = self.spec, launch.rows, step.result
-        out = self._guarded(launch.output.result)
+        spec, rows, result, output = self.spec, launch.rows, step.result, launch.output
+        assert output is not None
+        out = self._guarded(output.result)
         result.compute_us += (time.perf_counter() - launch.t0) * 1e6
         if not spec.last:
-            values = {dag.ACTIVATION: out[:launch.tokens]}
+            values: dict[str, BoundaryValue] = {dag.ACTIVATION: out[:launch.tokens]}
             if step.iteration:
                 values[dag.RUN_TOKENS] = np.asarray([r.token_ids[0] for r in rows], np.int64)
             for route in self.plan.routes_from(self.group.id):
@@ -699,8 +823,8 @@ class StageRuntime(StageWeights, StagePhases):
         except Exception as e:
             raise self._device_failure(e) from e
 
-    def _send(self, step: _InFlight, route: dag.Route, values: dict[str, np.ndarray], dims: dict[str, int], wave: int,
-              iteration: int | None = None) -> None:
+    def _send(self, step: _InFlight, route: dag.Route, values: dict[str, BoundaryValue], dims: dict[str, int],
+              wave: int, iteration: int | None = None) -> None:
         """Validates a bundle against `route`'s schema resolved for the step, then sends it (ARCH when it breaks the
         schema: nothing has left the rank)."""
         iteration = step.iteration if iteration is None else iteration
@@ -709,8 +833,9 @@ class StageRuntime(StageWeights, StagePhases):
             raise ProtocolError(ErrorClass.ARCH, InvalidArgument(
                 f"rank {self.rank} produced a bundle for route {route.id} that breaks its schema: {why}",
                 "SCHEMA_MISMATCH"))
-        if dag.ACTIVATION in values and self._take_fault("corrupt"):  # corrupted in transit: the receiver must refuse
-            values = {**values, dag.ACTIVATION: values[dag.ACTIVATION][:, :-1]}
+        activation = values.get(dag.ACTIVATION)
+        if isinstance(activation, np.ndarray) and self._take_fault("corrupt"):  # in transit: the receiver must refuse
+            values = {**values, dag.ACTIVATION: activation[:, :-1]}
         boundary = Boundary(step.step_id, iteration, route.id, values, route.schema.identity, wave)
         if route.destination_rank == self.rank:  # a route within this rank: delivered in place
             self.accept_boundary(step.incarnation, boundary)
@@ -747,20 +872,26 @@ class StageRuntime(StageWeights, StagePhases):
         log.error("device failure", extra={"device": self.device, "error": what})
         return ProtocolError(ErrorClass.COMM, Internal(f"device {self.device} failed: {what}", "DEVICE_FAILURE"))
 
-    def _compute(self, rows: list[StepRow], hidden: np.ndarray | None, encoded: np.ndarray | None,
-                 run: Prepared) -> HostOutput:
-        """One run over every row, on the engine thread, with `run`'s executable and inputs. `encoded`: the
-        encoder's rows for the rows' placeholder tokens, in order (first stage), which replace those tokens'
-        embeddings."""
+    def _compute(self, rows: list[StepRow], hidden: np.ndarray | DeviceValue | None, encoded: np.ndarray | None,
+                 run: Prepared, fed: np.ndarray | DeviceValue | None = None,
+                 ahead: bool = False) -> tuple[HostOutput | None, DeviceValue | None]:
+        """One run over every row, on the engine thread, with `run`'s executable and inputs: its output on its way
+        to the host, and where the run went ahead or was given device values (`hidden`, or the first stage's `fed`
+        tokens), kept on the device too (the host's copy then only where this is the last stage or not ahead).
+        `encoded`: the encoder's rows for the rows' placeholder tokens, in order (first stage), which replace those
+        tokens' embeddings."""
         assert self.spec is not None and self.config is not None
         spec, config = self.spec, self.config
         inputs, tokens = dict(run.inputs), run.tokens
         counts = [len(row.token_ids) for row in rows]
         total = sum(counts)
+        on_device: dict[str, DeviceValue] = {}
         if spec.first:
             ids = np.zeros(tokens, np.int64)
             ids[:total] = [t for row in rows for t in row.token_ids]
             inputs["input_ids"] = ids
+            if isinstance(fed, DeviceValue):
+                on_device["input_ids"] = fed
             if encoded is not None:
                 at_rows = np.cumsum([0, *counts[:-1]])
                 where = np.array([a + o for a, row in zip(at_rows, rows) for o in row.encoded_offsets], np.int64)
@@ -771,10 +902,18 @@ class StageRuntime(StageWeights, StagePhases):
         else:
             assert hidden is not None
             padded = np.zeros((tokens, config.hidden_size), np.float32)
-            padded[:total] = hidden
+            if isinstance(hidden, DeviceValue):
+                on_device["hidden_in"] = hidden
+            else:
+                padded[:total] = hidden
             inputs["hidden_in"] = padded
+        light = len(rows) <= LIGHT_STEP_SESSIONS
+        if ahead or on_device:
+            kept, host = self._on_device(run, len(rows), lambda exe: exe.run_on_device(
+                inputs, 0, on_device, extent=run.extent, light=light, host=spec.last or not ahead))
+            return host, kept
         return self._on_device(run, len(rows), lambda exe: exe.run_async(
-            inputs, 0, extent=run.extent, light=len(rows) <= LIGHT_STEP_SESSIONS))
+            inputs, 0, extent=run.extent, light=light)), None
 
     def _on_device(self, run: Prepared, rows: int, call: Callable[[Executable[Any]], R]) -> R:
         """`call` on `run`'s executable with the KV pools swapped in (engine thread), in the run's span."""

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TypeVar
 
 import grpc
@@ -18,10 +21,11 @@ from graphmesh.links import LinkError, LinkOpener
 from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from graphmesh_executor import transport
 from graphmesh_executor.boundary_link import BoundaryLink, KvWrite, LinkListener
+from graphmesh_executor.executable import DeviceValue
 from graphmesh_executor.fencing import AuthorityState, Outcome, SessionPhase
 from graphmesh_executor.kv_push import KvPusher, KvSource
 from graphmesh_executor.stage import StageRuntime
-from graphmesh_executor.stage_types import Boundary, Sampling, StageSpec, StepRow
+from graphmesh_executor.stage_types import Boundary, BoundaryValue, Sampling, StageSpec, StepRow
 from graphmesh_executor.transport import Choice, DeviceSender
 from graphmesh_server import telemetry
 
@@ -62,9 +66,14 @@ class BoundaryPusher:
         self.transports: dict[str, Choice] = {}  # by next rank's address: what Status reports
         self._device: dict[str, tuple[BoundaryLink, DeviceSender]] = {}  # links whose receiver chose CUDA IPC
         self._strikes: dict[str, int] = {}  # failed device pushes in a row, by address
+        self._chained: weakref.WeakSet[BoundaryLink] = weakref.WeakSet()  # links that carried a chained push
 
     def __call__(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float,
                  delivered: Callable[[Exception | None], None]) -> None:
+        if any(isinstance(v, DeviceValue) for v in boundary.values.values()):
+            if self._push_chained(address, incarnation, boundary, timeout_s, delivered):
+                return
+            boundary = _on_host(boundary)  # the link that mapped this GPU is gone: the bundle goes as any other
         if self.links and self._push_now(address, incarnation, boundary, timeout_s, delivered):
             return
         with self._lock:
@@ -75,6 +84,28 @@ class BoundaryPusher:
             stub, senders = self._senders[address]
         senders.submit(self._send, stub, address, incarnation, boundary, timeout_s, delivered,
                        telemetry.current_context())
+
+    def on_device(self, address: str) -> bool:
+        """Whether a bundle to `address` may stay on the GPU (a DeviceValue): the open link there maps this GPU's
+        memory, its receiver having chosen CUDA IPC."""
+        with self._lock:
+            link = self._links.get(address)
+            device = self._device.get(address)
+        return link is not None and link.broken is None and device is not None and device[0] is link
+
+    def _push_chained(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float,
+                      delivered: Callable[[Exception | None], None]) -> bool:
+        """Sends a bundle of device values on the caller's thread (the engine's, which queued the runs that made
+        them) as a DEVICE_CHAINED frame: its copy into the link's slot is queued behind those runs and nothing
+        waits for them. False (nothing sent) where no open link maps this GPU or every slot is in flight."""
+        with self._lock:
+            link = self._links.get(address)
+        if link is None or not self.on_device(address):
+            return False
+        with telemetry.span("stage.push_boundary", step=boundary.step_id, iteration=boundary.iteration, chained=True):
+            request = self._request(incarnation, boundary, data=False)
+            request.trace_context.update(telemetry.carrier(telemetry.current_context()))
+            return self._push_on(link, address, boundary, request, timeout_s, delivered, chained=True)
 
     def _push_now(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float,
                   delivered: Callable[[Exception | None], None]) -> bool:
@@ -92,8 +123,7 @@ class BoundaryPusher:
         with telemetry.span("stage.push_boundary", step=boundary.step_id, iteration=boundary.iteration):
             request = self._request(incarnation, boundary, data=False)
             request.trace_context.update(telemetry.carrier(telemetry.current_context()))
-            return link.push_now(transport.push_parts(request, list(boundary.values.values())), timeout_s,
-                                 delivered)
+            return link.push_now(transport.push_parts(request, _arrays(boundary)), timeout_s, delivered)
 
     @staticmethod
     def _request(incarnation: int, boundary: Boundary, data: bool = True) -> stage_pb2.PushBoundaryRequest:
@@ -104,7 +134,7 @@ class BoundaryPusher:
                                                 route_id=boundary.route_id, schema_identity=boundary.schema_identity,
                                                 wave=boundary.wave)
         for role, value in boundary.values.items():
-            tensor = tensors.to_proto(value) if data else tensor_pb2.Tensor(
+            tensor = tensors.to_proto(_array(value)) if data else tensor_pb2.Tensor(
                 dtype=dtypes.to_proto(dtypes.from_numpy(value.dtype)), shape=value.shape)
             request.tensors.add(role=dag.role_proto(role), tensor=tensor)
         return request
@@ -136,16 +166,16 @@ class BoundaryPusher:
         delivered(None)
 
     def _push_on(self, link: BoundaryLink, address: str, boundary: Boundary, request: stage_pb2.PushBoundaryRequest,
-                 timeout_s: float, delivered: Callable[[Exception | None], None]) -> bool:
+                 timeout_s: float, delivered: Callable[[Exception | None], None], chained: bool = False) -> bool:
         """BoundaryLink.push of `boundary` (`request`: its message without the tensors' bytes), through the link's
         GPU buffers where its receiver chose CUDA IPC and the bundle is large enough (transport.py); a TCP frame
-        on the same link otherwise."""
+        on the same link otherwise. `chained`: a DEVICE_CHAINED frame or nothing (False)."""
         with self._lock:
             device = self._device.get(address)
         sender = device[1] if device is not None and device[0] is link else None
         values = list(boundary.values.values())
         try:
-            framed = sender.frame(request, values) if sender is not None else None
+            framed = sender.frame(request, values, chained) if sender is not None else None
         except Exception as e:  # a CUDA error copying into the slot: the link's GPU path failed
             failed = Unavailable(f"a bundle could not be put in a CUDA IPC slot: {type(e).__name__}: {e}",
                                  transport.DEVICE_FAILED)
@@ -154,7 +184,7 @@ class BoundaryPusher:
             delivered(failed)
             return True
         if sender is None or framed is None:
-            return link.push(transport.push_parts(request, values), timeout_s, delivered)
+            return not chained and link.push(transport.push_parts(request, _arrays(boundary)), timeout_s, delivered)
         payload, slot = framed
 
         def answered(error: Exception | None) -> None:
@@ -165,7 +195,10 @@ class BoundaryPusher:
                 self._strikes[address] = self._strikes.get(address, 0) + 1
                 link.fail(error)  # this link's GPU path is unusable: the next push opens a new link, mapped anew
             delivered(error)
-        if link.push([payload], timeout_s, answered, kind=transport.DEVICE_PUSH):
+        if link.push([payload], timeout_s, answered, kind=transport.DEVICE_CHAINED if chained else transport.DEVICE_PUSH):
+            if chained and link not in self._chained:
+                self._chained.add(link)
+                log.info("decode runs run ahead over a link", extra={"address": address})
             return True
         sender.release(slot)
         return False
@@ -281,7 +314,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     def accept_push(self, request: stage_pb2.PushBoundaryRequest, arrays: list[np.ndarray]) -> None:
         """A pushed bundle, from PushBoundary or a boundary link: its message and its tensors' values in order."""
-        values = {dag.role_of(t.role): array for t, array in zip(request.tensors, arrays)}
+        values: dict[str, BoundaryValue] = {dag.role_of(t.role): array for t, array in zip(request.tensors, arrays)}
         if len(values) != len(request.tensors):  # a role twice: fails the route's check, as any bad bundle
             values[""] = np.zeros((0,), np.float64)
         boundary = Boundary(request.step_id, request.iteration, request.route_id, values, request.schema_identity,
@@ -477,4 +510,20 @@ def listen_for_links(servicer: StageServicer, host: str, port: int, max_frame_by
 
 
 def _nbytes(boundary: Boundary) -> int:
-    return sum(int(v.nbytes) for v in boundary.values.values())
+    return sum(math.prod(v.shape) * v.dtype.itemsize for v in boundary.values.values())
+
+
+def _array(value: BoundaryValue) -> np.ndarray:
+    if isinstance(value, DeviceValue):  # never: a bundle of device values goes chained or is read to the host first
+        raise TypeError("a device value where a host array was expected")
+    return value
+
+
+def _arrays(boundary: Boundary) -> list[np.ndarray]:
+    return [_array(v) for v in boundary.values.values()]
+
+
+def _on_host(boundary: Boundary) -> Boundary:
+    """`boundary` with its device values read to the host (waiting for the runs that make them)."""
+    values = {role: v.tensor.cpu().numpy() if isinstance(v, DeviceValue) else v for role, v in boundary.values.items()}
+    return replace(boundary, values=values)

@@ -15,15 +15,13 @@ from graphmesh.errors import NotFound
 from graphmesh.kvkeys import blocks_for
 from graphmesh.models.config import ModelConfig
 from graphmesh_executor.engine import Engine
-from graphmesh_executor.executable import Executable
+from graphmesh_executor.executable import DeviceValue, Executable
 from graphmesh_executor.fencing import Authority, SessionTxn
 from graphmesh_executor.kv_pool import KvPool
 from graphmesh_executor.logprobs import RowLogprobs
 
 
 @dataclass(frozen=True)
-
-
 class StageSpec:
     """The proto's StageSpec as the stage runtime holds it."""
 
@@ -40,8 +38,6 @@ class StageSpec:
 
 
 @dataclass(frozen=True)
-
-
 class Sampling:
     temperature: float = 0.0
     top_k: int = 0
@@ -52,8 +48,6 @@ class Sampling:
 
 
 @dataclass(frozen=True)
-
-
 class StepRow:
     """One session's part of a step (stage.proto StepRow)."""
 
@@ -116,9 +110,11 @@ class StepResult:
     waves: list[tuple[int, int, bool]] = field(default_factory=list)  # (wave, group, worked) this rank took part in
 
 
+# A bundle's value: a host array, or (over a link that maps the sender's GPU) a value that stays on the device
+BoundaryValue = np.ndarray | DeviceValue
+
+
 @dataclass(frozen=True)
-
-
 class Boundary:
     """A bundle one group hands another over a plan route, for a step or one iteration of a decode run
     (stage.proto PushBoundaryRequest)."""
@@ -126,7 +122,7 @@ class Boundary:
     step_id: int
     iteration: int = 0  # the decode run's iteration this is the input of
     route_id: int = 0
-    values: dict[str, np.ndarray] = field(default_factory=dict)  # by role (graphmesh.plan), in the schema's order
+    values: dict[str, BoundaryValue] = field(default_factory=dict)  # by role (graphmesh.plan), in the schema's order
     schema_identity: str = ""  # the sender's identity of the route's schema
     wave: int = 0  # the wave that produced it
 
@@ -144,8 +140,6 @@ BlockWriter = Callable[["KvBlocks"], None]  # hands committed blocks to the writ
 
 
 @dataclass(frozen=True)
-
-
 class KvBlocks:
     """Committed whole blocks of a session, ready to be written behind to the KV store."""
 

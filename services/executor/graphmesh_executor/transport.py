@@ -60,15 +60,18 @@ from graphmesh import dtypes, tensors
 from graphmesh.errors import InvalidArgument, Unavailable
 from graphmesh.links import Buffer
 from graphmesh.v1 import stage_pb2
+from graphmesh_executor.executable import DeviceValue
 
 log = logging.getLogger("graphmesh.executor.transport")
 
 ENV = "GRAPHMESH_BOUNDARY_TRANSPORT"  # "tcp": never the GPU path; "auto" (default): choose per pair
 DEVICE_PUSH = 6  # frame kind, after graphmesh.links' 1..5: slot header + PushBoundaryRequest without tensor bytes
+DEVICE_CHAINED = 7  # the same payload; the bundle stays on the GPU and the receiver's stream waits for the slot's event
 # Smaller bundles go as TCP frames on the same link (the environment variable lets a test send every one through
 # the GPU path).
 DEVICE_MIN_BYTES = int(os.environ.get("GRAPHMESH_CUDA_IPC_MIN_BYTES", 8 << 20))
 SLOTS = 4  # device buffers per link: bundles in flight at once over the GPU path
+CHAINED_SLOTS = 16  # how far chained pushes may grow a link's slots (each is answered once its copy has run)
 DEVICE_STRIKES = 3  # failed device pushes in a row to one address before its links stay on TCP
 ALIGN = 256  # each tensor's offset in a slot or a PUSH frame
 DEVICE_FAILED = "BOUNDARY_DEVICE_FAILED"
@@ -259,34 +262,48 @@ class DeviceSender:
 
         self._torch: Any = torch
         self._device = torch.device(device)
+        self._cuda = self._device.type == "cuda"
         self._uuid = gpu_uuid
-        self._stream = self._torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        self._stream = self._torch.cuda.Stream(self._device) if self._cuda else None
         self._slots: list[Any] = [None] * SLOTS
+        self._events: list[Any] = [None] * SLOTS  # each slot's interprocess event: its chained bytes are in
         self._generations = [0] * SLOTS
         self._announced = [0] * SLOTS  # the generation the receiver was last sent the handle of
         self._free: deque[int] = deque(range(SLOTS))
         self._lock = threading.Lock()
 
-    def frame(self, request: stage_pb2.PushBoundaryRequest, values: list[Any]) -> tuple[bytes, int] | None:
+    def frame(self, request: stage_pb2.PushBoundaryRequest, values: list[Any],
+              chained: bool = False) -> tuple[bytes, int] | None:
         """A DEVICE_PUSH payload for `request` (its tensors without bytes) whose tensor bytes are `values` in
-        order (numpy arrays or torch tensors), and the slot it holds until `release`; None when the bundle is
-        under DEVICE_MIN_BYTES or every slot is in flight (then it goes as a TCP frame)."""
+        order (numpy arrays, torch tensors or DeviceValues), and the slot it holds until `release`; None when the
+        bundle is under DEVICE_MIN_BYTES or every slot is in flight (then it goes as a TCP frame).
+
+        `chained` (a DEVICE_CHAINED payload): whatever its size, and nothing waits for the device. The copy into
+        the slot is queued on the caller's current stream, behind the run that made the values, and the slot's
+        interprocess event is recorded after it; the receiver's stream waits for that event. Such a push may
+        grow the link's slots up to CHAINED_SLOTS, since its answer comes only once the copy has run."""
         spans = _spans(request, 0)
         need = _aligned(_end(spans, 0))
-        if need < DEVICE_MIN_BYTES:
+        if need < DEVICE_MIN_BYTES and not chained:
             return None
         with self._lock:
+            if not self._free and chained and len(self._slots) < CHAINED_SLOTS:
+                self._free.append(len(self._slots))
+                self._slots.append(None)
+                self._events.append(None)
+                self._generations.append(0)
+                self._announced.append(0)
             if not self._free:
                 return None
             slot = self._free.popleft()
         try:
-            return self._fill(slot, request, values, spans, need), slot
+            return self._fill(slot, request, values, spans, need, chained), slot
         except BaseException:
             self.release(slot)
             raise
 
     def _fill(self, slot: int, request: stage_pb2.PushBoundaryRequest, values: list[Any],
-              spans: list[tuple[int, int]], need: int) -> bytes:
+              spans: list[tuple[int, int]], need: int, chained: bool) -> bytes:
         torch = self._torch
         buffer = self._slots[slot]
         if buffer is None or buffer.numel() < need:
@@ -294,20 +311,34 @@ class DeviceSender:
             self._slots[slot] = buffer = torch.empty(1 << (need - 1).bit_length(), dtype=torch.uint8,
                                                      device=self._device)
             self._generations[slot] += 1
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            if self._cuda and self._events[slot] is None:
+                self._events[slot] = torch.cuda.Event(interprocess=True, enable_timing=False)
+                self._events[slot].record()  # an event is made on its first record; its handle needs it made
+        stream = torch.cuda.current_stream(self._device) if chained and self._cuda else self._stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for value, (start, n) in zip(values, spans):
                 if isinstance(value, np.ndarray):
                     source = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+                    pinned = chained and self._cuda
+                    if pinned:
+                        source = source.pin_memory()  # queued on the stream, not waiting for its work
                 else:
-                    source = value.contiguous().reshape(-1).view(torch.uint8)
+                    tensor = value.tensor if isinstance(value, DeviceValue) else value
+                    source = tensor.contiguous().reshape(-1).view(torch.uint8)
+                    pinned = False
                 if source.numel() != n:
                     raise _wrong_size(source.numel(), n)
-                buffer[start:start + n].copy_(source, non_blocking=source.is_cuda)
-        if self._stream is not None:
-            self._stream.synchronize()  # the bytes are in the slot before the receiver is told to read them
+                buffer[start:start + n].copy_(source, non_blocking=source.is_cuda or pinned)
+        if chained and stream is not None:
+            self._events[slot].record(stream)
+        elif stream is not None:
+            stream.synchronize()  # the bytes are in the slot before the receiver is told to read them
         handle = b""
         if self._announced[slot] != self._generations[slot]:
             handle = _export(buffer, self._uuid)
+            if self._events[slot] is not None:
+                handle = json.dumps({**json.loads(handle), "ipc_event": bytes(self._events[slot].ipc_handle()).hex()
+                                     }).encode()
             self._announced[slot] = self._generations[slot]
         return _SLOT_HEADER.pack(slot, self._generations[slot], len(handle)) + handle + request.SerializeToString()
 
@@ -326,26 +357,47 @@ class DeviceReceiver:
             raise Unavailable(f"a bundle over CUDA IPC reached an executor on {device}", DEVICE_FAILED)
         self._torch = torch
         self._uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-        self._slots: dict[int, tuple[int, Any]] = {}  # slot -> (generation, the mapped buffer)
+        self._slots: dict[int, tuple[int, Any, Any]] = {}  # slot -> (generation, the mapped buffer, its event)
         # Copies out of a slot run on a stream of their own: on the legacy default stream they would wait behind
         # every kernel this process's engine has queued, though the sender synchronized before it pushed.
         self._streams: dict[int, Any] = {}
 
     def request(self, payload: bytes) -> tuple[stage_pb2.PushBoundaryRequest, list[np.ndarray]]:
         """The PushBoundaryRequest a DEVICE_PUSH frame carries, and its tensors copied out of the slot."""
+        request, buffer, _, spans = self._guarded(lambda: self._request(payload))
+        return request, self._guarded(lambda: _views(request, self._read(buffer[:_end(spans, 0)]).data, spans))
+
+    def chained(self, payload: bytes) -> tuple[stage_pb2.PushBoundaryRequest, list[DeviceValue]]:
+        """The PushBoundaryRequest a DEVICE_CHAINED frame carries, and its tensors as device values: copied out of
+        the slot into this process's memory on a stream that first waits for the slot's event, each ready once
+        that copy has run (`settle` waits for it). Nothing here waits for the device."""
+        request, buffer, event, spans = self._guarded(lambda: self._request(payload))
+        return request, self._guarded(lambda: self._copy(request, buffer, event, spans))
+
+    @staticmethod
+    def settle(values: Sequence[Any]) -> None:
+        """Waits until the copies out of the slot that `values` (chained's) came from have run: then the slot may
+        be written again, and the push is answered."""
+        for value in values:
+            if isinstance(value, DeviceValue) and value.ready is not None:
+                value.ready.synchronize()
+
+    @staticmethod
+    def _guarded(read: Callable[[], Any]) -> Any:
         try:
-            return self._request(payload)
+            return read()
         except Unavailable:
             raise
         except Exception as e:  # a handle that does not map, a slot out of turn: the link's GPU path failed
             raise Unavailable(f"a bundle over CUDA IPC could not be read: {type(e).__name__}: {e}",
                               DEVICE_FAILED) from e
 
-    def _request(self, payload: bytes) -> tuple[stage_pb2.PushBoundaryRequest, list[np.ndarray]]:
+    def _request(self, payload: bytes) -> tuple[stage_pb2.PushBoundaryRequest, Any, Any, list[tuple[int, int]]]:
         slot, generation, length = _SLOT_HEADER.unpack_from(payload)
         at = _SLOT_HEADER.size
         if length:
-            self._slots[slot] = (generation, self._map(json.loads(payload[at:at + length])))
+            handle = json.loads(payload[at:at + length])
+            self._slots[slot] = (generation, self._map(handle), self._open_event(handle))
         mapped = self._slots.get(slot)
         if mapped is None or mapped[0] != generation:
             raise ValueError(f"slot {slot} generation {generation} was never mapped on this link")
@@ -355,7 +407,13 @@ class DeviceReceiver:
         end = _end(spans, 0)
         if end > buffer.numel():
             raise ValueError(f"the bundle's tensors need {end} bytes, its slot holds {buffer.numel()}")
-        return request, _views(request, self._read(buffer[:end]).data, spans)
+        return request, buffer, mapped[2], spans
+
+    def _stream(self, device: Any) -> Any:
+        stream = self._streams.get(device.index)
+        if stream is None:
+            stream = self._streams[device.index] = self._torch.cuda.Stream(device)
+        return stream
 
     def _read(self, span: Any) -> np.ndarray:
         """`span` of a slot in host memory, read before the answer frees the slot (a slot on the CPU, which tests
@@ -363,14 +421,45 @@ class DeviceReceiver:
         if span.device.type != "cuda":
             return cast(np.ndarray, span.numpy())
         torch = self._torch
-        stream = self._streams.get(span.device.index)
-        if stream is None:
-            stream = self._streams[span.device.index] = torch.cuda.Stream(span.device)
+        stream = self._stream(span.device)
         host = torch.empty(span.numel(), dtype=torch.uint8, pin_memory=True)
         with torch.cuda.stream(stream):
             host.copy_(span, non_blocking=True)
         stream.synchronize()
         return cast(np.ndarray, host.numpy())
+
+    def _copy(self, request: stage_pb2.PushBoundaryRequest, buffer: Any, event: Any,
+              spans: list[tuple[int, int]]) -> list[DeviceValue]:
+        torch = self._torch
+        end = _end(spans, 0)
+        ready = None
+        if buffer.device.type != "cuda":  # host slots, which tests use
+            own = buffer[:end].clone()
+        else:
+            if event is None:
+                raise ValueError("a chained bundle in a slot that came without its event")
+            stream = self._stream(buffer.device)
+            with torch.cuda.stream(stream):
+                own = torch.empty(end, dtype=torch.uint8, device=buffer.device)
+                stream.wait_event(event)
+                own.copy_(buffer[:end], non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+        values = []
+        for t, (start, n) in zip(request.tensors, spans, strict=True):
+            dtype = dtypes.to_numpy(dtypes.from_proto(t.tensor.dtype))
+            shape = tuple(int(d) for d in t.tensor.shape)
+            tensor = own[start:start + n].view(torch.from_numpy(np.empty(0, dtype)).dtype).view(shape)
+            values.append(DeviceValue(tensor, dtype, shape, ready))
+        return values
+
+    def _open_event(self, handle: dict[str, Any]) -> Any:
+        """The sender's interprocess event of a slot, opened here; None where it sent none (a host slot)."""
+        if not handle.get("ipc_event"):
+            return None
+        torch = self._torch
+        device = torch.device("cuda", self._uuids.index(handle["gpu"]))
+        return torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(handle["ipc_event"]))
 
     def _map(self, handle: dict[str, Any]) -> Any:
         """The sender's buffer, mapped on the device that holds it in this process's order (a CUDA context there

@@ -46,6 +46,7 @@ from graphmesh_executor.backends.torch_ops import (
 from graphmesh_executor.backends.torch_tensors import MEMO, TORCH_DTYPES, Tensor
 from graphmesh_executor.executable import (
     Capabilities,
+    DeviceValue,
     Executable,
     ExtentCut,
     HostOutput,
@@ -58,6 +59,21 @@ from graphmesh_executor.executable import (
 def _numpy(host: Tensor) -> np.ndarray:
     """A host tensor as numpy, sharing its memory (numpy has no bfloat16 of its own: its bits as ml_dtypes')."""
     return host.view(torch.int16).numpy().view(BF16) if host.dtype == torch.bfloat16 else host.numpy()
+
+
+def _to_host_later(value: Tensor) -> HostOutput:
+    """A CUDA tensor copied, behind the work on the stream, into pinned memory (a captured graph's next replay
+    overwrites its outputs); the result waits for an event after the copy, so the thread that launched the work
+    is free to launch more while the device runs it."""
+    pinned = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    pinned.copy_(value, non_blocking=True)
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    done.record()
+
+    def wait() -> np.ndarray:
+        done.synchronize()  # type: ignore[no-untyped-call]  # releases the GIL while the device works
+        return _numpy(pinned)
+    return HostOutput(wait=wait)
 
 
 def configure(threads: int | None) -> None:
@@ -565,16 +581,7 @@ class TorchExecutable(CudaGraphs):
         self._check_output_index(index)
         self._run_env(self._gather_inputs(inputs), list(inputs), extent, light)
         assert self._last_outputs is not None
-        out = self._last_outputs[index]
-        pinned = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        pinned.copy_(out, non_blocking=True)
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record()
-
-        def wait() -> np.ndarray:
-            done.synchronize()  # type: ignore[no-untyped-call]  # releases the GIL while the device works
-            return _numpy(pinned)
-        return HostOutput(wait=wait)
+        return _to_host_later(self._last_outputs[index])
 
     def run_fed(self, input_sets: Sequence[dict[str, np.ndarray]], feed: str, rows: int,
                 extent: tuple[int, int] | None = None, light: bool = False) -> np.ndarray:
@@ -596,6 +603,39 @@ class TorchExecutable(CudaGraphs):
             assert self._last_outputs is not None
             kept.append(self._last_outputs[0].clone())  # a captured graph's next replay overwrites its outputs
         return self._to_host(torch.stack(kept))
+
+    def keeps_on_device(self) -> bool:
+        return self._device.type == "cuda"
+
+    def run_on_device(self, inputs: dict[str, np.ndarray], index: int, fed: dict[str, DeviceValue],
+                      extent: tuple[int, int] | None = None, light: bool = False,
+                      host: bool = False) -> tuple[DeviceValue, HostOutput | None]:
+        """The stream waits for each fed value's event and copies it into its input after the host inputs are
+        staged; the output is cloned behind the run (a captured graph's next replay overwrites it). Nothing here
+        waits for the device. Each fed tensor is marked as used by this stream, so that its memory is not handed
+        out again before the stream has read it. (On the CPU, where tests drive it, the copies are plain.)"""
+        self._check_output_index(index)
+        cuda = self._device.type == "cuda"
+        stream = torch.cuda.current_stream(self._device) if cuda else None
+        env = self._gather_inputs(inputs)
+        for name, value in fed.items():
+            tensor = value.tensor
+            if stream is not None:
+                if value.ready is not None:
+                    stream.wait_event(value.ready)
+                tensor.record_stream(stream)
+            target = env[name]
+            target[:tensor.shape[0]].copy_(tensor, non_blocking=cuda)
+            target.__dict__.pop(MEMO, None)
+        self._run_env(env, list(inputs), extent, light)
+        assert self._last_outputs is not None
+        kept = self._last_outputs[index].clone()
+        value = DeviceValue(kept, _numpy(torch.empty(0, dtype=kept.dtype)).dtype, tuple(kept.shape))
+        return value, (_to_host_later(kept) if cuda else HostOutput(_numpy(kept))) if host else None
+
+    def host_async(self, values: list[DeviceValue]) -> HostOutput:
+        stacked = torch.stack([v.tensor for v in values])
+        return _to_host_later(stacked) if stacked.is_cuda else HostOutput(_numpy(stacked))
 
     @torch.inference_mode()
     def feed_kv_row(self, src_row: int, dst_row: int, row_elems: int) -> bool:
