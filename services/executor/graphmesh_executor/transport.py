@@ -28,9 +28,19 @@ the frames lost their copies (bench/RESULTS.md). A prompt chunk of 2,048 tokens 
 failed device push breaks the link (COMM); after DEVICE_STRIKES in a row to one address the sender keeps that pair
 on TCP.
 
-Boundary values are host arrays today (the stage's runs return numpy), so the sender copies host to GPU and the
-receiver GPU to host: the bundle skips serialization and the socket, not host memory. A torch CUDA tensor given to
-the sender is copied into the slot device to device; the receiver still hands the stage host arrays.
+Those bundles are host arrays (a step's output read back, then handed on), so the sender copies host to GPU and the
+receiver GPU to host: the bundle skips serialization and the socket, not host memory.
+
+A decode run's iterations run ahead instead (stage.py: a run whose tokens are all sampled in the graph): the stage
+hands the pusher its output as a DeviceValue the moment the run is launched, and the bundle goes as a
+DEVICE_CHAINED frame whatever its size. Its copy into the slot is queued on the engine's stream behind the run
+that makes it, the slot's interprocess event is recorded after the copy, and nothing waits for the device. The
+receiver copies the slot into its own memory on a stream that first waits for that event, hands the stage device
+values whose ready event its compute stream waits for, and answers once that copy has run (the answer frees the
+slot). So the GPU orders the two stages' work and neither host waits for the other's device: over two executors on
+one GPU each iteration used to cost a device-to-host copy, a host wait and a host-to-device copy at each boundary.
+A stream waiting on the event of a process that is killed does not hang: the driver finishes or drops the dead
+process's work and the event completes (checked on an H100; the step then fails as the broken link's COMM).
 
 A TCP frame (PUSH) carries the PushBoundaryRequest without its tensors' bytes, then the bytes themselves, each
 tensor at an ALIGN offset: the sender hands the arrays to the kernel where they lie (graphmesh.links.send_frame)
