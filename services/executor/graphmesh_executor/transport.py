@@ -52,6 +52,7 @@ buffer) and parsed once more.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -251,6 +252,12 @@ def read_push(payload: bytearray) -> tuple[stage_pb2.PushBoundaryRequest, list[n
     return request, _views(request, view, spans)
 
 
+@functools.cache
+def _torch_dtype(dtype: np.dtype[Any]) -> Any:
+    import torch
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
 def _export(buffer: Any, gpu_uuid: str) -> bytes:
     """An IPC handle of a device buffer, as torch.multiprocessing shares a CUDA tensor (its storage's handle,
     offset in the allocation, reference counter and the event its writes are ordered by)."""
@@ -324,8 +331,9 @@ class DeviceSender:
             if self._cuda and self._events[slot] is None:
                 self._events[slot] = torch.cuda.Event(interprocess=True, enable_timing=False)
                 self._events[slot].record()  # an event is made on its first record; its handle needs it made
+        # A chained copy goes on the caller's current stream (no context needed), behind the run that made it.
         stream = torch.cuda.current_stream(self._device) if chained and self._cuda else self._stream
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with torch.cuda.stream(stream) if stream is not None and not chained else contextlib.nullcontext():
             for value, (start, n) in zip(values, spans):
                 if isinstance(value, np.ndarray):
                     source = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
@@ -366,6 +374,7 @@ class DeviceReceiver:
         if torch is None:
             raise Unavailable(f"a bundle over CUDA IPC reached an executor on {device}", DEVICE_FAILED)
         self._torch = torch
+        self._device = torch.device(device)  # where chained bundles are copied to: this executor's GPU
         self._uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
         self._slots: dict[int, tuple[int, Any, Any]] = {}  # slot -> (generation, the mapped buffer, its event)
         # Copies out of a slot run on a stream of their own: on the legacy default stream they would wait behind
@@ -448,19 +457,20 @@ class DeviceReceiver:
         else:
             if event is None:
                 raise ValueError("a chained bundle in a slot that came without its event")
-            stream = self._stream(buffer.device)
+            # On this executor's GPU, allocated for its engine's stream (this thread's current one there, as the
+            # engine's), which reads it after the copy: the memory is not handed out again before that read.
+            own = torch.empty(end, dtype=torch.uint8, device=self._device)
+            stream = self._stream(self._device)
+            stream.wait_event(event)
             with torch.cuda.stream(stream):
-                own = torch.empty(end, dtype=torch.uint8, device=buffer.device)
-                stream.wait_event(event)
                 own.copy_(buffer[:end], non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(stream)
+            ready = torch.cuda.Event()
+            ready.record(stream)
         values = []
         for t, (start, n) in zip(request.tensors, spans, strict=True):
             dtype = dtypes.to_numpy(dtypes.from_proto(t.tensor.dtype))
             shape = tuple(int(d) for d in t.tensor.shape)
-            tensor = own[start:start + n].view(torch.from_numpy(np.empty(0, dtype)).dtype).view(shape)
-            values.append(DeviceValue(tensor, dtype, shape, ready))
+            values.append(DeviceValue(own[start:start + n].view(_torch_dtype(dtype)).view(shape), dtype, shape, ready))
         return values
 
     def _open_event(self, handle: dict[str, Any]) -> Any:

@@ -13,9 +13,10 @@ graphs: cuda_graphs.py.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
@@ -59,6 +60,11 @@ from graphmesh_executor.executable import (
 def _numpy(host: Tensor) -> np.ndarray:
     """A host tensor as numpy, sharing its memory (numpy has no bfloat16 of its own: its bits as ml_dtypes')."""
     return host.view(torch.int16).numpy().view(BF16) if host.dtype == torch.bfloat16 else host.numpy()
+
+
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    return _numpy(torch.empty(0, dtype=dtype)).dtype
 
 
 def _to_host_later(value: Tensor) -> HostOutput:
@@ -505,13 +511,13 @@ class TorchExecutable(CudaGraphs):
         value.__dict__.pop(MEMO, None)
         return value
 
-    def _gather_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, Tensor]:
+    def _gather_inputs(self, inputs: dict[str, np.ndarray], fed: Collection[str] = ()) -> dict[str, Tensor]:
         # A run that fails after the in-place write leaves rows from `pos` on written: rows past the
         # session's committed length, which attention masks and the retried run overwrites.
         self._check_input_names(inputs)
         self._static_key = None
         static = self._host_checks is not None and self._topk_capture_width is None
-        env = self._gather_static(inputs) if static else None
+        env = self._gather_static(inputs, fed) if static else None
         if env is None:
             env = super()._gather_inputs(inputs)
         for handle, output in self._donors.items():
@@ -617,7 +623,7 @@ class TorchExecutable(CudaGraphs):
         self._check_output_index(index)
         cuda = self._device.type == "cuda"
         stream = torch.cuda.current_stream(self._device) if cuda else None
-        env = self._gather_inputs(inputs)
+        env = self._gather_inputs(inputs, fed)
         for name, value in fed.items():
             tensor = value.tensor
             if stream is not None:
@@ -630,7 +636,7 @@ class TorchExecutable(CudaGraphs):
         self._run_env(env, list(inputs), extent, light)
         assert self._last_outputs is not None
         kept = self._last_outputs[index].clone()
-        value = DeviceValue(kept, _numpy(torch.empty(0, dtype=kept.dtype)).dtype, tuple(kept.shape))
+        value = DeviceValue(kept, _numpy_dtype(kept.dtype), tuple(kept.shape))
         return value, (_to_host_later(kept) if cuda else HostOutput(_numpy(kept))) if host else None
 
     def host_async(self, values: list[DeviceValue]) -> HostOutput:
