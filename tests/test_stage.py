@@ -75,11 +75,12 @@ def test_two_stage_greedy_matches_transformers(tiny_llama: Path) -> None:
 
 
 def _run_pipeline(path: Path, ranks: int, abort_at: int = 0, delay_s: float = 0.0, backend: str = "numpy",
-                  device_links: bool = False, sent: list[Boundary] | None = None) -> list[StageRuntime]:
+                  device_links: frozenset[str] = frozenset(), sent: list[Boundary] | None = None) -> list[StageRuntime]:
     """`ranks` stages over the tiny model's 2 layers, wired so the last can feed a decode run's tokens to the first.
     `abort_at` > 0: instead of feeding back the tokens of that iteration, the first run is aborted on every rank.
-    `delay_s` > 0: every bundle between ranks arrives that much later (a link's latency). `device_links`: every link
-    takes device values (as one that maps the sender's GPU), handed over as they are. `sent`: every bundle pushed."""
+    `delay_s` > 0: every bundle between ranks arrives that much later (a link's latency). `device_links`: the ranks
+    (addresses) whose links take device values (as one that maps the sender's GPU), handed over as they are. `sent`:
+    every bundle pushed."""
     runtimes: list[StageRuntime] = []
     aborts = [abort_at] if abort_at else []
 
@@ -103,7 +104,7 @@ def _run_pipeline(path: Path, ranks: int, abort_at: int = 0, delay_s: float = 0.
         delivered(None)
 
     runtimes = [StageRuntime(backend, pusher=push, kv_cache_bytes=KV_CACHE_BYTES,
-                             device_links=lambda address: device_links) for _ in range(ranks)]
+                             device_links=lambda address: address in device_links) for _ in range(ranks)]
     if ranks == 1:
         runtimes[0].install(1, 0, 1, StageSpec(str(path), 0, 2, True, True))
     else:
@@ -227,20 +228,22 @@ def test_outputs_read_on_the_completion_thread_give_the_same_tokens(tiny_llama: 
     assert len(readers) == 2 * (1 + 5 + 1) and all(name.endswith("-done") for name in readers), readers
 
 
+@pytest.mark.parametrize("ahead", ["01", "0", "1"], ids=["both-ways", "feedback-only", "forward-only"])
 def test_a_decode_run_across_ranks_runs_ahead_on_device_values_with_the_same_tokens(
-        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_llama: Path, ahead: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks whose links map one another's GPU run a decode run ahead: each iteration's output goes on as a device
     value when it is launched (the last rank's tokens fed back so too), and the tokens fed to each rank reach its
     host at the run's end. Here torch on the CPU stands for the GPU, the values handed over in-process as they are.
     The run's tokens, every rank's session tokens and a later step's tokens are those of the same ranks over host
-    arrays, greedy and seeded."""
+    arrays, greedy and seeded; also where only one of the two links takes device values (the first rank then hands
+    on, with its activation from the host, the tokens that came to it on the device)."""
     monkeypatch.setattr(TorchExecutable, "keeps_on_device", lambda self: True)
     sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
     prompts = {"a": [5, 17, 99], "b": [8, 9]}
 
-    def serve(ahead: bool) -> tuple[list[Any], list[Boundary]]:
+    def serve(links: str) -> tuple[list[Any], list[Boundary]]:
         sent: list[Boundary] = []
-        runtimes = _run_pipeline(tiny_llama, 2, backend="torch", device_links=ahead, sent=sent)
+        runtimes = _run_pipeline(tiny_llama, 2, backend="torch", device_links=frozenset(links), sent=sent)
         first = _run(runtimes, [StepRow("a", 1, 0, 0, prompts["a"]), StepRow("b", 1, 0, 0, prompts["b"], sampled)],
                      1)
         run = _run(runtimes, [StepRow("a", 2, 1, 3, [first.tokens[0]]),
@@ -250,16 +253,19 @@ def test_a_decode_run_across_ranks_runs_ahead_on_device_values_with_the_same_tok
         held = [dict(r.sessions())[sid].tokens for r in runtimes for sid in prompts]
         return [first.tokens, run.run_tokens, after.tokens, held], sent
 
-    over_host, host_sent = serve(False)
-    ahead, ahead_sent = serve(True)
-    assert ahead == over_host
+    over_host, host_sent = serve("")
+    got, ahead_sent = serve(ahead)
+    assert got == over_host
     assert over_host[3][0] == prompts["a"] + [over_host[0][0], *over_host[1][0][:4]]  # the run's fed tokens are held
     assert not any(isinstance(v, DeviceValue) for b in host_sent for v in b.values.values())
-    # the run's 5 activations and its 4 fed-back iterations (its last feeds nothing back) went as device values
-    on_device = [(b.iteration, sorted(b.values)) for b in ahead_sent
-                 if all(isinstance(v, DeviceValue) for v in b.values.values())]
-    assert on_device == [(0, [dag.ACTIVATION])] + [
-        x for i in range(1, 5) for x in ((i, [dag.RUN_TOKENS]), (i, [dag.ACTIVATION, dag.RUN_TOKENS]))], on_device
+    # rank 1 feeds the run's 4 later iterations back (its last feeds nothing back), rank 0 hands on 5 activations
+    on_device = [(b.iteration, sorted(k for k, v in b.values.items() if isinstance(v, DeviceValue)))
+                 for b in ahead_sent if any(isinstance(v, DeviceValue) for v in b.values.values())]
+    back = [(i, [dag.RUN_TOKENS]) for i in range(1, 5)] if "0" in ahead else []
+    fed = [dag.RUN_TOKENS] if "0" in ahead else []  # the tokens rank 0 hands on as they came to it
+    forth = [(0, [dag.ACTIVATION])] + [(i, [dag.ACTIVATION, *fed]) for i in range(1, 5)] if "1" in ahead else \
+        [(i, fed) for i in range(1, 5)]
+    assert sorted(on_device) == sorted(back + forth), on_device
 
 
 def test_the_engine_launches_another_step_while_an_output_is_on_its_way(tiny_llama: Path,

@@ -745,8 +745,9 @@ class StageRuntime(StageWeights, StagePhases):
         result.compute_us += (time.perf_counter() - launch.t0) * 1e6
         if not spec.last:
             values: dict[str, BoundaryValue] = {dag.ACTIVATION: out[:launch.tokens]}
-            if step.iteration:
-                values[dag.RUN_TOKENS] = np.asarray([r.token_ids[0] for r in rows], np.int64)
+            if step.iteration:  # as fed: tokens that came on a device are not in the rows' ids
+                assert launch.fed is not None
+                values[dag.RUN_TOKENS] = launch.fed
             for route in self.plan.routes_from(self.group.id):
                 self._send(step, route, values, self._dims(step), self._wave(step, self.group))
         elif step.want_logits:
