@@ -241,11 +241,9 @@ def test_a_push_frame_carries_each_tensor_after_the_message_byte_exact() -> None
         assert e.value.reason == "BAD_REQUEST"
 
 
-def test_bundles_cross_a_links_slots_byte_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPU path's layout, on host memory: each tensor at its aligned offset in a slot, the slot's handle sent
-    only when the receiver has not mapped that generation, a slot grown for a bigger bundle mapped anew, a slot
-    never reused before its push was answered, small bundles left to TCP frames. (The device copies and the IPC
-    handles themselves need CUDA: test_two_executors_on_one_gpu_take_cuda_ipc_with_the_same_tokens.)"""
+def _host_slots(monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], transport.DeviceSender,
+                                                             transport.DeviceReceiver]:
+    """A link's two GPU ends with their slots in host memory: a slot's handle is its index among `exported`."""
     exported: list[torch.Tensor] = []
 
     def export(buffer: torch.Tensor, gpu: str) -> bytes:
@@ -253,10 +251,18 @@ def test_bundles_cross_a_links_slots_byte_exact(monkeypatch: pytest.MonkeyPatch)
         return json.dumps({"gpu": gpu, "id": len(exported) - 1}).encode()
     monkeypatch.setattr(transport, "_export", export)
     monkeypatch.setattr(transport.DeviceReceiver, "_map", lambda self, handle: exported[handle["id"]])
-    monkeypatch.setattr(transport, "DEVICE_MIN_BYTES", 4096)
-    sender = transport.DeviceSender("cpu", GPU_A)
     receiver = object.__new__(transport.DeviceReceiver)
-    receiver._slots = {}
+    receiver._slots, receiver._torch = {}, torch
+    return exported, transport.DeviceSender("cpu", GPU_A), receiver
+
+
+def test_bundles_cross_a_links_slots_byte_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path's layout, on host memory: each tensor at its aligned offset in a slot, the slot's handle sent
+    only when the receiver has not mapped that generation, a slot grown for a bigger bundle mapped anew, a slot
+    never reused before its push was answered, small bundles left to TCP frames. (The device copies and the IPC
+    handles themselves need CUDA: test_two_executors_on_one_gpu_take_cuda_ipc_with_the_same_tokens.)"""
+    exported, sender, receiver = _host_slots(monkeypatch)
+    monkeypatch.setattr(transport, "DEVICE_MIN_BYTES", 4096)
     rng = np.random.default_rng(7)
 
     def bundle(rows: int) -> tuple[stage_pb2.PushBoundaryRequest, list[np.ndarray]]:
@@ -298,16 +304,7 @@ def test_chained_bundles_stay_device_values_and_grow_the_slots(monkeypatch: pyte
     the receiver's copy has run), and reaches the receiver as device values holding the same bytes, described as
     the host arrays they stand for. (The stream's wait for the slot's event needs CUDA:
     test_two_executors_on_one_gpu_run_decode_runs_ahead_with_the_same_tokens.)"""
-    exported: list[torch.Tensor] = []
-
-    def export(buffer: torch.Tensor, gpu: str) -> bytes:
-        exported.append(buffer)
-        return json.dumps({"gpu": gpu, "id": len(exported) - 1}).encode()
-    monkeypatch.setattr(transport, "_export", export)
-    monkeypatch.setattr(transport.DeviceReceiver, "_map", lambda self, handle: exported[handle["id"]])
-    sender = transport.DeviceSender("cpu", GPU_A)
-    receiver = object.__new__(transport.DeviceReceiver)
-    receiver._slots, receiver._torch = {}, torch
+    _, sender, receiver = _host_slots(monkeypatch)
     rng = np.random.default_rng(3)
     slots = []
     for rows in range(1, transport.CHAINED_SLOTS + 1):
