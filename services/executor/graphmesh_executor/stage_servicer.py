@@ -88,19 +88,21 @@ class BoundaryPusher:
     def on_device(self, address: str) -> bool:
         """Whether a bundle to `address` may stay on the GPU (a DeviceValue): the open link there maps this GPU's
         memory, its receiver having chosen CUDA IPC."""
+        return self._device_link(address) is not None
+
+    def _device_link(self, address: str) -> BoundaryLink | None:
         with self._lock:
             link = self._links.get(address)
             device = self._device.get(address)
-        return link is not None and link.broken is None and device is not None and device[0] is link
+        return link if link is not None and link.broken is None and device is not None and device[0] is link else None
 
     def _push_chained(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float,
                       delivered: Callable[[Exception | None], None]) -> bool:
         """Sends a bundle of device values on the caller's thread (the engine's, which queued the runs that made
         them) as a DEVICE_CHAINED frame: its copy into the link's slot is queued behind those runs and nothing
         waits for them. False (nothing sent) where no open link maps this GPU or every slot is in flight."""
-        with self._lock:
-            link = self._links.get(address)
-        if link is None or not self.on_device(address):
+        link = self._device_link(address)
+        if link is None:
             return False
         with telemetry.span("stage.push_boundary", step=boundary.step_id, iteration=boundary.iteration, chained=True):
             request = self._request(incarnation, boundary, data=False)
@@ -524,6 +526,11 @@ def _arrays(boundary: Boundary) -> list[np.ndarray]:
 
 
 def _on_host(boundary: Boundary) -> Boundary:
-    """`boundary` with its device values read to the host (waiting for the runs that make them)."""
-    values = {role: v.tensor.cpu().numpy() if isinstance(v, DeviceValue) else v for role, v in boundary.values.items()}
-    return replace(boundary, values=values)
+    """`boundary` with its device values read to the host (waiting for the runs, and copies, that make them)."""
+    def read(value: BoundaryValue) -> np.ndarray:
+        if not isinstance(value, DeviceValue):
+            return value
+        if value.ready is not None:
+            value.ready.synchronize()
+        return np.asarray(value.tensor.cpu().numpy())
+    return replace(boundary, values={role: read(v) for role, v in boundary.values.items()})

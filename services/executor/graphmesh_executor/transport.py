@@ -341,7 +341,11 @@ class DeviceSender:
                     if pinned:
                         source = source.pin_memory()  # queued on the stream, not waiting for its work
                 else:
-                    tensor = value.tensor if isinstance(value, DeviceValue) else value
+                    tensor = value
+                    if isinstance(value, DeviceValue):
+                        tensor = value.tensor
+                        if value.ready is not None and stream is not None:  # a value this rank was handed on
+                            stream.wait_event(value.ready)
                     source = tensor.contiguous().reshape(-1).view(torch.uint8)
                     pinned = False
                 if source.numel() != n:
