@@ -344,8 +344,9 @@ class DeviceSender:
                     tensor = value
                     if isinstance(value, DeviceValue):
                         tensor = value.tensor
-                        if value.ready is not None and stream is not None:  # a value this rank was handed on
+                        if value.ready is not None and stream is not None:  # a value handed to this rank
                             stream.wait_event(value.ready)
+                            tensor.record_stream(stream)  # read here: not handed out again before this copy
                     source = tensor.contiguous().reshape(-1).view(torch.uint8)
                     pinned = False
                 if source.numel() != n:
@@ -461,15 +462,16 @@ class DeviceReceiver:
         else:
             if event is None:
                 raise ValueError("a chained bundle in a slot that came without its event")
-            # On this executor's GPU, allocated for its engine's stream (this thread's current one there, as the
-            # engine's), which reads it after the copy: the memory is not handed out again before that read.
-            own = torch.empty(end, dtype=torch.uint8, device=self._device)
+            # On this executor's GPU, allocated on the copy's own stream: whoever reads it on another stream marks it
+            # used there (Tensor.record_stream), so its memory is not handed to the next copy before that read. (On
+            # the engine's stream, the next bundle's copy, which waits only for its sender, could overwrite it.)
             stream = self._stream(self._device)
-            stream.wait_event(event)
             with torch.cuda.stream(stream):
+                own = torch.empty(end, dtype=torch.uint8, device=self._device)
+                stream.wait_event(event)
                 own.copy_(buffer[:end], non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(stream)
+                ready = torch.cuda.Event()
+                ready.record(stream)
         values = []
         for t, (start, n) in zip(request.tensors, spans, strict=True):
             dtype = dtypes.to_numpy(dtypes.from_proto(t.tensor.dtype))
