@@ -10,7 +10,7 @@ then one replay instead of ~800 launches.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,11 +185,10 @@ class CudaGraphs(Executable[Tensor]):
                 checks.setdefault(key, _host_check(node, value, graph))
         return list(checks.values())
 
-    def _gather_static(self, inputs: dict[str, np.ndarray], fed: Collection[str] = ()) -> dict[str, Tensor] | None:
+    def _gather_static(self, inputs: dict[str, np.ndarray]) -> dict[str, Tensor] | None:
         """env for a static run, its host inputs copied to the device in one transfer (and self._static_key set),
         or None when this run must be eager: a host check declines, a cache is not donated, or an input reads as
-        zeros. The host checks raise the kernels' errors. `fed`: inputs the caller writes on the device afterwards
-        (their host values, placeholders for the checks, are not copied)."""
+        zeros. The host checks raise the kernels' errors."""
         if self._host_checks is None or not all(check(inputs) for check in self._host_checks):
             return None
         if any(self._donors.get(h) != i for h, i in self._prefix_feeds.items()):
@@ -203,8 +202,7 @@ class CudaGraphs(Executable[Tensor]):
         k, staging.turn = staging.turn, 1 - staging.turn
         staging.copied[k].synchronize()  # the copy out of this buffer two runs ago has landed
         for name in names:
-            if name not in fed:
-                np.copyto(staging.host[k][name], conform(inputs[name], self.graph.inputs[name], f"input {name!r}"))
+            np.copyto(staging.host[k][name], conform(inputs[name], self.graph.inputs[name], f"input {name!r}"))
         staging.on_device.copy_(staging.pinned[k], non_blocking=True)
         staging.copied[k].record()
         env: dict[str, Tensor] = {}
@@ -225,8 +223,7 @@ class CudaGraphs(Executable[Tensor]):
         offsets = [0]
         for size in sizes:
             offsets.append(offsets[-1] + -(-size // 16) * 16)
-        # Zeros: an input fed on the device is never copied in here, and its padding rows keep what this holds.
-        pinned = [torch.zeros(offsets[-1], dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        pinned = [torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         on_device = torch.empty(offsets[-1], dtype=torch.uint8, device=self._device)
         host: list[dict[str, np.ndarray]] = [{}, {}]
         device = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, cast
 
@@ -511,13 +511,13 @@ class TorchExecutable(CudaGraphs):
         value.__dict__.pop(MEMO, None)
         return value
 
-    def _gather_inputs(self, inputs: dict[str, np.ndarray], fed: Collection[str] = ()) -> dict[str, Tensor]:
+    def _gather_inputs(self, inputs: dict[str, np.ndarray]) -> dict[str, Tensor]:
         # A run that fails after the in-place write leaves rows from `pos` on written: rows past the
         # session's committed length, which attention masks and the retried run overwrites.
         self._check_input_names(inputs)
         self._static_key = None
         static = self._host_checks is not None and self._topk_capture_width is None
-        env = self._gather_static(inputs, fed) if static else None
+        env = self._gather_static(inputs) if static else None
         if env is None:
             env = super()._gather_inputs(inputs)
         for handle, output in self._donors.items():
@@ -623,7 +623,7 @@ class TorchExecutable(CudaGraphs):
         self._check_output_index(index)
         cuda = self._device.type == "cuda"
         stream = torch.cuda.current_stream(self._device) if cuda else None
-        env = self._gather_inputs(inputs, fed)
+        env = self._gather_inputs(inputs)
         for name, value in fed.items():
             tensor = value.tensor
             if stream is not None:
