@@ -37,7 +37,6 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 from google.rpc import status_pb2
@@ -71,6 +70,8 @@ from graphmesh.links import (
     send_frame,
 )
 from graphmesh.v1 import stage_pb2
+from graphmesh_executor.executable import DeviceValue
+from graphmesh_executor.stage_types import BoundaryValue
 from graphmesh_executor.transport import (
     DEVICE_CHAINED,
     DEVICE_FAILED,
@@ -97,7 +98,8 @@ SEND_BUFFER_BYTES = 4 << 20
 _OK = status_pb2.Status().SerializeToString()
 
 Delivered = Callable[[Exception | None], None]
-Accept = Callable[[stage_pb2.PushBoundaryRequest, list[np.ndarray]], None]  # a bundle: the request, its tensors
+# a bundle: the request, its tensors (host arrays, or a chained bundle's device values)
+Accept = Callable[[stage_pb2.PushBoundaryRequest, Sequence[BoundaryValue]], None]
 
 
 def _answer(e: Exception, what: str) -> bytes:
@@ -310,8 +312,8 @@ class LinkListener:
                     continue
                 if kind not in (PUSH, DEVICE_PUSH, DEVICE_CHAINED):
                     raise LinkError(f"a frame of kind {kind} where a push was expected")
-                copied: Sequence[object] = ()  # a chained bundle's copies out of the sender's slot
-                values: list[Any]  # host arrays, or a chained bundle's DeviceValues
+                copied: list[DeviceValue] = []  # a chained bundle's copies out of the sender's slot
+                values: Sequence[BoundaryValue]
                 try:
                     if kind == PUSH:
                         request, values = read_push(payload)
@@ -319,7 +321,7 @@ class LinkListener:
                         device = device or [self.device_receiver()]
                         if kind == DEVICE_CHAINED:
                             request, copied = device[0].chained(bytes(payload))
-                            values = list(copied)
+                            values = copied
                         else:
                             request, values = device[0].request(bytes(payload))  # no tensor bytes
                     self._accept(request, values)

@@ -556,7 +556,7 @@ class StageRuntime(StageWeights, StagePhases):
         spec, plan = self.spec, self.plan
         if step.steps < 2 or encoded or step.want_logits or not run.exe.keeps_on_device():
             return False
-        if spec.last and (step.iteration + 1 >= step.steps or not self._samples(step, step.rows)):
+        if spec.last and step.iteration + 1 >= step.steps:
             return False
         if any(r.sampling.logprobs or r.allowed_tokens for r in step.rows):  # the last stage samples on the host
             return False
@@ -591,7 +591,6 @@ class StageRuntime(StageWeights, StagePhases):
             output = launch.output
             self.engine.after("stage.iteration_done", output, lambda: self._took(step, output))
         elif i + 1 == step.steps and step.fed_later:
-            assert step.last_run is not None
             fed = self._fed_on_host(step)
             self.engine.after("stage.run_done", fed, lambda: self._settled(step, fed))
             return

@@ -6,10 +6,10 @@ import logging
 import math
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import grpc
 import numpy as np
@@ -314,7 +314,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self.accept_push(request, [tensors.from_proto(t.tensor) for t in request.tensors])
         return stage_pb2.PushBoundaryResponse()
 
-    def accept_push(self, request: stage_pb2.PushBoundaryRequest, arrays: list[np.ndarray]) -> None:
+    def accept_push(self, request: stage_pb2.PushBoundaryRequest, arrays: Sequence[BoundaryValue]) -> None:
         """A pushed bundle, from PushBoundary or a boundary link: its message and its tensors' values in order."""
         values: dict[str, BoundaryValue] = {dag.role_of(t.role): array for t, array in zip(request.tensors, arrays)}
         if len(values) != len(request.tensors):  # a role twice: fails the route's check, as any bad bundle
@@ -532,5 +532,5 @@ def _on_host(boundary: Boundary) -> Boundary:
             return value
         if value.ready is not None:
             value.ready.synchronize()
-        return np.asarray(value.tensor.cpu().numpy())
+        return cast(np.ndarray, value.tensor.cpu().numpy())
     return replace(boundary, values={role: read(v) for role, v in boundary.values.items()})

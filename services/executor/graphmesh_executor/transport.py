@@ -52,7 +52,6 @@ buffer) and parsed once more.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -252,12 +251,6 @@ def read_push(payload: bytearray) -> tuple[stage_pb2.PushBoundaryRequest, list[n
     return request, _views(request, view, spans)
 
 
-@functools.cache
-def _torch_dtype(dtype: np.dtype[Any]) -> Any:
-    import torch
-    return torch.from_numpy(np.empty(0, dtype)).dtype
-
-
 def _export(buffer: Any, gpu_uuid: str) -> bytes:
     """An IPC handle of a device buffer, as torch.multiprocessing shares a CUDA tensor (its storage's handle,
     offset in the allocation, reference counter and the event its writes are ordered by)."""
@@ -454,6 +447,8 @@ class DeviceReceiver:
 
     def _copy(self, request: stage_pb2.PushBoundaryRequest, buffer: Any, event: Any,
               spans: list[tuple[int, int]]) -> list[DeviceValue]:
+        from graphmesh_executor.backends.torch_tensors import TORCH_DTYPES
+
         torch = self._torch
         end = _end(spans, 0)
         ready = None
@@ -474,9 +469,9 @@ class DeviceReceiver:
                 ready.record(stream)
         values = []
         for t, (start, n) in zip(request.tensors, spans, strict=True):
-            dtype = dtypes.to_numpy(dtypes.from_proto(t.tensor.dtype))
-            shape = tuple(int(d) for d in t.tensor.shape)
-            values.append(DeviceValue(own[start:start + n].view(_torch_dtype(dtype)).view(shape), dtype, shape, ready))
+            name, shape = dtypes.from_proto(t.tensor.dtype), tuple(int(d) for d in t.tensor.shape)
+            values.append(DeviceValue(own[start:start + n].view(TORCH_DTYPES[name]).view(shape), dtypes.to_numpy(name),
+                                      shape, ready))
         return values
 
     def _open_event(self, handle: dict[str, Any]) -> Any:

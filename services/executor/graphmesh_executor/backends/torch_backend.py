@@ -13,7 +13,6 @@ graphs: cuda_graphs.py.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -62,15 +61,15 @@ def _numpy(host: Tensor) -> np.ndarray:
     return host.view(torch.int16).numpy().view(BF16) if host.dtype == torch.bfloat16 else host.numpy()
 
 
-@functools.cache
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
-    return _numpy(torch.empty(0, dtype=dtype)).dtype
+NUMPY_DTYPES = {t: dtypes.to_numpy(name) for name, t in TORCH_DTYPES.items()}
 
 
 def _to_host_later(value: Tensor) -> HostOutput:
     """A CUDA tensor copied, behind the work on the stream, into pinned memory (a captured graph's next replay
     overwrites its outputs); the result waits for an event after the copy, so the thread that launched the work
-    is free to launch more while the device runs it."""
+    is free to launch more while the device runs it. A host tensor is its own output."""
+    if not value.is_cuda:
+        return HostOutput(_numpy(value))
     pinned = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
     pinned.copy_(value, non_blocking=True)
     done = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -636,12 +635,10 @@ class TorchExecutable(CudaGraphs):
         self._run_env(env, list(inputs), extent, light)
         assert self._last_outputs is not None
         kept = self._last_outputs[index].clone()
-        value = DeviceValue(kept, _numpy_dtype(kept.dtype), tuple(kept.shape))
-        return value, (_to_host_later(kept) if cuda else HostOutput(_numpy(kept))) if host else None
+        return DeviceValue(kept, NUMPY_DTYPES[kept.dtype], tuple(kept.shape)), _to_host_later(kept) if host else None
 
     def host_async(self, values: list[DeviceValue]) -> HostOutput:
-        stacked = torch.stack([v.tensor for v in values])
-        return _to_host_later(stacked) if stacked.is_cuda else HostOutput(_numpy(stacked))
+        return _to_host_later(torch.stack([v.tensor for v in values]))
 
     @torch.inference_mode()
     def feed_kv_row(self, src_row: int, dst_row: int, row_elems: int) -> bool:
