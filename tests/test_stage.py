@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,9 @@ from graphmesh_executor.backends.torch_backend import TorchExecutable
 from graphmesh_executor.executable import DeviceValue, Executable, HostOutput
 from graphmesh_executor.fencing import AuthorityState, SessionPhase
 from graphmesh_executor.stage import StageRuntime
-from graphmesh_executor.stage_types import Boundary, KvBlocks, Sampling, StageSpec, StepResult, StepRow
+from graphmesh_executor.stage_servicer import BoundaryPusher
+from graphmesh_executor.stage_types import Boundary, KvBlocks, Queue, Sampling, StageSpec, StepResult, StepRow
+from tests.host_slots import HostSlots
 from tests.model_fixtures import make_tiny_llama
 from tests.stage_pipeline import two_stages
 
@@ -75,14 +78,44 @@ def test_two_stage_greedy_matches_transformers(tiny_llama: Path) -> None:
 
 
 def _run_pipeline(path: Path, ranks: int, abort_at: int = 0, delay_s: float = 0.0, backend: str = "numpy",
-                  device_links: frozenset[str] = frozenset(), sent: list[Boundary] | None = None) -> list[StageRuntime]:
+                  device_links: frozenset[str] = frozenset(), sent: list[Boundary] | None = None,
+                  queued: HostSlots | None = None, queue_to: frozenset[str] = frozenset(),
+                  runs: list[tuple[str, int, int]] | None = None) -> list[StageRuntime]:
     """`ranks` stages over the tiny model's 2 layers, wired so the last can feed a decode run's tokens to the first.
     `abort_at` > 0: instead of feeding back the tokens of that iteration, the first run is aborted on every rank.
     `delay_s` > 0: every bundle between ranks arrives that much later (a link's latency). `device_links`: the ranks
     (addresses) whose links take device values (as one that maps the sender's GPU), handed over as they are. `sent`:
-    every bundle pushed."""
+    every bundle pushed. `queue_to`: the ranks whose links queue decode runs, through `queued`'s slots in host
+    memory (a queued run's bundles are sent as the first one's frame sends them: all accepted at once); `runs`: each
+    run queued (address, its first bundle's iteration, bundles). With `abort_at` too, the sender of a queued run stops
+    writing at that iteration (as though it died) and every rank aborts the run."""
     runtimes: list[StageRuntime] = []
     aborts = [abort_at] if abort_at else []
+    ends = {address: queued.link() for address in queue_to} if queued is not None else {}
+
+    def queue(address: str, incarnation: int, boundary: Boundary, bundles: int, timeout_s: float,
+              delivered: Callable[[Exception | None], None]) -> Queue | None:
+        if address not in ends:
+            return None
+        if sent is not None:
+            sent.append(boundary)
+        sender, receiver = ends[address]
+        made = sender.queue(BoundaryPusher._request(incarnation, boundary, data=False), list(boundary.values.values()),
+                            bundles)
+        assert made is not None
+        payload, run = made
+        for k, values in enumerate(receiver.queued(payload)[1]):
+            runtimes[int(address)].accept_boundary(incarnation, replace(
+                boundary, iteration=boundary.iteration + k, values=dict(zip(boundary.values, values))))
+        delivered(None)
+        if runs is not None:
+            runs.append((address, boundary.iteration, bundles))
+        if aborts and boundary.iteration <= aborts[0] < boundary.iteration + bundles:
+            def abort() -> None:
+                for r in runtimes:
+                    r.abort_step(incarnation, boundary.step_id, [])
+            return _Dying(run, aborts.pop() - boundary.iteration - 1, abort)
+        return run
 
     def push(address: str, incarnation: int, boundary: Boundary, timeout_s: float,
              delivered: Callable[[Exception | None], None]) -> None:
@@ -104,7 +137,7 @@ def _run_pipeline(path: Path, ranks: int, abort_at: int = 0, delay_s: float = 0.
         delivered(None)
 
     runtimes = [StageRuntime(backend, pusher=push, kv_cache_bytes=KV_CACHE_BYTES,
-                             device_links=lambda address: address in device_links) for _ in range(ranks)]
+                             device_links=lambda address: address in device_links, queue=queue) for _ in range(ranks)]
     if ranks == 1:
         runtimes[0].install(1, 0, 1, StageSpec(str(path), 0, 2, True, True))
     else:
@@ -112,6 +145,28 @@ def _run_pipeline(path: Path, ranks: int, abort_at: int = 0, delay_s: float = 0.
         runtimes[0].install(1, 0, 2, StageSpec(str(path), 0, 1, True, False), plan)
         runtimes[1].install(1, 1, 2, StageSpec(str(path), 1, 2, False, True), plan)
     return runtimes
+
+
+class _Dying:
+    """A queued run whose sender stops writing after `puts` more bundles (its first was written), as though its
+    process died: then every rank aborts the step, once the ranks' engines are waiting for what will never come."""
+
+    def __init__(self, run: Queue, puts: int, abort: Callable[[], None]) -> None:
+        self._run, self._puts, self._abort = run, puts, abort
+
+    def put(self, values: list[Any]) -> None:
+        if self._puts:
+            self._puts -= 1
+            self._run.put(values)
+        elif self._puts == 0:
+            self._puts = -1
+            threading.Timer(0.3, self._abort).start()
+
+    def end(self) -> None:
+        self._run.end()
+
+    def release(self) -> None:
+        self._run.release()
 
 
 def _run(runtimes: list[StageRuntime], rows: list[StepRow], steps: int, timeout_s: float = 5.0) -> StepResult:
@@ -266,6 +321,65 @@ def test_a_decode_run_across_ranks_runs_ahead_on_device_values_with_the_same_tok
     forth = [(0, [dag.ACTIVATION])] + [(i, [dag.ACTIVATION, *fed]) for i in range(1, 5)] if "1" in ahead else \
         [(i, fed) for i in range(1, 5)]
     assert sorted(on_device) == sorted(back + forth), on_device
+
+
+@pytest.mark.parametrize("queue_to", ["01", "1", "0"], ids=["both-ways", "forward-only", "feedback-only"])
+def test_a_decode_run_queued_on_the_device_has_the_tokens_of_one_run_ahead(
+        tiny_llama: Path, queue_to: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a link can queue a decode run (two executors on one GPU), a run's bundles over it from its second
+    iteration on go as one queued run: the first's frame announces them, and each later one is written into the
+    run's slot as its iteration launches, read by the receiver's run through the slot's words. The tokens of two runs
+    in a row (the second through the slots the first ended), every rank's session tokens and a later step's are those
+    of the same ranks running ahead bundle by bundle, greedy and seeded. Here torch on the CPU stands for the GPU and
+    the slots lie in host memory (test_transport.py's CUDA test runs the words on a GPU)."""
+    monkeypatch.setattr(TorchExecutable, "keeps_on_device", lambda self: True)
+    sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    prompts = {"a": [5, 17, 99], "b": [8, 9]}
+
+    def serve(queue_to: str) -> tuple[list[Any], list[tuple[str, int, int]]]:
+        runs: list[tuple[str, int, int]] = []
+        runtimes = _run_pipeline(tiny_llama, 2, backend="torch", device_links=frozenset("01"),
+                                 queued=HostSlots(monkeypatch) if queue_to else None, queue_to=frozenset(queue_to),
+                                 runs=runs)
+        first = _run(runtimes, [StepRow("a", 1, 0, 0, prompts["a"]), StepRow("b", 1, 0, 0, prompts["b"], sampled)],
+                     1)
+        run = _run(runtimes, [StepRow("a", 2, 1, 3, [first.tokens[0]]),
+                              StepRow("b", 2, 1, 2, [first.tokens[1]], sampled)], 5)
+        again = _run(runtimes, [StepRow("a", 3, 2, 8, [run.run_tokens[0][-1]]),
+                                StepRow("b", 3, 2, 7, [run.run_tokens[1][-1]], sampled)], 4)
+        after = _run(runtimes, [StepRow("a", 4, 3, 12, [again.run_tokens[0][-1]]),
+                                StepRow("b", 4, 3, 11, [again.run_tokens[1][-1]], sampled)], 1)
+        held = [dict(r.sessions())[sid].tokens for r in runtimes for sid in prompts]
+        return [first.tokens, run.run_tokens, again.run_tokens, after.tokens, held], runs
+
+    ahead, none = serve("")
+    got, runs = serve(queue_to)
+    assert got == ahead and not none
+    assert ahead[4][0] == prompts["a"] + [ahead[0][0], *ahead[1][0], *ahead[2][0][:-1]]  # fed tokens held
+    # each run, each way queued: its bundles from iteration 1 (the first rank's iteration 0 hands on no tokens)
+    assert sorted(runs) == sorted((address, 1, n) for address in queue_to for n in (4, 3)), runs
+
+
+def test_a_queued_run_whose_sender_dies_fails_on_every_rank_and_replays_with_the_same_tokens(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queued run whose sender stops writing part-way (as though its process died) leaves each rank's engine
+    waiting for bytes that never come; aborting the step releases those waits on every rank (they run on, computing
+    what is never used), the step fails everywhere, every rank is where it was, and the replayed run, through the
+    same links (a failed sender's slot retired, a failed receiver's slot free), gives the fault-free tokens."""
+    monkeypatch.setattr(TorchExecutable, "keeps_on_device", lambda self: True)
+    runtimes = _run_pipeline(tiny_llama, 2, abort_at=2, backend="torch", device_links=frozenset("01"),
+                             queued=HostSlots(monkeypatch), queue_to=frozenset("01"))
+    first = _run(runtimes, [StepRow("a", 1, 0, 0, [5, 17, 99])], 1).tokens[0]
+    with pytest.raises(ProtocolError) as e:
+        _run(runtimes, [StepRow("a", 2, 1, 3, [first])], 5)
+    assert (e.value.error_class, e.value.reason) == ("ARCH", "EPOCH_ABORTED")
+    for r in runtimes:
+        assert _txn(r, "a") == (SessionPhase.IDLE, 2, 3) and r.authority.state is AuthorityState.ACTIVE
+        assert not r._mailbox
+    clean = _run_pipeline(tiny_llama, 2, backend="torch")
+    _run(clean, [StepRow("a", 1, 0, 0, [5, 17, 99])], 1)
+    want = _run(clean, [StepRow("a", 2, 1, 3, [first])], 5).run_tokens
+    assert _run(runtimes, [StepRow("a", 3, 0, 3, [first])], 5).run_tokens == want
 
 
 def test_the_engine_launches_another_step_while_an_output_is_on_its_way(tiny_llama: Path,

@@ -10,6 +10,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,7 +28,7 @@ from graphmesh.coordinator_client import CoordinatorClient
 from graphmesh.errors import GraphmeshError, Unavailable
 from graphmesh.launcher import LocalMesh, free_port, gpu_env, parse_gpus
 from graphmesh.links import PUSH
-from graphmesh.v1 import stage_pb2, stage_pb2_grpc
+from graphmesh.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
 from graphmesh_executor import transport
 from graphmesh_executor.boundary_link import BoundaryLink
 from graphmesh_executor.executable import DeviceValue
@@ -34,6 +36,7 @@ from graphmesh_executor.stage_servicer import BoundaryPusher
 from graphmesh_executor.stage_types import Boundary
 from graphmesh_executor.transport import CUDA_IPC, ENV, TCP, choose, local_end
 from tests.conftest import executor_args, start_process
+from tests.host_slots import HostSlots
 from tests.model_fixtures import make_tiny_llama
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 11, 600, 12, 1]
@@ -243,17 +246,9 @@ def test_a_push_frame_carries_each_tensor_after_the_message_byte_exact() -> None
 
 def _host_slots(monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], transport.DeviceSender,
                                                              transport.DeviceReceiver]:
-    """A link's two GPU ends with their slots in host memory: a slot's handle is its index among `exported`."""
-    exported: list[torch.Tensor] = []
-
-    def export(buffer: torch.Tensor, gpu: str) -> bytes:
-        exported.append(buffer)
-        return json.dumps({"gpu": gpu, "id": len(exported) - 1}).encode()
-    monkeypatch.setattr(transport, "_export", export)
-    monkeypatch.setattr(transport.DeviceReceiver, "_map", lambda self, handle: exported[handle["id"]])
-    receiver = object.__new__(transport.DeviceReceiver)
-    receiver._slots, receiver._torch = {}, torch
-    return exported, transport.DeviceSender("cpu", GPU_A), receiver
+    """A link's two GPU ends with their slots in host memory, and the buffers exported so far."""
+    slots = HostSlots(monkeypatch)
+    return slots.exported, *slots.link(GPU_A)
 
 
 def test_bundles_cross_a_links_slots_byte_exact(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -285,15 +280,18 @@ def test_bundles_cross_a_links_slots_byte_exact(monkeypatch: pytest.MonkeyPatch)
             assert array.dtype == value.dtype and np.array_equal(array, value)
         return slot, handle
 
+    def buffers() -> list[torch.Tensor]:  # the slots' buffers exported, without their words (queued runs')
+        return [e for e in exported if e.dtype == torch.uint8]
+
     first, handle = through(100)  # 14,800 + 800 bytes: the second tensor at offset 14,848
-    assert handle and len(exported) == 1 and exported[0].numel() == 16384
+    assert handle and len(buffers()) == 1 and buffers()[0].numel() == 16384
     sender.release(first)
     slots = [through(90) for _ in range(transport.SLOTS)]  # the free ones first, each new to the receiver
     assert [s for s, _ in slots] == [1, 2, 3, 0] and all(h for s, h in slots if s) and not slots[-1][1]
     assert sender.frame(*bundle(100)) is None  # every slot in flight: this one goes as a TCP frame
     sender.release(1)
     grown, handle = through(1000)  # 156,416 bytes: slot 1 grows to 256 KiB, a new generation the receiver maps
-    assert grown == 1 and handle and len(exported) == 5 and exported[-1].numel() == 262144
+    assert grown == 1 and handle and len(buffers()) == 5 and buffers()[-1].numel() == 262144
     sender.release(1)
     assert sender.frame(*bundle(10)) is None  # 1,480 + 80 bytes: under DEVICE_MIN_BYTES
 
@@ -330,6 +328,75 @@ def test_chained_bundles_stay_device_values_and_grow_the_slots(monkeypatch: pyte
     sender.release(5)
     framed = sender.frame(request, [tokens], chained=True)
     assert framed is not None and framed[1] == 5
+
+
+def test_a_queued_run_hands_its_bundles_through_one_slot_by_its_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queued run (a decode run's bundles from its second iteration on) holds one slot: the first bundle's frame
+    announces them all, each reaches the receiver as device values that arrive when first read, and the next is
+    written only once the one before was read (the slot's consumed word), never over it. Ended, the slot takes other
+    pushes; released by a failing receiver, the sender may use it again at once; released by a failing sender, it is
+    retired and its index gets a new buffer. (The stream waits on the words need CUDA:
+    test_two_executors_on_one_gpu_queue_decode_runs_on_the_device_with_the_same_tokens.)"""
+    exported, sender, receiver = _host_slots(monkeypatch)
+    rng = np.random.default_rng(5)
+    request = stage_pb2.PushBoundaryRequest(step_id=1, iteration=1, route_id=0)
+    for role, shape, dtype in ((dag.ACTIVATION, (3, 8), np.float32), (dag.RUN_TOKENS, (3,), np.int64)):
+        request.tensors.add(role=dag.role_proto(role), tensor=tensor_pb2.Tensor(
+            dtype=dtypes.to_proto(dtypes.from_numpy(np.dtype(dtype))), shape=shape))
+
+    def bundle() -> list[Any]:
+        return [DeviceValue(torch.from_numpy(rng.standard_normal((3, 8)).astype(np.float32)), np.dtype(np.float32),
+                            (3, 8)), rng.integers(0, 1000, 3, dtype=np.int64)]
+
+    def read(values: list[DeviceValue]) -> list[np.ndarray]:
+        return [v.on(None).numpy() for v in values]
+
+    def same(got: list[np.ndarray], sent: list[Any]) -> bool:
+        return all(np.array_equal(g, s.tensor.numpy() if isinstance(s, DeviceValue) else s) for g, s in zip(got, sent))
+
+    for _ in range(transport.SLOTS - 1):  # every slot in flight but one: each run and push below takes that one
+        sender._take(False)
+    sent = [bundle() for _ in range(3)]
+    queued = sender.queue(request, sent[0], 3)
+    assert queued is not None
+    payload, run = queued
+    got, bundles = receiver.queued(payload)
+    assert got.iteration == 1 and len(bundles) == 3
+    assert all(v.arrival is not None and (v.dtype, v.shape) in (((np.dtype(np.float32), (3, 8))),
+                                                                (np.dtype(np.int64), (3,))) for b in bundles for v in b)
+    assert same(read(bundles[0]), sent[0])
+    run.put(sent[1])
+    later = threading.Thread(target=run.put, args=(sent[2],))
+    later.start()
+    time.sleep(0.2)
+    assert later.is_alive()  # bundle 1 is not read yet: the slot holds it
+    assert same(read(bundles[1]), sent[1])
+    later.join(5)
+    assert not later.is_alive() and same(read(bundles[2]), sent[2])
+    run.end()
+    chained = sender.frame(request, bundle(), chained=True)
+    assert chained is not None and chained[1] == run.slot  # the slot is free again
+    sender.release(chained[1])
+
+    # a receiver whose step fails releases what it waits for; the sender may start another run in the slot at once
+    queued = sender.queue(request, sent[0], 4)
+    assert queued is not None and queued[1].slot == run.slot
+    _, bundles = receiver.queued(queued[0])
+    bundles[0][0].arrival.release()  # type: ignore[union-attr]
+    read(bundles[3])  # never written: goes on, reading what the slot holds
+    queued[1].end()
+    again = sender.queue(request, sent[1], 2)
+    assert again is not None
+    _, bundles = receiver.queued(again[0])
+    assert same(read(bundles[0]), sent[1])
+
+    # a sender whose step fails retires the slot: the index gets a new buffer, announced anew
+    buffers = len(exported)
+    again[1].release()
+    queued = sender.queue(request, sent[2], 2)
+    assert queued is not None and queued[1].slot == again[1].slot and len(exported) == buffers + 2
+    _, bundles = receiver.queued(queued[0])
+    assert same(read(bundles[0]), sent[2])
 
 
 def test_a_failed_gpu_push_breaks_the_link_and_the_next_push_opens_another(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -383,16 +450,24 @@ def test_two_executors_on_one_gpu_take_cuda_ipc_with_the_same_tokens(cuda_model:
         assert "boundary link offered" in mesh.log("executor-1").read_text()
 
 
-def test_two_executors_on_one_gpu_run_decode_runs_ahead_with_the_same_tokens(cuda_model: Path) -> None:
-    """With the defaults, two executors on one GPU run decode runs ahead (each iteration's output handed on as a
-    device value at launch, the receiver's stream waiting for the slot's event): greedy and seeded tokens are those
-    of the same mesh over TCP, where every iteration lands on the host."""
+def test_two_executors_on_one_gpu_queue_decode_runs_on_the_device_with_the_same_tokens(cuda_model: Path) -> None:
+    """With the defaults, two executors on one GPU queue a decode run's iterations on the device from its second on
+    (each rank's stream waiting for the slot word the other's writes, no message per iteration), and with queued runs
+    off they run ahead (each iteration's output handed on as a device value at launch, the receiver's stream waiting
+    for the slot's event): greedy and seeded tokens are those of the same mesh over TCP, where every iteration lands
+    on the host."""
     args = ("--device", "cuda:0")
     coordinator = ("--dtype", "f32")
     with _mesh(cuda_model, 2, env={ENV: "tcp"}, backend="torch", executor_args=args,
                coordinator_args=coordinator) as mesh:
         over_tcp = _tokens(mesh, 4)
+    with _mesh(cuda_model, 2, env={transport.QUEUED_ENV: "0"}, backend="torch", executor_args=args,
+               coordinator_args=coordinator) as mesh:
+        assert _tokens(mesh, 4) == over_tcp
+        for rank in (0, 1):
+            log = mesh.log(f"executor-{rank}").read_text()
+            assert "decode runs run ahead" in log and "queued on the device" not in log, rank
     with _mesh(cuda_model, 2, backend="torch", executor_args=args, coordinator_args=coordinator) as mesh:
         assert _tokens(mesh, 4) == over_tcp
         for rank in (0, 1):
-            assert "decode runs run ahead" in mesh.log(f"executor-{rank}").read_text(), rank
+            assert "decode runs queued on the device" in mesh.log(f"executor-{rank}").read_text(), rank

@@ -76,6 +76,7 @@ from graphmesh_executor.transport import (
     DEVICE_CHAINED,
     DEVICE_FAILED,
     DEVICE_PUSH,
+    DEVICE_QUEUED,
     DeviceReceiver,
     read_push,
     receiver_factory,
@@ -310,21 +311,13 @@ class LinkListener:
                 if kind == KV_BEGIN and self._kv_writer is not None:
                     self._serve_kv_write(conn, bytes(payload))
                     continue
-                if kind not in (PUSH, DEVICE_PUSH, DEVICE_CHAINED):
+                if kind not in (PUSH, DEVICE_PUSH, DEVICE_CHAINED, DEVICE_QUEUED):
                     raise LinkError(f"a frame of kind {kind} where a push was expected")
                 copied: list[DeviceValue] = []  # a chained bundle's copies out of the sender's slot
-                values: Sequence[BoundaryValue]
                 try:
-                    if kind == PUSH:
-                        request, values = read_push(payload)
-                    else:  # the bundle's bytes are in the sender's GPU buffer
-                        device = device or [self.device_receiver()]
-                        if kind == DEVICE_CHAINED:
-                            request, copied = device[0].chained(bytes(payload))
-                            values = copied
-                        else:
-                            request, values = device[0].request(bytes(payload))  # no tensor bytes
-                    self._accept(request, values)
+                    bundles, copied = self._bundles(kind, payload, device)
+                    for request, values in bundles:
+                        self._accept(request, values)
                     with self._lock:
                         self.pushes += 1
                     answer = _OK
@@ -340,6 +333,29 @@ class LinkListener:
         finally:
             for d in device:
                 d.close()
+
+    def _bundles(self, kind: int, payload: bytearray, device: list[DeviceReceiver]
+                 ) -> tuple[list[tuple[stage_pb2.PushBoundaryRequest, Sequence[BoundaryValue]]], list[DeviceValue]]:
+        """The bundles a push frame brings (a DEVICE_QUEUED frame: a decode run's from its first on, each as its
+        iteration's), and a chained bundle's copies out of the sender's slot. Where the bytes are in the sender's GPU
+        buffer, the link's DeviceReceiver is made at its first such frame."""
+        if kind == PUSH:
+            return [read_push(payload)], []
+        if not device:
+            device.append(self.device_receiver())
+        if kind == DEVICE_CHAINED:
+            request, copied = device[0].chained(bytes(payload))
+            return [(request, copied)], copied
+        if kind == DEVICE_PUSH:
+            return [device[0].request(bytes(payload))], []
+        request, values = device[0].queued(bytes(payload))
+        bundles: list[tuple[stage_pb2.PushBoundaryRequest, Sequence[BoundaryValue]]] = [(request, values[0])]
+        for k, later in enumerate(values[1:], 1):
+            each = stage_pb2.PushBoundaryRequest()
+            each.CopyFrom(request)
+            each.iteration += k
+            bundles.append((each, later))
+        return bundles, []
 
     def _serve_kv_write(self, conn: socket.socket, first: bytes) -> None:
         """One row copy: its first message checked and answered, then its pieces read into two buffers in turn,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -87,16 +87,28 @@ class HostOutput:
         return self._value
 
 
-@dataclass(frozen=True)
+class Arrival(Protocol):
+    """How a device value that is not here yet arrives: a bundle of a run queued on the device (transport.py)."""
+
+    def arrive(self, stream: Any) -> None:
+        """Queues its arrival on `stream` (None off CUDA: waits for it here); once, for every value of its bundle."""
+
+    def release(self) -> None:
+        """Its step fails: lets every stream of this process that waits for the run's bundles go on."""
+
+
+@dataclass(eq=False)
 class DeviceValue:
     """A boundary value that stays on the device (a backend tensor): described as the host array it stands for
     (numpy dtype and shape), so a route's schema checks it as one, and with the event (or None) that a stream must
-    wait for before it reads the tensor: a copy another process or stream still has in flight."""
+    wait for before it reads the tensor: a copy another process or stream still has in flight. A value with an
+    `arrival` is not here yet: its tensor is that of the first stream that reads it (`on`)."""
 
     tensor: Any
     dtype: np.dtype[Any]
     shape: tuple[int, ...]
     ready: Any = None
+    arrival: Arrival | None = None
 
     @property
     def ndim(self) -> int:
@@ -105,6 +117,14 @@ class DeviceValue:
     def head(self, rows: int) -> DeviceValue:
         """Its first `rows` rows (a view)."""
         return DeviceValue(self.tensor[:rows], self.dtype, (rows, *self.shape[1:]), self.ready)
+
+    def on(self, stream: Any) -> Any:
+        """Its tensor, for `stream` to read (None: the host, off CUDA): once it has arrived, after its event."""
+        if self.arrival is not None:
+            self.arrival.arrive(stream)
+        if self.ready is not None and stream is not None:
+            stream.wait_event(self.ready)
+        return self.tensor
 
 
 _MASK64 = (1 << 64) - 1

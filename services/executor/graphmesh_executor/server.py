@@ -115,7 +115,7 @@ def build_server(config: ExecutorConfig) -> tuple[grpc.Server, int, StageRuntime
     runtime = StageRuntime(config.backend, config.device, str(config.model_root) if config.model_root else None,
                            pusher=(pusher := BoundaryPusher(config.security.tls, config.device)), block_writer=block_writer,
                            faults_enabled=config.enable_fault_injection, standby_weights=config.standby_weights,
-                           kv_cache_bytes=config.kv_cache_bytes, device_links=pusher.on_device)
+                           kv_cache_bytes=config.kv_cache_bytes, device_links=pusher.on_device, queue=pusher.queue)
     stage = add_stage_service(server, runtime, KvPusher(config.security.tls, config.max_message_bytes))
     stage.pusher = pusher  # Status reports its transport per next rank
     link = None

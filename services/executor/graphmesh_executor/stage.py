@@ -59,6 +59,8 @@ from graphmesh_executor.stage_types import (
     Boundary,
     BoundaryValue,
     Pusher,
+    Queue,
+    Queuer,
     StageSession,
     StageSpec,
     StepResult,
@@ -102,6 +104,11 @@ class _InFlight:
     # (iteration, tokens) fed to a decode run that ran ahead, whose sessions' pending tokens are written at its end:
     # the tokens came as device values, or after some that did (the pending tokens keep the iterations' order)
     fed_later: list[tuple[int, np.ndarray | DeviceValue]] = field(default_factory=list)
+    # A decode run queued on the device: its queues by route (this rank's bundles, put as its iterations launch), the
+    # releases of the queued runs it takes bundles from, and since when (the device, not a boundary, is then waited on)
+    queues: dict[int, Queue] = field(default_factory=dict)
+    releases: list[Callable[[], None]] = field(default_factory=list)
+    device_since: float | None = None
 
 
 @dataclass(eq=False)
@@ -121,7 +128,7 @@ class StageRuntime(StageWeights, StagePhases):
     def __init__(self, backend: str, device: str = "cpu", model_root: str | None = None,
                  pusher: Pusher | None = None, block_writer: BlockWriter | None = None,
                  faults_enabled: bool = False, kv_cache_bytes: int = 0, standby_weights: bool | None = None,
-                 device_links: Callable[[str], bool] | None = None) -> None:
+                 device_links: Callable[[str], bool] | None = None, queue: Queuer | None = None) -> None:
         self.backend = backend
         self.device = device
         self.model_root = model_root
@@ -138,6 +145,8 @@ class StageRuntime(StageWeights, StagePhases):
         self._pusher = pusher
         # Whether a bundle to an address may stay on the GPU (BoundaryPusher.on_device): a decode run runs ahead
         self._device_links = device_links or (lambda address: False)
+        # A run ahead's bundles from its second iteration on, queued whole on the device (BoundaryPusher.queue)
+        self._queue: Queuer = queue or (lambda *args: None)
         self._block_writer = block_writer
         self.faults_enabled = faults_enabled
         self.kv_cache_bytes = kv_cache_bytes  # 0: stage_weights.default_kv_cache_bytes()
@@ -261,7 +270,7 @@ class StageRuntime(StageWeights, StagePhases):
         if self.authority.state is not AuthorityState.ACTIVE:
             self._mark_undecided()
             for step in self._in_flight.values():
-                if step.waiting_since is not None:
+                if step.waiting_since is not None or step.device_since is not None:
                     self._fail(step, self._fenced())
 
     def _mark_undecided(self) -> None:
@@ -414,14 +423,18 @@ class StageRuntime(StageWeights, StagePhases):
                     return step.done.result(timeout=min(timeout_s, 1.0))
                 except FutureTimeout:
                     with self._lock:
-                        since = step.waiting_since
+                        since = step.waiting_since if step.waiting_since is not None else step.device_since
                         if since is not None and time.monotonic() - since >= timeout_s:
+                            what = "no boundary" if step.waiting_since is not None else "a run queued on the device"
                             self._fail(step, ProtocolError(ErrorClass.COMM, DeadlineExceeded(
-                                f"no boundary for step {step_id} (iteration {step.iteration}) within {timeout_s:.1f} s",
+                                f"{what} for step {step_id} (iteration {step.iteration}) within {timeout_s:.1f} s",
                                 "BOUNDARY_TIMEOUT")))
         finally:
             with self._lock:
                 del self._in_flight[step_id]
+            failed = step.done.done() and step.done.exception() is not None
+            for queue in step.queues.values():
+                queue.release() if failed else queue.end()  # one made as the step failed was not released
 
     def _inputs(self, step: _InFlight) -> list[dag.Route]:
         """The routes whose bundles the decoder group's next iteration of `step` consumes: in the first, those from
@@ -453,6 +466,11 @@ class StageRuntime(StageWeights, StagePhases):
             step.waiting_since = time.monotonic()
             return
         bundles = {k[2]: self._mailbox.pop(k) for k in keys}
+        for b in bundles.values():  # a queued run's: once taken, this rank's stream will wait for its bytes
+            arrival = next((v.arrival for v in b.values.values() if isinstance(v, DeviceValue) and v.arrival), None)
+            if arrival is not None:
+                step.releases.append(arrival.release)
+                step.device_since = step.device_since or time.monotonic()
         step.waiting_since = None
         self.engine.post("stage.iteration", lambda: self._advance(step, bundles))
 
@@ -463,6 +481,11 @@ class StageRuntime(StageWeights, StagePhases):
     def _fail(self, step: _InFlight, error: ProtocolError) -> None:
         if not step.done.done():
             step.done.set_exception(error)
+        # What this rank's streams wait for in a queued run may never come: they go on (computing what is never used)
+        for queue in step.queues.values():
+            queue.release()
+        for release in step.releases:
+            release()
 
     def _finish(self, step: _InFlight) -> None:
         """Completes the step once every iteration ran and every push was taken (under the lock)."""
@@ -574,15 +597,14 @@ class StageRuntime(StageWeights, StagePhases):
         try:
             if spec.last:
                 for route in plan.routes_from(self.group.id, feedback=True):
-                    self._send(step, route, {dag.RUN_TOKENS: launch.ahead.head(len(launch.rows))},
-                               self._dims(step), self._wave(step, self.group), iteration=i + 1)
+                    self._send_ahead(step, route, {dag.RUN_TOKENS: launch.ahead.head(len(launch.rows))}, i + 1)
             else:
                 values: dict[str, BoundaryValue] = {dag.ACTIVATION: launch.ahead.head(launch.tokens)}
                 if i:
                     assert launch.fed is not None
                     values[dag.RUN_TOKENS] = launch.fed
                 for route in plan.routes_from(self.group.id):
-                    self._send(step, route, values, self._dims(step), self._wave(step, self.group))
+                    self._send_ahead(step, route, values, i)
         except Exception as e:
             self._failed(step, e)
             return
@@ -843,23 +865,60 @@ class StageRuntime(StageWeights, StagePhases):
         assert self.plan is not None
         self._push(step, self.plan.addresses[route.destination_rank], boundary)
 
+    def _send_ahead(self, step: _InFlight, route: dag.Route, values: dict[str, BoundaryValue], iteration: int) -> None:
+        """A bundle of an iteration run ahead (engine thread). From a run's second iteration on, every bundle over a
+        route has one layout: where two or more are still to come, the first goes as the start of a queue on the
+        device when the link can take one (BoundaryPusher.queue), and the later ones are put in it with no message
+        at all, so that neither rank's host waits for the other's in the rest of the run. Else pushed as any other."""
+        assert self.plan is not None and self.group is not None
+        queue = step.queues.get(route.id)
+        if queue is not None:
+            queue.put(list(values.values()))
+            return
+        dims, wave = self._dims(step), self._wave(step, self.group)
+        bundles = step.steps - iteration
+        if iteration and bundles >= 2:
+            why = route.schema.check(values, dims, iteration)
+            if not why:
+                boundary = Boundary(step.step_id, iteration, route.id, values, route.schema.identity, wave)
+                with self._lock:
+                    step.pushes += 1
+                delivered = self._delivery(step)
+                try:
+                    queue = self._queue(self.plan.addresses[route.destination_rank], step.incarnation, boundary,
+                                        bundles, step.timeout_s, delivered)
+                except Exception as e:
+                    delivered(e)
+                    return
+                if queue is not None:
+                    step.queues[route.id] = queue
+                    step.device_since = step.device_since or time.monotonic()
+                    return
+                with self._lock:
+                    step.pushes -= 1  # nothing was sent
+        self._send(step, route, values, dims, wave, iteration)
+
     def _push(self, step: _InFlight, address: str, boundary: Boundary) -> None:
         """Sends `boundary` without waiting for it: a bundle that cannot be delivered fails the step as COMM (it
         leaves the order unprovable), and the step is not done before every bundle it sent was taken."""
         assert self._pusher is not None
         with self._lock:
             step.pushes += 1
+        delivered = self._delivery(step)
+        try:
+            self._pusher(address, step.incarnation, boundary, step.timeout_s, delivered)
+        except Exception as e:
+            delivered(e)
 
+    def _delivery(self, step: _InFlight) -> Callable[[Exception | None], None]:
+        """What a push of `step`'s (counted in step.pushes) calls once it was taken or failed."""
         def delivered(error: Exception | None) -> None:
             with self._lock:
                 step.pushes -= 1
                 if error is not None:
                     self._fail(step, ProtocolError(ErrorClass.COMM, error))
                 self._finish(step)
-        try:
-            self._pusher(address, step.incarnation, boundary, step.timeout_s, delivered)
-        except Exception as e:
-            delivered(e)
+        return delivered
 
     def _device_failure(self, e: Exception) -> ProtocolError:
         """What a compute that raised something other than a graphmesh error means: the device ran out of

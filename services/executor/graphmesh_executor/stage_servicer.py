@@ -67,6 +67,7 @@ class BoundaryPusher:
         self._device: dict[str, tuple[BoundaryLink, DeviceSender]] = {}  # links whose receiver chose CUDA IPC
         self._strikes: dict[str, int] = {}  # failed device pushes in a row, by address
         self._chained: weakref.WeakSet[BoundaryLink] = weakref.WeakSet()  # links that carried a chained push
+        self._queued: weakref.WeakSet[BoundaryLink] = weakref.WeakSet()  # links that carried a queued run
 
     def __call__(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float,
                  delivered: Callable[[Exception | None], None]) -> None:
@@ -108,6 +109,56 @@ class BoundaryPusher:
             request = self._request(incarnation, boundary, data=False)
             request.trace_context.update(telemetry.carrier(telemetry.current_context()))
             return self._push_on(link, address, boundary, request, timeout_s, delivered, chained=True)
+
+    def queue(self, address: str, incarnation: int, boundary: Boundary, bundles: int, timeout_s: float,
+              delivered: Callable[[Exception | None], None]) -> transport.QueuedRun | None:
+        """Sends `boundary`, of device values, as the first of a decode run's `bundles` to `address` (a DEVICE_QUEUED
+        frame on the engine's thread), the later ones to go through the returned QueuedRun on the device alone. None
+        (nothing sent) unless the open link there maps this GPU, its receiver computes on it too and this process
+        may queue runs (transport.queued_runs), or where every slot is in flight. On GPUs of their own, ranks gain
+        more from another micro-batch in between than from a run queued whole (which holds each rank's stream)."""
+        link = self._device_link(address)
+        with self._lock:
+            device = self._device.get(address)
+        if link is None or device is None or not device[1].same_gpu or not transport.queued_runs(self.device):
+            return None
+        sender = device[1]
+        with telemetry.span("stage.push_boundary", step=boundary.step_id, iteration=boundary.iteration, queued=bundles):
+            request = self._request(incarnation, boundary, data=False)
+            request.trace_context.update(telemetry.carrier(telemetry.current_context()))
+            try:
+                queued = sender.queue(request, list(boundary.values.values()), bundles)
+            except Exception as e:  # a CUDA error copying into the slot: the link's GPU path failed
+                self._device_failed(link, address, Unavailable(
+                    f"a queued run could not start in a CUDA IPC slot: {type(e).__name__}: {e}", transport.DEVICE_FAILED))
+                return None
+            if queued is None:
+                return None
+            payload, run = queued
+
+            def answered(error: Exception | None) -> None:
+                self._answered(link, address, error)
+                delivered(error)
+            if link.push([payload], timeout_s, answered, kind=transport.DEVICE_QUEUED):
+                if link not in self._queued:
+                    self._queued.add(link)
+                    log.info("decode runs queued on the device over a link", extra={"address": address})
+                return run
+            run.release()  # never announced: nothing will read the slot
+            return None
+
+    def _answered(self, link: BoundaryLink, address: str, error: Exception | None) -> None:
+        """A push through the link's GPU path was answered: a success clears the address's strikes."""
+        if error is None:
+            self._strikes.pop(address, None)
+        elif isinstance(error, GraphmeshError) and error.reason == transport.DEVICE_FAILED:
+            self._device_failed(link, address, error)
+
+    def _device_failed(self, link: BoundaryLink, address: str, error: GraphmeshError) -> None:
+        """The link's GPU path failed: the strike is counted and the link broken, so the next push opens a new link,
+        mapped anew."""
+        self._strikes[address] = self._strikes.get(address, 0) + 1
+        link.fail(error)
 
     def _push_now(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float,
                   delivered: Callable[[Exception | None], None]) -> bool:
@@ -181,8 +232,7 @@ class BoundaryPusher:
         except Exception as e:  # a CUDA error copying into the slot: the link's GPU path failed
             failed = Unavailable(f"a bundle could not be put in a CUDA IPC slot: {type(e).__name__}: {e}",
                                  transport.DEVICE_FAILED)
-            self._strikes[address] = self._strikes.get(address, 0) + 1
-            link.fail(failed)
+            self._device_failed(link, address, failed)
             delivered(failed)
             return True
         if sender is None or framed is None:
@@ -191,11 +241,7 @@ class BoundaryPusher:
 
         def answered(error: Exception | None) -> None:
             sender.release(slot)
-            if error is None:
-                self._strikes.pop(address, None)
-            elif isinstance(error, GraphmeshError) and error.reason == transport.DEVICE_FAILED:
-                self._strikes[address] = self._strikes.get(address, 0) + 1
-                link.fail(error)  # this link's GPU path is unusable: the next push opens a new link, mapped anew
+            self._answered(link, address, error)
             delivered(error)
         if link.push([payload], timeout_s, answered, kind=transport.DEVICE_CHAINED if chained else transport.DEVICE_PUSH):
             if chained and link not in self._chained:
@@ -235,7 +281,7 @@ class BoundaryPusher:
         sender = None
         if choice.transport == transport.CUDA_IPC:
             try:
-                sender = DeviceSender(self.device, end.gpu_uuid)
+                sender = DeviceSender(self.device, end.gpu_uuid, same_gpu=opened[1].receiver.gpu_uuid == end.gpu_uuid)
             except Exception as e:  # no stream on the device: this link carries TCP frames
                 choice = Choice(transport.TCP, f"the GPU path could not start: {type(e).__name__}: {e}")
         with self._lock:

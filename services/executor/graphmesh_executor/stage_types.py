@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -134,6 +134,25 @@ class Boundary:
 
 
 Pusher = Callable[[str, int, Boundary, float, Callable[[Exception | None], None]], None]
+
+
+class Queue(Protocol):
+    """A decode run's bundles over one route from its first queued one on, each written on the device when the
+    run's stream gets there (transport.QueuedRun)."""
+
+    def put(self, values: list[Any]) -> None:
+        """The run's next bundle, on the caller's current stream."""
+
+    def end(self) -> None:
+        """The step is over on this rank, every bundle put and its stream past them."""
+
+    def release(self) -> None:
+        """The step fails: this rank's stream goes on past every wait of the run."""
+
+
+# (address, incarnation, first bundle, bundles, timeout_s, delivered): a decode run's queue over a link, its first
+# bundle sent (delivered as a push's), or None where it cannot be queued (nothing sent)
+Queuer = Callable[[str, int, Boundary, int, float, Callable[[Exception | None], None]], Queue | None]
 
 
 BlockWriter = Callable[["KvBlocks"], None]  # hands committed blocks to the write-behind (kv_writer.KvWriteBehind)

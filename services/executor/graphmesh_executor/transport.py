@@ -52,12 +52,15 @@ buffer) and parsed once more.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import logging
 import os
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -77,6 +80,10 @@ log = logging.getLogger("graphmesh.executor.transport")
 ENV = "GRAPHMESH_BOUNDARY_TRANSPORT"  # "tcp": never the GPU path; "auto" (default): choose per pair
 DEVICE_PUSH = 6  # frame kind, after graphmesh.links' 1..5: slot header + PushBoundaryRequest without tensor bytes
 DEVICE_CHAINED = 7  # the same payload; the bundle stays on the GPU and the receiver's stream waits for the slot's event
+# A decode run's bundles from one on, all in one slot held for the run: its queue header after the slot header, then
+# the handle, then the PushBoundaryRequest of its first; each later one is written when the run's stream gets there
+DEVICE_QUEUED = 8
+QUEUED_ENV = "GRAPHMESH_QUEUED_RUNS"  # "0": decode runs across executors run ahead bundle by bundle, never queued
 # Smaller bundles go as TCP frames on the same link (the environment variable lets a test send every one through
 # the GPU path).
 DEVICE_MIN_BYTES = int(os.environ.get("GRAPHMESH_CUDA_IPC_MIN_BYTES", 8 << 20))
@@ -86,6 +93,9 @@ DEVICE_STRIKES = 3  # failed device pushes in a row to one address before its li
 ALIGN = 256  # each tensor's offset in a slot or a PUSH frame
 DEVICE_FAILED = "BOUNDARY_DEVICE_FAILED"
 _SLOT_HEADER = struct.Struct("<III")  # slot, generation, length of the handle that follows (0: mapped already)
+_QUEUE_HEADER = struct.Struct("<II")  # a DEVICE_QUEUED payload's: the slot's written-word value of its first bundle, bundles
+_HALF = 1 << 31  # slot words count modulo 2**32: a word has reached a value when it is less than this past it
+_RELEASED = 1 << 30  # how far a failing sender pushes its consumed word past its values: every wait on it goes on
 _PUSH_HEADER = struct.Struct("<I")  # a PUSH payload's: the length of the message that follows
 _PADDING = bytes(ALIGN)
 
@@ -258,29 +268,114 @@ def _export(buffer: Any, gpu_uuid: str) -> bytes:
 
     _, args = cast(Any, reductions).reduce_tensor(buffer)
     (_, size, _, _, _, _, _, handle, size_bytes, offset_bytes, _, counter, counter_offset, event, event_sync) = args
-    return json.dumps({"gpu": gpu_uuid, "size": int(size[0]), "handle": handle.hex(), "size_bytes": size_bytes,
+    return json.dumps({"gpu": gpu_uuid, "size": int(size[0]), "dtype": str(buffer.dtype).removeprefix("torch."),
+                       "handle": handle.hex(), "size_bytes": size_bytes,
                        "offset_bytes": offset_bytes, "counter": counter.hex(), "counter_offset": counter_offset,
                        "event": event.hex() if event else "", "event_sync": bool(event_sync)}).encode()
+
+
+@functools.cache
+def _stream_ops() -> tuple[Any, Any] | None:
+    """The driver's cuStreamWaitValue32 and cuStreamWriteValue32 (stream memory operations), or None where this
+    driver has neither."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    ops = []
+    for name in ("cuStreamWaitValue32", "cuStreamWriteValue32"):
+        op = next((getattr(lib, n) for n in (f"{name}_v2", name) if hasattr(lib, n)), None)
+        if op is None:
+            return None
+        op.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        op.restype = ctypes.c_int
+        ops.append(op)
+    return ops[0], ops[1]
+
+
+def queued_runs(device: str) -> bool:
+    """Whether this process may queue a decode run's bundles on the device (DEVICE_QUEUED): its driver has stream
+    memory operations, or it computes on the CPU (where tests drive the slots in host memory), and it was not told
+    not to."""
+    if os.environ.get(QUEUED_ENV, "1").strip() == "0":
+        return False
+    return not device.startswith("cuda") or _stream_ops() is not None
+
+
+def _reached(word: int, value: int) -> bool:
+    return (word - value) % (1 << 32) < _HALF
+
+
+def _as_int32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= _HALF else value
+
+
+def wait_word(stream: Any, word: Any, value: int) -> None:
+    """Queues on `stream` a wait until `word` (an int32 of a slot's words: this process's memory or a mapping of the
+    sender's) has reached `value`, counting modulo 2**32. With no stream (a slot in host memory, which tests use) it
+    waits here, for another thread to write the word."""
+    if stream is None:
+        while not _reached(int(word.item()), value):
+            time.sleep(0.0002)
+        return
+    ops = _stream_ops()
+    assert ops is not None
+    if ops[0](stream.cuda_stream, word.data_ptr(), value & 0xFFFFFFFF, 0):  # CU_STREAM_WAIT_VALUE_GEQ
+        raise RuntimeError(f"cuStreamWaitValue32 failed on a slot's word (value {value})")
+
+
+def write_word(stream: Any, word: Any, value: int) -> None:
+    """Queues on `stream` a write of `value` to `word`, after everything queued before it (the driver fences
+    memory first); with no stream, writes it now."""
+    if stream is None:
+        word.fill_(_as_int32(value))
+        return
+    ops = _stream_ops()
+    assert ops is not None
+    if ops[1](stream.cuda_stream, word.data_ptr(), value & 0xFFFFFFFF, 0):  # CU_STREAM_WRITE_VALUE_DEFAULT
+        raise RuntimeError(f"cuStreamWriteValue32 failed on a slot's word (value {value})")
 
 
 class DeviceSender:
     """The sending end of a link's GPU path: its slots, on the sender's device (the pusher makes one only where the
     receiver chose CUDA IPC; on a CPU device, which tests use to check the slots' layout, copies are plain)."""
 
-    def __init__(self, device: str, gpu_uuid: str) -> None:
+    def __init__(self, device: str, gpu_uuid: str, same_gpu: bool = True) -> None:
         import torch
 
         self._torch: Any = torch
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
         self._uuid = gpu_uuid
+        self.same_gpu = same_gpu  # the receiver computes on this GPU too (so a run's ranks take turns on it)
         self._stream = self._torch.cuda.Stream(self._device) if self._cuda else None
-        self._slots: list[Any] = [None] * SLOTS
-        self._events: list[Any] = [None] * SLOTS  # each slot's interprocess event: its chained bytes are in
-        self._generations = [0] * SLOTS
-        self._announced = [0] * SLOTS  # the generation the receiver was last sent the handle of
-        self._free: deque[int] = deque(range(SLOTS))
+        self._slots: list[Any] = []
+        self._events: list[Any] = []  # each slot's interprocess event: its chained bytes are in
+        self._words: list[Any] = []  # each slot's two int32 words, [written, consumed]: a queued run's (QueuedRun)
+        self._written: list[int] = []  # the value each slot's written word was last set to (0: never queued)
+        self._generations: list[int] = []
+        self._announced: list[int] = []  # the generation the receiver was last sent the handle of
+        self._retired: list[tuple[Any, Any]] = []  # slots of failed queued runs: device work may still use them
+        self._free: deque[int] = deque()
         self._lock = threading.Lock()
+        for _ in range(SLOTS):
+            self._grow()
+
+    def _grow(self) -> None:
+        self._free.append(len(self._slots))
+        self._slots.append(None)
+        self._events.append(None)
+        self._words.append(None)
+        self._written.append(0)
+        self._generations.append(0)
+        self._announced.append(0)
+
+    def _take(self, grow: bool) -> int | None:
+        with self._lock:
+            if not self._free and grow and len(self._slots) < CHAINED_SLOTS:
+                self._grow()
+            return self._free.popleft() if self._free else None
 
     def frame(self, request: stage_pb2.PushBoundaryRequest, values: list[Any],
               chained: bool = False) -> tuple[bytes, int] | None:
@@ -296,24 +391,36 @@ class DeviceSender:
         need = _aligned(_end(spans, 0))
         if need < DEVICE_MIN_BYTES and not chained:
             return None
-        with self._lock:
-            if not self._free and chained and len(self._slots) < CHAINED_SLOTS:
-                self._free.append(len(self._slots))
-                self._slots.append(None)
-                self._events.append(None)
-                self._generations.append(0)
-                self._announced.append(0)
-            if not self._free:
-                return None
-            slot = self._free.popleft()
+        slot = self._take(chained)
+        if slot is None:
+            return None
         try:
             return self._fill(slot, request, values, spans, need, chained), slot
         except BaseException:
             self.release(slot)
             raise
 
-    def _fill(self, slot: int, request: stage_pb2.PushBoundaryRequest, values: list[Any],
-              spans: list[tuple[int, int]], need: int, chained: bool) -> bytes:
+    def queue(self, request: stage_pb2.PushBoundaryRequest, values: list[Any],
+              bundles: int) -> tuple[bytes, QueuedRun] | None:
+        """A DEVICE_QUEUED payload: `request`'s bundle (its bytes `values`) is the first of `bundles` a decode run
+        sends over this link, every one through the same slot, which the run holds until it ends (QueuedRun). The
+        first is written as the later ones will be (QueuedRun.put). None when every slot is in flight."""
+        spans = _spans(request, 0)
+        slot = self._take(True)
+        if slot is None:
+            return None
+        try:
+            buffer, words = self._slot(slot, _aligned(_end(spans, 0)))
+            run = QueuedRun(self, slot, buffer, words, spans, self._written[slot], bundles)
+            run.put(values)
+            header = _QUEUE_HEADER.pack((run.first) & 0xFFFFFFFF, bundles)
+            return self._payload(slot, buffer, header, request), run
+        except BaseException:
+            self.release(slot)
+            raise
+
+    def _slot(self, slot: int, need: int) -> tuple[Any, Any]:
+        """Slot `slot`'s buffer, holding at least `need` bytes (a new generation when it had to grow), and its words."""
         torch = self._torch
         buffer = self._slots[slot]
         if buffer is None or buffer.numel() < need:
@@ -324,44 +431,181 @@ class DeviceSender:
             if self._cuda and self._events[slot] is None:
                 self._events[slot] = torch.cuda.Event(interprocess=True, enable_timing=False)
                 self._events[slot].record()  # an event is made on its first record; its handle needs it made
+            if self._words[slot] is None:
+                self._words[slot] = torch.zeros(2, dtype=torch.int32, device=self._device)
+                self._written[slot] = 0
+        return buffer, self._words[slot]
+
+    def _copy_in(self, buffer: Any, values: list[Any], spans: list[tuple[int, int]], stream: Any,
+                 pinned: bool) -> None:
+        """Queues the copy of `values` into `buffer` at `spans` on `stream` (the caller's current one, or None off
+        CUDA); host arrays through pinned memory when `pinned`, so that nothing waits for the stream's work."""
+        torch = self._torch
+        for value, (start, n) in zip(values, spans):
+            if isinstance(value, np.ndarray):
+                source = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+                if pinned:
+                    source = source.pin_memory()  # queued on the stream, not waiting for its work
+                from_host = pinned
+            else:
+                tensor = value
+                if isinstance(value, DeviceValue):
+                    tensor = value.on(stream)  # a value handed to this rank: read once it is here
+                    if stream is not None and value.ready is not None:
+                        tensor.record_stream(stream)  # read here: not handed out again before this copy
+                source = tensor.contiguous().reshape(-1).view(torch.uint8)
+                from_host = False
+            if source.numel() != n:
+                raise _wrong_size(source.numel(), n)
+            buffer[start:start + n].copy_(source, non_blocking=source.is_cuda or from_host)
+
+    def _fill(self, slot: int, request: stage_pb2.PushBoundaryRequest, values: list[Any],
+              spans: list[tuple[int, int]], need: int, chained: bool) -> bytes:
+        buffer, words = self._slot(slot, need)
         # A chained copy goes on the caller's current stream (no context needed), behind the run that made it.
-        stream = torch.cuda.current_stream(self._device) if chained and self._cuda else self._stream
-        with torch.cuda.stream(stream) if stream is not None and not chained else contextlib.nullcontext():
-            for value, (start, n) in zip(values, spans):
-                if isinstance(value, np.ndarray):
-                    source = torch.from_numpy(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
-                    pinned = chained and self._cuda
-                    if pinned:
-                        source = source.pin_memory()  # queued on the stream, not waiting for its work
-                else:
-                    tensor = value
-                    if isinstance(value, DeviceValue):
-                        tensor = value.tensor
-                        if value.ready is not None and stream is not None:  # a value handed to this rank
-                            stream.wait_event(value.ready)
-                            tensor.record_stream(stream)  # read here: not handed out again before this copy
-                    source = tensor.contiguous().reshape(-1).view(torch.uint8)
-                    pinned = False
-                if source.numel() != n:
-                    raise _wrong_size(source.numel(), n)
-                buffer[start:start + n].copy_(source, non_blocking=source.is_cuda or pinned)
+        stream = self._torch.cuda.current_stream(self._device) if chained and self._cuda else self._stream
+        with self._torch.cuda.stream(stream) if stream is not None and not chained else contextlib.nullcontext():
+            if self._written[slot]:  # the last queued run through this slot: its last bundle read before this write
+                wait_word(stream, words[1], self._written[slot])
+            self._copy_in(buffer, values, spans, stream, chained and self._cuda)
         if chained and stream is not None:
             self._events[slot].record(stream)
         elif stream is not None:
             stream.synchronize()  # the bytes are in the slot before the receiver is told to read them
+        return self._payload(slot, buffer, b"", request)
+
+    def _payload(self, slot: int, buffer: Any, header: bytes, request: stage_pb2.PushBoundaryRequest) -> bytes:
+        """The slot header, `header`, the slot's handle where the receiver has not mapped this generation, and the
+        request."""
         handle = b""
         if self._announced[slot] != self._generations[slot]:
-            handle = _export(buffer, self._uuid)
+            described = json.loads(_export(buffer, self._uuid))
+            described["words"] = json.loads(_export(self._words[slot], self._uuid))
             if self._events[slot] is not None:
-                handle = json.dumps({**json.loads(handle), "ipc_event": bytes(self._events[slot].ipc_handle()).hex()
-                                     }).encode()
+                described["ipc_event"] = bytes(self._events[slot].ipc_handle()).hex()
+            handle = json.dumps(described).encode()
             self._announced[slot] = self._generations[slot]
-        return _SLOT_HEADER.pack(slot, self._generations[slot], len(handle)) + handle + request.SerializeToString()
+        return (_SLOT_HEADER.pack(slot, self._generations[slot], len(handle)) + header + handle +
+                request.SerializeToString())
 
     def release(self, slot: int) -> None:
         """The receiver answered the push that held `slot`: it has read it."""
         with self._lock:
             self._free.append(slot)
+
+    def _ended(self, slot: int, last: int, failed: bool) -> None:
+        """A queued run through `slot` ended, its last bundle written with `last`. A failed run's slot is retired
+        (its streams may still write it) and the index gets a new slot at its next use."""
+        with self._lock:
+            self._written[slot] = last
+            if failed:
+                self._retired.append((self._slots[slot], self._words[slot]))
+                self._slots[slot] = self._words[slot] = None
+            self._free.append(slot)
+
+
+class QueuedRun:
+    """A decode run's bundles over one link from one on (DeviceSender.queue), all through one slot the run holds:
+    each is copied in on the caller's stream once the receiver's stream has read the one before (the slot's
+    consumed word reaches that one's value), and the slot's written word is then set to its value; the receiver's
+    stream waits for that before it reads (DeviceReceiver.queued). Nothing here waits for the device, and no frame
+    goes out after the first: the two ranks' streams pass the run's bundles to each other as the GPU reaches them."""
+
+    def __init__(self, sender: DeviceSender, slot: int, buffer: Any, words: Any, spans: list[tuple[int, int]],
+                 last: int, bundles: int) -> None:
+        self._sender, self.slot, self._buffer, self._words, self._spans = sender, slot, buffer, words, spans
+        self.first = last + 1  # the written word's value of the run's first bundle
+        self._next = self.first
+        self._end = self.first + bundles  # one past the value of its last
+        self._lock = threading.Lock()
+        self._open = True
+
+    def put(self, values: list[Any]) -> None:
+        """The run's next bundle, `values` in the first's layout, queued on the caller's current stream."""
+        sender = self._sender
+        if self._next >= self._end:
+            raise ValueError(f"a queued run of {self._end - self.first} bundles was given one more")
+        stream = sender._torch.cuda.current_stream(sender._device) if sender._cuda else None
+        wait_word(stream, self._words[1], self._next - 1)
+        sender._copy_in(self._buffer, values, self._spans, stream, sender._cuda)
+        write_word(stream, self._words[0], self._next)
+        self._next += 1
+
+    def end(self) -> None:
+        """The step is over here, every bundle put: the slot is free for other pushes, whose copies wait on the
+        device until the receiver has read the last bundle."""
+        self._close(False)
+
+    def release(self) -> None:
+        """The step fails here: the consumed word is pushed past every value, so this rank's stream goes on past
+        each wait it queued for the receiver (which may never read them), and the slot is retired."""
+        if self._close(True):
+            side = self._sender._stream
+            with self._sender._torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                write_word(side, self._words[1], self._end + _RELEASED)
+
+    def _close(self, failed: bool) -> bool:
+        with self._lock:
+            was, self._open = self._open, False
+        if was:
+            self._sender._ended(self.slot, self._next - 1, failed)
+        return was
+
+
+class _ReceivedRun:
+    """The receiving end of a queued run: its slot and words as mapped here, and its bundles' values."""
+
+    def __init__(self, receiver: DeviceReceiver, buffer: Any, words: Any, first: int, bundles: int,
+                 request: stage_pb2.PushBoundaryRequest, spans: list[tuple[int, int]]) -> None:
+        self._receiver, self._buffer, self._words, self._first = receiver, buffer, words, first
+        self._last = first + bundles - 1
+        self._request, self._spans, self._end = request, spans, _end(spans, 0)
+        self._released = False
+        self.arrivals = [_Arrival(self, first + k, receiver._placeholders(request, buffer, spans))
+                         for k in range(bundles)]
+
+    def take(self, stream: Any, value: int, values: list[DeviceValue]) -> None:
+        """Queues on `stream` the wait for bundle `value`, its copy out of the slot into this process's memory and
+        the consumed word's write; `values` then hold views of that copy."""
+        torch = self._receiver._torch
+        wait_word(stream, self._words[0], value)
+        if stream is None:
+            own = self._buffer[:self._end].clone()
+        else:
+            own = torch.empty(self._end, dtype=torch.uint8, device=stream.device)  # on this stream: read there
+            own.copy_(self._buffer[:self._end], non_blocking=True)
+        write_word(stream, self._words[1], value)
+        for v, copied in zip(values, self._receiver._placeholders(self._request, own, self._spans)):
+            v.tensor = copied.tensor
+
+    def release(self) -> None:
+        """The step fails here: both words are set to the run's last value, the written one first, so this rank's
+        stream goes on past each wait it queued for the sender (reading what the slot holds: the step's outputs are
+        never used), and the sender may use the slot again as though every bundle had been read."""
+        if self._released:
+            return
+        self._released = True
+        stream = self._receiver._stream(self._words.device) if self._words.device.type == "cuda" else None
+        with self._receiver._torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            write_word(stream, self._words[0], self._last)
+            write_word(stream, self._words[1], self._last)
+
+
+class _Arrival:
+    """One bundle of a queued run (executable.Arrival): its values arrive on the first stream that reads one."""
+
+    def __init__(self, run: _ReceivedRun, value: int, values: list[DeviceValue]) -> None:
+        self._run, self._value, self.values, self._taken = run, value, values, False
+        for v in values:
+            v.arrival = self
+
+    def arrive(self, stream: Any) -> None:
+        if not self._taken:
+            self._taken = True
+            self._run.take(stream, self._value, self.values)
+
+    def release(self) -> None:
+        self._run.release()
 
 
 class DeviceReceiver:
@@ -374,22 +618,35 @@ class DeviceReceiver:
         self._torch = torch
         self._device = torch.device(device)  # where chained bundles are copied to: this executor's GPU
         self._uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-        self._slots: dict[int, tuple[int, Any, Any]] = {}  # slot -> (generation, the mapped buffer, its event)
+        # slot -> (generation, the mapped buffer, its event, its words)
+        self._slots: dict[int, tuple[int, Any, Any, Any]] = {}
         # Copies out of a slot run on a stream of their own: on the legacy default stream they would wait behind
         # every kernel this process's engine has queued, though the sender synchronized before it pushed.
         self._streams: dict[int, Any] = {}
 
     def request(self, payload: bytes) -> tuple[stage_pb2.PushBoundaryRequest, list[np.ndarray]]:
         """The PushBoundaryRequest a DEVICE_PUSH frame carries, and its tensors copied out of the slot."""
-        request, buffer, _, spans = self._guarded(lambda: self._request(payload))
-        return request, self._guarded(lambda: _views(request, self._read(buffer[:_end(spans, 0)]).data, spans))
+        request, mapped, spans = self._guarded(lambda: self._request(payload, 0))
+        return request, self._guarded(lambda: _views(request, self._read(mapped[1][:_end(spans, 0)]).data, spans))
 
     def chained(self, payload: bytes) -> tuple[stage_pb2.PushBoundaryRequest, list[DeviceValue]]:
         """The PushBoundaryRequest a DEVICE_CHAINED frame carries, and its tensors as device values: copied out of
         the slot into this process's memory on a stream that first waits for the slot's event, each ready once
         that copy has run (`settle` waits for it). Nothing here waits for the device."""
-        request, buffer, event, spans = self._guarded(lambda: self._request(payload))
-        return request, self._guarded(lambda: self._copy(request, buffer, event, spans))
+        request, mapped, spans = self._guarded(lambda: self._request(payload, 0))
+        return request, self._guarded(lambda: self._copy(request, mapped[1], mapped[2], spans))
+
+    def queued(self, payload: bytes) -> tuple[stage_pb2.PushBoundaryRequest, list[list[DeviceValue]]]:
+        """The PushBoundaryRequest of a DEVICE_QUEUED frame's first bundle, and every bundle's values, in order:
+        device values whose bytes are not here yet. The first stream that reads one of a bundle (DeviceValue.on)
+        queues its arrival: a wait for the slot's written word to reach the bundle's value, the copy out of the
+        slot, the consumed word's write. Nothing here touches the device."""
+        first, bundles = _QUEUE_HEADER.unpack_from(payload, _SLOT_HEADER.size)
+        request, mapped, spans = self._guarded(lambda: self._request(payload, _QUEUE_HEADER.size))
+        if mapped[3] is None:
+            raise Unavailable("a queued bundle in a slot that came without its words", DEVICE_FAILED)
+        run = _ReceivedRun(self, mapped[1], mapped[3], first, bundles, request, spans)
+        return request, [arrival.values for arrival in run.arrivals]
 
     @staticmethod
     def settle(values: Sequence[Any]) -> None:
@@ -409,22 +666,24 @@ class DeviceReceiver:
             raise Unavailable(f"a bundle over CUDA IPC could not be read: {type(e).__name__}: {e}",
                               DEVICE_FAILED) from e
 
-    def _request(self, payload: bytes) -> tuple[stage_pb2.PushBoundaryRequest, Any, Any, list[tuple[int, int]]]:
+    def _request(self, payload: bytes, header: int) -> tuple[stage_pb2.PushBoundaryRequest, tuple[int, Any, Any, Any],
+                                                              list[tuple[int, int]]]:
+        """The request after the slot header and `header` more bytes, the slot as mapped, the tensors' spans."""
         slot, generation, length = _SLOT_HEADER.unpack_from(payload)
-        at = _SLOT_HEADER.size
+        at = _SLOT_HEADER.size + header
         if length:
             handle = json.loads(payload[at:at + length])
-            self._slots[slot] = (generation, self._map(handle), self._open_event(handle))
+            words = self._map(handle["words"]) if "words" in handle else None
+            self._slots[slot] = (generation, self._map(handle), self._open_event(handle), words)
         mapped = self._slots.get(slot)
         if mapped is None or mapped[0] != generation:
             raise ValueError(f"slot {slot} generation {generation} was never mapped on this link")
-        buffer = mapped[1]
         request = stage_pb2.PushBoundaryRequest.FromString(payload[at + length:])
         spans = _spans(request, 0)
         end = _end(spans, 0)
-        if end > buffer.numel():
-            raise ValueError(f"the bundle's tensors need {end} bytes, its slot holds {buffer.numel()}")
-        return request, buffer, mapped[2], spans
+        if end > mapped[1].numel():
+            raise ValueError(f"the bundle's tensors need {end} bytes, its slot holds {mapped[1].numel()}")
+        return request, mapped, spans
 
     def _stream(self, device: Any) -> Any:
         stream = self._streams.get(device.index)
@@ -445,10 +704,20 @@ class DeviceReceiver:
         stream.synchronize()
         return cast(np.ndarray, host.numpy())
 
-    def _copy(self, request: stage_pb2.PushBoundaryRequest, buffer: Any, event: Any,
-              spans: list[tuple[int, int]]) -> list[DeviceValue]:
+    def _placeholders(self, request: stage_pb2.PushBoundaryRequest, buffer: Any,
+                      spans: list[tuple[int, int]]) -> list[DeviceValue]:
+        """The request's tensors as device values over `buffer` at `spans`."""
         from graphmesh_executor.backends.torch_tensors import TORCH_DTYPES
 
+        values = []
+        for t, (start, n) in zip(request.tensors, spans, strict=True):
+            name, shape = dtypes.from_proto(t.tensor.dtype), tuple(int(d) for d in t.tensor.shape)
+            values.append(DeviceValue(buffer[start:start + n].view(TORCH_DTYPES[name]).view(shape),
+                                      dtypes.to_numpy(name), shape))
+        return values
+
+    def _copy(self, request: stage_pb2.PushBoundaryRequest, buffer: Any, event: Any,
+              spans: list[tuple[int, int]]) -> list[DeviceValue]:
         torch = self._torch
         end = _end(spans, 0)
         ready = None
@@ -467,11 +736,9 @@ class DeviceReceiver:
                 own.copy_(buffer[:end], non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(stream)
-        values = []
-        for t, (start, n) in zip(request.tensors, spans, strict=True):
-            name, shape = dtypes.from_proto(t.tensor.dtype), tuple(int(d) for d in t.tensor.shape)
-            values.append(DeviceValue(own[start:start + n].view(TORCH_DTYPES[name]).view(shape), dtypes.to_numpy(name),
-                                      shape, ready))
+        values = self._placeholders(request, own, spans)
+        for v in values:
+            v.ready = ready
         return values
 
     def _open_event(self, handle: dict[str, Any]) -> Any:
@@ -491,7 +758,8 @@ class DeviceReceiver:
         if handle["gpu"] not in self._uuids:
             raise ValueError(f"the sender's GPU {handle['gpu']} is not visible here")
         rebuild = cast(Any, reductions).rebuild_cuda_tensor
-        return rebuild(torch.Tensor, (handle["size"],), (1,), 0, torch.UntypedStorage, torch.uint8,
+        dtype = getattr(torch, handle.get("dtype", "uint8"))
+        return rebuild(torch.Tensor, (handle["size"],), (1,), 0, torch.UntypedStorage, dtype,
                        self._uuids.index(handle["gpu"]), bytes.fromhex(handle["handle"]), handle["size_bytes"],
                        handle["offset_bytes"], False, bytes.fromhex(handle["counter"]), handle["counter_offset"],
                        bytes.fromhex(handle["event"]) or None, handle["event_sync"])

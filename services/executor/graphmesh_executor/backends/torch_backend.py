@@ -624,10 +624,8 @@ class TorchExecutable(CudaGraphs):
         stream = torch.cuda.current_stream(self._device) if cuda else None
         env = self._gather_inputs(inputs)
         for name, value in fed.items():
-            tensor = value.tensor
+            tensor = value.on(stream)
             if stream is not None:
-                if value.ready is not None:
-                    stream.wait_event(value.ready)
                 tensor.record_stream(stream)
             target = env[name]
             target[:tensor.shape[0]].copy_(tensor, non_blocking=cuda)
@@ -638,7 +636,8 @@ class TorchExecutable(CudaGraphs):
         return DeviceValue(kept, NUMPY_DTYPES[kept.dtype], tuple(kept.shape)), _to_host_later(kept) if host else None
 
     def host_async(self, values: list[DeviceValue]) -> HostOutput:
-        return _to_host_later(torch.stack([v.tensor for v in values]))
+        stream = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
+        return _to_host_later(torch.stack([v.on(stream) for v in values]))
 
     @torch.inference_mode()
     def feed_kv_row(self, src_row: int, dst_row: int, row_elems: int) -> bool:
