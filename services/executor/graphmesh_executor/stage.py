@@ -17,9 +17,10 @@ Across ranks whose links map one another's GPU memory (transport.py), a decode r
 the graph runs ahead (_ran_ahead): each iteration's output goes on as a device value the moment it is launched, the
 next rank's stream waiting for it on the GPU, and the host goes on to the next iteration without waiting for the
 device; the tokens each rank's KV rows hold reach its host once, at the run's end (_settle_fed). Where a link can
-queue a run (both ranks on one GPU), the run's bundles over it from its second iteration on go as one queue
-(_send_ahead): every one is accepted at once, each rank's stream waits on the device for the other's writes, and no
-host waits for another's in the rest of the run; a step that fails releases those waits (_fail).
+queue a run (both ranks on one GPU, transport.QUEUED_ENV on), the run's bundles over it from its second iteration
+on go as one queue (_send_ahead): every one is accepted at once, each rank's stream waits on the device for the
+other's writes, and no host waits for another's in the rest of the run; a step that fails releases those waits
+(_fail).
 """
 
 from __future__ import annotations

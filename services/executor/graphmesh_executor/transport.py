@@ -55,7 +55,8 @@ launch a whole run without waiting for each other and the GPU alone passes the b
 releases what its stream waits for (stage.py): a sender pushes its consumed word past every value and retires the
 slot, a receiver sets both words to the run's last value, and each stream runs on over what is never used. On ranks
 with GPUs of their own a run stays ahead bundle by bundle: a queued run holds a rank's stream until its end, where a
-rank gains more from computing another micro-batch in between.
+rank gains more from computing another micro-batch in between. Queued runs are on only where QUEUED_ENV is 1: they
+have run on the CPU's stand-in for the device (host slots, a thread waiting on each word), not yet on a GPU.
 
 A TCP frame (PUSH) carries the PushBoundaryRequest without its tensors' bytes, then the bytes themselves, each
 tensor at an ALIGN offset: the sender hands the arrays to the kernel where they lie (graphmesh.links.send_frame)
@@ -98,7 +99,9 @@ DEVICE_CHAINED = 7  # the same payload; the bundle stays on the GPU and the rece
 # A decode run's bundles from one on, all in one slot held for the run: its queue header after the slot header, then
 # the handle, then the PushBoundaryRequest of its first; each later one is written when the run's stream gets there
 DEVICE_QUEUED = 8
-QUEUED_ENV = "GRAPHMESH_QUEUED_RUNS"  # "0": decode runs across executors run ahead bundle by bundle, never queued
+# "1": decode runs between executors on one GPU are queued (below); off by default until measured on a GPU (no GPU could
+# be had in the session that wrote them): they run ahead bundle by bundle
+QUEUED_ENV = "GRAPHMESH_QUEUED_RUNS"
 # Smaller bundles go as TCP frames on the same link (the environment variable lets a test send every one through
 # the GPU path).
 DEVICE_MIN_BYTES = int(os.environ.get("GRAPHMESH_CUDA_IPC_MIN_BYTES", 8 << 20))
@@ -309,10 +312,9 @@ def _stream_ops() -> tuple[Any, Any] | None:
 
 
 def queued_runs(device: str) -> bool:
-    """Whether this process may queue a decode run's bundles on the device (DEVICE_QUEUED): its driver has stream
-    memory operations, or it computes on the CPU (where tests drive the slots in host memory), and it was not told
-    not to."""
-    if os.environ.get(QUEUED_ENV, "1").strip() == "0":
+    """Whether this process may queue a decode run's bundles on the device (DEVICE_QUEUED): it was told to, and its
+    driver has stream memory operations (or it computes on the CPU, where tests drive the slots in host memory)."""
+    if os.environ.get(QUEUED_ENV, "0").strip() != "1":
         return False
     return not device.startswith("cuda") or _stream_ops() is not None
 
