@@ -360,28 +360,6 @@ def test_a_decode_run_queued_on_the_device_has_the_tokens_of_one_run_ahead(
     assert sorted(runs) == sorted((address, 1, n) for address in queue_to for n in (4, 3)), runs
 
 
-def test_a_queued_run_whose_sender_dies_fails_on_every_rank_and_replays_with_the_same_tokens(
-        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A queued run whose sender stops writing part-way (as though its process died) leaves each rank's engine
-    waiting for bytes that never come; aborting the step releases those waits on every rank (they run on, computing
-    what is never used), the step fails everywhere, every rank is where it was, and the replayed run, through the
-    same links (a failed sender's slot retired, a failed receiver's slot free), gives the fault-free tokens."""
-    monkeypatch.setattr(TorchExecutable, "keeps_on_device", lambda self: True)
-    runtimes = _run_pipeline(tiny_llama, 2, abort_at=2, backend="torch", device_links=frozenset("01"),
-                             queued=HostSlots(monkeypatch), queue_to=frozenset("01"))
-    first = _run(runtimes, [StepRow("a", 1, 0, 0, [5, 17, 99])], 1).tokens[0]
-    with pytest.raises(ProtocolError) as e:
-        _run(runtimes, [StepRow("a", 2, 1, 3, [first])], 5)
-    assert (e.value.error_class, e.value.reason) == ("ARCH", "EPOCH_ABORTED")
-    for r in runtimes:
-        assert _txn(r, "a") == (SessionPhase.IDLE, 2, 3) and r.authority.state is AuthorityState.ACTIVE
-        assert not r._mailbox
-    clean = _run_pipeline(tiny_llama, 2, backend="torch")
-    _run(clean, [StepRow("a", 1, 0, 0, [5, 17, 99])], 1)
-    want = _run(clean, [StepRow("a", 2, 1, 3, [first])], 5).run_tokens
-    assert _run(runtimes, [StepRow("a", 3, 0, 3, [first])], 5).run_tokens == want
-
-
 def test_the_engine_launches_another_step_while_an_output_is_on_its_way(tiny_llama: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The first step's output is held until a second step's run has been launched: the engine thread does not wait
@@ -538,8 +516,19 @@ def test_a_decode_run_builds_each_next_iteration_while_its_boundary_is_on_the_wa
     assert runs[0] == runs[1]
 
 
-def test_a_decode_run_rolled_back_part_way_leaves_every_rank_where_it_was(tiny_llama: Path) -> None:
-    runtimes = _run_pipeline(tiny_llama, 2, abort_at=2)  # aborted once two of its four tokens were computed
+@pytest.mark.parametrize("queued", [False, True], ids=["pushed", "queued"])
+def test_a_decode_run_rolled_back_part_way_leaves_every_rank_where_it_was(tiny_llama: Path, queued: bool,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode run aborted once two of its four tokens were computed fails on every rank, leaves each where it was,
+    and replayed gives the fault-free tokens. `queued`: a run queued on the device whose sender stops writing there
+    (as though its process died), each rank's engine waiting for bytes that never come until the abort releases its
+    waits (they run on, computing what is never used); the replay goes through the same links (the failed sender's
+    slot retired, the failed receiver's slot free)."""
+    backend = "torch" if queued else "numpy"
+    if queued:
+        monkeypatch.setattr(TorchExecutable, "keeps_on_device", lambda self: True)
+    runtimes = _run_pipeline(tiny_llama, 2, abort_at=2, backend=backend, device_links=frozenset("01" if queued else ""),
+                             queued=HostSlots(monkeypatch) if queued else None, queue_to=frozenset("01" if queued else ""))
     first = _run(runtimes, [StepRow("a", 1, 0, 0, [5, 17, 99])], 1).tokens[0]
     with pytest.raises(ProtocolError) as e:
         _run(runtimes, [StepRow("a", 2, 1, 3, [first])], 4)
@@ -547,7 +536,7 @@ def test_a_decode_run_rolled_back_part_way_leaves_every_rank_where_it_was(tiny_l
     for r in runtimes:
         assert _txn(r, "a") == (SessionPhase.IDLE, 2, 3) and r.authority.state is AuthorityState.ACTIVE
         assert not r._mailbox
-    clean = _run_pipeline(tiny_llama, 2)
+    clean = _run_pipeline(tiny_llama, 2, backend=backend)
     _run(clean, [StepRow("a", 1, 0, 0, [5, 17, 99])], 1)
     want = _run(clean, [StepRow("a", 2, 1, 3, [first])], 4).run_tokens
     assert _run(runtimes, [StepRow("a", 3, 0, 3, [first])], 4).run_tokens == want  # replayed: the same tokens
