@@ -436,9 +436,12 @@ class StageRuntime(StageWeights, StagePhases):
         finally:
             with self._lock:
                 del self._in_flight[step_id]
-            failed = step.done.done() and step.done.exception() is not None
-            for queue in step.queues.values():
-                queue.release() if failed else queue.end()  # one made as the step failed was not released
+                failed = not step.done.done() or step.done.exception() is not None
+                for queue in step.queues.values():
+                    if failed:
+                        queue.release()  # again: one made as the step failed may have missed _fail's
+                    else:
+                        queue.end()
 
     def _inputs(self, step: _InFlight) -> list[dag.Route]:
         """The routes whose bundles the decoder group's next iteration of `step` consumes: in the first, those from
@@ -895,8 +898,11 @@ class StageRuntime(StageWeights, StagePhases):
                     delivered(e)
                     return
                 if queue is not None:
-                    step.queues[route.id] = queue
-                    step.device_since = step.device_since or time.monotonic()
+                    with self._lock:  # _fail reads them on other threads
+                        step.queues[route.id] = queue
+                        step.device_since = step.device_since or time.monotonic()
+                        if step.done.done():  # failed meanwhile: its releases may have gone by
+                            queue.release()
                     return
                 with self._lock:
                     step.pushes -= 1  # nothing was sent
