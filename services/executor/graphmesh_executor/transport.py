@@ -99,8 +99,8 @@ DEVICE_CHAINED = 7  # the same payload; the bundle stays on the GPU and the rece
 # A decode run's bundles from one on, all in one slot held for the run: its queue header after the slot header, then
 # the handle, then the PushBoundaryRequest of its first; each later one is written when the run's stream gets there
 DEVICE_QUEUED = 8
-# "1": decode runs between executors on one GPU are queued (below); off by default until measured on a GPU (no GPU could
-# be had in the session that wrote them): they run ahead bundle by bundle
+# "1": decode runs between executors on one GPU are queued (below); off by default, until measured on a GPU, they run
+# ahead bundle by bundle
 QUEUED_ENV = "GRAPHMESH_QUEUED_RUNS"
 # Smaller bundles go as TCP frames on the same link (the environment variable lets a test send every one through
 # the GPU path).
