@@ -91,20 +91,23 @@ class BoundaryPusher:
         memory, its receiver having chosen CUDA IPC."""
         return self._device_link(address) is not None
 
-    def _device_link(self, address: str) -> BoundaryLink | None:
+    def _device_link(self, address: str) -> tuple[BoundaryLink, DeviceSender] | None:
+        """The open link to `address` that maps this GPU, and its sender, read together (a link opened meanwhile has
+        a sender of its own)."""
         with self._lock:
             link = self._links.get(address)
             device = self._device.get(address)
-        return link if link is not None and link.broken is None and device is not None and device[0] is link else None
+        return device if link is not None and link.broken is None and device is not None and device[0] is link else None
 
     def _push_chained(self, address: str, incarnation: int, boundary: Boundary, timeout_s: float,
                       delivered: Callable[[Exception | None], None]) -> bool:
         """Sends a bundle of device values on the caller's thread (the engine's, which queued the runs that made
         them) as a DEVICE_CHAINED frame: its copy into the link's slot is queued behind those runs and nothing
         waits for them. False (nothing sent) where no open link maps this GPU or every slot is in flight."""
-        link = self._device_link(address)
-        if link is None:
+        device = self._device_link(address)
+        if device is None:
             return False
+        link = device[0]
         with telemetry.span("stage.push_boundary", step=boundary.step_id, iteration=boundary.iteration, chained=True):
             request = self._request(incarnation, boundary, data=False)
             request.trace_context.update(telemetry.carrier(telemetry.current_context()))
@@ -117,12 +120,10 @@ class BoundaryPusher:
         (nothing sent) unless the open link there maps this GPU, its receiver computes on it too and this process
         may queue runs (transport.queued_runs), or where every slot is in flight. On GPUs of their own, ranks gain
         more from another micro-batch in between than from a run queued whole (which holds each rank's stream)."""
-        link = self._device_link(address)
-        with self._lock:
-            device = self._device.get(address)
-        if link is None or device is None or not device[1].same_gpu or not transport.queued_runs(self.device):
+        device = self._device_link(address)
+        if device is None or not device[1].same_gpu or not transport.queued_runs(self.device):
             return None
-        sender = device[1]
+        link, sender = device
         with telemetry.span("stage.push_boundary", step=boundary.step_id, iteration=boundary.iteration, queued=bundles):
             request = self._request(incarnation, boundary, data=False)
             request.trace_context.update(telemetry.carrier(telemetry.current_context()))
