@@ -111,7 +111,7 @@ class _InFlight:
     # A decode run queued on the device: its queues by route (this rank's bundles, put as its iterations launch), the
     # releases of the queued runs it takes bundles from, and since when (the device, not a boundary, is then waited on)
     queues: dict[int, Queue] = field(default_factory=dict)
-    releases: list[Callable[[], None]] = field(default_factory=list)
+    releases: set[Callable[[], None]] = field(default_factory=set)  # one per run, however many bundles it took
     device_since: float | None = None
 
 
@@ -476,7 +476,7 @@ class StageRuntime(StageWeights, StagePhases):
         for b in bundles.values():  # a queued run's: once taken, this rank's stream will wait for its bytes
             arrival = next((v.arrival for v in b.values.values() if isinstance(v, DeviceValue) and v.arrival), None)
             if arrival is not None:
-                step.releases.append(arrival.release)
+                step.releases.add(arrival.release)
                 step.device_since = step.device_since or time.monotonic()
         step.waiting_since = None
         self.engine.post("stage.iteration", lambda: self._advance(step, bundles))

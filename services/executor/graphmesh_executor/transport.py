@@ -613,6 +613,7 @@ class _Arrival:
 
     def __init__(self, run: _ReceivedRun, value: int, values: list[DeviceValue]) -> None:
         self._run, self._value, self.values, self._taken = run, value, values, False
+        self.release = run.release  # the run's, one for all its bundles
         for v in values:
             v.arrival = self
 
@@ -620,9 +621,6 @@ class _Arrival:
         if not self._taken:
             self._taken = True
             self._run.take(stream, self._value, self.values)
-
-    def release(self) -> None:
-        self._run.release()
 
 
 class DeviceReceiver:
