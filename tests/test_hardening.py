@@ -214,49 +214,96 @@ def test_idle_connections_by_the_ten_thousand_leave_health_answering(model: Path
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_connection_that_sends_no_request_is_closed() -> None:
-    """In-process, with a short request timeout: a connection that never completes a request's headers (silent, or
-    a byte at a time) is closed; one that sends a request is answered."""
-    import asyncio
+async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers every request with "app:" and its path."""
+    body = b"app:" + scope["path"].encode()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
-    import uvicorn
 
-    from graphmesh_coordinator.http_limits import guarded_protocol
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"ok"})
+def _serve(health: Callable[[], bytes] | None, cap: int = 3, timeout_s: float = 0.5) -> tuple[Any, int]:
+    """`_app` served as the HTTP API is (http_limits.serve) on a free port, in-process."""
+    from graphmesh_coordinator import http_limits
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=guarded_protocol(3, 0.5)))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
+    return http_limits.serve(_app, sock, health, cap, timeout_s, log_level="warning"), port
+
+
+def _response(sock: socket.socket) -> bytes:
+    """One whole response with a content-length (its head and body may come in pieces)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+            data.lower().split(b"content-length: ")[1].split(b"\r\n")[0]):
+        piece = sock.recv(4096)
+        if not piece:
+            break
+        data += piece
+    return data
+
+
+def test_a_connection_that_sends_no_request_is_closed() -> None:
+    """In-process, with a short request timeout: a connection that never completes a request's headers (silent, or
+    a byte at a time) is closed; one that sends a request is answered; one past the cap is closed as accepted."""
+    for health in (None, lambda: b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"):  # handed on at once, or peeked
+        serving, port = _serve(health)
+        try:
+            silent = socket.create_connection(("127.0.0.1", port))
+            slow = socket.create_connection(("127.0.0.1", port))
+            served = socket.create_connection(("127.0.0.1", port))
+            refused = socket.create_connection(("127.0.0.1", port))
+            assert _closed(refused, 1.0), "the fourth connection is past the cap of 3"
+            served.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert served.recv(1024).startswith(b"HTTP/1.1 200")
+            t0 = time.monotonic()
+            for byte in b"GET / HTTP/1.1\r\nHost: x\r\n":
+                try:
+                    slow.sendall(bytes([byte]))
+                except OSError:
+                    break
+                if _closed(slow, 0.2):
+                    break
+            assert time.monotonic() - t0 < 3.0, "a connection sending its headers a byte at a time was kept"
+            assert _closed(silent, 2.0)
+            assert serving.acceptor.refused == 1
+        finally:
+            serving.stop()
+
+
+def test_health_is_answered_while_the_apis_loop_is_held() -> None:
+    """A plain-HTTP `GET /health` is answered on the acceptor's thread: while the API's loop is held (as a burst
+    of streams holds it), the probe gets its answer and a request to the app waits for the loop. Anything that is
+    not one whole health request (another path, a body, a request in pieces) reaches the app untouched."""
+    from starlette.responses import PlainTextResponse
+
+    from graphmesh_coordinator.http_limits import response_bytes
+
+    serving, port = _serve(lambda: response_bytes(PlainTextResponse("ok")), cap=16)
+    release = threading.Event()
     try:
-        while not server.started:
-            time.sleep(0.01)
-        silent = socket.create_connection(("127.0.0.1", port))
-        slow = socket.create_connection(("127.0.0.1", port))
-        served = socket.create_connection(("127.0.0.1", port))
-        refused = socket.create_connection(("127.0.0.1", port))
-        assert _closed(refused, 1.0), "the fourth connection is past the cap of 3"
-        served.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert served.recv(1024).startswith(b"HTTP/1.1 200")
-        t0 = time.monotonic()
-        for byte in b"GET / HTTP/1.1\r\nHost: x\r\n":
-            try:
-                slow.sendall(bytes([byte]))
-            except OSError:
-                break
-            if _closed(slow, 0.2):
-                break
-        assert time.monotonic() - t0 < 3.0, "a connection sending its headers a byte at a time was kept"
-        assert _closed(silent, 2.0)
+        serving.server.loop.call_soon_threadsafe(release.wait, 60)
+        waiting = socket.create_connection(("127.0.0.1", port))
+        waiting.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+            assert (r.status, r.read(), r.headers["connection"]) == (200, b"ok", "close")
+        assert not release.is_set() and not _closed(waiting, 0.2), "answered while the loop was held"
+        release.set()
+        assert _response(waiting).endswith(b"app:/x")
+        for request, pieces in ((b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", 1),
+                                (b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nhi", 1),
+                                (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", 2)):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+                cut = len(request) // pieces
+                c.sendall(request[:cut])
+                time.sleep(0.2)
+                c.sendall(request[cut:])
+                answer = _response(c)
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"app:" + request.split(b" ")[1]), answer
     finally:
-        server.should_exit = True
-        thread.join(5)
+        release.set()
+        serving.stop()
 
 
 # -- 4: every public field swept with boundary values: 400 / INVALID_ARGUMENT, never 500 / INTERNAL --------------

@@ -23,7 +23,6 @@ import secrets
 import socket
 import ssl
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -128,8 +126,7 @@ class OpenAIServer:
         self.responses_store = responses_store  # None: in memory (responses.MemoryStore)
         self.created = int(time.time())
         self.address, self.port = "", 0
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._serving: http_limits.Serving | None = None
         self._tls_dir: tempfile.TemporaryDirectory[str] | None = None
         self.app = self._app()
 
@@ -183,8 +180,15 @@ class OpenAIServer:
                                             else "BAD_TOKEN"))
 
     async def health(self) -> Response:
+        return self.health_response()
+
+    def health_response(self) -> Response:
+        """/health's answer, on any thread (plain-HTTP probes are answered on http_limits.Acceptor's)."""
         if self.leader_gate is not None:
-            self.leader_gate()
+            try:
+                self.leader_gate()
+            except GraphmeshError as e:
+                return api_error(e).response()
         if self.upstream.ready():
             return PlainTextResponse("ok")
         return PlainTextResponse("the mesh is not ready (starting or recovering)", 503, headers={"Retry-After": "1"})
@@ -543,19 +547,9 @@ class OpenAIServer:
         sock.bind((host, int(port_text)))  # here, so a port in use fails the coordinator's start, not a thread
         sock.listen(2048)
         tls_args = self._tls_args(tls) if tls is not None else {}
-        cap = max_connections or http_limits.default_max_connections()
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2, http=http_limits.guarded_protocol(cap),
-                                timeout_keep_alive=5, h11_max_incomplete_event_size=http_limits.H11_MAX_HEADER_BYTES,
-                                backlog=2048, **tls_args)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30.0
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise OSError(f"the HTTP API did not start on {listen}")
-            time.sleep(0.01)
+        self._serving = http_limits.serve(self.app, sock, lambda: http_limits.response_bytes(self.health_response()),
+                                          max_connections, log_level="warning", access_log=False,
+                                          timeout_graceful_shutdown=2, timeout_keep_alive=5, **tls_args)
         self.address, self.port = host, int(sock.getsockname()[1])
         return self.port
 
@@ -573,9 +567,7 @@ class OpenAIServer:
         return args
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
+        if self._serving is not None:
+            self._serving.stop()
         if self._tls_dir is not None:
             self._tls_dir.cleanup()
