@@ -146,7 +146,7 @@ class Acceptor:
             while not self._stopping:
                 for key, _ in self._selector.select(self._wait_s()):
                     if key.data is not None:
-                        key.data(key.fileobj)
+                        self._handle(key.data, key.fileobj)
                 self._expire()
         finally:
             for conn in list(self._pending):
@@ -156,6 +156,12 @@ class Acceptor:
             self._sock.close()
             self._wake.close()
             self._waker.close()
+
+    def _handle(self, handler: Callable[[Any], None], fileobj: Any) -> None:
+        try:
+            handler(fileobj)
+        except Exception:  # a bug with one connection must not end the thread that accepts every one
+            log.exception("an HTTP connection could not be accepted")
 
     def _wait_s(self) -> float | None:
         due = [t for t in (next(iter(self._pending.values()), None), self._resume_at or None) if t is not None]
@@ -221,8 +227,6 @@ class Acceptor:
             conn.send(self._health())
         except OSError:
             pass
-        except Exception:  # a bug in the answer must not end the thread that accepts every connection
-            log.exception("the health answer failed")
         finally:
             conn.close()
 
