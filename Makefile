@@ -104,7 +104,8 @@ proto-baseline: $(BUF)
 	$(BUF) build -o protos/baseline.binpb
 
 test: $(STAMP) redis-server etcd-server cc proto-check lint
-	$(PY) -m pytest -q -x --durations=15 tests
+	$(PY) -m pytest -q -x -n 2 --dist loadfile -m "not serial" --durations=15 tests
+	$(PY) -m pytest -q -x -m serial tests
 
 test-fast: $(STAMP) redis-server etcd-server
 	$(PY) -m pytest -q -x -m "not slow" tests

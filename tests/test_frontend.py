@@ -103,6 +103,7 @@ def test_concurrent_streams_through_the_front_end_are_the_coordinators_own(mesh:
     assert all(len(tokens) == TOKENS for tokens in through)
 
 
+@pytest.mark.serial
 def test_a_thousand_concurrent_streams_through_the_front_end_all_complete(mesh: LocalMesh) -> None:
     """As against the coordinator itself (tests/test_queueing.py): with default flags every one completes with its
     solo tokens, and the front end's health answers within a second throughout."""
@@ -328,6 +329,7 @@ def test_the_front_ends_openai_errors_are_the_coordinators(mesh: LocalMesh) -> N
     assert _http(mesh.http_url.removesuffix("/v1") + "/health") == (200, b"ok")
 
 
+@pytest.mark.serial
 def test_a_thousand_concurrent_openai_streams_through_the_front_end_all_complete(mesh: LocalMesh) -> None:
     """As gRPC streams through it (above) and against the coordinator's own API (tests/test_queueing.py): with
     default flags every one of 1,000 streamed completions at once ends with its [DONE], the front end's health and

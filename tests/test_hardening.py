@@ -98,6 +98,7 @@ def _code(call: Callable[[], Any]) -> grpc.StatusCode:
 
 
 # -- 1: a huge prompt is refused before any work, health answers throughout, nothing is fenced --------------------
+@pytest.mark.serial
 def test_huge_prompts_are_refused_at_once_and_health_answers(mesh: LocalMesh) -> None:
     before = _status(mesh)
     huge = "a" * (16 << 20)
@@ -144,6 +145,7 @@ def _closed(sock: socket.socket, wait_s: float) -> bool:
         return True
 
 
+@pytest.mark.serial
 def test_idle_connections_past_the_cap_are_refused_at_accept(mesh: LocalMesh) -> None:
     port, extra = _http_port(mesh), 1000
     held: list[socket.socket] = []
@@ -178,6 +180,7 @@ IDLE_CONNECTIONS = 25_000  # the issue's acceptance figure
 DESCRIPTOR_RESERVE = 400  # left to the test process itself: its channels, the probe, pytest, the mesh's pipes
 
 
+@pytest.mark.serial
 def test_idle_connections_by_the_ten_thousand_leave_health_answering(model: Path) -> None:
     """Issue 42's acceptance: 25,000 idle connections to the HTTP port of a coordinator with its default bound,
     opened in loops of 1,000, leave gRPC health answering within 1 s throughout, and /health answers again once

@@ -186,6 +186,7 @@ def test_a_ttl_or_redis_eviction_bounds_the_tier_and_is_a_miss(fresh: RedisServe
     assert replica(fresh.url).lookup(NS, tokens) == 4
 
 
+@pytest.mark.serial
 def test_redis_down_or_frozen_is_misses_and_hits_resume_when_it_is_back(tmp_path: Path) -> None:
     own = RedisServer(tmp_path).start()
     try:

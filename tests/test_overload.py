@@ -99,6 +99,7 @@ async def _burst(address: str, pid: int, model: str) -> tuple[list[list[int] | s
             await channel.close()
 
 
+@pytest.mark.serial
 def test_idle_streams_and_a_burst_leave_health_answering(mesh: LocalMesh) -> None:
     solo = [_solo(mesh, p) for p in PROMPTS]
     pid = mesh.coordinator_process.pid if mesh.coordinator_process else 0

@@ -115,6 +115,7 @@ def mesh(model: Path) -> Iterator[LocalMesh]:
         yield m
 
 
+@pytest.mark.serial
 def test_a_thousand_concurrent_streams_all_complete_and_health_answers_throughout(mesh: LocalMesh) -> None:
     solo = [_solo(mesh.coordinator_address, p) for p in PROMPTS]
     with HealthProbe(mesh.coordinator_address) as probe:

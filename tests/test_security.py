@@ -435,6 +435,7 @@ def _seeded_again(mesh: LocalMesh, prompt: list[int], expected: list[int], timeo
         time.sleep(0.5)
 
 
+@pytest.mark.serial
 def test_a_frozen_kvstore_costs_new_sessions_no_deadline(spare: LocalMesh) -> None:
     """SIGSTOP of the kvstore: the first new session waits out its seed's deadline (about a second), the breaker
     opens (one log line) and every later session skips the store and computes its whole prompt, with the same
