@@ -179,7 +179,7 @@ class Acceptor:
             self._resume_at = 0.0
             self._selector.register(self._sock, selectors.EVENT_READ, self._accept)
 
-    def _accept(self, sock: Any) -> None:
+    def _accept(self, _listening: Any) -> None:
         for _ in range(ACCEPT_BATCH):
             try:
                 conn, _ = self._sock.accept()
