@@ -151,12 +151,16 @@ def test_idle_connections_past_the_cap_are_refused_at_accept(mesh: LocalMesh) ->
     held: list[socket.socket] = []
     try:
         with HealthProbe(mesh.coordinator_address) as probe:  # the HTTP API is full: gRPC health answers
+            reset = 0
             for _ in range(HTTP_CAP + extra):
-                held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+                try:
+                    held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+                except ConnectionResetError:  # refused as accepted, before this side's connect() returned
+                    reset += 1
             time.sleep(0.5)
             # the first HTTP_CAP stay open (idle, under the request timeout); the rest were closed as accepted
             open_ones = [s for s in held if not _closed(s, 0.01)]
-            assert HTTP_CAP - 2 <= len(open_ones) <= HTTP_CAP, len(open_ones)
+            assert HTTP_CAP - 2 <= len(open_ones) <= HTTP_CAP, (len(open_ones), reset)
             # the idle ones are closed by the server once they sent no request for REQUEST_TIMEOUT_S: the HTTP API
             # then serves again though this client still holds every socket
             deadline = time.monotonic() + REQUEST_TIMEOUT_S + 5
