@@ -20,7 +20,6 @@ class HealthProbe:
 
     address: str
     http_url: str = ""
-    slowest_s: float = 0.0
     slowest: dict[str, float] = field(default_factory=dict)  # by probe: "grpc", "http"
     failures: list[str] = field(default_factory=list)
     probes: int = 0
@@ -43,8 +42,12 @@ class HealthProbe:
             probe()
         except Exception as e:  # every failure is a finding
             self.failures.append(f"{kind}: {type(e).__name__}: {e}")
-        self.slowest_s = max(self.slowest_s, time.monotonic() - t0)
         self.slowest[kind] = max(self.slowest.get(kind, 0.0), time.monotonic() - t0)
+
+    @property
+    def slowest_s(self) -> float:
+        """The slowest answer of any probe."""
+        return max(self.slowest.values(), default=0.0)
 
     def _grpc(self, stub: health_pb2_grpc.HealthStub) -> None:
         answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
