@@ -18,6 +18,24 @@ from graphmesh.launcher import free_port, wait_healthy
 STARTUP_TIMEOUT_S = 60.0
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist (make test), each worker and every process it starts keep to a share of the cores of their own:
+    two workers' meshes on the same cores oversubscribe them (each mesh sizes its threads to all the cores) and
+    run at half the speed of the same meshes apart (DEVELOPERS.md, Tests). Tests that need every core are `serial`."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return
+    cores, count = sorted(os.sched_getaffinity(0)), int(worker["workercount"])
+    if count < 2 or len(cores) < count:
+        return
+    each, index = len(cores) // count, int(worker["workerid"].removeprefix("gw"))
+    share = set(cores[index * each:(index + 1) * each])
+    for thread in os.listdir("/proc/self/task"):  # execnet's threads too: any of them may start a process
+        os.sched_setaffinity(int(thread), share)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(len(share))
+
+
 def backend_targets() -> list[str]:
     """Backend names for the per-backend suites, and "torch:cuda" where torch sees a GPU."""
     from graphmesh_executor.backends import available

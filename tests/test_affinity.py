@@ -29,6 +29,7 @@ def thread_cores(pid: int) -> dict[int, frozenset[int]]:
     return {int(tid): frozenset(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
+@pytest.mark.serial  # pins executors across every core of the host
 def test_two_executors_on_one_host_each_keep_to_their_cores_and_lend_their_helper(tmp_path: Path) -> None:
     """A 2-executor torch mesh on this host: with two cores or more, every thread of executor r (gRPC's own
     included) runs on the r-th half of the cores, but one: the product helper, started by a lone stream's decode,

@@ -286,6 +286,7 @@ def test_a_packed_product_has_the_bits_of_the_f32_product_over_ggufs_dequantizat
                            cpu_kernels.matmul_xwt(x, dense))
 
 
+@pytest.mark.serial  # the helper thread runs on the cores a worker of make test does not have
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: no helper thread to share a product with")
 @pytest.mark.parametrize("scheme", ["f32", "q4_0", "q4_1", "q8_0", "q4_k"])
 def test_a_lone_rows_product_shared_with_the_helper_thread_has_the_one_thread_bits(scheme: str) -> None:
@@ -335,6 +336,7 @@ def test_a_lone_rows_product_shared_with_the_helper_thread_has_the_one_thread_bi
     assert lib.helper_chunks() > helped
 
 
+@pytest.mark.serial
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: no helper thread to share a product with")
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_light_steps_products_of_any_rows_share_with_the_helper_and_keep_their_bits(packed: bool) -> None:

@@ -60,6 +60,7 @@ def test_rows_are_quantized_as_numpys_reference_does() -> None:
     assert scales[2, 1] == 0 and not codes[2, 32:64].any()
 
 
+@pytest.mark.serial  # the helper thread runs on the cores a worker of make test does not have
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("m,k,n", SHAPES)
 def test_matches_the_float64_reference_and_each_row_sums_alone(scheme: str, m: int, k: int, n: int) -> None:
