@@ -10,7 +10,7 @@ from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 from graphmesh.graph import GraphBuilder, parse
-from graphmesh_executor.backends import available, compile_graph
+from graphmesh_executor.backends import available, compile_graph, cuda_kernels
 
 T, H, F, E, K = 7, 32, 48, 8, 2
 
@@ -91,9 +91,11 @@ def test_residency_stats_follow_each_runs_mask(backend: str) -> None:
     assert exe.take_moe_residency_stats().resident_tokens == 0  # taken: the tally starts again
 
 
-def test_a_moe_graph_needs_no_host_read_to_run_static() -> None:
+def test_a_moe_graph_needs_no_host_read_to_run_static(monkeypatch: pytest.MonkeyPatch) -> None:
     """The expert ids come from top_k and the row gather from a constant: in range by construction, so the CUDA
-    path may run the graph static and capture it (cuda_graphs._static_checks; checked here on the host)."""
+    path may run the graph static and capture it (cuda_graphs._static_checks; checked here on the host, with the
+    Triton kernels taken as usable, as on a GPU)."""
+    monkeypatch.setattr(cuda_kernels, "usable", lambda *xs: True)
     exe = compile_graph(parse(moe_block_graph().build()), "torch")
     assert exe._static_checks(exe.graph) == []  # type: ignore[attr-defined]
     g = GraphBuilder("ids_from_input")  # ids a caller sends: checked on the host, so never static
