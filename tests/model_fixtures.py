@@ -6,20 +6,15 @@ from __future__ import annotations
 import fcntl
 import functools
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
-import safetensors.torch
 import torch
-import transformers
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    GenerationConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -36,7 +31,6 @@ from graphmesh.bundled import resolve_model
 from graphmesh.checkpoints import open_checkpoint
 from graphmesh.models.config import ModelConfig
 
-ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 1000
 # A wider init than HF's 0.02 spreads the logits, so greedy decoding of a random model does not hinge on
 # near-ties that float32 rounding could flip.
@@ -209,28 +203,15 @@ def smollm2_path() -> Path:
 @functools.cache
 def smollm2_hf() -> Any:
     """transformers' SmolLM2 from the bundled GGUF, f32, in eval mode. transformers dequantizes a GGUF in Python
-    (15-30 s); the first test process to need it saves it under build/test-cache, keyed by the GGUF and
-    transformers' version, and the others (the other pytest worker, later runs) load that copy in a second or two."""
-    path = smollm2_path()
-    stat = path.stat()
-    saved = ROOT / "build" / "test-cache" / f"smollm2-hf-{stat.st_size}-{stat.st_mtime_ns}-{transformers.__version__}"
-    saved.parent.mkdir(parents=True, exist_ok=True)
-    with open(saved.parent / "smollm2-hf.lock", "w") as lock:
+    (15-30 s), so this loads the benchmarks' dequantized copy (bench.peers.ensure_hf_model, under build/peers),
+    made by the first test process that needs it while the others wait for it."""
+    from bench.peers import HF_MODEL, ensure_hf_model
+
+    HF_MODEL.parent.mkdir(parents=True, exist_ok=True)
+    with open(HF_MODEL.parent / "smollm2-hf.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process converts; the others wait for its copy
-        if not saved.exists():
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-            # save_pretrained refuses a model read from a GGUF: its config and weights are written as they are
-            partial = saved.with_name(f"{saved.name}.partial-{os.getpid()}")
-            partial.mkdir()
-            model.config.to_json_file(partial / "config.json")
-            model.generation_config.to_json_file(partial / "generation_config.json")
-            safetensors.torch.save_model(model, str(partial / "model.safetensors"))
-            partial.rename(saved)  # whole or absent
-            return model
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(saved), dtype=torch.float32)  # type: ignore[no-untyped-call]
-    safetensors.torch.load_model(model, str(saved / "model.safetensors"))
-    model.generation_config = GenerationConfig.from_pretrained(saved)
-    return model.eval()
+        path = ensure_hf_model(smollm2_path())
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 @functools.cache
