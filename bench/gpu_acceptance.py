@@ -73,7 +73,7 @@ def differing(got: list[list[int]], solo: list[list[int]]) -> list[dict[str, int
 def check(a: argparse.Namespace, model: str, executors: int, prompts: list[list[int]]) -> dict[str, Any]:
     mesh = LocalMesh(executors, "torch", model, kvstore=False, startup_timeout_s=900,
                      extra_executor_args=["--device", a.device, "--kv-cache-bytes", a.kv_cache_bytes],
-                     extra_coordinator_args=["--dtype", "f32"])
+                     extra_coordinator_args=["--dtype", "f32", "--steps-in-flight", str(a.steps_in_flight)])
     with mesh:
         address = mesh.coordinator_address
         progress(f"== {executors} executor(s): warm-up")
@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--executors", default="1,2")
     p.add_argument("--kv-cache-bytes", default="8Gi")
+    p.add_argument("--steps-in-flight", type=int, default=0, help="the coordinator's --steps-in-flight (0: its default)")
     p.add_argument("--out", default=str(RESULTS_DIR / "gpu_acceptance.json"))
     a = p.parse_args()
     load = os.getloadavg()

@@ -81,7 +81,8 @@ class FakeMesh:
         self.kvstore: object | None = object() if store else None
         self.stored: set[tuple[int, ...]] = set()
         self.seeded_tokens = 0
-        self.ranks = [SimpleNamespace(device="cpu", gpu_uuid="")] * ranks  # what the scheduler reads of a rank
+        # what the scheduler reads of a rank
+        self.ranks = [SimpleNamespace(device="cpu", gpu_uuid="", queues_runs=False)] * ranks
         self.kv_pool_blocks = blocks
         self.incarnation = 1
         self.ready = True
@@ -93,6 +94,8 @@ class FakeMesh:
         self.violations: list[str] = []
         self.max_in_flight_steps = 0
         self._flying = 0
+        self.alone_steps = 0  # steps sent alone (ExecuteStepRequest.alone)
+        self._alone_flying = False
         self.recoveries = 0
         self.shared_tokens = self.share_refusals = 0
         self.decode_run_steps = 0
@@ -100,7 +103,8 @@ class FakeMesh:
         self.step_shapes: list[tuple[int, int]] = []  # each step's rows and decode run length, in sending order
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: int, incarnation: int,
-                     decode_steps: int = 1, sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
+                     decode_steps: int = 1, sent: Callable[[], None] | None = None,
+                     alone: bool = False) -> stage_pb2.ExecuteStepResponse:
         with self._lock:
             if incarnation != self.incarnation:  # what real ranks answer to an old incarnation
                 raise InvocationFailed(ErrorClass.COMM, -1, Unavailable("stale", "STALE_INCARNATION"))
@@ -113,6 +117,10 @@ class FakeMesh:
             self.step_shapes.append((len(rows), decode_steps))
             self._flying += 1
             self.max_in_flight_steps = max(self.max_in_flight_steps, self._flying)
+            if self._alone_flying or (alone and self._flying > 1):
+                self.violations.append(f"step {step}: in flight beside a step sent alone")
+            self._alone_flying = self._alone_flying or alone
+            self.alone_steps += alone
             if decode_steps > 1 and any(len(r.token_ids) != 1 for r in rows):
                 self.violations.append(f"step {step}: a decode run of rows that are not one token each")
             if any(r.decode_steps > decode_steps for r in rows):
@@ -124,6 +132,7 @@ class FakeMesh:
                         self._begin(rank, r, r.decode_steps or decode_steps)
             except InvalidArgument as e:
                 self._finish(ids)
+                self._alone_flying = self._alone_flying and not alone
                 for rank in self._ranks:
                     for r in rows:
                         rank.open.pop(r.session_id, None)
@@ -133,6 +142,7 @@ class FakeMesh:
         time.sleep(random.random() * 0.002)  # let other steps overlap this one
         with self._lock:
             self._finish(ids)
+            self._alone_flying = self._alone_flying and not alone
             if self.arch_every and step % self.arch_every == 0:
                 for rank in self._ranks:
                     for r in rows:
@@ -429,20 +439,29 @@ def test_steps_fill_the_pipeline_with_one_micro_batch_per_stage() -> None:
     assert mesh.max_in_flight_steps == 2  # both stages busy; never a session in both (checked by the mesh)
 
 
-@pytest.mark.parametrize(("gpus", "sessions", "micro_batches"),
-                         [(["GPU-a", "GPU-a"], 32, 1), (["GPU-a", "GPU-a"], 128, 2), (["GPU-a", "GPU-b"], 32, 2)])
-def test_stages_sharing_a_gpu_split_only_micro_batches_of_many_rows(gpus: list[str], sessions: int,
+@pytest.mark.parametrize(("gpus", "queues", "sessions", "micro_batches"),
+                         [(["GPU-a", "GPU-a"], False, 32, 1), (["GPU-a", "GPU-a"], False, 128, 2),
+                          (["GPU-a", "GPU-b"], False, 32, 2), (["GPU-a", "GPU-a"], True, 128, 1),
+                          (["GPU-a", "GPU-b"], True, 32, 2)])
+def test_stages_sharing_a_gpu_split_only_micro_batches_of_many_rows(gpus: list[str], queues: bool, sessions: int,
                                                                      micro_batches: int) -> None:
     """Two stages on one GPU: one micro-batch of 32 sessions (two of 16 would read the weights twice per token),
-    two of 64 from 128; on two GPUs, two micro-batches whatever their rows. Tokens never change."""
+    two of 64 from 128; on two GPUs, two micro-batches whatever their rows. Stages on one GPU that queue runs get one
+    micro-batch however many sessions. Tokens never change. A step scheduled where one micro-batch is all that fits
+    goes alone (the ranks may queue its run on the GPU): nothing else is sent until its answer, even once more
+    sessions make room for a second micro-batch (the mesh checks)."""
     mesh = FakeMesh(2, 100_000)
-    mesh.ranks = [SimpleNamespace(device="cuda:0", gpu_uuid=g) for g in gpus]
+    mesh.ranks = [SimpleNamespace(device="cuda:0", gpu_uuid=g, queues_runs=queues) for g in gpus]
     jobs = [([i + 1, 2, 3], 6) for i in range(sessions)]
     assert run_together(mesh, jobs)[0] == [solo(p, n) for p, n in jobs]
     rows = [n for n, _ in mesh.step_shapes]
     assert rows[:micro_batches] == [sessions // micro_batches] * micro_batches  # the first steps split them so
     assert max(rows) == sessions // micro_batches and mesh.max_in_flight_steps <= micro_batches
     assert not mesh.violations
+    if micro_batches == 1:
+        assert mesh.alone_steps == len(rows)
+    elif len(set(gpus)) == 2:
+        assert mesh.alone_steps == 0
 
 
 @pytest.mark.parametrize("steps_in_flight", [1, 4])
@@ -539,7 +558,7 @@ def test_on_gpus_a_decode_run_grows_with_its_rows(sessions: int, run_length: int
     """The coordinator's work per run grows with its rows (a message per stream) and the GPU's hardly: by default a
     run takes 8 tokens a row per 64 rows, up to 32. Tokens never change."""
     mesh = FakeMesh(1, 100_000)
-    mesh.ranks = [SimpleNamespace(device="cuda:0", gpu_uuid="GPU-a")]
+    mesh.ranks = [SimpleNamespace(device="cuda:0", gpu_uuid="GPU-a", queues_runs=True)]
     jobs = [([i + 1, 2, 3], 40) for i in range(sessions)]  # one prompt step for all, then decode runs
     assert run_together(mesh, jobs)[0] == [solo(p, n) for p, n in jobs]
     assert next(d for _, d in mesh.step_shapes if d > 1) == run_length and not mesh.violations
@@ -555,7 +574,7 @@ def test_sessions_that_end_in_one_step_are_released_in_one_call_and_their_blocks
 def test_a_step_takes_256_sessions_on_gpus_and_64_on_cpus_by_default() -> None:
     for device, seqs in (("cuda:0", 256), ("cpu", 64)):
         mesh = FakeMesh(2, 100)
-        mesh.ranks = [SimpleNamespace(device=device, gpu_uuid="")] * 2
+        mesh.ranks = [SimpleNamespace(device=device, gpu_uuid="", queues_runs=False)] * 2
         default, pinned = Scheduler(cast(Mesh, mesh)), Scheduler(cast(Mesh, mesh), max_step_seqs=7)
         try:
             assert (default._step_seqs(), pinned._step_seqs()) == (seqs, 7)
@@ -571,13 +590,14 @@ def test_a_steps_outputs_reach_the_session_once_its_next_step_is_on_its_way() ->
 
     class Watching(FakeMesh):
         def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: int, incarnation: int,
-                         decode_steps: int = 1, sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
+                         decode_steps: int = 1, sent: Callable[[], None] | None = None,
+                         alone: bool = False) -> stage_pb2.ExecuteStepResponse:
             def watched() -> None:
                 before = seq.events.qsize()
                 if sent is not None:
                     sent()
                 queued.append((before, seq.events.qsize()))
-            return super().execute_step(rows, output, incarnation, decode_steps, watched)
+            return super().execute_step(rows, output, incarnation, decode_steps, watched, alone)
 
     scheduler = Scheduler(cast(Mesh, Watching(2, 64)), decode_steps=1)
     seq = Seq(SessionInfo("s"), [1, 2, 3], stage_pb2.SamplingParams(), stage_pb2.OUTPUT_KIND_TOKEN, 3,

@@ -169,11 +169,14 @@ class _Dying:
         self._run.release()
 
 
-def _run(runtimes: list[StageRuntime], rows: list[StepRow], steps: int, timeout_s: float = 5.0) -> StepResult:
-    """One step on every rank at once (a decode run's first rank waits for what the last one feeds back)."""
+def _run(runtimes: list[StageRuntime], rows: list[StepRow], steps: int, timeout_s: float = 5.0,
+         alone: bool = True) -> StepResult:
+    """One step on every rank at once (a decode run's first rank waits for what the last one feeds back), alone
+    (ExecuteStepRequest.alone) unless told: no other step is in flight meanwhile."""
     step_id = next(_step_ids)
     with ThreadPoolExecutor(len(runtimes)) as pool:
-        calls = [pool.submit(r.execute_step, 1, step_id, rows, False, timeout_s, steps) for r in runtimes]
+        calls = [pool.submit(r.execute_step, 1, step_id, rows, False, timeout_s, steps, frozenset(), alone)
+                 for r in runtimes]
         return [c.result() for c in calls][-1]
 
 
@@ -331,12 +334,13 @@ def test_a_decode_run_queued_on_the_device_has_the_tokens_of_one_run_ahead(
     run's slot as its iteration launches, read by the receiver's run through the slot's words. The tokens of two runs
     in a row (the second through the slots the first ended), every rank's session tokens and a later step's are those
     of the same ranks running ahead bundle by bundle, greedy and seeded. Here torch on the CPU stands for the GPU and
-    the slots lie in host memory (test_transport.py's CUDA test runs the words on a GPU)."""
+    the slots lie in host memory (test_transport.py's CUDA test runs the words on a GPU). A step the coordinator did
+    not send alone is never queued: it runs ahead, with the same tokens."""
     monkeypatch.setattr(TorchExecutable, "keeps_on_device", lambda self: True)
     sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
     prompts = {"a": [5, 17, 99], "b": [8, 9]}
 
-    def serve(queue_to: str) -> tuple[list[Any], list[tuple[str, int, int]]]:
+    def serve(queue_to: str, alone: bool = True) -> tuple[list[Any], list[tuple[str, int, int]]]:
         runs: list[tuple[str, int, int]] = []
         runtimes = _run_pipeline(tiny_llama, 2, backend="torch", device_links=frozenset("01"),
                                  queued=HostSlots(monkeypatch) if queue_to else None, queue_to=frozenset(queue_to),
@@ -344,9 +348,9 @@ def test_a_decode_run_queued_on_the_device_has_the_tokens_of_one_run_ahead(
         first = _run(runtimes, [StepRow("a", 1, 0, 0, prompts["a"]), StepRow("b", 1, 0, 0, prompts["b"], sampled)],
                      1)
         run = _run(runtimes, [StepRow("a", 2, 1, 3, [first.tokens[0]]),
-                              StepRow("b", 2, 1, 2, [first.tokens[1]], sampled)], 5)
+                              StepRow("b", 2, 1, 2, [first.tokens[1]], sampled)], 5, alone=alone)
         again = _run(runtimes, [StepRow("a", 3, 2, 8, [run.run_tokens[0][-1]]),
-                                StepRow("b", 3, 2, 7, [run.run_tokens[1][-1]], sampled)], 4)
+                                StepRow("b", 3, 2, 7, [run.run_tokens[1][-1]], sampled)], 4, alone=alone)
         after = _run(runtimes, [StepRow("a", 4, 3, 12, [again.run_tokens[0][-1]]),
                                 StepRow("b", 4, 3, 11, [again.run_tokens[1][-1]], sampled)], 1)
         held = [dict(r.sessions())[sid].tokens for r in runtimes for sid in prompts]
@@ -358,6 +362,7 @@ def test_a_decode_run_queued_on_the_device_has_the_tokens_of_one_run_ahead(
     assert ahead[4][0] == prompts["a"] + [ahead[0][0], *ahead[1][0], *ahead[2][0][:-1]]  # fed tokens held
     # each run, each way queued: its bundles from iteration 1 (the first rank's iteration 0 hands on no tokens)
     assert sorted(runs) == sorted((address, 1, n) for address in queue_to for n in (4, 3)), runs
+    assert serve(queue_to, alone=False) == (ahead, [])
 
 
 def test_the_engine_launches_another_step_while_an_output_is_on_its_way(tiny_llama: Path,

@@ -451,11 +451,12 @@ def test_two_executors_on_one_gpu_take_cuda_ipc_with_the_same_tokens(cuda_model:
 
 
 def test_two_executors_on_one_gpu_queue_decode_runs_on_the_device_with_the_same_tokens(cuda_model: Path) -> None:
-    """With the defaults, two executors on one GPU run decode runs ahead (each iteration's output handed on as a
-    device value at launch, the receiver's stream waiting for the slot's event), and with queued runs on they queue a
-    run's iterations on the device from its second on (each rank's stream waiting for the slot word the other's
-    writes, no message per iteration): greedy and seeded tokens are those of the same mesh over TCP, where every
-    iteration lands on the host."""
+    """With the defaults, two executors on one GPU queue a decode run's iterations on the device from its second on
+    (each rank's stream waiting for the slot word the other's writes, no message per iteration), and with queued runs
+    off (transport.QUEUED_ENV=0) they run ahead (each iteration's output handed on as a device value at launch, the
+    receiver's stream waiting for the slot's event): greedy and seeded tokens are those of the same mesh over TCP,
+    where every iteration lands on the host, also with the coordinator sending two micro-batches at once (its steps
+    then not alone: none is queued)."""
     args = ("--device", "cuda:0")
     coordinator = ("--dtype", "f32")
     with _mesh(cuda_model, 2, env={ENV: "tcp"}, backend="torch", executor_args=args,
@@ -464,10 +465,11 @@ def test_two_executors_on_one_gpu_queue_decode_runs_on_the_device_with_the_same_
     with _mesh(cuda_model, 2, backend="torch", executor_args=args, coordinator_args=coordinator) as mesh:
         assert _tokens(mesh, 4) == over_tcp
         for rank in (0, 1):
-            log = mesh.log(f"executor-{rank}").read_text()
-            assert "decode runs run ahead" in log and "queued on the device" not in log, rank
-    with _mesh(cuda_model, 2, env={transport.QUEUED_ENV: "1"}, backend="torch", executor_args=args,
-               coordinator_args=coordinator) as mesh:
-        assert _tokens(mesh, 4) == over_tcp
-        for rank in (0, 1):
             assert "decode runs queued on the device" in mesh.log(f"executor-{rank}").read_text(), rank
+    for env, flags in (({transport.QUEUED_ENV: "0"}, ()), ({}, ("--steps-in-flight", "2"))):
+        with _mesh(cuda_model, 2, env=env, backend="torch", executor_args=args,
+                   coordinator_args=coordinator + flags) as mesh:
+            assert _tokens(mesh, 4) == over_tcp
+            for rank in (0, 1):
+                log = mesh.log(f"executor-{rank}").read_text()
+                assert "decode runs run ahead" in log and "queued on the device" not in log, (env, flags, rank)

@@ -315,11 +315,11 @@ class LeaderMesh(Mesh):
         return not_leader(self.election)
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: stage_pb2.OutputKind.ValueType,
-                     incarnation: int, decode_steps: int = 1,
-                     sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
+                     incarnation: int, decode_steps: int = 1, sent: Callable[[], None] | None = None,
+                     alone: bool = False) -> stage_pb2.ExecuteStepResponse:
         if not self.election.is_leader():
             raise InvocationFailed(ErrorClass.COMM, -1, self._not_leader())
-        return super().execute_step(rows, output, incarnation, decode_steps, sent)
+        return super().execute_step(rows, output, incarnation, decode_steps, sent, alone)
 
     def recover(self, failed_incarnation: int, deadline_s: float = 120.0) -> None:
         if not self.election.is_leader():

@@ -76,6 +76,7 @@ class Rank:
     model_identity: str = ""
     kv_pool_blocks: int = 0
     gpu_uuid: str = ""  # the GPU it computes on; "" off CUDA
+    queues_runs: bool = False  # queues a decode run sent alone whole on its GPU (InstallResponse.queues_runs)
 
 
 class Mesh:
@@ -236,15 +237,16 @@ class Mesh:
                                   f"{error.message}", "INSTALL_FAILED", {"highest_seen": seen} if seen else None) from e
             rank.backend, rank.device, rank.param_bytes = reply.backend, reply.device, reply.param_bytes
             rank.model_identity, rank.kv_pool_blocks = reply.model_identity, reply.kv_pool_blocks
-            rank.gpu_uuid = reply.gpu_uuid
+            rank.gpu_uuid, rank.queues_runs = reply.gpu_uuid, reply.queues_runs
 
     def execute_step(self, rows: Sequence[stage_pb2.StepRow], output: stage_pb2.OutputKind.ValueType,
-                     incarnation: int, decode_steps: int = 1,
-                     sent: Callable[[], None] | None = None) -> stage_pb2.ExecuteStepResponse:
+                     incarnation: int, decode_steps: int = 1, sent: Callable[[], None] | None = None,
+                     alone: bool = False) -> stage_pb2.ExecuteStepResponse:
         """Runs one step, scheduled for the roster of `incarnation`, on every rank and returns the last stage's
         answer (one result per row, in order). `decode_steps` > 1: a decode run of that many tokens per row. A
         step of a roster already replaced fails as COMM at once (its rows are restored and replayed like any
-        other after a recovery). `sent` is called once the step is on its way to every rank."""
+        other after a recovery). `sent` is called once the step is on its way to every rank. `alone`: no other step
+        is sent until this one is answered (ExecuteStepRequest.alone)."""
         ranks = self.ranks
         if incarnation != self.incarnation:
             raise InvocationFailed(ErrorClass.COMM, -1, Unavailable(
@@ -256,7 +258,8 @@ class Mesh:
         active = [encoder.id] if encoder is not None and any(r.encoded_offsets for r in rows) else []
         request = stage_pb2.ExecuteStepRequest(
             incarnation=incarnation, step_id=step_id, rows=rows, output=output,
-            boundary_timeout_ms=int(self.rpc_timeout_s * 1000), decode_steps=decode_steps, active_groups=active)
+            boundary_timeout_ms=int(self.rpc_timeout_s * 1000), decode_steps=decode_steps, active_groups=active,
+            alone=alone)
         with telemetry.span("mesh.step", step=step_id, incarnation=incarnation, rows=len(rows), tokens=tokens,
                             decode_steps=decode_steps):
             return self._execute(ranks, incarnation, request, sent)

@@ -201,6 +201,10 @@ class Scheduler:
         self._cond = threading.Condition()
         self._seqs: list[Sequence] = []  # arrival order
         self._in_flight = 0
+        # The step in flight that was sent alone (ExecuteStepRequest.alone: the ranks may queue its decode run whole
+        # on a GPU they share): none other is scheduled until it is answered, even where more micro-batches fit by then
+        self._alone: list[_Row] | None = None
+        self._cap = 0  # the steps in flight the last scheduling pass allowed (_micro_batches)
         self._releasing = 0  # blocks of ended sessions that the ranks are still releasing
         self._to_release: list[_Released] = []  # sessions to release in the next call (Scheduler._release)
         self._releasing_now = False  # a worker is releasing; it takes `_to_release` when its call is done
@@ -317,6 +321,8 @@ class Scheduler:
         assert not isinstance(step, _Drafts)
         if step:
             self._in_flight += 1
+            if self._in_flight == 1 and self._cap == 1:
+                self._alone = step[0]
         return step
 
     def _draft(self, drafts: _Drafts) -> None:
@@ -351,8 +357,8 @@ class Scheduler:
         """The next step's rows and its decode run's length (1: one token per row); or, when `draft` and sessions of
         it want the draft model's proposals, those sessions (Scheduler._draft makes them, then this runs again)."""
         mesh = self.mesh
-        in_flight = self._micro_batches()
-        if not mesh.ready or self._in_flight >= in_flight:
+        in_flight = self._cap = self._micro_batches()
+        if not mesh.ready or self._in_flight >= in_flight or self._alone is not None:
             return None
         if mesh.incarnation != self._incarnation:  # a new roster holds no session's KV
             self._incarnation, self._releasing = mesh.incarnation, 0
@@ -471,13 +477,18 @@ class Scheduler:
         of its own. Stages that share a GPU take turns on it, and a decode iteration reads all of a stage's weights
         whatever its rows: there two micro-batches of a few rows cost the GPU twice what one of them all does, so a
         micro-batch has at least SHARED_GPU_ROWS rows, and there are at least as many as the stages have GPUs. Only
-        there does it count the live sessions: a pass that finds the steps in flight full costs nothing per session."""
+        there does it count the live sessions: a pass that finds the steps in flight full costs nothing per session.
+        Stages all on one GPU that queue runs (Rank.queues_runs) get one micro-batch: each step then goes alone and
+        its decode run is queued whole on the GPU, which beat two micro-batches run ahead at every level measured
+        (bench/RESULTS.md, "Queued runs")."""
         if self.steps_in_flight:
             return self.steps_in_flight
         stages = max(1, len(self.mesh.ranks))
         gpus = {r.gpu_uuid for r in self.mesh.ranks}
         if "" in gpus or len(gpus) >= stages:
             return stages
+        if len(gpus) == 1 and all(r.queues_runs for r in self.mesh.ranks):
+            return 1
         live = sum(1 for s in self._seqs if not s.done)
         return min(stages, max(len(gpus), live // SHARED_GPU_ROWS))
 
@@ -716,7 +727,7 @@ class Scheduler:
         try:
             with telemetry.span("scheduler.step", parent=step[0].seq.context, rows=len(step), decode_steps=decode_steps):
                 reply = self.mesh.execute_step([r.row for r in step], step[0].seq.output, incarnation, decode_steps,
-                                               sent=deliver)
+                                               sent=deliver, alone=self._alone is step)
         except InvocationFailed as failure:
             self._stepping_ends()
             deliver()
@@ -774,7 +785,7 @@ class Scheduler:
                 s.busy = False
                 if s.done:
                     self._drop(s)
-            self._in_flight -= 1
+            self._ended(step)
             scheduled = None if self._stopped else self._next_step()
             if scheduled:
                 next_step = (*scheduled, self._incarnation)
@@ -844,7 +855,7 @@ class Scheduler:
                 s.events.put(error)
                 s.wake()
                 self._drop(s)
-            self._in_flight -= 1
+            self._ended(step)
             self._cond.notify_all()
 
     def _end(self, step: list[_Row], error: BaseException) -> None:
@@ -855,8 +866,14 @@ class Scheduler:
                 r.seq.events.put(error)
                 r.seq.wake()
                 self._drop(r.seq)
-            self._in_flight -= 1
+            self._ended(step)
             self._cond.notify_all()
+
+    def _ended(self, step: list[_Row]) -> None:
+        """`step` is no longer in flight (under the lock)."""
+        self._in_flight -= 1
+        if self._alone is step:
+            self._alone = None
 
     def _drop(self, seq: Sequence) -> None:
         """Removes an ended session (under the lock); its blocks count until every rank released them."""

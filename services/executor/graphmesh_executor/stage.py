@@ -17,7 +17,7 @@ Across ranks whose links map one another's GPU memory (transport.py), a decode r
 the graph runs ahead (_ran_ahead): each iteration's output goes on as a device value the moment it is launched, the
 next rank's stream waiting for it on the GPU, and the host goes on to the next iteration without waiting for the
 device; the tokens each rank's KV rows hold reach its host once, at the run's end (_settle_fed). Where a link can
-queue a run (both ranks on one GPU, transport.QUEUED_ENV on), the run's bundles over it from its second iteration
+queue a run (both ranks on one GPU, the step sent alone), the run's bundles over it from its second iteration
 on go as one queue (_send_ahead): every one is accepted at once, each rank's stream waits on the device for the
 other's writes, and no host waits for another's in the rest of the run; a step that fails releases those waits
 (_fail).
@@ -113,6 +113,7 @@ class _InFlight:
     queues: dict[int, Queue] = field(default_factory=dict)
     releases: set[Callable[[], None]] = field(default_factory=set)  # one per run, however many bundles it took
     device_since: float | None = None
+    alone: bool = False  # no other step in flight on any rank until this one is answered (ExecuteStepRequest.alone)
 
 
 @dataclass(eq=False)
@@ -222,11 +223,13 @@ class StageRuntime(StageWeights, StagePhases):
 
     # -- protocol --------------------------------------------------------------------------------------
     def execute_step(self, incarnation: int, step_id: int, rows: list[StepRow], logits: bool,
-                     timeout_s: float, decode_steps: int = 1, active_groups: frozenset[int] = frozenset()) -> StepResult:
+                     timeout_s: float, decode_steps: int = 1, active_groups: frozenset[int] = frozenset(),
+                     alone: bool = False) -> StepResult:
         """Begin every row (after its folded commit), take this rank's part of each of the step's waves (run its
         groups for all rows, push their bundles on), finish. `active_groups` are the optional groups the step
         activates. A decode run (`decode_steps` > 1) runs the decoder groups that many times, each row's epoch
-        spanning every token."""
+        spanning every token. `alone`: no other step is in flight on any rank until this one is answered (only then
+        may its run be queued on the device, _send_ahead)."""
         decode_steps = max(1, decode_steps)
         with self._lock:
             self.authority.check(incarnation)
@@ -241,7 +244,7 @@ class StageRuntime(StageWeights, StagePhases):
         # computed, and sampled with its own seed, exactly as a plain decode of that position would be.
         run_rows = [p for row in rows for p in _positions(row)] if any(r.proposed for r in rows) else rows
         try:
-            result = self._run_step(incarnation, step_id, run_rows, logits, timeout_s, decode_steps, waves)
+            result = self._run_step(incarnation, step_id, run_rows, logits, timeout_s, decode_steps, waves, alone)
         except ProtocolError as e:
             if plan.cross_stage_collective_waves and e.error_class is ErrorClass.ARCH:
                 # peers may wait inside a wave's collective this rank never joined: nothing is provable any more
@@ -408,13 +411,13 @@ class StageRuntime(StageWeights, StagePhases):
             raise
 
     def _run_step(self, incarnation: int, step_id: int, rows: list[StepRow], want_logits: bool,
-                  timeout_s: float, decode_steps: int, waves: list[dag.Wave]) -> StepResult:
+                  timeout_s: float, decode_steps: int, waves: list[dag.Wave], alone: bool = False) -> StepResult:
         """This rank's part of a step: its encoder wave when it owns an active one, then its decoder group once, or
         `decode_steps` times in a decode run. Iteration i > 0 of a run feeds each row the token iteration i - 1
         sampled: the last stage pushes those back to the first over the feedback route, and every stage hands them
         on beside its activation, so each rank knows the tokens its KV rows hold."""
         step = _InFlight(incarnation, step_id, rows, want_logits, decode_steps, timeout_s, waves,
-                         sampled=[[] for _ in rows])
+                         sampled=[[] for _ in rows], alone=alone)
         with self._lock:
             self._in_flight[step_id] = step
             encoder = next((w for w in waves if w.group.kind == dag.ENCODER and w.group.rank == self.rank), None)
@@ -874,9 +877,11 @@ class StageRuntime(StageWeights, StagePhases):
 
     def _send_ahead(self, step: _InFlight, route: dag.Route, values: dict[str, BoundaryValue], iteration: int) -> None:
         """A bundle of an iteration run ahead (engine thread). From a run's second iteration on, every bundle over a
-        route has one layout: where two or more are still to come, the first goes as the start of a queue on the
-        device when the link can take one (BoundaryPusher.queue), and the later ones are put in it with no message
-        at all, so that neither rank's host waits for the other's in the rest of the run. Else pushed as any other."""
+        route has one layout: where two or more are still to come and the step is alone, the first goes as the start
+        of a queue on the device when the link can take one (BoundaryPusher.queue), and the later ones are put in it
+        with no message at all, so that neither rank's host waits for the other's in the rest of the run. Else pushed
+        as any other. Only alone: a queued run's waits hold each rank's stream, and another step's work queued behind
+        them on the two ranks in different orders would never run (each stream waiting for what the other holds)."""
         assert self.plan is not None and self.group is not None
         queue = step.queues.get(route.id)
         if queue is not None:
@@ -884,7 +889,7 @@ class StageRuntime(StageWeights, StagePhases):
             return
         dims, wave = self._dims(step), self._wave(step, self.group)
         bundles = step.steps - iteration
-        if iteration and bundles >= 2:
+        if iteration and bundles >= 2 and step.alone:
             why = route.schema.check(values, dims, iteration)
             if not why:
                 boundary = Boundary(step.step_id, iteration, route.id, values, route.schema.identity, wave)

@@ -322,7 +322,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                                          param_bytes=self.runtime.param_bytes, load_ms=load_ms,
                                          model_identity=self.runtime.model_identity,
                                          kv_pool_blocks=self.runtime.pool.lendable, dtype=self.runtime.dtype,
-                                         gpu_uuid=transport.gpu_uuid(self.runtime.device))
+                                         gpu_uuid=transport.gpu_uuid(self.runtime.device),
+                                         queues_runs=self.runtime.device.startswith("cuda")
+                                         and transport.queued_runs(self.runtime.device))
 
     @rpc
     def ExecuteStep(self, request: stage_pb2.ExecuteStepRequest,
@@ -333,7 +335,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                             rank=self.runtime.rank, rows=len(rows), tokens=sum(len(r.token_ids) for r in rows)):
             result = self.runtime.execute_step(request.incarnation, request.step_id, rows,
                                                request.output == stage_pb2.OUTPUT_KIND_LOGITS, timeout_s,
-                                               request.decode_steps, frozenset(request.active_groups))
+                                               request.decode_steps, frozenset(request.active_groups), request.alone)
         response = stage_pb2.ExecuteStepResponse(compute_us=result.compute_us, computed_tokens=result.computed_tokens,
                                                  waves=[stage_pb2.WaveReport(wave=w, group=g, worked=worked)
                                                         for w, g, worked in result.waves])

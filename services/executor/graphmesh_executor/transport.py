@@ -55,8 +55,11 @@ launch a whole run without waiting for each other and the GPU alone passes the b
 releases what its stream waits for (stage.py): a sender pushes its consumed word past every value and retires the
 slot, a receiver sets both words to the run's last value, and each stream runs on over what is never used. On ranks
 with GPUs of their own a run stays ahead bundle by bundle: a queued run holds a rank's stream until its end, where a
-rank gains more from computing another micro-batch in between. Queued runs are on only where QUEUED_ENV is 1: they
-have run on the CPU's stand-in for the device (host slots, a thread waiting on each word), not yet on a GPU.
+rank gains more from computing another micro-batch in between. A run is queued only when its step was sent alone
+(ExecuteStepRequest.alone): with two steps' runs queued, the two ranks' streams can hold them in different orders,
+each waiting for a word the other would write only after the wait it is stuck behind (it hung so on an H100). The
+ranks report that they queue (InstallResponse.queues_runs) and the coordinator then sends stages on one GPU one
+micro-batch, each step alone. QUEUED_ENV=0 turns queueing off.
 
 A TCP frame (PUSH) carries the PushBoundaryRequest without its tensors' bytes, then the bytes themselves, each
 tensor at an ALIGN offset: the sender hands the arrays to the kernel where they lie (graphmesh.links.send_frame)
@@ -99,8 +102,7 @@ DEVICE_CHAINED = 7  # the same payload; the bundle stays on the GPU and the rece
 # A decode run's bundles from one on, all in one slot held for the run: its queue header after the slot header, then
 # the handle, then the PushBoundaryRequest of its first; each later one is written when the run's stream gets there
 DEVICE_QUEUED = 8
-# "1": decode runs between executors on one GPU are queued (below); off by default, until measured on a GPU, they run
-# ahead bundle by bundle
+# "0": decode runs between executors on one GPU run ahead bundle by bundle instead of queued (below; on by default)
 QUEUED_ENV = "GRAPHMESH_QUEUED_RUNS"
 # Smaller bundles go as TCP frames on the same link (the environment variable lets a test send every one through
 # the GPU path).
@@ -312,9 +314,10 @@ def _stream_ops() -> tuple[Any, Any] | None:
 
 
 def queued_runs(device: str) -> bool:
-    """Whether this process may queue a decode run's bundles on the device (DEVICE_QUEUED): it was told to, and its
-    driver has stream memory operations (or it computes on the CPU, where tests drive the slots in host memory)."""
-    if os.environ.get(QUEUED_ENV, "0").strip() != "1":
+    """Whether this process may queue a decode run's bundles on the device (DEVICE_QUEUED): it was not told not to,
+    and its driver has stream memory operations (or it computes on the CPU, where tests drive the slots in host
+    memory)."""
+    if os.environ.get(QUEUED_ENV, "1").strip() == "0":
         return False
     return not device.startswith("cuda") or _stream_ops() is not None
 

@@ -665,6 +665,7 @@ class InstallResponse(_message.Message):
     KV_POOL_BLOCKS_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     GPU_UUID_FIELD_NUMBER: _builtins.int
+    QUEUES_RUNS_FIELD_NUMBER: _builtins.int
     backend: _builtins.str
     """backend and device of this executor, e.g. "torch" and "cpu"."""
     device: _builtins.str
@@ -689,6 +690,12 @@ class InstallResponse(_message.Message):
     Stages on one GPU take turns on it: the coordinator sizes its
     micro-batches by how many GPUs the stages have, not by how many stages.
     """
+    queues_runs: _builtins.bool
+    """queues_runs: over links to stages on its own GPU, the stage queues a
+    decode run sent alone (ExecuteStepRequest.alone) whole on the device.
+    Stages that all share one GPU and all queue runs get one micro-batch,
+    every step alone: the GPU then passes each run along with no host turn.
+    """
     def __init__(
         self,
         *,
@@ -700,10 +707,11 @@ class InstallResponse(_message.Message):
         kv_pool_blocks: _builtins.int = ...,
         dtype: _builtins.str = ...,
         gpu_uuid: _builtins.str = ...,
+        queues_runs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "dtype", b"dtype", "gpu_uuid", b"gpu_uuid", "kv_pool_blocks", b"kv_pool_blocks", "load_ms", b"load_ms", "model_identity", b"model_identity", "param_bytes", b"param_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "dtype", b"dtype", "gpu_uuid", b"gpu_uuid", "kv_pool_blocks", b"kv_pool_blocks", "load_ms", b"load_ms", "model_identity", b"model_identity", "param_bytes", b"param_bytes", "queues_runs", b"queues_runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -913,6 +921,7 @@ class ExecuteStepRequest(_message.Message):
     BOUNDARY_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     DECODE_STEPS_FIELD_NUMBER: _builtins.int
     ACTIVE_GROUPS_FIELD_NUMBER: _builtins.int
+    ALONE_FIELD_NUMBER: _builtins.int
     incarnation: _builtins.int
     """incarnation is the coordinator's fencing token for the roster."""
     step_id: _builtins.int
@@ -930,6 +939,12 @@ class ExecuteStepRequest(_message.Message):
     round trip to the coordinator between them. Each row's run is one epoch
     over all of its tokens: it commits or rolls back as a whole. 0 or 1: one
     token per row.
+    """
+    alone: _builtins.bool
+    """alone: the coordinator sends no other step until this one is answered.
+    Only then may ranks sharing a GPU queue a decode run whole on the device
+    (each stream waiting for the other's writes): a second step's work
+    queued behind it on the ranks in different orders would wait forever.
     """
     @_builtins.property
     def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepRow]:
@@ -952,10 +967,11 @@ class ExecuteStepRequest(_message.Message):
         boundary_timeout_ms: _builtins.int = ...,
         decode_steps: _builtins.int = ...,
         active_groups: _abc.Iterable[_builtins.int] | None = ...,
+        alone: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_groups", b"active_groups", "boundary_timeout_ms", b"boundary_timeout_ms", "decode_steps", b"decode_steps", "incarnation", b"incarnation", "output", b"output", "rows", b"rows", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_groups", b"active_groups", "alone", b"alone", "boundary_timeout_ms", b"boundary_timeout_ms", "decode_steps", b"decode_steps", "incarnation", b"incarnation", "output", b"output", "rows", b"rows", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
