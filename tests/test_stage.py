@@ -365,6 +365,34 @@ def test_a_decode_run_queued_on_the_device_has_the_tokens_of_one_run_ahead(
     assert serve(queue_to, alone=False) == (ahead, [])
 
 
+def test_two_runs_in_flight_at_once_are_never_queued_and_keep_their_tokens(tiny_llama: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two decode runs in flight at once over links that queue runs (two micro-batches, as a coordinator with
+    --steps-in-flight 2 sends them): neither step was sent alone, so neither is queued, and each runs ahead with the
+    tokens it has alone (where both are queued). Queued together, each rank's stream (here its engine thread) would
+    take the two runs' waits in the order they reached it, and the ranks could each wait for a word the other writes
+    only after its own wait (it hung so on an H100)."""
+    monkeypatch.setattr(TorchExecutable, "keeps_on_device", lambda self: True)
+    sampled = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    prompts = {"a": ([5, 17, 99], Sampling()), "b": ([8, 9], sampled)}
+
+    def serve(together: bool) -> tuple[list[list[int]], list[tuple[str, int, int]]]:
+        runs: list[tuple[str, int, int]] = []
+        runtimes = _run_pipeline(tiny_llama, 2, backend="torch", device_links=frozenset("01"),
+                                 queued=HostSlots(monkeypatch), queue_to=frozenset("01"), runs=runs)
+        steps = [[StepRow(sid, 2, 1, len(prompt), [_run(runtimes, [StepRow(sid, 1, 0, 0, prompt, sampling)], 1)
+                                                    .tokens[0]], sampling)] for sid, (prompt, sampling) in prompts.items()]
+        if not together:
+            return [_run(runtimes, rows, 5).run_tokens[0] for rows in steps], runs
+        with ThreadPoolExecutor(2) as pool:
+            calls = [pool.submit(_run, runtimes, rows, 5, 5.0, False) for rows in steps]
+            return [c.result().run_tokens[0] for c in calls], runs
+
+    alone, queued = serve(together=False)
+    together, none = serve(together=True)
+    assert together == alone and len(queued) == 4 and not none, (queued, none)
+
+
 def test_the_engine_launches_another_step_while_an_output_is_on_its_way(tiny_llama: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The first step's output is held until a second step's run has been launched: the engine thread does not wait
