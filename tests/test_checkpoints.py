@@ -207,6 +207,23 @@ def test_smollm2_packed_dequantizes_to_tensor(smollm2: Checkpoint) -> None:
     assert smollm2.packed("model.norm.weight") is None
 
 
+@pytest.mark.parametrize("rows", [1, 3, 1500])
+def test_q8_0_dequantizes_as_gguf_does(smollm2: Checkpoint, rows: int) -> None:
+    """checkpoints' own Q8_0 dequantization (in slices of 32k blocks) against gguf-py's, bit for bit: random blocks
+    (every scale a finite f16, every int8) in rows of 18 blocks, 1,500 rows crossing a slice, and SmolLM2's embedding."""
+    rng = np.random.default_rng(rows)
+    scales = rng.standard_normal((rows * 18, 1)).astype(np.float16).view(np.uint8)
+    values = rng.integers(-128, 128, (rows * 18, 32), dtype=np.int8).view(np.uint8)
+    blocks = np.concatenate([scales, values], axis=1).reshape(rows, 18 * 34)
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(checkpoints._dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).view(np.uint32),
+                          want.view(np.uint32))
+    if rows == 1:
+        embedding = smollm2._get("model.embed_tokens.weight").data
+        assert np.array_equal(checkpoints._dequantize(embedding, gguf.GGMLQuantizationType.Q8_0),
+                              gguf.quants.dequantize(embedding, gguf.GGMLQuantizationType.Q8_0))
+
+
 @pytest.mark.slow
 def test_smollm2_weights_match_transformers(smollm2: Checkpoint) -> None:
     state = model_fixtures.smollm2_hf().state_dict()
