@@ -90,6 +90,20 @@ def test_this_host_end(monkeypatch: pytest.MonkeyPatch) -> None:
         local_end("cpu")
 
 
+def test_runs_are_queued_unless_told_not_to_or_every_link_is_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queued runs are on by default (on the CPU, where tests drive the slots in host memory, whatever the driver);
+    off with QUEUED_ENV=0, and with every link on TCP, where no run can be queued: the rank then reports that it does
+    not queue (InstallResponse.queues_runs), so a coordinator does not give up its micro-batches for nothing."""
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(transport.QUEUED_ENV, raising=False)
+    assert transport.queued_runs("cpu")
+    monkeypatch.setenv(transport.QUEUED_ENV, "0")
+    assert not transport.queued_runs("cpu")
+    monkeypatch.setenv(transport.QUEUED_ENV, "1")
+    monkeypatch.setenv(ENV, "tcp")
+    assert not transport.queued_runs("cpu")
+
+
 @pytest.mark.parametrize(("text", "gpus"), [("2", [0, 1]), ("1", [0]), ("0,1", [0, 1]), ("3,", [3]), ("2, 0", [2, 0])])
 def test_gpus_are_a_count_or_ids(text: str, gpus: list[int]) -> None:
     assert parse_gpus(text) == gpus

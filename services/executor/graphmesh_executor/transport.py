@@ -59,7 +59,7 @@ rank gains more from computing another micro-batch in between. A run is queued o
 (ExecuteStepRequest.alone): with two steps' runs queued, the two ranks' streams can hold them in different orders,
 each waiting for a word the other would write only after the wait it is stuck behind (it hung so on an H100). The
 ranks report that they queue (InstallResponse.queues_runs) and the coordinator then sends stages on one GPU one
-micro-batch, each step alone. QUEUED_ENV=0 turns queueing off.
+micro-batch, each step alone. QUEUED_ENV=0 turns queueing off (as ENV=tcp does, which keeps every link on TCP).
 
 A TCP frame (PUSH) carries the PushBoundaryRequest without its tensors' bytes, then the bytes themselves, each
 tensor at an ALIGN offset: the sender hands the arrays to the kernel where they lie (graphmesh.links.send_frame)
@@ -314,10 +314,10 @@ def _stream_ops() -> tuple[Any, Any] | None:
 
 
 def queued_runs(device: str) -> bool:
-    """Whether this process may queue a decode run's bundles on the device (DEVICE_QUEUED): it was not told not to,
-    and its driver has stream memory operations (or it computes on the CPU, where tests drive the slots in host
-    memory)."""
-    if os.environ.get(QUEUED_ENV, "1").strip() == "0":
+    """Whether this process may queue a decode run's bundles on the device (DEVICE_QUEUED): it was not told not to
+    (QUEUED_ENV=0, or every link on TCP), and its driver has stream memory operations (or it computes on the CPU,
+    where tests drive the slots in host memory)."""
+    if os.environ.get(QUEUED_ENV, "1").strip() == "0" or tcp_only():
         return False
     return not device.startswith("cuda") or _stream_ops() is not None
 
