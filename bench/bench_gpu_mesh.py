@@ -552,7 +552,7 @@ def main() -> None:
     p.add_argument("--executors", default="1,2", help="comma-separated executor counts, one mesh each")
     p.add_argument("--kv-cache-bytes", default="8Gi")
     p.add_argument("--dtype", default="bf16", help="stage dtype; f32 shows batched == solo tokens without bf16 rounding")
-    p.add_argument("--steps-in-flight", type=int, default=0, help="the coordinator's --steps-in-flight (0: one per stage)")
+    p.add_argument("--steps-in-flight", type=int, default=0, help="the coordinator's --steps-in-flight (0: its default)")
     p.add_argument("--decode-steps", type=int, default=0,
                    help="the coordinator's --decode-steps (longest decode run; 0: its default for the devices)")
     p.add_argument("--max-step-tokens", type=int, default=0,

@@ -72,7 +72,7 @@ class CoordinatorConfig:
     max_step_tokens: int = 0  # tokens per step (decode rows and prompt chunks together); 0: by the ranks' devices
     max_step_seqs: int = 0  # sessions per step; 0: by the devices (scheduler.STEP_SEQS_*)
     http: HttpApi = field(default_factory=HttpApi)  # the OpenAI HTTP API; off unless it has an address
-    steps_in_flight: int = 0  # steps in flight at most; 0: one per stage
+    steps_in_flight: int = 0  # steps in flight at most; 0: by the stages' GPUs (Scheduler._micro_batches)
     decode_steps: int = 0  # the longest decode run (tokens per row of a step of decodes alone); 0: by the devices
     speculative: str = "off"  # speculative decoding of requests that do not choose: prompt-lookup[:K], draft:MODEL[:K]
     draft_executor: str = ""  # HOST:PORT of the executor that runs the draft model (--speculative draft:MODEL)
@@ -360,8 +360,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds without an answered health probe after which an executor is lost (detection "
                              "takes about this plus 0.1 s; below ~0.5 s a loaded machine gets needless re-plans)")
     parser.add_argument("--steps-in-flight", type=int, default=0,
-                        help="steps in flight at most (default 0: one per stage); more hides the RPC round trip "
-                             "when a step's compute is short (a GPU), fewer makes bigger steps (a CPU)")
+                        help="steps in flight at most (default 0: one per stage; stages sharing a GPU get fewer, "
+                             "one where they queue runs); more hides the RPC round trip when a step's compute is "
+                             "short (a GPU), fewer makes bigger steps (a CPU)")
     parser.add_argument("--decode-steps", type=int, default=0,
                         help="the longest decode run: a step of decodes alone (no prompt waiting) decodes up to this "
                              "many tokens per session on the executors, the last stage feeding each token back to "
