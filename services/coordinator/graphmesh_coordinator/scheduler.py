@@ -189,7 +189,7 @@ class Scheduler:
     def __init__(self, mesh: Mesh, max_step_tokens: int = 0, max_step_seqs: int = 0, workers: int = 8,
                  steps_in_flight: int = 0, decode_steps: int = 0) -> None:
         self.mesh = mesh
-        self.steps_in_flight = steps_in_flight  # 0: one per stage
+        self.steps_in_flight = steps_in_flight  # 0: by the stages and their GPUs (_micro_batches)
         # The longest decode run (tokens per row of a step without prompts); 0: by the roster's devices
         self.decode_steps = decode_steps
         self.max_step_tokens = max_step_tokens  # a step's token budget; 0: by the roster's devices
