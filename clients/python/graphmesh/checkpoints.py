@@ -181,6 +181,9 @@ def dequantize_packed(blocks: np.ndarray, scheme: str, n: int, k: int) -> np.nda
     return _dequantize(np.ascontiguousarray(blocks).reshape(n, -1), _SCHEME_TYPES[scheme]).reshape(n, k)
 
 
+_Q8_0_SLICE = 1 << 15  # blocks dequantized at a time: 1 MiB of codes, 4 MiB of f32 out
+
+
 def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray:
     """f32 of GGUF blocks (u8 [..., row bytes]): gguf.quants.dequantize, the Q8_0 of an embedding (SmolLM2's 28M
     values, on every executor that starts) in large slices, where gguf's works 16 rows at a time (several times
@@ -190,8 +193,8 @@ def _dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType) -> np.ndarray
     block, type_bytes = gguf.GGML_QUANT_SIZES[ggml_type]
     blocks = data.reshape(-1, type_bytes)
     out = np.empty((blocks.shape[0], block), np.float32)
-    for start in range(0, blocks.shape[0], 1 << 15):
-        part = blocks[start:start + (1 << 15)]
+    for start in range(0, blocks.shape[0], _Q8_0_SLICE):
+        part = blocks[start:start + _Q8_0_SLICE]
         scales = np.ascontiguousarray(part[:, :2]).view(np.float16).astype(np.float32)
         np.multiply(part[:, 2:].view(np.int8), scales, out=out[start:start + len(part)])
     return out.reshape(*data.shape[:-1], data.shape[-1] // type_bytes * block)
